@@ -1,0 +1,74 @@
+"""The `dsv4` command: a click group whose default sub-command is `run`.
+
+Owns: assembling the sub-commands (each lives in `dsv4stream/commands/`), the default
+command (`dsv4 CHECKPOINT ...` means `dsv4 run CHECKPOINT ...`), and the one place where
+errors become `dsv4: <message>` with exit code 2 (a traceback only with --debug).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import click
+
+from .errors import Dsv4Error
+
+DEFAULT_COMMAND = "run"
+
+
+class DefaultGroup(click.Group):
+    """A group that treats an unknown first word (a checkpoint path) as `run`'s argument."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
+            if DEFAULT_COMMAND in self.commands:
+                args = [DEFAULT_COMMAND, *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dsv4stream")
+def cli() -> None:
+    """Run DeepSeek-V4 from its official checkpoint with experts streamed from disk.
+
+    `dsv4 CHECKPOINT [options]` is `dsv4 run CHECKPOINT [options]`.
+    """
+
+
+def _register() -> None:
+    from .commands import registry
+
+    for cmd in registry.commands():
+        cli.add_command(cmd)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: run the group, turning Dsv4Error into one line and exit 2."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in args or os.environ.get("DSV4_DEBUG") == "1"
+    _register()
+    try:
+        cli.main(args=args, prog_name="dsv4", standalone_mode=False)
+    except Dsv4Error as e:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"dsv4: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("dsv4: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2 if e.exit_code == 2 else e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("dsv4: interrupted", err=True)
+        sys.exit(130)
+    except OSError as e:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"dsv4: {e.strerror or e}: {e.filename or ''} — check the path and permissions (--debug for details)", err=True)
+        sys.exit(2)

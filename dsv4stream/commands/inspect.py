@@ -1,0 +1,68 @@
+"""`dsv4 inspect`: what a checkpoint (or a bare config.json) implies, and whether it is whole."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import click
+
+from ..catalog import Catalog
+from ..config import ModelConfig
+from ..errors import CheckpointError
+from ..spec import trunk_nbytes
+
+GIB = 1 << 30
+
+
+def _gib(n: int) -> str:
+    """Bytes in binary units, with decimal GB alongside for large sizes."""
+    if n >= GIB // 10:
+        return f"{n / GIB:.2f} GiB ({n / 1e9:.2f} GB)"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def config_summary(cfg: ModelConfig) -> list[str]:
+    kinds = Counter(cfg.layer_kinds)
+    t = trunk_nbytes(cfg, include_mtp=True)
+    ratios = ",".join(str(r) for r in cfg.compress_ratios[: cfg.n_layers])
+    return [
+        f"layers: {cfg.n_layers} main + {cfg.n_mtp} MTP; kinds: "
+        + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items()))
+        + f"; hash layers: {min(cfg.num_hash_layers, cfg.n_layers)}",
+        f"compress ratios (main): {ratios}",
+        f"dims: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} x {cfg.head_dim} (rope {cfg.qk_rope_head_dim}),"
+        f" q_lora {cfg.q_lora_rank}, o {cfg.o_groups}x{cfg.o_lora_rank}, window {cfg.sliding_window}, vocab {cfg.vocab_size}",
+        f"experts: {cfg.n_routed_experts} routed/layer, {cfg.num_experts_per_tok} per token, {cfg.n_shared_experts} shared,"
+        f" {cfg.expert_dtype} {cfg.moe_intermediate_size}x{cfg.hidden_size}",
+        f"expert bytes: {cfg.expert_bytes:,} bytes per expert",
+        f"working set per pass: {cfg.working_set_experts} experts = {_gib(cfg.working_set_bytes)}",
+        f"all routed experts: {_gib(cfg.total_expert_bytes)}",
+        f"trunk: {_gib(t['trunk'])}; embed {_gib(t['embed'])}; head {_gib(t['head'])}; MTP block (without experts) {_gib(t['mtp'])}",
+    ]
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--config-only", is_flag=True, help="PATH is a config.json: plan without weights.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def inspect(path: Path, config_only: bool, debug: bool) -> None:
+    """Summarise a checkpoint and validate every tensor against its config."""
+    if config_only or path.suffix == ".json":
+        cfg = ModelConfig.from_json(path if path.suffix == ".json" else path / "config.json")
+        for line in config_summary(cfg):
+            click.echo(line)
+        return
+    cat = Catalog.open(path)
+    for line in config_summary(cat.config):
+        click.echo(line)
+    shards = len({e.path for e in cat.entries.values()})
+    click.echo(f"checkpoint: {len(cat.entries)} tensors in {shards} shards, {_gib(cat.nbytes)} on disk")
+    problems = cat.problems()
+    if problems:
+        for p in problems:
+            click.echo(f"  problem: {p}", err=True)
+        raise CheckpointError(f"{path}: {len(problems)} tensor problem(s) listed above; the shards do not match config.json")
+    click.echo("all tensors present with the expected dtype and shape")

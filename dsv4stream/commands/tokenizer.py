@@ -1,0 +1,71 @@
+"""CLI commands `dsv4 pack-tokenizer` and `dsv4 tokenize`.
+
+Owns only argument handling and printing; the work is in `dsv4stream.tokenizer` and
+`dsv4stream.chat`. Errors are raised as Dsv4Error subclasses for the `dsv4` group to print.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from .. import chat
+from ..errors import UsageError
+from ..tokenizer import Tokenizer, pack_tokenizer
+
+
+def describe(tok: Tokenizer) -> str:
+    """One line saying what a packed tokenizer holds."""
+    s = tok.special
+    return (
+        f"{tok.path}: {tok.n_tokens} token ids for {tok.vocab_size} embedding rows, "
+        f"BOS {s.bos} EOS {s.eos} User {s.user} Assistant {s.assistant} "
+        f"<think> {s.think} </think> {s.think_end}, {tok.fingerprint[:19]}"
+    )
+
+
+@click.command("pack-tokenizer")
+@click.argument("checkpoint_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out", required=False, type=click.Path(path_type=Path))
+def pack_tokenizer_cmd(checkpoint_dir: Path, out: Path | None) -> None:
+    """Check CHECKPOINT_DIR's tokenizer against its config.json and pack it into one file.
+
+    OUT defaults to CHECKPOINT_DIR/dsv4-tokenizer.pack (a directory means that name inside it).
+    """
+    path = pack_tokenizer(checkpoint_dir, out)
+    click.echo(describe(Tokenizer.load(path)))
+
+
+@click.command("tokenize")
+@click.option(
+    "--tok",
+    "tok_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Packed tokenizer file (or a checkpoint directory holding dsv4-tokenizer.pack).",
+)
+@click.option("--chat", "mode", flag_value="chat", help="Render TEXT as a one-turn chat first.")
+@click.option("--think", "mode", flag_value="think", help="Same, opening a thinking block.")
+@click.option("--system", default=None, help="System text of the one-turn chat.")
+@click.option("--count", is_flag=True, help="Print only the number of ids.")
+@click.argument("text", nargs=-1, required=True)
+def tokenize_cmd(
+    tok_path: Path, mode: str | None, system: str | None, count: bool, text: tuple[str, ...]
+) -> None:
+    """Print the token ids of TEXT on one line, separated by single spaces.
+
+    Several TEXT arguments are joined with one space; `-` reads TEXT from stdin. Plain TEXT
+    gets no BOS; --chat/--think render BOS, [system], <｜User｜>TEXT<｜Assistant｜> and
+    </think> or <think>. Put `--` before TEXT that starts with a dash.
+    """
+    if system is not None and mode is None:
+        raise UsageError("--system needs --chat or --think")
+    body = sys.stdin.read() if text == ("-",) else " ".join(text)
+    tok = Tokenizer.load(tok_path)
+    if mode is None:
+        ids = tok.encode(body)
+    else:
+        ids = chat.encode(tok, chat.one_turn(body, system), mode)
+    click.echo(str(len(ids)) if count else " ".join(map(str, ids)))

@@ -1,0 +1,268 @@
+"""The model's shape, read once from the checkpoint's `config.json`.
+
+Owns: parsing and validating the released config schema (field names exactly as DeepSeek
+publishes them), the layer kinds derived from `compress_ratios`, and the byte arithmetic
+that planning needs (expert bytes, working set per pass). It reads no weights.
+
+`compress_ratios` holds one entry per main layer plus one per MTP layer: 0 = window-only
+attention, 4 = compressed sparse attention (with the lightning indexer), any other positive
+ratio = heavily compressed attention (the release uses 128; tiny test models use 8 or 16).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+WINDOW, CSA, HCA = "window", "csa", "hca"
+
+# (field, python type) for everything the forward pass and the planner read.
+_REQUIRED: tuple[tuple[str, type], ...] = (
+    ("vocab_size", int),
+    ("hidden_size", int),
+    ("num_hidden_layers", int),
+    ("num_attention_heads", int),
+    ("head_dim", int),
+    ("qk_rope_head_dim", int),
+    ("q_lora_rank", int),
+    ("o_groups", int),
+    ("o_lora_rank", int),
+    ("sliding_window", int),
+    ("compress_ratios", list),
+    ("compress_rope_theta", float),
+    ("rope_theta", float),
+    ("rms_norm_eps", float),
+    ("index_n_heads", int),
+    ("index_head_dim", int),
+    ("index_topk", int),
+    ("n_routed_experts", int),
+    ("n_shared_experts", int),
+    ("num_experts_per_tok", int),
+    ("moe_intermediate_size", int),
+    ("num_hash_layers", int),
+    ("routed_scaling_factor", float),
+    ("scoring_func", str),
+    ("swiglu_limit", float),
+    ("hc_mult", int),
+    ("hc_sinkhorn_iters", int),
+    ("hc_eps", float),
+)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters; applied only on compressed layers (with compress_rope_theta)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    compress_rope_theta: float
+    rope_theta: float
+    rms_norm_eps: float
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_hash_layers: int
+    routed_scaling_factor: float
+    scoring_func: str
+    swiglu_limit: float
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rope_scaling: RopeScaling | None = None
+    num_nextn_predict_layers: int = 0
+    norm_topk_prob: bool = True
+    topk_method: str = "noaux_tc"
+    expert_dtype: str = "fp4"
+    fp8_block: tuple[int, int] = (128, 128)
+    scale_fmt: str = "ue8m0"
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    max_position_embeddings: int = 1 << 20
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- construction ---------------------------------------------------------------
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{p}: config.json not found; point at the checkpoint directory that holds it")
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{p}: not valid JSON ({e}); re-download config.json") from None
+        return cls.from_dict(d, source=str(p))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> ModelConfig:
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object at the top level")
+        problems: list[str] = []
+        vals: dict[str, Any] = {}
+        for name, typ in _REQUIRED:
+            if name not in d:
+                problems.append(f"missing '{name}'")
+                continue
+            v = d[name]
+            ok = isinstance(v, typ) and not isinstance(v, bool)
+            if typ is float and isinstance(v, int) and not isinstance(v, bool):
+                v, ok = float(v), True
+            if not ok:
+                problems.append(f"'{name}' should be {typ.__name__}, found {type(v).__name__}")
+                continue
+            if typ is int and v < 0:
+                problems.append(f"'{name}' must not be negative, found {v}")
+            vals[name] = v
+        if "compress_ratios" in vals:
+            cr = vals["compress_ratios"]
+            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in cr):
+                problems.append("'compress_ratios' must be non-negative integers")
+            vals["compress_ratios"] = tuple(int(r) for r in cr if isinstance(r, (int, float)))
+        n_mtp = d.get("num_nextn_predict_layers", 0)
+        if not isinstance(n_mtp, int) or n_mtp < 0:
+            problems.append(f"'num_nextn_predict_layers' should be a non-negative int, found {n_mtp!r}")
+            n_mtp = 0
+        opt: dict[str, Any] = {"num_nextn_predict_layers": n_mtp}
+        for name, default in (
+            ("norm_topk_prob", True),
+            ("topk_method", "noaux_tc"),
+            ("expert_dtype", "fp4"),
+            ("bos_token_id", 0),
+            ("eos_token_id", 1),
+            ("max_position_embeddings", 1 << 20),
+        ):
+            opt[name] = d.get(name, default)
+        if d.get("eos_token_id") is None and "eos_token_id" in d:
+            opt["eos_token_id"] = 1
+        if isinstance(opt["eos_token_id"], list):
+            opt["eos_token_id"] = int(opt["eos_token_id"][0])
+        if opt["expert_dtype"] not in ("fp4", "fp8"):
+            problems.append(f"'expert_dtype' must be 'fp4' or 'fp8', found {opt['expert_dtype']!r}")
+        q = d.get("quantization_config") or {}
+        block = q.get("weight_block_size", [128, 128])
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            problems.append(f"'quantization_config.weight_block_size' must be two positive ints, found {block!r}")
+            block = [128, 128]
+        opt["fp8_block"] = (int(block[0]), int(block[1]))
+        opt["scale_fmt"] = q.get("scale_fmt", "ue8m0") or "float"
+        rs = d.get("rope_scaling")
+        if rs:
+            try:
+                opt["rope_scaling"] = RopeScaling(
+                    factor=float(rs["factor"]),
+                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+                    beta_fast=float(rs.get("beta_fast", 32)),
+                    beta_slow=float(rs.get("beta_slow", 1)),
+                )
+            except (KeyError, TypeError, ValueError):
+                problems.append("'rope_scaling' needs numeric 'factor' and 'original_max_position_embeddings'")
+        if not problems:
+            problems += _check_consistency(vals, n_mtp)
+        if problems:
+            raise ConfigError(f"{source}: " + "; ".join(problems) + " — fix config.json (it must be the released schema)")
+        return cls(**vals, **opt, raw=dict(d))
+
+    # ---- layer structure ------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def n_mtp(self) -> int:
+        return self.num_nextn_predict_layers
+
+    def ratio(self, layer: int) -> int:
+        """Compress ratio of main layer `layer`, or of MTP layer k at index n_layers + k."""
+        return self.compress_ratios[layer]
+
+    def layer_kind(self, layer: int) -> str:
+        r = self.compress_ratios[layer]
+        return WINDOW if r == 0 else CSA if r == 4 else HCA
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return tuple(self.layer_kind(i) for i in range(self.n_layers))
+
+    def is_hash_layer(self, layer: int) -> bool:
+        """Hash-routed MoE: the first num_hash_layers main layers (never the MTP block)."""
+        return layer < min(self.num_hash_layers, self.n_layers)
+
+    # ---- byte arithmetic for planning ---------------------------------------------
+    def _fp4_bytes(self, rows: int, cols: int) -> int:
+        # packed E2M1 (two per byte) + one E8M0 byte per 32 inputs
+        return rows * cols // 2 + rows * (cols // 32)
+
+    def _fp8_bytes(self, rows: int, cols: int) -> int:
+        br, bc = self.fp8_block
+        scale_item = 1 if self.scale_fmt == "ue8m0" else 4
+        return rows * cols + math.ceil(rows / br) * math.ceil(cols / bc) * scale_item
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert on disk: w1, w2, w3 weights plus their scales."""
+        d, m = self.hidden_size, self.moe_intermediate_size
+        f = self._fp4_bytes if self.expert_dtype == "fp4" else self._fp8_bytes
+        return f(m, d) + f(d, m) + f(m, d)
+
+    @property
+    def working_set_experts(self) -> int:
+        """Routed experts one forward pass touches (main layers only)."""
+        return self.n_layers * self.num_experts_per_tok
+
+    @property
+    def working_set_bytes(self) -> int:
+        return self.working_set_experts * self.expert_bytes
+
+    @property
+    def total_expert_bytes(self) -> int:
+        return (self.n_layers + self.n_mtp) * self.n_routed_experts * self.expert_bytes
+
+
+def _check_consistency(v: dict[str, Any], n_mtp: int) -> list[str]:
+    p: list[str] = []
+    n = v["num_hidden_layers"]
+    if len(v["compress_ratios"]) != n + n_mtp:
+        p.append(
+            f"'compress_ratios' has {len(v['compress_ratios'])} entries, expected num_hidden_layers"
+            f" + num_nextn_predict_layers = {n + n_mtp}"
+        )
+    if v["head_dim"] <= v["qk_rope_head_dim"] or v["qk_rope_head_dim"] % 2:
+        p.append("'qk_rope_head_dim' must be even and smaller than 'head_dim'")
+    if v["num_attention_heads"] % max(v["o_groups"], 1):
+        p.append("'num_attention_heads' must be a multiple of 'o_groups'")
+    if v["num_experts_per_tok"] > v["n_routed_experts"] or v["num_experts_per_tok"] < 1:
+        p.append("'num_experts_per_tok' must be between 1 and 'n_routed_experts'")
+    if v["scoring_func"] != "sqrtsoftplus":
+        p.append(f"'scoring_func' must be 'sqrtsoftplus' (DeepSeek-V4), found {v['scoring_func']!r}")
+    for name in ("hidden_size", "moe_intermediate_size"):
+        if v[name] % 32:
+            p.append(f"'{name}' must be a multiple of 32 (FP4 scale blocks), found {v[name]}")
+    for name in ("hidden_size", "num_attention_heads", "head_dim", "hc_mult", "vocab_size", "num_hidden_layers"):
+        if v[name] <= 0:
+            p.append(f"'{name}' must be positive")
+    return p

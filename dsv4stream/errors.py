@@ -1,0 +1,38 @@
+"""The one error type dsv4stream reports at its boundary, and its few subclasses.
+
+Every message is a single line: what is wrong (naming the file, tensor or key, what was
+expected and what was found) and what to do about it. The CLI prints `dsv4: <message>` and
+exits 2; a traceback appears only with `--debug`.
+"""
+
+
+class Dsv4Error(Exception):
+    """Base class: a problem the user can act on."""
+
+
+class ConfigError(Dsv4Error):
+    """config.json is missing, malformed, or describes a model we cannot run."""
+
+
+class CheckpointError(Dsv4Error):
+    """Shards, index or tensors do not match what the config implies."""
+
+
+class TokenizerError(Dsv4Error):
+    """Tokenizer files are missing or belong to another model."""
+
+
+class BudgetError(Dsv4Error):
+    """The memory budget cannot hold what the run needs."""
+
+
+class ReadError(Dsv4Error):
+    """A read from the checkpoint failed or came back short."""
+
+
+class VerifyError(Dsv4Error):
+    """The independent verifier found bytes that differ from the fast read path."""
+
+
+class UsageError(Dsv4Error):
+    """The command line asks for something inconsistent."""

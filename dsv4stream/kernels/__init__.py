@@ -1,0 +1,75 @@
+"""Quantized matrix times vector / matrix: the one interface the model calls for linears.
+
+Owns: `QWeight` (a linear weight as stored: FP8, FP4, BF16 or F32 plus its scales) and the
+dispatch of `matvec` / `matmul` to a backend. The numpy reference (`reference.py`) is the
+readable definition; a fused numba backend replaces it when available. Backends must give
+results that do not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import reference
+
+KINDS = ("fp8", "fp4", "bf16", "f32")
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """y = W @ x with W logically (rows, cols) float.
+
+    data: fp8 uint8 (R, C); fp4 uint8 (R, C//2); bf16 uint16 (R, C); f32 float32 (R, C).
+    scale: fp8 (ceil(R/128), ceil(C/128)); fp4 (R, C//32); uint8 E8M0 bytes or float32; else None.
+    """
+
+    kind: str
+    data: np.ndarray
+    scale: np.ndarray | None
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (0 if self.scale is None else self.scale.nbytes)
+
+
+_backend = reference
+
+
+def set_backend(name: str) -> None:
+    """'reference' (numpy) or 'fast' (numba)."""
+    global _backend
+    if name == "reference":
+        _backend = reference
+    else:
+        from . import fast  # noqa: PLC0415  (numba import is heavy; only on request)
+
+        _backend = fast
+
+
+def backend_name() -> str:
+    return _backend.__name__.rsplit(".", 1)[-1]
+
+
+def set_threads(n: int) -> None:
+    """Thread count for the CPU kernels (numba); the reference ignores it."""
+    if hasattr(_backend, "set_threads"):
+        _backend.set_threads(n)
+
+
+def matvec(w: QWeight, x: np.ndarray) -> np.ndarray:
+    """x (C,) float32 -> (R,) float32."""
+    return _backend.matvec(w, x)
+
+
+def matmul(w: QWeight, x: np.ndarray) -> np.ndarray:
+    """X (T, C) float32 -> (T, R) float32."""
+    return _backend.matmul(w, x)
+
+
+def dense(w: QWeight) -> np.ndarray:
+    """The whole weight as float32 (R, C): for tests and small matrices only."""
+    return reference.dequant(w)

@@ -1,0 +1,59 @@
+"""Elementwise and reduction helpers shared by the model's blocks.
+
+Owns: RMS norms, activations, softmax and the deterministic top-k used by routing and the
+indexer. Everything is float32 numpy in, float32 numpy out; nothing here knows about
+weights, checkpoints or session state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """x (..., N) -> x / rms(x) * weight, the RMS taken over the last axis."""
+    ms = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
+    y = x * (F32(1.0) / np.sqrt(ms + F32(eps)))
+    return y if weight is None else y * weight
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """Overflow-free logistic function."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, F32(1.0) / (F32(1.0) + e), e / (F32(1.0) + e)).astype(F32, copy=False)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def sqrt_softplus(x: np.ndarray) -> np.ndarray:
+    """The V4 router score: sqrt(log(1 + e^x)), computed without overflow."""
+    return np.sqrt(np.logaddexp(F32(0.0), x)).astype(F32, copy=False)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Softmax along `axis`; entries at -inf get weight 0 (at least one must be finite)."""
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def topk_lowest_index(scores: np.ndarray, k: int) -> np.ndarray:
+    """scores (T, N) -> (T, k) indices of the k largest per row, in ascending index order.
+
+    Ties at the k-th value go to the lower index, so the choice does not depend on the sort
+    algorithm or thread count. Requires 1 <= k <= N.
+    """
+    t, n = scores.shape
+    assert 1 <= k <= n
+    if k == n:
+        return np.broadcast_to(np.arange(n), (t, n)).copy()
+    kth = np.partition(scores, n - k, axis=-1)[:, n - k : n - k + 1]
+    above = scores > kth
+    tied = scores == kth
+    need = k - above.sum(axis=-1, keepdims=True)
+    take = above | (tied & (np.cumsum(tied, axis=-1) <= need))
+    return np.nonzero(take)[1].reshape(t, k)

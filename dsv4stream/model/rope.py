@@ -1,0 +1,98 @@
+"""Rotary position embedding as V4 uses it.
+
+Owns: the two frequency tables (window-only layers: `rope_theta`, plain; compressed layers
+and their compressors/indexer: `compress_rope_theta` with YaRN) and the rotation itself.
+V4 rotates only the trailing `qk_rope_head_dim` channels of a vector, in interleaved pairs
+(channels 2i and 2i+1 form one complex number). The YaRN table keeps attention factor 1:
+cos/sin are not rescaled.
+
+Frequencies and angles are float32, as in the reference implementations, so that angles at
+large positions round the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import ModelConfig
+
+F32 = np.float32
+
+
+@dataclass(frozen=True)
+class Rope:
+    inv_freq: np.ndarray  # (rd/2,) float32, one frequency per interleaved pair
+
+    @property
+    def dim(self) -> int:
+        return 2 * self.inv_freq.shape[0]
+
+    def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """positions (T,) int -> cos, sin each (T, rd/2) float32."""
+        ang = positions.astype(F32)[:, None] * self.inv_freq[None, :]
+        return np.cos(ang), np.sin(ang)
+
+
+def plain_inv_freq(theta: float, rd: int) -> np.ndarray:
+    exps = np.arange(0, rd, 2, dtype=F32) / F32(rd)
+    return (F32(1.0) / (F32(theta) ** exps)).astype(F32)
+
+
+def yarn_inv_freq(
+    theta: float, rd: int, factor: float, original_max: int, beta_fast: float, beta_slow: float
+) -> np.ndarray:
+    """YaRN: interpolate low frequencies by `factor`, keep high ones, linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:
+        return rd * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rd - 1)
+    if low == high:
+        high += 0.001  # avoids a zero-width ramp
+    ramp = np.clip((np.arange(rd // 2, dtype=F32) - F32(low)) / F32(high - low), 0, 1).astype(F32)
+    keep = F32(1.0) - ramp  # 1 where the frequency is left as is (extrapolation)
+    pos_freqs = F32(theta) ** (np.arange(0, rd, 2, dtype=F32) / F32(rd))
+    extrap = F32(1.0) / pos_freqs
+    interp = F32(1.0) / (F32(factor) * pos_freqs)
+    return (interp * (F32(1.0) - keep) + extrap * keep).astype(F32)
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[Rope, Rope]:
+    """(window-only table, compressed-layer table) for a model."""
+    rd = cfg.qk_rope_head_dim
+    main = Rope(plain_inv_freq(cfg.rope_theta, rd))
+    rs = cfg.rope_scaling
+    if rs is None or rs.factor <= 1.0:
+        comp = Rope(plain_inv_freq(cfg.compress_rope_theta, rd))
+    else:
+        comp = Rope(
+            yarn_inv_freq(
+                cfg.compress_rope_theta, rd, rs.factor, rs.original_max_position_embeddings, rs.beta_fast, rs.beta_slow
+            )
+        )
+    return main, comp
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """Rotate the trailing rd channels of x (T, ..., d) by the angles cos/sin (T, rd/2).
+
+    inverse=True rotates by the negative angle (used to de-rotate the attention output).
+    Returns a new array; the leading d - rd channels are copied unchanged.
+    """
+    half = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (half,)
+    c = cos.reshape(shape)
+    s = sin.reshape(shape)
+    if inverse:
+        s = -s
+    out = x.astype(F32, copy=True)
+    r = x[..., x.shape[-1] - 2 * half :]
+    even, odd = r[..., 0::2], r[..., 1::2]
+    tail = out[..., x.shape[-1] - 2 * half :]
+    tail[..., 0::2] = even * c - odd * s
+    tail[..., 1::2] = odd * c + even * s
+    return out

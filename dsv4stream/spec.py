@@ -1,0 +1,198 @@
+"""Every tensor the model needs, with the dtypes and shapes the config implies.
+
+Owns: the list of expected checkpoint tensors under their release names, the role of each
+(embed, head, trunk, expert), and byte totals for planning. The catalog checks a checkpoint
+against this list before any math; the generator writes exactly this list.
+
+Release dtypes (first in each tuple): FP8 E4M3 linears with E8M0 128x128 scales; routed
+experts as FP4 packed in I8 with E8M0 1x32 scales; compressor / indexer-compressor wkv and
+wgate and the indexer's weights_proj in BF16 with no scale; norms BF16; mHC, sinks, `ape`
+and gate bias F32; tid2eid I64; embed and head BF16. Any dense linear may also come as BF16
+or F32 (no scale), or as FP8 with F32 scales; experts may have F32 scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .config import CSA, ModelConfig
+from .formats import fp4_scale_shape, fp8_scale_shape
+
+LINEAR_DTYPES = ("F8_E4M3", "BF16", "F32")
+BF16_LINEAR_DTYPES = ("BF16", "F8_E4M3", "F32")
+SCALE_DTYPES = ("F8_E8M0", "F32")
+VECTOR_DTYPES = ("BF16", "F32")
+F32_DTYPES = ("F32", "BF16")
+ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One expected tensor.
+
+    kind: "linear" (a .weight whose companion .scale is required iff it is quantized),
+    "scale" (companion of `of`), "expert" (routed expert weight), "plain" (fixed shape).
+    shape: the logical (rows, cols) for linear/expert weights, else the stored shape.
+    role: "embed" | "head" | "trunk" | "expert".  layer: main layer index, n_layers + k for
+    MTP block k, or None for model-level tensors.
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    role: str
+    layer: int | None
+    of: str | None = None
+
+    def stored_shape(self, dtype: str) -> tuple[int, ...]:
+        """Shape on disk for the given dtype (FP4 packs two values per I8 byte)."""
+        if self.kind in ("linear", "expert") and dtype == "I8":
+            return (self.shape[0], self.shape[1] // 2)
+        return self.shape
+
+    def scale_shape(self, weight_dtype: str, block: tuple[int, int]) -> tuple[int, int] | None:
+        """Shape of the companion scale for a weight stored as `weight_dtype`."""
+        if weight_dtype == "F8_E4M3":
+            return fp8_scale_shape(self.shape[0], self.shape[1], block)
+        if weight_dtype == "I8":
+            return fp4_scale_shape(self.shape[0], self.shape[1])
+        return None
+
+
+def layer_prefix(cfg: ModelConfig, layer: int) -> str:
+    return f"layers.{layer}." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}."
+
+
+def expert_prefix(cfg: ModelConfig, layer: int, expert: int) -> str:
+    return f"{layer_prefix(cfg, layer)}ffn.experts.{expert}."
+
+
+def _linear(name: str, rows: int, cols: int, role: str, layer: int | None, dtypes=LINEAR_DTYPES):
+    yield TensorSpec(name + ".weight", "linear", (rows, cols), dtypes, role, layer)
+    yield TensorSpec(name + ".scale", "scale", (), SCALE_DTYPES, role, layer, of=name + ".weight")
+
+
+def _plain(name: str, shape: tuple[int, ...], dtypes, role: str, layer: int | None):
+    yield TensorSpec(name, "plain", shape, dtypes, role, layer)
+
+
+def hc_specs(cfg: ModelConfig, prefix: str, layer: int | None, what: str) -> Iterator[TensorSpec]:
+    hc, d = cfg.hc_mult, cfg.hidden_size
+    mix = (2 + hc) * hc
+    yield from _plain(f"{prefix}hc_{what}_fn", (mix, hc * d), F32_DTYPES, "trunk", layer)
+    yield from _plain(f"{prefix}hc_{what}_base", (mix,), F32_DTYPES, "trunk", layer)
+    yield from _plain(f"{prefix}hc_{what}_scale", (3,), F32_DTYPES, "trunk", layer)
+
+
+def _compressor(cfg, prefix: str, layer: int, ratio: int, dim: int) -> Iterator[TensorSpec]:
+    coff = 2 if ratio == 4 else 1  # ratio-4 windows overlap: two halves per slot
+    d = cfg.hidden_size
+    yield from _linear(prefix + "wkv", coff * dim, d, "trunk", layer, BF16_LINEAR_DTYPES)
+    yield from _linear(prefix + "wgate", coff * dim, d, "trunk", layer, BF16_LINEAR_DTYPES)
+    yield from _plain(prefix + "ape", (ratio, coff * dim), F32_DTYPES, "trunk", layer)
+    yield from _plain(prefix + "norm.weight", (dim,), VECTOR_DTYPES, "trunk", layer)
+
+
+def block_specs(cfg: ModelConfig, layer: int, with_experts: bool = True) -> Iterator[TensorSpec]:
+    """Tensors of one transformer block (main layer or MTP block), experts included."""
+    p = layer_prefix(cfg, layer)
+    d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    ratio = cfg.ratio(layer)
+    yield from _plain(p + "attn_norm.weight", (d,), VECTOR_DTYPES, "trunk", layer)
+    yield from _plain(p + "ffn_norm.weight", (d,), VECTOR_DTYPES, "trunk", layer)
+    yield from hc_specs(cfg, p, layer, "attn")
+    yield from hc_specs(cfg, p, layer, "ffn")
+    a = p + "attn."
+    yield from _linear(a + "wq_a", cfg.q_lora_rank, d, "trunk", layer)
+    yield from _plain(a + "q_norm.weight", (cfg.q_lora_rank,), VECTOR_DTYPES, "trunk", layer)
+    yield from _linear(a + "wq_b", h * hd, cfg.q_lora_rank, "trunk", layer)
+    yield from _linear(a + "wkv", hd, d, "trunk", layer)
+    yield from _plain(a + "kv_norm.weight", (hd,), VECTOR_DTYPES, "trunk", layer)
+    yield from _linear(a + "wo_a", cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups, "trunk", layer)
+    yield from _linear(a + "wo_b", d, cfg.o_groups * cfg.o_lora_rank, "trunk", layer)
+    yield from _plain(a + "attn_sink", (h,), F32_DTYPES, "trunk", layer)
+    if ratio:
+        yield from _compressor(cfg, a + "compressor.", layer, ratio, hd)
+    if ratio == 4 and cfg.layer_kind(layer) == CSA:
+        ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+        yield from _linear(a + "indexer.wq_b", ih * ihd, cfg.q_lora_rank, "trunk", layer)
+        yield from _linear(a + "indexer.weights_proj", ih, d, "trunk", layer, BF16_LINEAR_DTYPES)
+        yield from _compressor(cfg, a + "indexer.compressor.", layer, 4, ihd)
+    f = p + "ffn."
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    yield from _plain(f + "gate.weight", (e, d), VECTOR_DTYPES, "trunk", layer)
+    if cfg.is_hash_layer(layer):
+        yield from _plain(f + "gate.tid2eid", (cfg.vocab_size, k), ("I64", "I32"), "trunk", layer)
+    else:
+        yield from _plain(f + "gate.bias", (e,), F32_DTYPES, "trunk", layer)
+    m = cfg.moe_intermediate_size * cfg.n_shared_experts
+    yield from _linear(f + "shared_experts.w1", m, d, "trunk", layer)
+    yield from _linear(f + "shared_experts.w2", d, m, "trunk", layer)
+    yield from _linear(f + "shared_experts.w3", m, d, "trunk", layer)
+    if with_experts:
+        for x in range(e):
+            yield from expert_specs(cfg, layer, x)
+
+
+def expert_specs(cfg: ModelConfig, layer: int, expert: int) -> Iterator[TensorSpec]:
+    p = expert_prefix(cfg, layer, expert)
+    d, m = cfg.hidden_size, cfg.moe_intermediate_size
+    wdt = ("I8",) if cfg.expert_dtype == "fp4" else ("F8_E4M3",)
+    for w, (r, c) in (("w1", (m, d)), ("w2", (d, m)), ("w3", (m, d))):
+        yield TensorSpec(p + w + ".weight", "expert", (r, c), wdt, "expert", layer)
+        yield TensorSpec(p + w + ".scale", "scale", (), SCALE_DTYPES, "expert", layer, of=p + w + ".weight")
+
+
+def model_specs(cfg: ModelConfig, with_experts: bool = True) -> Iterator[TensorSpec]:
+    """Every tensor of the checkpoint, in model order."""
+    d, v, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    yield from _plain("embed.weight", (v, d), VECTOR_DTYPES, "embed", None)
+    for layer in range(cfg.n_layers):
+        yield from block_specs(cfg, layer, with_experts)
+    yield from _plain("norm.weight", (d,), VECTOR_DTYPES, "trunk", None)
+    yield from _plain("hc_head_fn", (hc, hc * d), F32_DTYPES, "trunk", None)
+    yield from _plain("hc_head_base", (hc,), F32_DTYPES, "trunk", None)
+    yield from _plain("hc_head_scale", (1,), F32_DTYPES, "trunk", None)
+    yield from _plain("head.weight", (v, d), VECTOR_DTYPES, "head", None)
+    for k in range(cfg.n_mtp):
+        layer = cfg.n_layers + k
+        p = layer_prefix(cfg, layer)
+        yield from _linear(p + "e_proj", d, d, "trunk", layer)
+        yield from _linear(p + "h_proj", d, d, "trunk", layer)
+        for n in ("enorm", "hnorm", "norm"):
+            yield from _plain(f"{p}{n}.weight", (d,), VECTOR_DTYPES, "trunk", layer)
+        yield from _plain(p + "hc_head_fn", (hc, hc * d), F32_DTYPES, "trunk", layer)
+        yield from _plain(p + "hc_head_base", (hc,), F32_DTYPES, "trunk", layer)
+        yield from _plain(p + "hc_head_scale", (1,), F32_DTYPES, "trunk", layer)
+        yield from block_specs(cfg, layer, with_experts)
+
+
+def released_nbytes(cfg: ModelConfig, s: TensorSpec) -> int:
+    """Bytes of `s` when stored with its release dtype (the first listed)."""
+    dt = s.dtypes[0]
+    if s.kind == "scale":
+        return 0  # counted with its weight
+    n = 1
+    for x in s.stored_shape(dt):
+        n *= x
+    total = n * ITEMSIZE[dt]
+    sshape = s.scale_shape(dt, cfg.fp8_block) if s.kind in ("linear", "expert") else None
+    if sshape:
+        total += sshape[0] * sshape[1] * (1 if cfg.scale_fmt == "ue8m0" else 4)
+    return total
+
+
+def trunk_nbytes(cfg: ModelConfig, include_mtp: bool = False) -> dict[str, int]:
+    """Release-dtype bytes by role: {'embed', 'head', 'trunk'} (main layers + model level)."""
+    out = {"embed": 0, "head": 0, "trunk": 0, "mtp": 0}
+    for s in model_specs(cfg, with_experts=False):
+        b = released_nbytes(cfg, s)
+        if s.layer is not None and s.layer >= cfg.n_layers:
+            out["mtp"] += b
+        else:
+            out[s.role] += b
+    if not include_mtp:
+        out.pop("mtp")
+    return out

@@ -1,0 +1,443 @@
+"""ExpertStore: a fixed number of slots holding items read from their files, LRU-managed.
+
+Owns the slots (one aligned buffer), the LRU order, pins, the reader threads, counters and
+the route log. It knows nothing about the model: keys are any hashable, an item is a
+``Layout`` (runs of pieces), and ``get`` hands back one numpy view per piece. Alignment and
+file access live in ``directio``; the byte-for-byte check in ``verify``.
+
+Pin protocol
+    ``get(key)`` returns zero-copy views into the key's slot and *pins* it: the slot is
+    neither evicted nor overwritten until a matching ``release(key)`` (one per ``get``).
+    ``hold(key)`` is the same as a context manager; ``release_all()`` drops every pin (a
+    single-consumer layer boundary). ``get_many(keys)`` pins each item while it is
+    yielded and releases it when the generator advances or closes. A view used after its
+    release may show another item's bytes: copy it if it must outlive the pin.
+    An in-flight read is never given a new owner: evicting an entry whose read has not
+    finished makes the next read into that slot wait for it first.
+
+Determinism
+    Hits, misses, evictions and the LRU order depend only on the sequence of calls
+    (``prefetch``/``get``/``get_many``/``release``), never on when reads complete: an
+    in-flight entry sits in the LRU like a resident one, victims are the oldest unpinned
+    entries, free slots are handed out lowest first, and ``get_many`` yields in an order
+    fixed at the call (present entries first, then the rest, each in request order).
+
+Counting
+    A request is a hit when the entry was present and already claimed by an earlier
+    request. The first request for an entry that ``prefetch`` loaded counts as a miss
+    (its bytes were read for it; ``prefetch_used`` says the read was started early), so
+    ``misses`` equals reads attributed to requests whatever the prefetching.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import IO
+
+import numpy as np
+
+from dsv4stream.errors import BudgetError, Dsv4Error, ReadError
+
+from . import directio
+from .runs import Layout
+from .verify import Verifier
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters since the store opened. Times in seconds, bytes as read from disk
+    (aligned windows, so slightly more than the pieces themselves)."""
+
+    requests: int
+    hits: int
+    misses: int
+    evictions: int
+    prefetches: int
+    prefetch_used: int
+    prefetch_unused: int
+    bytes_read: int
+    read_seconds: float  # wall time with at least one read in flight
+    read_gbps: float  # bytes_read / read_seconds / 1e9
+    wait_seconds: float  # time callers blocked on reads: I/O not hidden behind compute
+    verified_reads: int
+    verify_mismatches: int
+    slots: int
+    slot_bytes: int
+    io: str
+    fallback_files: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+@dataclass
+class _Counters:
+    """Integer counters; request-side ones move under the store lock, read-side ones
+    under the stats lock."""
+
+    requests: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    prefetches: int = 0
+    prefetch_used: int = 0
+    prefetch_unused: int = 0
+    bytes_read: int = 0
+    verified_reads: int = 0
+    verify_mismatches: int = 0
+
+
+class _Entry:
+    """One key's occupancy of a slot. ``done`` is set once the read finished (views or
+    error filled in); readers never take the store lock, so waiting on ``done`` while
+    holding it cannot deadlock."""
+
+    __slots__ = ("key", "slot", "pins", "claimed", "done", "views", "error", "after")
+
+    def __init__(self, key: Hashable, slot: int, claimed: bool, after: threading.Event | None):
+        self.key = key
+        self.slot = slot
+        self.pins = 0
+        self.claimed = claimed
+        self.done = threading.Event()
+        self.views: tuple[np.ndarray, ...] = ()
+        self.error: BaseException | None = None
+        self.after = after
+
+
+def _route_line(key: Hashable) -> str:
+    if isinstance(key, tuple):
+        return " ".join(str(k) for k in key) + "\n"
+    return f"{key}\n"
+
+
+class ExpertStore:
+    """LRU cache of ``slots`` items read from ``layouts`` (see module doc for the protocol).
+
+    ``io``: "direct" (O_DIRECT, falling back to buffered where refused) or "buffered".
+    ``threads``: reader threads (the queue depth). ``verify``: re-read every load through
+    ``Verifier`` and raise VerifyError on a difference. ``route_log``: path or text file;
+    one line per request (a tuple key's parts joined by spaces). ``label`` names a key in
+    error messages. ``warn`` receives the one-time O_DIRECT fallback notice.
+    """
+
+    def __init__(
+        self,
+        layouts: Mapping[Hashable, Layout],
+        slots: int,
+        io: str = "direct",
+        threads: int = 4,
+        verify: bool = False,
+        route_log: str | os.PathLike | IO[str] | None = None,
+        label: Callable[[Hashable], str] = str,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        if slots < 1 or threads < 1:
+            raise ValueError(f"need slots >= 1 and threads >= 1, got {slots} and {threads}")
+        self._layouts = layouts
+        self._plans = {k: directio.plan_slot(lay) for k, lay in layouts.items()}
+        self.slot_bytes = max((p.nbytes for p in self._plans.values()), default=directio.ALIGN)
+        self.slots = slots
+        self._buf = directio.aligned_buffer(slots * self.slot_bytes)
+        self._files = directio.FileSet(io, warn)
+        self._verifier = Verifier() if verify else None
+        self._label = label
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dsv4-io")
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._free = list(range(slots))  # a heap: lowest slot first
+        self._closed = False
+        self._route, self._own_route = self._open_route(route_log)
+        self._n = _Counters()
+        self._stat_lock = threading.Lock()
+        self._active_reads = 0
+        self._busy_since = 0.0
+        self._read_seconds = 0.0
+        self._wait_seconds = 0.0
+
+    @staticmethod
+    def slot_nbytes(layouts: Mapping[Hashable, Layout]) -> int:
+        """Bytes one slot needs for these layouts (for budget planning)."""
+        return max((directio.plan_slot(lay).nbytes for lay in layouts.values()), default=0)
+
+    # -- context manager -------------------------------------------------------------
+
+    def __enter__(self) -> ExpertStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for reads in flight, then close files and the route log. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._files.close()
+        if self._verifier is not None:
+            self._verifier.close()
+        if self._route is not None:
+            self._route.flush()
+            if self._own_route:
+                self._route.close()
+
+    # -- public API ------------------------------------------------------------------
+
+    def prefetch(self, keys: Iterable[Hashable]) -> None:
+        """Start reading ``keys`` that are not present; present ones become most recent.
+
+        A hint: it never evicts a pinned entry or another prefetch not yet requested,
+        and stops quietly when only such entries are left. Not counted as requests."""
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                if key not in self._layouts:
+                    raise KeyError(f"no layout for key {key!r}")
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+                    continue
+                slot = self._take_slot(prefetch=True)
+                if slot is None:
+                    return
+                self._start(key, slot, claimed=False)
+                self._n.prefetches += 1
+
+    def get(self, key: Hashable) -> tuple[np.ndarray, ...]:
+        """The pieces of ``key`` (layout order), pinned until ``release(key)``."""
+        with self._lock:
+            self._check_open()
+            self._log(key)
+            entry = self._acquire(key)
+        return self._wait(entry)
+
+    def release(self, key: Hashable) -> None:
+        """Undo one ``get(key)``: its views may be overwritten from now on."""
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is None or entry.pins == 0:
+                raise ValueError(f"release({key!r}) without a matching get")
+            entry.pins -= 1
+
+    def release_all(self) -> None:
+        """Drop every pin (a layer boundary when one thread consumes the store)."""
+        with self._lock:
+            for entry in self._lru.values():
+                entry.pins = 0
+
+    @contextmanager
+    def hold(self, key: Hashable) -> Iterator[tuple[np.ndarray, ...]]:
+        """``get(key)`` as a context manager; released on exit."""
+        views = self.get(key)
+        try:
+            yield views
+        finally:
+            self.release(key)
+
+    def get_many(
+        self, keys: Iterable[Hashable]
+    ) -> Iterator[tuple[Hashable, tuple[np.ndarray, ...]]]:
+        """Yield ``(key, views)`` for every key: present entries first (no waiting), while
+        the others load behind them, then those. Each item is pinned only until the
+        generator advances. The order is fixed when called, never by read completion."""
+        keys = list(keys)
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                if key not in self._layouts:
+                    raise KeyError(f"no layout for key {key!r}")
+                self._log(key)
+            present = [k for k in keys if k in self._lru]
+            absent = [k for k in keys if k not in self._lru]
+            held: list[_Entry | None] = [self._acquire(k) for k in present]
+        try:
+            self.prefetch(absent)
+            for i, key in enumerate(present):
+                entry, held[i] = held[i], None
+                views = self._wait(entry)
+                try:
+                    yield key, views
+                finally:
+                    self.release(key)
+            for key in absent:
+                with self._lock:
+                    self._check_open()
+                    entry = self._acquire(key)
+                views = self._wait(entry)
+                try:
+                    yield key, views
+                finally:
+                    self.release(key)
+        finally:
+            with self._lock:
+                for entry in held:
+                    if entry is not None and entry.pins:
+                        entry.pins -= 1
+
+    def stats(self) -> StoreStats:
+        with self._lock, self._stat_lock:
+            n = asdict(self._n)
+            seconds = self._read_seconds
+            if self._active_reads:
+                seconds += time.perf_counter() - self._busy_since
+            fallback = len(self._files.fallback_paths)
+        return StoreStats(
+            **n,
+            read_seconds=seconds,
+            read_gbps=n["bytes_read"] / seconds / 1e9 if seconds > 0 else 0.0,
+            wait_seconds=self._wait_seconds,
+            slots=self.slots,
+            slot_bytes=self.slot_bytes,
+            io=self._files.io,
+            fallback_files=fallback,
+        )
+
+    # -- internals (called with self._lock held unless said otherwise) ----------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("ExpertStore is closed")
+
+    def _log(self, key: Hashable) -> None:
+        if self._route is not None:
+            self._route.write(_route_line(key))
+
+    def _acquire(self, key: Hashable) -> _Entry:
+        """Count one request for ``key``, make sure it is present or loading, pin it."""
+        if key not in self._layouts:
+            raise KeyError(f"no layout for key {key!r}")
+        self._n.requests += 1
+        entry = self._lru.get(key)
+        if entry is None:
+            self._n.misses += 1
+            slot = self._take_slot(prefetch=False)
+            entry = self._start(key, slot, claimed=True)
+        else:
+            if entry.claimed:
+                self._n.hits += 1
+            else:
+                self._n.misses += 1
+                self._n.prefetch_used += 1
+                entry.claimed = True
+            self._lru.move_to_end(key)
+        entry.pins += 1
+        return entry
+
+    def _take_slot(self, prefetch: bool) -> tuple[int, threading.Event | None] | None:
+        """A free slot, else the oldest evictable entry's (with its read to wait for,
+        if still in flight). Prefetch evicts neither pinned nor unrequested entries."""
+        if self._free:
+            return heapq.heappop(self._free), None
+        for key, entry in self._lru.items():
+            if entry.pins or (prefetch and not entry.claimed):
+                continue
+            del self._lru[key]
+            self._n.evictions += 1
+            if not entry.claimed:
+                self._n.prefetch_unused += 1
+            return entry.slot, None if entry.done.is_set() else entry.done
+        if prefetch:
+            return None
+        raise BudgetError(
+            f"all {self.slots} expert slots are pinned; release items before getting more "
+            "or give the store more slots (raise --budget)"
+        )
+
+    def _start(
+        self, key: Hashable, slot: tuple[int, threading.Event | None], claimed: bool
+    ) -> _Entry:
+        index, after = slot
+        entry = _Entry(key, index, claimed, after)
+        self._lru[key] = entry
+        self._pool.submit(self._load, entry)
+        return entry
+
+    def _slot(self, index: int) -> np.ndarray:
+        return self._buf[index * self.slot_bytes : (index + 1) * self.slot_bytes]
+
+    def _wait(self, entry: _Entry) -> tuple[np.ndarray, ...]:
+        """(Lock NOT held.) Block until ``entry`` is read; raise its error, if any."""
+        if not entry.done.is_set():
+            t0 = time.perf_counter()
+            entry.done.wait()
+            with self._stat_lock:
+                self._wait_seconds += time.perf_counter() - t0
+        if entry.error is not None:
+            with self._lock:
+                entry.pins -= 1
+                if self._lru.get(entry.key) is entry:
+                    # The slot holds garbage and nobody holds views of it: reuse it now,
+                    # so a retry reads afresh.
+                    del self._lru[entry.key]
+                    heapq.heappush(self._free, entry.slot)
+            raise entry.error
+        return entry.views
+
+    def _load(self, entry: _Entry) -> None:
+        """(Reader thread, lock NOT held.) Read, place, optionally verify, then signal."""
+        try:
+            if entry.after is not None:
+                entry.after.wait()
+                entry.after = None
+            layout = self._layouts[entry.key]
+            plan = self._plans[entry.key]
+            slot = self._slot(entry.slot)
+            self._io_begin()
+            nread = 0
+            try:
+                for window in plan.windows:
+                    nread += self._files.read(window, slot)
+            finally:
+                self._io_end(nread)
+            views = directio.piece_views(slot, layout, plan)
+            if self._verifier is not None:
+                try:
+                    self._verifier.check(self._label(entry.key), layout, views)
+                except Dsv4Error:
+                    with self._stat_lock:
+                        self._n.verify_mismatches += 1
+                    raise
+                with self._stat_lock:
+                    self._n.verified_reads += 1
+            entry.views = views
+        except Dsv4Error as e:
+            entry.error = type(e)(f"{self._label(entry.key)}: {e}")
+            entry.error.__cause__ = e
+        except BaseException as e:  # a bug or OS error: still surface it in the caller
+            entry.error = ReadError(f"{self._label(entry.key)}: {type(e).__name__}: {e}")
+            entry.error.__cause__ = e
+        finally:
+            entry.done.set()
+
+    def _io_begin(self) -> None:
+        with self._stat_lock:
+            if self._active_reads == 0:
+                self._busy_since = time.perf_counter()
+            self._active_reads += 1
+
+    def _io_end(self, nbytes: int) -> None:
+        with self._stat_lock:
+            self._active_reads -= 1
+            if self._active_reads == 0:
+                self._read_seconds += time.perf_counter() - self._busy_since
+            self._n.bytes_read += nbytes
+
+    @staticmethod
+    def _open_route(route_log: str | os.PathLike | IO[str] | None) -> tuple[IO[str] | None, bool]:
+        if route_log is None:
+            return None, False
+        if hasattr(route_log, "write"):
+            return route_log, False
+        return open(route_log, "w", encoding="ascii"), True  # noqa: SIM115 (closed in close())
