@@ -67,16 +67,21 @@ def read_header(path: Path) -> list[TensorEntry]:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise CheckpointError(f"{path}: header is not valid JSON ({e}); re-download this shard") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object; the file is not safetensors — re-download it")
     base = 8 + n
     out = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dt = info.get("dtype")
+        dt = info.get("dtype") if isinstance(info, dict) else None
         if dt not in NP_DTYPE:
             raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {dt!r}; expected one of {sorted(NP_DTYPE)}")
-        shape = tuple(int(x) for x in info.get("shape", ()))
-        b, e = (int(x) for x in info["data_offsets"])
+        try:
+            shape = tuple(int(x) for x in info.get("shape", ()))
+            b, e = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor '{name}' has a malformed shape or data_offsets; re-download this shard") from None
         want = int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dt]
         if e - b != want:
             raise CheckpointError(f"{path}: tensor '{name}' spans {e - b} bytes but {dt} {list(shape)} needs {want}")
@@ -257,9 +262,9 @@ def _read_index(root: Path) -> dict[str, str] | None:
         return None
     try:
         wm = json.loads(p.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
+        return {str(k): str(v) for k, v in wm.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{p}: not a valid index file ({e}); re-download it or delete it") from None
-    return {str(k): str(v) for k, v in wm.items()}
 
 
 def _check_index(root: Path, index: dict[str, str], entries: dict[str, TensorEntry]) -> None:

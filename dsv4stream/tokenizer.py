@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers.decoders import DecodeStream
 
 from .errors import ConfigError, TokenizerError, UsageError
 
@@ -107,29 +106,37 @@ class StreamDecoder:
     A character whose UTF-8 bytes span several tokens (CJK, emoji) comes out whole with the
     token that completes it; until then `push` returns "". Concatenating every `push` and
     the final `flush` equals `Tokenizer.decode` of the same ids.
+
+    Each step decodes only the ids since the last emitted text (plus the previous chunk
+    as context) and emits the growth, unless the new text ends in U+FFFD, i.e. stops
+    inside a character. `tokenizers.decoders.DecodeStream` does the same, but its API
+    changed across releases.
     """
 
     def __init__(self, tok: Tokenizer, skip_special: bool = False) -> None:
         self._tok = tok
         self._skip = skip_special
-        self._stream = DecodeStream(skip_special_tokens=skip_special)
-        self._held: list[int] = []
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context window: a character boundary
+        self._read = 0  # end of the text already emitted
 
     def push(self, token_id: int) -> str:
+        token_id = int(token_id)
         self._tok.check_ids([token_id])
-        chunk = self._stream.step(self._tok._hf, token_id)
-        if chunk is None:
-            self._held.append(token_id)
+        self._ids.append(token_id)
+        seen = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        if len(text) <= len(seen) or text.endswith("\ufffd"):
             return ""
-        self._held.clear()
-        return chunk
+        self._ids = self._ids[self._read :]
+        self._prefix, self._read = 0, len(self._ids)
+        return text[len(seen) :]
 
     def flush(self) -> str:
         """End of stream: bytes still held back come out as U+FFFD, as a full decode shows them."""
-        text = self._tok.decode(self._held, skip_special=self._skip) if self._held else ""
-        self._held = []
-        self._stream = DecodeStream(skip_special_tokens=self._skip)
-        return text
+        held = self._ids[self._read :]
+        self._ids, self._prefix, self._read = [], 0, 0
+        return self._tok.decode(held, self._skip) if held else ""
 
 
 class Tokenizer:
@@ -162,8 +169,7 @@ class Tokenizer:
             packed = default_pack_path(path)
             if not packed.is_file():
                 raise TokenizerError(
-                    f"{path}: no {DEFAULT_PACK_NAME} in this directory; "
-                    f"run `dsv4 pack-tokenizer {path}` first"
+                    f"{path}: no {DEFAULT_PACK_NAME} in this directory; run `dsv4 pack-tokenizer {path}` first"
                 )
             path = packed
         try:
@@ -199,8 +205,9 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text of `ids`; `skip_special` drops BOS/EOS/pad but keeps `<think>`, `</think>`."""
+        ids = [int(i) for i in ids]  # numpy ints from a sampler are fine too
         self.check_ids(ids)
-        return self._hf.decode(list(ids), skip_special_tokens=skip_special)
+        return self._hf.decode(ids, skip_special_tokens=skip_special)
 
     def stream(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special)
@@ -269,6 +276,8 @@ def pack_tokenizer(checkpoint_dir: str | Path, out: str | Path | None = None) ->
 
 
 def _read_checkpoint(ckpt: Path) -> tuple[Tokenizer, bytes]:
+    if not ckpt.is_dir():
+        raise UsageError(f"{ckpt}: no such checkpoint directory")
     tok_path = ckpt / "tokenizer.json"
     tcfg_path = ckpt / "tokenizer_config.json"
     cfg_path = ckpt / "config.json"
@@ -352,9 +361,7 @@ def _split_pack(path: Path, blob: bytes) -> tuple[dict[str, Any], bytes]:
     except (json.JSONDecodeError, UnicodeDecodeError):
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise TokenizerError(
-            f"{path}: not a packed dsv4 tokenizer; make one with `dsv4 pack-tokenizer CHECKPOINT_DIR`"
-        )
+        raise TokenizerError(f"{path}: not a packed dsv4 tokenizer; make one with `dsv4 pack-tokenizer CHECKPOINT_DIR`")
     if header.get("version") != VERSION:
         raise TokenizerError(
             f"{path}: packed tokenizer version {header.get('version')}, this dsv4 reads "

@@ -9,6 +9,11 @@ import click
 # module name -> attribute names of click commands in dsv4stream.commands.<module>
 MODULES: dict[str, tuple[str, ...]] = {
     "inspect": ("inspect",),
+    "doctor": ("doctor",),
+    "pack": ("pack_trunk_cmd",),
+    "logits": ("logits",),
+    "tokenizer": ("pack_tokenizer_cmd", "tokenize_cmd"),
+    "run": ("run",),
 }
 
 

@@ -51,9 +51,7 @@ def pack_tokenizer_cmd(checkpoint_dir: Path, out: Path | None) -> None:
 @click.option("--system", default=None, help="System text of the one-turn chat.")
 @click.option("--count", is_flag=True, help="Print only the number of ids.")
 @click.argument("text", nargs=-1, required=True)
-def tokenize_cmd(
-    tok_path: Path, mode: str | None, system: str | None, count: bool, text: tuple[str, ...]
-) -> None:
+def tokenize_cmd(tok_path: Path, mode: str | None, system: str | None, count: bool, text: tuple[str, ...]) -> None:
     """Print the token ids of TEXT on one line, separated by single spaces.
 
     Several TEXT arguments are joined with one space; `-` reads TEXT from stdin. Plain TEXT

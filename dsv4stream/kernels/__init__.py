@@ -9,6 +9,7 @@ results that do not depend on the thread count.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -30,6 +31,10 @@ class QWeight:
     scale: np.ndarray | None
     rows: int
     cols: int
+
+    # A subclass whose arrays live on a device (dsv4stream.gpu.DeviceQWeight) sets this and
+    # multiplies itself there: matvec / matmul / dense hand it over instead of a CPU backend.
+    on_device: ClassVar[bool] = False
 
     @property
     def nbytes(self) -> int:
@@ -62,14 +67,20 @@ def set_threads(n: int) -> None:
 
 def matvec(w: QWeight, x: np.ndarray) -> np.ndarray:
     """x (C,) float32 -> (R,) float32."""
+    if w.on_device:
+        return w.matvec(x)
     return _backend.matvec(w, x)
 
 
 def matmul(w: QWeight, x: np.ndarray) -> np.ndarray:
     """X (T, C) float32 -> (T, R) float32."""
+    if w.on_device:
+        return w.matmul(x)
     return _backend.matmul(w, x)
 
 
 def dense(w: QWeight) -> np.ndarray:
     """The whole weight as float32 (R, C): for tests and small matrices only."""
+    if w.on_device:
+        return w.dense()
     return reference.dequant(w)

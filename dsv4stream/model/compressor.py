@@ -100,9 +100,7 @@ def pool_windows(
     return np.sum(softmax(sgate, axis=1) * skv, axis=1)
 
 
-def compress(
-    st: CompressorState, x: np.ndarray, w: CompressorWeights, rope: Rope, eps: float
-) -> np.ndarray:
+def compress(st: CompressorState, x: np.ndarray, w: CompressorWeights, rope: Rope, eps: float) -> np.ndarray:
     """Feed block inputs x (T, D) of the next T positions; returns the rows emitted (m, d).
 
     The rows are also appended to st.rows. Row j of the sequence covers positions

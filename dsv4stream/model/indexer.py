@@ -32,12 +32,22 @@ class IndexerWeights:
 
 
 def index_scores(q: np.ndarray, w: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """q (T, h, c), head weights w (T, h), keys (n, c) -> scores (T, n)."""
+    """q (T, h, c), head weights w (T, h), keys (n, c) -> scores (T, n).
+
+    Queries go in blocks so the (block, h, n) intermediate stays near 64 MB even when a
+    long context has hundreds of thousands of rows.
+    """
     t, h, c = q.shape
-    s = (q.reshape(t * h, c) @ keys.T).reshape(t, h, -1)
-    np.maximum(s, 0, out=s)
-    s *= F32(c**-0.5)
-    return np.einsum("thn,th->tn", s, w, dtype=F32)
+    n = keys.shape[0]
+    out = np.empty((t, n), dtype=F32)
+    step = max(1, (16 << 20) // max(1, h * n))
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        s = (q[a:b].reshape((b - a) * h, c) @ keys.T).reshape(b - a, h, n)
+        np.maximum(s, 0, out=s)
+        s *= F32(c**-0.5)
+        out[a:b] = np.einsum("thn,th->tn", s, w[a:b], dtype=F32)
+    return out
 
 
 def select_rows(

@@ -20,7 +20,8 @@ Determinism
     (``prefetch``/``get``/``get_many``/``release``), never on when reads complete: an
     in-flight entry sits in the LRU like a resident one, victims are the oldest unpinned
     entries, free slots are handed out lowest first, and ``get_many`` yields in an order
-    fixed at the call (present entries first, then the rest, each in request order).
+    fixed when its iteration starts (present entries first, then the rest, each in
+    request order).
 
 Counting
     A request is a hit when the entry was present and already claimed by an earlier
@@ -36,11 +37,11 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import IO
+from typing import IO, Self
 
 import numpy as np
 
@@ -104,7 +105,7 @@ class _Entry:
     error filled in); readers never take the store lock, so waiting on ``done`` while
     holding it cannot deadlock."""
 
-    __slots__ = ("key", "slot", "pins", "claimed", "done", "views", "error", "after")
+    __slots__ = ("after", "claimed", "done", "error", "key", "pins", "slot", "views")
 
     def __init__(self, key: Hashable, slot: int, claimed: bool, after: threading.Event | None):
         self.key = key
@@ -128,7 +129,10 @@ class ExpertStore:
 
     ``io``: "direct" (O_DIRECT, falling back to buffered where refused) or "buffered".
     ``threads``: reader threads (the queue depth). ``verify``: re-read every load through
-    ``Verifier`` and raise VerifyError on a difference. ``route_log``: path or text file;
+    ``Verifier`` and raise VerifyError on a difference. ``order``: per key, the indices
+    (into layout order) of the pieces ``get`` returns, in the order it returns them
+    (``layout.ExpertLayouts.order`` gives w1.weight, w1.scale, w2.weight, ...); default:
+    all pieces in layout order. ``route_log``: path or text file;
     one line per request (a tuple key's parts joined by spaces). ``label`` names a key in
     error messages. ``warn`` receives the one-time O_DIRECT fallback notice.
     """
@@ -143,10 +147,12 @@ class ExpertStore:
         route_log: str | os.PathLike | IO[str] | None = None,
         label: Callable[[Hashable], str] = str,
         warn: Callable[[str], None] | None = None,
+        order: Mapping[Hashable, Sequence[int]] | None = None,
     ) -> None:
         if slots < 1 or threads < 1:
             raise ValueError(f"need slots >= 1 and threads >= 1, got {slots} and {threads}")
         self._layouts = layouts
+        self._order = order
         self._plans = {k: directio.plan_slot(lay) for k, lay in layouts.items()}
         self.slot_bytes = max((p.nbytes for p in self._plans.values()), default=directio.ALIGN)
         self.slots = slots
@@ -167,6 +173,11 @@ class ExpertStore:
         self._read_seconds = 0.0
         self._wait_seconds = 0.0
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the slots occupy once all are used (what the budget must cover)."""
+        return self.slots * self.slot_bytes
+
     @staticmethod
     def slot_nbytes(layouts: Mapping[Hashable, Layout]) -> int:
         """Bytes one slot needs for these layouts (for budget planning)."""
@@ -174,7 +185,7 @@ class ExpertStore:
 
     # -- context manager -------------------------------------------------------------
 
-    def __enter__(self) -> ExpertStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -199,8 +210,11 @@ class ExpertStore:
     def prefetch(self, keys: Iterable[Hashable]) -> None:
         """Start reading ``keys`` that are not present; present ones become most recent.
 
-        A hint: it never evicts a pinned entry or another prefetch not yet requested,
-        and stops quietly when only such entries are left. Not counted as requests."""
+        A hint: it never evicts a pinned entry, another prefetch not yet requested, or
+        one of ``keys`` (present ones are touched first, so a read started for one key
+        cannot push out another key of the same batch), and stops quietly when only such
+        entries are left. Not counted as requests."""
+        keys = list(keys)
         with self._lock:
             self._check_open()
             for key in keys:
@@ -208,15 +222,18 @@ class ExpertStore:
                     raise KeyError(f"no layout for key {key!r}")
                 if key in self._lru:
                     self._lru.move_to_end(key)
+            batch = set(keys)
+            for key in keys:
+                if key in self._lru:
                     continue
-                slot = self._take_slot(prefetch=True)
+                slot = self._take_slot(prefetch=True, keep=batch)
                 if slot is None:
                     return
                 self._start(key, slot, claimed=False)
                 self._n.prefetches += 1
 
     def get(self, key: Hashable) -> tuple[np.ndarray, ...]:
-        """The pieces of ``key`` (layout order), pinned until ``release(key)``."""
+        """The pieces of ``key`` (layout order, or ``order[key]``), pinned until ``release(key)``."""
         with self._lock:
             self._check_open()
             self._log(key)
@@ -246,12 +263,11 @@ class ExpertStore:
         finally:
             self.release(key)
 
-    def get_many(
-        self, keys: Iterable[Hashable]
-    ) -> Iterator[tuple[Hashable, tuple[np.ndarray, ...]]]:
+    def get_many(self, keys: Iterable[Hashable]) -> Iterator[tuple[Hashable, tuple[np.ndarray, ...]]]:
         """Yield ``(key, views)`` for every key: present entries first (no waiting), while
         the others load behind them, then those. Each item is pinned only until the
-        generator advances. The order is fixed when called, never by read completion."""
+        generator advances. Requests are counted and logged, and the order fixed, at the
+        first ``next()`` (a generator body runs only then), never by read completion."""
         keys = list(keys)
         with self._lock:
             self._check_open()
@@ -335,13 +351,16 @@ class ExpertStore:
         entry.pins += 1
         return entry
 
-    def _take_slot(self, prefetch: bool) -> tuple[int, threading.Event | None] | None:
+    def _take_slot(
+        self, prefetch: bool, keep: frozenset | set = frozenset()
+    ) -> tuple[int, threading.Event | None] | None:
         """A free slot, else the oldest evictable entry's (with its read to wait for,
-        if still in flight). Prefetch evicts neither pinned nor unrequested entries."""
+        if still in flight). Prefetch evicts neither pinned nor unrequested entries, nor
+        entries in ``keep``."""
         if self._free:
             return heapq.heappop(self._free), None
         for key, entry in self._lru.items():
-            if entry.pins or (prefetch and not entry.claimed):
+            if entry.pins or (prefetch and (not entry.claimed or key in keep)):
                 continue
             del self._lru[key]
             self._n.evictions += 1
@@ -355,9 +374,7 @@ class ExpertStore:
             "or give the store more slots (raise --budget)"
         )
 
-    def _start(
-        self, key: Hashable, slot: tuple[int, threading.Event | None], claimed: bool
-    ) -> _Entry:
+    def _start(self, key: Hashable, slot: tuple[int, threading.Event | None], claimed: bool) -> _Entry:
         index, after = slot
         entry = _Entry(key, index, claimed, after)
         self._lru[key] = entry
@@ -411,11 +428,13 @@ class ExpertStore:
                     raise
                 with self._stat_lock:
                     self._n.verified_reads += 1
+            if self._order is not None:
+                views = tuple(views[i] for i in self._order[entry.key])
             entry.views = views
         except Dsv4Error as e:
             entry.error = type(e)(f"{self._label(entry.key)}: {e}")
             entry.error.__cause__ = e
-        except BaseException as e:  # a bug or OS error: still surface it in the caller
+        except Exception as e:  # noqa: BLE001 (a bug or OS error must still reach the caller)
             entry.error = ReadError(f"{self._label(entry.key)}: {type(e).__name__}: {e}")
             entry.error.__cause__ = e
         finally:
@@ -440,4 +459,4 @@ class ExpertStore:
             return None, False
         if hasattr(route_log, "write"):
             return route_log, False
-        return open(route_log, "w", encoding="ascii"), True  # noqa: SIM115 (closed in close())
+        return open(route_log, "w", encoding="ascii"), True

@@ -4,17 +4,16 @@ Owns the one place where expert tensor names are translated: ``layers.L.ffn.expe
 w{1,2,3}.{weight,scale}`` (and ``mtp.M.ffn.experts...``, keyed as layer
 ``num_hidden_layers + M``) become key ``(L, E)`` -> a ``Layout`` whose six pieces are
 merged into as few runs as the file allows (two on the release layout: three scales,
-then far away three weights). The store returns pieces in file order; ``arrange`` puts
-them back in the fixed order of ``ExpertPieces`` with a per-key permutation computed here,
-so the MoE layer never depends on how a shard happens to order its tensors.
+then far away three weights). Runs hold pieces in file order; ``order`` is the per-key
+permutation that makes the store return them in the fixed ``EXPERT_TENSORS`` order, so
+the MoE layer never depends on how a shard happens to order its tensors.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
@@ -25,35 +24,20 @@ from .runs import Layout, Piece, layout_pieces, merge_pieces
 
 ExpertKey = tuple[int, int]
 
-# Fixed piece order of ExpertPieces; a scale is absent for BF16/F32 experts.
+# The order the store returns an expert in (with ExpertLayouts.order); BF16/F32 experts have no scales.
 EXPERT_TENSORS = ("w1.weight", "w1.scale", "w2.weight", "w2.scale", "w3.weight", "w3.scale")
 
 _EXPERT_NAME = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123]\.(?:weight|scale))$")
 
 
-class ExpertPieces(NamedTuple):
-    """One routed expert's arrays as stored (views into its slot). Shapes for FP4:
-    w1, w3 (I, D/2) uint8, scales (I, D/32); w2 (D, I/2), scale (D, I/32)."""
-
-    w1: np.ndarray
-    w1_scale: np.ndarray | None
-    w2: np.ndarray
-    w2_scale: np.ndarray | None
-    w3: np.ndarray
-    w3_scale: np.ndarray | None
-
-
 @dataclass(frozen=True)
 class ExpertLayouts:
-    """``layouts[(L, E)]`` for the store; ``order[(L, E)][i]`` is the index in the store's
-    tuple of ``EXPERT_TENSORS[i]`` (-1 when that tensor is absent)."""
+    """``layouts[(L, E)]`` for the store; ``order[(L, E)]``: indices into the layout's
+    pieces of the tensors present, in ``EXPERT_TENSORS`` order (pass it as the store's
+    ``order`` to get w1.weight, w1.scale, w2.weight, w2.scale, w3.weight, w3.scale)."""
 
     layouts: dict[ExpertKey, Layout]
     order: dict[ExpertKey, tuple[int, ...]]
-
-    def arrange(self, key: ExpertKey, views: Sequence[np.ndarray]) -> ExpertPieces:
-        """The store's views of ``key`` in ``ExpertPieces`` order."""
-        return ExpertPieces(*(views[i] if i >= 0 else None for i in self.order[key]))
 
     @property
     def expert_nbytes(self) -> int:
@@ -90,9 +74,7 @@ def expert_layouts(entries: Mapping[str, TensorEntry], num_hidden_layers: int, m
         layout = merge_pieces(located, max_gap)
         names = [p.name for p in layout_pieces(layout)]
         layouts[key] = layout
-        order[key] = tuple(
-            names.index(tensors[t].name) if t in tensors else -1 for t in EXPERT_TENSORS
-        )
+        order[key] = tuple(names.index(tensors[t].name) for t in EXPERT_TENSORS if t in tensors)
     return ExpertLayouts(layouts, order)
 
 

@@ -1,0 +1,185 @@
+"""The public API of the forward pass: a read-only `Engine` and one `Session` per sequence.
+
+Owns: opening a checkpoint (catalog, config, validation, providers), the per-sequence state
+(per layer: the window ring, compressed rows, open compressor windows and overlap halves of
+the main and indexer compressors; no full-length KV), and running chunks of tokens through
+all layers. Math lives in `dsv4stream.model`; weights come through the `Trunk` and
+`Experts` providers, so streaming implementations can replace the in-memory defaults.
+
+Prefill runs a chunk of tokens through each layer together (matrix-matrix projections,
+causal attention inside the chunk, each routed expert once per chunk); `step` is a chunk of
+one. Any chunk size gives the same logits up to float rounding. Activations are float32.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from . import kernels
+from .catalog import Catalog
+from .config import ModelConfig
+from .errors import UsageError
+from .model.attention import AttnState, new_attn_state
+from .model.block import Trace, head_forward, layer_forward
+from .model.providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
+from .model.rope import Rope, rope_tables
+
+# on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched
+RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
+
+
+class Engine:
+    """A loaded model: config, weight providers, rope tables. Shared by sessions, never mutated."""
+
+    def __init__(self, cfg: ModelConfig, trunk: Trunk, experts: Experts, catalog: Catalog | None = None) -> None:
+        self.cfg = cfg
+        self.trunk = trunk
+        self.experts = experts
+        self.catalog = catalog
+        self.rope_main, self.rope_comp = rope_tables(cfg)
+
+    @classmethod
+    def open(
+        cls,
+        checkpoint_dir: str | os.PathLike,
+        *,
+        experts: Experts | None = None,
+        trunk: Trunk | None = None,
+        threads: int | None = None,
+        validate: bool = True,
+        gpu=None,
+    ) -> Engine:
+        """Open a checkpoint directory in the release format (read-only).
+
+        experts / trunk replace the in-memory defaults (e.g. a streaming expert store);
+        threads sets the kernel thread count; gpu (a `dsv4stream.gpu.GpuContext`) places
+        trunk matrices in VRAM for the default in-memory trunk.
+        """
+        cat = Catalog.open(checkpoint_dir)
+        if validate:
+            cat.validate()
+        if threads is not None:
+            kernels.set_threads(threads)
+        if trunk is None:
+            if gpu is not None and gpu.enabled:
+                gpu.place(cat)
+            trunk = CatalogTrunk(gpu.source(cat) if gpu is not None and gpu.enabled else cat)
+        return cls(cat.config, trunk, experts or CatalogExperts(cat), cat)
+
+    def rope_for(self, layer: int) -> Rope:
+        return self.rope_comp if self.cfg.ratio(layer) else self.rope_main
+
+    def session(
+        self,
+        *,
+        chunk_size: int = 64,
+        on_route: RouteHook | None = None,
+        record_requests: bool = False,
+        trace: Trace | None = None,
+    ) -> Session:
+        return Session(self, chunk_size=chunk_size, on_route=on_route, record_requests=record_requests, trace=trace)
+
+
+class Session:
+    """One sequence: owns its state and position; tokens go in, logits come out."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        chunk_size: int = 64,
+        on_route: RouteHook | None = None,
+        record_requests: bool = False,
+        trace: Trace | None = None,
+    ) -> None:
+        if chunk_size < 1:
+            raise UsageError(f"chunk size must be at least 1, found {chunk_size}")
+        self.engine = engine
+        self.cfg = engine.cfg
+        self.chunk_size = chunk_size
+        self.on_route = on_route
+        self.trace = trace
+        # (layer, expert) in the order the experts were requested, when record_requests is on
+        self.requests: list[ExpertKey] | None = [] if record_requests else None
+        self.pos = 0
+        self.state: list[AttnState] = [new_attn_state(self.cfg, self.cfg.ratio(i)) for i in range(self.cfg.n_layers)]
+
+    # ---- public ----------------------------------------------------------------
+    def prefill(self, token_ids: Sequence[int] | np.ndarray, *, last_only: bool = False) -> np.ndarray:
+        """Feed tokens in chunks of chunk_size: logits (T, vocab) float32, or (vocab,) for the last with last_only."""
+        ids = self._check_ids(token_ids)
+        if ids.size == 0:
+            raise UsageError("prefill needs at least one token")
+        out = []
+        for a in range(0, ids.size, self.chunk_size):
+            chunk = ids[a : a + self.chunk_size]
+            want_logits = not last_only or a + self.chunk_size >= ids.size
+            out.append(self._forward(chunk, logits=want_logits, last_only=last_only))
+        return out[-1][-1] if last_only else np.concatenate(out)
+
+    def step(self, token_id: int) -> np.ndarray:
+        """Feed one token: logits (vocab,) float32."""
+        return self._forward(self._check_ids([token_id]), logits=True, last_only=False)[0]
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        pick: Callable[[np.ndarray], int] | None = None,
+    ) -> Iterator[int]:
+        """Yield up to max_new_tokens tokens; pick(logits) chooses each (default: greedy, ties to the lower id)."""
+        pick = pick or (lambda logits: int(np.argmax(logits)))
+        logits = self.prefill(prompt_ids, last_only=True)
+        for _ in range(max_new_tokens):
+            tok = pick(logits)
+            yield tok
+            logits = self.step(tok)
+
+    # ---- internals -------------------------------------------------------------
+    def _check_ids(self, token_ids) -> np.ndarray:
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        v = self.cfg.vocab_size
+        if ids.size and (ids.min() < 0 or ids.max() >= v):
+            bad = int(ids[(ids < 0) | (ids >= v)][0])
+            raise UsageError(f"token id {bad} is outside the vocabulary 0..{v - 1}")
+        return ids
+
+    def _forward(self, ids: np.ndarray, *, logits: bool, last_only: bool) -> np.ndarray | None:
+        cfg, eng = self.cfg, self.engine
+        t = ids.size
+        positions = np.arange(self.pos, self.pos + t, dtype=np.int64)
+        self._prefetch_hash_layers(ids)
+        x = np.repeat(eng.trunk.embed(ids)[:, None, :], cfg.hc_mult, axis=1)  # (T, hc, D)
+        for i in range(cfg.n_layers):
+            w = eng.trunk.layer(i)
+
+            def get(e: int, layer: int = i):
+                if self.requests is not None:
+                    self.requests.append((layer, e))
+                return eng.experts.get(layer, e)
+
+            def routed(experts: np.ndarray, layer: int = i) -> None:
+                if self.on_route is not None:
+                    self.on_route(layer, positions, experts)
+                if not cfg.is_hash_layer(layer):
+                    eng.experts.prefetch([(layer, int(e)) for e in np.unique(experts)])
+
+            x = layer_forward(x, ids, positions, w, self.state[i], cfg, eng.rope_for(i), get, routed, self.trace)
+        self.pos += t
+        if not logits:
+            return None
+        if last_only:
+            x = x[-1:]
+        return head_forward(x, eng.trunk.head(), cfg)
+
+    def _prefetch_hash_layers(self, ids: np.ndarray) -> None:
+        """Hash layers' experts are known from the tokens alone: ask for them up front."""
+        keys: list[ExpertKey] = []
+        for i in range(min(self.cfg.num_hash_layers, self.cfg.n_layers)):
+            tid2eid = self.engine.trunk.tid2eid(i)  # not layer(i): a streamed trunk reads layers in order
+            keys += [(i, int(e)) for e in np.unique(tid2eid[ids])]
+        if keys:
+            self.engine.experts.prefetch(keys)

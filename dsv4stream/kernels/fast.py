@@ -1,0 +1,638 @@
+"""Fused numba kernels: FP4 / FP8 / BF16 / F32 weights times a vector or a few tokens.
+
+Owns the fast CPU backend of `kernels` (`matvec`, `matmul`, `matvec_pair`, `swiglu_expert`,
+`set_threads`, `warmup`). No dequantised matrix is ever built: a row is decoded in registers
+(matvec) or into a small per-tile buffer reused by every token (matmul). Does not own the
+weight formats (`formats.py`) or the dispatch (`kernels/__init__.py`).
+
+Arithmetic, identical in every path so that results do not depend on the thread count and
+`matvec(w, x) == matmul(w, x[None])[0]` bit for bit:
+- decode: E2M1 and E4M3 become float16 bit patterns (exact), widened to float32; the value is
+  then 2^-14 (E2M1) or 2^-8 (E4M3) times the true one. BF16 is shifted into float32 (exact).
+- scales: per output row, the largest block scale's exponent E is factored out; each block
+  gets `rel = scale * 2^(127 - E + shift)` in float32 (shift undoes the decode offset), and the
+  row sum is multiplied by 2^(E - 127) in float64 at the end. So E8M0 byte 0 (2^-127, a float32
+  subnormal) or 2^+127 never under/overflow inside the lanes. A block whose scale is below
+  2^-126 of the row's largest is flushed to zero (it cannot move the result).
+- a non-finite scale (E8M0 0xFF is NaN) makes its whole output row NaN; E4M3 NaN bytes are NaN.
+- accumulation: 32 float32 lanes per (row, token), lane = column mod 32 (FP4: the 16 even then
+  the 16 odd elements of a 32-block), `lane = fma(w * rel, x, lane)` in column order, then a
+  fixed pairwise tree over the lanes. Parallel over output rows only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+LANES = 32
+MAX_BLOCKS = 1024  # stack room for one row's relative scales: FP4 cols <= 32768, FP8 cols <= 131072
+ROW_TILE = 4  # rows decoded together by matmul; tokens go in pairs
+TILE_LANES = 256  # 4 rows x 2 tokens x 32 lanes
+_JIT = {"cache": True, "fastmath": False}
+_INLINE = {"inline": "always", **_JIT}  # numba-level inlining: stack lanes land in the kernel
+
+_I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F32, _F64 = ir.FloatType(), ir.DoubleType()
+
+
+# ---- bit-level helpers (LLVM IR: 16/32-bit integer lanes; numba would widen to int64) ----------
+
+
+def _decode_via_half(builder, byte, mag_shift: int, sign_shift: int, mag_mask: int, nan_code: int | None):
+    """uint8 -> float32 through a float16 bit pattern: ((b << mag_shift) & mag_mask) | sign."""
+    v = builder.zext(byte, _I16)
+    mag = builder.and_(builder.shl(v, ir.Constant(_I16, mag_shift)), ir.Constant(_I16, mag_mask))
+    sgn = builder.and_(builder.shl(v, ir.Constant(_I16, sign_shift)), ir.Constant(_I16, -0x8000))
+    bits = builder.or_(mag, sgn)
+    if nan_code is not None:
+        is_nan = builder.icmp_unsigned("==", builder.and_(v, ir.Constant(_I16, 0x7F)), ir.Constant(_I16, nan_code))
+        bits = builder.select(is_nan, ir.Constant(_I16, 0x7E00), bits)
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
+
+
+@intrinsic
+def _e2m1_lo(typingctx, b):
+    """Low nibble of a packed byte as float32, times 2^-14."""
+
+    def codegen(context, builder, sig, args):
+        return _decode_via_half(builder, args[0], 9, 12, 0x0E00, None)
+
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def _e2m1_hi(typingctx, b):
+    """High nibble of a packed byte as float32, times 2^-14."""
+
+    def codegen(context, builder, sig, args):
+        return _decode_via_half(builder, args[0], 5, 8, 0x0E00, None)
+
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def _e4m3(typingctx, b):
+    """E4M3FN byte as float32, times 2^-8 (S.1111.111 -> NaN)."""
+
+    def codegen(context, builder, sig, args):
+        return _decode_via_half(builder, args[0], 7, 8, 0x3F80, 0x7F)
+
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def _bf16(typingctx, h):
+    """BF16 bit pattern (uint16) as float32."""
+
+    def codegen(context, builder, sig, args):
+        v = builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16))
+        return builder.bitcast(v, _F32)
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c, rounded once, whatever the CPU (llvm.fma)."""
+
+    def codegen(context, builder, sig, args):
+        fn = builder.module.declare_intrinsic("llvm.fma", [_F32], ir.FunctionType(_F32, [_F32] * 3))
+        return builder.call(fn, args)
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, f):
+    def codegen(context, builder, sig, args):
+        return builder.zext(builder.bitcast(args[0], _I32), _I64)
+
+    return types.int64(types.float32), codegen
+
+
+@intrinsic
+def _f32_from_bits(typingctx, i):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.trunc(args[0], _I32), _F32)
+
+    return types.float32(types.int64), codegen
+
+
+@intrinsic
+def _pow2_f64(typingctx, e):
+    """2^e as float64 for -1022 <= e <= 1023."""
+
+    def codegen(context, builder, sig, args):
+        bits = builder.shl(builder.add(args[0], ir.Constant(_I64, 1023)), ir.Constant(_I64, 52))
+        return builder.bitcast(bits, _F64)
+
+    return types.float64(types.int64), codegen
+
+
+@intrinsic
+def _stack_f32(typingctx, n):
+    """Pointer to n float32 on the stack of the enclosing function (allocated once, at entry)."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, sig, args):
+        arr = cgutils.alloca_once(builder, ir.ArrayType(_F32, n.literal_value))
+        return builder.bitcast(arr, _F32.as_pointer())
+
+    return types.CPointer(types.float32)(n), codegen
+
+
+# ---- scales: E8M0 bytes or float32, one code path ----------------------------------------------
+
+
+def _scale_key(v):
+    """Order key of a scale: float32-like bits of |scale| (E8M0 byte b -> b << 23)."""
+
+
+@overload(_scale_key, jit_options=_JIT)
+def _ol_scale_key(v):
+    if v == types.uint8:
+        return lambda v: np.int64(v) << 23
+    if v == types.float32:
+        return lambda v: _f32_bits(v) & 0x7FFFFFFF
+    return None
+
+
+def _scale_rel(v, e, shift):
+    """scale * 2^(127 - e + shift) as float32 (flushed to 0 below float32 normals)."""
+
+
+@overload(_scale_rel, jit_options=_JIT)
+def _ol_scale_rel(v, e, shift):
+    if v == types.uint8:
+
+        def rel_e8m0(v, e, shift):
+            d = np.int64(v) - e + shift + 127
+            return _f32_from_bits(max(d, 0) << 23)
+
+        return rel_e8m0
+    if v == types.float32:
+        return lambda v, e, shift: np.float32(np.float64(v) * _pow2_f64(127 - e + shift))
+    return None
+
+
+@njit(**_INLINE)
+def _row_rel(srow, shift, rel):
+    """Relative block scales of one row into rel[:n]; returns the row factor 2^(E-127) (NaN if bad)."""
+    n = srow.shape[0]
+    kmax = np.int64(0)
+    for b in range(n):
+        kmax = max(kmax, _scale_key(srow[b]))
+    if kmax >= 0x7F800000:
+        return np.nan
+    e = kmax >> 23
+    for b in range(n):
+        rel[b] = _scale_rel(srow[b], e, shift)
+    return _pow2_f64(e - 127)
+
+
+# ---- lanes --------------------------------------------------------------------------------------
+
+
+@njit(**_INLINE)
+def _lane_sum(acc, base):
+    """Fixed pairwise tree over acc[base : base + 32] (destroys it)."""
+    h = LANES // 2
+    while h >= 1:
+        for k in range(h):
+            acc[base + k] += acc[base + k + h]
+        h //= 2
+    return acc[base]
+
+
+@njit(**_INLINE)
+def _finish(lane_total, fac):
+    return np.float32(np.float64(lane_total) * fac)
+
+
+# ---- one row times one vector (decode in registers) --------------------------------------------
+
+
+@njit(**_INLINE)
+def _fp4_row(w, s, r, xp, rel, acc):
+    """Row r of packed FP4 (R, C/2) with (R, C/32) scales, dot xp (C,) in lane order."""
+    fac = _row_rel(s[r], 14, rel)
+    for k in range(LANES):
+        acc[k] = 0
+    for b in range(w.shape[1] // 16):
+        sr = rel[b]
+        for k in range(16):
+            byte = w[r, b * 16 + k]
+            j = b * 32 + k
+            acc[k] = _fma(_e2m1_lo(byte) * sr, xp[j], acc[k])
+            acc[16 + k] = _fma(_e2m1_hi(byte) * sr, xp[j + 16], acc[16 + k])
+    return _finish(_lane_sum(acc, 0), fac)
+
+
+@njit(**_INLINE)
+def _fp8_row(w, s, r, x, rel, acc):
+    """Row r of E4M3 (R, C) with 128x128 block scales, dot x (C,)."""
+    fac = _row_rel(s[r // 128], 8, rel)
+    cols = w.shape[1]
+    for k in range(LANES):
+        acc[k] = 0
+    for cb in range(s.shape[1]):
+        sr = rel[cb]
+        j0 = cb * 128
+        j1 = min(cols, j0 + 128)
+        while j0 + LANES <= j1:
+            for k in range(LANES):
+                acc[k] = _fma(_e4m3(w[r, j0 + k]) * sr, x[j0 + k], acc[k])
+            j0 += LANES
+        for k in range(j1 - j0):
+            acc[k] = _fma(_e4m3(w[r, j0 + k]) * sr, x[j0 + k], acc[k])
+    return _finish(_lane_sum(acc, 0), fac)
+
+
+@njit(**_INLINE)
+def _plain_row(w, r, x, acc):
+    """Row r of BF16 bits (uint16) or float32 (R, C), dot x (C,)."""
+    cols = w.shape[1]
+    nb = cols // LANES
+    for k in range(LANES):
+        acc[k] = 0
+    for b in range(nb):
+        for k in range(LANES):
+            acc[k] = _fma(_widen(w[r, b * LANES + k]), x[b * LANES + k], acc[k])
+    for k in range(cols - nb * LANES):
+        acc[k] = _fma(_widen(w[r, nb * LANES + k]), x[nb * LANES + k], acc[k])
+    return _finish(_lane_sum(acc, 0), 1.0)
+
+
+def _widen(v):
+    """A plain weight element as float32."""
+
+
+@overload(_widen, jit_options=_JIT)
+def _ol_widen(v):
+    if v == types.uint16:
+        return lambda v: _bf16(v)
+    if v == types.float32:
+        return lambda v: v
+    return None
+
+
+@njit(parallel=True, **_JIT)
+def _fp4_mv(w, s, xp, out):
+    for r in prange(w.shape[0]):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        acc = carray(_stack_f32(LANES), (LANES,))
+        out[r] = _fp4_row(w, s, r, xp, rel, acc)
+
+
+@njit(parallel=True, **_JIT)
+def _fp4_mv2(w1, s1, w3, s3, xp, out1, out3):
+    for r in prange(w1.shape[0]):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        acc = carray(_stack_f32(LANES), (LANES,))
+        out1[r] = _fp4_row(w1, s1, r, xp, rel, acc)
+        out3[r] = _fp4_row(w3, s3, r, xp, rel, acc)
+
+
+@njit(parallel=True, **_JIT)
+def _fp8_mv(w, s, x, out):
+    for r in prange(w.shape[0]):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        acc = carray(_stack_f32(LANES), (LANES,))
+        out[r] = _fp8_row(w, s, r, x, rel, acc)
+
+
+@njit(parallel=True, **_JIT)
+def _fp8_mv2(w1, s1, w3, s3, x, out1, out3):
+    for r in prange(w1.shape[0]):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        acc = carray(_stack_f32(LANES), (LANES,))
+        out1[r] = _fp8_row(w1, s1, r, x, rel, acc)
+        out3[r] = _fp8_row(w3, s3, r, x, rel, acc)
+
+
+@njit(parallel=True, **_JIT)
+def _plain_mv(w, x, out):
+    for r in prange(w.shape[0]):
+        acc = carray(_stack_f32(LANES), (LANES,))
+        out[r] = _plain_row(w, r, x, acc)
+
+
+# ---- a tile of rows times a few tokens (decode once into a float32 tile) ------------------------
+
+
+@njit(**_INLINE)
+def _fp4_decode(w, s, r, rel, dst):
+    """dst (C,) = row r as float32 in lane order, relative scales applied; returns the factor."""
+    fac = _row_rel(s[r], 14, rel)
+    for b in range(w.shape[1] // 16):
+        sr = rel[b]
+        for k in range(16):
+            byte = w[r, b * 16 + k]
+            dst[b * 32 + k] = _e2m1_lo(byte) * sr
+            dst[b * 32 + 16 + k] = _e2m1_hi(byte) * sr
+    return fac
+
+
+@njit(**_INLINE)
+def _fp8_decode(w, s, r, rel, dst):
+    """Same loop shape as `_fp8_row` (0-based lane loops vectorise; a strided range does not)."""
+    fac = _row_rel(s[r // 128], 8, rel)
+    cols = w.shape[1]
+    for cb in range(s.shape[1]):
+        sr = rel[cb]
+        j0 = cb * 128
+        j1 = min(cols, j0 + 128)
+        while j0 + LANES <= j1:
+            for k in range(LANES):
+                dst[j0 + k] = _e4m3(w[r, j0 + k]) * sr
+            j0 += LANES
+        for k in range(j1 - j0):
+            dst[j0 + k] = _e4m3(w[r, j0 + k]) * sr
+    return fac
+
+
+@njit(**_INLINE)
+def _plain_decode(w, r, dst):
+    cols = w.shape[1]
+    nb = cols // LANES
+    for b in range(nb):
+        for k in range(LANES):
+            dst[b * LANES + k] = _widen(w[r, b * LANES + k])
+    for k in range(cols - nb * LANES):
+        dst[nb * LANES + k] = _widen(w[r, nb * LANES + k])
+    return 1.0
+
+
+@njit(**_INLINE)
+def _fma_4x2(tile, xs, t, j, k, acc):
+    """Lane k += tile[q, j] * xs[t + u, j] for 4 rows q and 2 tokens u (acc index (u*4+q)*32+k)."""
+    x0 = xs[t, j]
+    x1 = xs[t + 1, j]
+    w0 = tile[0, j]
+    w1 = tile[1, j]
+    w2 = tile[2, j]
+    w3 = tile[3, j]
+    acc[k] = _fma(w0, x0, acc[k])
+    acc[32 + k] = _fma(w1, x0, acc[32 + k])
+    acc[64 + k] = _fma(w2, x0, acc[64 + k])
+    acc[96 + k] = _fma(w3, x0, acc[96 + k])
+    acc[128 + k] = _fma(w0, x1, acc[128 + k])
+    acc[160 + k] = _fma(w1, x1, acc[160 + k])
+    acc[192 + k] = _fma(w2, x1, acc[192 + k])
+    acc[224 + k] = _fma(w3, x1, acc[224 + k])
+
+
+@njit(**_INLINE)
+def _tile_times_tokens(tile, fac, xs, out, r0, nr, acc):
+    """out[t, r0 + q] for q < nr: tile (4, C) float32, xs (T rounded up to even, C).
+
+    4 rows x 2 tokens x 32 lanes stay in registers: each tile element is loaded once per
+    token pair and each token element once per 4 rows.
+    """
+    cols = tile.shape[1]
+    nb = cols // LANES
+    for t in range(0, xs.shape[0], 2):
+        for k in range(TILE_LANES):
+            acc[k] = 0
+        for b in range(nb):
+            for k in range(LANES):
+                _fma_4x2(tile, xs, t, b * LANES + k, k, acc)
+        for k in range(cols - nb * LANES):
+            _fma_4x2(tile, xs, t, nb * LANES + k, k, acc)
+        for u in range(8):
+            q = u % 4
+            tok = t + u // 4
+            if q < nr and tok < out.shape[0]:
+                out[tok, r0 + q] = _finish(_lane_sum(acc, u * LANES), fac[q])
+
+
+@njit(parallel=True, **_JIT)
+def _fp4_mm(w, s, xs, out):
+    rows = w.shape[0]
+    for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        acc = carray(_stack_f32(TILE_LANES), (TILE_LANES,))
+        tile = np.zeros((ROW_TILE, xs.shape[1]), np.float32)
+        fac = np.zeros(ROW_TILE)
+        r0 = ti * ROW_TILE
+        nr = min(ROW_TILE, rows - r0)
+        for q in range(nr):
+            fac[q] = _fp4_decode(w, s, r0 + q, rel, tile[q])
+        _tile_times_tokens(tile, fac, xs, out, r0, nr, acc)
+
+
+@njit(parallel=True, **_JIT)
+def _fp8_mm(w, s, xs, out):
+    rows = w.shape[0]
+    for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        acc = carray(_stack_f32(TILE_LANES), (TILE_LANES,))
+        tile = np.zeros((ROW_TILE, xs.shape[1]), np.float32)
+        fac = np.zeros(ROW_TILE)
+        r0 = ti * ROW_TILE
+        nr = min(ROW_TILE, rows - r0)
+        for q in range(nr):
+            fac[q] = _fp8_decode(w, s, r0 + q, rel, tile[q])
+        _tile_times_tokens(tile, fac, xs, out, r0, nr, acc)
+
+
+@njit(parallel=True, **_JIT)
+def _plain_mm(w, xs, out):
+    rows = w.shape[0]
+    for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
+        acc = carray(_stack_f32(TILE_LANES), (TILE_LANES,))
+        tile = np.zeros((ROW_TILE, xs.shape[1]), np.float32)
+        fac = np.zeros(ROW_TILE)
+        r0 = ti * ROW_TILE
+        nr = min(ROW_TILE, rows - r0)
+        for q in range(nr):
+            fac[q] = _plain_decode(w, r0 + q, tile[q])
+        _tile_times_tokens(tile, fac, xs, out, r0, nr, acc)
+
+
+@njit(parallel=True, **_JIT)
+def _swiglu(g, u, limit, h):
+    """h = silu(min(g, limit)) * clip(u, -limit, limit), float32 (no clamp when limit <= 0)."""
+    for i in prange(g.shape[0]):
+        a = np.float64(g[i])
+        b = np.float64(u[i])
+        if limit > 0:
+            a = min(a, limit)
+            b = min(max(b, -limit), limit)
+        h[i] = np.float32(a / (1.0 + math.exp(-a)) * b)
+
+
+# ---- public API ----------------------------------------------------------------------------------
+
+
+def set_threads(n: int) -> int:
+    """Threads for the kernels (numba), clamped to 1..cores; returns the count in effect."""
+    n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    return n
+
+
+def get_threads() -> int:
+    return numba.get_num_threads()
+
+
+def _u8(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+
+def _scale(w) -> np.ndarray:
+    s = np.ascontiguousarray(w.scale)
+    if s.dtype.itemsize == 1:
+        return s.view(np.uint8)
+    return s if s.dtype == np.float32 else s.astype(np.float32)
+
+
+def _check(w, cols: int) -> None:
+    """Shape contract of a QWeight against the input width; ValueError naming what differs."""
+    if cols != w.cols:
+        raise ValueError(f"{w.kind} weight ({w.rows}, {w.cols}) cannot take inputs of width {cols}")
+    if w.kind == "fp4":
+        if w.cols % 32:
+            raise ValueError(f"FP4 weight needs columns in multiples of 32, found {w.cols}")
+        want_d, want_s = (w.rows, w.cols // 2), (w.rows, w.cols // 32)
+    elif w.kind == "fp8":
+        want_d, want_s = (w.rows, w.cols), (-(-w.rows // 128), -(-w.cols // 128))
+    elif w.kind in ("bf16", "f32"):
+        want_d, want_s = (w.rows, w.cols), None
+    else:
+        raise ValueError(f"unknown weight kind {w.kind!r}")
+    got_s = None if w.scale is None else tuple(w.scale.shape)
+    if tuple(w.data.shape) != want_d or got_s != want_s:
+        raise ValueError(
+            f"{w.kind} weight data {tuple(w.data.shape)} / scale {got_s} do not fit ({w.rows}, {w.cols}):"
+            f" expected {want_d} / {want_s}"
+        )
+    if want_s is not None and want_s[1] > MAX_BLOCKS:
+        raise ValueError(f"{w.kind} weight has {want_s[1]} scale blocks per row, the kernels hold {MAX_BLOCKS}")
+
+
+def _fp4_lanes(x: np.ndarray) -> np.ndarray:
+    """(T, C) -> (T, C) with each 32-block reordered to its 16 even then 16 odd elements."""
+    t, c = x.shape
+    return np.ascontiguousarray(x.reshape(t, c // 32, 16, 2).transpose(0, 1, 3, 2)).reshape(t, c)
+
+
+def _tokens(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"matmul takes X of shape (T, C), found {x.shape}")
+    return x
+
+
+def _plain(w) -> np.ndarray:
+    d = np.ascontiguousarray(w.data)
+    if w.kind == "bf16":
+        return d.view(np.uint16)
+    return d if d.dtype == np.float32 else d.astype(np.float32)
+
+
+def _matvec_rows(w, x: np.ndarray, out: np.ndarray) -> None:
+    if w.kind == "fp4":
+        _fp4_mv(_u8(w.data), _scale(w), _fp4_lanes(x[None])[0], out)
+    elif w.kind == "fp8":
+        _fp8_mv(_u8(w.data), _scale(w), x, out)
+    else:
+        _plain_mv(_plain(w), x, out)
+
+
+def matvec(w, x: np.ndarray) -> np.ndarray:
+    """W (R, C) @ x (C,) -> (R,) float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 1:
+        raise ValueError(f"matvec takes x of shape (C,), found {x.shape}")
+    _check(w, x.shape[0])
+    out = np.empty(w.rows, np.float32)
+    _matvec_rows(w, x, out)
+    return out
+
+
+def matmul(w, x: np.ndarray) -> np.ndarray:
+    """X (T, C) @ W.T -> (T, R) float32; row t equals matvec(w, X[t]) bit for bit."""
+    x = _tokens(x)
+    _check(w, x.shape[1])
+    t = x.shape[0]
+    out = np.empty((t, w.rows), np.float32)
+    if t == 1:
+        _matvec_rows(w, x[0], out[0])
+        return out
+    if t == 0:
+        return out
+    xs = np.zeros((t + t % 2, w.cols), np.float32)
+    xs[:t] = _fp4_lanes(x) if w.kind == "fp4" else x
+    if w.kind == "fp4":
+        _fp4_mm(_u8(w.data), _scale(w), xs, out)
+    elif w.kind == "fp8":
+        _fp8_mm(_u8(w.data), _scale(w), xs, out)
+    else:
+        _plain_mm(_plain(w), xs, out)
+    return out
+
+
+def matvec_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(W1 @ x, W3 @ x) for two weights of one kind and shape, in one pass over rows."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    _check(w1, x.shape[0])
+    _check(w3, x.shape[0])
+    if w1.kind != w3.kind or w1.rows != w3.rows or w1.kind not in ("fp4", "fp8"):
+        return matvec(w1, x), matvec(w3, x)
+    y1 = np.empty(w1.rows, np.float32)
+    y3 = np.empty(w3.rows, np.float32)
+    if w1.kind == "fp4":
+        _fp4_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), _fp4_lanes(x[None])[0], y1, y3)
+    else:
+        _fp8_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), x, y1, y3)
+    return y1, y3
+
+
+def swiglu_expert(w1, w3, w2, x: np.ndarray, limit: float) -> np.ndarray:
+    """W2 @ (silu(min(W1 x, limit)) * clip(W3 x, -limit, limit)); X (T, C) -> (T, C2).
+
+    The clamp follows DeepSeek-V4 (gate clamped from above only); limit <= 0 disables it.
+    """
+    x = _tokens(x)
+    if x.shape[0] == 1:
+        g, u = matvec_pair(w1, w3, x[0])
+        g, u = g[None], u[None]
+    else:
+        g, u = matmul(w1, x), matmul(w3, x)
+    h = np.empty(g.size, np.float32)
+    _swiglu(g.reshape(-1), u.reshape(-1), float(limit), h)
+    return matmul(w2, h.reshape(g.shape))
+
+
+def warmup() -> float:
+    """Compile (or load from numba's cache) every kernel signature; returns the seconds it took."""
+    from . import QWeight  # noqa: PLC0415  (kernels/__init__ imports this module lazily)
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    for sdt in (np.uint8, np.float32):
+        for kind, data, scale in (
+            ("fp4", rng.integers(0, 256, (4, 16), dtype=np.uint8), np.full((4, 1), 127, sdt)),
+            ("fp8", rng.integers(0, 126, (4, 32), dtype=np.uint8), np.full((1, 1), 127, sdt)),
+        ):
+            w = QWeight(kind, data, scale, 4, 32)
+            x = rng.standard_normal((3, 32)).astype(np.float32)
+            swiglu_expert(w, w, QWeight("f32", np.ones((32, 4), np.float32), None, 32, 4), x[:1], 10.0)
+            matmul(w, x[:1])
+            matmul(w, x)
+    for kind, data in (("bf16", np.zeros((4, 32), np.uint16)), ("f32", np.zeros((4, 32), np.float32))):
+        w = QWeight(kind, data, None, 4, 32)
+        matmul(w, np.ones((1, 32), np.float32))
+        matmul(w, np.ones((3, 32), np.float32))
+    return time.perf_counter() - t0

@@ -1,0 +1,108 @@
+"""Where the forward pass gets its weights: small provider interfaces and their defaults.
+
+Owns: the `Trunk` (embedding rows, dense per-layer weights, head) and `Experts` (routed
+experts by (layer, expert), with a prefetch hint) protocols, the in-memory defaults that
+read from the catalog, and an adapter for a model-agnostic expert store whose
+`get(key)` returns the six raw arrays of an expert. Streaming implementations plug in here
+without touching the model code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from ..catalog import Catalog
+from ..config import ModelConfig
+from ..formats import bf16_to_f32
+from .moe import ExpertWeights
+from .weights import HeadWeights, LayerWeights, expert_from_arrays, load_expert, load_head, load_layer
+
+ExpertKey = tuple[int, int]  # (layer, expert)
+
+
+class Trunk(Protocol):
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        """token_ids (T,) -> (T, D) float32."""
+        ...
+
+    def layer(self, i: int) -> LayerWeights: ...
+
+    def head(self) -> HeadWeights: ...
+
+    def tid2eid(self, i: int) -> np.ndarray:
+        """(vocab, k) int64 expert table of hash layer i, available without loading layer i."""
+        ...
+
+
+class Experts(Protocol):
+    def get(self, layer: int, expert: int) -> ExpertWeights: ...
+
+    def prefetch(self, keys: Sequence[ExpertKey]) -> None:
+        """A hint: these experts are about to be needed, in this order."""
+        ...
+
+
+class CatalogTrunk:
+    """All dense weights read from the checkpoint into memory, once, on first use."""
+
+    def __init__(self, cat: Catalog) -> None:
+        self.cat = cat
+        self._layers: dict[int, LayerWeights] = {}
+        self._head: HeadWeights | None = None
+        e = cat.entry("embed.weight")
+        self._embed_bf16 = e.dtype == "BF16"
+
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        rows = self.cat.read_rows("embed.weight", ids)
+        return bf16_to_f32(rows) if self._embed_bf16 else rows.astype(np.float32)
+
+    def layer(self, i: int) -> LayerWeights:
+        w = self._layers.get(i)
+        if w is None:
+            w = self._layers[i] = load_layer(self.cat, i)
+        return w
+
+    def tid2eid(self, i: int) -> np.ndarray:
+        return self.layer(i).moe.tid2eid
+
+    def head(self) -> HeadWeights:
+        if self._head is None:
+            self._head = load_head(self.cat)
+        return self._head
+
+
+class CatalogExperts:
+    """Routed experts read from the checkpoint on first use and kept in memory."""
+
+    def __init__(self, cat: Catalog) -> None:
+        self.cat = cat
+        self._cache: dict[ExpertKey, ExpertWeights] = {}
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        key = (layer, expert)
+        w = self._cache.get(key)
+        if w is None:
+            w = self._cache[key] = load_expert(self.cat, layer, expert)
+        return w
+
+    def prefetch(self, keys: Sequence[ExpertKey]) -> None:
+        pass
+
+
+class StoreExperts:
+    """Adapter for an expert store keyed by (layer, expert) whose get() returns
+    (w1.weight, w1.scale, w2.weight, w2.scale, w3.weight, w3.scale)."""
+
+    def __init__(self, store, cfg: ModelConfig) -> None:
+        self.store = store
+        self.cfg = cfg
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return expert_from_arrays(self.cfg, tuple(self.store.get((layer, expert))))
+
+    def prefetch(self, keys: Sequence[ExpertKey]) -> None:
+        self.store.prefetch(list(keys))

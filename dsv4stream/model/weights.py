@@ -1,0 +1,169 @@
+"""Named weights of the model, built once from the checkpoint catalog.
+
+Owns: the translation from release tensor names to the frozen dataclasses the forward pass
+reads (`LayerWeights`, `HeadWeights`, `ExpertWeights`, ...). This is the only place that
+spells checkpoint keys; the hot path never looks a weight up by string.
+
+Small vectors (norms, mHC, sinks, ape, gate bias) become float32; linears stay as stored
+(`QWeight`: FP8 + scale, BF16 or F32) and go through `dsv4stream.kernels`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..catalog import Catalog
+from ..config import ModelConfig
+from ..formats import fp4_scale_shape, fp8_scale_shape
+from ..kernels import QWeight, dense
+from ..spec import expert_prefix, layer_prefix
+from .attention import AttnWeights
+from .compressor import CompressorWeights
+from .indexer import IndexerWeights
+from .mhc import HcHeadWeights, HcWeights
+from .moe import ExpertWeights, MoeWeights
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    index: int
+    attn_norm: np.ndarray  # (D,)
+    ffn_norm: np.ndarray  # (D,)
+    hc_attn: HcWeights
+    hc_ffn: HcWeights
+    attn: AttnWeights
+    moe: MoeWeights
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    hc: HcHeadWeights
+    norm: np.ndarray  # (D,)
+    head: QWeight  # (vocab, D)
+
+
+def _f32_qweight(a: np.ndarray) -> QWeight:
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return QWeight("f32", a, None, a.shape[0], a.shape[1])
+
+
+def split_rows(w: QWeight, parts: int) -> tuple[QWeight, ...]:
+    """Split a linear into `parts` equal row blocks (the grouped output projection).
+
+    FP8 blocks whose row count is not a multiple of the 128-row scale block are
+    dequantised to float32 first (exact; only tiny test models hit this).
+    """
+    r = w.rows // parts
+    if w.kind == "fp8" and r % 128:
+        w = _f32_qweight(dense(w))
+    out = []
+    for i in range(parts):
+        data = w.data[i * r : (i + 1) * r]
+        scale = w.scale
+        if w.kind == "fp8":
+            scale = w.scale[i * r // 128 : (i + 1) * r // 128]
+        out.append(replace(w, data=data, scale=scale, rows=r))
+    return tuple(out)
+
+
+def _hc(cat: Catalog, prefix: str) -> HcWeights:
+    return HcWeights(
+        fn=_f32_qweight(cat.f32(prefix + "_fn")),
+        base=cat.f32(prefix + "_base"),
+        scale=cat.f32(prefix + "_scale"),
+    )
+
+
+def _compressor(cat: Catalog, p: str) -> CompressorWeights:
+    return CompressorWeights(
+        wkv=cat.qweight(p + "wkv"),
+        wgate=cat.qweight(p + "wgate"),
+        ape=np.ascontiguousarray(cat.f32(p + "ape")),
+        norm=cat.f32(p + "norm.weight"),
+    )
+
+
+def load_layer(cat: Catalog, layer: int) -> LayerWeights:
+    """All dense weights of main layer `layer` (routed experts excluded)."""
+    cfg = cat.config
+    p = layer_prefix(cfg, layer)
+    a = p + "attn."
+    ratio = cfg.ratio(layer)
+    indexer = None
+    if ratio == 4:
+        indexer = IndexerWeights(
+            wq_b=cat.qweight(a + "indexer.wq_b"),
+            weights_proj=cat.qweight(a + "indexer.weights_proj"),
+            compressor=_compressor(cat, a + "indexer.compressor."),
+        )
+    attn = AttnWeights(
+        wq_a=cat.qweight(a + "wq_a"),
+        q_norm=cat.f32(a + "q_norm.weight"),
+        wq_b=cat.qweight(a + "wq_b"),
+        wkv=cat.qweight(a + "wkv"),
+        kv_norm=cat.f32(a + "kv_norm.weight"),
+        wo_a=split_rows(cat.qweight(a + "wo_a"), cfg.o_groups),
+        wo_b=cat.qweight(a + "wo_b"),
+        sink=cat.f32(a + "attn_sink"),
+        ratio=ratio,
+        compressor=_compressor(cat, a + "compressor.") if ratio else None,
+        indexer=indexer,
+    )
+    f = p + "ffn."
+    is_hash = cfg.is_hash_layer(layer)
+    moe = MoeWeights(
+        gate=cat.qweight(f + "gate"),
+        bias=None if is_hash else cat.f32(f + "gate.bias"),
+        tid2eid=np.ascontiguousarray(cat.read(f + "gate.tid2eid"), dtype=np.int64) if is_hash else None,
+        shared=ExpertWeights(
+            w1=cat.qweight(f + "shared_experts.w1"),
+            w2=cat.qweight(f + "shared_experts.w2"),
+            w3=cat.qweight(f + "shared_experts.w3"),
+        ),
+    )
+    return LayerWeights(
+        index=layer,
+        attn_norm=cat.f32(p + "attn_norm.weight"),
+        ffn_norm=cat.f32(p + "ffn_norm.weight"),
+        hc_attn=_hc(cat, p + "hc_attn"),
+        hc_ffn=_hc(cat, p + "hc_ffn"),
+        attn=attn,
+        moe=moe,
+    )
+
+
+def load_head(cat: Catalog) -> HeadWeights:
+    return HeadWeights(
+        hc=HcHeadWeights(
+            fn=_f32_qweight(cat.f32("hc_head_fn")), base=cat.f32("hc_head_base"), scale=cat.f32("hc_head_scale")
+        ),
+        norm=cat.f32("norm.weight"),
+        head=cat.qweight("head"),
+    )
+
+
+def load_expert(cat: Catalog, layer: int, expert: int) -> ExpertWeights:
+    p = expert_prefix(cat.config, layer, expert)
+    return ExpertWeights(w1=cat.qweight(p + "w1"), w2=cat.qweight(p + "w2"), w3=cat.qweight(p + "w3"))
+
+
+def expert_from_arrays(cfg: ModelConfig, arrays: tuple[np.ndarray, ...]) -> ExpertWeights:
+    """ExpertWeights from raw arrays in store order: w1.weight, w1.scale, w2.weight, w2.scale, w3.weight, w3.scale.
+
+    Weights are FP4 packed bytes (expert_dtype "fp4") or E4M3 bytes ("fp8"); scales are
+    E8M0 bytes (uint8) or float32.
+    """
+    d, m = cfg.hidden_size, cfg.moe_intermediate_size
+    kind = cfg.expert_dtype
+    out = []
+    for (wt, sc), (rows, cols) in zip(zip(arrays[0::2], arrays[1::2]), ((m, d), (d, m), (m, d))):
+        wt = np.asarray(wt).view(np.uint8).reshape(rows, cols // 2 if kind == "fp4" else cols)
+        sshape = fp4_scale_shape(rows, cols) if kind == "fp4" else fp8_scale_shape(rows, cols, cfg.fp8_block)
+        sc = np.asarray(sc)
+        n = sshape[0] * sshape[1]
+        # E8M0 scales are one byte each; F32 scales may arrive typed or as raw bytes
+        sc = sc.view(np.uint8) if sc.nbytes == n else sc.view(np.float32)
+        out.append(QWeight(kind, wt, sc.reshape(sshape), rows, cols))
+    return ExpertWeights(*out)

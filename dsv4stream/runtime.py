@@ -1,0 +1,413 @@
+"""A budgeted run: open a checkpoint under `--budget`, generate tokens, collect statistics.
+
+Owns: measuring what the process must hold from the actual checkpoint (`memory_needs`:
+layer and head groups as they are read, the expert slot size, state and staging
+estimates, the measured baseline overhead), planning it (`planner.plan`), wiring the
+streaming providers (`streaming`) into an `Engine`, the generation loop (`Runtime.generate`,
+a generator that also prefetches the hash layers' experts the moment a token is chosen),
+and the figures of a run (`RunStats`). The CLI (`commands/run.py`), the demo and the benches
+go through `Runtime`; the math stays in `engine` / `model`.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Self
+
+import numpy as np
+
+from . import kernels, planner
+from .catalog import Catalog
+from .engine import Engine, Session
+from .errors import UsageError
+from .kernels import reference
+from .pack import MANIFEST, default_out_dir
+from .planner import MemoryNeeds, Plan
+from .store import ExpertStore
+from .store.layout import expert_label, expert_layouts
+from .streaming import GroupReader, StreamedExperts, StreamedTrunk, TrunkLayout, tid2eid_nbytes, trunk_layout
+from .trunkfile import TrunkFile
+
+Pick = Callable[[np.ndarray], int]
+Warn = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What a run may use. `budget` in bytes; `trunk`: a packed trunk directory, None for the
+    default one when it exists (CHECKPOINT/dsv4-trunk), or "" to read the shards only."""
+
+    budget: int
+    io: str = "direct"
+    verify: bool = False
+    threads: int | None = None  # kernel threads
+    io_threads: int = 4  # expert reader threads (queue depth)
+    trunk: str | os.PathLike | None = None
+    route_log: str | os.PathLike | IO[str] | None = None
+    ctx: int = 4096  # longest sequence the state estimate covers
+    chunk: int = 64  # prefill chunk (tokens per forward)
+    overhead: int = planner.DEFAULT_OVERHEAD
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """Figures of a run so far (JSON-ready through `as_dict`). Bytes are as read from disk."""
+
+    generated_ids: list[int]
+    prompt_tokens: int
+    expert_requests: int
+    expert_hits: int
+    expert_misses: int
+    expert_evictions: int
+    expert_prefetches: int
+    prefetch_used: int
+    hit_rate: float
+    bytes_read: int  # routed experts
+    read_seconds: float  # wall time with an expert read in flight
+    read_gbps: float
+    exposed_io_seconds: float  # time the forward blocked on expert reads: I/O not hidden
+    verified_reads: int
+    verify_mismatches: int
+    cache_slots: int
+    slot_bytes: int
+    working_set_experts: int
+    trunk_pinned_layers: int
+    trunk_streamed_layers: int
+    trunk_reads: int
+    trunk_bytes_read: int
+    trunk_wait_seconds: float
+    trunk_out_of_order: int  # layer requests that broke the fixed order (read without overlap)
+    trunk_verified_reads: int
+    peak_rss_bytes: int
+    budget_bytes: int
+    planned_bytes: int
+    io_mode: str
+    io_fallback_files: int
+    kernel_backend: str
+    prefill_seconds: float
+    decode_tokens: int
+    decode_seconds_per_token: float  # decode only: prefill excluded
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        """A short human summary."""
+        gb = 1e9
+        out = [
+            (
+                f"experts: {self.expert_requests} requests, {self.expert_hits} hits ({self.hit_rate:.1%}),"
+                f" {self.expert_misses} misses, {self.bytes_read / gb:.3f} GB read at {self.read_gbps:.2f} GB/s,"
+                f" {self.exposed_io_seconds:.2f} s waiting on reads; cache {self.cache_slots} slots"
+                f" (working set {self.working_set_experts})"
+            ),
+            f"trunk: {self.trunk_pinned_layers} layers pinned, {self.trunk_streamed_layers} streamed"
+            + (
+                f" ({self.trunk_reads} reads, {self.trunk_bytes_read / gb:.3f} GB, {self.trunk_wait_seconds:.2f} s waiting)"
+                if self.trunk_streamed_layers
+                else ""
+            ),
+            (
+                f"time: prefill {self.prompt_tokens} tokens in {self.prefill_seconds:.2f} s,"
+                f" decode {self.decode_seconds_per_token:.3f} s/token over {self.decode_tokens} tokens"
+                f" (kernels: {self.kernel_backend})"
+            ),
+            f"memory: peak RSS {self.peak_rss_bytes / gb:.3f} GB of --budget {self.budget_bytes / gb:.3f} GB"
+            + (
+                f"; verified {self.verified_reads} expert reads, {self.verify_mismatches} mismatches"
+                if self.verified_reads
+                else ""
+            ),
+        ]
+        return out + [f"warning: {w}" for w in self.warnings]
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set since it started (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def kernel_scratch_bytes(cat: Catalog) -> int:
+    """Float32 scratch the kernels allocate for the largest linear (the numpy reference
+    dequantises row blocks; the fused backend's tile buffers are part of the overhead)."""
+    if kernels.backend_name() != "reference":
+        return 0
+    most = 0
+    for e in cat.entries.values():
+        if len(e.shape) == 2 and e.dtype in ("F8_E4M3", "I8", "BF16", "F32"):
+            cols = e.shape[1] * (2 if e.dtype == "I8" else 1)
+            most = max(most, reference.scratch_bytes(e.shape[0], cols))
+    return most
+
+
+def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOptions) -> MemoryNeeds:
+    """What the plan must place, measured on this checkpoint (layer groups as read, with
+    their aligned windows), plus the state / staging estimates and the baseline overhead."""
+    cfg = cat.config
+    return MemoryNeeds(
+        layer_bytes=layout.layer_bytes,
+        head_bytes=layout.head.nbytes + tid2eid_nbytes(cfg),
+        slot_bytes=slot_bytes,
+        state_bytes=planner.state_bytes_for(cfg, opts.ctx),
+        staging_bytes=planner.staging_bytes_for(cfg, opts.chunk) + kernel_scratch_bytes(cat),
+        overhead_bytes=opts.overhead,
+        working_set=cfg.working_set_experts,
+        experts_per_token=cfg.num_experts_per_tok,
+        total_experts=cfg.n_layers * cfg.n_routed_experts,
+    )
+
+
+def _expert_layouts(cat: Catalog) -> tuple[dict, dict]:
+    """Store layouts and piece orders of the main layers' experts (the MTP block is not run)."""
+    n = cat.config.n_layers
+    el = expert_layouts(cat.entries, n)
+    layouts = {k: v for k, v in el.layouts.items() if k[0] < n}
+    return layouts, {k: el.order[k] for k in layouts}
+
+
+def measure(checkpoint: str | os.PathLike, opts: RunOptions) -> MemoryNeeds:
+    """MemoryNeeds of this checkpoint as `Runtime.open` would plan it (reads headers only)."""
+    cat = Catalog.open(checkpoint)
+    tf = open_trunk_file(cat, opts.trunk)
+    layouts, _ = _expert_layouts(cat)
+    return memory_needs(cat, trunk_layout(cat, tf), ExpertStore.slot_nbytes(layouts), opts)
+
+
+def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None) -> TrunkFile | None:
+    """The packed trunk to read from: the one named, else the default one if packed, else None."""
+    if trunk == "":
+        return None
+    if trunk is None:
+        default = default_out_dir(cat.root)
+        if not (default / MANIFEST).is_file():
+            return None
+        trunk = default
+    return TrunkFile.open(trunk, cat)
+
+
+class _Once:
+    """Pass each distinct message to `warn` once (the trunk and the store share the notice)."""
+
+    def __init__(self, warn: Warn | None) -> None:
+        self.warn = warn
+        self.seen: set[str] = set()
+
+    def __call__(self, msg: str) -> None:
+        key = msg.split(" of ", 1)[0]
+        if self.warn is not None and key not in self.seen:
+            self.seen.add(key)
+            self.warn(msg)
+
+
+class Runtime:
+    """An Engine whose trunk and experts stream from disk within a planned budget."""
+
+    def __init__(
+        self,
+        cat: Catalog,
+        opts: RunOptions,
+        plan: Plan,
+        engine: Engine,
+        store: ExpertStore,
+        trunk: StreamedTrunk,
+        trunk_file: TrunkFile | None,
+    ) -> None:
+        self.cat = cat
+        self.cfg = cat.config
+        self.opts = opts
+        self.plan = plan
+        self.engine = engine
+        self.store = store
+        self.trunk = trunk
+        self.trunk_file = trunk_file
+        self.experts: StreamedExperts = engine.experts  # type: ignore[assignment]
+        self._generated: list[int] = []
+        self._prompt_tokens = 0
+        self._prefill_seconds = 0.0
+        self._decode_seconds = 0.0
+        self._decode_tokens = 0
+
+    @classmethod
+    def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None) -> Runtime:
+        """Plan `opts.budget` on this checkpoint (BudgetError if it cannot work) and load what
+        the plan keeps resident. `warn` receives one-time notices (O_DIRECT refused)."""
+        if opts.io not in ("direct", "buffered"):
+            raise UsageError(f"--io {opts.io!r}: use direct or buffered")
+        if opts.chunk < 1 or opts.ctx < 1:
+            raise UsageError(f"chunk and ctx must be at least 1, found {opts.chunk} and {opts.ctx}")
+        cat = Catalog.open(checkpoint)
+        cat.validate()
+        cfg = cat.config
+        once = _Once(warn)
+        tf = open_trunk_file(cat, opts.trunk)
+        layout = trunk_layout(cat, tf)
+        layouts, order = _expert_layouts(cat)
+        needs = memory_needs(cat, layout, ExpertStore.slot_nbytes(layouts), opts)
+        plan = planner.plan(needs, opts.budget)
+        if opts.threads is not None:
+            kernels.set_threads(opts.threads)
+        store = ExpertStore(
+            layouts,
+            plan.expert_slots,
+            io=opts.io,
+            threads=opts.io_threads,
+            verify=opts.verify,
+            route_log=opts.route_log,
+            label=expert_label,
+            warn=once,
+            order=order,
+        )
+        try:
+            reader = GroupReader(opts.io, opts.verify, once)
+            trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None)
+        except BaseException:
+            store.close()
+            raise
+        engine = Engine(cfg, trunk, StreamedExperts(store, cfg), cat)
+        return cls(cat, opts, plan, engine, store, trunk, tf)
+
+    # -- generation --------------------------------------------------------------------------
+
+    def session(self) -> Session:
+        return self.engine.session(chunk_size=self.opts.chunk)
+
+    def prefetch_hash_layers(self, token_ids: Sequence[int]) -> None:
+        """Start reading the hash layers' experts for these tokens: exact, known from the ids alone."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        keys = []
+        for i in range(min(self.cfg.num_hash_layers, self.cfg.n_layers)):
+            keys += [(i, int(e)) for e in np.unique(self.trunk.tid2eid(i)[ids])]
+        if keys:
+            self.experts.prefetch(keys)
+
+    def generate(
+        self,
+        session: Session,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        pick: Pick | None = None,
+        stop_ids: Sequence[int] = (),
+    ) -> Iterator[int]:
+        """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick`
+        (default greedy, ties to the lower id), stopping after a token in `stop_ids`.
+
+        Every yielded token but the last has been fed to the session; the last one has not
+        (no forward pass is spent on logits nobody reads): a later turn starts with it.
+        Times go to `stats()`: prefill (to the first logits) and decode steps separately."""
+        pick = pick or _greedy
+        t0 = time.perf_counter()
+        logits = session.prefill(prompt_ids, last_only=True)
+        self._prefill_seconds += time.perf_counter() - t0
+        self._prompt_tokens += len(prompt_ids)
+        for n in range(max_new_tokens):
+            tok = pick(logits)
+            last = n + 1 == max_new_tokens or tok in stop_ids
+            if not last:
+                # the token is known: its hash-layer experts can load while the caller prints it
+                self.prefetch_hash_layers([tok])
+            self._generated.append(tok)
+            yield tok
+            if last:
+                return
+            t0 = time.perf_counter()
+            logits = session.step(tok)
+            self._decode_seconds += time.perf_counter() - t0
+            self._decode_tokens += 1
+
+    # -- figures and lifetime ----------------------------------------------------------------
+
+    def stats(self) -> RunStats:
+        s = self.store.stats()
+        r = self.trunk.stats()
+        peak = peak_rss_bytes()
+        warnings = list(self.plan.warnings)
+        if peak > self.opts.budget:
+            warnings.append(
+                f"peak RSS {peak / 1e9:.3f} GB exceeded --budget {self.opts.budget / 1e9:.3f} GB;"
+                " raise --budget or report this run (the plan's estimates were too low)"
+            )
+        return RunStats(
+            generated_ids=list(self._generated),
+            prompt_tokens=self._prompt_tokens,
+            expert_requests=s.requests,
+            expert_hits=s.hits,
+            expert_misses=s.misses,
+            expert_evictions=s.evictions,
+            expert_prefetches=s.prefetches,
+            prefetch_used=s.prefetch_used,
+            hit_rate=s.hit_rate,
+            bytes_read=s.bytes_read,
+            read_seconds=s.read_seconds,
+            read_gbps=s.read_gbps,
+            exposed_io_seconds=s.wait_seconds,
+            verified_reads=s.verified_reads,
+            verify_mismatches=s.verify_mismatches,
+            cache_slots=s.slots,
+            slot_bytes=s.slot_bytes,
+            working_set_experts=self.cfg.working_set_experts,
+            trunk_pinned_layers=r.pinned_layers,
+            trunk_streamed_layers=r.streamed_layers,
+            trunk_reads=r.reads,
+            trunk_bytes_read=r.bytes_read,
+            trunk_wait_seconds=r.wait_seconds,
+            trunk_out_of_order=r.out_of_order,
+            trunk_verified_reads=r.verified_reads,
+            peak_rss_bytes=peak,
+            budget_bytes=self.opts.budget,
+            planned_bytes=self.plan.planned_bytes,
+            io_mode=s.io if not s.fallback_files else f"{s.io} (buffered fallback)",
+            io_fallback_files=s.fallback_files,
+            kernel_backend=kernels.backend_name(),
+            prefill_seconds=self._prefill_seconds,
+            decode_tokens=self._decode_tokens,
+            decode_seconds_per_token=self._decode_seconds / self._decode_tokens if self._decode_tokens else 0.0,
+            warnings=warnings,
+        )
+
+    def close(self) -> None:
+        self.experts.release()
+        self.trunk.close()
+        self.store.close()
+        if self.trunk_file is not None:
+            self.trunk_file.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _greedy(logits: np.ndarray) -> int:
+    return int(np.argmax(logits))
+
+
+def default_budget() -> int:
+    """80% of the memory available now (what `--budget` defaults to)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available * 0.8)
+
+
+def budget_bytes(gb: float | None) -> int:
+    """--budget GB (decimal) -> bytes; None -> the default."""
+    if gb is None:
+        return default_budget()
+    if not gb > 0:
+        raise UsageError(f"--budget {gb}: give a positive number of GB (decimal, e.g. --budget 3)")
+    return int(gb * planner.GB)
+
+
+def checkpoint_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise UsageError(
+            f"{p}: not a checkpoint directory (no config.json); pass the folder holding config.json and *.safetensors"
+        )
+    return p

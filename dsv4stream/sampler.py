@@ -1,0 +1,91 @@
+"""Next-token choice from logits: a ladder of small pure functions and a seeded generator.
+
+Order of the ladder: temperature -> top-k -> top-p (nucleus) -> min-p -> draw. Temperature
+0 (or `greedy`) is argmax with ties broken toward the lower id, so greedy decoding is
+identical across runs, thread counts and budgets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def greedy(logits: np.ndarray) -> int:
+    """argmax, lowest id on ties (np.argmax returns the first maximum)."""
+    return int(np.argmax(logits))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    z = x.astype(np.float64) - np.max(x)
+    e = np.exp(z)
+    return e / e.sum()
+
+
+def apply_temperature(logits: np.ndarray, t: float) -> np.ndarray:
+    return logits.astype(np.float64) / t
+
+
+def top_k_mask(logits: np.ndarray, k: int) -> np.ndarray:
+    """Keep the k largest logits (ties at the boundary: lower ids first); others -inf."""
+    if k <= 0 or k >= logits.size:
+        return logits
+    keep = np.argsort(-logits, kind="stable")[:k]
+    out = np.full_like(logits, -np.inf)
+    out[keep] = logits[keep]
+    return out
+
+
+def top_p_mask(logits: np.ndarray, p: float) -> np.ndarray:
+    """Keep the smallest set of top tokens whose probability reaches p (always >= 1 token)."""
+    if p >= 1.0:
+        return logits
+    order = np.argsort(-logits, kind="stable")
+    probs = softmax(logits)[order]
+    cut = int(np.searchsorted(np.cumsum(probs), p)) + 1
+    out = np.full_like(logits, -np.inf)
+    keep = order[:cut]
+    out[keep] = logits[keep]
+    return out
+
+
+def min_p_mask(logits: np.ndarray, min_p: float) -> np.ndarray:
+    """Drop tokens whose probability is below min_p times the top token's probability."""
+    if min_p <= 0.0:
+        return logits
+    probs = softmax(logits)
+    out = logits.copy()
+    out[probs < min_p * probs.max()] = -np.inf
+    return out
+
+
+def draw(logits: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from softmax(logits) by inverse CDF over ids in ascending order."""
+    probs = softmax(logits)
+    u = rng.random()
+    return int(min(np.searchsorted(np.cumsum(probs), u, side="right"), probs.size - 1))
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The whole ladder; `rng` is only consumed when not greedy."""
+    if params.greedy:
+        return greedy(logits)
+    x = apply_temperature(np.asarray(logits), params.temperature)
+    x = top_k_mask(x, params.top_k)
+    x = top_p_mask(x, params.top_p)
+    x = min_p_mask(x, params.min_p)
+    return draw(x, rng)

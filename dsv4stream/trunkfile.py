@@ -1,0 +1,262 @@
+"""Loader of a packed trunk (written by `pack.pack_trunk`): manifest checks, runs, raw tensors.
+
+Owns: refusing a pack that does not belong to the checkpoint (fingerprint of the shard
+headers, plus a byte comparison of one small tensor per run against the shards, which
+also tells apart checkpoints with identical shapes such as a base and a chat model);
+checksums of runs (on every `read_run`, or all at once with `verify`); raw tensor arrays
+by name with the same dtypes as `Catalog.read` (uint8 for F8/I8, uint16 for BF16, ...).
+
+It does not convert or place weights: the trunk owner turns these arrays into named
+weights, and the store may read a layer's run itself (path, offset, nbytes: all multiples
+of 4096) with O_DIRECT. A partial pack (`complete` False) holds the model-level runs and
+main layers below `layers_packed`; `has(name)` says whether to read a tensor from here or
+from the shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+import numpy as np
+
+from .catalog import NP_DTYPE, Catalog
+from .errors import CheckpointError
+from .pack import ALIGN, FORMAT, MANIFEST, hash_range, staging_dir
+
+PROBE_BYTES = 32 << 10  # per run, compared with the shards at open: cheap, yet tells twins apart
+
+
+@dataclass(frozen=True)
+class TrunkTensor:
+    name: str
+    dtype: str  # safetensors dtype string, as in the checkpoint
+    shape: tuple[int, ...]
+    offset: int  # absolute, in the trunk file
+    nbytes: int
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(NP_DTYPE[self.dtype])
+
+
+@dataclass(frozen=True)
+class TrunkRun:
+    key: str  # "embed", "layers.L", "model", "head", "mtp.K"
+    layer: int | None  # main layer, n_layers + k for MTP block k, None for model-level runs
+    path: str
+    offset: int  # multiple of 4096
+    nbytes: int  # multiple of 4096; the checksum covers all of it
+    checksum: str  # blake2b-128 hex
+    tensors: tuple[TrunkTensor, ...]
+
+
+def _restart(root: Path) -> str:
+    return f"delete {root} and run `dsv4 pack-trunk` again"
+
+
+class TrunkFile:
+    """A packed trunk, checked against the checkpoint it claims to come from."""
+
+    def __init__(self, root: Path, manifest: dict, runs: dict[str, TrunkRun]):
+        self.root = root
+        self.manifest = manifest
+        self.runs = runs
+        self.path = str(root / manifest["file"])
+        self.complete: bool = bool(manifest["complete"])
+        self.layers_packed: int = int(manifest["layers_packed"])
+        self._tensors = {t.name: (t, r.key) for r in runs.values() for t in r.tensors}
+        self._by_layer = {r.layer: r for r in runs.values() if r.layer is not None}
+        self._mm: np.memmap | None = None
+
+    # ---- opening ---------------------------------------------------------------------
+    @classmethod
+    def open(cls, out_dir: str | os.PathLike, catalog: Catalog, verify: bool = False) -> TrunkFile:
+        """Open OUT_DIR's pack for `catalog`; verify=True also checks every run's checksum now."""
+        root = Path(out_dir)
+        mpath = root / MANIFEST
+        if not mpath.is_file():
+            unfinished = staging_dir(root).exists()
+            raise CheckpointError(
+                f"{root}: no packed trunk here (manifest.json missing"
+                + ("; an interrupted pack is in " + str(staging_dir(root)) if unfinished else "")
+                + f"); run `dsv4 pack-trunk {catalog.root} {root}`"
+            )
+        try:
+            m = json.loads(mpath.read_text())
+            runs = {
+                d["key"]: TrunkRun(
+                    d["key"],
+                    d["layer"],
+                    str(root / m["file"]),
+                    int(d["offset"]),
+                    int(d["nbytes"]),
+                    d["blake2b"],
+                    tuple(
+                        TrunkTensor(t["name"], t["dtype"], tuple(t["shape"]), int(t["offset"]), int(t["nbytes"]))
+                        for t in d["tensors"]
+                    ),
+                )
+                for d in m["runs"]
+            }
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{mpath}: unreadable manifest ({e}); {_restart(root)}") from None
+        if m.get("format") != FORMAT:
+            raise CheckpointError(
+                f"{mpath}: format {m.get('format')!r}, this dsv4stream reads {FORMAT!r}; {_restart(root)}"
+            )
+        if m.get("fingerprint") != catalog.fingerprint:
+            raise CheckpointError(
+                f"{root}: trunk was packed from a different checkpoint (fingerprint {m.get('fingerprint')},"
+                f" {catalog.root} has {catalog.fingerprint}); pack this checkpoint with"
+                f" `dsv4 pack-trunk {catalog.root} OUT_DIR` or pass the right --trunk"
+            )
+        tf = cls(root, m, runs)
+        tf._check_file()
+        tf._check_against(catalog)
+        if verify:
+            tf.verify()
+        return tf
+
+    def _check_file(self) -> None:
+        try:
+            size = os.stat(self.path).st_size
+        except OSError:
+            raise CheckpointError(f"{self.path}: trunk file missing; {_restart(self.root)}") from None
+        if size != self.manifest.get("file_bytes"):
+            raise CheckpointError(
+                f"{self.path}: {size} bytes, manifest says {self.manifest.get('file_bytes')} — the trunk is truncated"
+                f" or replaced; {_restart(self.root)}"
+            )
+        for r in self.runs.values():
+            if r.offset % ALIGN or r.nbytes % ALIGN or r.offset + r.nbytes > size:
+                raise CheckpointError(f"{self.root}: run '{r.key}' is misplaced in the manifest; {_restart(self.root)}")
+
+    def _check_against(self, cat: Catalog) -> None:
+        """Names, dtypes and shapes as in the shards; and one small tensor per run byte for byte."""
+        for r in self.runs.values():
+            for t in r.tensors:
+                e = cat.entries.get(t.name)
+                if e is None or (e.dtype, e.shape, e.nbytes) != (t.dtype, t.shape, t.nbytes):
+                    raise CheckpointError(
+                        f"{self.root}: '{t.name}' in the trunk does not match the checkpoint; {_restart(self.root)}"
+                    )
+            # one small tensor per run (a head and a tail slice of embed/head), compared with the shards
+            probe = min(r.tensors, key=lambda t: (t.nbytes, t.name))
+            e = cat.entries[probe.name]
+            n = min(probe.nbytes, PROBE_BYTES)
+            for at in sorted({0, probe.nbytes - n}):
+                if _pread(self.path, probe.offset + at, n).tobytes() != _pread(e.path, e.offset + at, n).tobytes():
+                    raise CheckpointError(
+                        f"{self.root}: '{probe.name}' differs from {cat.root} — the trunk comes from another"
+                        f" checkpoint with the same shapes, or run '{r.key}' is corrupted; {_restart(self.root)}"
+                    )
+
+    # ---- queries ------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def entry(self, name: str) -> TrunkTensor:
+        got = self._tensors.get(name)
+        if got is None:
+            raise CheckpointError(
+                f"{self.root}: tensor '{name}' is not in this trunk (packed {self.layers_packed} layers); read it from the shards"
+            )
+        return got[0]
+
+    def run(self, key: str) -> TrunkRun:
+        if key not in self.runs:
+            raise CheckpointError(f"{self.root}: no run '{key}' in this trunk; runs are {', '.join(self.runs)}")
+        return self.runs[key]
+
+    def layer_run(self, layer: int) -> TrunkRun | None:
+        """The run of main layer `layer` (or MTP block at n_layers + k); None if not packed."""
+        return self._by_layer.get(layer)
+
+    # ---- reads --------------------------------------------------------------------------
+    def tensor(self, name: str) -> np.ndarray:
+        """Read-only memory-mapped view of one tensor (no checksum: use read_run/verify for that)."""
+        t = self.entry(name)
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        return self._mm[t.offset : t.offset + t.nbytes].view(t.np_dtype).reshape(t.shape)
+
+    def read_tensor(self, name: str) -> np.ndarray:
+        """One tensor read with pread into its own array (no checksum)."""
+        t = self.entry(name)
+        buf = _pread(self.path, t.offset, t.nbytes)
+        return buf.view(t.np_dtype).reshape(t.shape)
+
+    def read_run(self, key: str, verify: bool = True) -> np.ndarray:
+        """A run's bytes in a 4096-aligned uint8 buffer (nbytes,), checksum checked unless verify=False."""
+        r = self.run(key)
+        buf = _pread(self.path, r.offset, r.nbytes)
+        if verify:
+            import hashlib
+
+            got = hashlib.blake2b(buf, digest_size=16).hexdigest()
+            if got != r.checksum:
+                raise self._corrupt(r, got)
+        return buf
+
+    def arrays(self, key: str, verify: bool = True) -> dict[str, np.ndarray]:
+        """name -> raw array, views into one freshly read (and checked) run buffer."""
+        r = self.run(key)
+        buf = self.read_run(key, verify)
+        return {
+            t.name: buf[t.offset - r.offset : t.offset - r.offset + t.nbytes].view(t.np_dtype).reshape(t.shape)
+            for t in r.tensors
+        }
+
+    def verify(self, keys: list[str] | None = None) -> None:
+        """Re-hash runs from disk (all by default); CheckpointError on the first mismatch."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for key in keys or list(self.runs):
+                r = self.run(key)
+                got = hash_range(fd, r.offset, r.nbytes)
+                if got != r.checksum:
+                    raise self._corrupt(r, got)
+        finally:
+            os.close(fd)
+
+    def _corrupt(self, r: TrunkRun, got: str) -> CheckpointError:
+        return CheckpointError(
+            f"{r.path}: run '{r.key}' (bytes {r.offset}..{r.offset + r.nbytes}) fails its checksum"
+            f" ({got} != {r.checksum}); the trunk is corrupted — {_restart(self.root)}"
+        )
+
+    def close(self) -> None:
+        self._mm = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pread(path: str, offset: int, nbytes: int) -> np.ndarray:
+    """nbytes from offset into a fresh 4096-aligned uint8 array (what O_DIRECT would need)."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGN
+    buf = raw[start : start + nbytes]
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = 0
+        while got < nbytes:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise CheckpointError(f"{path}: short read at byte {offset + got}; the trunk is truncated")
+            got += n
+    finally:
+        os.close(fd)
+    return buf

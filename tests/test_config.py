@@ -1,0 +1,141 @@
+"""ModelConfig on the real V4-Flash config, a V4-Pro-shaped one, and broken ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsv4stream.config import CSA, HCA, WINDOW, ModelConfig
+from dsv4stream.errors import ConfigError
+from dsv4stream.spec import trunk_nbytes
+
+PACKAGED = Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json"
+SHARED = Path("/work/shared/v4_flash_config.json")
+GIB = 1 << 30
+
+
+def flash_dict() -> dict:
+    return json.loads(PACKAGED.read_text())
+
+
+def pro_dict() -> dict:
+    d = flash_dict()
+    d.update(
+        num_hidden_layers=61, hidden_size=7168, n_routed_experts=384, moe_intermediate_size=3072,
+        q_lora_rank=1536, o_groups=16, num_attention_heads=128, index_topk=1024,
+        compress_ratios=[128, 128] + [4, 128] * 29 + [4, 0],
+    )  # fmt: skip
+    return d
+
+
+def test_packaged_copy_is_the_shared_config():
+    if not SHARED.exists():
+        pytest.skip("no /work/shared copy on this machine")
+    assert json.loads(SHARED.read_text()) == flash_dict()
+
+
+def test_flash_numbers():
+    cfg = ModelConfig.from_json(PACKAGED)
+    assert (cfg.n_layers, cfg.n_mtp, len(cfg.compress_ratios)) == (43, 1, 44)
+    assert cfg.working_set_experts == 43 * 6 == 258
+    # three FP4 matrices 2048x4096: packed nibbles + one E8M0 byte per 32 inputs
+    assert cfg.expert_bytes == 3 * (2048 * 4096 // 2 + 2048 * 4096 // 32) == 13_369_344
+    assert cfg.working_set_bytes == 258 * 13_369_344
+    assert round(cfg.working_set_bytes / GIB, 2) == 3.21
+    assert cfg.total_expert_bytes == 44 * 256 * 13_369_344
+    kinds = cfg.layer_kinds
+    assert len(kinds) == 43
+    assert kinds[:4] == (WINDOW, WINDOW, CSA, HCA)
+    assert (kinds.count(WINDOW), kinds.count(CSA), kinds.count(HCA)) == (2, 21, 20)
+    assert cfg.layer_kind(43) == WINDOW  # the MTP block's own entry
+    assert [cfg.is_hash_layer(i) for i in range(5)] == [True, True, True, False, False]
+    assert cfg.fp8_block == (128, 128) and cfg.scale_fmt == "ue8m0" and cfg.expert_dtype == "fp4"
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 16
+    assert isinstance(cfg.rope_theta, float) and cfg.compress_rope_theta == 160000.0
+    t = trunk_nbytes(cfg)
+    assert t["embed"] == t["head"] == 129280 * 4096 * 2
+    assert 6.0 < t["trunk"] / GIB < 6.6  # "about 6.3 GB"
+
+
+def test_pro_shape_accepted():
+    cfg = ModelConfig.from_dict(pro_dict())
+    assert len(cfg.compress_ratios) == 62 and cfg.n_layers == 61
+    assert cfg.layer_kinds[:4] == (HCA, HCA, CSA, HCA)
+    assert cfg.layer_kind(60) == CSA and cfg.layer_kind(61) == WINDOW
+    assert cfg.working_set_experts == 61 * 6
+    assert cfg.expert_bytes == 3 * (3072 * 7168 // 2 + 3072 * 7168 // 32)
+    assert cfg.num_attention_heads // cfg.o_groups == 8
+
+
+def test_many_missing_fields_in_one_message():
+    d = flash_dict()
+    for k in ("hidden_size", "vocab_size", "scoring_func", "hc_mult"):
+        del d[k]
+    with pytest.raises(ConfigError) as ei:
+        ModelConfig.from_dict(d, source="cfg.json")
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith("cfg.json: ")
+    for k in ("hidden_size", "vocab_size", "scoring_func", "hc_mult"):
+        assert f"missing '{k}'" in msg
+
+
+def test_invalid_fields_all_reported():
+    d = flash_dict()
+    d.update(hidden_size="4096", num_hidden_layers=-1, swiglu_limit=True, expert_dtype="int4")
+    d["quantization_config"] = dict(d["quantization_config"], weight_block_size=[128])
+    msg = str(pytest.raises(ConfigError, ModelConfig.from_dict, d).value)
+    assert "'hidden_size' should be int, found str" in msg
+    assert "'num_hidden_layers' must not be negative" in msg
+    assert "'swiglu_limit' should be float, found bool" in msg
+    assert "'expert_dtype'" in msg and "weight_block_size" in msg
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"compress_ratios": [0] * 43}, "'compress_ratios' has 43 entries, expected num_hidden_layers + num_nextn_predict_layers = 44"),
+        ({"num_nextn_predict_layers": 0}, "expected num_hidden_layers + num_nextn_predict_layers = 43"),
+        ({"compress_ratios": [0, -4] + [0] * 42}, "'compress_ratios' must be non-negative integers"),
+        ({"scoring_func": "softmax"}, "'scoring_func' must be 'sqrtsoftplus'"),
+        ({"num_experts_per_tok": 300}, "'num_experts_per_tok' must be between 1"),
+        ({"o_groups": 7}, "multiple of 'o_groups'"),
+        ({"moe_intermediate_size": 2050}, "'moe_intermediate_size' must be a multiple of 32"),
+        ({"qk_rope_head_dim": 63}, "'qk_rope_head_dim' must be even"),
+    ],
+)  # fmt: skip
+def test_inconsistent_fields(change, words):
+    d = flash_dict()
+    d.update(change)
+    assert words in str(pytest.raises(ConfigError, ModelConfig.from_dict, d).value)
+
+
+def test_small_ratios_are_heavily_compressed():
+    d = flash_dict()
+    d.update(num_hidden_layers=5, compress_ratios=[0, 4, 8, 16, 128, 0])
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.layer_kinds == (WINDOW, CSA, HCA, HCA, HCA)
+
+
+def test_release_optional_fields():
+    d = flash_dict()
+    d["eos_token_id"] = [1, 2]
+    d["quantization_config"] = dict(d["quantization_config"], scale_fmt=None)
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.eos_token_id == 1 and cfg.scale_fmt == "float"
+    d = flash_dict()
+    d["rope_theta"] = 10000  # ints are accepted for float fields
+    assert ModelConfig.from_dict(d).rope_theta == 10000.0
+
+
+def test_from_json_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config.json not found"):
+        ModelConfig.from_json(tmp_path / "config.json")
+    p = tmp_path / "config.json"
+    p.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config\.json: not valid JSON"):
+        ModelConfig.from_json(p)
+    p.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        ModelConfig.from_json(p)

@@ -1,0 +1,46 @@
+"""`dsv4 doctor`: measurements run and the advice follows the planner and the model's sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from dsv4stream import doctor as d
+from dsv4stream.commands.doctor import doctor
+from dsv4stream.config import ModelConfig
+from dsv4stream.planner import GB
+
+FLASH = Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json"
+
+
+def test_read_bandwidth_on_a_temp_file(tmp_path):
+    p = tmp_path / "blob"
+    p.write_bytes(b"\x01" * (8 << 20))
+    figs = d.read_bandwidth(p, 1 << 20, (1, 2), seconds=0.05)
+    assert [f.depth for f in figs] == [1, 2]
+    assert all(f.gbps > 0 and f.block == 1 << 20 for f in figs)
+
+
+def test_expected_hit_rate_bands():
+    assert d.expected_hit_rate(100, 258, 11008).startswith("0%")
+    assert d.expected_hit_rate(int(258 * 1.63), 258, 11008) == "35-45%"
+    assert d.expected_hit_rate(11008, 258, 11008).startswith("near 100%")
+    assert d.expected_hit_rate(2000, 258, 11008).startswith("above 48-58%")
+
+
+def test_advice_on_flash_config():
+    cfg = ModelConfig.from_json(FLASH)
+    lines = d.advice_lines(cfg, 16 * GB)
+    assert "258 experts per pass" in lines[0] and "13,369,344 bytes" in lines[0]
+    assert any(line.startswith("recommended --budget 13") for line in lines)
+    low = d.advice_lines(cfg, 1 * GB)
+    assert "none fits" in low[-1]
+
+
+def test_doctor_command_exits_zero(tmp_path):
+    r = CliRunner().invoke(doctor, [str(tmp_path), "--seconds", "0.05", "--depths", "1"])
+    assert r.exit_code == 0, r.output
+    assert "read bandwidth:" in r.output and "memory:" in r.output
+    assert "advice below is for the released V4-Flash config" in r.output
+    assert not list(tmp_path.iterdir())  # the probe file is removed

@@ -1,0 +1,99 @@
+"""`dsv4 run` end to end on generated checkpoints: the stats JSON, the route log, --verify,
+the plan and its warnings, text prompts through the tokenizer, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dsv4stream import planner, synth
+from dsv4stream.commands.run import run as run_cmd
+from dsv4stream.engine import Engine
+from dsv4stream.runtime import RunOptions, measure
+
+FIELDS = (
+    "generated_ids", "expert_requests", "expert_hits", "expert_misses", "bytes_read", "verified_reads",
+    "verify_mismatches", "cache_slots", "working_set_experts", "peak_rss_bytes", "budget_bytes", "io_mode",
+    "prefill_seconds", "decode_seconds_per_token",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return synth.make_checkpoint(tmp_path_factory.mktemp("r") / "tiny", preset="tiny", seed=5)
+
+
+def gb(ckpt: Path, slots: int) -> str:
+    """--budget (GB) giving `slots` expert slots with the whole trunk resident, at the default overhead."""
+    n = measure(ckpt, RunOptions(budget=1))
+    total = (
+        n.overhead_bytes + n.state_bytes + n.staging_bytes + n.head_bytes + sum(n.layer_bytes) + slots * n.slot_bytes
+    )
+    return f"{total / planner.GB:.9f}"
+
+
+def invoke(*args: str):
+    res = CliRunner().invoke(run_cmd, list(args), catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return res
+
+
+def test_stats_json_route_log_and_verify(ckpt, tmp_path) -> None:
+    stats, route = tmp_path / "stats.json", tmp_path / "route.log"
+    res = invoke(
+        str(ckpt), "--prompt-ids", "1,2,3,4,5", "--gen", "6", "--greedy", "--budget", gb(ckpt, 32),
+        "--verify", "--stats-json", str(stats), "--route-log", str(route),
+    )  # fmt: skip
+    s = json.loads(stats.read_text())
+    assert all(f in s for f in FIELDS)
+    want = list(Engine.open(ckpt).session().generate([1, 2, 3, 4, 5], 6))
+    assert s["generated_ids"] == want and res.stdout.strip() == ",".join(map(str, want))
+    assert s["verified_reads"] == s["expert_misses"] > 0 and s["verify_mismatches"] == 0
+    assert len(route.read_text().splitlines()) == s["expert_requests"] == s["expert_hits"] + s["expert_misses"]
+    assert s["cache_slots"] == 32 and s["working_set_experts"] == 8 and s["io_mode"].startswith("direct")
+    assert s["budget_bytes"] == int(float(gb(ckpt, 32)) * 1e9) and s["peak_rss_bytes"] > 0
+    assert s["prefill_seconds"] > 0 and s["decode_seconds_per_token"] > 0
+    assert "planned total" in res.stderr and "peak RSS" in res.stderr
+
+
+def test_below_the_working_set_warns_with_the_amount_and_keeps_the_ids(ckpt, tmp_path) -> None:
+    stats = tmp_path / "s.json"
+    res = invoke(str(ckpt), "--prompt-ids", "7,8,9", "--gen", "5", "--budget", gb(ckpt, 5), "--io", "buffered",
+                 "--stats-json", str(stats))  # fmt: skip
+    assert "working set of 8" in res.stderr and "add " in res.stderr and " to --budget" in res.stderr
+    s = json.loads(stats.read_text())
+    assert s["cache_slots"] == 5 and s["io_mode"] == "buffered"
+    assert s["generated_ids"] == list(Engine.open(ckpt).session().generate([7, 8, 9], 5))
+
+
+def test_errors_are_one_line(ckpt, tmp_path) -> None:
+    def dsv4(*args: str) -> subprocess.CompletedProcess:
+        code = "from dsv4stream.cli import main; main()"
+        return subprocess.run([sys.executable, "-c", code, *args], check=False, capture_output=True, text=True)
+
+    r = dsv4("run", str(ckpt), "--prompt-ids", "1,2", "--budget", "0.01")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    floor = planner.minimum_budget(measure(ckpt, RunOptions(budget=1)))
+    assert r.stderr.startswith("dsv4: --budget 0.01 GB is below the minimum of") and "raise --budget" in r.stderr
+    assert f"{floor / 1e9:.2f} GB" in r.stderr
+    r = dsv4("run", str(ckpt), "--gen", "2")
+    assert r.returncode == 2 and r.stderr.startswith("dsv4: give exactly one of --prompt-ids")
+    r = dsv4("run", str(tmp_path), "--prompt-ids", "1")
+    assert r.returncode == 2 and "not a checkpoint directory" in r.stderr
+
+
+def test_text_prompt_with_the_real_vocabulary(tmp_path) -> None:
+    ck = synth.make_checkpoint(tmp_path / "vocab", preset="tiny", vocab_size=synth.REAL_VOCAB)
+    stats = tmp_path / "s.json"
+    res = invoke(str(ck), "--prompt", "Hello there", "--gen", "4", "--budget", "1", "--stats-json", str(stats))
+    s = json.loads(stats.read_text())
+    from dsv4stream.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_checkpoint(ck)
+    assert s["prompt_tokens"] == 1 + len(tok.encode("Hello there"))
+    assert res.stdout == tok.decode(s["generated_ids"]) + "\n"

@@ -1,0 +1,279 @@
+"""ExpertStore: verified reads, injected placement bugs, LRU counters, pins, stress, errors."""
+
+import io
+import os
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+from store_files import make_files
+
+from dsv4stream.errors import BudgetError, ReadError, VerifyError
+from dsv4stream.store import ExpertStore, directio
+from dsv4stream.store.directio import ALIGN, SlotPlan, Window
+from dsv4stream.store.layout import expert_label
+from dsv4stream.store.runs import layout_pieces
+
+QUIET = {"warn": lambda m: None}
+GOOD_PLAN = directio.plan_slot
+
+
+@pytest.fixture
+def files(tmp_path):
+    return make_files(tmp_path)
+
+
+def assert_item(layouts, truth, key, views):
+    pieces = layout_pieces(layouts[key])
+    assert len(views) == len(pieces)
+    for p, v in zip(pieces, views, strict=True):
+        assert v.dtype == p.dtype and v.shape == p.shape
+        assert v.tobytes() == truth[p.name], f"{key} {p.name}"
+
+
+def test_every_read_verified_and_views_are_zero_copy(files):
+    layouts, truth = files
+    with ExpertStore(layouts, slots=5, threads=3, verify=True, **QUIET) as store:
+        for key in layouts:
+            with store.hold(key) as views:
+                assert_item(layouts, truth, key, views)
+                assert all(v.base is not None and not v.flags.owndata for v in views)
+        s = store.stats()
+    assert s.misses == len(layouts) == s.verified_reads and s.verify_mismatches == 0
+    # Whole pages around each run, except past the end of a file.
+    pages = [(r.offset // ALIGN, -(-r.end // ALIGN), os.path.getsize(r.path)) for lay in layouts.values() for r in lay]
+    assert s.bytes_read == sum(min(hi * ALIGN, size) - lo * ALIGN for lo, hi, size in pages)
+    assert s.read_seconds > 0 and s.read_gbps > 0
+
+
+def plan_without_residue(layout):
+    """The classic bug: pieces placed as if each window began at the run's first byte."""
+    good = GOOD_PLAN(layout)
+    offs = [w.slot_offset + (p.offset - run.offset) for w, run in zip(good.windows, layout) for p in run.pieces]
+    return SlotPlan(good.windows, tuple(offs), good.nbytes)
+
+
+def plan_without_room(layout):
+    """The other bug: the next window starts after the run's length rounded up, not after
+    the previous window, so a window one page longer overwrites the previous run's tail."""
+    windows, offs, pos = [], [], 0
+    for run in layout:
+        start = run.offset // ALIGN * ALIGN
+        stop = -(-run.end // ALIGN) * ALIGN
+        windows.append(Window(run.path, start, stop - start, pos, run.end - start))
+        offs += [pos + p.offset - start for p in run.pieces]
+        pos += -(-run.nbytes // ALIGN) * ALIGN
+    return SlotPlan(tuple(windows), tuple(offs), max(w.slot_offset + w.nbytes for w in windows))
+
+
+@pytest.mark.parametrize("bad_plan", [plan_without_residue, plan_without_room])
+def test_wrong_placement_is_caught_by_the_verifier(files, monkeypatch, bad_plan):
+    layouts, truth = files
+    monkeypatch.setattr(directio, "plan_slot", bad_plan)
+    # Without the verifier the bug goes unnoticed: the views just hold wrong bytes.
+    with ExpertStore(layouts, slots=2, verify=False, **QUIET) as store:
+        wrong = 0
+        for key in layouts:
+            with store.hold(key) as views:
+                wrong += any(v.tobytes() != truth[p.name] for p, v in zip(layout_pieces(layouts[key]), views))
+        assert wrong > 0
+    with ExpertStore(layouts, slots=2, verify=True, label=expert_label, **QUIET) as store:
+        with pytest.raises(VerifyError) as err:
+            for key in layouts:
+                with store.hold(key):
+                    pass
+        msg = str(err.value)
+        assert msg.startswith("layer ") and " expert " in msg and "tensor layers." in msg
+        assert "shard-" in msg and "at offset " in msg
+        assert store.stats().verify_mismatches == 1
+
+
+def run_sequence(layouts, slots, ops, threads=2, route_log=None):
+    keys = sorted(layouts)
+    with ExpertStore(layouts, slots=slots, threads=threads, route_log=route_log, **QUIET) as store:
+        for op, idx in ops:
+            if op == "get":
+                store.get(keys[idx])
+                store.release(keys[idx])
+            else:
+                store.prefetch([keys[i] for i in idx])
+        return store.stats()
+
+
+def test_lru_counters_exact_on_a_hand_built_sequence(files):
+    layouts, _ = files
+    # slots=3; keys 0..4; LRU oldest-first after each step, * = prefetched, not yet requested.
+    ops = [
+        ("get", 0),  # miss            [0]
+        ("get", 1),  # miss            [0 1]
+        ("get", 0),  # hit             [1 0]
+        ("get", 2),  # miss            [1 0 2]
+        ("get", 3),  # miss, evict 1   [0 2 3]
+        ("get", 1),  # miss, evict 0   [2 3 1]
+        ("get", 2),  # hit             [3 1 2]
+        ("get", 3),  # hit             [1 2 3]
+        ("pre", [4, 2]),  # 4 evicts 1; 2 becomes newest: [3 4* 2]
+        ("get", 0),  # miss, evicts 3 (2 was protected by the prefetch touch): [4* 2 0]
+        ("get", 2),  # hit             [4* 0 2]
+        ("get", 4),  # miss (its read was prefetched)  [0 2 4]
+        ("get", 4),  # hit
+        ("pre", [0, 1]),  # 0 becomes newest, 1 evicts 2: [4 0 1*]
+        ("get", 1),  # miss (prefetched)  [4 0 1]
+        ("pre", [2, 3]),  # 2 evicts 4, 3 evicts 0: [1 2* 3*]
+        ("pre", [4]),  # evicts 1 (a prefetch never evicts another unrequested one): [2* 3* 4*]
+        ("pre", [0]),  # only unrequested prefetches left: a hint, so nothing happens
+        ("get", 0),  # miss; a request may evict the unrequested 2*: [3* 4* 0]
+    ]
+    s = run_sequence(layouts, 3, ops)
+    assert (s.requests, s.hits, s.misses, s.evictions) == (14, 5, 9, 9)
+    assert (s.prefetches, s.prefetch_used, s.prefetch_unused) == (5, 2, 1)
+
+
+def test_cyclic_access_over_more_keys_than_slots_never_hits(files):
+    layouts, _ = files
+    n = len(layouts)
+    ops = [("get", i % n) for i in range(3 * n)]
+    s = run_sequence(layouts, n - 1, ops)
+    assert s.hits == 0 and s.misses == 3 * n and s.evictions == 3 * n - (n - 1)
+    s = run_sequence(layouts, n, ops)
+    assert s.hits == 2 * n and s.misses == n and s.evictions == 0
+
+
+def test_counters_and_route_log_do_not_depend_on_thread_count(files):
+    layouts, _ = files
+    rng = random.Random(7)
+    ops = [("get", rng.randrange(len(layouts))) if rng.random() < 0.7 else ("pre", rng.sample(range(24), 4))
+           for _ in range(300)]  # fmt: skip
+    logs, stats = [], []
+    for threads in (1, 8):
+        buf = io.StringIO()
+        stats.append(run_sequence(layouts, 5, ops, threads=threads, route_log=buf))
+        logs.append(buf.getvalue())
+    keep = ("requests", "hits", "misses", "evictions", "prefetches", "prefetch_used", "prefetch_unused", "bytes_read")
+    assert [getattr(stats[0], k) for k in keep] == [getattr(stats[1], k) for k in keep]
+    assert logs[0] == logs[1] and logs[0].count("\n") == stats[0].requests
+
+
+def test_route_log_file_has_one_layer_expert_line_per_request(files, tmp_path):
+    layouts, _ = files
+    path = tmp_path / "route.txt"
+    with ExpertStore(layouts, slots=2, route_log=path, **QUIET) as store:
+        for key in [(0, 1), (2, 7), (0, 1)]:
+            with store.hold(key):
+                pass
+        for _ in store.get_many([(1, 3), (0, 1)]):
+            pass
+    assert path.read_text() == "0 1\n2 7\n0 1\n1 3\n0 1\n"
+
+
+def test_pinned_slots_are_never_evicted(files):
+    layouts, truth = files
+    a, b, c = (0, 0), (0, 1), (0, 2)
+    with ExpertStore(layouts, slots=2, **QUIET) as store:
+        va = store.get(a)
+        store.get(b)
+        store.prefetch([c])  # a hint: nothing evictable, so nothing happens
+        with pytest.raises(BudgetError, match="all 2 expert slots are pinned"):
+            store.get(c)
+        store.release(b)
+        assert_item(layouts, truth, c, store.get(c))  # evicts b, not the pinned a
+        assert_item(layouts, truth, a, va)
+        with pytest.raises(ValueError, match="without a matching get"):
+            store.release(b)
+        store.release_all()
+        assert store.stats().evictions == 1
+
+
+def test_get_many_yields_present_first_in_a_fixed_order_and_releases(files):
+    layouts, truth = files
+    keys = [(1, 0), (1, 1), (1, 2), (1, 3)]
+    with ExpertStore(layouts, slots=4, **QUIET) as store:
+        for k in (keys[3], keys[1]):
+            with store.hold(k):
+                pass
+        seen = []
+        for key, views in store.get_many(keys):
+            assert_item(layouts, truth, key, views)
+            seen.append(key)
+        assert seen == [keys[1], keys[3], keys[0], keys[2]]
+        s = store.stats()
+        assert (s.requests, s.hits, s.misses) == (6, 2, 4)
+        gen = store.get_many(keys)
+        next(gen)
+        gen.close()  # early exit releases every pin it took
+        assert all(e.pins == 0 for e in store._lru.values())
+
+
+def test_concurrent_loads_under_stress_never_corrupt_a_pinned_slot(tmp_path):
+    layouts, truth = make_files(tmp_path, layers=4, experts=10, files=3)
+    keys = sorted(layouts)
+    errors = []
+    with ExpertStore(layouts, slots=7, threads=4, verify=True, **QUIET) as store:
+
+        def worker(seed):
+            rng = random.Random(seed)
+            try:
+                for _ in range(150):
+                    if rng.random() < 0.3:
+                        store.prefetch(rng.sample(keys, 3))
+                    key = rng.choice(keys)
+                    views = store.get(key)  # 6 threads pin at most 6 of the 7 slots
+                    try:
+                        assert_item(layouts, truth, key, views)
+                        time.sleep(rng.random() * 1e-4)  # let other loads land meanwhile
+                        assert_item(layouts, truth, key, views)
+                    finally:
+                        store.release(key)
+            except Exception as e:  # noqa: BLE001 (collected, re-raised below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        s = store.stats()
+    assert not errors, errors[0]
+    assert s.verify_mismatches == 0 and s.verified_reads == s.misses + s.prefetches - s.prefetch_used
+    assert s.hits + s.misses == s.requests > 0
+
+
+def test_read_errors_reach_the_caller_with_the_key(tmp_path):
+    layouts, _ = make_files(tmp_path, files=1)
+    os.truncate(tmp_path / "shard-0.bin", 300_000)  # weights region gone
+    with ExpertStore(layouts, slots=2, label=expert_label, **QUIET) as store:
+        store.prefetch([(0, 1)])
+        for _ in range(2):  # a failed load is dropped, so asking again reads again
+            with pytest.raises(ReadError, match=r"^layer 0 expert 1: short read: .*shard-0\.bin at offset \d+"):
+                store.get((0, 1))
+        assert store.stats().misses == 2
+        with pytest.raises(KeyError):
+            store.get((9, 9))
+    with pytest.raises(ValueError, match="closed"):
+        store.get((0, 1))
+
+
+def test_wait_seconds_counts_only_blocked_time(files, monkeypatch):
+    layouts, _ = files
+    real = directio.FileSet.read
+
+    def slow_read(self, window, slot):
+        time.sleep(0.02)
+        return real(self, window, slot)
+
+    monkeypatch.setattr(directio.FileSet, "read", slow_read)
+    with ExpertStore(layouts, slots=4, threads=2, **QUIET) as store:
+        store.get((0, 0))
+        blocked = store.stats().wait_seconds
+        before = store.stats().bytes_read
+        store.prefetch([(0, 1)])
+        deadline = time.perf_counter() + 10
+        while store.stats().bytes_read == before and time.perf_counter() < deadline:
+            time.sleep(0.01)  # "compute" until the read has landed
+        store.get((0, 1))
+        s = store.stats()
+    assert blocked >= 0.03 and s.wait_seconds - blocked < 0.01
+    assert s.read_seconds >= 0.07
+    assert np.isfinite(s.read_gbps)

@@ -1,0 +1,180 @@
+"""Streaming providers and the budgeted runtime on generated checkpoints with the release layout:
+token ids identical at every budget and to the in-memory Engine, the trunk streamed through
+its ring in fixed order, zero hits below the working set on a cyclic route, one pin at a time,
+layer weights as views of a slot, --verify on every read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsv4stream import planner, synth
+from dsv4stream.catalog import Catalog
+from dsv4stream.engine import Engine
+from dsv4stream.errors import BudgetError
+from dsv4stream.model.providers import CatalogTrunk
+from dsv4stream.model.weights import load_layer
+from dsv4stream.pack import pack_trunk
+from dsv4stream.runtime import RunOptions, Runtime, measure
+from dsv4stream.store import ExpertStore
+from dsv4stream.store.directio import aligned_buffer
+from dsv4stream.store.layout import expert_layouts
+from dsv4stream.streaming import GroupReader, StreamedExperts, ViewSource, trunk_layout
+
+PROMPT = [3, 17, 101, 5, 250, 7, 9, 64, 33, 2]
+GEN = 8
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return synth.make_checkpoint(tmp_path_factory.mktemp("s") / "tiny", preset="tiny", seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference_ids(ckpt) -> list[int]:
+    return list(Engine.open(ckpt).session(chunk_size=4).generate(PROMPT, GEN))
+
+
+def budget_for(ckpt: Path, slots: int, pinned: int | None = None, **kw) -> int:
+    """The budget whose plan gives `slots` expert slots and `pinned` trunk layers (all: None)."""
+    n = measure(ckpt, RunOptions(budget=1, overhead=0, chunk=4, **kw))
+    fixed = n.overhead_bytes + n.state_bytes + n.staging_bytes + n.head_bytes
+    if pinned is None:
+        return fixed + sum(n.layer_bytes) + slots * n.slot_bytes
+    return fixed + 2 * max(n.layer_bytes) + sum(n.layer_bytes[:pinned]) + slots * n.slot_bytes
+
+
+def run(ckpt: Path, budget: int, prompt=PROMPT, gen=GEN, **kw):
+    with Runtime.open(ckpt, RunOptions(budget=budget, overhead=0, chunk=4, **kw)) as rt:
+        ids = list(rt.generate(rt.session(), prompt, gen))
+        return ids, rt.stats(), rt.plan
+
+
+def test_ids_identical_below_above_and_holding_everything(ckpt, reference_ids) -> None:
+    ws = Catalog.open(ckpt).config.working_set_experts  # 8
+    for slots, warned in ((ws - 3, True), (ws + 2, False), (32, False)):
+        ids, stats, plan = run(ckpt, budget_for(ckpt, slots))
+        assert plan.expert_slots == slots and stats.cache_slots == slots
+        assert any("working set" in w for w in plan.warnings) == warned
+        assert ids == reference_ids, f"{slots} slots"
+        assert stats.generated_ids == ids and stats.trunk_streamed_layers == 0
+
+
+def test_hit_rates_grow_with_the_budget(ckpt) -> None:
+    rates = [run(ckpt, budget_for(ckpt, s))[1].hit_rate for s in (5, 10, 32)]
+    assert rates[0] < rates[1] < rates[2]
+
+
+@pytest.mark.parametrize("pinned", [0, 1])
+def test_trunk_below_the_budget_streams_through_the_ring_with_the_same_ids(ckpt, reference_ids, pinned) -> None:
+    ids, stats, plan = run(ckpt, budget_for(ckpt, 5, pinned=pinned))
+    n_layers = Catalog.open(ckpt).config.n_layers
+    assert (plan.pinned_layers, plan.ring_slots) == (pinned, 2)
+    assert ids == reference_ids
+    streamed = n_layers - pinned
+    forwards = -(-len(PROMPT) // 4) + GEN - 1  # prefill chunks of 4, then one step per token but the last
+    assert stats.trunk_streamed_layers == streamed and stats.trunk_out_of_order == 0
+    # every streamed layer once per forward, in order, plus the read of the next forward's first
+    assert stats.trunk_reads == forwards * streamed + 1
+
+
+def test_packed_trunk_streams_the_same_ids_and_verifies(ckpt, reference_ids, tmp_path) -> None:
+    trunk = pack_trunk(ckpt, tmp_path / "trunk", progress=False).path
+    ids, stats, _ = run(ckpt, budget_for(ckpt, 5, pinned=1, trunk=trunk), trunk=trunk, verify=True)
+    assert ids == reference_ids
+    assert stats.trunk_reads > 0 and stats.trunk_verified_reads >= stats.trunk_reads
+    assert stats.verified_reads == stats.expert_misses + stats.expert_prefetches - stats.prefetch_used
+
+
+def test_verify_checks_every_expert_read(ckpt, reference_ids) -> None:
+    ids, s, _ = run(ckpt, budget_for(ckpt, 32), verify=True)
+    assert ids == reference_ids
+    assert s.verify_mismatches == 0 and s.verified_reads == s.expert_misses > 0
+
+
+def test_hit_rate_is_exactly_zero_below_the_working_set_on_a_cyclic_route(tmp_path) -> None:
+    # a steep popularity makes every token take the same experts in every layer: a cyclic route
+    ck = synth.make_checkpoint(tmp_path / "cyclic", preset="tiny", seed=1, route_skew=100.0)
+    route = tmp_path / "route.log"
+    cfg = Catalog.open(ck).config
+    ws, k = cfg.working_set_experts, cfg.num_experts_per_tok
+    _, below, plan = run(ck, budget_for(ck, ws - k), route_log=route, gen=6)
+    lines = route.read_text().split("\n")[:-1]
+    per_pass = lines[:ws]
+    assert len(set(per_pass)) == ws and lines == per_pass * (len(lines) // ws)  # really cyclic
+    assert below.expert_requests == len(lines) and below.expert_hits == 0
+    assert any("working set" in w for w in plan.warnings)
+    # With ws - k < slots < ws, a layer's prefetch touches the experts it still finds before
+    # loading the others, so some survive (one layer of look-ahead); at ws every pass after
+    # the first hits everything.
+    assert 0 < run(ck, budget_for(ck, ws - 1), gen=6)[1].expert_hits < below.expert_requests - ws
+    _, at, _ = run(ck, budget_for(ck, ws), gen=6)
+    assert at.expert_misses == ws  # only the compulsory misses
+
+
+def test_budget_below_the_minimum_names_it(ckpt) -> None:
+    n = measure(ckpt, RunOptions(budget=1, overhead=0))
+    floor = planner.minimum_budget(n)
+    with pytest.raises(BudgetError, match=r"below the minimum of .* raise --budget"):
+        Runtime.open(ckpt, RunOptions(budget=floor - 1, overhead=0))
+    with Runtime.open(ckpt, RunOptions(budget=floor, overhead=0)) as rt:
+        assert rt.plan.pinned_layers == 0 and rt.plan.expert_slots == 2 * rt.cfg.num_experts_per_tok
+
+
+def test_one_expert_pinned_at_a_time(ckpt, reference_ids) -> None:
+    cat = Catalog.open(ckpt)
+    el = expert_layouts(cat.entries, cat.config.n_layers)
+    outstanding = []
+
+    class CountingStore(ExpertStore):
+        def get(self, key):
+            out = super().get(key)
+            outstanding.append(sum(e.pins for e in self._lru.values()))
+            return out
+
+    k = cat.config.num_experts_per_tok
+    with CountingStore(el.layouts, slots=k, order=el.order) as store:  # fewer slots than planned minimum
+        experts = StreamedExperts(store, cat.config)
+        ids = list(Engine(cat.config, CatalogTrunk(cat), experts, cat).session(chunk_size=4).generate(PROMPT, GEN))
+    assert ids == reference_ids and max(outstanding) == 1
+
+
+def test_layer_weights_are_views_of_the_slot(ckpt) -> None:
+    cat = Catalog.open(ckpt)
+    layout = trunk_layout(cat)
+    g = layout.layers[1]
+    buf = aligned_buffer(g.nbytes)
+    arrays = GroupReader("direct", verify=True).read(g, buf)
+    w = load_layer(ViewSource(cat.config, g.entries, arrays), 1)
+    ref = load_layer(cat, 1)
+    assert np.shares_memory(w.attn.wq_a.data, buf) and np.shares_memory(w.moe.shared.w2.data, buf)
+    assert np.array_equal(w.attn.wq_a.data, ref.attn.wq_a.data) and np.array_equal(w.attn.sink, ref.attn.sink)
+    assert np.array_equal(w.moe.gate.data, ref.moe.gate.data) and np.array_equal(w.hc_ffn.base, ref.hc_ffn.base)
+    # the shards' layer groups are read in a few windows, not one per tensor
+    assert len(g.plan.windows) < len(g.entries)
+
+
+def test_hash_layer_experts_are_requested_as_soon_as_the_token_is_known(ckpt) -> None:
+    # four slots: the previous pass's hash-layer experts are long evicted when a token comes out
+    with Runtime.open(ckpt, RunOptions(budget=budget_for(ckpt, 4), overhead=0, chunk=4)) as rt:
+        hash_layers = range(rt.cfg.num_hash_layers)
+        gen = rt.generate(rt.session(), PROMPT, GEN)
+        for n, tok in enumerate(gen):
+            if n + 1 < GEN:  # the last token is not fed, so nothing is fetched for it
+                want = {(i, int(e)) for i in hash_layers for e in rt.trunk.tid2eid(i)[tok]}
+                assert want <= set(rt.store._lru), "hash-layer experts not started before the next forward"
+
+
+def test_verify_catches_a_misplaced_trunk_layer(ckpt, monkeypatch) -> None:
+    from dsv4stream import streaming
+    from dsv4stream.errors import VerifyError
+
+    def shifted(buf, layout, plan):  # every tensor one byte off: the bug the verifier is for
+        return real(buf[1:], layout, plan)
+
+    real = streaming.piece_views
+    monkeypatch.setattr(streaming, "piece_views", shifted)
+    with pytest.raises(VerifyError, match=r"layer 0 tensor layers\.0\..* bytes differ"):
+        Runtime.open(ckpt, RunOptions(budget=budget_for(ckpt, 8), overhead=0, chunk=4, verify=True))
