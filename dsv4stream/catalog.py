@@ -62,7 +62,9 @@ def read_header(path: Path) -> list[TensorEntry]:
             raise CheckpointError(f"{path}: file is {size} bytes, too short for a safetensors header; re-download it")
         (n,) = struct.unpack("<Q", raw)
         if n > _MAX_HEADER or 8 + n > size:
-            raise CheckpointError(f"{path}: header length {n} does not fit a {size}-byte file; the shard is truncated or not safetensors")
+            raise CheckpointError(
+                f"{path}: header length {n} does not fit a {size}-byte file; the shard is truncated or not safetensors"
+            )
         try:
             header = json.loads(f.read(n))
         except ValueError as e:
@@ -76,12 +78,16 @@ def read_header(path: Path) -> list[TensorEntry]:
             continue
         dt = info.get("dtype") if isinstance(info, dict) else None
         if dt not in NP_DTYPE:
-            raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {dt!r}; expected one of {sorted(NP_DTYPE)}")
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has unsupported dtype {dt!r}; expected one of {sorted(NP_DTYPE)}"
+            )
         try:
             shape = tuple(int(x) for x in info.get("shape", ()))
             b, e = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor '{name}' has a malformed shape or data_offsets; re-download this shard") from None
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has a malformed shape or data_offsets; re-download this shard"
+            ) from None
         want = int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dt]
         if e - b != want:
             raise CheckpointError(f"{path}: tensor '{name}' spans {e - b} bytes but {dt} {list(shape)} needs {want}")
@@ -106,7 +112,9 @@ class Catalog:
     def open(cls, ckpt_dir: str | os.PathLike) -> Catalog:
         root = Path(ckpt_dir)
         if not root.is_dir():
-            raise CheckpointError(f"{root}: checkpoint directory not found; pass the folder holding config.json and *.safetensors")
+            raise CheckpointError(
+                f"{root}: checkpoint directory not found; pass the folder holding config.json and *.safetensors"
+            )
         config = ModelConfig.from_json(root / "config.json")
         shards = sorted(root.glob("*.safetensors"))
         index = _read_index(root)
@@ -115,12 +123,16 @@ class Catalog:
         if index is not None:
             missing = sorted({f for f in index.values()} - {s.name for s in shards})
             if missing:
-                raise CheckpointError(f"{root}: {INDEX_NAME} names {len(missing)} missing shard(s), first {missing[0]}; download them")
+                raise CheckpointError(
+                    f"{root}: {INDEX_NAME} names {len(missing)} missing shard(s), first {missing[0]}; download them"
+                )
         entries: dict[str, TensorEntry] = {}
         for shard in shards:
             for e in read_header(shard):
                 if e.name in entries:
-                    raise CheckpointError(f"{shard}: tensor '{e.name}' also appears in {entries[e.name].path}; remove the stray shard")
+                    raise CheckpointError(
+                        f"{shard}: tensor '{e.name}' also appears in {entries[e.name].path}; remove the stray shard"
+                    )
                 entries[e.name] = e
         if index is not None:
             _check_index(root, index, entries)
@@ -164,7 +176,9 @@ class Catalog:
         if p:
             more = f" (and {len(p) - 5} more)" if len(p) > 5 else ""
             raise CheckpointError(
-                f"{self.root}: {len(p)} tensor problem(s) against config.json: " + "; ".join(p[:5]) + more
+                f"{self.root}: {len(p)} tensor problem(s) against config.json: "
+                + "; ".join(p[:5])
+                + more
                 + " — check that config.json belongs to these shards (run `dsv4 inspect` for the full list)"
             )
 
@@ -280,7 +294,8 @@ def _check_index(root: Path, index: dict[str, str], entries: dict[str, TensorEnt
         diffs.append(f"{len(extra)} tensor(s) in shards but not in the index, first '{extra[0]}'")
     if diffs:
         raise CheckpointError(
-            f"{root}: {INDEX_NAME} disagrees with the shard headers: " + "; ".join(diffs[:3])
+            f"{root}: {INDEX_NAME} disagrees with the shard headers: "
+            + "; ".join(diffs[:3])
             + (f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else "")
             + " — re-download the index or the shards"
         )

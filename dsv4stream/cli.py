@@ -22,9 +22,9 @@ class DefaultGroup(click.Group):
     """A group that treats an unknown first word (a checkpoint path) as `run`'s argument."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
-            if DEFAULT_COMMAND in self.commands:
-                args = [DEFAULT_COMMAND, *args]
+        first_is_command = not args or args[0] in self.commands or args[0] in ("--help", "-h", "--version")
+        if not first_is_command and DEFAULT_COMMAND in self.commands:
+            args = [DEFAULT_COMMAND, *args]
         return super().parse_args(ctx, args)
 
 
@@ -60,8 +60,10 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("dsv4: aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:
-        e.show()
-        sys.exit(2 if e.exit_code == 2 else e.exit_code)
+        # click's usage errors become one line too: what is wrong, and where the help is
+        cmd = e.ctx.command_path if getattr(e, "ctx", None) is not None else "dsv4"
+        click.echo(f"dsv4: {e.format_message().rstrip('.')}; see `{cmd} --help`", err=True)
+        sys.exit(2)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
@@ -70,5 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:
         if debug:
             traceback.print_exc()
-        click.echo(f"dsv4: {e.strerror or e}: {e.filename or ''} — check the path and permissions (--debug for details)", err=True)
+        click.echo(
+            f"dsv4: {e.strerror or e}: {e.filename or ''} — check the path and permissions (--debug for details)",
+            err=True,
+        )
         sys.exit(2)

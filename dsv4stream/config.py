@@ -184,7 +184,9 @@ class ModelConfig:
         if not problems:
             problems += _check_consistency(vals, n_mtp)
         if problems:
-            raise ConfigError(f"{source}: " + "; ".join(problems) + " — fix config.json (it must be the released schema)")
+            raise ConfigError(
+                f"{source}: " + "; ".join(problems) + " — fix config.json (it must be the released schema)"
+            )
         return cls(**vals, **opt, raw=dict(d))
 
     # ---- layer structure ------------------------------------------------------------

@@ -9,6 +9,7 @@ figure is the one the runner will see.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import tempfile
@@ -50,17 +51,17 @@ def read_bandwidth(path: Path, block: int, depths: tuple[int, ...], seconds: flo
         rng = random.Random(depth)
         deadline = time.perf_counter() + seconds
 
-        def worker(i: int, rng_seed: int) -> int:
+        def worker(buf, rng_seed: int, files=files, deadline=deadline) -> int:
             r = random.Random(rng_seed)
             n = 0
             while time.perf_counter() < deadline:
                 off = r.randrange(max(slots, 1)) * block
-                n += files.read(Window(str(path), off, block, 0, min(block, size - off)), bufs[i])
+                n += files.read(Window(str(path), off, block, 0, min(block, size - off)), buf)
             return n
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(depth) as ex:
-            total = sum(ex.map(worker, range(depth), [rng.randrange(1 << 30) for _ in range(depth)]))
+            total = sum(ex.map(worker, bufs, [rng.randrange(1 << 30) for _ in range(depth)]))
         dt = time.perf_counter() - t0
         out.append(ReadFigure(depth, block, total / dt / GB, bool(files.is_direct(str(path)))))
         files.close()
@@ -69,7 +70,9 @@ def read_bandwidth(path: Path, block: int, depths: tuple[int, ...], seconds: flo
 
 def probe_file(target: Path, nbytes: int = 512 << 20) -> tuple[Path, bool]:
     """The largest shard under `target`, or a temporary file written there (and True: delete it)."""
-    shards = sorted(target.glob("*.safetensors"), key=lambda p: p.stat().st_size, reverse=True) if target.is_dir() else []
+    shards = (
+        sorted(target.glob("*.safetensors"), key=lambda p: p.stat().st_size, reverse=True) if target.is_dir() else []
+    )
     if shards and shards[0].stat().st_size >= 64 << 20:
         return shards[0], False
     d = target if target.is_dir() else target.parent
@@ -91,7 +94,7 @@ def expected_hit_rate(cache_experts: int, working_set: int, total_experts: int) 
     if r < 1.0:
         return "0% (cache below the working set)"
     pts = _HIT_POINTS
-    for (r0, lo0, hi0), (r1, lo1, hi1) in zip(pts, pts[1:]):
+    for (r0, lo0, hi0), (r1, lo1, hi1) in itertools.pairwise(pts):
         if r <= r1:
             f = (r - r0) / (r1 - r0)
             return f"{round(lo0 + f * (lo1 - lo0))}-{round(hi0 + f * (hi1 - hi0))}%"
@@ -101,15 +104,17 @@ def expected_hit_rate(cache_experts: int, working_set: int, total_experts: int) 
 def memory_lines() -> list[str]:
     vm = psutil.virtual_memory()
     return [
-        f"cpus: {os.cpu_count()} (usable {len(os.sched_getaffinity(0))}), load average"
-        f" {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        (
+            f"cpus: {os.cpu_count()} (usable {len(os.sched_getaffinity(0))}), load average"
+            f" {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        ),
         f"memory: {vm.total / GB:.1f} GB total, {vm.available / GB:.1f} GB available",
     ]
 
 
 def vram_line() -> str:
     try:
-        import cupy  # noqa: PLC0415  (optional, only probed here)
+        import cupy
 
         free, total = cupy.cuda.runtime.memGetInfo()
         return f"vram: {total / GB:.1f} GB total, {free / GB:.1f} GB free (CuPy {cupy.__version__})"
@@ -121,11 +126,15 @@ def advice_lines(cfg: ModelConfig, available: int, ctx: int = 4096) -> list[str]
     """Working set, smallest budget, and a recommended --budget for `available` bytes of RAM."""
     needs = needs_from_config(cfg, ctx=ctx)
     floor = minimum_budget(needs)
-    trunk_all = needs.overhead_bytes + needs.state_bytes + needs.staging_bytes + needs.head_bytes + sum(needs.layer_bytes)
+    trunk_all = (
+        needs.overhead_bytes + needs.state_bytes + needs.staging_bytes + needs.head_bytes + sum(needs.layer_bytes)
+    )
     useful = trunk_all + needs.working_set * needs.slot_bytes
     lines = [
-        f"model: {cfg.n_layers} layers, {cfg.working_set_experts} experts per pass x {cfg.expert_bytes:,} bytes"
-        f" = working set {cfg.working_set_bytes / GB:.2f} GB",
+        (
+            f"model: {cfg.n_layers} layers, {cfg.working_set_experts} experts per pass x {cfg.expert_bytes:,} bytes"
+            f" = working set {cfg.working_set_bytes / GB:.2f} GB"
+        ),
         f"smallest budget that runs: {floor / GB:.2f} GB (trunk streamed, cache below the working set: hit rate 0)",
         f"smallest budget whose cache holds the working set: {useful / GB:.2f} GB (trunk resident)",
     ]

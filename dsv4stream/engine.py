@@ -108,8 +108,17 @@ class Session:
         self.state: list[AttnState] = [new_attn_state(self.cfg, self.cfg.ratio(i)) for i in range(self.cfg.n_layers)]
 
     # ---- public ----------------------------------------------------------------
-    def prefill(self, token_ids: Sequence[int] | np.ndarray, *, last_only: bool = False) -> np.ndarray:
-        """Feed tokens in chunks of chunk_size: logits (T, vocab) float32, or (vocab,) for the last with last_only."""
+    def prefill(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        last_only: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> np.ndarray:
+        """Feed tokens in chunks of chunk_size: logits (T, vocab) float32, or (vocab,) for the last with last_only.
+
+        `progress(tokens_done)` runs after each chunk, between forward passes: the place where
+        a caller may show progress or stop (the state then holds the chunks fed so far)."""
         ids = self._check_ids(token_ids)
         if ids.size == 0:
             raise UsageError("prefill needs at least one token")
@@ -118,6 +127,8 @@ class Session:
             chunk = ids[a : a + self.chunk_size]
             want_logits = not last_only or a + self.chunk_size >= ids.size
             out.append(self._forward(chunk, logits=want_logits, last_only=last_only))
+            if progress is not None:
+                progress(a + chunk.size)
         return out[-1][-1] if last_only else np.concatenate(out)
 
     def step(self, token_id: int) -> np.ndarray:

@@ -72,21 +72,33 @@ class Plan:
     def planned_bytes(self) -> int:
         n = self.needs
         return (
-            n.overhead_bytes + n.state_bytes + n.staging_bytes + n.head_bytes + self.pinned_bytes
-            + self.ring_slots * self.ring_slot_bytes + self.expert_bytes
+            n.overhead_bytes
+            + n.state_bytes
+            + n.staging_bytes
+            + n.head_bytes
+            + self.pinned_bytes
+            + self.ring_slots * self.ring_slot_bytes
+            + self.expert_bytes
         )
 
     def lines(self) -> list[str]:
         n = self.needs
         ws = n.working_set
         out = [
-            f"budget {_gb(self.budget)}: overhead {_gb(n.overhead_bytes)}, state {_gb(n.state_bytes)},"
-            f" staging {_gb(n.staging_bytes)}, head {_gb(n.head_bytes)}",
+            (
+                f"budget {_gb(self.budget)}: overhead {_gb(n.overhead_bytes)}, state {_gb(n.state_bytes)},"
+                f" staging {_gb(n.staging_bytes)}, head {_gb(n.head_bytes)}"
+            ),
             f"  trunk: {self.pinned_layers}/{len(n.layer_bytes)} layers pinned ({_gb(self.pinned_bytes)})"
-            + (f", {self.streamed_layers} streamed through {self.ring_slots} x {_gb(self.ring_slot_bytes)} ring"
-               if self.streamed_layers else ""),
-            f"  experts: {self.expert_slots} slots x {_gb(n.slot_bytes)} = {_gb(self.expert_bytes)}"
-            f" (working set per pass: {ws} experts{', all experts fit' if self.expert_slots >= n.total_experts else ''})",
+            + (
+                f", {self.streamed_layers} streamed through {self.ring_slots} x {_gb(self.ring_slot_bytes)} ring"
+                if self.streamed_layers
+                else ""
+            ),
+            (
+                f"  experts: {self.expert_slots} slots x {_gb(n.slot_bytes)} = {_gb(self.expert_bytes)}"
+                f" (working set per pass: {ws} experts{', all experts fit' if self.expert_slots >= n.total_experts else ''})"
+            ),
             f"  planned total {_gb(self.planned_bytes)} of {_gb(self.budget)}",
         ]
         return out + [f"warning: {w}" for w in self.warnings]

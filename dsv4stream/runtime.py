@@ -15,7 +15,7 @@ import os
 import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Self
 
@@ -92,6 +92,10 @@ class RunStats:
     prefill_seconds: float
     decode_tokens: int
     decode_seconds_per_token: float  # decode only: prefill excluded
+    prefill_tokens_per_second: float
+    # one entry per `generate` call (a chat turn): tokens prefilled, seconds to its first token
+    turn_prompt_tokens: list[int] = field(default_factory=list)
+    first_token_seconds: list[float] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -232,11 +236,14 @@ class Runtime:
         self._prefill_seconds = 0.0
         self._decode_seconds = 0.0
         self._decode_tokens = 0
+        self._turn_prompt_tokens: list[int] = []
+        self._first_token_seconds: list[float] = []
 
     @classmethod
-    def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None) -> Runtime:
+    def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None, gpu=None) -> Runtime:
         """Plan `opts.budget` on this checkpoint (BudgetError if it cannot work) and load what
-        the plan keeps resident. `warn` receives one-time notices (O_DIRECT refused)."""
+        the plan keeps resident. `warn` receives one-time notices (O_DIRECT refused); `gpu`
+        (a `dsv4stream.gpu.GpuContext`) moves trunk matrices to VRAM, out of the budget."""
         if opts.io not in ("direct", "buffered"):
             raise UsageError(f"--io {opts.io!r}: use direct or buffered")
         if opts.chunk < 1 or opts.ctx < 1:
@@ -246,8 +253,14 @@ class Runtime:
         cfg = cat.config
         once = _Once(warn)
         tf = open_trunk_file(cat, opts.trunk)
-        layout = trunk_layout(cat, tf)
+        placed = gpu.place(cat) if gpu is not None and gpu.enabled else None
+        layout = trunk_layout(cat, tf, exclude=placed.tensor_names if placed is not None else frozenset())
         layouts, order = _expert_layouts(cat)
+        if gpu is not None and gpu.enabled:
+            # the CUDA context, CuPy and pinned activation buffers are host memory too
+            d = cfg.hidden_size
+            widest = max(cfg.num_attention_heads * cfg.head_dim, cfg.vocab_size, d)
+            opts = replace(opts, overhead=opts.overhead + gpu.host_bytes + gpu.staging_bytes(widest, widest, opts.chunk))
         needs = memory_needs(cat, layout, ExpertStore.slot_nbytes(layouts), opts)
         plan = planner.plan(needs, opts.budget)
         if opts.threads is not None:
@@ -265,7 +278,8 @@ class Runtime:
         )
         try:
             reader = GroupReader(opts.io, opts.verify, once)
-            trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None)
+            wrap = placed.source if placed is not None else None
+            trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
         except BaseException:
             store.close()
             raise
@@ -293,20 +307,28 @@ class Runtime:
         max_new_tokens: int,
         pick: Pick | None = None,
         stop_ids: Sequence[int] = (),
+        progress: Callable[[int, int], None] | None = None,
     ) -> Iterator[int]:
         """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick`
         (default greedy, ties to the lower id), stopping after a token in `stop_ids`.
 
         Every yielded token but the last has been fed to the session; the last one has not
         (no forward pass is spent on logits nobody reads): a later turn starts with it.
-        Times go to `stats()`: prefill (to the first logits) and decode steps separately."""
+        `progress(done, total)` runs after each prefill chunk (the prefill is the session's
+        one call, chunked as always). Times go to `stats()`: prefill (to the first logits),
+        time to the first token, and decode steps separately."""
         pick = pick or _greedy
+        n_prompt = len(prompt_ids)
+        report = (lambda done: progress(done, n_prompt)) if progress is not None else None
         t0 = time.perf_counter()
-        logits = session.prefill(prompt_ids, last_only=True)
+        logits = session.prefill(prompt_ids, last_only=True, progress=report)
         self._prefill_seconds += time.perf_counter() - t0
-        self._prompt_tokens += len(prompt_ids)
+        self._prompt_tokens += n_prompt
+        self._turn_prompt_tokens.append(n_prompt)
         for n in range(max_new_tokens):
             tok = pick(logits)
+            if n == 0:
+                self._first_token_seconds.append(time.perf_counter() - t0)
             last = n + 1 == max_new_tokens or tok in stop_ids
             if not last:
                 # the token is known: its hash-layer experts can load while the caller prints it
@@ -367,6 +389,9 @@ class Runtime:
             prefill_seconds=self._prefill_seconds,
             decode_tokens=self._decode_tokens,
             decode_seconds_per_token=self._decode_seconds / self._decode_tokens if self._decode_tokens else 0.0,
+            prefill_tokens_per_second=self._prompt_tokens / self._prefill_seconds if self._prefill_seconds else 0.0,
+            turn_prompt_tokens=list(self._turn_prompt_tokens),
+            first_token_seconds=list(self._first_token_seconds),
             warnings=warnings,
         )
 

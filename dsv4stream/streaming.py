@@ -92,8 +92,9 @@ def _group(label: str, entries: Mapping[str, TensorEntry]) -> Group:
     return Group(label, layout, plan_slot(layout), dict(entries))
 
 
-def trunk_layout(cat: Catalog, trunk: TrunkFile | None = None) -> TrunkLayout:
-    """Groups of the checkpoint's trunk; tensors the pack holds come from it, the rest from the shards."""
+def trunk_layout(cat: Catalog, trunk: TrunkFile | None = None, exclude: frozenset[str] = frozenset()) -> TrunkLayout:
+    """Groups of the checkpoint's trunk; tensors the pack holds come from it, the rest from the
+    shards; `exclude` names tensors that live elsewhere (in VRAM with --gpu) and are never read."""
     cfg = cat.config
 
     def locate(name: str) -> TensorEntry:
@@ -104,7 +105,7 @@ def trunk_layout(cat: Catalog, trunk: TrunkFile | None = None) -> TrunkLayout:
 
     def present(names: Iterable[str]) -> dict[str, TensorEntry]:
         # a scale exists only for quantized weights: the catalog's validation decided which
-        return {n: locate(n) for n in names if n in cat.entries}
+        return {n: locate(n) for n in names if n in cat.entries and n not in exclude}
 
     layers = tuple(
         _group(f"layer {i}", present(s.name for s in block_specs(cfg, i, with_experts=False)))
@@ -253,9 +254,17 @@ class StreamedTrunk:
     on demand; hash layers' tid2eid resident so routing never needs a streamed layer."""
 
     def __init__(
-        self, cat: Catalog, layout: TrunkLayout, pinned: int, reader: GroupReader, slot_bytes: int | None = None
+        self,
+        cat: Catalog,
+        layout: TrunkLayout,
+        pinned: int,
+        reader: GroupReader,
+        slot_bytes: int | None = None,
+        wrap: Callable[[ViewSource], object] | None = None,
     ) -> None:
         cfg = self.cfg = cat.config
+        # wrap: serves matrices placed in VRAM (--gpu) in place of the slot's (absent) bytes
+        self._wrap = wrap or (lambda src: src)
         self.layout = layout
         self.pinned = min(pinned, cfg.n_layers)
         self._reader = reader
@@ -264,7 +273,7 @@ class StreamedTrunk:
             g = layout.layers[i]
             self._pinned.append(self._build(i, reader.read(g, aligned_buffer(g.nbytes))))
         g = layout.head
-        self._head = load_head(ViewSource(cfg, g.entries, reader.read(g, aligned_buffer(g.nbytes))))
+        self._head = load_head(self._wrap(ViewSource(cfg, g.entries, reader.read(g, aligned_buffer(g.nbytes)))))
         self._tid2eid = {}
         for i in range(min(cfg.num_hash_layers, cfg.n_layers)):
             if i < self.pinned:
@@ -364,7 +373,7 @@ class StreamedTrunk:
         self._built[s] = self._build(i, arrays)
 
     def _build(self, i: int, arrays: Mapping[str, np.ndarray]) -> LayerWeights:
-        return load_layer(ViewSource(self.cfg, self.layout.layers[i].entries, arrays), i)
+        return load_layer(self._wrap(ViewSource(self.cfg, self.layout.layers[i].entries, arrays)), i)
 
 
 class _RowReader:

@@ -454,3 +454,33 @@ def test_placed_source_delegates_everything_else(mixed) -> None:
     assert src.qweight("head") == "device head" and src.served == {"head"}
     assert src.qweight("layers.0.attn.wq_a").kind == cat.qweight("layers.0.attn.wq_a").kind
     assert src.config is cat.config and src.entries is cat.entries
+
+
+# ---- --gpu through the budgeted runtime (stand-in device): same ids, smaller trunk ---------
+
+
+@pytest.mark.parametrize("budget_mb", [1000, 1])
+def test_runtime_with_gpu_gives_the_same_ids(monkeypatch, mixed, budget_mb: int) -> None:
+    from dsv4stream.runtime import RunOptions, Runtime
+    from dsv4stream.streaming import trunk_layout
+
+    monkeypatch.setattr(context, "available", lambda: (True, "1 CUDA device"))
+    monkeypatch.setattr(cuda, "CudaOps", FakeCudaOps)
+    ids = [int(i) for i in np.random.default_rng(11).integers(0, mixed.cfg.vocab_size, 9)]
+    cpu_opts = RunOptions(budget=10**9, io="buffered", trunk="")
+    with Runtime.open(FIXTURES / "mixed", cpu_opts) as rt:
+        want = list(rt.generate(rt.session(), ids, 6))
+        full = rt.plan.needs.layer_bytes
+    ctx = gpu.setup(True, None, None, min_bytes=0)
+    try:
+        ctx.vram_budget = budget_mb * 10**6  # 1 MB: only some matrices fit
+        with Runtime.open(FIXTURES / "mixed", cpu_opts, gpu=ctx) as rt:
+            got = list(rt.generate(rt.session(), ids, 6))
+            placed = ctx.placed
+            assert placed is not None and placed.weights
+            # what went to VRAM is no longer read into (or budgeted for) the trunk's slots
+            assert sum(rt.plan.needs.layer_bytes) < sum(full)
+            assert rt.plan.needs.layer_bytes == trunk_layout(rt.cat, None, placed.tensor_names).layer_bytes
+    finally:
+        ctx.close()
+    assert got == want

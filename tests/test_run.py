@@ -82,7 +82,7 @@ def test_errors_are_one_line(ckpt, tmp_path) -> None:
     assert r.stderr.startswith("dsv4: --budget 0.01 GB is below the minimum of") and "raise --budget" in r.stderr
     assert f"{floor / 1e9:.2f} GB" in r.stderr
     r = dsv4("run", str(ckpt), "--gen", "2")
-    assert r.returncode == 2 and r.stderr.startswith("dsv4: give exactly one of --prompt-ids")
+    assert r.returncode == 2 and r.stderr.startswith("dsv4: give --prompt TEXT, --prompt-file F or --prompt-ids")
     r = dsv4("run", str(tmp_path), "--prompt-ids", "1")
     assert r.returncode == 2 and "not a checkpoint directory" in r.stderr
 

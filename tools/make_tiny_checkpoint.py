@@ -16,21 +16,29 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv4stream.errors import Dsv4Error  # noqa: E402
-from dsv4stream.synth import PRESETS, make_checkpoint  # noqa: E402
+from dsv4stream.errors import Dsv4Error
+from dsv4stream.synth import PRESETS, make_checkpoint
 
 
 @click.command()
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--set", "sets", multiple=True, metavar="KEY=JSON", help="Override a config.json field, e.g. --set num_hidden_layers=6")
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=JSON",
+    help="Override a config.json field, e.g. --set num_hidden_layers=6",
+)
 @click.option("--scale-fmt", type=click.Choice(["ue8m0", "float"]), default=None)
 @click.option("--dense-dtype", type=click.Choice(["fp8", "bf16", "f32"]), default=None)
 @click.option("--compressor-dtype", type=click.Choice(["bf16", "fp8"]), default=None)
 @click.option("--route-skew", type=float, default=None, help="Power-law expert popularity (0 = uniform).")
 @click.option("--expert-gain", type=float, default=None)
-@click.option("--tokenizer/--no-tokenizer", default=None, help="Copy the real V4 tokenizer (default: when vocab is 129280).")
+@click.option(
+    "--tokenizer/--no-tokenizer", default=None, help="Copy the real V4 tokenizer (default: when vocab is 129280)."
+)
 def main(out, preset, seed, sets, scale_fmt, dense_dtype, compressor_dtype, route_skew, expert_gain, tokenizer):
     overrides = {}
     for s in sets:
@@ -39,8 +47,14 @@ def main(out, preset, seed, sets, scale_fmt, dense_dtype, compressor_dtype, rout
             overrides[k] = json.loads(v)
         except ValueError:
             overrides[k] = v
-    for k, v in dict(scale_fmt=scale_fmt, dense_dtype=dense_dtype, compressor_dtype=compressor_dtype,
-                     route_skew=route_skew, expert_gain=expert_gain, tokenizer=tokenizer).items():
+    for k, v in {
+        "scale_fmt": scale_fmt,
+        "dense_dtype": dense_dtype,
+        "compressor_dtype": compressor_dtype,
+        "route_skew": route_skew,
+        "expert_gain": expert_gain,
+        "tokenizer": tokenizer,
+    }.items():
         if v is not None:
             overrides[k] = v
     try:

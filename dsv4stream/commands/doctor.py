@@ -37,13 +37,17 @@ def doctor(target: Path, seconds: float, depths: str, debug: bool) -> None:
         try:
             path, temp = d.probe_file(target)
         except OSError as e:
-            click.echo(f"read bandwidth: cannot write a probe file in {target} ({e.strerror}); pass a checkpoint directory")
+            click.echo(
+                f"read bandwidth: cannot write a probe file in {target} ({e.strerror}); pass a checkpoint directory"
+            )
         else:
             try:
                 qd = tuple(int(x) for x in depths.split(",") if x.strip())
                 for f in d.read_bandwidth(path, block, qd, seconds):
                     mode = "O_DIRECT" if f.direct else "buffered (O_DIRECT refused)"
-                    click.echo(f"read bandwidth: {f.gbps:.2f} GB/s at queue depth {f.depth}, {f.block:,}-byte reads, {mode}, {path.name}")
+                    click.echo(
+                        f"read bandwidth: {f.gbps:.2f} GB/s at queue depth {f.depth}, {f.block:,}-byte reads, {mode}, {path.name}"
+                    )
             finally:
                 if temp:
                     path.unlink(missing_ok=True)

@@ -33,10 +33,14 @@ def config_summary(cfg: ModelConfig) -> list[str]:
         + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items()))
         + f"; hash layers: {min(cfg.num_hash_layers, cfg.n_layers)}",
         f"compress ratios (main): {ratios}",
-        f"dims: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} x {cfg.head_dim} (rope {cfg.qk_rope_head_dim}),"
-        f" q_lora {cfg.q_lora_rank}, o {cfg.o_groups}x{cfg.o_lora_rank}, window {cfg.sliding_window}, vocab {cfg.vocab_size}",
-        f"experts: {cfg.n_routed_experts} routed/layer, {cfg.num_experts_per_tok} per token, {cfg.n_shared_experts} shared,"
-        f" {cfg.expert_dtype} {cfg.moe_intermediate_size}x{cfg.hidden_size}",
+        (
+            f"dims: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} x {cfg.head_dim} (rope {cfg.qk_rope_head_dim}),"
+            f" q_lora {cfg.q_lora_rank}, o {cfg.o_groups}x{cfg.o_lora_rank}, window {cfg.sliding_window}, vocab {cfg.vocab_size}"
+        ),
+        (
+            f"experts: {cfg.n_routed_experts} routed/layer, {cfg.num_experts_per_tok} per token, {cfg.n_shared_experts} shared,"
+            f" {cfg.expert_dtype} {cfg.moe_intermediate_size}x{cfg.hidden_size}"
+        ),
         f"expert bytes: {cfg.expert_bytes:,} bytes per expert",
         f"working set per pass: {cfg.working_set_experts} experts = {_gib(cfg.working_set_bytes)}",
         f"all routed experts: {_gib(cfg.total_expert_bytes)}",
@@ -64,5 +68,7 @@ def inspect(path: Path, config_only: bool, debug: bool) -> None:
     if problems:
         for p in problems:
             click.echo(f"  problem: {p}", err=True)
-        raise CheckpointError(f"{path}: {len(problems)} tensor problem(s) listed above; the shards do not match config.json")
+        raise CheckpointError(
+            f"{path}: {len(problems)} tensor problem(s) listed above; the shards do not match config.json"
+        )
     click.echo("all tensors present with the expected dtype and shape")

@@ -1,55 +1,200 @@
-"""`dsv4 run`: generate from a checkpoint within `--budget`; the work is in `dsv4stream.runtime`.
+"""`dsv4 run` (also plain `dsv4 CHECKPOINT`): generate, or chat, within `--budget`.
 
-Owns: option parsing, choosing the prompt (ids, or text through the tokenizer), where things
-are printed (the plan and the figures on stderr, the generated text or ids on stdout) and
-the stats JSON. Greedy decoding; sampling options come with the chat front end.
+Owns: the options, checking them before anything slow happens (every mistake is a
+Dsv4Error of one line that says what to do), building the prompt (raw completion: BOS +
+text; --chat/--think: a one-turn conversation through `chat.render`; or ids), the sampler
+(`sampler.sample` over the ids the tokenizer can print, seeded), `--gpu` setup, and what is
+printed where: plan, progress, messages and the report on stderr, the text on stdout.
+The answer itself and the REPL are `dsv4stream.repl`; the report's wording `report.py`.
+
+Defaults that depend on the mode: with --chat/--think the temperature is 1.0 (DeepSeek's
+recommendation for V4, with top-p 1.0) and --gen 1024; a raw --prompt or --prompt-ids is
+greedy with --gen 32, so completions and benchmarks give the same ids at every budget.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import click
 import numpy as np
 
+from .. import chat, gpu
 from ..commands.logits import parse_tokens
+from ..config import ModelConfig
 from ..errors import TokenizerError, UsageError
-from ..runtime import RunOptions, Runtime, budget_bytes, checkpoint_path
+from ..repl import ChatSettings, Conversation, Interrupt, Stopped, answer, chat_loop
+from ..report import report_lines
+from ..runtime import Pick, RunOptions, RunStats, Runtime, budget_bytes
+from ..sampler import SamplingParams, sample
 from ..tokenizer import Tokenizer, default_pack_path
 
+CHAT_TEMPERATURE = 1.0  # DeepSeek's recommended sampling for V4 (with top-p 1.0)
+CHAT_GEN, RAW_GEN = 1024, 32
 
-def load_tokenizer(checkpoint: Path, tok: Path | None) -> Tokenizer:
+
+def checkpoint_dir(path: Path) -> Path:
+    if not path.exists():
+        raise UsageError(
+            f"{path}: no such checkpoint directory; pass the folder holding config.json and the *.safetensors"
+        )
+    if not (path / "config.json").is_file():
+        raise UsageError(
+            f"{path}: not a checkpoint directory (no config.json); pass the folder holding config.json and *.safetensors"
+        )
+    return path
+
+
+def check_tokenizer(tok: Tokenizer, cfg: ModelConfig) -> Tokenizer:
+    """The tokenizer must be this model's: same embedding rows and BOS/EOS ids."""
+    where = tok.path or "tokenizer"
+    if tok.vocab_size != cfg.vocab_size or tok.n_tokens > cfg.vocab_size:
+        raise TokenizerError(
+            f"{where}: tokenizer of a model with {tok.vocab_size} embedding rows, this checkpoint has"
+            f" {cfg.vocab_size}; pass this checkpoint's tokenizer (`dsv4 pack-tokenizer CHECKPOINT`, then --tok)"
+        )
+    if (tok.special.bos, tok.special.eos) != (cfg.bos_token_id, cfg.eos_token_id):
+        raise TokenizerError(
+            f"{where}: BOS/EOS are ids {tok.special.bos}/{tok.special.eos}, the checkpoint's config.json says"
+            f" {cfg.bos_token_id}/{cfg.eos_token_id}; pass this checkpoint's tokenizer with --tok"
+        )
+    return tok
+
+
+def load_tokenizer(checkpoint: Path, tok: Path | None, cfg: ModelConfig) -> Tokenizer:
     """--tok FILE, else the checkpoint's packed tokenizer, else its tokenizer files."""
     if tok is not None:
-        return Tokenizer.load(tok)
+        if not tok.exists():
+            raise TokenizerError(
+                f"--tok {tok}: no such file; pass the file `dsv4 pack-tokenizer CHECKPOINT` wrote"
+                f" (default {default_pack_path(checkpoint)})"
+            )
+        return check_tokenizer(Tokenizer.load(tok), cfg)
     if default_pack_path(checkpoint).is_file():
-        return Tokenizer.load(default_pack_path(checkpoint))
-    return Tokenizer.from_checkpoint(checkpoint)
+        return check_tokenizer(Tokenizer.load(default_pack_path(checkpoint)), cfg)
+    return check_tokenizer(Tokenizer.from_checkpoint(checkpoint), cfg)
 
 
-def text_prompt(tok: Tokenizer, text: str, vocab_size: int) -> list[int]:
-    """BOS + the text's ids (a raw completion prompt, no chat template)."""
-    if tok.vocab_size != vocab_size:
-        raise TokenizerError(
-            f"{tok.path or 'tokenizer'}: vocabulary of {tok.vocab_size} tokens, the model has {vocab_size};"
-            " pass the tokenizer of this checkpoint with --tok"
-        )
-    return [tok.special.bos, *tok.encode(text)]
+def check_trunk(trunk: Path | None) -> None:
+    """Name the mistake early; whether a directory holds a pack is TrunkFile's check."""
+    if trunk is None:
+        return
+    if not trunk.exists():
+        raise UsageError(f"--trunk {trunk}: no such directory; pass the directory `dsv4 pack-trunk CHECKPOINT` wrote")
+    if not trunk.is_dir():
+        raise UsageError(f"--trunk {trunk}: is a file; pass the directory `dsv4 pack-trunk CHECKPOINT` wrote")
 
 
-def masked_greedy(n_tokens: int):
-    """Greedy over the ids the tokenizer can print (the embedding may have padding rows)."""
-    return lambda logits: int(np.argmax(logits[:n_tokens]))
+def check_output(path: Path | None, flag: str) -> None:
+    """Files written at the end of a run: a bad path must fail before the run, not after."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise UsageError(f"{flag} {path}: directory {path.parent} does not exist; create it first")
+
+
+def prompt_text(prompt: str | None, prompt_file: Path | None) -> str | None:
+    if prompt_file is None:
+        return prompt
+    if str(prompt_file) == "-":
+        return sys.stdin.read()
+    try:
+        return prompt_file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"--prompt-file {prompt_file}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--prompt-file {prompt_file}: cannot read it as UTF-8 text ({e})") from None
+
+
+def id_prompt(prompt_ids: str, cfg: ModelConfig) -> list[int]:
+    try:
+        ids = [int(i) for i in parse_tokens(prompt_ids, None)]
+    except UsageError as e:
+        raise UsageError(f"--prompt-ids: {e}") from None
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise UsageError(f"--prompt-ids: id {bad[0]} is outside the vocabulary 0..{cfg.vocab_size - 1}")
+    return ids
+
+
+def text_prompt(tok: Tokenizer, text: str, mode: str | None, system: str | None) -> list[int]:
+    """Raw completion (mode None): BOS + text. Chat: the one-turn conversation as rendered."""
+    if not text:
+        raise UsageError("the prompt is empty; give some text")
+    if mode is None:
+        return [tok.special.bos, *tok.encode(text)]
+    return tok.encode(chat.render(chat.one_turn(text, system), mode))
+
+
+def sampling_params(
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    min_p: float | None,
+    seed: int | None,
+    greedy: bool,
+    chatting: bool,
+) -> SamplingParams:
+    """Check the sampling options together; temperature 0 is greedy, exactly as --greedy."""
+    if temperature is not None and not temperature >= 0:
+        raise UsageError(f"--temperature {temperature}: give 0 (greedy) or more")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UsageError(f"--top-p {top_p}: give a probability in (0, 1]; 1 turns it off")
+    if top_k is not None and top_k < 0:
+        raise UsageError(f"--top-k {top_k}: give 0 (off) or a positive count")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise UsageError(f"--min-p {min_p}: give a fraction in [0, 1]; 0 turns it off")
+    if greedy and temperature is not None and temperature > 0:
+        raise UsageError(f"--greedy and --temperature {temperature} conflict; drop one (--temperature 0 is greedy)")
+    if temperature is None:
+        temperature = 0.0 if greedy or not chatting else CHAT_TEMPERATURE
+    if temperature == 0:
+        given = [name for name, v in (("--top-p", top_p), ("--top-k", top_k), ("--min-p", min_p)) if v is not None]
+        if given:
+            why = "--greedy" if greedy else "temperature 0"
+            if not greedy and not chatting:
+                why = "greedy decoding (the default without --chat)"
+            raise UsageError(f"{', '.join(given)}: no effect with {why}; give --temperature above 0 or drop them")
+    return SamplingParams(temperature, top_k or 0, 1.0 if top_p is None else top_p, min_p or 0.0, seed)
+
+
+def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator) -> Pick:
+    """The sampler over ids 0..n_ids-1 only: the embedding may have rows no token prints."""
+    return lambda logits: sample(logits[:n_ids], params, rng)
 
 
 @click.command("run")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--prompt-ids", help="Prompt as token ids: 1,2,3.")
-@click.option("--prompt", help="Prompt text (tokenized with the checkpoint's tokenizer, BOS added).")
-@click.option("--gen", "gen", type=int, default=32, show_default=True, help="Tokens to generate.")
-@click.option("--greedy", is_flag=True, help="Greedy decoding (the default for now).")
+@click.option("--prompt", help="Prompt text: a raw completion (BOS + text), or the user turn with --chat/--think.")
+@click.option(
+    "--prompt-file",
+    type=click.Path(path_type=Path),
+    help="Read the prompt text from a file (- for stdin).",
+)
+@click.option("--prompt-ids", help="Prompt as token ids: 1,2,3 (no tokenizer; prints ids).")
+@click.option(
+    "--chat", "chat_flag", is_flag=True, help="Chat format; without a prompt, an interactive chat reading stdin."
+)
+@click.option("--think", is_flag=True, help="As --chat, with thinking (the answer opens <think>).")
+@click.option("--system", help="System prompt (--chat/--think).")
+@click.option(
+    "--gen",
+    type=int,
+    default=None,
+    help=f"Most tokens to generate per answer. [default: {CHAT_GEN} with --chat/--think, else {RAW_GEN}]",
+)
+@click.option(
+    "--ctx",
+    type=int,
+    default=4096,
+    show_default=True,
+    help="Longest sequence (prompt + answers) the memory plan covers.",
+)
 @click.option(
     "--budget",
     type=float,
@@ -57,7 +202,45 @@ def masked_greedy(n_tokens: int):
     help="GB (10^9 bytes) the whole process may hold. [default: 80% of available memory]",
 )
 @click.option(
+    "--gpu",
+    "use_gpu",
+    is_flag=True,
+    help="Dense trunk on a CUDA GPU through CuPy; without one, says so and runs on the CPU.",
+)
+@click.option("--vram", type=float, default=None, help="GB of VRAM --gpu may use. [default: free VRAM less a margin]")
+@click.option("--threads", type=int, default=None, help="CPU kernel threads (results do not depend on it).")
+@click.option(
+    "--temperature",
+    type=float,
+    default=None,
+    help=f"0 = greedy. [default: {CHAT_TEMPERATURE} with --chat/--think, else 0]",
+)
+@click.option(
+    "--top-p",
+    type=float,
+    default=None,
+    help="Nucleus sampling: keep the top tokens up to this probability. [default: 1, off]",
+)
+@click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens. [default: 0, off]")
+@click.option(
+    "--min-p",
+    type=float,
+    default=None,
+    help="Drop tokens below this fraction of the top token's probability. [default: 0, off]",
+)
+@click.option("--seed", type=int, default=None, help="Seed of the sampler (same seed, same text). [default: random]")
+@click.option("--greedy", is_flag=True, help="Always the most likely token (same as --temperature 0).")
+@click.option(
     "--verify", is_flag=True, help="Re-read every expert and streamed layer with plain pread and compare bytes."
+)
+@click.option(
+    "--stats", "show_stats", is_flag=True, help="Also print the detailed figures (cache, trunk, timing, sampling)."
+)
+@click.option("--stats-json", type=click.Path(path_type=Path), help="Write the run's figures as JSON.")
+@click.option(
+    "--route-log",
+    type=click.Path(path_type=Path),
+    help="Write one 'layer expert' line per expert request.",
 )
 @click.option(
     "--io",
@@ -67,16 +250,9 @@ def masked_greedy(n_tokens: int):
     help="O_DIRECT reads or the page cache.",
 )
 @click.option("--io-threads", type=int, default=4, show_default=True, help="Expert reader threads (queue depth).")
-@click.option("--stats-json", type=click.Path(path_type=Path, dir_okay=False), help="Write the run's figures as JSON.")
-@click.option(
-    "--route-log",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Write one 'layer expert' line per expert request.",
-)
-@click.option("--threads", type=int, default=None, help="Kernel threads (results do not depend on it).")
 @click.option(
     "--trunk",
-    type=click.Path(path_type=Path, file_okay=False),
+    type=click.Path(path_type=Path),
     help="Packed trunk directory. [default: CHECKPOINT/dsv4-trunk if packed, else the shards]",
 )
 @click.option(
@@ -84,65 +260,150 @@ def masked_greedy(n_tokens: int):
     type=click.Path(path_type=Path),
     help="Packed tokenizer. [default: CHECKPOINT/dsv4-tokenizer.pack, else the checkpoint's tokenizer files]",
 )
-@click.option("--ctx", type=int, default=4096, show_default=True, help="Longest sequence the memory plan covers.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def run(
     checkpoint: Path,
-    prompt_ids: str | None,
     prompt: str | None,
-    gen: int,
-    greedy: bool,
+    prompt_file: Path | None,
+    prompt_ids: str | None,
+    chat_flag: bool,
+    think: bool,
+    system: str | None,
+    gen: int | None,
+    ctx: int,
     budget: float | None,
+    use_gpu: bool,
+    vram: float | None,
+    threads: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    min_p: float | None,
+    seed: int | None,
+    greedy: bool,
     verify: bool,
-    io: str,
-    io_threads: int,
+    show_stats: bool,
     stats_json: Path | None,
     route_log: Path | None,
-    threads: int | None,
+    io: str,
+    io_threads: int,
     trunk: Path | None,
     tok: Path | None,
-    ctx: int,
     debug: bool,
 ) -> None:
-    """Generate from CHECKPOINT with routed experts streamed from disk within --budget."""
-    checkpoint = checkpoint_path(checkpoint)
-    if (prompt_ids is None) == (prompt is None):
-        raise UsageError("give exactly one of --prompt-ids 1,2,3 or --prompt TEXT")
-    if gen < 1:
-        raise UsageError(f"--gen {gen}: generate at least one token")
-    opts = RunOptions(
-        budget=budget_bytes(budget), io=io, verify=verify, threads=threads, io_threads=io_threads,
-        trunk=trunk, route_log=route_log, ctx=ctx,
-    )  # fmt: skip
+    """Generate from CHECKPOINT with routed experts streamed from disk within --budget.
+
+    --prompt TEXT completes TEXT; --chat/--think --prompt TEXT answers it as a user turn;
+    --chat/--think alone opens an interactive chat (/help inside lists its commands).
+    """
+    mode = "think" if think else "chat" if chat_flag else None
+    sources = [
+        n
+        for n, v in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids))
+        if v is not None
+    ]
+    if len(sources) > 1:
+        raise UsageError(f"{' and '.join(sources)} conflict; give one prompt")
+    if prompt_ids is not None and (mode or system is not None):
+        raise UsageError("--prompt-ids is a raw id prompt; --chat, --think and --system need --prompt TEXT")
+    if system is not None and mode is None:
+        raise UsageError("--system needs --chat or --think (a raw --prompt has no system turn)")
+    if not sources and mode is None:
+        raise UsageError("give --prompt TEXT, --prompt-file F or --prompt-ids 1,2,3, or --chat for an interactive chat")
+    if vram is not None and not use_gpu:
+        raise UsageError("--vram applies to --gpu; add --gpu or drop --vram")
+    gen = gen if gen is not None else CHAT_GEN if mode else RAW_GEN
+    for name, value in (("--gen", gen), ("--ctx", ctx), ("--threads", threads), ("--io-threads", io_threads)):
+        if value is not None and value < 1:
+            raise UsageError(f"{name} {value}: give at least 1")
+    params = sampling_params(temperature, top_p, top_k, min_p, seed, greedy, mode is not None)
+    if not params.greedy and params.seed is None:
+        params = replace(params, seed=int(np.random.SeedSequence().entropy % 2**31))  # reported, so reproducible
+    checkpoint = checkpoint_dir(checkpoint)
+    cfg = ModelConfig.from_json(checkpoint / "config.json")
+    check_trunk(trunk)
+    check_output(stats_json, "--stats-json")
+    check_output(route_log, "--route-log")
+    budget_b = budget_bytes(budget)
+
+    text = prompt_text(prompt, prompt_file)
+    if prompt_ids is not None:
+        tokenizer, ids = None, id_prompt(prompt_ids, cfg)
+    else:
+        tokenizer = load_tokenizer(checkpoint, tok, cfg)
+        ids = None if text is None else text_prompt(tokenizer, text, mode, system)
+    if ids is not None and len(ids) + gen > ctx:
+        raise UsageError(
+            f"the prompt ({len(ids)} tokens) + --gen {gen} is beyond --ctx {ctx}; raise --ctx or lower --gen"
+        )
+
     say = lambda msg: click.echo(msg, err=True)
-    with Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}")) as rt:
-        plan_lines = rt.plan.lines()
-        for line in plan_lines:
-            say(line)
-        if prompt is not None:
-            tokenizer = load_tokenizer(checkpoint, tok)
-            ids = text_prompt(tokenizer, prompt, rt.cfg.vocab_size)
-            pick, stop = masked_greedy(tokenizer.n_tokens), (tokenizer.special.eos,)
-        else:
-            tokenizer, ids = None, [int(i) for i in parse_tokens(prompt_ids, None)]
-            pick, stop = None, ()
-        if len(ids) + gen > ctx:
-            raise UsageError(f"prompt ({len(ids)} tokens) + --gen {gen} exceeds --ctx {ctx}; raise --ctx")
-        session = rt.session()
-        out = []
-        stream = tokenizer.stream() if tokenizer is not None else None
-        for t in rt.generate(session, ids, gen, pick, stop):
-            out.append(t)
-            if stream is not None:
-                click.echo(stream.push(t), nl=False)
-                sys.stdout.flush()
-        if stream is not None:
-            click.echo(stream.flush())
-        else:
-            click.echo(",".join(str(t) for t in out))
-        stats = rt.stats()
-        for line in stats.lines():
-            if line not in plan_lines:  # the plan's warnings were said at the start
+    gctx = gpu.setup(use_gpu, vram, threads)
+    for line in gctx.take_messages():
+        say(line)
+    try:
+        opts = RunOptions(
+            budget=budget_b, io=io, verify=verify, threads=gctx.threads,
+            io_threads=io_threads, trunk=trunk, route_log=route_log, ctx=ctx,
+        )  # fmt: skip
+        extra = {"gpu": gctx} if gctx.enabled else {}
+        with Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}"), **extra) as rt:
+            for line in gctx.take_messages():
                 say(line)
-        if stats_json is not None:
-            stats_json.write_text(json.dumps(stats.as_dict(), indent=1) + "\n")
+            plan_lines = rt.plan.lines()
+            for line in plan_lines:
+                say(line)
+            n_ids = tokenizer.n_tokens if tokenizer is not None else cfg.vocab_size
+            pick = make_pick(params, n_ids, np.random.default_rng(params.seed))
+
+            def figures() -> RunStats:
+                stats = rt.stats()
+                for line in report_lines(stats):
+                    say(line)
+                detail = stats.lines() + ([gctx.stats_line()] if use_gpu else [])
+                detail.append(f"sampling: {_describe(params)}")
+                for line in detail if show_stats else []:
+                    say(line)
+                for w in stats.warnings if not show_stats else []:
+                    if f"warning: {w}" not in plan_lines:
+                        say(f"warning: {w}")
+                return stats
+
+            stopped = False
+            if ids is None:
+                assert tokenizer is not None and mode is not None
+                conv = Conversation(tokenizer, mode, system)
+                chat_loop(rt, conv, ChatSettings(gen, ctx, pick), say, figures)
+            else:
+                stopped = _one_shot(rt, ids, gen, pick, tokenizer, mode, say)
+            stats = figures()
+            if stats_json is not None:
+                doc = {**stats.as_dict(), "sampling": asdict(params)}
+                stats_json.write_text(json.dumps(doc, indent=1) + "\n")
+    finally:
+        gctx.close()
+    if stopped:
+        sys.exit(130)
+
+
+def _one_shot(rt: Runtime, ids: list[int], gen: int, pick: Pick, tok: Tokenizer | None, mode: str | None, say) -> bool:
+    """One answer to stdout; True when Ctrl-C stopped it."""
+    try:
+        with Interrupt() as flag:
+            reply = answer(rt, rt.session(), ids, gen=gen, pick=pick, tok=tok, thinking=mode == "think", interrupt=flag)
+    except Stopped:
+        say("dsv4: stopped during the prefill")
+        return True
+    if tok is None:
+        click.echo(",".join(str(t) for t in reply.ids))
+    else:
+        click.echo("")
+    if reply.stopped:
+        say("dsv4: stopped")
+    return reply.stopped
+
+
+def _describe(p: SamplingParams) -> str:
+    if p.greedy:
+        return "greedy"
+    return f"temperature {p.temperature:g}, top-p {p.top_p:g}, top-k {p.top_k}, min-p {p.min_p:g}, seed {p.seed}"

@@ -36,6 +36,11 @@ LANES = 32
 MAX_BLOCKS = 1024  # stack room for one row's relative scales: FP4 cols <= 32768, FP8 cols <= 131072
 ROW_TILE = 4  # rows decoded together by matmul; tokens go in pairs
 TILE_LANES = 256  # 4 rows x 2 tokens x 32 lanes
+CHUNK = 512  # columns decoded at a time by matmul (a multiple of 128)
+MAX_TOKENS = 64  # tokens per matmul kernel call; larger X is split
+ACC_LANES = MAX_TOKENS // 2 * TILE_LANES
+REL_LANES = ROW_TILE * MAX_BLOCKS
+CHUNK_LANES = ROW_TILE * CHUNK
 _JIT = {"cache": True, "fastmath": False}
 _INLINE = {"inline": "always", **_JIT}  # numba-level inlining: stack lanes land in the kernel
 
@@ -135,6 +140,18 @@ def _pow2_f64(typingctx, e):
         return builder.bitcast(bits, _F64)
 
     return types.float64(types.int64), codegen
+
+
+@intrinsic
+def _nn(typingctx, i):
+    """i, promised to be >= 0: lets LLVM drop numba's negative-index wraparound and vectorise."""
+
+    def codegen(context, builder, sig, args):
+        fn = builder.module.declare_intrinsic("llvm.assume", (), ir.FunctionType(ir.VoidType(), [ir.IntType(1)]))
+        builder.call(fn, [builder.icmp_signed(">=", args[0], ir.Constant(_I64, 0))])
+        return args[0]
+
+    return types.int64(types.int64), codegen
 
 
 @intrinsic
@@ -326,137 +343,156 @@ def _plain_mv(w, x, out):
         out[r] = _plain_row(w, r, x, acc)
 
 
-# ---- a tile of rows times a few tokens (decode once into a float32 tile) ------------------------
+# ---- a tile of rows times a few tokens (decode once per column chunk, reuse for every token) -----
+#
+# Stack layout of one row tile: rel (4 rows x MAX_BLOCKS), the decoded chunk (4 rows x CHUNK
+# float32, 8 KiB: stays in L1 next to the token slice it meets) and the lanes of every
+# (token, row) pair (MAX_TOKENS x 4 x 32). Stack buffers cannot alias the weights, so LLVM
+# vectorises the decode and keeps the lanes in registers without runtime checks.
 
 
 @njit(**_INLINE)
-def _fp4_decode(w, s, r, rel, dst):
-    """dst (C,) = row r as float32 in lane order, relative scales applied; returns the factor."""
-    fac = _row_rel(s[r], 14, rel)
-    for b in range(w.shape[1] // 16):
-        sr = rel[b]
+def _fp4_decode(w, r, rel, c0, cw, tile, q):
+    """tile[q, :cw] = columns c0 .. c0+cw of row r in lane order, relative scales applied."""
+    for b in range(cw // 32):
+        sr = rel[c0 // 32 + b]
         for k in range(16):
-            byte = w[r, b * 16 + k]
-            dst[b * 32 + k] = _e2m1_lo(byte) * sr
-            dst[b * 32 + 16 + k] = _e2m1_hi(byte) * sr
-    return fac
+            byte = w[r, c0 // 2 + b * 16 + k]
+            tile[q * CHUNK + b * 32 + k] = _e2m1_lo(byte) * sr
+            tile[q * CHUNK + b * 32 + 16 + k] = _e2m1_hi(byte) * sr
 
 
 @njit(**_INLINE)
-def _fp8_decode(w, s, r, rel, dst):
-    """Same loop shape as `_fp8_row` (0-based lane loops vectorise; a strided range does not)."""
-    fac = _row_rel(s[r // 128], 8, rel)
-    cols = w.shape[1]
-    for cb in range(s.shape[1]):
-        sr = rel[cb]
+def _fp8_decode(w, r, rel, c0, cw, tile, q):
+    """Same loop shape as `_fp8_row`; c0 is a multiple of 128."""
+    for cb in range((cw + 127) // 128):
+        sr = rel[c0 // 128 + cb]
         j0 = cb * 128
-        j1 = min(cols, j0 + 128)
+        j1 = min(cw, j0 + 128)
         while j0 + LANES <= j1:
             for k in range(LANES):
-                dst[j0 + k] = _e4m3(w[r, j0 + k]) * sr
+                tile[q * CHUNK + j0 + k] = _e4m3(w[r, c0 + j0 + k]) * sr
             j0 += LANES
         for k in range(j1 - j0):
-            dst[j0 + k] = _e4m3(w[r, j0 + k]) * sr
-    return fac
+            tile[q * CHUNK + j0 + k] = _e4m3(w[r, c0 + j0 + k]) * sr
 
 
 @njit(**_INLINE)
-def _plain_decode(w, r, dst):
-    cols = w.shape[1]
-    nb = cols // LANES
+def _plain_decode(w, r, c0, cw, tile, q):
+    nb = cw // LANES
     for b in range(nb):
         for k in range(LANES):
-            dst[b * LANES + k] = _widen(w[r, b * LANES + k])
-    for k in range(cols - nb * LANES):
-        dst[nb * LANES + k] = _widen(w[r, nb * LANES + k])
-    return 1.0
+            tile[q * CHUNK + b * LANES + k] = _widen(w[r, _nn(c0 + b * LANES + k)])
+    for k in range(cw - nb * LANES):
+        tile[q * CHUNK + nb * LANES + k] = _widen(w[r, c0 + nb * LANES + k])
 
 
 @njit(**_INLINE)
-def _fma_4x2(tile, xs, t, j, k, acc):
-    """Lane k += tile[q, j] * xs[t + u, j] for 4 rows q and 2 tokens u (acc index (u*4+q)*32+k)."""
-    x0 = xs[t, j]
-    x1 = xs[t + 1, j]
-    w0 = tile[0, j]
-    w1 = tile[1, j]
-    w2 = tile[2, j]
-    w3 = tile[3, j]
-    acc[k] = _fma(w0, x0, acc[k])
-    acc[32 + k] = _fma(w1, x0, acc[32 + k])
-    acc[64 + k] = _fma(w2, x0, acc[64 + k])
-    acc[96 + k] = _fma(w3, x0, acc[96 + k])
-    acc[128 + k] = _fma(w0, x1, acc[128 + k])
-    acc[160 + k] = _fma(w1, x1, acc[160 + k])
-    acc[192 + k] = _fma(w2, x1, acc[192 + k])
-    acc[224 + k] = _fma(w3, x1, acc[224 + k])
+def _fma_4x2(tile, xs, t, c0, j, k, acc, a0):
+    """Lane k of 4 rows x 2 tokens: acc[a0 + (u*4 + q)*32 + k] += tile[q, j] * xs[t + u, c0 + j]."""
+    x0 = xs[t, c0 + j]
+    x1 = xs[t + 1, c0 + j]
+    w0 = tile[j]
+    w1 = tile[CHUNK + j]
+    w2 = tile[2 * CHUNK + j]
+    w3 = tile[3 * CHUNK + j]
+    acc[a0 + k] = _fma(w0, x0, acc[a0 + k])
+    acc[a0 + 32 + k] = _fma(w1, x0, acc[a0 + 32 + k])
+    acc[a0 + 64 + k] = _fma(w2, x0, acc[a0 + 64 + k])
+    acc[a0 + 96 + k] = _fma(w3, x0, acc[a0 + 96 + k])
+    acc[a0 + 128 + k] = _fma(w0, x1, acc[a0 + 128 + k])
+    acc[a0 + 160 + k] = _fma(w1, x1, acc[a0 + 160 + k])
+    acc[a0 + 192 + k] = _fma(w2, x1, acc[a0 + 192 + k])
+    acc[a0 + 224 + k] = _fma(w3, x1, acc[a0 + 224 + k])
 
 
 @njit(**_INLINE)
-def _tile_times_tokens(tile, fac, xs, out, r0, nr, acc):
-    """out[t, r0 + q] for q < nr: tile (4, C) float32, xs (T rounded up to even, C).
-
-    4 rows x 2 tokens x 32 lanes stay in registers: each tile element is loaded once per
-    token pair and each token element once per 4 rows.
-    """
-    cols = tile.shape[1]
-    nb = cols // LANES
-    for t in range(0, xs.shape[0], 2):
-        for k in range(TILE_LANES):
-            acc[k] = 0
+def _chunk_times_tokens(tile, xs, c0, cw, acc):
+    """Add the decoded chunk (4 rows x cw) times xs[:, c0 : c0 + cw] to every token pair's lanes."""
+    nb = cw // LANES
+    for p in range(xs.shape[0] // 2):
+        t = 2 * p
+        a0 = p * TILE_LANES
         for b in range(nb):
             for k in range(LANES):
-                _fma_4x2(tile, xs, t, b * LANES + k, k, acc)
-        for k in range(cols - nb * LANES):
-            _fma_4x2(tile, xs, t, nb * LANES + k, k, acc)
-        for u in range(8):
-            q = u % 4
-            tok = t + u // 4
-            if q < nr and tok < out.shape[0]:
-                out[tok, r0 + q] = _finish(_lane_sum(acc, u * LANES), fac[q])
+                _fma_4x2(tile, xs, t, c0, b * LANES + k, k, acc, a0)
+        for k in range(cw - nb * LANES):
+            _fma_4x2(tile, xs, t, c0, nb * LANES + k, k, acc, a0)
+
+
+@njit(**_INLINE)
+def _tile_out(acc, fac, out, r0, nr):
+    for t in range(out.shape[0]):
+        for q in range(nr):
+            a = ((t // 2) * 8 + (t % 2) * 4 + q) * LANES
+            out[t, r0 + q] = _finish(_lane_sum(acc, a), fac[q])
 
 
 @njit(parallel=True, **_JIT)
 def _fp4_mm(w, s, xs, out):
-    rows = w.shape[0]
+    """out (T, R) = X @ W.T for T <= MAX_TOKENS; xs (T rounded up to even, C) in lane order."""
+    rows, cols = w.shape[0], xs.shape[1]
     for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
-        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
-        acc = carray(_stack_f32(TILE_LANES), (TILE_LANES,))
-        tile = np.zeros((ROW_TILE, xs.shape[1]), np.float32)
+        rel = carray(_stack_f32(REL_LANES), (REL_LANES,))
+        tile = carray(_stack_f32(CHUNK_LANES), (CHUNK_LANES,))
+        acc = carray(_stack_f32(ACC_LANES), (ACC_LANES,))
         fac = np.zeros(ROW_TILE)
         r0 = ti * ROW_TILE
         nr = min(ROW_TILE, rows - r0)
         for q in range(nr):
-            fac[q] = _fp4_decode(w, s, r0 + q, rel, tile[q])
-        _tile_times_tokens(tile, fac, xs, out, r0, nr, acc)
+            fac[q] = _row_rel(s[r0 + q], 14, rel[q * MAX_BLOCKS :])
+        acc[: xs.shape[0] // 2 * TILE_LANES] = 0
+        tile[:] = 0
+        for ci in range((cols + CHUNK - 1) // CHUNK):
+            c0 = ci * CHUNK
+            cw = min(CHUNK, cols - c0)
+            for q in range(nr):
+                _fp4_decode(w, r0 + q, rel[q * MAX_BLOCKS :], c0, cw, tile, q)
+            _chunk_times_tokens(tile, xs, c0, cw, acc)
+        _tile_out(acc, fac, out, r0, nr)
 
 
 @njit(parallel=True, **_JIT)
 def _fp8_mm(w, s, xs, out):
-    rows = w.shape[0]
+    rows, cols = w.shape[0], xs.shape[1]
     for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
-        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
-        acc = carray(_stack_f32(TILE_LANES), (TILE_LANES,))
-        tile = np.zeros((ROW_TILE, xs.shape[1]), np.float32)
+        rel = carray(_stack_f32(REL_LANES), (REL_LANES,))
+        tile = carray(_stack_f32(CHUNK_LANES), (CHUNK_LANES,))
+        acc = carray(_stack_f32(ACC_LANES), (ACC_LANES,))
         fac = np.zeros(ROW_TILE)
         r0 = ti * ROW_TILE
         nr = min(ROW_TILE, rows - r0)
         for q in range(nr):
-            fac[q] = _fp8_decode(w, s, r0 + q, rel, tile[q])
-        _tile_times_tokens(tile, fac, xs, out, r0, nr, acc)
+            fac[q] = _row_rel(s[(r0 + q) // 128], 8, rel[q * MAX_BLOCKS :])
+        acc[: xs.shape[0] // 2 * TILE_LANES] = 0
+        tile[:] = 0
+        for ci in range((cols + CHUNK - 1) // CHUNK):
+            c0 = ci * CHUNK
+            cw = min(CHUNK, cols - c0)
+            for q in range(nr):
+                _fp8_decode(w, r0 + q, rel[q * MAX_BLOCKS :], c0, cw, tile, q)
+            _chunk_times_tokens(tile, xs, c0, cw, acc)
+        _tile_out(acc, fac, out, r0, nr)
 
 
 @njit(parallel=True, **_JIT)
 def _plain_mm(w, xs, out):
-    rows = w.shape[0]
+    rows, cols = w.shape[0], xs.shape[1]
     for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
-        acc = carray(_stack_f32(TILE_LANES), (TILE_LANES,))
-        tile = np.zeros((ROW_TILE, xs.shape[1]), np.float32)
-        fac = np.zeros(ROW_TILE)
+        tile = carray(_stack_f32(CHUNK_LANES), (CHUNK_LANES,))
+        acc = carray(_stack_f32(ACC_LANES), (ACC_LANES,))
+        fac = np.ones(ROW_TILE)
         r0 = ti * ROW_TILE
         nr = min(ROW_TILE, rows - r0)
-        for q in range(nr):
-            fac[q] = _plain_decode(w, r0 + q, tile[q])
-        _tile_times_tokens(tile, fac, xs, out, r0, nr, acc)
+        acc[: xs.shape[0] // 2 * TILE_LANES] = 0
+        tile[:] = 0
+        for ci in range((cols + CHUNK - 1) // CHUNK):
+            c0 = ci * CHUNK
+            cw = min(CHUNK, cols - c0)
+            for q in range(nr):
+                _plain_decode(w, r0 + q, c0, cw, tile, q)
+            _chunk_times_tokens(tile, xs, c0, cw, acc)
+        _tile_out(acc, fac, out, r0, nr)
 
 
 @njit(parallel=True, **_JIT)
@@ -572,14 +608,18 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
         return out
     if t == 0:
         return out
-    xs = np.zeros((t + t % 2, w.cols), np.float32)
-    xs[:t] = _fp4_lanes(x) if w.kind == "fp4" else x
-    if w.kind == "fp4":
-        _fp4_mm(_u8(w.data), _scale(w), xs, out)
-    elif w.kind == "fp8":
-        _fp8_mm(_u8(w.data), _scale(w), xs, out)
-    else:
-        _plain_mm(_plain(w), xs, out)
+    lanes = _fp4_lanes(x) if w.kind == "fp4" else x
+    for t0 in range(0, t, MAX_TOKENS):
+        n = min(MAX_TOKENS, t - t0)
+        xs = np.zeros((n + n % 2, w.cols), np.float32)
+        xs[:n] = lanes[t0 : t0 + n]
+        part = out[t0 : t0 + n]
+        if w.kind == "fp4":
+            _fp4_mm(_u8(w.data), _scale(w), xs, part)
+        elif w.kind == "fp8":
+            _fp8_mm(_u8(w.data), _scale(w), xs, part)
+        else:
+            _plain_mm(_plain(w), xs, part)
     return out
 
 

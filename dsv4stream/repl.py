@@ -1,0 +1,336 @@
+"""Answering on the terminal: one streamed answer, and the multi-turn chat built from them.
+
+Owns: `answer` (prefill with a progress bar, then decode streamed to stdout, stoppable with
+Ctrl-C between tokens), `Conversation` (the chat history and what its session has been
+fed, so a turn prefills only its new tokens) and `chat_loop` (the REPL and its /commands).
+Not here: option parsing and the final report (`commands/run.py`, `report.py`), the chat
+layout (`chat.py`), the forward pass (`Runtime`).
+
+Why a turn can continue a session: the session holds the text `fed_text` (every prompt as
+rendered, every generated id as decoded, the EOS that closes a reply) plus `pending`, the
+ids already part of that text but not yet fed (`Runtime.generate` does not feed its last
+token). The next turn renders the whole history; when that text extends `fed_text`, only
+`pending` and the new suffix are fed. Generated ids are never re-encoded: the session
+keeps the model's own tokens. When the text does not extend it (think mode drops earlier
+reasoning, /system or the mode changed) a fresh session reads the whole conversation.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Self, TextIO
+
+import click
+
+from . import chat
+from .chat import Message
+from .engine import Session
+from .report import PrefillBar, Reads
+from .runtime import Pick, Runtime
+from .tokenizer import EOS, THINK_END, Tokenizer
+
+Say = Callable[[str], None]
+
+HELP = (
+    "/think  thinking on    /nothink  thinking off    /system TEXT  set the system prompt (/system alone clears it)\n"
+    "/reset  forget the conversation    /stats  figures so far    /quit  leave (also Ctrl-D)\n"
+    "Ctrl-C stops the current answer; at the prompt it leaves."
+)
+
+
+class Stopped(Exception):
+    """Ctrl-C during a prefill, honoured between chunks: the session holds a partial prompt."""
+
+
+class Interrupt:
+    """While active, Ctrl-C sets `flag` (checked between tokens and between prefill chunks)
+    instead of raising inside a forward pass, which would leave the session's state half
+    updated. A second Ctrl-C raises KeyboardInterrupt at once."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        self._prev: object = None
+
+    def __enter__(self) -> Self:
+        self.flag = False
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)  # type: ignore[arg-type]
+            self._prev = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.flag:
+            raise KeyboardInterrupt
+        self.flag = True
+
+
+@dataclass(frozen=True)
+class Reply:
+    ids: list[int]  # every yielded id; all but the last have been fed to the session
+    stopped: bool  # Ctrl-C came while it was generated
+
+
+def reads_of(rt: Runtime) -> Callable[[], Reads]:
+    def reads() -> Reads:
+        s, r = rt.store.stats(), rt.trunk.stats()
+        return Reads(s.requests, s.hits, s.bytes_read + r.bytes_read)
+
+    return reads
+
+
+def answer(
+    rt: Runtime,
+    session: Session,
+    ids: Sequence[int],
+    *,
+    gen: int,
+    pick: Pick,
+    tok: Tokenizer | None,
+    thinking: bool = False,
+    interrupt: Interrupt | None = None,
+    out: TextIO | None = None,
+    leave_bar: bool = True,
+) -> Reply:
+    """Prefill `ids` (progress bar on stderr), then stream up to `gen` tokens to `out`.
+
+    With a tokenizer, stops at EOS (not printed) and prints text; `thinking` (the prompt
+    opened <think>) shows the reasoning dim until </think>. Without one, prints nothing:
+    the caller prints the ids. Raises Stopped when Ctrl-C came during the prefill."""
+    out = out if out is not None else sys.stdout
+    stop = (tok.special.eos,) if tok is not None else ()
+    flag = interrupt if interrupt is not None else Interrupt()
+    bar = PrefillBar(reads_of(rt), leave=leave_bar)
+
+    def progress(done: int, total: int) -> None:
+        bar(done, total)
+        if flag.flag and done < total:
+            raise Stopped
+
+    stream = tok.stream() if tok is not None else None
+    got: list[int] = []
+    bar.start(len(ids))
+    try:
+        for t in rt.generate(session, ids, gen, pick, stop, progress=progress):
+            if not got:
+                bar.close()
+            got.append(t)
+            if stream is not None and tok is not None and t != tok.special.eos:
+                if thinking and t == tok.special.think_end:
+                    _echo(out, stream.flush() + THINK_END, dim=True)
+                    _echo(out, "\n")
+                    thinking = False
+                else:
+                    _echo(out, stream.push(t), dim=thinking)
+            if flag.flag:
+                break
+    finally:
+        bar.close()
+    if stream is not None:
+        _echo(out, stream.flush(), dim=thinking)
+    return Reply(got, stopped=flag.flag)
+
+
+def _echo(out: TextIO, text: str, dim: bool = False) -> None:
+    if text:
+        click.echo(click.style(text, dim=True) if dim else text, file=out, nl=False)
+        out.flush()
+
+
+def parse_reply(text: str, mode: str) -> tuple[str, str]:
+    """(reasoning, content) of a reply's text. Think mode: the prompt opened <think>, so the
+    reasoning runs to the first </think> (all of it when the reply stopped before)."""
+    if mode != "think":
+        return "", text
+    reasoning, sep, content = text.partition(THINK_END)
+    return (reasoning, content) if sep else (text, "")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One user turn, ready to feed."""
+
+    messages: list[Message]  # the history including the new user message
+    text: str  # the rendered conversation: what the session holds once `ids` are fed
+    ids: list[int]  # what to feed now
+    fresh: bool  # True: a new session reads the whole conversation
+
+
+class Conversation:
+    """A chat history and the session that has read it (see the module docstring)."""
+
+    def __init__(self, tok: Tokenizer, mode: str = "chat", system: str | None = None) -> None:
+        self.tok = tok
+        self.mode = mode
+        self.system = system
+        self.messages: list[Message] = []
+        self.session: Session | None = None
+        self.fed_text = ""
+        self.pending: list[int] = []
+
+    def render(self, messages: Sequence[Message]) -> str:
+        head = [Message("system", self.system)] if self.system else []
+        return chat.render([*head, *messages], self.mode)
+
+    def prepare(self, user: str) -> Turn:
+        messages = [*self.messages, Message("user", user)]
+        text = self.render(messages)
+        if self.session is not None and text.startswith(self.fed_text):
+            return Turn(messages, text, self.pending + self.tok.encode(text[len(self.fed_text) :]), fresh=False)
+        return Turn(messages, text, self.tok.encode(text), fresh=True)
+
+    def context_needed(self, turn: Turn, gen: int) -> int:
+        """Positions the session reaches if this turn generates all `gen` tokens."""
+        held = 0 if turn.fresh or self.session is None else self.session.pos
+        return held + len(turn.ids) + gen
+
+    def commit(self, turn: Turn, session: Session, reply: Sequence[int]) -> None:
+        """`session` has read `turn.ids` and every id of `reply` but the last."""
+        eos = self.tok.special.eos
+        body = list(reply[:-1]) if reply[-1] == eos else list(reply)
+        text = self.tok.decode(body)
+        reasoning, content = parse_reply(text, self.mode)
+        self.messages = [*turn.messages, Message("assistant", content, reasoning=reasoning)]
+        self.session = session
+        # the reply is closed with EOS in the text whether the model wrote it or not
+        self.fed_text = turn.text + text + EOS
+        self.pending = [reply[-1]] if reply[-1] == eos else [reply[-1], eos]
+
+    def drop_session(self) -> None:
+        """Forget what was fed (the history stays): the next turn reads it all again."""
+        self.session, self.fed_text, self.pending = None, "", []
+
+    def reset(self) -> None:
+        self.messages = []
+        self.drop_session()
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    gen: int
+    ctx: int
+    pick: Pick
+
+
+def read_line(stdin: TextIO, tty: bool) -> str | None:
+    """One input line without its newline; None at EOF."""
+    if tty:
+        try:
+            return input("> ")
+        except EOFError:
+            click.echo("")  # end the prompt's line
+            return None
+    line = stdin.readline()
+    return None if line == "" else line.rstrip("\n")
+
+
+def chat_loop(
+    rt: Runtime,
+    conv: Conversation,
+    settings: ChatSettings,
+    say: Say,
+    show_stats: Callable[[], None],
+    stdin: TextIO | None = None,
+    out: TextIO | None = None,
+) -> None:
+    """Read turns and /commands until /quit, EOF or Ctrl-C at the prompt."""
+    stdin = stdin if stdin is not None else sys.stdin
+    out = out if out is not None else sys.stdout
+    tty = _isatty(stdin)
+    if tty:
+        try:
+            import readline  # noqa: F401  line editing and history for input()
+        except ImportError:
+            pass
+        say(f"chat ({_mode_name(conv.mode)}); /help for commands, Ctrl-D or /quit to leave")
+    note = ""  # why the next turn may need a fresh session
+    while True:
+        try:
+            line = read_line(stdin, tty)
+        except KeyboardInterrupt:
+            click.echo("", err=True)
+            return
+        if line is None:
+            return
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            if cmd in ("/quit", "/exit"):
+                return
+            if cmd == "/help":
+                say(HELP)
+            elif cmd in ("/think", "/nothink"):
+                mode = "think" if cmd == "/think" else "chat"
+                if mode != conv.mode:
+                    conv.mode, note = mode, "the mode changed"
+                say(f"({_mode_name(conv.mode)})")
+            elif cmd == "/system":
+                conv.system, note = (arg.strip() or None), "the system prompt changed"
+                say("(system prompt set)" if conv.system else "(system prompt cleared)")
+            elif cmd == "/reset":
+                conv.reset()
+                say("(conversation cleared)")
+            elif cmd == "/stats":
+                show_stats()
+            else:
+                say(f"dsv4: unknown command {cmd}; /help lists them")
+            continue
+        _turn(rt, conv, settings, line, say, out, note)
+        note = ""
+
+
+def _turn(rt: Runtime, conv: Conversation, settings: ChatSettings, user: str, say: Say, out: TextIO, note: str) -> None:
+    turn = conv.prepare(user)
+    need = conv.context_needed(turn, settings.gen)
+    if need > settings.ctx:
+        held = need - len(turn.ids) - settings.gen
+        say(
+            f"dsv4: this turn would reach {need} tokens ({held} held + {len(turn.ids)} new + --gen {settings.gen}),"
+            f" beyond --ctx {settings.ctx}; /reset to start over, or restart with a larger --ctx"
+        )
+        return
+    if turn.fresh and conv.session is not None:
+        why = note or ("think mode drops earlier turns' reasoning" if conv.mode == "think" else "the history changed")
+        say(f"({why}: re-reading the whole conversation, {len(turn.ids)} tokens)")
+    session = conv.session if not turn.fresh and conv.session is not None else rt.session()
+    try:
+        with Interrupt() as flag:
+            reply = answer(
+                rt, session, turn.ids, gen=settings.gen, pick=settings.pick, tok=conv.tok,
+                thinking=conv.mode == "think", interrupt=flag, out=out, leave_bar=False,
+            )  # fmt: skip
+    except Stopped:
+        conv.drop_session()
+        say("(stopped during the prefill; the turn is dropped)")
+        return
+    except KeyboardInterrupt:
+        # raised inside a forward pass: the session's state cannot be trusted any more
+        conv.drop_session()
+        click.echo("", file=out)
+        say("(interrupted mid-pass; the turn is dropped and the next one re-reads the conversation)")
+        return
+    click.echo("", file=out)
+    if reply.stopped:
+        say("(stopped)")
+    conv.commit(turn, session, reply.ids)
+
+
+def _mode_name(mode: str) -> str:
+    return "thinking on" if mode == "think" else "thinking off"
+
+
+def _isatty(f: TextIO) -> bool:
+    try:
+        return f.isatty()
+    except (AttributeError, ValueError):
+        return False
