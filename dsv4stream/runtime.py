@@ -133,7 +133,18 @@ class RunStats:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set since it started (Linux reports KiB)."""
+    """This process's peak resident set (the kernel's VmHWM, in bytes).
+
+    Not getrusage's ru_maxrss: across fork + exec that figure keeps the parent's peak (the
+    pre-exec address space is the parent's), so a run started from a large process (a test
+    runner, `dsv4 bench`) would report the parent's memory as its own."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -335,6 +335,11 @@ class StreamedTrunk:
     # -- stats and lifetime ----------------------------------------------------------------
 
     def stats(self) -> RingStats:
+        # A read of the next layer may still be in flight: let it land so that the counts do
+        # not depend on timing (it is the read the next forward pass would wait for anyway).
+        for fut in self._futures:
+            if fut is not None:
+                fut.exception()
         r = self._reader
         return RingStats(
             pinned_layers=self.pinned,

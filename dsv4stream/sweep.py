@@ -84,9 +84,7 @@ def run_budget(
         log.write(" ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
-        # wait4 gives this child's own rusage: its peak RSS, not the maximum over all children.
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc.wait()
     wall = time.perf_counter() - t0
     if proc.returncode != 0 or not stats_path.exists():
         tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
@@ -95,7 +93,9 @@ def run_budget(
             f" — see {log_path}"
         )
     stats = json.loads(stats_path.read_text())
-    return BudgetRun(budget_gb, stats, route_path, usage.ru_maxrss * 1024, wall)
+    # The child's own high-water mark (VmHWM), which it reports: wait4's ru_maxrss would keep
+    # this (parent) process's peak across the child's fork + exec.
+    return BudgetRun(budget_gb, stats, route_path, int(stats.get("peak_rss_bytes") or 0), wall)
 
 
 def _child_env() -> dict[str, str]:

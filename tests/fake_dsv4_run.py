@@ -13,6 +13,7 @@ import sys
 import numpy as np
 
 from dsv4stream import simulate as sim
+from dsv4stream.runtime import peak_rss_bytes
 
 ap = argparse.ArgumentParser()
 ap.add_argument("cmd")
@@ -38,12 +39,13 @@ slots = int(10 * a.budget)
 r = sim.replay_store(log, slots, hash_layers=1)
 ballast = np.ones(int(a.budget * 100e6), dtype=np.uint8)  # touched: counts in RSS
 ids = list(range(100, 100 + a.gen))
+
 if os.environ.get("FAKE_DIFF_AT") == f"{a.budget:g}":
     ids[1] += 1
 stats = {
     "generated_ids": ids, "prompt_tokens": 5, "expert_requests": r.requests, "expert_hits": r.hits,
     "expert_misses": r.misses, "bytes_read": r.misses * 1000, "cache_slots": slots, "working_set_experts": 8,
-    "peak_rss_bytes": 1, "budget_bytes": int(a.budget * 1e9), "io_mode": a.io, "prefill_seconds": 0.5,
+    "peak_rss_bytes": peak_rss_bytes(), "budget_bytes": int(a.budget * 1e9), "io_mode": a.io, "prefill_seconds": 0.5,
     "decode_seconds_per_token": 1.0 / a.budget, "store": {"read_gbps": 1.5, "read_seconds": 0.1, "wait_seconds": 0.05},
 }  # fmt: skip
 with open(a.stats_json, "w") as f:

@@ -112,7 +112,9 @@ def test_mtp_block_and_dtypes(tiny):
 def test_config_in_release_schema(tiny):
     got = json.loads((tiny.root / "config.json").read_text())
     want = json.loads(synth.FLASH_CONFIG.read_text())
-    assert set(got) == set(want)
+    # the release's keys, plus one provenance record that loaders ignore
+    assert set(got) == set(want) | {"dsv4stream_generator"}
+    assert got["dsv4stream_generator"] == {"preset": "tiny", "seed": 0}
     assert got["quantization_config"] == want["quantization_config"]
     for k, v in synth.PRESETS["tiny"].items():
         assert got[k] == v

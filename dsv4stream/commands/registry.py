@@ -8,23 +8,19 @@ import click
 
 # module name -> attribute names of click commands in dsv4stream.commands.<module>
 MODULES: dict[str, tuple[str, ...]] = {
+    "run": ("run",),
     "inspect": ("inspect",),
     "doctor": ("doctor",),
+    "tokenizer": ("pack_tokenizer_cmd", "tokenize_cmd"),
     "pack": ("pack_trunk_cmd",),
     "logits": ("logits",),
-    "tokenizer": ("pack_tokenizer_cmd", "tokenize_cmd"),
-    "run": ("run",),
+    "bench": ("bench",),
 }
 
 
 def commands() -> list[click.Command]:
     out = []
     for mod, names in MODULES.items():
-        try:
-            m = importlib.import_module(f"dsv4stream.commands.{mod}")
-        except ModuleNotFoundError as e:
-            if e.name and e.name.startswith("dsv4stream.commands"):
-                continue  # a command module still being written
-            raise
+        m = importlib.import_module(f"dsv4stream.commands.{mod}")
         out.extend(getattr(m, n) for n in names)
     return out

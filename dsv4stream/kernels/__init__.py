@@ -41,42 +41,58 @@ class QWeight:
         return self.data.nbytes + (0 if self.scale is None else self.scale.nbytes)
 
 
-_backend = reference
+_backend = None  # resolved on first use: the numba backend when it imports, else the reference
 
 
 def set_backend(name: str) -> None:
-    """'reference' (numpy) or 'fast' (numba)."""
+    """'reference' (numpy) or 'fast' (numba; falls back to the reference if numba is missing)."""
     global _backend
     if name == "reference":
         _backend = reference
+        return
+    try:
+        from . import fast  # noqa: PLC0415  (numba import is heavy; only when first needed)
+    except ImportError:
+        _backend = reference
     else:
-        from . import fast  # noqa: PLC0415  (numba import is heavy; only on request)
-
         _backend = fast
 
 
+def _active():
+    if _backend is None:
+        set_backend("fast")
+    return _backend
+
+
 def backend_name() -> str:
-    return _backend.__name__.rsplit(".", 1)[-1]
+    return _active().__name__.rsplit(".", 1)[-1]
 
 
 def set_threads(n: int) -> None:
     """Thread count for the CPU kernels (numba); the reference ignores it."""
-    if hasattr(_backend, "set_threads"):
-        _backend.set_threads(n)
+    backend = _active()
+    if hasattr(backend, "set_threads"):
+        backend.set_threads(n)
+
+
+def warmup() -> float:
+    """Compile (or load from the numba cache) every kernel; returns the seconds it took."""
+    backend = _active()
+    return backend.warmup() if hasattr(backend, "warmup") else 0.0
 
 
 def matvec(w: QWeight, x: np.ndarray) -> np.ndarray:
     """x (C,) float32 -> (R,) float32."""
     if w.on_device:
         return w.matvec(x)
-    return _backend.matvec(w, x)
+    return _active().matvec(w, x)
 
 
 def matmul(w: QWeight, x: np.ndarray) -> np.ndarray:
     """X (T, C) float32 -> (T, R) float32."""
     if w.on_device:
         return w.matmul(x)
-    return _backend.matmul(w, x)
+    return _active().matmul(w, x)
 
 
 def dense(w: QWeight) -> np.ndarray:

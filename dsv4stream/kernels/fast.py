@@ -379,12 +379,8 @@ def _fp8_decode(w, r, rel, c0, cw, tile, q):
 
 @njit(**_INLINE)
 def _plain_decode(w, r, c0, cw, tile, q):
-    nb = cw // LANES
-    for b in range(nb):
-        for k in range(LANES):
-            tile[q * CHUNK + b * LANES + k] = _widen(w[r, _nn(c0 + b * LANES + k)])
-    for k in range(cw - nb * LANES):
-        tile[q * CHUNK + nb * LANES + k] = _widen(w[r, c0 + nb * LANES + k])
+    for j in range(cw):
+        tile[q * CHUNK + j] = _widen(w[r, _nn(c0 + j)])
 
 
 @njit(**_INLINE)

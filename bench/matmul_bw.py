@@ -1,0 +1,170 @@
+"""Quantized matmul kernels on V4-Flash shapes against this machine's memory read bandwidth and BLAS.
+
+Cases (random weights in the release formats, E8M0 scales): routed expert w1 2048x4096 and w2
+4096x2048 (FP4); attention wq_b 32768x1024 and wo_b 4096x8192, shared-expert w1 2048x4096 (FP8);
+head 129280x4096 (BF16); each at 1 token and at 32 tokens.
+
+Measured in the same run, before the cases:
+  mem_read_gbps: the best of 3 passes of `np.add.reduce` over a 1 GiB uint64 array, by one
+  thread and by `threads` threads on disjoint slices (numpy releases the GIL); the larger wins.
+
+Timed window of one case: n consecutive calls of `kernels.matmul(W_i, X)` through the public
+dispatch (fast backend): input reordering, output allocation and the kernel, nothing else.
+W_i cycles through copies of the weight whose total is at least 256 MiB (8x the L3 of this
+machine class), so the weights stream from DRAM as they do from expert slots; X (float32
+(T, cols), N(0,1)) stays cached. n covers every copy at least once and at least --seconds;
+the window is repeated --repeat times and `ms` is the median per call. JIT compilation is
+excluded (`warmup()` first; its time is in the header).
+
+Per case: gbps = weight bytes (data + scales) per call / time; gflops = 2*R*C*T / time;
+ratio = gbps / mem_read_gbps. Multi-token cases add vs_blas = our GFLOP/s over numpy float32
+GEMM `X @ W.T` (OpenBLAS, all cores) on the same shape, weight resident (best of repeats).
+Prints a header line with the machine state, one line per case, and a footer with the load
+at the end (other users of the machine show up there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from dsv4stream import kernels
+from dsv4stream.kernels import QWeight
+
+CASES = (
+    ("expert.w1", "fp4", 2048, 4096),
+    ("expert.w2", "fp4", 4096, 2048),
+    ("attn.wq_b", "fp8", 32768, 1024),
+    ("attn.wo_b", "fp8", 4096, 8192),
+    ("shared.w1", "fp8", 2048, 4096),
+    ("head", "bf16", 129280, 4096),
+)
+WORKING_SET = 256 << 20
+
+
+def read_bandwidth(threads: int) -> tuple[float, float]:
+    """GB/s of summing 1 GiB of uint64 with one thread and with `threads` threads."""
+    a = np.ones(1 << 27, np.uint64)
+    a.sum()  # fault the pages in before timing
+
+    def best(parts: list[np.ndarray], pool: ThreadPoolExecutor) -> float:
+        out = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            list(pool.map(np.add.reduce, parts))
+            out.append(a.nbytes / (time.perf_counter() - t0) / 1e9)
+        return max(out)
+
+    with ThreadPoolExecutor(threads) as pool:
+        one = best([a], pool)
+        many = best(np.array_split(a, threads), pool)
+    return one, many
+
+
+def make_weight(kind: str, rows: int, cols: int, rng: np.random.Generator) -> QWeight:
+    if kind == "fp4":
+        data = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+        scale = rng.integers(118, 128, (rows, cols // 32), dtype=np.uint8)
+    elif kind == "fp8":
+        data = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+        data[(data & 0x7F) == 0x7F] = 0x38  # no NaN codes
+        scale = rng.integers(118, 128, (math.ceil(rows / 128), math.ceil(cols / 128)), dtype=np.uint8)
+    else:  # bf16 with exponents 2^-7 .. 2^0 (no subnormals)
+        data = (rng.integers(0, 1 << 16, (rows, cols), dtype=np.uint16) & 0x83FF) | 0x3C00
+        scale = None
+    return QWeight(kind, data, scale, rows, cols)
+
+
+def copies(w: QWeight) -> list[QWeight]:
+    n = max(1, math.ceil(WORKING_SET / w.nbytes))
+    out = [w]
+    for _ in range(n - 1):
+        scale = None if w.scale is None else w.scale.copy()
+        out.append(QWeight(w.kind, w.data.copy(), scale, w.rows, w.cols))
+    return out
+
+
+def time_ours(ws: list[QWeight], x: np.ndarray, seconds: float, repeat: int) -> float:
+    """Median seconds per call over `repeat` windows, cycling through the weight copies."""
+    kernels.matmul(ws[0], x)
+    per_call = []
+    for _ in range(repeat):
+        n = 0
+        t0 = time.perf_counter()
+        while n < len(ws) or time.perf_counter() - t0 < seconds:
+            kernels.matmul(ws[n % len(ws)], x)
+            n += 1
+        per_call.append((time.perf_counter() - t0) / n)
+    return statistics.median(per_call)
+
+
+def time_blas(rows: int, cols: int, x: np.ndarray, repeat: int) -> float:
+    """Best seconds per call of numpy float32 GEMM on the same shape."""
+    wf = np.full((rows, cols), 0.01, np.float32)
+    x @ wf.T
+    best = math.inf
+    for _ in range(repeat):
+        n = 0
+        t0 = time.perf_counter()
+        while n < 2 or time.perf_counter() - t0 < 0.3:
+            x @ wf.T
+            n += 1
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--cases", nargs="+", default=[c[0] for c in CASES], help="subset of case names")
+    ap.add_argument("--seconds", type=float, default=0.3, help="minimum length of one timed window")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+
+    kernels.set_backend("fast")
+    from dsv4stream.kernels import fast  # noqa: PLC0415
+
+    warm = fast.warmup()
+    threads = fast.set_threads(args.threads)
+    one, many = read_bandwidth(threads)
+    mem = max(one, many)
+    load = os.getloadavg()
+    print(
+        f"# machine: cpu={platform.processor() or platform.machine()} cores={os.cpu_count()} threads={threads}"
+        f" load_avg={load[0]:.2f},{load[1]:.2f},{load[2]:.2f} mem_read_gbps={mem:.1f}"
+        f" (1 thread {one:.1f}, {threads} threads {many:.1f}) backend={kernels.backend_name()}"
+        f" warmup_s={warm:.2f} numpy={np.__version__}"
+    )
+    rng = np.random.default_rng(0)
+    for name, kind, rows, cols in CASES:
+        if name not in args.cases:
+            continue
+        ws = copies(make_weight(kind, rows, cols, rng))
+        for t in args.tokens:
+            x = rng.standard_normal((t, cols)).astype(np.float32)
+            sec = time_ours(ws, x, args.seconds, args.repeat)
+            gbps = ws[0].nbytes / sec / 1e9
+            gflops = 2 * rows * cols * t / sec / 1e9
+            line = (
+                f"name={name} dtype={kind} rows={rows} cols={cols} tokens={t} ms={sec * 1e3:.3f}"
+                f" gbps={gbps:.2f} gflops={gflops:.1f} mem_read_gbps={mem:.1f} ratio={gbps / mem:.3f}"
+            )
+            if t > 1:
+                blas = 2 * rows * cols * t / time_blas(rows, cols, x, args.repeat) / 1e9
+                line += f" vs_blas={gflops / blas:.2f} blas_gflops={blas:.1f}"
+            print(line, flush=True)
+        del ws
+    load = os.getloadavg()
+    print(f"# end: load_avg={load[0]:.2f},{load[1]:.2f},{load[2]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
