@@ -19,15 +19,21 @@ excluded (`warmup()` first; its time is in the header).
 Per case: gbps = weight bytes (data + scales) per call / time; gflops = 2*R*C*T / time;
 ratio = gbps / mem_read_gbps. Multi-token cases add vs_blas = our GFLOP/s over numpy float32
 GEMM `X @ W.T` (OpenBLAS, all cores) on the same shape, weight resident (best of repeats).
+OPENBLAS_THREAD_TIMEOUT=4 (unless set) keeps idle OpenBLAS workers from spinning into our timing.
 Prints a header line with the machine state, one line per case, and a footer with the load
 at the end (other users of the machine show up there).
 """
 
 from __future__ import annotations
 
+import os
+
+# OpenBLAS workers spin long after each call and would take the cores from the kernels timed
+# next (0.31 -> 6.6 ms for an FP4 matvec after a small sgemm); read when numpy loads.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
 import argparse
 import math
-import os
 import platform
 import statistics
 import time
@@ -130,7 +136,7 @@ def main() -> None:
     args = ap.parse_args()
 
     kernels.set_backend("fast")
-    from dsv4stream.kernels import fast  # noqa: PLC0415
+    from dsv4stream.kernels import fast
 
     warm = fast.warmup()
     threads = fast.set_threads(args.threads)

@@ -135,7 +135,7 @@ def advice_lines(cfg: ModelConfig, available: int, ctx: int = 4096) -> list[str]
             f"model: {cfg.n_layers} layers, {cfg.working_set_experts} experts per pass x {cfg.expert_bytes:,} bytes"
             f" = working set {cfg.working_set_bytes / GB:.2f} GB"
         ),
-        f"smallest budget that runs: {floor / GB:.2f} GB (trunk streamed, cache below the working set: hit rate 0)",
+        f"smallest budget that runs: {floor / GB:.2f} GB (trunk streamed, cache below the working set: hit rate near 0)",
         f"smallest budget whose cache holds the working set: {useful / GB:.2f} GB (trunk resident)",
     ]
     # Leave 15% of available memory (at least 1 GB) for the OS and the page cache.

@@ -148,8 +148,8 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
         short = (needs.working_set - slots) * needs.slot_bytes
         warnings.append(
             f"the expert cache holds {slots} experts, fewer than the working set of {needs.working_set}"
-            f" one forward pass uses, so LRU will evict every expert before its layer comes round again"
-            f" (hit rate 0); add {_gb(short)} to --budget for the cache to start hitting"
+            f" one forward pass uses, so LRU evicts nearly every expert before its layer comes round again"
+            f" (hit rate near 0); add {_gb(short)} to --budget for the cache to start hitting"
         )
     return Plan(budget, needs, pinned, ring_slots, ring_slot if ring_slots else 0, slots, tuple(warnings))
 

@@ -350,7 +350,8 @@ def test_cpu_weights_still_go_to_the_cpu_backend(dev) -> None:
     w = _weights(np.random.default_rng(2))[0]
     x = np.random.default_rng(3).standard_normal((3, w.cols), dtype=np.float32)
     calls = dev.stats.calls
-    np.testing.assert_array_equal(kernels.matmul(w, x), kernels.reference.matmul(w, x))
+    got = kernels.matmul(w, x)  # the CPU backend in use (numba when it loads), not the device
+    assert cuda.relative_error(got, kernels.reference.matmul(w, x)) <= 1e-5
     assert dev.stats.calls == calls
 
 

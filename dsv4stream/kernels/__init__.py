@@ -51,7 +51,7 @@ def set_backend(name: str) -> None:
         _backend = reference
         return
     try:
-        from . import fast  # noqa: PLC0415  (numba import is heavy; only when first needed)
+        from . import fast  # numba import is heavy: only when first needed
     except ImportError:
         _backend = reference
     else:

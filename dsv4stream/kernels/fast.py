@@ -3,7 +3,9 @@
 Owns the fast CPU backend of `kernels` (`matvec`, `matmul`, `matvec_pair`, `swiglu_expert`,
 `set_threads`, `warmup`). No dequantised matrix is ever built: a row is decoded in registers
 (matvec) or into a small per-tile buffer reused by every token (matmul). Does not own the
-weight formats (`formats.py`) or the dispatch (`kernels/__init__.py`).
+weight formats (`formats.py`) or the dispatch (`kernels/__init__.py`). One file on purpose:
+numba's on-disk cache is invalidated by this file's timestamp only, so the bit-level helpers
+must live next to the kernels that inline them.
 
 Arithmetic, identical in every path so that results do not depend on the thread count and
 `matvec(w, x) == matmul(w, x[None])[0]` bit for bit:
@@ -15,14 +17,16 @@ Arithmetic, identical in every path so that results do not depend on the thread 
   subnormal) or 2^+127 never under/overflow inside the lanes. A block whose scale is below
   2^-126 of the row's largest is flushed to zero (it cannot move the result).
 - a non-finite scale (E8M0 0xFF is NaN) makes its whole output row NaN; E4M3 NaN bytes are NaN.
-- accumulation: 32 float32 lanes per (row, token), lane = column mod 32 (FP4: the 16 even then
-  the 16 odd elements of a 32-block), `lane = fma(w * rel, x, lane)` in column order, then a
-  fixed pairwise tree over the lanes. Parallel over output rows only.
+- accumulation: 32 float32 lanes per (row, token), each an FMA chain in column order, then a
+  fixed pairwise tree over the lanes. FP8 / BF16 / F32: lane = column mod 32, `lane = fma(w *
+  rel, x, lane)`. FP4: packed byte k of 32-block b feeds lane (b mod 2)*16 + k with
+  `lane = fma(fma(odd, x_odd, even * x_even), rel, lane)`. Parallel over output rows only.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import numba
@@ -32,7 +36,14 @@ from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+# libgomp (numba's "omp" threading layer) spins idle workers long after each parallel region,
+# taking both cores from OpenBLAS and the I/O threads: a 512^3 sgemm right after a kernel went
+# 1.36 -> 5.0 ms here; with this spin count 1.41 ms, and back-to-back kernels stay as fast.
+# Read when libgomp loads (the first parallel call), so it must be set before that.
+os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+
 LANES = 32
+FP4_LANES = 32  # lane h*16 + k: (even * x_even + odd * x_odd) * scale, 32-blocks of parity h
 MAX_BLOCKS = 1024  # stack room for one row's relative scales: FP4 cols <= 32768, FP8 cols <= 131072
 ROW_TILE = 4  # rows decoded together by matmul; tokens go in pairs
 TILE_LANES = 256  # 4 rows x 2 tokens x 32 lanes
@@ -220,9 +231,9 @@ def _row_rel(srow, shift, rel):
 
 
 @njit(**_INLINE)
-def _lane_sum(acc, base):
-    """Fixed pairwise tree over acc[base : base + 32] (destroys it)."""
-    h = LANES // 2
+def _lane_sum(acc, base, n):
+    """Fixed pairwise tree over acc[base : base + n], n a power of two (destroys it)."""
+    h = n // 2
     while h >= 1:
         for k in range(h):
             acc[base + k] += acc[base + k + h]
@@ -239,19 +250,30 @@ def _finish(lane_total, fac):
 
 
 @njit(**_INLINE)
-def _fp4_row(w, s, r, xp, rel, acc):
-    """Row r of packed FP4 (R, C/2) with (R, C/32) scales, dot xp (C,) in lane order."""
+def _fp4_block(w, r, b, xe, xo, sr, acc):
+    a = (b % 2) * 16
+    for k in range(16):
+        i = b * 16 + k
+        byte = w[r, i]
+        acc[a + k] = _fma(_fma(_e2m1_hi(byte), xo[i], _e2m1_lo(byte) * xe[i]), sr, acc[a + k])
+
+
+@njit(**_INLINE)
+def _fp4_row(w, s, r, xe, xo, rel, acc):
+    """Row r of packed FP4 (R, C/2) with (R, C/32) scales, dot x given as its even / odd halves.
+
+    Even and odd 32-blocks go to separate lanes: two independent FMA chains per row.
+    """
     fac = _row_rel(s[r], 14, rel)
-    for k in range(LANES):
+    for k in range(FP4_LANES):
         acc[k] = 0
-    for b in range(w.shape[1] // 16):
-        sr = rel[b]
-        for k in range(16):
-            byte = w[r, b * 16 + k]
-            j = b * 32 + k
-            acc[k] = _fma(_e2m1_lo(byte) * sr, xp[j], acc[k])
-            acc[16 + k] = _fma(_e2m1_hi(byte) * sr, xp[j + 16], acc[16 + k])
-    return _finish(_lane_sum(acc, 0), fac)
+    nb = w.shape[1] // 16
+    for bp in range(nb // 2):
+        _fp4_block(w, r, 2 * bp, xe, xo, rel[2 * bp], acc)
+        _fp4_block(w, r, 2 * bp + 1, xe, xo, rel[2 * bp + 1], acc)
+    if nb % 2:
+        _fp4_block(w, r, nb - 1, xe, xo, rel[nb - 1], acc)
+    return _finish(_lane_sum(acc, 0, FP4_LANES), fac)
 
 
 @njit(**_INLINE)
@@ -271,7 +293,7 @@ def _fp8_row(w, s, r, x, rel, acc):
             j0 += LANES
         for k in range(j1 - j0):
             acc[k] = _fma(_e4m3(w[r, j0 + k]) * sr, x[j0 + k], acc[k])
-    return _finish(_lane_sum(acc, 0), fac)
+    return _finish(_lane_sum(acc, 0, LANES), fac)
 
 
 @njit(**_INLINE)
@@ -286,7 +308,7 @@ def _plain_row(w, r, x, acc):
             acc[k] = _fma(_widen(w[r, b * LANES + k]), x[b * LANES + k], acc[k])
     for k in range(cols - nb * LANES):
         acc[k] = _fma(_widen(w[r, nb * LANES + k]), x[nb * LANES + k], acc[k])
-    return _finish(_lane_sum(acc, 0), 1.0)
+    return _finish(_lane_sum(acc, 0, LANES), 1.0)
 
 
 def _widen(v):
@@ -303,20 +325,20 @@ def _ol_widen(v):
 
 
 @njit(parallel=True, **_JIT)
-def _fp4_mv(w, s, xp, out):
+def _fp4_mv(w, s, xe, xo, out):
     for r in prange(w.shape[0]):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
         acc = carray(_stack_f32(LANES), (LANES,))
-        out[r] = _fp4_row(w, s, r, xp, rel, acc)
+        out[r] = _fp4_row(w, s, r, xe, xo, rel, acc)
 
 
 @njit(parallel=True, **_JIT)
-def _fp4_mv2(w1, s1, w3, s3, xp, out1, out3):
+def _fp4_mv2(w1, s1, w3, s3, xe, xo, out1, out3):
     for r in prange(w1.shape[0]):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
         acc = carray(_stack_f32(LANES), (LANES,))
-        out1[r] = _fp4_row(w1, s1, r, xp, rel, acc)
-        out3[r] = _fp4_row(w3, s3, r, xp, rel, acc)
+        out1[r] = _fp4_row(w1, s1, r, xe, xo, rel, acc)
+        out3[r] = _fp4_row(w3, s3, r, xe, xo, rel, acc)
 
 
 @njit(parallel=True, **_JIT)
@@ -352,14 +374,47 @@ def _plain_mv(w, x, out):
 
 
 @njit(**_INLINE)
-def _fp4_decode(w, r, rel, c0, cw, tile, q):
-    """tile[q, :cw] = columns c0 .. c0+cw of row r in lane order, relative scales applied."""
-    for b in range(cw // 32):
-        sr = rel[c0 // 32 + b]
-        for k in range(16):
-            byte = w[r, c0 // 2 + b * 16 + k]
-            tile[q * CHUNK + b * 32 + k] = _e2m1_lo(byte) * sr
-            tile[q * CHUNK + b * 32 + 16 + k] = _e2m1_hi(byte) * sr
+def _fp4_decode(w, r, c0, cw, tile, q):
+    """Columns c0 .. c0+cw of row r: even elements to tile[q, :cw/2], odd to tile[q, CHUNK/2:]."""
+    for i in range(cw // 2):
+        byte = w[r, _nn(c0 // 2 + i)]
+        tile[q * CHUNK + i] = _e2m1_lo(byte)
+        tile[q * CHUNK + CHUNK // 2 + i] = _e2m1_hi(byte)
+
+
+@njit(**_INLINE)
+def _fp4_fma_4x2(tile, xe, xo, rel, t, c0, b, k, acc, a0):
+    """Lane (b % 2)*16 + k of 4 rows x 2 tokens for 32-block b of the chunk, as `_fp4_block` does it."""
+    i = b * 16 + k
+    blk = c0 // 32 + b
+    xe0 = xe[t, c0 // 2 + i]
+    xo0 = xo[t, c0 // 2 + i]
+    xe1 = xe[t + 1, c0 // 2 + i]
+    xo1 = xo[t + 1, c0 // 2 + i]
+    for q in range(ROW_TILE):
+        lo = tile[q * CHUNK + i]
+        hi = tile[q * CHUNK + CHUNK // 2 + i]
+        sq = rel[q * MAX_BLOCKS + blk]
+        a = a0 + q * FP4_LANES + (b % 2) * 16 + k
+        acc[a] = _fma(_fma(hi, xo0, lo * xe0), sq, acc[a])
+        a += ROW_TILE * FP4_LANES
+        acc[a] = _fma(_fma(hi, xo1, lo * xe1), sq, acc[a])
+
+
+@njit(**_INLINE)
+def _fp4_chunk_times_tokens(tile, xe, xo, rel, c0, cw, acc):
+    """CHUNK / 32 is even, so a block's parity within the chunk is its parity within the row."""
+    nb = cw // 32
+    for p in range(xe.shape[0] // 2):
+        a0 = p * 8 * FP4_LANES
+        for bp in range(nb // 2):
+            for k in range(16):
+                _fp4_fma_4x2(tile, xe, xo, rel, 2 * p, c0, 2 * bp, k, acc, a0)
+            for k in range(16):
+                _fp4_fma_4x2(tile, xe, xo, rel, 2 * p, c0, 2 * bp + 1, k, acc, a0)
+        if nb % 2:
+            for k in range(16):
+                _fp4_fma_4x2(tile, xe, xo, rel, 2 * p, c0, nb - 1, k, acc, a0)
 
 
 @njit(**_INLINE)
@@ -417,17 +472,17 @@ def _chunk_times_tokens(tile, xs, c0, cw, acc):
 
 
 @njit(**_INLINE)
-def _tile_out(acc, fac, out, r0, nr):
+def _tile_out(acc, fac, out, r0, nr, lanes):
     for t in range(out.shape[0]):
         for q in range(nr):
-            a = ((t // 2) * 8 + (t % 2) * 4 + q) * LANES
-            out[t, r0 + q] = _finish(_lane_sum(acc, a), fac[q])
+            a = ((t // 2) * 8 + (t % 2) * 4 + q) * lanes
+            out[t, r0 + q] = _finish(_lane_sum(acc, a, lanes), fac[q])
 
 
 @njit(parallel=True, **_JIT)
-def _fp4_mm(w, s, xs, out):
-    """out (T, R) = X @ W.T for T <= MAX_TOKENS; xs (T rounded up to even, C) in lane order."""
-    rows, cols = w.shape[0], xs.shape[1]
+def _fp4_mm(w, s, xe, xo, out):
+    """out (T, R) = X @ W.T for T <= MAX_TOKENS; xe / xo: X[:, 0::2] / X[:, 1::2], T rounded up to even."""
+    rows, cols = w.shape[0], 2 * xe.shape[1]
     for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
         rel = carray(_stack_f32(REL_LANES), (REL_LANES,))
         tile = carray(_stack_f32(CHUNK_LANES), (CHUNK_LANES,))
@@ -437,15 +492,15 @@ def _fp4_mm(w, s, xs, out):
         nr = min(ROW_TILE, rows - r0)
         for q in range(nr):
             fac[q] = _row_rel(s[r0 + q], 14, rel[q * MAX_BLOCKS :])
-        acc[: xs.shape[0] // 2 * TILE_LANES] = 0
+        acc[: xe.shape[0] // 2 * TILE_LANES] = 0
         tile[:] = 0
         for ci in range((cols + CHUNK - 1) // CHUNK):
             c0 = ci * CHUNK
             cw = min(CHUNK, cols - c0)
             for q in range(nr):
-                _fp4_decode(w, r0 + q, rel[q * MAX_BLOCKS :], c0, cw, tile, q)
-            _chunk_times_tokens(tile, xs, c0, cw, acc)
-        _tile_out(acc, fac, out, r0, nr)
+                _fp4_decode(w, r0 + q, c0, cw, tile, q)
+            _fp4_chunk_times_tokens(tile, xe, xo, rel, c0, cw, acc)
+        _tile_out(acc, fac, out, r0, nr, FP4_LANES)
 
 
 @njit(parallel=True, **_JIT)
@@ -468,7 +523,7 @@ def _fp8_mm(w, s, xs, out):
             for q in range(nr):
                 _fp8_decode(w, r0 + q, rel[q * MAX_BLOCKS :], c0, cw, tile, q)
             _chunk_times_tokens(tile, xs, c0, cw, acc)
-        _tile_out(acc, fac, out, r0, nr)
+        _tile_out(acc, fac, out, r0, nr, LANES)
 
 
 @njit(parallel=True, **_JIT)
@@ -488,7 +543,7 @@ def _plain_mm(w, xs, out):
             for q in range(nr):
                 _plain_decode(w, r0 + q, c0, cw, tile, q)
             _chunk_times_tokens(tile, xs, c0, cw, acc)
-        _tile_out(acc, fac, out, r0, nr)
+        _tile_out(acc, fac, out, r0, nr, LANES)
 
 
 @njit(parallel=True, **_JIT)
@@ -506,15 +561,27 @@ def _swiglu(g, u, limit, h):
 # ---- public API ----------------------------------------------------------------------------------
 
 
+_threads = [0]  # requested by set_threads (0: numba's default); applied in whichever thread calls
+
+
 def set_threads(n: int) -> int:
-    """Threads for the kernels (numba), clamped to 1..cores; returns the count in effect."""
-    n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(n)
-    return n
+    """Threads for the kernels, clamped to 1..cores; returns the count in effect.
+
+    numba's own setting is per calling thread; this one holds for every thread that calls
+    the kernels afterwards.
+    """
+    _threads[0] = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(_threads[0])
+    return _threads[0]
 
 
 def get_threads() -> int:
     return numba.get_num_threads()
+
+
+def _apply_threads() -> None:
+    if _threads[0] and numba.get_num_threads() != _threads[0]:
+        numba.set_num_threads(_threads[0])
 
 
 def _u8(a: np.ndarray) -> np.ndarray:
@@ -553,10 +620,14 @@ def _check(w, cols: int) -> None:
         raise ValueError(f"{w.kind} weight has {want_s[1]} scale blocks per row, the kernels hold {MAX_BLOCKS}")
 
 
-def _fp4_lanes(x: np.ndarray) -> np.ndarray:
-    """(T, C) -> (T, C) with each 32-block reordered to its 16 even then 16 odd elements."""
+def _halves(x: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(T, C) -> X[:, 0::2], X[:, 1::2] as (rows, C/2) float32 (rows >= T; extra rows zero)."""
     t, c = x.shape
-    return np.ascontiguousarray(x.reshape(t, c // 32, 16, 2).transpose(0, 1, 3, 2)).reshape(t, c)
+    xe = np.zeros((rows, c // 2), np.float32)
+    xo = np.zeros((rows, c // 2), np.float32)
+    xe[:t] = x[:, 0::2]
+    xo[:t] = x[:, 1::2]
+    return xe, xo
 
 
 def _tokens(x: np.ndarray) -> np.ndarray:
@@ -575,7 +646,8 @@ def _plain(w) -> np.ndarray:
 
 def _matvec_rows(w, x: np.ndarray, out: np.ndarray) -> None:
     if w.kind == "fp4":
-        _fp4_mv(_u8(w.data), _scale(w), _fp4_lanes(x[None])[0], out)
+        xe, xo = _halves(x[None], 1)
+        _fp4_mv(_u8(w.data), _scale(w), xe[0], xo[0], out)
     elif w.kind == "fp8":
         _fp8_mv(_u8(w.data), _scale(w), x, out)
     else:
@@ -588,6 +660,7 @@ def matvec(w, x: np.ndarray) -> np.ndarray:
     if x.ndim != 1:
         raise ValueError(f"matvec takes x of shape (C,), found {x.shape}")
     _check(w, x.shape[0])
+    _apply_threads()
     out = np.empty(w.rows, np.float32)
     _matvec_rows(w, x, out)
     return out
@@ -597,6 +670,7 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
     """X (T, C) @ W.T -> (T, R) float32; row t equals matvec(w, X[t]) bit for bit."""
     x = _tokens(x)
     _check(w, x.shape[1])
+    _apply_threads()
     t = x.shape[0]
     out = np.empty((t, w.rows), np.float32)
     if t == 1:
@@ -604,15 +678,16 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
         return out
     if t == 0:
         return out
-    lanes = _fp4_lanes(x) if w.kind == "fp4" else x
     for t0 in range(0, t, MAX_TOKENS):
         n = min(MAX_TOKENS, t - t0)
-        xs = np.zeros((n + n % 2, w.cols), np.float32)
-        xs[:n] = lanes[t0 : t0 + n]
         part = out[t0 : t0 + n]
         if w.kind == "fp4":
-            _fp4_mm(_u8(w.data), _scale(w), xs, part)
-        elif w.kind == "fp8":
+            xe, xo = _halves(x[t0 : t0 + n], n + n % 2)
+            _fp4_mm(_u8(w.data), _scale(w), xe, xo, part)
+            continue
+        xs = np.zeros((n + n % 2, w.cols), np.float32)
+        xs[:n] = x[t0 : t0 + n]
+        if w.kind == "fp8":
             _fp8_mm(_u8(w.data), _scale(w), xs, part)
         else:
             _plain_mm(_plain(w), xs, part)
@@ -624,12 +699,14 @@ def matvec_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     x = np.ascontiguousarray(x, dtype=np.float32)
     _check(w1, x.shape[0])
     _check(w3, x.shape[0])
+    _apply_threads()
     if w1.kind != w3.kind or w1.rows != w3.rows or w1.kind not in ("fp4", "fp8"):
         return matvec(w1, x), matvec(w3, x)
     y1 = np.empty(w1.rows, np.float32)
     y3 = np.empty(w3.rows, np.float32)
     if w1.kind == "fp4":
-        _fp4_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), _fp4_lanes(x[None])[0], y1, y3)
+        xe, xo = _halves(x[None], 1)
+        _fp4_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe[0], xo[0], y1, y3)
     else:
         _fp8_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), x, y1, y3)
     return y1, y3
@@ -653,7 +730,7 @@ def swiglu_expert(w1, w3, w2, x: np.ndarray, limit: float) -> np.ndarray:
 
 def warmup() -> float:
     """Compile (or load from numba's cache) every kernel signature; returns the seconds it took."""
-    from . import QWeight  # noqa: PLC0415  (kernels/__init__ imports this module lazily)
+    from . import QWeight  # kernels/__init__ imports this module lazily
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)

@@ -1,0 +1,216 @@
+"""Fused numba kernels (kernels/fast.py) against a float64 reference built here.
+
+The reference dequantises with `formats` (ml_dtypes codecs, widened to float64) and multiplies
+in float64: it shares nothing with the kernels' bit-level decoding. Error metric: max |ours -
+ref| / max |ref| over an output (T, R), required <= 1e-6; the edge-scale test applies it to
+each group of rows separately (2^-127 rows, 2^+20 rows, mixed rows), so tiny rows are held to
+the same standard. First run compiles the kernels (tens of seconds); numba's on-disk cache
+makes later runs fast.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+import pytest
+
+from dsv4stream import formats
+from dsv4stream.kernels import QWeight
+
+fast = pytest.importorskip("dsv4stream.kernels.fast")
+
+TOL = 1e-6
+
+
+def dense64(w: QWeight) -> np.ndarray:
+    if w.kind == "fp4":
+        vals = formats.unpack_fp4(w.data).astype(np.float64)
+        s = formats.scale_to_f32(w.scale).astype(np.float64)
+        return vals * np.repeat(s, 32, axis=1)
+    if w.kind == "fp8":
+        vals = formats.e4m3_to_f32(w.data).astype(np.float64)
+        s = formats.scale_to_f32(w.scale).astype(np.float64)
+        return vals * np.repeat(np.repeat(s, 128, axis=0), 128, axis=1)[: w.rows, : w.cols]
+    if w.kind == "bf16":
+        return formats.bf16_to_f32(w.data).astype(np.float64)
+    return w.data.astype(np.float64)
+
+
+def reference(x: np.ndarray, w: QWeight) -> np.ndarray:
+    return np.atleast_2d(x).astype(np.float64) @ dense64(w).T
+
+
+def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(np.atleast_2d(got) - ref).max() / np.abs(ref).max())
+
+
+def weight(kind: str, rows: int, cols: int, rng, scale_kind: str = "e8m0", exps=(118, 131)) -> QWeight:
+    """Random codes (no NaN codes) and random block scales 2^e for e in exps (or a range)."""
+    if kind == "bf16":
+        return QWeight(kind, formats.f32_to_bf16(rng.standard_normal((rows, cols))), None, rows, cols)
+    if kind == "f32":
+        return QWeight(kind, rng.standard_normal((rows, cols)).astype(np.float32), None, rows, cols)
+    if kind == "fp4":
+        data = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+        shape = (rows, cols // 32)
+    else:
+        data = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+        data[(data & 0x7F) == 0x7F] = 0x38
+        shape = (-(-rows // 128), -(-cols // 128))
+    if isinstance(exps, tuple):
+        scale = rng.integers(exps[0], exps[1], shape).astype(np.uint8)
+    else:
+        scale = rng.choice(np.asarray(exps, np.uint8), shape)
+    if scale_kind == "f32":
+        scale = formats.e8m0_to_f32(scale) * rng.uniform(0.5, 1.0, shape).astype(np.float32)
+    return QWeight(kind, data, scale, rows, cols)
+
+
+SHAPES = [
+    ("fp4", 64, 256),
+    ("fp4", 37, 96),
+    ("fp8", 130, 200),  # rows and cols not multiples of 128
+    ("fp8", 3, 1),
+    ("fp8", 64, 1100),  # several column chunks of the matmul tile, ragged end
+    ("bf16", 33, 45),
+    ("f32", 7, 70),
+]
+
+
+@pytest.mark.parametrize("kind,rows,cols", SHAPES)
+@pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
+def test_accuracy_against_float64(kind, rows, cols, scale_kind):
+    rng = np.random.default_rng(rows * 1000 + cols)
+    w = weight(kind, rows, cols, rng, scale_kind)
+    x = rng.standard_normal((5, cols)).astype(np.float32)
+    ref = reference(x, w)
+    assert rel_error(fast.matmul(w, x), ref) <= TOL
+    assert rel_error(fast.matvec(w, x[0]), ref[:1]) <= TOL
+
+
+@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+@pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
+def test_edge_scales(kind, scale_kind):
+    """E8M0 byte 0 (2^-127, a float32 subnormal) next to 2^+20, whole rows of each, and mixes."""
+    rng = np.random.default_rng(7)
+    rows, cols = (384, 640) if kind == "fp8" else (12, 256)
+    w = weight(kind, rows, cols, rng, scale_kind, exps=[0, 1, 2, 127, 147])
+    tiny, big = (np.float32(2.0**-127), np.float32(2.0**20)) if scale_kind == "f32" else (0, 147)
+    w.scale[0] = tiny  # FP4: row 0; FP8: rows 0..127
+    w.scale[1] = big
+    x = rng.standard_normal((16, cols)).astype(np.float32)
+    got, ref = fast.matmul(w, x), reference(x, w)
+    assert np.isfinite(got).all()
+    block = 1 if kind == "fp4" else 128
+    for rows_ in (slice(0, block), slice(block, 2 * block), slice(2 * block, None)):
+        assert rel_error(got[:, rows_], ref[:, rows_]) <= TOL
+    assert 0 < np.abs(got[:, :block]).max() < 1e-30  # 2^-127 rows really computed, not flushed
+
+
+def test_nan_scale_and_nan_codes_poison_their_rows_only():
+    rng = np.random.default_rng(3)
+    w4 = weight("fp4", 8, 64, rng)
+    w4.scale[2, 1] = 0xFF  # E8M0 NaN
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    got = fast.matmul(w4, x)
+    assert np.isnan(got[:, 2]).all() and np.isfinite(np.delete(got, 2, axis=1)).all()
+    assert np.isnan(fast.matvec(w4, x[0])[2])
+
+    w8 = weight("fp8", 200, 64, rng)
+    w8.data[5, 7] = 0x7F  # E4M3 NaN code
+    w8.scale[1, 0] = 0xFF  # rows 128..199
+    got = fast.matmul(w8, x)
+    bad = np.zeros(200, bool)
+    bad[5] = True
+    bad[128:] = True
+    assert np.isnan(got[:, bad]).all() and np.isfinite(got[:, ~bad]).all()
+
+
+def test_matvec_equals_matmul_rows_bit_for_bit():
+    rng = np.random.default_rng(11)
+    for kind, rows, cols in SHAPES:
+        for scale_kind in ("e8m0", "f32"):
+            w = weight(kind, rows, cols, rng, scale_kind)
+            x = rng.standard_normal((70, cols)).astype(np.float32)  # > 64 tokens: split calls
+            y = fast.matmul(w, x)
+            for t in (0, 1, 63, 64, 69):
+                assert np.array_equal(fast.matvec(w, x[t]), y[t]), (kind, scale_kind, t)
+            assert np.array_equal(fast.matmul(w, x[3:6]), y[3:6])
+
+
+def test_pair_and_swiglu_expert():
+    rng = np.random.default_rng(5)
+    w1, w3 = weight("fp4", 64, 128, rng), weight("fp4", 64, 128, rng)
+    w2 = weight("fp4", 128, 64, rng)
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    g, u = fast.matvec_pair(w1, w3, x[0])
+    assert np.array_equal(g, fast.matvec(w1, x[0])) and np.array_equal(u, fast.matvec(w3, x[0]))
+    limit = 1.5
+    for xs in (x[:1], x):
+        g64 = np.minimum(xs.astype(np.float64) @ dense64(w1).T, limit)
+        u64 = np.clip(xs.astype(np.float64) @ dense64(w3).T, -limit, limit)
+        h64 = g64 / (1 + np.exp(-g64)) * u64
+        ref = h64 @ dense64(w2).T
+        got = fast.swiglu_expert(w1, w3, w2, xs, limit)
+        assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-5  # h is rounded to float32 once
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
+def test_results_do_not_depend_on_thread_count():
+    rng = np.random.default_rng(13)
+    cases = [weight(k, r, c, rng, sk) for k, r, c in SHAPES for sk in ("e8m0", "f32")]
+    xs = [rng.standard_normal((5, w.cols)).astype(np.float32) for w in cases]
+    before = fast.get_threads()
+    try:
+        runs = []
+        for n in (1, 2):
+            assert fast.set_threads(n) == n
+            runs.append([(fast.matmul(w, x), fast.matvec(w, x[0])) for w, x in zip(cases, xs)])
+    finally:
+        fast.set_threads(before)
+    for (a_mm, a_mv), (b_mm, b_mv) in zip(*runs):
+        assert a_mm.tobytes() == b_mm.tobytes() and a_mv.tobytes() == b_mv.tobytes()
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
+def test_thread_setting_holds_in_other_threads():
+    """numba's count is per thread; set_threads must reach kernels called from a worker thread."""
+    w = weight("fp8", 8, 32, np.random.default_rng(1))
+    before = fast.get_threads()
+    seen = []
+
+    def work():
+        fast.matvec(w, np.ones(32, np.float32))
+        seen.append(fast.get_threads())
+
+    try:
+        fast.set_threads(1)
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    finally:
+        fast.set_threads(before)
+    assert seen == [1]
+
+
+def test_shape_contract_errors():
+    rng = np.random.default_rng(0)
+    bad = QWeight("fp4", rng.integers(0, 256, (4, 24), dtype=np.uint8), np.ones((4, 1), np.uint8), 4, 48)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        fast.matvec(bad, np.ones(48, np.float32))
+    w = weight("fp8", 4, 32, rng)
+    with pytest.raises(ValueError, match="width 31"):
+        fast.matmul(w, np.ones((2, 31), np.float32))
+    with pytest.raises(ValueError, match="scale"):
+        fast.matvec(QWeight("fp8", w.data, np.ones((2, 1), np.uint8), 4, 32), np.ones(32, np.float32))
+
+
+def test_int8_view_and_warmup():
+    rng = np.random.default_rng(2)
+    w = weight("fp4", 16, 64, rng)
+    as_i8 = QWeight("fp4", w.data.view(np.int8), w.scale, 16, 64)  # the checkpoint's I8 dtype
+    x = rng.standard_normal(64).astype(np.float32)
+    assert np.array_equal(fast.matvec(as_i8, x), fast.matvec(w, x))
+    assert fast.warmup() >= 0.0

@@ -1,0 +1,73 @@
+"""The budget planner on the released V4-Flash config and on hand-built sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dsv4stream.config import ModelConfig
+from dsv4stream.errors import BudgetError
+from dsv4stream.planner import GB, MemoryNeeds, minimum_budget, needs_from_config, plan, state_bytes_for
+
+FLASH = ModelConfig.from_json(Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json")
+
+
+def test_flash_budget_3_has_a_working_plan_under_3_gb():
+    needs = needs_from_config(FLASH)
+    p = plan(needs, 3 * GB)
+    assert p.planned_bytes <= 3 * GB  # the whole process, overhead included
+    assert 0 < p.pinned_layers < FLASH.n_layers and p.ring_slots == 2
+    assert p.ring_slot_bytes == max(needs.layer_bytes)
+    assert p.expert_slots >= 2 * FLASH.num_experts_per_tok
+    (w,) = p.warnings
+    assert "working set of 258" in w and "add " in w and "--budget" in w
+    assert any("layers pinned" in line for line in p.lines())
+
+
+def test_flash_budget_16_pins_the_whole_trunk_and_holds_the_working_set():
+    p = plan(needs_from_config(FLASH), 16 * GB)
+    assert p.pinned_layers == FLASH.n_layers and p.ring_slots == 0
+    assert p.expert_slots > FLASH.working_set_experts and not p.warnings
+    assert p.planned_bytes <= 16 * GB
+
+
+def test_too_small_a_budget_names_the_minimum():
+    needs = needs_from_config(FLASH)
+    floor = minimum_budget(needs)
+    assert 1.5 * GB < floor < 2.5 * GB  # head (1.06 GB) + overhead + a two-layer ring + 12 slots
+    with pytest.raises(BudgetError, match=r"below the minimum of \d+\.\d\d GB"):
+        plan(needs, floor - 1)
+    assert plan(needs, floor).pinned_layers == 0
+
+
+def test_more_budget_never_gives_less():
+    needs = needs_from_config(FLASH)
+    prev = None
+    for gb in (2, 3, 4, 6, 8, 10, 12, 16, 32, 160):
+        p = plan(needs, gb * GB)
+        if prev is not None:
+            assert p.pinned_layers >= prev.pinned_layers
+            assert p.pinned_layers < FLASH.n_layers or p.expert_slots >= prev.expert_slots
+        prev = p
+    assert prev.expert_slots == FLASH.n_layers * FLASH.n_routed_experts  # capped at every expert
+
+
+def test_pins_layers_in_order_before_adding_expert_slots():
+    needs = MemoryNeeds(
+        layer_bytes=(100, 100, 300, 300), head_bytes=50, slot_bytes=10, state_bytes=5, staging_bytes=5,
+        overhead_bytes=40, working_set=6, experts_per_token=2, total_experts=30,
+    )  # fmt: skip
+    # fixed 100 + 4 minimum slots (40) + a ring of 2 x 300 (600) is the floor
+    assert minimum_budget(needs) == 740
+    p = plan(needs, 840)  # 100 spare after the ring: layer 0 pinned, nothing left for slots
+    assert (p.pinned_layers, p.ring_slots, p.expert_slots) == (1, 2, 4)
+    p = plan(needs, 940)  # the whole trunk (800) fits: no ring at all
+    assert (p.pinned_layers, p.ring_slots, p.expert_slots) == (4, 0, 4)
+    p = plan(needs, 965)  # what is left after the trunk goes to expert slots
+    assert (p.pinned_layers, p.ring_slots, p.expert_slots) == (4, 0, 6)
+    assert p.warnings == () and plan(needs, 840).warnings  # 4 slots < working set 6
+
+
+def test_state_grows_with_context():
+    assert state_bytes_for(FLASH, 65536) > state_bytes_for(FLASH, 4096) > 0
