@@ -206,8 +206,7 @@ class Catalog:
 
     def read(self, name: str) -> np.ndarray:
         """The tensor's raw values (see NP_DTYPE); no conversion."""
-        e = self.entry(name)
-        return _pread_array(e.path, e.offset, e.nbytes, NP_DTYPE[e.dtype], e.shape, name)
+        return read_entry(self.entry(name))
 
     def read_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Selected rows of a 2-D tensor, reading only those rows (embedding lookups)."""
@@ -254,20 +253,27 @@ class Catalog:
         return bf16_to_f32(a) if e.dtype == "BF16" else a.astype(np.float32, copy=False)
 
 
-def _pread_array(path: str, offset: int, nbytes: int, dtype, shape, name: str) -> np.ndarray:
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
+def pread_exact(path: str, offset: int, buf, what: str) -> None:
+    """Fill `buf` (a writable buffer) with the bytes of `path` from `offset`; a short read is
+    a CheckpointError naming `what` (the file is truncated)."""
+    view = memoryview(buf).cast("B")
     fd = os.open(path, os.O_RDONLY)
     try:
         got = 0
-        while got < nbytes:
+        while got < len(view):
             n = os.preadv(fd, [view[got:]], offset + got)
             if n <= 0:
-                raise CheckpointError(f"{path}: short read of '{name}' at byte {offset + got}; the shard is truncated")
+                raise CheckpointError(f"{path}: short read of {what} at byte {offset + got}; the file is truncated")
             got += n
     finally:
         os.close(fd)
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def read_entry(e: TensorEntry) -> np.ndarray:
+    """One whole tensor's raw values (see NP_DTYPE), read with pread."""
+    buf = bytearray(e.nbytes)
+    pread_exact(e.path, e.offset, buf, f"'{e.name}'")
+    return np.frombuffer(buf, dtype=NP_DTYPE[e.dtype]).reshape(e.shape)
 
 
 def _read_index(root: Path) -> dict[str, str] | None:

@@ -271,7 +271,9 @@ class Runtime:
             # the CUDA context, CuPy and pinned activation buffers are host memory too
             d = cfg.hidden_size
             widest = max(cfg.num_attention_heads * cfg.head_dim, cfg.vocab_size, d)
-            opts = replace(opts, overhead=opts.overhead + gpu.host_bytes + gpu.staging_bytes(widest, widest, opts.chunk))
+            opts = replace(
+                opts, overhead=opts.overhead + gpu.host_bytes + gpu.staging_bytes(widest, widest, opts.chunk)
+            )
         needs = memory_needs(cat, layout, ExpertStore.slot_nbytes(layouts), opts)
         plan = planner.plan(needs, opts.budget)
         if opts.threads is not None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .catalog import NP_DTYPE, Catalog, TensorEntry
+from .catalog import NP_DTYPE, Catalog, TensorEntry, read_entry
 from .config import ModelConfig
 from .errors import CheckpointError, Dsv4Error, ReadError
 from .formats import bf16_to_f32
@@ -280,7 +280,7 @@ class StreamedTrunk:
                 self._tid2eid[i] = self._pinned[i].moe.tid2eid
             else:
                 name = f"layers.{i}.ffn.gate.tid2eid"
-                self._tid2eid[i] = np.ascontiguousarray(_read_entry(layout.layers[i].entries[name]), dtype=np.int64)
+                self._tid2eid[i] = np.ascontiguousarray(read_entry(layout.layers[i].entries[name]), dtype=np.int64)
         self._embed = _RowReader(layout.embed)
         self._opened_reads, self._opened_bytes = reader.reads, reader.bytes_read
         streamed = cfg.n_layers - self.pinned
@@ -406,19 +406,3 @@ class _RowReader:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def _read_entry(e: TensorEntry) -> np.ndarray:
-    """One whole tensor with pread (small tensors at open: tid2eid)."""
-    buf = bytearray(e.nbytes)
-    fd = os.open(e.path, os.O_RDONLY)
-    try:
-        view, got = memoryview(buf), 0
-        while got < e.nbytes:
-            n = os.preadv(fd, [view[got:]], e.offset + got)
-            if n <= 0:
-                raise ReadError(f"{e.path}: short read of '{e.name}' at byte {e.offset + got}; the file is truncated")
-            got += n
-    finally:
-        os.close(fd)
-    return np.frombuffer(buf, dtype=NP_DTYPE[e.dtype]).reshape(e.shape)

@@ -132,7 +132,11 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     cfg = ModelConfig.from_dict(cfg_dict, source=f"preset {preset}")
     opts = {k: overrides.get(k) for k in GENERATOR_OPTIONS}
     # Provenance for benches (which routing a hit rate was measured on); loaders ignore it.
-    cfg_dict["dsv4stream_generator"] = {"preset": preset, "seed": seed, **{k: v for k, v in opts.items() if v is not None}}
+    cfg_dict["dsv4stream_generator"] = {
+        "preset": preset,
+        "seed": seed,
+        **{k: v for k, v in opts.items() if v is not None},
+    }
     tok = opts["tokenizer"] if opts["tokenizer"] is not None else cfg.vocab_size == REAL_VOCAB
     rng = np.random.default_rng(seed)
     gen = _Gen(cfg, rng, opts)

@@ -23,7 +23,7 @@ from typing import Self
 
 import numpy as np
 
-from .catalog import NP_DTYPE, Catalog
+from .catalog import NP_DTYPE, Catalog, pread_exact
 from .errors import CheckpointError
 from .pack import ALIGN, FORMAT, MANIFEST, hash_range, staging_dir
 
@@ -248,15 +248,5 @@ def _pread(path: str, offset: int, nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGN
     buf = raw[start : start + nbytes]
-    view = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = 0
-        while got < nbytes:
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n <= 0:
-                raise CheckpointError(f"{path}: short read at byte {offset + got}; the trunk is truncated")
-            got += n
-    finally:
-        os.close(fd)
+    pread_exact(path, offset, buf, "the packed trunk")
     return buf
