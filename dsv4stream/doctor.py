@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 from .config import ModelConfig
-from .planner import GB, minimum_budget, needs_from_config, plan
+from .planner import GB, gb_up, minimum_budget, needs_from_config, plan
 from .store.directio import ALIGN, FileSet, Window, aligned_buffer
 
 # Hit rates measured publicly on the real V4-Flash with LRU (DESIGN.md): (expert cache /
@@ -135,8 +135,8 @@ def advice_lines(cfg: ModelConfig, available: int, ctx: int = 4096) -> list[str]
             f"model: {cfg.n_layers} layers, {cfg.working_set_experts} experts per pass x {cfg.expert_bytes:,} bytes"
             f" = working set {cfg.working_set_bytes / GB:.2f} GB"
         ),
-        f"smallest budget that runs: {floor / GB:.2f} GB (trunk streamed, cache below the working set: hit rate near 0)",
-        f"smallest budget whose cache holds the working set: {useful / GB:.2f} GB (trunk resident)",
+        f"smallest budget that runs: {gb_up(floor)} (trunk streamed, cache below the working set: hit rate near 0)",
+        f"smallest budget whose cache holds the working set: {gb_up(useful)} (trunk resident)",
     ]
     # Leave 15% of available memory (at least 1 GB) for the OS and the page cache.
     rec = int(min(available * 0.85, available - GB)) // GB * GB

@@ -105,7 +105,12 @@ class Plan:
 
 
 def _gb(n: int) -> str:
-    return f"{n / GB:.2f} GB" if n >= GB // 100 else f"{n / 1e6:.1f} MB"
+    return f"{n / GB:.2f} GB" if n >= GB // 10 else f"{n / 1e6:.1f} MB"
+
+
+def gb_up(n: int) -> str:
+    """Bytes as GB rounded up to 0.01: a minimum must never print below itself."""
+    return f"{math.ceil(n / GB * 100) / 100:.2f} GB"
 
 
 def minimum_budget(needs: MemoryNeeds) -> int:
@@ -120,7 +125,7 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
     floor = minimum_budget(needs)
     if budget < floor:
         raise BudgetError(
-            f"--budget {budget / GB:.2f} GB is below the minimum of {math.ceil(floor / GB * 100) / 100:.2f} GB"
+            f"--budget {budget / GB:.2f} GB is below the minimum of {gb_up(floor)}"
             f" for this model (head {_gb(needs.head_bytes)}, overhead {_gb(needs.overhead_bytes)},"
             f" two streamed layers, {2 * needs.experts_per_token} expert slots); raise --budget"
         )

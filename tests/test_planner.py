@@ -71,3 +71,17 @@ def test_pins_layers_in_order_before_adding_expert_slots():
 
 def test_state_grows_with_context():
     assert state_bytes_for(FLASH, 65536) > state_bytes_for(FLASH, 4096) > 0
+
+
+def test_inspect_config_only_prints_the_plan_for_a_budget():
+    from click.testing import CliRunner
+
+    from dsv4stream.commands.inspect import inspect
+
+    cfg_path = Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json"
+    r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "3"])
+    assert r.exit_code == 0, r.output
+    assert "budget 3.00 GB" in r.output and "6/43 layers pinned" in r.output and "working set of 258" in r.output
+    assert "x 13.4 MB" in r.output  # one V4-Flash expert slot
+    r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "1"])
+    assert isinstance(r.exception, BudgetError) and "below the minimum of 1.93 GB" in str(r.exception)

@@ -9,7 +9,8 @@ import click
 
 from ..catalog import Catalog
 from ..config import ModelConfig
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UsageError
+from ..planner import GB, gb_up, minimum_budget, needs_from_config, plan
 from ..spec import trunk_nbytes
 
 GIB = 1 << 30
@@ -51,13 +52,21 @@ def config_summary(cfg: ModelConfig) -> list[str]:
 @click.command("inspect")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--config-only", is_flag=True, help="PATH is a config.json: plan without weights.")
+@click.option(
+    "--budget",
+    type=float,
+    multiple=True,
+    help="Also show how this --budget (GB) would be split (release dtypes; repeat for several).",
+)
+@click.option("--ctx", type=int, default=4096, show_default=True, help="Sequence length the plan covers.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def inspect(path: Path, config_only: bool, debug: bool) -> None:
+def inspect(path: Path, config_only: bool, budget: tuple[float, ...], ctx: int, debug: bool) -> None:
     """Summarise a checkpoint and validate every tensor against its config."""
     if config_only or path.suffix == ".json":
         cfg = ModelConfig.from_json(path if path.suffix == ".json" else path / "config.json")
         for line in config_summary(cfg):
             click.echo(line)
+        _plans(cfg, budget, ctx)
         return
     cat = Catalog.open(path)
     for line in config_summary(cat.config):
@@ -72,3 +81,17 @@ def inspect(path: Path, config_only: bool, debug: bool) -> None:
             f"{path}: {len(problems)} tensor problem(s) listed above; the shards do not match config.json"
         )
     click.echo("all tensors present with the expected dtype and shape")
+    _plans(cat.config, budget, ctx)
+
+
+def _plans(cfg: ModelConfig, budgets: tuple[float, ...], ctx: int) -> None:
+    """The planner's split of each budget, estimated from the config (as `dsv4 run` would plan)."""
+    if not budgets:
+        return
+    needs = needs_from_config(cfg, ctx=ctx)
+    click.echo(f"smallest budget that runs: {gb_up(minimum_budget(needs))}")
+    for b in budgets:
+        if not b > 0:
+            raise UsageError(f"--budget {b}: give a positive number of GB")
+        for line in plan(needs, int(b * GB)).lines():
+            click.echo(line)
