@@ -97,6 +97,7 @@ class RunStats:
     turn_prompt_tokens: list[int] = field(default_factory=list)
     first_token_seconds: list[float] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -120,7 +121,7 @@ class RunStats:
             (
                 f"time: prefill {self.prompt_tokens} tokens in {self.prefill_seconds:.2f} s,"
                 f" decode {self.decode_seconds_per_token:.3f} s/token over {self.decode_tokens} tokens"
-                f" (kernels: {self.kernel_backend})"
+                f" (kernels: {self.kernel_backend}, ready in {self.kernel_warmup_seconds:.2f} s)"
             ),
             f"memory: peak RSS {self.peak_rss_bytes / gb:.3f} GB of --budget {self.budget_bytes / gb:.3f} GB"
             + (
@@ -247,6 +248,7 @@ class Runtime:
         self._prefill_seconds = 0.0
         self._decode_seconds = 0.0
         self._decode_tokens = 0
+        self.kernel_warmup_seconds = 0.0
         self._turn_prompt_tokens: list[int] = []
         self._first_token_seconds: list[float] = []
 
@@ -276,8 +278,16 @@ class Runtime:
             )
         needs = memory_needs(cat, layout, ExpertStore.slot_nbytes(layouts), opts)
         plan = planner.plan(needs, opts.budget)
+        if tf is None and opts.trunk != "":
+            once(
+                f"no packed trunk in {default_out_dir(cat.root)}: reading the trunk from the shards;"
+                f" `dsv4 pack-trunk {cat.root}` once makes start-up faster"
+            )
         if opts.threads is not None:
             kernels.set_threads(opts.threads)
+        if kernels.backend_name() == "fast" and not kernels.compiled_cache_exists():
+            once("compiling the numba kernels (once per installation, about 40 s; cached after)")
+        warmup_seconds = kernels.warmup()
         store = ExpertStore(
             layouts,
             plan.expert_slots,
@@ -297,7 +307,9 @@ class Runtime:
             store.close()
             raise
         engine = Engine(cfg, trunk, StreamedExperts(store, cfg), cat)
-        return cls(cat, opts, plan, engine, store, trunk, tf)
+        rt = cls(cat, opts, plan, engine, store, trunk, tf)
+        rt.kernel_warmup_seconds = warmup_seconds
+        return rt
 
     # -- generation --------------------------------------------------------------------------
 
@@ -399,6 +411,7 @@ class Runtime:
             io_mode=s.io if not s.fallback_files else f"{s.io} (buffered fallback)",
             io_fallback_files=s.fallback_files,
             kernel_backend=kernels.backend_name(),
+            kernel_warmup_seconds=self.kernel_warmup_seconds,
             prefill_seconds=self._prefill_seconds,
             decode_tokens=self._decode_tokens,
             decode_seconds_per_token=self._decode_seconds / self._decode_tokens if self._decode_tokens else 0.0,

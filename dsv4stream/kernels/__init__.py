@@ -81,6 +81,14 @@ def warmup() -> float:
     return backend.warmup() if hasattr(backend, "warmup") else 0.0
 
 
+def compiled_cache_exists() -> bool:
+    """Whether numba's on-disk cache of the fast kernels is there (else warmup compiles, ~40 s)."""
+    from pathlib import Path
+
+    cache = Path(__file__).with_name("__pycache__")
+    return any(cache.glob("fast.*.nbi"))
+
+
 def matvec(w: QWeight, x: np.ndarray) -> np.ndarray:
     """x (C,) float32 -> (R,) float32."""
     if w.on_device:
