@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from dsv4stream.commands.logits import logits as logits_cmd
 from dsv4stream.engine import Engine
 from dsv4stream.errors import UsageError
-from dsv4stream.model.providers import StoreExperts
 from dsv4stream.spec import expert_prefix
+from dsv4stream.streaming import StreamedExperts
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MIXED = FIXTURES / "mixed"
@@ -99,13 +99,16 @@ class FakeStore:
     def prefetch(self, keys) -> None:
         self.prefetched.append(list(keys))
 
+    def release(self, key) -> None:
+        pass
+
 
 @pytest.mark.parametrize("fixture,raw", [("mixed", False), ("f32scales", True)])
 def test_store_adapter_gives_the_same_logits(fixture: str, raw: bool) -> None:
     path = FIXTURES / fixture
     cat = engine(path).catalog
     store = FakeStore(cat, raw)
-    eng = Engine.open(path, experts=StoreExperts(store, cat.config))
+    eng = Engine.open(path, experts=StreamedExperts(store, cat.config))
     ids = IDS[:12]
     np.testing.assert_array_equal(eng.session().prefill(ids), engine(path).session().prefill(ids))
     n_hash = min(cat.config.num_hash_layers, cat.config.n_layers)

@@ -1,9 +1,8 @@
 """Where the forward pass gets its weights: small provider interfaces and their defaults.
 
 Owns: the `Trunk` (embedding rows, dense per-layer weights, head) and `Experts` (routed
-experts by (layer, expert), with a prefetch hint) protocols, the in-memory defaults that
-read from the catalog, and an adapter for a model-agnostic expert store whose
-`get(key)` returns the six raw arrays of an expert. Streaming implementations plug in here
+experts by (layer, expert), with a prefetch hint) protocols and the in-memory defaults that
+read from the catalog. Streaming implementations (`dsv4stream.streaming`) plug in here
 without touching the model code.
 """
 
@@ -15,10 +14,9 @@ from typing import Protocol
 import numpy as np
 
 from ..catalog import Catalog
-from ..config import ModelConfig
 from ..formats import bf16_to_f32
 from .moe import ExpertWeights
-from .weights import HeadWeights, LayerWeights, expert_from_arrays, load_expert, load_head, load_layer
+from .weights import HeadWeights, LayerWeights, load_expert, load_head, load_layer
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 
@@ -91,18 +89,3 @@ class CatalogExperts:
 
     def prefetch(self, keys: Sequence[ExpertKey]) -> None:
         pass
-
-
-class StoreExperts:
-    """Adapter for an expert store keyed by (layer, expert) whose get() returns
-    (w1.weight, w1.scale, w2.weight, w2.scale, w3.weight, w3.scale)."""
-
-    def __init__(self, store, cfg: ModelConfig) -> None:
-        self.store = store
-        self.cfg = cfg
-
-    def get(self, layer: int, expert: int) -> ExpertWeights:
-        return expert_from_arrays(self.cfg, tuple(self.store.get((layer, expert))))
-
-    def prefetch(self, keys: Sequence[ExpertKey]) -> None:
-        self.store.prefetch(list(keys))
