@@ -142,14 +142,18 @@ def advice_lines(cfg: ModelConfig, available: int, ctx: int = 4096) -> list[str]
     rec = int(min(available * 0.85, available - GB)) // GB * GB
     if rec < floor:
         lines.append(
-            f"recommended --budget: none fits — {available / GB:.1f} GB available is below the {floor / GB:.2f} GB minimum"
+            f"recommended --budget: none fits — {available / GB:.1f} GB available is below the {gb_up(floor)} minimum"
         )
         return lines
     p = plan(needs, rec)
     hits = expected_hit_rate(p.expert_slots, needs.working_set, needs.total_experts)
+    source = (
+        ""
+        if p.expert_slots >= needs.total_experts
+        else " (from public V4-Flash measurements; real hit rates depend on the real model's routing)"
+    )
     lines.append(
         f"recommended --budget {rec // GB}: {p.pinned_layers}/{cfg.n_layers} trunk layers resident,"
-        f" {p.expert_slots} expert slots; expected LRU hit rate {hits} (from public V4-Flash measurements;"
-        " real hit rates depend on the real model's routing)"
+        f" {p.expert_slots} expert slots; expected LRU hit rate {hits}{source}"
     )
     return lines

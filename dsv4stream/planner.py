@@ -193,6 +193,7 @@ def needs_from_config(cfg: ModelConfig, ctx: int = 4096, chunk: int = 32) -> Mem
     )
     d, v, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     head = v * d * 2 + d * 2 + hc * hc * d * 4 + 4 * hc + 4
+    head += min(cfg.num_hash_layers, cfg.n_layers) * v * cfg.num_experts_per_tok * 8  # resident tid2eid
     return MemoryNeeds(
         layer_bytes=layer_bytes,
         head_bytes=head,

@@ -84,4 +84,21 @@ def test_inspect_config_only_prints_the_plan_for_a_budget():
     assert "budget 3.00 GB" in r.output and "6/43 layers pinned" in r.output and "working set of 258" in r.output
     assert "x 13.4 MB" in r.output  # one V4-Flash expert slot
     r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "1"])
-    assert isinstance(r.exception, BudgetError) and "below the minimum of 1.93 GB" in str(r.exception)
+    assert isinstance(r.exception, BudgetError) and "below the minimum of 1.95 GB" in str(r.exception)
+
+
+def test_config_estimate_matches_what_a_run_measures(tmp_path):
+    """`inspect --config-only --budget` and `doctor` plan from config.json alone: their sizes
+    must agree with what `dsv4 run` measures on the shards (within 2%)."""
+    from dsv4stream import synth
+    from dsv4stream.runtime import RunOptions, measure
+
+    ckpt = synth.make_checkpoint(tmp_path / "c", "tiny", seed=3, hidden_size=256, moe_intermediate_size=256)
+    opts = RunOptions(budget=GB, trunk="")
+    got = measure(ckpt, opts)
+    est = needs_from_config(ModelConfig.from_json(ckpt / "config.json"), ctx=opts.ctx, chunk=opts.chunk)
+    for a, b in zip(got.layer_bytes, est.layer_bytes, strict=True):
+        assert abs(a - b) <= 0.02 * a + 8192
+    assert abs(got.head_bytes - est.head_bytes) <= 0.02 * got.head_bytes + 8192
+    assert abs(got.slot_bytes - est.slot_bytes) <= 2 * 4096
+    assert got.state_bytes == est.state_bytes and got.working_set == est.working_set
