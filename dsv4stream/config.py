@@ -232,6 +232,11 @@ class ModelConfig:
         return f(m, d) + f(d, m) + f(m, d)
 
     @property
+    def tid2eid_bytes(self) -> int:
+        """int64 expert tables of the hash layers, kept resident so routing never waits on a layer."""
+        return min(self.num_hash_layers, self.n_layers) * self.vocab_size * self.num_experts_per_tok * 8
+
+    @property
     def working_set_experts(self) -> int:
         """Routed experts one forward pass touches (main layers only)."""
         return self.n_layers * self.num_experts_per_tok

@@ -126,10 +126,7 @@ def advice_lines(cfg: ModelConfig, available: int, ctx: int = 4096) -> list[str]
     """Working set, smallest budget, and a recommended --budget for `available` bytes of RAM."""
     needs = needs_from_config(cfg, ctx=ctx)
     floor = minimum_budget(needs)
-    trunk_all = (
-        needs.overhead_bytes + needs.state_bytes + needs.staging_bytes + needs.head_bytes + sum(needs.layer_bytes)
-    )
-    useful = trunk_all + needs.working_set * needs.slot_bytes
+    useful = needs.trunk_resident_bytes + needs.working_set * needs.slot_bytes
     lines = [
         (
             f"model: {cfg.n_layers} layers, {cfg.working_set_experts} experts per pass x {cfg.expert_bytes:,} bytes"

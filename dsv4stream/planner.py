@@ -45,6 +45,16 @@ class MemoryNeeds:
     experts_per_token: int = 1
     total_experts: int = 0
 
+    @property
+    def fixed_bytes(self) -> int:
+        """What every plan holds whatever the budget: overhead, state, staging, the head."""
+        return self.overhead_bytes + self.state_bytes + self.staging_bytes + self.head_bytes
+
+    @property
+    def trunk_resident_bytes(self) -> int:
+        """The fixed part plus every trunk layer pinned: the smallest plan without a ring."""
+        return self.fixed_bytes + sum(self.layer_bytes)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -70,16 +80,7 @@ class Plan:
 
     @property
     def planned_bytes(self) -> int:
-        n = self.needs
-        return (
-            n.overhead_bytes
-            + n.state_bytes
-            + n.staging_bytes
-            + n.head_bytes
-            + self.pinned_bytes
-            + self.ring_slots * self.ring_slot_bytes
-            + self.expert_bytes
-        )
+        return self.needs.fixed_bytes + self.pinned_bytes + self.ring_slots * self.ring_slot_bytes + self.expert_bytes
 
     def lines(self) -> list[str]:
         n = self.needs
@@ -117,7 +118,7 @@ def minimum_budget(needs: MemoryNeeds) -> int:
     """Smallest budget that runs: nothing pinned, a two-slot ring, two layers' worth of experts."""
     ring = 2 * max(needs.layer_bytes, default=0)
     slots = 2 * needs.experts_per_token * needs.slot_bytes
-    return needs.overhead_bytes + needs.state_bytes + needs.staging_bytes + needs.head_bytes + ring + slots
+    return needs.fixed_bytes + ring + slots
 
 
 def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -> Plan:
@@ -131,8 +132,7 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
         )
     min_slots = 2 * needs.experts_per_token
     cap = needs.total_experts if max_expert_slots is None else max_expert_slots
-    fixed = needs.overhead_bytes + needs.state_bytes + needs.staging_bytes + needs.head_bytes
-    free = budget - fixed - min_slots * needs.slot_bytes
+    free = budget - needs.fixed_bytes - min_slots * needs.slot_bytes
     layers = needs.layer_bytes
     ring_slot = max(layers, default=0)
     pinned = 0
@@ -193,7 +193,7 @@ def needs_from_config(cfg: ModelConfig, ctx: int = 4096, chunk: int = 32) -> Mem
     )
     d, v, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     head = v * d * 2 + d * 2 + hc * hc * d * 4 + 4 * hc + 4
-    head += min(cfg.num_hash_layers, cfg.n_layers) * v * cfg.num_experts_per_tok * 8  # resident tid2eid
+    head += cfg.tid2eid_bytes  # the hash layers' tables stay resident
     return MemoryNeeds(
         layer_bytes=layer_bytes,
         head_bytes=head,

@@ -30,7 +30,7 @@ from .pack import MANIFEST, default_out_dir
 from .planner import MemoryNeeds, Plan
 from .store import ExpertStore
 from .store.layout import expert_label, expert_layouts
-from .streaming import GroupReader, StreamedExperts, StreamedTrunk, TrunkLayout, tid2eid_nbytes, trunk_layout
+from .streaming import GroupReader, StreamedExperts, StreamedTrunk, TrunkLayout, trunk_layout
 from .trunkfile import TrunkFile
 
 Pick = Callable[[np.ndarray], int]
@@ -168,7 +168,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
     cfg = cat.config
     return MemoryNeeds(
         layer_bytes=layout.layer_bytes,
-        head_bytes=layout.head.nbytes + tid2eid_nbytes(cfg),
+        head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,
         slot_bytes=slot_bytes,
         state_bytes=planner.state_bytes_for(cfg, opts.ctx),
         staging_bytes=planner.staging_bytes_for(cfg, opts.chunk) + kernel_scratch_bytes(cat),

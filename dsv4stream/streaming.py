@@ -117,11 +117,6 @@ def trunk_layout(cat: Catalog, trunk: TrunkFile | None = None, exclude: frozense
     return TrunkLayout(layers, head, locate("embed.weight"), packed)
 
 
-def tid2eid_nbytes(cfg: ModelConfig) -> int:
-    """Bytes of the hash layers' tid2eid tables kept resident (int64)."""
-    return min(cfg.num_hash_layers, cfg.n_layers) * cfg.vocab_size * cfg.num_experts_per_tok * 8
-
-
 # ---- views of a slot as a catalog ------------------------------------------------------
 
 

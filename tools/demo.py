@@ -48,8 +48,7 @@ def pick_budget(ckpt: Path, opts_kw: dict) -> tuple[int, int]:
     from dsv4stream.runtime import RunOptions, measure
 
     n = measure(ckpt, RunOptions(budget=1, **opts_kw))
-    fixed = n.overhead_bytes + n.state_bytes + n.staging_bytes + n.head_bytes + sum(n.layer_bytes)
-    return fixed + n.total_experts // 3 * n.slot_bytes, Catalog.open(ckpt).nbytes
+    return n.trunk_resident_bytes + n.total_experts // 3 * n.slot_bytes, Catalog.open(ckpt).nbytes
 
 
 def main(argv: list[str] | None = None) -> int:
