@@ -155,6 +155,7 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
             tensors = {s.name: gen.tensor(s) for s in names}
             tensors = {k: v for k, v in tensors.items() if v is not None}
             safetensors.numpy.save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            (tmp / fname).chmod(0o644)  # safetensors creates it 0600; the other files are 0644
             for k, v in tensors.items():
                 weight_map[k] = fname
                 total += v.nbytes

@@ -19,6 +19,7 @@ from .. import simulate as sim
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..planner import GB, MemoryNeeds, minimum_budget, needs_from_config, plan
+from .registry import check_not_a_typo
 
 DEFAULT_HASH_LAYERS = 3  # V4's num_hash_layers, when no config says otherwise
 
@@ -31,6 +32,7 @@ class DefaultToRun(click.Group):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            check_not_a_typo(args[0], sorted(self.commands), "dsv4 bench")
             args = [self.default_command, *args]
         return super().parse_args(ctx, args)
 
