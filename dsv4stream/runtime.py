@@ -54,7 +54,7 @@ class RunOptions:
     trunk: str | os.PathLike | None = None
     route_log: str | os.PathLike | IO[str] | None = None
     ctx: int = 4096  # longest sequence the state estimate covers
-    chunk: int = 64  # prefill chunk (tokens per forward)
+    chunk: int = planner.DEFAULT_CHUNK  # prefill chunk (tokens per forward)
     overhead: int = planner.DEFAULT_OVERHEAD
 
 
@@ -205,6 +205,29 @@ def measure(checkpoint: str | os.PathLike, opts: RunOptions) -> MemoryNeeds:
     return memory_needs(cat, trunk_layout(cat, tf), ExpertStore.slot_nbytes(layouts), opts)
 
 
+def needs_of(path: str | os.PathLike, ctx: int = 4096) -> tuple[MemoryNeeds, str]:
+    """What the planner places for `path`, the one answer inspect, doctor and bench give:
+    measured on a checkpoint directory exactly as `dsv4 run` plans it (default trunk, ctx,
+    chunk, kernels), else estimated from a bare config.json; with where the sizes came from."""
+    p = Path(path)
+    if p.is_dir() and any(p.glob("*.safetensors")):
+        return measure(p, RunOptions(budget=planner.GB, ctx=ctx)), "measured on the checkpoint, as `dsv4 run` plans"
+    from .config import ModelConfig
+
+    cfg = ModelConfig.from_json(p / "config.json" if p.is_dir() else p)
+    return planner.needs_from_config(cfg, ctx=ctx), "estimated from config.json (release dtypes)"
+
+
+def pack_hint(root: str | os.PathLike) -> str:
+    """How to pack this checkpoint's trunk: beside it, or elsewhere when its folder is read-only."""
+    if os.access(root, os.W_OK):
+        return f"`dsv4 pack-trunk {root}` once makes start-up faster"
+    return (
+        f"{root} is read-only: `dsv4 pack-trunk {root} OUT_DIR` with OUT_DIR elsewhere,"
+        " then --trunk OUT_DIR, makes start-up faster"
+    )
+
+
 def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None) -> TrunkFile | None:
     """The packed trunk to read from: the one named, else the default one if packed, else None."""
     if trunk == "":
@@ -294,8 +317,7 @@ class Runtime:
         plan = planner.plan(needs, opts.budget)
         if tf is None and opts.trunk != "":
             once(
-                f"no packed trunk in {default_out_dir(cat.root)}: reading the trunk from the shards;"
-                f" `dsv4 pack-trunk {cat.root}` once makes start-up faster"
+                f"no packed trunk in {default_out_dir(cat.root)}: reading the trunk from the shards; {pack_hint(cat.root)}"
             )
         if opts.threads is not None:
             kernels.set_threads(opts.threads)

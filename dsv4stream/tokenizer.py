@@ -168,8 +168,9 @@ class Tokenizer:
         if path.is_dir():
             packed = default_pack_path(path)
             if not packed.is_file():
+                where = "" if os.access(path, os.W_OK) else " OUT.pack (this folder is read-only; OUT elsewhere)"
                 raise TokenizerError(
-                    f"{path}: no {DEFAULT_PACK_NAME} in this directory; run `dsv4 pack-tokenizer {path}` first"
+                    f"{path}: no {DEFAULT_PACK_NAME} in this directory; run `dsv4 pack-tokenizer {path}{where}` first"
                 )
             path = packed
         try:

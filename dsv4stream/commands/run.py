@@ -241,9 +241,7 @@ def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator, bann
     help="Dense trunk on a CUDA GPU through CuPy; without one, says so and runs on the CPU.",
 )
 @click.option("--vram", type=float, default=None, help="GB of VRAM --gpu may use. [default: free VRAM less a margin]")
-@click.option(
-    "-t", "--threads", type=int, default=None, help="CPU kernel threads (results do not depend on it)."
-)
+@click.option("-t", "--threads", type=int, default=None, help="CPU kernel threads (results do not depend on it).")
 @click.option(
     "--temperature",
     type=float,

@@ -21,7 +21,7 @@ def strip_final_newline(text: str) -> str:
     would otherwise become a token of its own."""
     if text.endswith("\r\n"):
         return text[:-2]
-    return text[:-1] if text.endswith("\n") else text
+    return text.removesuffix("\n")
 
 
 def describe(tok: Tokenizer) -> str:
