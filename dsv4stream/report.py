@@ -128,18 +128,18 @@ def _isatty(f: IO[str]) -> bool:
         return False
 
 
-STOP_TEXT = {
-    "eos": "end of text (EOS)",
-    "gen_limit": "the --gen limit",
-    "context_full": "the context is full (--ctx)",
-    "interrupted": "interrupted (Ctrl-C)",
+STOP_TEXT = {  # each reads after "stopped "
+    "eos": "at EOS (end of text)",
+    "gen_limit": "at the --gen limit",
+    "context_full": "with the context full (--ctx)",
+    "interrupted": "by Ctrl-C",
 }
 
 
 def stop_text(reason: str, in_think: bool = False) -> str:
     """Why an answer ended, in words: `runtime.STOP_REASONS` plus whether <think> was still open."""
-    text = STOP_TEXT.get(reason, reason or "not started")
-    return f"stopped at {text}" + (", inside <think> (reasoning only, no answer yet)" if in_think else "")
+    text = STOP_TEXT.get(reason, reason or "before it started")
+    return f"stopped {text}" + (", inside <think> (reasoning only, no answer yet)" if in_think else "")
 
 
 def report_lines(s: RunStats) -> list[str]:
@@ -168,9 +168,8 @@ def report_lines(s: RunStats) -> list[str]:
         stopped = stop_text(reasons[0], bool(s.stopped_in_think and s.stopped_in_think[0]))[len("stopped ") :]
     else:
         counts = {r: reasons.count(r) for r in dict.fromkeys(reasons)}
-        stopped = f"last turn at {STOP_TEXT.get(reasons[-1], reasons[-1])}; turns: " + ", ".join(
-            f"{r} {n}" for r, n in counts.items()
-        )
+        last = stop_text(reasons[-1], bool(s.stopped_in_think and s.stopped_in_think[-1]))
+        stopped = f"last turn {last[len('stopped ') :]}; all turns: " + ", ".join(f"{r} {n}" for r, n in counts.items())
     exposed = s.exposed_io_seconds + s.trunk_wait_seconds
     pct = f" ({s.peak_rss_bytes / s.budget_bytes:.0%})" if s.budget_bytes else ""
     rows = [
