@@ -65,10 +65,21 @@ def reply_of(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos)] if eos in ids else ids
 
 
+def text_ids(tok: Tokenizer) -> np.ndarray:
+    """Ids a run may sample: the tokenizer's, less those tokenizer.json marks special (but EOS)."""
+    added = json.loads((tok.path.parent / "tokenizer.json").read_text())["added_tokens"] if tok.path else []
+    banned = [t["id"] for t in added if t["special"] and t["id"] != tok.special.eos]
+    keep = np.ones(tok.n_tokens, bool)
+    keep[banned] = False
+    return keep
+
+
 def masked_greedy(tok: Tokenizer, ckpt: Path, ids: list[int], n: int) -> list[int]:
-    """The independent expectation: an in-memory Engine, argmax over printable ids, EOS stops."""
+    """The independent expectation: an in-memory Engine, argmax over text ids, EOS stops."""
+    keep = text_ids(tok)
     out = []
-    for t in Engine.open(ckpt).session().generate(ids, n, pick=lambda lg: int(np.argmax(lg[: tok.n_tokens]))):
+    pick = lambda lg: int(np.argmax(np.where(keep, lg[: tok.n_tokens], -np.inf)))
+    for t in Engine.open(ckpt).session().generate(ids, n, pick=pick):
         out.append(t)
         if t == tok.special.eos:
             break
