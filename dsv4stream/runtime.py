@@ -215,7 +215,7 @@ def needs_of(path: str | os.PathLike, ctx: int = 4096) -> tuple[MemoryNeeds, str
     from .config import ModelConfig
 
     cfg = ModelConfig.from_json(p / "config.json" if p.is_dir() else p)
-    return planner.needs_from_config(cfg, ctx=ctx), "estimated from config.json (release dtypes)"
+    return planner.needs_from_config(cfg, ctx=ctx), "estimated from config.json with the release dtypes"
 
 
 def pack_hint(root: str | os.PathLike) -> str:

@@ -64,10 +64,10 @@ def config_summary(cfg: ModelConfig) -> list[str]:
 def inspect(path: Path, config_only: bool, budget: tuple[float, ...], ctx: int, debug: bool) -> None:
     """Summarise a checkpoint and validate every tensor against its config."""
     if config_only or path.suffix == ".json":
-        cfg = ModelConfig.from_json(path if path.suffix == ".json" else path / "config.json")
-        for line in config_summary(cfg):
+        cfg_path = path if path.suffix == ".json" else path / "config.json"
+        for line in config_summary(ModelConfig.from_json(cfg_path)):
             click.echo(line)
-        _plans(path, budget, ctx)
+        _plans(cfg_path, budget, ctx)  # a config.json: estimated, even beside the shards
         return
     cat = Catalog.open(path)
     for line in config_summary(cat.config):
