@@ -137,9 +137,10 @@ def answer(
     got: list[int] = []
     flag.phase = "prefill"
     bar.start(len(ids))
+    tokens = rt.generate(session, ids, gen, pick, stop, progress=progress)
     try:
         with no_echo(sys.stdin):
-            for t in rt.generate(session, ids, gen, pick, stop, progress=progress):
+            for t in tokens:
                 if not got:
                     bar.close()
                     flag.phase = "decode"
@@ -154,6 +155,7 @@ def answer(
                 if flag.flag:
                     break
     finally:
+        tokens.close()  # a reply cut short records its stop reason now, not when collected
         bar.close()
         flag.phase = "decode"
     if stream is not None:

@@ -235,6 +235,7 @@ def test_ctrl_c_stops_the_answer_between_tokens_and_the_chat_goes_on(rt, tok) ->
     with Interrupt() as flag:
         reply = answer(rt, session, turn.ids, gen=20, pick=pick, tok=tok, interrupt=flag, out=out)
     assert reply.stopped and len(reply.ids) == 3 and session.pos == len(turn.ids) + 2
+    assert reply.reason == "interrupted" and rt.stats().stop_reasons == ["interrupted"]
     conv.commit(turn, session, reply.ids)
     nxt = conv.prepare("Go on")
     assert not nxt.fresh and nxt.ids[:2] == [reply.ids[-1], tok.special.eos]
