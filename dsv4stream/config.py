@@ -306,9 +306,10 @@ def _check_model_type(d: dict[str, Any], source: str) -> None:
     mt = d.get("model_type", SUPPORTED_MODEL_TYPE)
     if mt == SUPPORTED_MODEL_TYPE:
         return
-    name = UNSUPPORTED_MODEL_TYPES.get(mt, f"model_type {mt!r}")
+    name = UNSUPPORTED_MODEL_TYPES.get(mt)
+    what = f"{name} (model_type {mt!r})" if name else f"model_type {mt!r}"
     raise ConfigError(
-        f"{source}: {name} (model_type {mt!r}) is not supported; dsv4stream runs DeepSeek-V4"
+        f"{source}: {what} is not supported; dsv4stream runs DeepSeek-V4"
         f" (model_type {SUPPORTED_MODEL_TYPE!r}): V4-Flash, V4-Flash-0731 and V4-Pro"
     )
 
