@@ -262,3 +262,52 @@ def test_preview_reasoning_effort_kept():
     with pytest.raises(UsageError, match="'low' is not one of high, max"):
         chat.render(msgs, "think", effort="low", encoder="preview")
     assert chat.encoder_for(PREVIEW) == "preview" and chat.encoder_for(DSPARK) == "0731"
+
+
+@pytest.fixture(scope="module")
+def chat0731(tmp_path_factory) -> Path:
+    from dsv4stream.tokenizer import pack_tokenizer
+
+    p = synth.make_checkpoint(
+        tmp_path_factory.mktemp("r") / "c", "tiny-0731", seed=2, vocab_size=synth.REAL_VOCAB, tokenizer=True
+    )
+    pack_tokenizer(p)
+    return p
+
+
+def _run(*args: str, input: str | None = None):
+    from click.testing import CliRunner
+
+    from dsv4stream.commands.run import run as run_cmd
+
+    return CliRunner().invoke(run_cmd, [*args, "--budget", "1"], input=input)
+
+
+def test_cli_reasoning_effort(chat0731, tmp_path):
+    from dsv4stream.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(chat0731)
+    for effort in ("low", "high", "max"):
+        out = tmp_path / f"{effort}.json"
+        r = _run(str(chat0731), "--think", "--reasoning-effort", effort, "--prompt", "Hi", "--gen", "1",
+                 "--greedy", "--stats-json", str(out))  # fmt: skip
+        assert r.exit_code == 0, r.output
+        want = tok.encode(chat.render(chat.one_turn("Hi"), "think", effort=effort, encoder="0731"))
+        assert json.loads(out.read_text())["turn_prompt_tokens"] == [len(want)]
+        assert "DSpark drafter (mtp.0-2, 3 stages): present, unused" in r.stderr
+    r = _run(str(chat0731), "--prompt", "Hi", "--reasoning-effort", "max")
+    assert isinstance(r.exception, UsageError) and "--reasoning-effort needs --think" in str(r.exception)
+    r = _run(str(chat0731), "--chat", "--greedy", "--gen", "1", input="/think max\nHi\n/think low\n/think mid\n/quit\n")
+    assert r.exit_code == 0, r.output
+    assert "(thinking on, effort max)" in r.stderr and "(thinking on, effort low)" in r.stderr
+    assert "reasoning effort 'mid' is not one of low, high, max" in r.stderr
+
+
+def test_cli_preview_has_no_low_effort(tmp_path):
+    from dsv4stream.tokenizer import pack_tokenizer
+
+    p = synth.make_checkpoint(tmp_path / "p", "tiny", seed=2, vocab_size=synth.REAL_VOCAB, tokenizer=True)
+    pack_tokenizer(p)
+    r = _run(str(p), "--think", "--reasoning-effort", "low", "--prompt", "Hi")
+    assert isinstance(r.exception, UsageError)
+    assert "--reasoning-effort low: this checkpoint's chat format (preview) has high, max" in str(r.exception)
