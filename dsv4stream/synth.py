@@ -38,7 +38,9 @@ from .spec import ITEMSIZE, TensorSpec, model_specs
 FLASH_CONFIG = Path(__file__).with_name("v4_flash_config.json")
 REAL_VOCAB = 129280
 
-# The keys DeepSeek-V4-Flash-0731 adds to the preview's config.json (its drafter, unused here).
+# The keys DeepSeek-V4-Flash-0731 adds to the preview's config.json (its drafter, unused here),
+# as public loaders of the 0731 config report them; the rest of that config is the preview's,
+# which is a report, not checked here byte for byte (the official file was not at hand).
 DSPARK_0731 = {
     "dspark_block_size": 5,
     "dspark_noise_token_id": 128799,

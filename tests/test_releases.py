@@ -311,3 +311,19 @@ def test_cli_preview_has_no_low_effort(tmp_path):
     r = _run(str(p), "--think", "--reasoning-effort", "low", "--prompt", "Hi")
     assert isinstance(r.exception, UsageError)
     assert "--reasoning-effort low: this checkpoint's chat format (preview) has high, max" in str(r.exception)
+
+
+def test_inspect_says_the_drafter_is_unused(tiny0731, tmp_path):
+    from click.testing import CliRunner
+
+    from dsv4stream.commands.inspect import inspect
+
+    r = CliRunner().invoke(inspect, [str(tiny0731), "--budget", "1"])
+    assert r.exit_code == 0, r.output
+    mtp = sum(e.nbytes for n, e in Catalog.open(tiny0731).entries.items() if n.startswith("mtp."))
+    unused = f"DSpark drafter (mtp.0-2, 3 stages): present, unused (not read, not budgeted), {mtp / 1e9:.2f} GB"
+    assert f"layout: the 0731 layout (a DSpark drafter under mtp.*); {unused}" in r.stdout
+    assert "layers: 4 main + 3 DSpark stages;" in r.stdout and f"  {unused}" in r.stdout  # and in the plan
+    (tmp_path / "config.json").write_text(json.dumps({**FLASH_0731, "model_type": "deepseek_v41"}))
+    r = CliRunner().invoke(inspect, ["--config-only", str(tmp_path / "config.json")])
+    assert isinstance(r.exception, ConfigError) and "is not supported" in str(r.exception)

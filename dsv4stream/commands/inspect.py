@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ..catalog import Catalog
-from ..config import LAYOUTS, ModelConfig
+from ..config import DSPARK, LAYOUTS, ModelConfig
 from ..errors import CheckpointError, UsageError
 from ..planner import GB, gb_up, minimum_budget, needs_from_config, plan
 from ..spec import drafter_nbytes, drafter_summary, trunk_nbytes
@@ -34,7 +34,7 @@ def config_summary(cfg: ModelConfig, drafter_bytes: int | None = None) -> list[s
     unused = drafter_summary(cfg, drafter_nbytes(cfg) if drafter_bytes is None else drafter_bytes)
     return [
         f"layout: {LAYOUTS[cfg.layout]}" + (f"; {unused}" if unused else ""),
-        f"layers: {cfg.n_layers} main + {cfg.n_mtp} under mtp.*; kinds: "
+        f"layers: {cfg.n_layers} main + {cfg.n_mtp} {'DSpark stages' if cfg.layout == DSPARK else 'MTP'}; kinds: "
         + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items()))
         + f"; hash layers: {min(cfg.num_hash_layers, cfg.n_layers)}",
         f"compress ratios (main): {ratios}",
