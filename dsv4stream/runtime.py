@@ -28,6 +28,7 @@ from .errors import UsageError
 from .kernels import reference
 from .pack import MANIFEST, default_out_dir
 from .planner import MemoryNeeds, Plan
+from .spec import drafter_summary
 from .store import ExpertStore
 from .store.layout import expert_label, expert_layouts
 from .streaming import GroupReader, StreamedExperts, StreamedTrunk, TrunkLayout, trunk_layout
@@ -108,6 +109,7 @@ class RunStats:
     stop_reasons: list[str] = field(default_factory=list)
     stop_reason: str = ""
     stopped_in_think: list[bool] = field(default_factory=list)  # the turn ended before </think>
+    unused: str = ""  # what the checkpoint holds that is not run (the mtp.* blocks)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -186,6 +188,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         working_set=cfg.working_set_experts,
         experts_per_token=cfg.num_experts_per_tok,
         total_experts=cfg.n_layers * cfg.n_routed_experts,
+        unused=drafter_summary(cfg, sum(e.nbytes for n, e in cat.entries.items() if n.startswith("mtp."))),
     )
 
 
@@ -486,6 +489,7 @@ class Runtime:
             stop_reasons=list(self._stop_reasons),
             stop_reason=self._stop_reasons[-1] if self._stop_reasons else "",
             stopped_in_think=list(self._in_think),
+            unused=self.plan.needs.unused or "",
         )
 
     def close(self) -> None:
