@@ -15,6 +15,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "pack": ("pack_trunk_cmd",),
     "logits": ("logits",),
     "bench": ("bench",),
+    "serve": ("serve",),
 }
 
 
