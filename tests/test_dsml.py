@@ -26,8 +26,8 @@ EXPECTED_TOOLS_SECTION = (
     ' writing a "<｜DSML｜tool_calls>" block like the following:\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke'
     ' name="$TOOL_NAME">\n<｜DSML｜parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE'
     '</｜DSML｜parameter>\n...\n</｜DSML｜invoke>\n<｜DSML｜invoke name="$TOOL_NAME2">\n...\n</｜DSML｜invoke>\n'
-    "</｜DSML｜tool_calls>\n\nString parameters should be specified as is and set `string=\"true\"`. For all other"
-    " types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
+    '</｜DSML｜tool_calls>\n\nString parameters should be specified as is and set `string="true"`. For all other'
+    ' types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
     "If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside"
     " <think>...</think> BEFORE any tool calls or final response.\n\nOtherwise, output directly after </think>"
     " with tool calls or final response.\n\n### Available Tool Schemas\n\n"
@@ -48,7 +48,7 @@ CALLS = (ToolCall("get_weather", '{"city": "Hang zhou", "days": 3}'), ToolCall("
 def tok() -> Tokenizer:
     import tokenizers
 
-    from dsv4stream.tokenizer import SpecialTokens, SPECIAL_TEXT
+    from dsv4stream.tokenizer import SPECIAL_TEXT, SpecialTokens
 
     path = real_tokenizer_files()[0]
     hf = tokenizers.Tokenizer.from_file(str(path))
@@ -119,6 +119,7 @@ def test_streamed_deltas_add_up_to_the_whole_parse(tok, text: str, thinking: boo
 
 def test_without_tools_a_block_is_plain_text(tok) -> None:
     deltas, outcome = _stream(tok, "x" + BLOCK, thinking=False, tools=False)
+    assert "".join(d.content for d in deltas) == "x" + BLOCK
     assert outcome.content == "x" + BLOCK and outcome.tool_calls == () and outcome.finish_reason == "length"
 
 

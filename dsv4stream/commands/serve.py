@@ -37,7 +37,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise UsageError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another --port") from None
+        raise UsageError(
+            f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another --port"
+        ) from None
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
@@ -138,7 +140,7 @@ def serve(
     server = uvicorn.Server(config)
     failure: list[BaseException] = []
     held: dict[str, object] = {}
-    _say(f"dsv4: loading {checkpoint} (GET http://{host}:{port}/health says \"loading\" until ready)")
+    _say(f'dsv4: loading {checkpoint} (GET http://{host}:{port}/health says "loading" until ready)')
 
     def load() -> None:
         try:
@@ -157,7 +159,7 @@ def serve(
                 _say(line)
             srv.worker = _worker(rt, tokenizer.n_tokens, keep_states, ctx, kv_cache, kv_cache_gb)
             _say(f"listening on http://{host}:{port}")
-        except BaseException as e:  # reported by the main thread once the server has stopped
+        except BaseException as e:  # noqa: BLE001  re-raised by the main thread once the server has stopped
             failure.append(e)
             server.should_exit = True
 
@@ -191,4 +193,3 @@ def _worker(rt: Runtime, n_ids: int, keep_states: int, ctx: int, kv_cache: Path 
         except OSError as e:
             raise UsageError(f"--kv-cache {kv_cache}: cannot use it ({e.strerror})") from None
     return Worker(rt, n_ids, ram, disk, _say)
-

@@ -60,7 +60,9 @@ class Job:
     max_tokens: int
     params: SamplingParams
     reply: ReplyStream
-    emit: Callable[[str, object], None]  # ("progress", (done, total)) / ("delta", Delta) / ("done", Outcome) / ("error", e)
+    emit: Callable[
+        [str, object], None
+    ]  # ("progress", (done, total)) / ("delta", Delta) / ("done", Outcome) / ("error", e)
     cancelled: threading.Event = field(default_factory=threading.Event)
     usage: Usage = field(default_factory=Usage)
     submitted: float = field(default_factory=time.perf_counter)
@@ -107,7 +109,7 @@ class Worker:
                 self.log(f"dsv4: request stopped, the client went away: {u.completion_tokens} tokens generated")
             except Dsv4Error as e:
                 job.emit("error", e)
-            except Exception as e:  # a programming error: the log keeps the traceback, the client a 500
+            except Exception as e:  # noqa: BLE001  a programming error: traceback to the log, a 500 to the client
                 self.log(traceback.format_exc().rstrip())
                 job.emit("error", e)
             finally:
