@@ -11,8 +11,8 @@ sizes (`--keep-states` states in RAM, counted in the plan; `--kv-cache DIR` on d
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
-import sys
 import threading
 from pathlib import Path
 
@@ -165,9 +165,14 @@ def serve(
 
     loader = threading.Thread(target=load, name="dsv4-load", daemon=True)
     loader.start()
+    # uvicorn stops on SIGINT/SIGTERM, then raises the signal again under the handler it
+    # found: a no-op here, so that the caches and the runtime close and the exit code is 0
+    quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=[sock])
     finally:
+        for sig, handler in quiet.items():
+            signal.signal(sig, handler)
         loader.join()
         if srv.worker is not None:
             srv.worker.close()
@@ -177,7 +182,7 @@ def serve(
         sock.close()
     if failure:
         raise failure[0]
-    sys.stdout.flush()
+    _say("dsv4: server stopped")
 
 
 def _worker(rt: Runtime, n_ids: int, keep_states: int, ctx: int, kv_cache: Path | None, kv_cache_gb: float):
