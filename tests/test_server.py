@@ -351,3 +351,20 @@ def test_start_up_errors_are_one_line(server, ckpt) -> None:
 def test_loopback_hosts() -> None:
     assert all(is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "127.1.2.3"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "192.168.1.4", "::", "example.com"))
+
+
+def test_seed_stop_and_max_completion_tokens(server, tok) -> None:
+    c = client(server)
+
+    def sampled(seed: int) -> str:
+        r = c.chat.completions.create(model="tiny", messages=MSGS, temperature=1.0, top_p=0.9, seed=seed, max_tokens=5)
+        return r.choices[0].message.content or ""
+
+    assert sampled(1) == sampled(1) and sampled(1) != sampled(2)
+    whole = greedy(server, MSGS).choices[0].message.content or ""
+    pieces = [tok.decode([t]) for t in tok.encode(whole)]
+    stop = pieces[2].strip() or pieces[2]
+    cut = greedy(server, MSGS, stop=[stop, "never appears"])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == whole[: whole.index(stop)]
+    r = c.chat.completions.create(model="tiny", messages=MSGS, temperature=0, max_completion_tokens=2)
+    assert r.usage.completion_tokens == 2 and r.choices[0].finish_reason == "length"

@@ -107,3 +107,10 @@ def test_identity_tells_weights_apart(ckpt, tmp_path) -> None:
 def test_capture_of_unknown_objects_fails_loudly() -> None:
     with pytest.raises(TypeError):
         to_bytes(capture(1, [object.__new__(type("Weird", (), {"__slots__": ()}))]), [1], "x", [])
+
+
+def test_the_plan_counts_the_kept_states(ckpt) -> None:
+    from dsv4stream.runtime import RunOptions, measure
+
+    one, five = measure(ckpt, RunOptions(budget=1)), measure(ckpt, RunOptions(budget=1, kept_states=4))
+    assert five.state_bytes == 5 * one.state_bytes > 0

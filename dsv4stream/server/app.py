@@ -105,15 +105,9 @@ def create_app(srv: ServerState) -> FastAPI:
         worker.submit(job)
         meta = _Meta("chatcmpl", srv.model, include_usage=bool(req.stream_options and req.stream_options.include_usage))
         if req.stream:
-            return sse_response(_chat_chunks(job, events, meta, srv.keepalive))
+            return sse_response(chat_chunks(job, events, meta, srv.keepalive))
         outcome = await wait_done(job, events, request)
-        message: dict[str, Any] = {"role": "assistant", "content": outcome.content or None}
-        if prompt.thinking:
-            message["reasoning_content"] = outcome.reasoning
-        if outcome.tool_calls:
-            message["tool_calls"] = [_call_json(c, meta.call_id(i)) for i, c in enumerate(outcome.tool_calls)]
-        choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason, "logprobs": None}
-        return meta.body("chat.completion", [choice], job.usage)
+        return chat_body(meta, outcome, prompt.thinking, job.usage)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -257,6 +251,16 @@ class _Meta:
         return out
 
 
+def chat_body(meta: _Meta, outcome: Outcome, thinking: bool, usage: Usage) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": outcome.content or None}
+    if thinking:
+        message["reasoning_content"] = outcome.reasoning
+    if outcome.tool_calls:
+        message["tool_calls"] = [_call_json(c, meta.call_id(i)) for i, c in enumerate(outcome.tool_calls)]
+    choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason, "logprobs": None}
+    return meta.body("chat.completion", [choice], usage)
+
+
 def usage_json(u: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": u.prompt_tokens,
@@ -305,7 +309,7 @@ def stream_error(e: BaseException) -> str:
     return ""
 
 
-async def _chat_chunks(job: Job, events: _Events, meta: _Meta, keepalive: float) -> AsyncIterator[str]:
+async def chat_chunks(job: Job, events: _Events, meta: _Meta, keepalive: float) -> AsyncIterator[str]:
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         return _data(meta.body("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish}]))
 
