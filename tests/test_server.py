@@ -368,3 +368,16 @@ def test_seed_stop_and_max_completion_tokens(server, tok) -> None:
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == whole[: whole.index(stop)]
     r = c.chat.completions.create(model="tiny", messages=MSGS, temperature=0, max_completion_tokens=2)
     assert r.usage.completion_tokens == 2 and r.choices[0].finish_reason == "length"
+
+
+def test_stats_json(server) -> None:
+    greedy(server, MSGS, n=3)
+    s = _get(server, "/v1/stats")
+    assert s["phase"] == "idle" and s["queue"] == 0 and s["requests_served"] >= 1 and s["prefill"] is None
+    assert s["trunk"] == {"pinned_layers": 4, "streamed_layers": 0} and s["budget_gb"] == 1.0
+    assert 0 < s["peak_rss_gb"] and 0 <= s["expert_hit_rate"] <= 1 and s["decode_tokens_per_s"] > 0
+    last = s["last_request"]
+    assert last["completion_tokens"] == 3 and last["prompt_tokens"] > 0 and last["time_to_first_token_s"] > 0
+    h = s["history"]
+    assert h[-1]["kind"] == "decode" and all(0 <= p["hit_rate"] <= 1 and p["read_gbps"] >= 0 for p in h)
+    assert [p["t"] for p in h] == sorted(p["t"] for p in h)

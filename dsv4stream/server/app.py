@@ -18,10 +18,12 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
 from ..chat import ToolCall
@@ -33,6 +35,7 @@ from .schemas import ChatRequest, CompletionRequest
 from .worker import Job, Usage, Worker
 
 Log = Callable[[str], None]
+STATIC = Path(__file__).with_name("static")  # the chat page: plain HTML/JS/CSS, no build step
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -89,6 +92,19 @@ def create_app(srv: ServerState) -> FastAPI:
         if srv.worker is None:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok", "model": srv.model, "queued": srv.worker.queued})
+
+    @app.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        worker = srv.worker
+        if worker is None:
+            return {"model": srv.model, "phase": "loading"}
+        return {"model": srv.model, "ctx": srv.ctx, **worker.stats.snapshot(worker.queued)}
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

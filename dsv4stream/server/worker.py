@@ -31,6 +31,7 @@ from ..sampler import SamplingParams
 from ..state import SessionState
 from .cache import DiskCache, StateCache
 from .reply import ReplyStream
+from .stats import LiveStats
 
 Log = Callable[[str], None]
 
@@ -71,6 +72,7 @@ class Job:
 class Worker:
     def __init__(self, rt: Runtime, n_ids: int, ram: StateCache, disk: DiskCache | None, log: Log) -> None:
         self.rt = rt
+        self.stats = LiveStats(rt)
         self.n_ids = n_ids  # ids the tokenizer can print: the sampler's range
         self.ram = ram
         self.disk = disk
@@ -103,7 +105,10 @@ class Worker:
                 if job.cancelled.is_set():
                     continue
                 job.usage.queued_seconds = time.perf_counter() - job.submitted
-                self._run(job)
+                try:
+                    self._run(job)
+                finally:
+                    self.stats.end(job.usage)
             except Cancelled:
                 u = job.usage
                 self.log(f"dsv4: request stopped, the client went away: {u.completion_tokens} tokens generated")
@@ -135,7 +140,8 @@ class Worker:
     def _run(self, job: Job) -> None:
         rt, ids, u = self.rt, job.ids, job.usage
         cached, state, u.cache_source = self._lookup(ids)
-        session = rt.session()
+        self.stats.begin(len(ids), cached)
+        session = rt.engine.session(chunk_size=rt.opts.chunk, on_route=self.stats.on_route)
         if state is not None:
             session.restore(state)
         new = ids[cached:]
@@ -147,6 +153,7 @@ class Worker:
                 raise Cancelled
             if done < total <= done + chunk:  # the last boundary inside the prompt
                 kept.append((ids[: cached + done], session.snapshot()))
+            self.stats.prefilled(cached + done, len(ids))
             job.emit("progress", (cached + done, len(ids)))
 
         pick = make_pick(job.params, self.n_ids, np.random.default_rng(job.params.seed))
@@ -158,6 +165,7 @@ class Worker:
             if not got:
                 t_first = time.perf_counter()
                 kept.append((list(ids), session.snapshot()))
+            self.stats.token(first=not got)
             got.append(tok)
             delta = job.reply.push(tok)
             if delta:
