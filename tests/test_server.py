@@ -20,13 +20,13 @@ import numpy as np
 import openai
 import pytest
 
-from dsv4stream import chat, kernels, synth
+from dsv4stream import chat, synth
 from dsv4stream.catalog import Catalog
 from dsv4stream.commands.serve import is_loopback
 from dsv4stream.engine import Engine
 from dsv4stream.server.cache import checkpoint_identity, prefix_names
 from dsv4stream.tokenizer import Tokenizer
-from tests.server_proc import CODE, Server, free_port
+from tests.server_proc import CODE, Server, free_port, one_thread_engine
 from tests.test_dsml import EXPECTED_TOOLS_SECTION, WEATHER
 
 CTX = 512
@@ -59,10 +59,7 @@ def tok(ckpt) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def engine(ckpt):
-    import numba
-
-    yield Engine.open(ckpt, threads=1)  # as the servers run (results do not depend on it)
-    kernels.set_threads(numba.config.NUMBA_NUM_THREADS)
+    yield from one_thread_engine(ckpt)
 
 
 def client(srv: Server, key: str = "none") -> openai.OpenAI:
@@ -336,16 +333,19 @@ def test_greedy_ids_do_not_depend_on_reuse(engine, tok) -> None:
     assert np.array_equal(a.prefill(more), b.prefill(more))
 
 
-def test_start_up_errors_are_one_line(server, ckpt) -> None:
-    def serve(*args: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-c", CODE, "serve", str(ckpt), *args]
-        return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+def test_start_up_errors_are_one_line(server, ckpt, capsys) -> None:
+    from dsv4stream.cli import main
 
-    busy = serve("--port", str(server.port))
-    assert busy.returncode == 2 and "cannot listen there" in busy.stderr and "Traceback" not in busy.stderr
-    small = serve("--port", str(free_port()), "--budget", "0.01")
-    assert small.returncode == 2 and "below the minimum" in small.stderr and "Traceback" not in small.stderr
-    assert serve("--port", "0").returncode == 2
+    def serve(*args: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as e:
+            main(["serve", str(ckpt), "--threads", "1", *args])
+        return e.value.code, capsys.readouterr().err
+
+    code, err = serve("--port", str(server.port))
+    assert code == 2 and "cannot listen there" in err and err.count("\n") == 1
+    code, err = serve("--port", str(free_port()), "--budget", "0.01")  # fails while loading, after the bind
+    assert code == 2 and "below the minimum" in err.splitlines()[-1] and "Traceback" not in err
+    assert serve("--port", "0")[0] == 2
 
 
 def test_loopback_hosts() -> None:
@@ -379,5 +379,5 @@ def test_stats_json(server) -> None:
     last = s["last_request"]
     assert last["completion_tokens"] == 3 and last["prompt_tokens"] > 0 and last["time_to_first_token_s"] > 0
     h = s["history"]
-    assert h[-1]["kind"] == "decode" and all(0 <= p["hit_rate"] <= 1 and p["read_gbps"] >= 0 for p in h)
+    assert h[-1]["kind"] == "decode" and all(0 <= p["hit_rate"] <= 1 and p["read_gbps"] >= 0 for p in h), h
     assert [p["t"] for p in h] == sorted(p["t"] for p in h)

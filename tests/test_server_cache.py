@@ -11,9 +11,9 @@ import pytest
 
 from dsv4stream import synth
 from dsv4stream.catalog import Catalog
-from dsv4stream.engine import Engine
 from dsv4stream.server.cache import SUFFIX, DiskCache, StateCache, checkpoint_identity, prefix_names
 from dsv4stream.state import capture, to_bytes
+from tests.server_proc import one_thread_engine
 
 IDS = [int(i) for i in np.random.default_rng(1).integers(0, 512, size=40)]
 
@@ -24,8 +24,8 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(ckpt) -> Engine:
-    return Engine.open(ckpt)
+def engine(ckpt):
+    yield from one_thread_engine(ckpt)
 
 
 def _state(engine, n):

@@ -148,7 +148,7 @@ def test_chat_page(server, driver, tmp_path) -> None:
     # 5. a long prefill shows its progress, by tokens and layer, from the server
     d.find_element("id", "clear").click()
     set_field(d, "max_tokens", "2")
-    send(d, "word " * 1800)
+    send(d, "word " * 1000)
     line = wait(lambda: not d.find_element("id", "progress").get_attribute("hidden") and text(d, "#progress-text"))
     assert "prefill" in line and " of 1" in line and "layer" in line, line
     wait(lambda: not busy(d))

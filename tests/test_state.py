@@ -8,14 +8,14 @@ import pytest
 
 from dsv4stream import state as st
 from dsv4stream import synth
-from dsv4stream.engine import Engine
+from tests.server_proc import one_thread_engine
 
 IDS = [int(i) for i in np.random.default_rng(3).integers(0, 512, size=45)]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Engine:
-    return Engine.open(synth.make_checkpoint(tmp_path_factory.mktemp("st") / "tiny", preset="tiny", seed=11))
+def engine(tmp_path_factory):
+    yield from one_thread_engine(synth.make_checkpoint(tmp_path_factory.mktemp("st") / "tiny", preset="tiny", seed=11))
 
 
 def _tail_logits(sess, ids) -> np.ndarray:

@@ -381,7 +381,8 @@ async def _completion_chunks(job: Job, events: _Events, meta: _Meta, keepalive: 
 
 
 class AccessLog:
-    """ASGI middleware: one line per request once its response has been sent (or abandoned)."""
+    """ASGI middleware: one line per request once its response has been sent (or abandoned);
+    successful GETs of the page, its files, /health and /v1/stats are not logged."""
 
     def __init__(self, app, log: Log) -> None:
         self.app, self.log = app, log
@@ -401,7 +402,13 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_)
         finally:
-            self.log(access_line(scope, status[0], time.perf_counter() - t0, scope["state"].get("usage")))
+            if not (status[0] == 200 and scope["method"] == "GET" and _quiet(scope["path"])):
+                self.log(access_line(scope, status[0], time.perf_counter() - t0, scope["state"].get("usage")))
+
+
+def _quiet(path: str) -> bool:
+    """Polled or static: the chat page asks for /v1/stats every second."""
+    return path in ("/", "/health", "/v1/stats") or path.startswith("/static/")
 
 
 def access_line(scope, status: int, seconds: float, usage: Usage | None) -> str:

@@ -67,6 +67,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     usage: Usage = field(default_factory=Usage)
     submitted: float = field(default_factory=time.perf_counter)
+    counted: bool = False  # its figures went to the live stats
 
 
 class Worker:
@@ -85,6 +86,7 @@ class Worker:
 
     @property
     def queued(self) -> int:
+        """Requests submitted and not answered yet (waiting, or being generated)."""
         return self.jobs.qsize() + (1 if self.busy else 0)
 
     def submit(self, job: Job) -> None:
@@ -108,7 +110,7 @@ class Worker:
                 try:
                     self._run(job)
                 finally:
-                    self.stats.end(job.usage)
+                    self._count(job)
             except Cancelled:
                 u = job.usage
                 self.log(f"dsv4: request stopped, the client went away: {u.completion_tokens} tokens generated")
@@ -120,6 +122,11 @@ class Worker:
             finally:
                 self.busy = False
                 self.served += 1
+
+    def _count(self, job: Job) -> None:
+        if not job.counted:
+            job.counted = True
+            self.stats.end(job.usage)
 
     def _lookup(self, ids: list[int]) -> tuple[int, SessionState | None, str]:
         hit = self.ram.lookup(ids)
@@ -186,5 +193,7 @@ class Worker:
         last, outcome = job.reply.finish(reason)
         if last:
             job.emit("delta", last)
+        self._count(job)  # before "done": a client that asks /v1/stats next sees this request
         job.emit("done", outcome)
+        self.busy = False  # answered: no longer in the queue, though the cache is still written
         self._keep(kept)  # after "done": the client does not wait for the disk
