@@ -1,7 +1,8 @@
 """The chat page at `/` in a real headless browser (Debian's chromium + chromedriver through
 Selenium) against a real `dsv4 serve`: the answer streams in token by token, a second
 answer is stopped midway (and the server stops generating), the live panel updates, the
-conversation survives a reload, model text cannot inject HTML; a screenshot is saved
+conversation survives a reload, model text cannot inject HTML, thinking is folded, copy
+works, a long prefill shows its progress by layer; a screenshot is saved
 (to $DSV4_SCREENSHOT when set, else into the test's temporary directory)."""
 
 from __future__ import annotations
@@ -145,7 +146,22 @@ def test_chat_page(server, driver, tmp_path) -> None:
     assert d.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     print(f"screenshot: {shot}")
 
-    # 5. a long prefill shows its progress, by tokens and layer, from the server
+    # 5. thinking on: the reasoning is folded (and styled dim) above the answer; copy
+    d.find_element("id", "clear").click()
+    d.find_element("id", "thinking").click()
+    set_field(d, "max_tokens", "6")
+    send(d, "Think first")
+    wait(lambda: not busy(d) and last_answer(d)[1] >= 1)
+    folded = d.execute_script(
+        "const r = document.querySelector('.msg.assistant .reasoning');"
+        " return [r.hidden, r.open, r.querySelector('.reasoning-text').textContent];"
+    )
+    assert folded[0] is False and folded[1] is False and folded[2], folded  # a random model rarely closes it
+    d.find_element("css selector", ".msg.assistant .copy").click()
+    wait(lambda: text(d, ".msg.assistant .copy") == "Copied")
+    d.find_element("id", "thinking").click()
+
+    # 6. a long prefill shows its progress, by tokens and layer, from the server
     d.find_element("id", "clear").click()
     set_field(d, "max_tokens", "2")
     send(d, "word " * 1000)
