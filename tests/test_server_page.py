@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from server_proc import Server
 
 from dsv4stream import synth
-from tests.server_proc import Server
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

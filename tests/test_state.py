@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from server_proc import one_thread_engine
 
 from dsv4stream import state as st
 from dsv4stream import synth
-from tests.server_proc import one_thread_engine
 
 IDS = [int(i) for i in np.random.default_rng(3).integers(0, 512, size=45)]
 
