@@ -236,8 +236,9 @@ async def wait_done(job: Job, events: _Events, request: Request) -> Outcome:
 
 
 def _raise(e: BaseException):
+    # requests were checked before they were queued: what fails in the engine is the server's
     if isinstance(e, Dsv4Error):
-        raise ApiError(400, str(e), code="invalid_request")
+        raise ApiError(500, str(e), "server_error", code="engine_error")
     raise ApiError(500, f"internal error ({type(e).__name__}); see the server log", "server_error")
 
 
