@@ -381,3 +381,16 @@ def test_stats_json(server) -> None:
     h = s["history"]
     assert h[-1]["kind"] == "decode" and all(0 <= p["hit_rate"] <= 1 and p["read_gbps"] >= 0 for p in h), h
     assert [p["t"] for p in h] == sorted(p["t"] for p in h)
+
+
+def test_reasoning_effort_is_the_checkpoints_chat_format(server, ckpt, tok) -> None:
+    from dsv4stream.config import ModelConfig
+
+    encoder = chat.encoder_for(ModelConfig.from_json(ckpt / "config.json").layout)
+    for asked, effort in (("max", "max"), ("xhigh", "max"), ("medium", None)):
+        r = greedy(server, MSGS, n=1, reasoning_effort=asked)
+        want = tok.encode(chat.render(chat.from_openai(MSGS), "think", effort=effort, encoder=encoder))
+        assert r.usage.prompt_tokens == len(want), asked
+    assert greedy(server, MSGS, n=1, reasoning_effort="max").usage.prompt_tokens > len(
+        tok.encode(chat.render(chat.from_openai(MSGS), "think", encoder=encoder))
+    )

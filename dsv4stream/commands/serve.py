@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from .. import gpu, planner
+from .. import chat, gpu, planner
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..runtime import RunOptions, Runtime, budget_bytes
@@ -137,7 +137,10 @@ def serve(
         _say(f"dsv4: warning: listening on {host} without --api-key: anyone who can reach it can use the model")
 
     sock = bind(host, port)
-    srv = ServerState(checkpoint.resolve().name, tokenizer, ctx, _say, api_key, keep_alive, int(max_body_mb * 1e6))
+    srv = ServerState(
+        checkpoint.resolve().name, tokenizer, ctx, _say, api_key, chat.encoder_for(cfg.layout), keep_alive,
+        int(max_body_mb * 1e6),
+    )  # fmt: skip
     config = uvicorn.Config(
         AccessLog(create_app(srv), _say), log_level="warning", access_log=False, lifespan="off",
         timeout_graceful_shutdown=3,

@@ -44,7 +44,7 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
         req = validate(AnthropicRequest, body)
         chat_body = to_openai(req)
         creq = validate(ChatRequest, chat_body)
-        prompt = build(lambda: chat_prompt(srv.tok, creq, chat_body))
+        prompt = build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
         job, events = make_job(srv, prompt, req.max_tokens, creq)
         request.state.usage = job.usage
         worker.submit(job)

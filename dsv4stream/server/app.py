@@ -26,6 +26,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
+from .. import chat
 from ..chat import ToolCall
 from ..errors import Dsv4Error
 from ..tokenizer import Tokenizer
@@ -48,6 +49,7 @@ class ServerState:
     ctx: int
     log: Log
     api_key: str | None = None
+    encoder: str = chat.LATEST  # the checkpoint's chat-format release (reasoning effort)
     keepalive: float = 10.0  # seconds between SSE comments while nothing else is sent
     max_body: int = 8 * 1024 * 1024
     worker: Worker | None = None
@@ -115,7 +117,7 @@ def create_app(srv: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         body, worker = await read_body(request, srv)
         req = validate(ChatRequest, body)
-        prompt = build(lambda: chat_prompt(srv.tok, req, body))
+        prompt = build(lambda: chat_prompt(srv.tok, req, body, srv.encoder))
         job, events = make_job(srv, prompt, req.max_completion_tokens or req.max_tokens, req)
         request.state.usage = job.usage
         worker.submit(job)

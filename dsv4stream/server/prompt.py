@@ -7,9 +7,10 @@ thinking on or off, the reasoning-effort preamble, the sampling parameters, and 
 `max_tokens` left within `--ctx`. Raw completions are BOS + text, as `dsv4 run --prompt`.
 
 Thinking: DeepSeek's `thinking: {"type": "enabled"}` turns it on; without `thinking`, a
-`reasoning_effort` other than "none" turns it on too; the default is off. Effort "max"
-adds the official preamble; the official encoder knows no other level, so the rest add
-nothing. With tools declared the official encoder keeps every turn's reasoning.
+`reasoning_effort` other than "none" turns it on too; the default is off. The effort is
+the checkpoint's chat format's own (`chat.EFFORT_PREFIXES`: 0731 low/high/max, the
+preview high/max); "minimal" and "medium", and levels the format lacks, give its default,
+"xhigh" its "max". With tools declared the official encoder keeps every turn's reasoning.
 """
 
 from __future__ import annotations
@@ -28,14 +29,8 @@ from ..sampler import SamplingParams
 from ..tokenizer import Tokenizer
 from .schemas import ChatRequest, CompletionRequest, Sampling
 
-# The official encoder's preamble for reasoning effort "max" (thinking mode), byte for byte.
-REASONING_EFFORT_MAX = (
-    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
-    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root cause,"
-    " rigorously stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\n"
-    "Explicitly write out your entire deliberation process, documenting every intermediate step, considered"
-    " alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
-)
+# OpenAI's effort levels the V4 chat formats do not name: the format's default, or its top
+_EFFORT_ALIASES = {"minimal": None, "medium": None, "xhigh": "max"}
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, and DeepSeek's recommendation for V4 chat
 
 
@@ -47,9 +42,10 @@ class Prompt:
     stops: tuple[str, ...]
 
 
-def chat_prompt(tok: Tokenizer, req: ChatRequest, body: Mapping[str, Any]) -> Prompt:
+def chat_prompt(tok: Tokenizer, req: ChatRequest, body: Mapping[str, Any], encoder: str = chat.LATEST) -> Prompt:
     """`body` is the request's JSON that `req` was validated from: messages and tool schemas
-    are read from it as sent (the model reads the schemas' JSON text, keys in their order)."""
+    are read from it as sent (the model reads the schemas' JSON text, keys in their order).
+    `encoder`: the checkpoint's chat-format release (`chat.encoder_for`), for the effort."""
     thinking = _thinking(req)
     messages = chat.from_openai(body["messages"])
     tools_on = bool(req.tools) and req.tool_choice != "none"
@@ -57,11 +53,11 @@ def chat_prompt(tok: Tokenizer, req: ChatRequest, body: Mapping[str, Any]) -> Pr
     if tools_on:
         functions = [t["function"] for t in body["tools"]]
         head = replace(head or Message("system"), content=with_tools(head.content if head else "", functions))
-    if thinking and req.reasoning_effort == "max":
-        head = replace(head or Message("system"), content=REASONING_EFFORT_MAX + (head.content if head else ""))
     if head is not None:
         messages = [head, *(messages[1:] if messages[0].role == "system" else messages)]
-    text = chat.render(messages, "think" if thinking else "chat", drop_thinking=not tools_on)
+    effort = _effort(req.reasoning_effort, encoder) if thinking else None
+    text = chat.render(messages, "think" if thinking else "chat", drop_thinking=not tools_on, effort=effort,
+                       encoder=encoder)  # fmt: skip
     return Prompt(tok.encode(text), thinking, tools_on, _stops(req.stop))
 
 
@@ -103,6 +99,16 @@ def _thinking(req: ChatRequest) -> bool:
     if req.thinking is not None:
         return req.thinking.type == "enabled"
     return req.reasoning_effort is not None and req.reasoning_effort != "none"
+
+
+def _effort(asked: str | None, encoder: str) -> str | None:
+    """The chat format's own effort name for an OpenAI `reasoning_effort` (None: its default)."""
+    if asked is None or asked == "none":
+        return None
+    if asked in chat.EFFORT_PREFIXES[encoder]:
+        return asked
+    alias = _EFFORT_ALIASES.get(asked)
+    return alias if alias in chat.EFFORT_PREFIXES[encoder] else None
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -193,7 +193,8 @@ class Worker:
         last, outcome = job.reply.finish(reason)
         if last:
             job.emit("delta", last)
-        self._count(job)  # before "done": a client that asks /v1/stats next sees this request
+        # counted and out of the queue before "done": a client that asks /v1/stats next sees it
+        self._count(job)
+        self.busy = False  # answered, though the kept states are still to be written
         job.emit("done", outcome)
-        self.busy = False  # answered: no longer in the queue, though the cache is still written
         self._keep(kept)  # after "done": the client does not wait for the disk
