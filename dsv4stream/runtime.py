@@ -57,6 +57,7 @@ class RunOptions:
     ctx: int = 4096  # longest sequence the state estimate covers
     chunk: int = planner.DEFAULT_CHUNK  # prefill chunk (tokens per forward)
     overhead: int = planner.DEFAULT_OVERHEAD
+    kept_states: int = 0  # session states a server keeps besides the live one (prefix reuse)
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         layer_bytes=layout.layer_bytes,
         head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,
         slot_bytes=slot_bytes,
-        state_bytes=planner.state_bytes_for(cfg, opts.ctx),
+        state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (1 + opts.kept_states),
         staging_bytes=planner.staging_bytes_for(cfg, opts.chunk) + kernel_scratch_bytes(cat),
         overhead_bytes=opts.overhead,
         working_set=cfg.working_set_experts,

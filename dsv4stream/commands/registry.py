@@ -19,6 +19,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "pack": ("pack_trunk_cmd",),
     "logits": ("logits",),
     "bench": ("bench",),
+    "serve": ("serve",),
 }
 
 
