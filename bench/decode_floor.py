@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--prompt-ids", default=None, help="comma-separated ids instead of --prompt")
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--dd-mb", type=int, default=1024, help="MiB each dd measurement reads")
+    ap.add_argument("--json", type=Path, default=None, help="also write every figure (and the ids) here")
     args = ap.parse_args()
     ck = args.checkpoint
     ids = prompt_ids(ck, args.prompt, args.prompt_ids)
@@ -165,6 +166,9 @@ def main() -> None:
         f" | disk floor {disk_floor:.3f} ({stream['read_per_token'] / 1e6:.1f} MB / {disk:.2f} GB/s)"
         f" | ratio {stream['s_per_token'] / floor:.2f} | ids {same} | {machine()}"
     )
+    if args.json is not None:
+        doc = {"streaming": stream, "compute": cached, "dd_gbps": rates, "disk_floor": disk_floor, "machine": machine()}
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
     if same != "identical":
         sys.exit(1)
 

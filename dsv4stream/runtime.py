@@ -98,6 +98,9 @@ class RunStats:
     first_token_seconds: list[float] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
+    # seconds per decode step by phase (PROFILE_PHASES): the products of routed-expert, trunk and
+    # head weights, blocked on expert / trunk reads, choosing the token, and the rest
+    decode_profile: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -123,6 +126,7 @@ class RunStats:
                 f" decode {self.decode_seconds_per_token:.3f} s/token over {self.decode_tokens} tokens"
                 f" (kernels: {self.kernel_backend}, ready in {self.kernel_warmup_seconds:.2f} s)"
             ),
+            *self._profile_lines(),
             f"memory: peak RSS {self.peak_rss_bytes / gb:.3f} GB of --budget {self.budget_bytes / gb:.3f} GB"
             + (
                 f"; verified {self.verified_reads} expert reads, {self.verify_mismatches} mismatches"
@@ -131,6 +135,53 @@ class RunStats:
             ),
         ]
         return out + [f"warning: {w}" for w in self.warnings]
+
+    def _profile_lines(self) -> list[str]:
+        p = self.decode_profile
+        total = sum(p.values())
+        if not total:
+            return []
+        parts = ", ".join(f"{PROFILE_LABELS[k]} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in p.items())
+        return [f"decode per token ({total * 1e3:.1f} ms): {parts}"]
+
+
+PROFILE_PHASES = ("experts", "trunk", "head", "expert_reads", "trunk_reads", "sampler", "other")
+PROFILE_LABELS = {
+    "experts": "experts compute",
+    "trunk": "trunk compute",
+    "head": "head",
+    "expert_reads": "waiting on expert reads",
+    "trunk_reads": "waiting on trunk reads",
+    "sampler": "sampler",
+    "other": "other",
+}
+
+
+class DecodeProfile:
+    """Where decode steps spend their time: coarse timers around each step (perf_counter), the
+    kernels' per-role product time, and the providers' read-wait counters, as differences."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PROFILE_PHASES, 0.0)
+        self._mark: tuple[float, dict[str, float], float, float] | None = None
+
+    def begin(self, store: ExpertStore, trunk: StreamedTrunk) -> None:
+        self._mark = (time.perf_counter(), kernels.kernel_seconds(), store.wait_seconds, trunk.wait_seconds)
+
+    def end(self, store: ExpertStore, trunk: StreamedTrunk) -> None:
+        assert self._mark is not None
+        t0, k0, e0, w0 = self._mark
+        wall = time.perf_counter() - t0
+        k1 = kernels.kernel_seconds()
+        spent = {role: k1.get(role, 0.0) - k0.get(role, 0.0) for role in ("experts", "trunk", "head")}
+        spent["expert_reads"] = store.wait_seconds - e0
+        spent["trunk_reads"] = trunk.wait_seconds - w0
+        for k, v in spent.items():
+            self.seconds[k] += v
+        self.seconds["other"] += max(0.0, wall - sum(spent.values()))
+
+    def per_token(self, steps: int) -> dict[str, float]:
+        return {k: v / steps for k, v in self.seconds.items()} if steps else {}
 
 
 def peak_rss_bytes() -> int:
@@ -251,6 +302,7 @@ class Runtime:
         self.kernel_warmup_seconds = 0.0
         self._turn_prompt_tokens: list[int] = []
         self._first_token_seconds: list[float] = []
+        self._profile = DecodeProfile()
 
     @classmethod
     def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None, gpu=None) -> Runtime:
@@ -351,7 +403,10 @@ class Runtime:
         self._prompt_tokens += n_prompt
         self._turn_prompt_tokens.append(n_prompt)
         for n in range(max_new_tokens):
+            t_pick = time.perf_counter()
             tok = pick(logits)
+            if n:
+                self._profile.seconds["sampler"] += time.perf_counter() - t_pick
             if n == 0:
                 self._first_token_seconds.append(time.perf_counter() - t0)
             last = n + 1 == max_new_tokens or tok in stop_ids
@@ -362,9 +417,11 @@ class Runtime:
             yield tok
             if last:
                 return
+            self._profile.begin(self.store, self.trunk)
             t0 = time.perf_counter()
             logits = session.step(tok)
             self._decode_seconds += time.perf_counter() - t0
+            self._profile.end(self.store, self.trunk)
             self._decode_tokens += 1
 
     # -- figures and lifetime ----------------------------------------------------------------
@@ -419,6 +476,7 @@ class Runtime:
             turn_prompt_tokens=list(self._turn_prompt_tokens),
             first_token_seconds=list(self._first_token_seconds),
             warnings=warnings,
+            decode_profile=self._profile.per_token(self._decode_tokens),
         )
 
     def close(self) -> None:
