@@ -59,7 +59,8 @@ with Runtime.open(ck, RunOptions(budget=int(budget * 1e9), io_threads=io_threads
 steps = b.decode_tokens - a.decode_tokens
 secs = b.decode_seconds_per_token * b.decode_tokens - a.decode_seconds_per_token * a.decode_tokens
 read = b.bytes_read + b.trunk_bytes_read - a.bytes_read - a.trunk_bytes_read
-prof = getattr(b, "decode_profile", None)
+pa, pb = getattr(a, "decode_profile", None), getattr(b, "decode_profile", None)
+prof = {k: (v * b.decode_tokens - pa.get(k, 0.0) * a.decode_tokens) / steps for k, v in pb.items()} if pb else None
 print(json.dumps({"ids": out, "steps": steps, "s_per_token": secs / steps, "read_per_token": read / steps,
                   "hit_rate": b.hit_rate, "slots": b.cache_slots, "pinned": b.trunk_pinned_layers,
                   "streamed": b.trunk_streamed_layers, "peak_rss": b.peak_rss_bytes, "profile": prof}))

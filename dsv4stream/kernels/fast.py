@@ -55,9 +55,13 @@ ROW_TILE = 4  # rows decoded together by matmul; tokens go in pairs
 TILE_LANES = 256  # 4 rows x 2 tokens x 32 lanes
 CHUNK = 512  # columns decoded at a time by matmul (a multiple of 128)
 MAX_TOKENS = 64  # tokens per matmul kernel call; larger X is split
-# Measured on 2 EPYC (Zen 4) cores, bench/matmul_bw.py: below this many weight bytes a matvec
-# runs serially (a parallel region does not pay), from this many tokens matmul goes to BLAS.
-PARALLEL_MIN_BYTES = 1 << 20
+# Below this many weight bytes a matvec runs serially. On 2 EPYC (Zen 4) cores, idle, a
+# parallel region saves at most ~20 us on a 2 MB matvec; with the other core busy (reader
+# threads, other processes; load 8 here) a 1 MB FP8 matvec took 0.5-4 ms parallel, 0.04-0.14
+# ms serial. Every routed or shared expert matrix and the big attention projections stay
+# parallel; norms, gates, mHC and small projections do not. From BLAS_MIN_TOKENS tokens on,
+# matmul dequantises row tiles and calls BLAS.
+PARALLEL_MIN_BYTES = 4 << 20
 BLAS_MIN_TOKENS = {"fp4": 128, "fp8": 128, "bf16": 64, "f32": 16}
 TILE_ELEMS = 1 << 22  # float32 values per dequantised row tile (16 MiB; one parallel region each)
 ACC_LANES = MAX_TOKENS // 2 * TILE_LANES
