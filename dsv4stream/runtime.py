@@ -28,6 +28,7 @@ from .errors import UsageError
 from .kernels import reference
 from .pack import MANIFEST, default_out_dir
 from .planner import MemoryNeeds, Plan
+from .profile import PROFILE_LABELS, DecodeProfile
 from .store import ExpertStore
 from .store.layout import expert_label, expert_layouts
 from .streaming import GroupReader, StreamedExperts, StreamedTrunk, TrunkLayout, trunk_layout
@@ -143,45 +144,6 @@ class RunStats:
             return []
         parts = ", ".join(f"{PROFILE_LABELS[k]} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in p.items())
         return [f"decode per token ({total * 1e3:.1f} ms): {parts}"]
-
-
-PROFILE_PHASES = ("experts", "trunk", "head", "expert_reads", "trunk_reads", "sampler", "other")
-PROFILE_LABELS = {
-    "experts": "experts compute",
-    "trunk": "trunk compute",
-    "head": "head",
-    "expert_reads": "waiting on expert reads",
-    "trunk_reads": "waiting on trunk reads",
-    "sampler": "sampler",
-    "other": "other",
-}
-
-
-class DecodeProfile:
-    """Where decode steps spend their time: coarse timers around each step (perf_counter), the
-    kernels' per-role product time, and the providers' read-wait counters, as differences."""
-
-    def __init__(self) -> None:
-        self.seconds = dict.fromkeys(PROFILE_PHASES, 0.0)
-        self._mark: tuple[float, dict[str, float], float, float] | None = None
-
-    def begin(self, store: ExpertStore, trunk: StreamedTrunk) -> None:
-        self._mark = (time.perf_counter(), kernels.kernel_seconds(), store.wait_seconds, trunk.wait_seconds)
-
-    def end(self, store: ExpertStore, trunk: StreamedTrunk) -> None:
-        assert self._mark is not None
-        t0, k0, e0, w0 = self._mark
-        wall = time.perf_counter() - t0
-        k1 = kernels.kernel_seconds()
-        spent = {role: k1.get(role, 0.0) - k0.get(role, 0.0) for role in ("experts", "trunk", "head")}
-        spent["expert_reads"] = store.wait_seconds - e0
-        spent["trunk_reads"] = trunk.wait_seconds - w0
-        for k, v in spent.items():
-            self.seconds[k] += v
-        self.seconds["other"] += max(0.0, wall - sum(spent.values()))
-
-    def per_token(self, steps: int) -> dict[str, float]:
-        return {k: v / steps for k, v in self.seconds.items()} if steps else {}
 
 
 def peak_rss_bytes() -> int:

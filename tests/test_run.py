@@ -64,7 +64,7 @@ def test_stats_json_route_log_and_verify(ckpt, tmp_path) -> None:
 def test_decode_profile_in_stats_and_json(ckpt, tmp_path) -> None:
     """--stats shows where decode time went; --stats-json has the same phases, which add up to
     the decode step time (the sampler is outside the step)."""
-    from dsv4stream.runtime import PROFILE_PHASES
+    from dsv4stream.profile import PROFILE_PHASES
 
     stats = tmp_path / "stats.json"
     res = invoke(
