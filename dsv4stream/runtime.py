@@ -29,6 +29,7 @@ from .kernels import reference
 from .pack import MANIFEST, default_out_dir
 from .planner import MemoryNeeds, Plan
 from .profile import PROFILE_LABELS, DecodeProfile
+from .spec import drafter_summary
 from .store import ExpertStore
 from .store.layout import expert_label, expert_layouts
 from .streaming import GroupReader, StreamedExperts, StreamedTrunk, TrunkLayout, trunk_layout
@@ -102,6 +103,7 @@ class RunStats:
     # seconds per decode step by phase (PROFILE_PHASES): the products of routed-expert, trunk and
     # head weights, blocked on expert / trunk reads, choosing the token, and the rest
     decode_profile: dict[str, float] = field(default_factory=dict)
+    unused: str = ""  # what the checkpoint holds that is not run (the mtp.* blocks)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -189,6 +191,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         working_set=cfg.working_set_experts,
         experts_per_token=cfg.num_experts_per_tok,
         total_experts=cfg.n_layers * cfg.n_routed_experts,
+        unused=drafter_summary(cfg, sum(e.nbytes for n, e in cat.entries.items() if n.startswith("mtp."))),
     )
 
 
@@ -439,6 +442,7 @@ class Runtime:
             first_token_seconds=list(self._first_token_seconds),
             warnings=warnings,
             decode_profile=self._profile.per_token(self._decode_tokens),
+            unused=self.plan.needs.unused or "",
         )
 
     def close(self) -> None:
