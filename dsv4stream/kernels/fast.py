@@ -59,10 +59,14 @@ MAX_TOKENS = 64  # tokens per matmul kernel call; larger X is split
 # parallel region saves at most ~20 us on a 2 MB matvec; with the other core busy (reader
 # threads, other processes; load 8 here) a 1 MB FP8 matvec took 0.5-4 ms parallel, 0.04-0.14
 # ms serial. Every routed or shared expert matrix and the big attention projections stay
-# parallel; norms, gates, mHC and small projections do not. From BLAS_MIN_TOKENS tokens on,
-# matmul dequantises row tiles and calls BLAS.
+# parallel; norms, gates, mHC and small projections do not.
 PARALLEL_MIN_BYTES = 4 << 20
-BLAS_MIN_TOKENS = {"fp4": 128, "fp8": 128, "bf16": 64, "f32": 16}
+# From this many tokens matmul dequantises row tiles and calls BLAS. Measured on the Flash
+# shapes (bench/matmul_bw.py, 2 EPYC cores under load 9-13): the fused kernels were faster at
+# every count up to 256 (e.g. expert w1 at 256 tokens 240 vs 363 ms); their cost grows
+# linearly with tokens (the weight is decoded again per 64 tokens) while BLAS's dequantisation
+# is paid once, so BLAS takes over where the fused kernels would decode a weight 8 times.
+BLAS_MIN_TOKENS = {"fp4": 512, "fp8": 512, "bf16": 512, "f32": 64}
 TILE_ELEMS = 1 << 22  # float32 values per dequantised row tile (16 MiB; one parallel region each)
 ACC_LANES = MAX_TOKENS // 2 * TILE_LANES
 REL_LANES = ROW_TILE * MAX_BLOCKS
