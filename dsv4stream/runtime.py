@@ -28,6 +28,7 @@ from .errors import UsageError
 from .kernels import reference
 from .pack import MANIFEST, default_out_dir
 from .planner import MemoryNeeds, Plan
+from .profile import PROFILE_LABELS, DecodeProfile
 from .spec import drafter_summary
 from .store import ExpertStore
 from .store.layout import expert_label, expert_layouts
@@ -104,6 +105,9 @@ class RunStats:
     first_token_seconds: list[float] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
+    # seconds per decode step by phase (PROFILE_PHASES): the products of routed-expert, trunk and
+    # head weights, blocked on expert / trunk reads, choosing the token, and the rest
+    decode_profile: dict[str, float] = field(default_factory=dict)
     load_seconds: float = 0.0  # Runtime.open: catalog, plan, kernels, pinned trunk; before any prefill
     decode_tokens_per_second: float = 0.0
     # why each generate call (chat turn) ended: one of STOP_REASONS; the last one on its own
@@ -136,6 +140,7 @@ class RunStats:
                 f" decode {self.decode_seconds_per_token:.3f} s/token over {self.decode_tokens} tokens"
                 f" (kernels: {self.kernel_backend}, ready in {self.kernel_warmup_seconds:.2f} s)"
             ),
+            *self._profile_lines(),
             f"memory: peak RSS {self.peak_rss_bytes / gb:.3f} GB of --budget {self.budget_bytes / gb:.3f} GB"
             + (
                 f"; verified {self.verified_reads} expert reads, {self.verify_mismatches} mismatches"
@@ -144,6 +149,14 @@ class RunStats:
             ),
         ]
         return out + [f"warning: {w}" for w in self.warnings]
+
+    def _profile_lines(self) -> list[str]:
+        p = self.decode_profile
+        total = sum(p.values())
+        if not total:
+            return []
+        parts = ", ".join(f"{PROFILE_LABELS[k]} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in p.items())
+        return [f"decode per token ({total * 1e3:.1f} ms): {parts}"]
 
 
 def peak_rss_bytes() -> int:
@@ -288,6 +301,7 @@ class Runtime:
         self.kernel_warmup_seconds = 0.0
         self._turn_prompt_tokens: list[int] = []
         self._first_token_seconds: list[float] = []
+        self._profile = DecodeProfile()
         self._stop_reasons: list[str] = []
         self._in_think: list[bool] = []
         self.load_seconds = 0.0
@@ -404,7 +418,10 @@ class Runtime:
                 self._prompt_tokens += session.pos - pos0
                 self._turn_prompt_tokens.append(session.pos - pos0)
             for n in range(max_new_tokens):
+                t_pick = time.perf_counter()
                 tok = pick(logits)
+                if n:
+                    self._profile.seconds["sampler"] += time.perf_counter() - t_pick
                 if n == 0:
                     self._first_token_seconds.append(time.perf_counter() - t0)
                 stop = _stop_reason(tok in stop_ids, session.pos >= self.opts.ctx, n + 1 == max_new_tokens)
@@ -415,9 +432,11 @@ class Runtime:
                 yield tok
                 if stop is not None:
                     return
+                self._profile.begin(self.store, self.trunk)
                 t0 = time.perf_counter()
                 logits = session.step(tok)
                 self._decode_seconds += time.perf_counter() - t0
+                self._profile.end(self.store, self.trunk)
                 self._decode_tokens += 1
         finally:
             # no reason of its own: the caller closed the generator or the prefill was stopped
@@ -485,6 +504,7 @@ class Runtime:
             turn_prompt_tokens=list(self._turn_prompt_tokens),
             first_token_seconds=list(self._first_token_seconds),
             warnings=warnings,
+            decode_profile=self._profile.per_token(self._decode_tokens),
             load_seconds=self.load_seconds,
             decode_tokens_per_second=self._decode_tokens / self._decode_seconds if self._decode_seconds else 0.0,
             stop_reasons=list(self._stop_reasons),

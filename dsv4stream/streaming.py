@@ -329,6 +329,11 @@ class StreamedTrunk:
 
     # -- stats and lifetime ----------------------------------------------------------------
 
+    @property
+    def wait_seconds(self) -> float:
+        """Time layer() has blocked on reads so far; unlike stats() it waits for nothing."""
+        return self._wait_seconds
+
     def stats(self) -> RingStats:
         # A read of the next layer may still be in flight: let it land so that the counts do
         # not depend on timing (it is the read the next forward pass would wait for anyway).

@@ -302,6 +302,11 @@ class ExpertStore:
                     if entry is not None and entry.pins:
                         entry.pins -= 1
 
+    @property
+    def wait_seconds(self) -> float:
+        """Time callers have blocked on reads so far (cheap: for per-token profiles)."""
+        return self._wait_seconds
+
     def stats(self) -> StoreStats:
         with self._lock, self._stat_lock:
             n = asdict(self._n)
