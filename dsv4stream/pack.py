@@ -35,6 +35,7 @@ the pack holds and reads every other trunk tensor straight from the shards.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -46,10 +47,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .catalog import Catalog, TensorEntry
-from .errors import BudgetError, CheckpointError, Dsv4Error, UsageError
+from .errors import BudgetError, CheckpointError, Dsv4Error, ReadError, UsageError
 from .spec import TensorSpec, layer_prefix, model_specs
 
 FORMAT = "dsv4-trunk/1"
+FORMAT_FAMILY = "dsv4-trunk/"  # the marker that says a folder is a pack of ours, any version
 ALIGN = 4096
 TENSOR_ALIGN = 64
 TRUNK_FILE = "trunk.bin"
@@ -57,6 +59,8 @@ MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"
 DEFAULT_DIRNAME = "dsv4-trunk"
 CHECKSUM = "blake2b-128"
+PACK_FILES = frozenset({"manifest.json", "trunk.bin"})
+STAGE_FILES = PACK_FILES | {"journal.jsonl", "manifest.json.tmp", "lock"}
 CHUNK = 16 << 20  # copy granularity: bounds the packer's memory whatever the tensor size
 
 
@@ -100,6 +104,14 @@ def default_out_dir(ckpt_dir: str | os.PathLike) -> Path:
 
 def staging_dir(out_dir: Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.partial"
+
+
+def old_dir(out_dir: Path) -> Path:
+    return out_dir.parent / f".{out_dir.name}.old"
+
+
+def lock_path(out_dir: Path) -> Path:
+    return out_dir.parent / f".{out_dir.name}.lock"
 
 
 def _run_key(cat: Catalog, s: TensorSpec) -> str:
@@ -147,11 +159,12 @@ def _plan_id(cat: Catalog, runs: list[PlannedRun]) -> str:
     return h.hexdigest()[:32]
 
 
-def manifest_dict(cat: Catalog, runs: list[PlannedRun], sums: dict[str, str], layers: int) -> dict:
+def manifest_dict(cat: Catalog, runs: list[PlannedRun], sums: dict[str, str], layers: int, plan: str) -> dict:
     cfg = cat.config
     return {
         "format": FORMAT,
         "fingerprint": cat.fingerprint,
+        "plan": plan,
         "source": str(cat.root.resolve()),
         "file": TRUNK_FILE,
         "file_bytes": runs[-1].offset + runs[-1].nbytes if runs else 0,
@@ -180,14 +193,19 @@ def manifest_dict(cat: Catalog, runs: list[PlannedRun], sums: dict[str, str], la
     }  # fmt: skip
 
 
-def hash_range(fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None] | None = None) -> str:
+def hash_range(
+    fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None] | None = None, path: str = "trunk file"
+) -> str:
     """blake2b-128 of nbytes of an open file from offset; a short file is an error."""
     h = new_hash()
     done = 0
     while done < nbytes:
-        b = os.pread(fd, min(CHUNK, nbytes - done), offset + done)
+        try:
+            b = os.pread(fd, min(CHUNK, nbytes - done), offset + done)
+        except OSError as e:
+            raise ReadError(f"{path}: {e.strerror} at byte {offset + done}; check the disk") from None
         if not b:
-            raise CheckpointError(f"short read at byte {offset + done}: the file ends before the run does")
+            raise CheckpointError(f"{path}: short read at byte {offset + done}: the file ends before the run does")
         h.update(b)
         done += len(b)
         if on_bytes:
@@ -216,18 +234,92 @@ def _read_journal(path: Path, plan: str) -> dict[str, str] | None:
     return done
 
 
-def _existing_pack_matches(out_dir: Path, fingerprint: str, layers: int) -> bool:
+def _read_manifest(d: Path) -> dict | None:
+    """The manifest of a pack in `d` if it carries our format marker; None otherwise."""
     try:
-        m = json.loads((out_dir / MANIFEST).read_text())
-        size = (out_dir / m["file"]).stat().st_size
-        return (
-            m.get("format") == FORMAT
-            and m.get("fingerprint") == fingerprint
-            and m.get("layers_packed") == layers
-            and size == m.get("file_bytes")
-        )
-    except (OSError, ValueError, KeyError, TypeError):
+        m = json.loads((d / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(m, dict) and isinstance(m.get("format"), str) and m["format"].startswith(FORMAT_FAMILY)
+    return m if ok else None
+
+
+def is_pack(d: Path) -> bool:
+    """A folder that holds a pack of ours and nothing else (so replacing it loses nothing)."""
+    try:
+        names = {p.name for p in d.iterdir()}
+    except OSError:
         return False
+    return names <= PACK_FILES and _read_manifest(d) is not None
+
+
+def _existing_pack_matches(out_dir: Path, fingerprint: str, layers: int) -> bool:
+    m = _read_manifest(out_dir)
+    try:
+        size = (out_dir / str(m["file"])).stat().st_size if m else -1
+    except (OSError, KeyError, TypeError):
+        return False
+    return (
+        m is not None
+        and m.get("format") == FORMAT
+        and m.get("fingerprint") == fingerprint
+        and m.get("layers_packed") == layers
+        and size == m.get("file_bytes")
+    )
+
+
+def _corrupt_runs(out_dir: Path, progress: bool) -> list[str]:
+    """Keys of the runs of an existing pack whose bytes no longer hash to the manifest's sums."""
+    from tqdm import tqdm
+
+    m = _read_manifest(out_dir) or {}
+    runs = m.get("runs", [])
+    bad = []
+    fd = os.open(out_dir / m["file"], os.O_RDONLY)
+    try:
+        total = sum(int(r["nbytes"]) for r in runs)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
+            for r in runs:
+                try:
+                    ok = hash_range(fd, int(r["offset"]), int(r["nbytes"]), bar.update, str(m["file"])) == r["blake2b"]
+                except CheckpointError:
+                    ok = False
+                if not ok:
+                    bad.append(str(r["key"]))
+    finally:
+        os.close(fd)
+    return bad
+
+
+def _inside(a: Path, b: Path) -> bool:
+    """True when a is b or lies below it."""
+    return a == b or b in a.parents
+
+
+def check_out_dir(ckpt: Path, out: Path, force: bool) -> None:
+    """Refuse an OUT_DIR whose replacement could lose something that is not a previous pack."""
+    rc, ro = ckpt.resolve(), out.resolve()
+    if _inside(rc, ro):
+        raise UsageError(
+            f"{out}: is the checkpoint or a folder holding it; choose a new OUT_DIR (default {default_out_dir(ckpt)})"
+        )
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out}: is a file, not a pack; choose another OUT_DIR (nothing was changed)")
+    if out.is_dir() and any(out.iterdir()) and not is_pack(out):
+        raise UsageError(
+            f"{out}: holds files that are not a dsv4 trunk pack; choose a new or empty OUT_DIR"
+            " (--force replaces only a previous pack, never other files)"
+        )
+    for side, allowed in ((staging_dir(out), STAGE_FILES), (old_dir(out), PACK_FILES)):
+        if side.exists() and (not side.is_dir() or not {p.name for p in side.iterdir()} <= allowed):
+            raise UsageError(f"{side}: in the way and not left by pack-trunk; move it away or choose another OUT_DIR")
+
+
+def _open_read(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise ReadError(f"{path}: cannot open ({e.strerror}); check the file and its permissions") from None
 
 
 def _size(n: int) -> str:
@@ -252,8 +344,9 @@ def _say(msg: str, progress: bool) -> None:
 class _Copier:
     """Writes planned runs into trunk.bin, hashing exactly the bytes it writes."""
 
-    def __init__(self, out_fd: int, on_bytes: Callable[[int], None]):
+    def __init__(self, out_fd: int, out_path: str, on_bytes: Callable[[int], None]):
         self.out_fd = out_fd
+        self.out_path = out_path
         self.on_bytes = on_bytes
         self.src: dict[str, int] = {}
 
@@ -276,10 +369,15 @@ class _Copier:
             e = t.src
             fd = self.src.get(e.path)
             if fd is None:
-                fd = self.src[e.path] = os.open(e.path, os.O_RDONLY)
+                fd = self.src[e.path] = _open_read(e.path)
             done = 0
             while done < e.nbytes:
-                b = os.pread(fd, min(CHUNK, e.nbytes - done), e.offset + done)
+                try:
+                    b = os.pread(fd, min(CHUNK, e.nbytes - done), e.offset + done)
+                except OSError as err:
+                    raise ReadError(
+                        f"{e.path}: {err.strerror} reading '{e.name}' at byte {e.offset + done}; check the disk"
+                    ) from None
                 if not b:
                     raise CheckpointError(
                         f"{e.path}: short read of '{e.name}' at byte {e.offset + done}; the shard is truncated"
@@ -306,9 +404,10 @@ def pack_trunk(
 ) -> PackResult:
     """Pack every non-expert tensor of the checkpoint into OUT_DIR (see the module docstring).
 
-    layers: pack only main layers 0..layers-1. force: replace an OUT_DIR holding another pack.
-    on_run(key, written) is called after each run is journaled (written=True) or found
-    verified (written=False); tests use it to interrupt the packer at a known point.
+    layers: pack only main layers 0..layers-1. force: replace an OUT_DIR holding another pack
+    (only a pack: anything else is refused). on_run(key, written) is called after each run is
+    journaled (written=True) or found verified (written=False); tests use it to interrupt the
+    packer at a known point.
     """
     t0 = time.perf_counter()
     cat = Catalog.open(ckpt_dir)
@@ -320,62 +419,126 @@ def pack_trunk(
     out = Path(out_dir) if out_dir is not None else default_out_dir(ckpt_dir)
     runs = plan_runs(cat, n)
     plan = _plan_id(cat, runs)
-    total = runs[-1].offset + runs[-1].nbytes
-
-    if _existing_pack_matches(out, cat.fingerprint, n):
-        return PackResult(out, len(runs), (), tuple(r.key for r in runs), 0, time.perf_counter() - t0, True)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise UsageError(
-            f"{out}: exists and holds something other than a pack of this checkpoint with {n} layers;"
-            " remove it, choose another OUT_DIR, or pass --force to replace it"
-        )
-
-    stage = staging_dir(out)
-    stage.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(stage / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    check_out_dir(Path(ckpt_dir), out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock_fd = _take_lock(lock_path(out), out)
     try:
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise Dsv4Error(f"{stage}: another pack-trunk is writing here; wait for it or stop it") from None
-        return _pack_locked(cat, runs, plan, total, n, out, stage, force, progress, on_run, t0)
+        check_out_dir(Path(ckpt_dir), out, force)  # again, now that no other packer can change it
+        replace = force
+        if _existing_pack_matches(out, cat.fingerprint, n):
+            bad = _corrupt_runs(out, progress)
+            if not bad:
+                return PackResult(out, len(runs), (), tuple(r.key for r in runs), 0, time.perf_counter() - t0, True)
+            _say(f"{out}: run(s) {', '.join(bad)} fail their checksum; packing again", progress)
+            replace = True  # a damaged copy of this very pack: replacing it loses nothing
+        elif out.is_dir() and any(out.iterdir()) and not force:
+            raise UsageError(
+                f"{out}: holds another pack (not this checkpoint with {n} layers);"
+                " remove it, choose another OUT_DIR, or pass --force to replace it"
+            )
+        return _pack_locked(cat, runs, plan, n, out, replace, progress, on_run, t0)
     finally:
-        os.close(lock_fd)
+        _drop_lock(lock_path(out), lock_fd)
 
 
-def _pack_locked(cat, runs, plan, total, n, out, stage, force, progress, on_run, t0) -> PackResult:
-    from tqdm import tqdm
+def _take_lock(path: Path, out: Path) -> int:
+    """An exclusive flock on `path`, held by this process alone: a lock file unlinked by its
+    previous holder is detected (inode changed) and taken afresh, so two packers never both
+    believe they hold it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise Dsv4Error(f"{out}: another pack-trunk is writing this pack; wait for it or stop it") from None
+        st = os.fstat(fd)
+        try:
+            cur = os.stat(path)
+        except FileNotFoundError:
+            cur = None
+        if cur is not None and (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
+            return fd
+        os.close(fd)
 
+
+def _drop_lock(path: Path, fd: int) -> None:
+    """Unlink while still holding the lock (after the final rename), then release it."""
+    try:
+        path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+def _stage_manifest_sums(stage: Path, plan: str) -> dict[str, str] | None:
+    """Run checksums of a staged pack that was killed after writing its manifest (same plan)."""
+    m = _read_manifest(stage)
+    if m is None or m.get("plan") != plan:
+        return None
+    try:
+        return {str(r["key"]): str(r["blake2b"]) for r in m["runs"]}
+    except (KeyError, TypeError):
+        return None
+
+
+def _meta_bytes(cat: Catalog, runs: list[PlannedRun], n: int) -> int:
+    """Disk the manifest (written last) and the journal take, in whole pages."""
+    manifest = json.dumps(manifest_dict(cat, runs, {r.key: "0" * 32 for r in runs}, n, "0" * 32), indent=1)
+    journal = 200 + 100 * len(runs)
+    return _round_up(len(manifest) + 1, ALIGN) * 2 + _round_up(journal, ALIGN)  # tmp + final manifest
+
+
+def _disk_full(stage: Path, data: Path, total: int, meta: int) -> BudgetError:
+    try:
+        allocated = data.stat().st_blocks * 512
+    except OSError:
+        allocated = 0
+    need = max(0, total - allocated) + meta
+    free = shutil.disk_usage(stage).free
+    return BudgetError(
+        f"{stage}: no space left on device; finishing the pack needs {_size(need)} and {_size(free)} is free —"
+        f" free {_size(max(need - free, 0))} more and run pack-trunk again (it resumes)"
+    )
+
+
+def _pack_locked(cat, runs, plan, n, out, replace, progress, on_run, t0) -> PackResult:
+    total = runs[-1].offset + runs[-1].nbytes
+    stage = staging_dir(out)
+    stage.mkdir(exist_ok=True)
+    (stage / "lock").unlink(missing_ok=True)  # left by an older dsv4stream
     data, journal = stage / TRUNK_FILE, stage / JOURNAL
     done = _read_journal(journal, plan) if data.exists() else None
+    if done is None and data.exists():
+        done = _stage_manifest_sums(stage, plan)  # killed between its manifest and the rename
+        if done is not None:
+            _say(f"finishing the pack in {stage} (interrupted after its manifest)", progress)
+            journal.write_text(
+                json.dumps({"plan": plan, "fingerprint": cat.fingerprint, "layers": n})
+                + "\n"
+                + "".join(json.dumps({"key": k, "blake2b": v}) + "\n" for k, v in done.items())
+            )
     if done is None and (data.exists() or journal.exists()):
-        _say(f"discarding an unfinished pack of another checkpoint or --layers in {stage}", progress)
+        _say(f"discarding an unfinished pack in {stage}: it was for another checkpoint or --layers", progress)
     if done is None:
         data.unlink(missing_ok=True)
         journal.write_text(json.dumps({"plan": plan, "fingerprint": cat.fingerprint, "layers": n}) + "\n")
         done = {}
+    meta = _meta_bytes(cat, runs, n)
 
     fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o644)
-    copier = _Copier(fd, lambda k: None)
+    copier = _Copier(fd, str(data), lambda k: None)
     try:
         size = os.fstat(fd).st_size
-        sums: dict[str, str] = {}
-        skipped: list[str] = []
-        # runs a previous attempt journaled: keep each one whose bytes still hash the same
-        to_check = [r for r in runs if r.key in done and r.offset + r.nbytes <= size]
-        if to_check:
-            vbytes = sum(r.nbytes for r in to_check)
-            with tqdm(total=vbytes, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
-                for r in to_check:
-                    if hash_range(fd, r.offset, r.nbytes, bar.update) == done[r.key]:
-                        sums[r.key] = done[r.key]
-                        skipped.append(r.key)
-            _say(f"resuming: {len(skipped)} of {len(runs)} runs already written and verified", progress)
+        sums, skipped = _keep_verified(fd, runs, done, size, progress)
         todo = [r for r in runs if r.key not in sums]
-        need = sum(r.nbytes for r in todo)
+        # blocks already on disk (kept runs, and whatever a run cut short by a full disk wrote)
+        # are reused in place: only the rest, plus the manifest and journal, needs free space
+        need = max(0, total - os.fstat(fd).st_blocks * 512) + meta
         free = shutil.disk_usage(stage).free
         if need > free:
             if not done:
+                os.close(fd)
+                fd = -1
                 shutil.rmtree(stage, ignore_errors=True)  # nothing worth resuming
             raise BudgetError(
                 f"{stage}: packing needs {_size(need)} more disk space but {_size(free)} is free;"
@@ -389,39 +552,72 @@ def _pack_locked(cat, runs, plan, total, n, out, stage, force, progress, on_run,
         written: list[str] = []
         with (
             open(journal, "a") as jf,
-            tqdm(total=need, unit="B", unit_scale=True, desc="pack-trunk", disable=not progress) as bar,
+            tqdm_bar(sum(r.nbytes for r in todo), "pack-trunk", progress) as bar,
         ):
             copier.on_bytes = bar.update
             for r in todo:
-                sums[r.key] = copier.write_run(r)
-                os.fdatasync(fd)
-                jf.write(json.dumps({"key": r.key, "blake2b": sums[r.key]}) + "\n")
-                jf.flush()
-                os.fsync(jf.fileno())
+                try:
+                    sums[r.key] = copier.write_run(r)
+                    os.fdatasync(fd)
+                    jf.write(json.dumps({"key": r.key, "blake2b": sums[r.key]}) + "\n")
+                    jf.flush()
+                    os.fsync(jf.fileno())
+                except OSError as e:
+                    if e.errno == errno.ENOSPC:
+                        raise _disk_full(stage, data, total, meta) from None
+                    raise Dsv4Error(f"{data}: {e.strerror} while writing run '{r.key}'; check the disk") from None
                 written.append(r.key)
                 if on_run:
                     on_run(r.key, True)
     finally:
         copier.close()
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
     tmp_manifest = stage / (MANIFEST + ".tmp")
-    tmp_manifest.write_text(json.dumps(manifest_dict(cat, runs, sums, n), indent=1) + "\n")
-    with open(tmp_manifest, "rb+") as f:
-        os.fsync(f.fileno())
+    try:
+        tmp_manifest.write_text(json.dumps(manifest_dict(cat, runs, sums, n, plan), indent=1) + "\n")
+        with open(tmp_manifest, "rb+") as f:
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _disk_full(stage, data, total, meta) from None
+        raise
     os.replace(tmp_manifest, stage / MANIFEST)
     journal.unlink()
-    (stage / "lock").unlink()
     _fsync_dir(stage)
     old = None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        assert force  # refused before any work otherwise
-        old = out.parent / f".{out.name}.old"
+        assert replace and is_pack(out)  # refused before any work otherwise
+        old = old_dir(out)
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out, old)
+    elif out.is_dir():
+        out.rmdir()  # empty: os.replace of a folder onto an empty one works, but say what we mean
     os.replace(stage, out)
     _fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     nbytes = sum(r.nbytes for r in runs if r.key in written)
     return PackResult(out, len(runs), tuple(written), tuple(skipped), nbytes, time.perf_counter() - t0)
+
+
+def tqdm_bar(total: int, desc: str, progress: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress)
+
+
+def _keep_verified(fd: int, runs: list[PlannedRun], done: dict[str, str], size: int, progress: bool):
+    """Runs a previous attempt journaled: keep each one whose bytes still hash the same."""
+    sums: dict[str, str] = {}
+    skipped: list[str] = []
+    to_check = [r for r in runs if r.key in done and r.offset + r.nbytes <= size]
+    if to_check:
+        with tqdm_bar(sum(r.nbytes for r in to_check), "verify", progress) as bar:
+            for r in to_check:
+                if hash_range(fd, r.offset, r.nbytes, bar.update) == done[r.key]:
+                    sums[r.key] = done[r.key]
+                    skipped.append(r.key)
+        _say(f"resuming: {len(skipped)} of {len(runs)} runs already written and verified", progress)
+    return sums, skipped
