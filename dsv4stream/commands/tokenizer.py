@@ -28,11 +28,12 @@ def describe(tok: Tokenizer) -> str:
 
 @click.command("pack-tokenizer")
 @click.argument("checkpoint_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.argument("out", required=False, type=click.Path(path_type=Path))
-def pack_tokenizer_cmd(checkpoint_dir: Path, out: Path | None) -> None:
+@click.argument("out", required=False, type=click.Path())  # a str: a trailing / must survive
+def pack_tokenizer_cmd(checkpoint_dir: Path, out: str | None) -> None:
     """Check CHECKPOINT_DIR's tokenizer against its config.json and pack it into one file.
 
-    OUT defaults to CHECKPOINT_DIR/dsv4-tokenizer.pack (a directory means that name inside it).
+    OUT defaults to CHECKPOINT_DIR/dsv4-tokenizer.pack; a directory, or a path ending in /,
+    means that name inside it (created if missing). Only an earlier pack is ever replaced.
     """
     path = pack_tokenizer(checkpoint_dir, out)
     click.echo(describe(Tokenizer.load(path)))
