@@ -21,7 +21,7 @@ import numpy as np
 from . import kernels
 from .catalog import Catalog
 from .config import ModelConfig
-from .errors import UsageError
+from .errors import NumericsError, UsageError
 from .model.attention import AttnState, new_attn_state
 from .model.block import Trace, head_forward, layer_forward
 from .model.providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
@@ -81,6 +81,12 @@ class Engine:
         trace: Trace | None = None,
     ) -> Session:
         return Session(self, chunk_size=chunk_size, on_route=on_route, record_requests=record_requests, trace=trace)
+
+
+_NAN_ADVICE = (
+    "a weight or scale of the checkpoint (or its packed trunk) holds NaN/inf — check the files with"
+    " `dsv4 inspect CHECKPOINT --verify` and re-download or re-pack what it names"
+)
 
 
 class Session:
@@ -178,13 +184,19 @@ class Session:
                 if not cfg.is_hash_layer(layer):
                     eng.experts.prefetch([(layer, int(e)) for e in np.unique(experts)])
 
-            x = layer_forward(x, ids, positions, w, self.state[i], cfg, eng.rope_for(i), get, routed, self.trace)
+            try:
+                x = layer_forward(x, ids, positions, w, self.state[i], cfg, eng.rope_for(i), get, routed, self.trace)
+            except NumericsError as e:
+                raise NumericsError(f"layer {i}: {e}; {_NAN_ADVICE}") from None
         self.pos += t
         if not logits:
             return None
         if last_only:
             x = x[-1:]
-        return head_forward(x, eng.trunk.head(), cfg)
+        out = head_forward(x, eng.trunk.head(), cfg)
+        if not np.isfinite(out).all():  # (T, vocab): a few µs per token next to the head's matvec
+            raise NumericsError(f"the logits (head.weight, after layer {cfg.n_layers - 1}) are NaN or infinite; {_NAN_ADVICE}")
+        return out
 
     def _prefetch_hash_layers(self, ids: np.ndarray) -> None:
         """Hash layers' experts are known from the tokens alone: ask for them up front."""

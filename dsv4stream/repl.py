@@ -103,10 +103,11 @@ def answer(
     """Prefill `ids` (progress bar on stderr), then stream up to `gen` tokens to `out`.
 
     With a tokenizer, stops at EOS (not printed) and prints text; `thinking` (the prompt
-    opened <think>) shows the reasoning dim until </think>. Without one, prints nothing:
-    the caller prints the ids. Raises Stopped when Ctrl-C came during the prefill."""
+    opened <think>) shows the reasoning dim until </think>. Without one, prints each id as
+    it comes (comma-separated, flushed; the caller ends the line) and stops at the config's
+    EOS (printed). Raises Stopped when Ctrl-C came during the prefill."""
     out = out if out is not None else sys.stdout
-    stop = (tok.special.eos,) if tok is not None else ()
+    stop = (tok.special.eos,) if tok is not None else (rt.cfg.eos_token_id,)
     flag = interrupt if interrupt is not None else Interrupt()
     bar = PrefillBar(reads_of(rt), leave=leave_bar)
 
@@ -123,7 +124,9 @@ def answer(
             if not got:
                 bar.close()
             got.append(t)
-            if stream is not None and tok is not None and t != tok.special.eos:
+            if tok is None:
+                _echo(out, f"{',' if len(got) > 1 else ''}{t}")
+            elif stream is not None and t != tok.special.eos:
                 if thinking and t == tok.special.think_end:
                     _echo(out, stream.flush() + THINK_END, dim=True)
                     _echo(out, "\n")
@@ -263,6 +266,9 @@ def chat_loop(
         line = line.strip()
         if not line:
             continue
+        if not is_utf8(line):
+            say("dsv4: that line is not valid UTF-8 text; it was not sent (the conversation goes on)")
+            continue
         if line.startswith("/"):
             cmd, _, arg = line.partition(" ")
             if cmd in ("/quit", "/exit"):
@@ -323,6 +329,15 @@ def _turn(rt: Runtime, conv: Conversation, settings: ChatSettings, user: str, sa
     if reply.stopped:
         say("(stopped)")
     conv.commit(turn, session, reply.ids)
+
+
+def is_utf8(text: str) -> bool:
+    """False for text holding undecodable bytes (kept as lone surrogates by `surrogateescape`)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _mode_name(mode: str) -> str:

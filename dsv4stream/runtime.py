@@ -11,6 +11,7 @@ go through `Runtime`; the math stays in `engine` / `model`.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import time
@@ -195,7 +196,7 @@ def measure(checkpoint: str | os.PathLike, opts: RunOptions) -> MemoryNeeds:
     return memory_needs(cat, trunk_layout(cat, tf), ExpertStore.slot_nbytes(layouts), opts)
 
 
-def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None) -> TrunkFile | None:
+def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None, verify: bool = False) -> TrunkFile | None:
     """The packed trunk to read from: the one named, else the default one if packed, else None."""
     if trunk == "":
         return None
@@ -204,7 +205,7 @@ def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None) -> TrunkFile 
         if not (default / MANIFEST).is_file():
             return None
         trunk = default
-    return TrunkFile.open(trunk, cat)
+    return TrunkFile.open(trunk, cat, verify=verify)
 
 
 class _Once:
@@ -265,7 +266,7 @@ class Runtime:
         cat.validate()
         cfg = cat.config
         once = _Once(warn)
-        tf = open_trunk_file(cat, opts.trunk)
+        tf = open_trunk_file(cat, opts.trunk, verify=opts.verify)
         placed = gpu.place(cat) if gpu is not None and gpu.enabled else None
         layout = trunk_layout(cat, tf, exclude=placed.tensor_names if placed is not None else frozenset())
         layouts, order = _expert_layouts(cat)
@@ -301,6 +302,7 @@ class Runtime:
         )
         try:
             reader = GroupReader(opts.io, opts.verify, once)
+            reader.check = tf.check_window if tf is not None else None
             wrap = placed.source if placed is not None else None
             trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
         except BaseException:
@@ -450,9 +452,32 @@ def budget_bytes(gb: float | None) -> int:
     """--budget GB (decimal) -> bytes; None -> the default."""
     if gb is None:
         return default_budget()
-    if not gb > 0:
-        raise UsageError(f"--budget {gb}: give a positive number of GB (decimal, e.g. --budget 3)")
+    if not (gb > 0 and math.isfinite(gb)):
+        raise UsageError(f"--budget {gb}: give a positive, finite number of GB (decimal, e.g. --budget 3)")
+    import psutil
+
+    total = psutil.virtual_memory().total
+    if gb * planner.GB > total:
+        # the plan fills the budget with expert slots as the run goes: beyond physical memory
+        # that ends with the kernel killing the run mid-answer, not with a message
+        raise UsageError(
+            f"--budget {gb:g} GB is above this machine's {total / planner.GB:.1f} GB of physical memory;"
+            f" give at most {total / planner.GB:.1f} (the budget is what the process may hold in RAM)"
+        )
     return int(gb * planner.GB)
+
+
+def budget_warning(budget: int) -> str | None:
+    """A budget above the memory available now fits the machine but may push it into swapping."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if budget <= available:
+        return None
+    return (
+        f"--budget {budget / planner.GB:.2f} GB is above the {available / planner.GB:.2f} GB of memory available now;"
+        " other programs may be swapped out, or this run killed, as the expert cache fills"
+    )
 
 
 def checkpoint_path(path: str | os.PathLike) -> Path:

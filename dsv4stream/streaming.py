@@ -162,6 +162,8 @@ class GroupReader:
         self.bytes_read = 0
         self.read_seconds = 0.0
         self.verified_reads = 0
+        # check(path, file offset, bytes): the packed trunk's cheap checksum of whole runs read
+        self.check: Callable[[str, int, np.ndarray], None] | None = None
 
     def read(self, group: Group, buf: np.ndarray) -> dict[str, np.ndarray]:
         """Fill `buf` (ALIGN-aligned, at least group.nbytes) and return name -> view."""
@@ -170,8 +172,12 @@ class GroupReader:
         try:
             for window in group.plan.windows:
                 n += self.files.read(window, buf)
+                if self.check is not None:
+                    self.check(
+                        window.path, window.file_offset, buf[window.slot_offset : window.slot_offset + window.nbytes]
+                    )
         except Dsv4Error as e:
-            raise ReadError(f"{group.label}: {e}") from e
+            raise type(e)(f"{group.label}: {e}") from e
         views = piece_views(buf, group.layout, group.plan)
         if self._verifier is not None:
             self._verifier.check(group.label, *_verify_chunks(group.layout, views))

@@ -201,7 +201,16 @@ class Tokenizer:
         Special-token text inside `text` (e.g. "<｜User｜>") becomes that token, as with the
         official encoder, which tokenizes the whole rendered prompt in one call.
         """
-        return self._hf.encode(text, add_special_tokens=False).ids
+        try:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # undecodable bytes kept as surrogates (argv, stdin)
+                raise TokenizerError(
+                    f"the text is not valid UTF-8 (an undecodable byte at character {e.start}); give UTF-8 text"
+                ) from None
+            raise
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text of `ids`; `skip_special` drops BOS/EOS/pad but keeps `<think>`, `</think>`."""
