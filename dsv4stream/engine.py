@@ -26,6 +26,7 @@ from .model.attention import AttnState, new_attn_state
 from .model.block import Trace, head_forward, layer_forward
 from .model.providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
 from .model.rope import Rope, rope_tables
+from .model.scan import nonfinite_fields
 
 # on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched
 RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
@@ -84,8 +85,8 @@ class Engine:
 
 
 _NAN_ADVICE = (
-    "a weight or scale of the checkpoint (or its packed trunk) holds NaN/inf — check the files with"
-    " `dsv4 inspect CHECKPOINT --verify` and re-download or re-pack what it names"
+    "a weight or scale (an E8M0 scale byte 0xFF is NaN) of the checkpoint holds NaN/inf — re-download the"
+    " shard holding it, or re-pack the trunk if it came from a packed trunk (`dsv4 inspect` checks the pack)"
 )
 
 
@@ -187,7 +188,9 @@ class Session:
             try:
                 x = layer_forward(x, ids, positions, w, self.state[i], cfg, eng.rope_for(i), get, routed, self.trace)
             except NumericsError as e:
-                raise NumericsError(f"layer {i}: {e}; {_NAN_ADVICE}") from None
+                bad = nonfinite_fields(w)
+                where = f" (non-finite values in {', '.join(f'layers.{i}.{b}' for b in bad[:4])})" if bad else ""
+                raise NumericsError(f"layer {i}: {e}{where}; {_NAN_ADVICE}") from None
         self.pos += t
         if not logits:
             return None
@@ -195,7 +198,14 @@ class Session:
             x = x[-1:]
         out = head_forward(x, eng.trunk.head(), cfg)
         if not np.isfinite(out).all():  # (T, vocab): a few µs per token next to the head's matvec
-            raise NumericsError(f"the logits (head.weight, after layer {cfg.n_layers - 1}) are NaN or infinite; {_NAN_ADVICE}")
+            bad = nonfinite_fields(eng.trunk.head())
+            if bad:
+                raise NumericsError(
+                    f"the logits are NaN or infinite: the head's {', '.join(bad[:4])} hold NaN/inf; {_NAN_ADVICE}"
+                )
+            raise NumericsError(
+                f"the logits (head.weight, after layer {cfg.n_layers - 1}) are NaN or infinite; {_NAN_ADVICE}"
+            )
         return out
 
     def _prefetch_hash_layers(self, ids: np.ndarray) -> None:

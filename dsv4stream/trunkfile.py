@@ -176,8 +176,9 @@ class TrunkFile:
             for at in sorted({0, probe.nbytes - n}):
                 if _pread(self.path, probe.offset + at, n).tobytes() != _pread(e.path, e.offset + at, n).tobytes():
                     raise CheckpointError(
-                        f"{self.root}: '{probe.name}' differs from {cat.root} — the trunk comes from another"
-                        f" checkpoint with the same shapes, or run '{r.key}' is corrupted; {_restart(self.root)}"
+                        f"{self.path}: '{probe.name}' of {r.what} differs from {cat.root} — the trunk comes from"
+                        f" another checkpoint with the same shapes, or the run is corrupted (fails its checksum);"
+                        f" {_restart(self.root)}"
                     )
 
     # ---- queries ------------------------------------------------------------------------
