@@ -41,7 +41,7 @@ def test_reads_place_every_piece(tmp_path, io):
     layouts, truth = make_files(tmp_path)
     files = FileSet(io, warn=lambda m: None)
     check_all(files, layouts, truth)
-    direct = files.is_direct(str(tmp_path / "shard-0.bin"))
+    direct = files.is_direct(str(tmp_path / "shard-0.safetensors"))
     assert direct == (io == "direct" and not files.fallback_paths)
     files.close()
 
