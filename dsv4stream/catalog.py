@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, ReadError
 from .kernels import QWeight
 from .spec import ITEMSIZE, TensorSpec, model_specs
 
@@ -258,7 +258,10 @@ class Catalog:
             for i, r in enumerate(np.asarray(rows, dtype=np.int64)):
                 if not 0 <= r < e.shape[0]:
                     raise CheckpointError(f"'{name}': row {r} outside 0..{e.shape[0] - 1}")
-                b = os.pread(fd, row_bytes, e.offset + int(r) * row_bytes)
+                try:
+                    b = os.pread(fd, row_bytes, e.offset + int(r) * row_bytes)
+                except OSError as err:
+                    raise ReadError(f"{e.path}: {err.strerror} reading '{name}' row {r}; check the disk") from None
                 if len(b) != row_bytes:
                     raise CheckpointError(f"{e.path}: short read of '{name}' row {r}; the shard is truncated")
                 out[i] = np.frombuffer(b, dtype=dt).reshape(e.shape[1:])
@@ -296,11 +299,17 @@ def pread_exact(path: str, offset: int, buf, what: str) -> None:
     """Fill `buf` (a writable buffer) with the bytes of `path` from `offset`; a short read is
     a CheckpointError naming `what` (the file is truncated)."""
     view = memoryview(buf).cast("B")
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise ReadError(f"{path}: cannot open ({e.strerror}) to read {what}") from None
     try:
         got = 0
         while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got)
+            try:
+                n = os.preadv(fd, [view[got:]], offset + got)
+            except OSError as e:
+                raise ReadError(f"{path}: {e.strerror} reading {what} at byte {offset + got}; check the disk") from None
             if n <= 0:
                 raise CheckpointError(f"{path}: short read of {what} at byte {offset + got}; the file is truncated")
             got += n

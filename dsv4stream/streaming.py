@@ -397,7 +397,10 @@ class _RowReader:
         for j, r in enumerate(ids):
             if not 0 <= r < e.shape[0]:
                 raise CheckpointError(f"'{e.name}': row {r} outside 0..{e.shape[0] - 1}")
-            b = os.pread(self.fd, self.row_bytes, e.offset + int(r) * self.row_bytes)
+            try:
+                b = os.pread(self.fd, self.row_bytes, e.offset + int(r) * self.row_bytes)
+            except OSError as err:
+                raise ReadError(f"{e.path}: {err.strerror} reading '{e.name}' row {r}; check the disk") from None
             if len(b) != self.row_bytes:
                 raise ReadError(f"{e.path}: short read of '{e.name}' row {r}; the file is truncated")
             out[j] = np.frombuffer(b, dtype=self.dtype).reshape(e.shape[1:])

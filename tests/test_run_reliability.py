@@ -7,6 +7,7 @@ what it produced so far (ids on stdout, --stats-json)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -248,3 +249,38 @@ def test_a_non_utf8_chat_line_is_refused_and_the_chat_goes_on(tok_ckpt, tmp_path
     assert r.returncode == 0, r.stderr.decode()
     assert b"not valid UTF-8" in r.stderr
     assert len(json.loads(stats.read_text())["turn_prompt_tokens"]) == 2  # Hi and Ok, not the bad line
+
+
+# ---- item 17: OSErrors name the file and give advice that fits ---------------------------------
+
+
+def test_an_io_error_reading_a_shard_names_it(ckpt, monkeypatch, capsys):
+    import errno
+
+    from dsv4stream import catalog
+    from dsv4stream.cli import main
+
+    real = os.preadv
+
+    def eio(fd, bufs, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("model-00002-of-00005.safetensors"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(catalog.os, "preadv", eio)
+    with pytest.raises(SystemExit) as ex:
+        main(["run", str(ckpt), "--prompt-ids", "1,2", "--gen", "2", "--budget", "1"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ex.value.code == 2 and last.startswith("dsv4: ")
+    assert "model-00002-of-00005.safetensors" in last and "Input/output error" in last
+
+
+def test_os_errors_without_a_file_say_so_and_a_full_disk_is_not_a_permission_problem():
+    import errno
+
+    from dsv4stream.cli import os_error_line
+
+    line = os_error_line(OSError(errno.ENOSPC, "No space left on device"))
+    assert "free space" in line and "permission" not in line and ":  " not in line and "did not say which file" in line
+    line = os_error_line(OSError(errno.EIO, "Input/output error", "/x/trunk.bin"))
+    assert line.startswith("/x/trunk.bin: Input/output error") and "did not say" not in line
