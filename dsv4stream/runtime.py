@@ -25,7 +25,7 @@ import numpy as np
 from . import kernels, planner
 from .catalog import Catalog
 from .engine import Engine, Session
-from .errors import UsageError
+from .errors import Dsv4Error, UsageError
 from .kernels import reference
 from .pack import MANIFEST, default_out_dir
 from .planner import MemoryNeeds, Plan
@@ -208,6 +208,44 @@ def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None, verify: bool 
     return TrunkFile.open(trunk, cat, verify=verify)
 
 
+COMPILE_CHILD = (
+    "import os, sys, time; from dsv4stream import kernels; kernels.set_backend('fast'); "
+    "t = kernels.warmup(); print(os.getpid(), t)"
+)
+
+
+def compile_kernels_apart(say: Warn | None = None) -> tuple[int, float] | None:
+    """On a cold numba cache, compile the kernels in a child process and wait for it.
+
+    The compiler (LLVM) takes hundreds of MB that the plan does not count; in a child they
+    never enter this process's peak RSS, and this process then loads the kernels from the
+    cache the child wrote. Returns (child pid, its compile seconds), or None when the cache
+    was warm (or the kernels are not numba's)."""
+    if kernels.backend_name() != "fast" or kernels.compiled_cache_exists():
+        return None
+    if say is not None:
+        say(
+            "compiling the numba kernels in a separate process (once per installation, about 40 s; cached"
+            " after), so that the compiler's memory stays outside --budget"
+        )
+    import subprocess
+    import sys
+
+    import dsv4stream
+
+    env = dict(os.environ)
+    src = str(Path(dsv4stream.__file__).resolve().parents[1])  # this checkout, installed or not
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, "-c", COMPILE_CHILD], env=env, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        raise Dsv4Error(
+            f"compiling the numba kernels failed in a child process ({why}); reinstall numba or set DSV4_DEBUG=1"
+        )
+    pid, seconds = r.stdout.split()[-2:]
+    return int(pid), float(seconds)
+
+
 class _Once:
     """Pass each distinct message to `warn` once (the trunk and the store share the notice)."""
 
@@ -286,8 +324,7 @@ class Runtime:
             )
         if opts.threads is not None:
             kernels.set_threads(opts.threads)
-        if kernels.backend_name() == "fast" and not kernels.compiled_cache_exists():
-            once("compiling the numba kernels (once per installation, about 40 s; cached after)")
+        compile_kernels_apart(once)
         warmup_seconds = kernels.warmup()
         store = ExpertStore(
             layouts,

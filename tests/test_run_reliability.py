@@ -284,3 +284,28 @@ def test_os_errors_without_a_file_say_so_and_a_full_disk_is_not_a_permission_pro
     assert "free space" in line and "permission" not in line and ":  " not in line and "did not say which file" in line
     line = os_error_line(OSError(errno.EIO, "Input/output error", "/x/trunk.bin"))
     assert line.startswith("/x/trunk.bin: Input/output error") and "did not say" not in line
+
+
+# ---- item 9: a cold numba cache is compiled outside the budgeted process -------------------------
+
+
+def test_a_cold_kernel_cache_is_compiled_in_a_child_process(ckpt, monkeypatch):
+    from dsv4stream import kernels, runtime
+
+    said: list[str] = []
+    monkeypatch.setattr(kernels, "compiled_cache_exists", lambda: False)  # as on a fresh installation
+    got = runtime.compile_kernels_apart(said.append)
+    assert got is not None and got[0] != os.getpid() and got[1] >= 0
+    assert "separate process" in said[0] and "outside --budget" in said[0]
+    monkeypatch.setattr(kernels, "compiled_cache_exists", lambda: True)
+    assert runtime.compile_kernels_apart(said.append) is None and len(said) == 1
+
+
+def test_the_cache_check_follows_numba_cache_dir(tmp_path, monkeypatch):
+    from dsv4stream import kernels
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    assert not kernels.compiled_cache_exists()
+    (tmp_path / "work" / "x").mkdir(parents=True)
+    (tmp_path / "work" / "x" / "fast._plain_mv-361.py311.nbi").write_bytes(b"")
+    assert kernels.compiled_cache_exists()

@@ -83,8 +83,12 @@ def warmup() -> float:
 
 def compiled_cache_exists() -> bool:
     """Whether numba's on-disk cache of the fast kernels is there (else warmup compiles, ~40 s)."""
+    import os
     from pathlib import Path
 
+    user = os.environ.get("NUMBA_CACHE_DIR")  # numba then mirrors the source path below it
+    if user:
+        return any(Path(user).rglob("fast.*.nbi"))
     cache = Path(__file__).with_name("__pycache__")
     return any(cache.glob("fast.*.nbi"))
 
