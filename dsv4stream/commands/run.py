@@ -32,6 +32,7 @@ from ..report import report_lines
 from ..runtime import Pick, RunOptions, RunStats, Runtime, budget_bytes, budget_warning
 from ..sampler import SamplingParams, sample
 from ..tokenizer import Tokenizer, default_pack_path
+from .tokenizer import stdin_text
 
 CHAT_TEMPERATURE = 1.0  # DeepSeek's recommended sampling for V4 (with top-p 1.0)
 CHAT_GEN, RAW_GEN = 1024, 32
@@ -97,17 +98,6 @@ def check_output(path: Path | None, flag: str) -> None:
         raise UsageError(f"{flag} {path}: is a directory; give a file name")
     if not path.parent.is_dir():
         raise UsageError(f"{flag} {path}: directory {path.parent} does not exist; create it first")
-
-
-def stdin_text(what: str) -> str:
-    """All of stdin as UTF-8 text; anything else is one UsageError naming `what`."""
-    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(
-            f"{what}: stdin is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}); give UTF-8"
-        ) from None
 
 
 def prompt_text(prompt: str | None, prompt_file: Path | None) -> str | None:

@@ -16,6 +16,17 @@ from ..errors import UsageError
 from ..tokenizer import Tokenizer, pack_tokenizer
 
 
+def stdin_text(what: str) -> str:
+    """All of stdin as UTF-8 text, whatever the locale; anything else is one UsageError naming `what`."""
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"{what}: stdin is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}); give UTF-8"
+        ) from None
+
+
 def describe(tok: Tokenizer) -> str:
     """One line saying what a packed tokenizer holds."""
     s = tok.special
@@ -61,7 +72,7 @@ def tokenize_cmd(tok_path: Path, mode: str | None, system: str | None, count: bo
     """
     if system is not None and mode is None:
         raise UsageError("--system needs --chat or --think")
-    body = sys.stdin.read() if text == ("-",) else " ".join(text)
+    body = stdin_text("tokenize -") if text == ("-",) else " ".join(text)
     tok = Tokenizer.load(tok_path)
     if mode is None:
         ids = tok.encode(body)
