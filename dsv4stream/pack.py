@@ -16,10 +16,17 @@ Layout of `OUT_DIR/trunk.bin` (OUT_DIR defaults to `CHECKPOINT_DIR/dsv4-trunk`):
 - Bytes are copied unchanged from the shards (FP8, FP4-in-I8, E8M0, BF16, F32, I64): the
   pack is a relayout, never a conversion.
 
-`manifest.json`: format, the source checkpoint's fingerprint (`Catalog.fingerprint`), and per
+`manifest.json`: format (the `dsv4-trunk/` marker that tells a pack of ours from anything
+else), the source checkpoint's fingerprint (`Catalog.fingerprint`), the plan id, and per
 run: key, layer (main index, n_layers + k for MTP block k, null for model-level runs),
-offset, nbytes (padded), blake2b-128 of all nbytes bytes, and its tensors (name, dtype,
-shape, absolute offset in trunk.bin, nbytes).
+offset, nbytes (padded), blake2b-128 of all nbytes bytes, `sum64` (`word_sum`, the cheap
+check run on every open), and its tensors (name, dtype, shape, absolute offset in
+trunk.bin, nbytes).
+
+OUT_DIR is only ever replaced when it is empty or a previous pack (`check_out_dir`). One
+packer at a time: an flock on `.<OUT_DIR name>.lock` beside OUT_DIR, held until the staged
+pack has been renamed into place and unlinked only then (a lock unlinked earlier let a
+second packer delete a finished pack's trunk.bin).
 
 Atomicity and resume: everything is written into a staging directory
 `.<OUT_DIR name>.partial` beside OUT_DIR, holding `trunk.bin` and `journal.jsonl` (one
@@ -36,7 +43,6 @@ the pack holds and reads every other trunk tensor straight from the shards.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -50,19 +56,26 @@ import numpy as np
 
 from .catalog import Catalog, TensorEntry
 from .errors import BudgetError, CheckpointError, Dsv4Error, ReadError, UsageError
+from .packdir import (
+    MANIFEST,
+    TRUNK_FILE,
+    check_out_dir,
+    default_out_dir,
+    drop_lock,
+    is_pack,
+    lock_path,
+    old_dir,
+    read_manifest,
+    staging_dir,
+    take_lock,
+)
 from .spec import TensorSpec, layer_prefix, model_specs
 
 FORMAT = "dsv4-trunk/1"
-FORMAT_FAMILY = "dsv4-trunk/"  # the marker that says a folder is a pack of ours, any version
 ALIGN = 4096
 TENSOR_ALIGN = 64
-TRUNK_FILE = "trunk.bin"
-MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"
-DEFAULT_DIRNAME = "dsv4-trunk"
 CHECKSUM = "blake2b-128"
-PACK_FILES = frozenset({"manifest.json", "trunk.bin"})
-STAGE_FILES = PACK_FILES | {"journal.jsonl", "manifest.json.tmp", "lock"}
 CHUNK = 16 << 20  # copy granularity: bounds the packer's memory whatever the tensor size
 
 
@@ -98,22 +111,6 @@ class PackResult:
     bytes_written: int
     seconds: float
     up_to_date: bool = False  # OUT_DIR already held this pack; nothing done
-
-
-def default_out_dir(ckpt_dir: str | os.PathLike) -> Path:
-    return Path(ckpt_dir) / DEFAULT_DIRNAME
-
-
-def staging_dir(out_dir: Path) -> Path:
-    return out_dir.parent / f".{out_dir.name}.partial"
-
-
-def old_dir(out_dir: Path) -> Path:
-    return out_dir.parent / f".{out_dir.name}.old"
-
-
-def lock_path(out_dir: Path) -> Path:
-    return out_dir.parent / f".{out_dir.name}.lock"
 
 
 def _run_key(cat: Catalog, s: TensorSpec) -> str:
@@ -261,27 +258,8 @@ def _read_journal(path: Path, plan: str) -> dict[str, str] | None:
     return done
 
 
-def _read_manifest(d: Path) -> dict | None:
-    """The manifest of a pack in `d` if it carries our format marker; None otherwise."""
-    try:
-        m = json.loads((d / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(m, dict) and isinstance(m.get("format"), str) and m["format"].startswith(FORMAT_FAMILY)
-    return m if ok else None
-
-
-def is_pack(d: Path) -> bool:
-    """A folder that holds a pack of ours and nothing else (so replacing it loses nothing)."""
-    try:
-        names = {p.name for p in d.iterdir()}
-    except OSError:
-        return False
-    return names <= PACK_FILES and _read_manifest(d) is not None
-
-
 def _existing_pack_matches(out_dir: Path, fingerprint: str, layers: int) -> bool:
-    m = _read_manifest(out_dir)
+    m = read_manifest(out_dir)
     try:
         size = (out_dir / str(m["file"])).stat().st_size if m else -1
     except (OSError, KeyError, TypeError):
@@ -299,7 +277,7 @@ def _corrupt_runs(out_dir: Path, progress: bool) -> list[str]:
     """Keys of the runs of an existing pack whose bytes no longer hash to the manifest's sums."""
     from tqdm import tqdm
 
-    m = _read_manifest(out_dir) or {}
+    m = read_manifest(out_dir) or {}
     runs = m.get("runs", [])
     bad = []
     fd = os.open(out_dir / m["file"], os.O_RDONLY)
@@ -316,30 +294,6 @@ def _corrupt_runs(out_dir: Path, progress: bool) -> list[str]:
     finally:
         os.close(fd)
     return bad
-
-
-def _inside(a: Path, b: Path) -> bool:
-    """True when a is b or lies below it."""
-    return a == b or b in a.parents
-
-
-def check_out_dir(ckpt: Path, out: Path, force: bool) -> None:
-    """Refuse an OUT_DIR whose replacement could lose something that is not a previous pack."""
-    rc, ro = ckpt.resolve(), out.resolve()
-    if _inside(rc, ro):
-        raise UsageError(
-            f"{out}: is the checkpoint or a folder holding it; choose a new OUT_DIR (default {default_out_dir(ckpt)})"
-        )
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{out}: is a file, not a pack; choose another OUT_DIR (nothing was changed)")
-    if out.is_dir() and any(out.iterdir()) and not is_pack(out):
-        raise UsageError(
-            f"{out}: holds files that are not a dsv4 trunk pack; choose a new or empty OUT_DIR"
-            " (--force replaces only a previous pack, never other files)"
-        )
-    for side, allowed in ((staging_dir(out), STAGE_FILES), (old_dir(out), PACK_FILES)):
-        if side.exists() and (not side.is_dir() or not {p.name for p in side.iterdir()} <= allowed):
-            raise UsageError(f"{side}: in the way and not left by pack-trunk; move it away or choose another OUT_DIR")
 
 
 def _open_read(path: str) -> int:
@@ -452,7 +406,7 @@ def pack_trunk(
     plan = _plan_id(cat, runs)
     check_out_dir(Path(ckpt_dir), out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    lock_fd = _take_lock(lock_path(out), out)
+    lock_fd = take_lock(lock_path(out), out)
     try:
         check_out_dir(Path(ckpt_dir), out, force)  # again, now that no other packer can change it
         replace = force
@@ -469,41 +423,12 @@ def pack_trunk(
             )
         return _pack_locked(cat, runs, plan, n, out, replace, progress, on_run, t0)
     finally:
-        _drop_lock(lock_path(out), lock_fd)
-
-
-def _take_lock(path: Path, out: Path) -> int:
-    """An exclusive flock on `path`, held by this process alone: a lock file unlinked by its
-    previous holder is detected (inode changed) and taken afresh, so two packers never both
-    believe they hold it."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise Dsv4Error(f"{out}: another pack-trunk is writing this pack; wait for it or stop it") from None
-        st = os.fstat(fd)
-        try:
-            cur = os.stat(path)
-        except FileNotFoundError:
-            cur = None
-        if cur is not None and (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
-            return fd
-        os.close(fd)
-
-
-def _drop_lock(path: Path, fd: int) -> None:
-    """Unlink while still holding the lock (after the final rename), then release it."""
-    try:
-        path.unlink(missing_ok=True)
-    finally:
-        os.close(fd)
+        drop_lock(lock_path(out), lock_fd)
 
 
 def _stage_manifest_sums(stage: Path, plan: str) -> dict[str, str] | None:
     """Run checksums of a staged pack that was killed after writing its manifest (same plan)."""
-    m = _read_manifest(stage)
+    m = read_manifest(stage)
     if m is None or m.get("plan") != plan:
         return None
     try:
