@@ -313,3 +313,15 @@ def test_the_cache_check_follows_numba_cache_dir(tmp_path, monkeypatch):
     (tmp_path / "work" / "x").mkdir(parents=True)
     (tmp_path / "work" / "x" / "fast._plain_mv-361.py311.nbi").write_bytes(b"")
     assert kernels.compiled_cache_exists()
+
+
+def test_a_budget_too_small_for_the_ctx_state_names_both(ckpt):
+    from dsv4stream.config import ModelConfig
+    from dsv4stream.planner import state_bytes_for
+
+    cfg = ModelConfig.from_json(ckpt / "config.json")
+    floor = minimum_budget(measure(ckpt, RunOptions(budget=1)))
+    ctx = 200_000  # its state pushes the minimum past a budget that fits the default --ctx
+    assert state_bytes_for(cfg, ctx) < floor
+    r = dsv4("run", str(ckpt), "--prompt-ids", "1,2", "--ctx", str(ctx), "--budget", f"{floor / 1e9 * 1.05:.6f}")
+    one_line(r, "state for --ctx", "lower --ctx")
