@@ -178,6 +178,24 @@ def test_ids_and_stats_survive_a_mid_run_error(ckpt, tmp_path, monkeypatch):
     assert s["generated_ids"] == want
 
 
+def test_stats_are_written_when_a_second_ctrl_c_ends_the_run(ckpt, tmp_path, monkeypatch):
+    stats = tmp_path / "s.json"
+    real = Runtime.generate
+
+    def interrupted(self, *a, **k):
+        for t in real(self, *a, **k):
+            yield t
+            raise KeyboardInterrupt  # what a second Ctrl-C raises inside a forward pass
+
+    monkeypatch.setattr(Runtime, "generate", interrupted)
+    res = CliRunner().invoke(run_cmd, [str(ckpt), "--prompt-ids", "1,2,3", "--gen", "8", "--budget", "1",
+                                       "--stats-json", str(stats)])  # fmt: skip
+    assert res.exit_code != 0
+    s = json.loads(stats.read_text())
+    assert s["exit"]["status"] == "interrupted" and s["generated_ids"] == greedy(ckpt, [1, 2, 3], 1)
+    assert res.stdout.strip() == str(s["generated_ids"][0])
+
+
 def test_stats_are_written_when_the_runtime_cannot_open(ckpt, tmp_path):
     stats = tmp_path / "s.json"
     r = dsv4("run", str(ckpt), "--prompt-ids", "1,2", "--budget", "0.001", "--stats-json", str(stats))
