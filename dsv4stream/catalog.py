@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import DSPARK, LAYOUTS, PREVIEW, ModelConfig
 from .errors import CheckpointError, ReadError
 from .kernels import QWeight
 from .spec import ITEMSIZE, TensorSpec, model_specs
@@ -181,9 +181,10 @@ class Catalog:
     def problems(self, specs: Iterable[TensorSpec] | None = None) -> list[str]:
         """Every mismatch between the checkpoint and what the config implies."""
         cfg = self.config
+        whole = specs is None
         specs = list(model_specs(cfg)) if specs is None else list(specs)
         by_name = {s.name: s for s in specs}
-        out: list[str] = []
+        out: list[str] = self._layout_problems(by_name) if whole else []
         for s in specs:
             if s.kind == "scale":
                 w = self.entries.get(s.of or "")
@@ -208,6 +209,23 @@ class Catalog:
                 out.append(f"'{s.name}': dtype {e.dtype}, expected one of {'/'.join(s.dtypes)}")
             elif e.shape != s.stored_shape(e.dtype):
                 out.append(f"'{s.name}': shape {list(e.shape)}, expected {list(s.stored_shape(e.dtype))}")
+        return out
+
+    def _layout_problems(self, expected: dict[str, TensorSpec]) -> list[str]:
+        """The mtp.* layout the shards show against the config's, and tensors nobody expects."""
+        out = []
+        found, want = tensor_layout(self.entries), self.config.layout
+        if found != want:
+            out.append(
+                f"the shards hold {LAYOUTS.get(found, found)} but config.json describes {LAYOUTS[want]}"
+                " (config.json belongs to another release)"
+            )
+        unexpected = sorted(set(self.entries) - set(expected))
+        if unexpected:
+            out.append(
+                f"{len(unexpected)} tensor(s) that config.json does not describe, first '{unexpected[0]}'"
+                f" (expected {LAYOUTS[want]})"
+            )
         return out
 
     def validate(self) -> None:
@@ -293,6 +311,20 @@ class Catalog:
         e = self.entry(name)
         a = self.read(name)
         return bf16_to_f32(a) if e.dtype == "BF16" else a.astype(np.float32, copy=False)
+
+
+# One tensor that only each layout's mtp.0 block holds (see spec.MTP_EXTRAS).
+_LAYOUT_MARKERS = {PREVIEW: "mtp.0.e_proj.weight", DSPARK: "mtp.0.main_proj.weight"}
+
+
+def tensor_layout(entries: Iterable[str]) -> str | None:
+    """The mtp.* layout the shards themselves show: PREVIEW, DSPARK, None (no mtp.* tensor),
+    or "unrecognised mtp.* tensors" when they hold neither."""
+    names = set(entries)
+    for layout, marker in _LAYOUT_MARKERS.items():
+        if marker in names:
+            return layout
+    return "unrecognised mtp.* tensors" if any(n.startswith("mtp.") for n in names) else None
 
 
 def pread_exact(path: str, offset: int, buf, what: str) -> None:

@@ -4,9 +4,14 @@ Owns: parsing and validating the released config schema (field names exactly as 
 publishes them), the layer kinds derived from `compress_ratios`, and the byte arithmetic
 that planning needs (expert bytes, working set per pass). It reads no weights.
 
-`compress_ratios` holds one entry per main layer plus one per MTP layer: 0 = window-only
-attention, 4 = compressed sparse attention (with the lightning indexer), any other positive
-ratio = heavily compressed attention (the release uses 128; tiny test models use 8 or 16).
+`compress_ratios` holds one entry per main layer plus one per block under `mtp.*`: 0 =
+window-only attention, 4 = compressed sparse attention (with the lightning indexer), any other
+positive ratio = heavily compressed attention (the release uses 128; tiny test models use 8 or 16).
+
+Two layouts of the `mtp.*` blocks are released (see `LAYOUTS`): the May preview's one MTP block
+(`num_nextn_predict_layers` blocks) and DeepSeek-V4-Flash-0731's DSpark drafter, announced by the
+`dspark_*` keys, whose stages are the compress_ratios entries past the main layers (three in
+0731, while `num_nextn_predict_layers` stays 1). Neither is run: the main model is.
 """
 
 from __future__ import annotations
@@ -20,6 +25,21 @@ from typing import Any
 from .errors import ConfigError
 
 WINDOW, CSA, HCA = "window", "csa", "hca"
+PREVIEW, DSPARK = "mtp", "dspark"
+# What each layout of the `mtp.*` blocks is called where a person reads it.
+LAYOUTS = {
+    PREVIEW: "the preview layout (one MTP block under mtp.0)",
+    DSPARK: "the 0731 layout (a DSpark drafter under mtp.*)",
+    None: "no mtp.* blocks",
+}
+SUPPORTED_MODEL_TYPE = "deepseek_v4"
+# Architectures people point dsv4 at that share names with V4 but not its tensors. Only the
+# model_type string is relied on here (V4.1-Flash publishes `deepseek_v41`).
+UNSUPPORTED_MODEL_TYPES = {
+    "deepseek_v41": "DeepSeek-V4.1",
+    "deepseek_v3": "DeepSeek-V3",
+    "deepseek_v32": "DeepSeek-V3.2",
+}
 
 # (field, python type) for everything the forward pass and the planner read.
 _REQUIRED: tuple[tuple[str, type], ...] = (
@@ -65,6 +85,22 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class DSparkConfig:
+    """The 0731 drafter's keys (`dspark_*`), kept so a drafter can be added later; not run today.
+
+    stages: blocks under mtp.0..stages-1 (compress_ratios entries past the main layers);
+    target_layer_ids: main layers whose outputs the first stage reads (concatenated, so its
+    `main_proj` is [hidden, hidden * len(target_layer_ids)]); markov_rank: width of the Markov head.
+    """
+
+    block_size: int
+    noise_token_id: int
+    target_layer_ids: tuple[int, ...]
+    markov_rank: int
+    stages: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -104,6 +140,8 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_id: int = 1
     max_position_embeddings: int = 1 << 20
+    model_type: str = SUPPORTED_MODEL_TYPE
+    dspark: DSparkConfig | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- construction ---------------------------------------------------------------
@@ -124,6 +162,7 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> ModelConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: expected a JSON object at the top level")
+        _check_model_type(d, source)
         problems: list[str] = []
         vals: dict[str, Any] = {}
         for name, typ in _REQUIRED:
@@ -195,6 +234,10 @@ class ModelConfig:
                     "'rope_scaling' needs a finite positive 'factor', a positive 'original_max_position_embeddings'"
                     " and finite betas"
                 )
+        opt["model_type"] = d.get("model_type", SUPPORTED_MODEL_TYPE)
+        if any(k.startswith("dspark_") for k in d) and "num_hidden_layers" in vals and "compress_ratios" in vals:
+            opt["dspark"] = _dspark(d, vals, problems)
+            n_mtp = opt["dspark"].stages if opt["dspark"] else n_mtp
         if not problems:
             problems += _check_consistency(vals, n_mtp)
         if problems:
@@ -210,7 +253,15 @@ class ModelConfig:
 
     @property
     def n_mtp(self) -> int:
-        return self.num_nextn_predict_layers
+        """Blocks under mtp.*: the preview's MTP blocks, or the DSpark drafter's stages."""
+        return self.dspark.stages if self.dspark else self.num_nextn_predict_layers
+
+    @property
+    def layout(self) -> str | None:
+        """Which layout the mtp.* blocks follow: PREVIEW, DSPARK, or None (no blocks)."""
+        if self.dspark:
+            return DSPARK
+        return PREVIEW if self.num_nextn_predict_layers else None
 
     def ratio(self, layer: int) -> int:
         """Compress ratio of main layer `layer`, or of MTP layer k at index n_layers + k."""
@@ -305,6 +356,51 @@ def _check_values(v: dict[str, Any], opt: dict[str, Any]) -> list[str]:
     if not isinstance(opt["topk_method"], str):
         p.append(f"'topk_method' must be a string, found {opt['topk_method']!r}")
     return p
+
+
+def _check_model_type(d: dict[str, Any], source: str) -> None:
+    """Refuse another architecture before its fields are read as V4's (one clear line)."""
+    mt = d.get("model_type", SUPPORTED_MODEL_TYPE)
+    if mt == SUPPORTED_MODEL_TYPE:
+        return
+    name = UNSUPPORTED_MODEL_TYPES.get(mt)
+    what = f"{name} (model_type {mt!r})" if name else f"model_type {mt!r}"
+    raise ConfigError(
+        f"{source}: {what} is not supported; dsv4stream runs DeepSeek-V4"
+        f" (model_type {SUPPORTED_MODEL_TYPE!r}): V4-Flash, V4-Flash-0731 and V4-Pro"
+    )
+
+
+def _dspark(d: dict[str, Any], v: dict[str, Any], problems: list[str]) -> DSparkConfig | None:
+    """The drafter keys; its stage count is what compress_ratios holds past the main layers."""
+    n = v["num_hidden_layers"]
+    stages = len(v["compress_ratios"]) - n
+    vals: dict[str, Any] = {}
+    for key in ("dspark_block_size", "dspark_noise_token_id", "dspark_markov_rank"):
+        x = d.get(key)
+        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            problems.append(f"'{key}' should be a non-negative int (the 0731 layout), found {x!r}")
+        vals[key] = x
+    targets = d.get("dspark_target_layer_ids")
+    ok = isinstance(targets, list) and targets and all(isinstance(t, int) and 0 <= t < n for t in targets)
+    if not ok:
+        problems.append(f"'dspark_target_layer_ids' should list main layers 0..{n - 1}, found {targets!r}")
+    if stages < 1:
+        problems.append(
+            f"'compress_ratios' has {len(v['compress_ratios'])} entries for {n} layers: the dspark_* keys"
+            " need one more entry per drafter stage"
+        )
+    if isinstance(vals["dspark_noise_token_id"], int) and vals["dspark_noise_token_id"] >= v.get("vocab_size", 1 << 62):
+        problems.append(f"'dspark_noise_token_id' {vals['dspark_noise_token_id']} is outside the vocabulary")
+    if problems:
+        return None
+    return DSparkConfig(
+        block_size=vals["dspark_block_size"],
+        noise_token_id=vals["dspark_noise_token_id"],
+        target_layer_ids=tuple(targets),
+        markov_rank=vals["dspark_markov_rank"],
+        stages=stages,
+    )
 
 
 def _check_consistency(v: dict[str, Any], n_mtp: int) -> list[str]:

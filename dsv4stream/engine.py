@@ -91,7 +91,15 @@ _NAN_ADVICE = (
 
 
 class Session:
-    """One sequence: owns its state and position; tokens go in, logits come out."""
+    """One sequence: owns its state and position; tokens go in, logits come out.
+
+    Hook for a speculative drafter (not implemented): DeepSeek-V4-Flash-0731's DSpark stages
+    read the outputs of main layers `cfg.dspark.target_layer_ids` (40-42), concatenated. Those
+    are the `trace("hidden", layer, x)` calls, (T, hc, D) per layer after each chunk, in
+    position order. A drafter keeps its own window state beside `state` (its stages are
+    window-only blocks, mtp.* in the catalog) and never changes the main model's state, so
+    verification is an ordinary `prefill` of the drafted tokens.
+    """
 
     def __init__(
         self,

@@ -7,8 +7,8 @@ never reads this file; routed experts stay in the official shards.
 Layout of `OUT_DIR/trunk.bin` (OUT_DIR defaults to `CHECKPOINT_DIR/dsv4-trunk`):
 - One run per group, in model order: `embed` (embed.weight), `layers.L` for each packed
   main layer (all its dense tensors: norms, mHC, attention, compressor, indexer, gate,
-  shared expert), `model` (norm, hc_head_*), `head` (head.weight), `mtp.K` for each MTP
-  block (everything but its routed experts).
+  shared expert), `model` (norm, hc_head_*), `head` (head.weight). The mtp.* blocks (the
+  preview's MTP block, 0731's DSpark drafter) are not packed: nothing runs them yet.
 - Every run starts at a multiple of 4096 and its length is padded with zeros to a multiple
   of 4096, so one O_DIRECT read of (offset, nbytes) fetches it into an aligned buffer.
 - Tensors inside a run start at multiples of 64 (zero padding between), so views into an
@@ -35,8 +35,7 @@ the staging directory is renamed to OUT_DIR in one step, so a half-written pack 
 loaded. A re-run with the same checkpoint and `--layers` re-reads each journaled run,
 keeps those whose checksum still matches, and writes the rest.
 
-Partial packs (`--layers N`): the model-level runs plus main layers 0..N-1 (MTP blocks
-only when N is the full depth). The manifest says `complete: false`; a runner takes what
+Partial packs (`--layers N`): the model-level runs plus main layers 0..N-1. The manifest says `complete: false`; a runner takes what
 the pack holds and reads every other trunk tensor straight from the shards.
 """
 
@@ -126,10 +125,8 @@ def plan_runs(cat: Catalog, layers: int | None = None) -> list[PlannedRun]:
     groups: dict[str, list[TensorSpec]] = {}
     layer_of: dict[str, int | None] = {}
     for s in model_specs(cfg, with_experts=False):
-        if s.layer is not None and (
-            s.layer < cfg.n_layers and s.layer >= n or s.layer >= cfg.n_layers and n < cfg.n_layers
-        ):
-            continue
+        if s.layer is not None and s.layer >= min(n, cfg.n_layers):
+            continue  # past the packed depth, or an mtp.* block (not run)
         if s.name not in cat.entries:
             continue  # a scale that this weight's dtype does not have (validated before)
         k = _run_key(cat, s)

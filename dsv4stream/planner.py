@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .config import ModelConfig
 from .errors import BudgetError
-from .spec import block_specs, released_nbytes
+from .spec import block_specs, drafter_nbytes, drafter_summary, released_nbytes
 
 GB = 1_000_000_000
 ALIGN = 4096
@@ -44,6 +44,7 @@ class MemoryNeeds:
     working_set: int = 0  # experts one pass touches
     experts_per_token: int = 1
     total_experts: int = 0
+    unused: str | None = None  # what the checkpoint holds that is not run (the mtp.* blocks), for the plan
 
     @property
     def fixed_bytes(self) -> int:
@@ -102,6 +103,8 @@ class Plan:
             ),
             f"  planned total {_gb(self.planned_bytes)} of {_gb(self.budget)}",
         ]
+        if n.unused:
+            out.append(f"  {n.unused}")
         return out + [f"warning: {w}" for w in self.warnings]
 
 
@@ -204,4 +207,5 @@ def needs_from_config(cfg: ModelConfig, ctx: int = 4096, chunk: int = 32) -> Mem
         working_set=cfg.working_set_experts,
         experts_per_token=cfg.num_experts_per_tok,
         total_experts=cfg.n_layers * cfg.n_routed_experts,
+        unused=drafter_summary(cfg, drafter_nbytes(cfg)),
     )

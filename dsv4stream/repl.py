@@ -30,6 +30,7 @@ import click
 from . import chat
 from .chat import Message
 from .engine import Session
+from .errors import UsageError
 from .report import PrefillBar, Reads
 from .runtime import Pick, Runtime
 from .tokenizer import EOS, THINK_END, Tokenizer
@@ -37,7 +38,8 @@ from .tokenizer import EOS, THINK_END, Tokenizer
 Say = Callable[[str], None]
 
 HELP = (
-    "/think  thinking on    /nothink  thinking off    /system TEXT  set the system prompt (/system alone clears it)\n"
+    "/think [low|high|max]  thinking on (at that effort)    /nothink  thinking off\n"
+    "/system TEXT  set the system prompt (/system alone clears it)\n"
     "/reset  forget the conversation    /stats  figures so far    /quit  leave (also Ctrl-D)\n"
     "Ctrl-C stops the current answer; at the prompt it leaves."
 )
@@ -170,10 +172,19 @@ class Turn:
 class Conversation:
     """A chat history and the session that has read it (see the module docstring)."""
 
-    def __init__(self, tok: Tokenizer, mode: str = "chat", system: str | None = None) -> None:
+    def __init__(
+        self,
+        tok: Tokenizer,
+        mode: str = "chat",
+        system: str | None = None,
+        effort: str | None = None,
+        encoder: str = chat.LATEST,
+    ) -> None:
         self.tok = tok
         self.mode = mode
         self.system = system
+        self.effort = effort  # reasoning effort of `encoder`'s chat format (None: its default)
+        self.encoder = encoder
         self.messages: list[Message] = []
         self.session: Session | None = None
         self.fed_text = ""
@@ -181,7 +192,7 @@ class Conversation:
 
     def render(self, messages: Sequence[Message]) -> str:
         head = [Message("system", self.system)] if self.system else []
-        return chat.render([*head, *messages], self.mode)
+        return chat.render([*head, *messages], self.mode, effort=self.effort, encoder=self.encoder)
 
     def prepare(self, user: str) -> Turn:
         messages = [*self.messages, Message("user", user)]
@@ -277,9 +288,17 @@ def chat_loop(
                 say(HELP)
             elif cmd in ("/think", "/nothink"):
                 mode = "think" if cmd == "/think" else "chat"
+                effort = arg.strip() or conv.effort
+                if cmd == "/think" and effort != conv.effort:
+                    try:
+                        chat.effort_prefix(effort, conv.encoder)
+                    except UsageError as e:
+                        say(f"dsv4: {e}")
+                        continue
+                    conv.effort, note = effort, "the reasoning effort changed"
                 if mode != conv.mode:
                     conv.mode, note = mode, "the mode changed"
-                say(f"({_mode_name(conv.mode)})")
+                say(f"({_mode_name(conv.mode)}{f', effort {conv.effort}' if conv.effort and mode == 'think' else ''})")
             elif cmd == "/system":
                 conv.system, note = (arg.strip() or None), "the system prompt changed"
                 say("(system prompt set)" if conv.system else "(system prompt cleared)")

@@ -171,5 +171,7 @@ def report_lines(s: RunStats) -> list[str]:
         ),
         ("peak RSS", f"{s.peak_rss_bytes / 1e9:.3f} GB of --budget {s.budget_bytes / 1e9:.3f} GB{pct}"),
     ]
+    if s.unused:
+        rows.append(("not run", s.unused))
     width = max(len(k) for k, _ in rows)
     return [f"{k:<{width}}  {v}" for k, v in rows]

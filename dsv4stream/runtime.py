@@ -29,6 +29,7 @@ from .errors import Dsv4Error, UsageError
 from .kernels import reference
 from .pack import MANIFEST, default_out_dir
 from .planner import MemoryNeeds, Plan
+from .spec import drafter_summary
 from .store import ExpertStore
 from .store.layout import expert_label, expert_layouts
 from .streaming import GroupReader, StreamedExperts, StreamedTrunk, TrunkLayout, trunk_layout
@@ -99,6 +100,7 @@ class RunStats:
     first_token_seconds: list[float] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
+    unused: str = ""  # what the checkpoint holds that is not run (the mtp.* blocks)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -177,6 +179,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         working_set=cfg.working_set_experts,
         experts_per_token=cfg.num_experts_per_tok,
         total_experts=cfg.n_layers * cfg.n_routed_experts,
+        unused=drafter_summary(cfg, sum(e.nbytes for n, e in cat.entries.items() if n.startswith("mtp."))),
     )
 
 
@@ -458,6 +461,7 @@ class Runtime:
             turn_prompt_tokens=list(self._turn_prompt_tokens),
             first_token_seconds=list(self._first_token_seconds),
             warnings=warnings,
+            unused=self.plan.needs.unused or "",
         )
 
     def close(self) -> None:

@@ -9,11 +9,11 @@ from pathlib import Path
 import click
 
 from ..catalog import Catalog
-from ..config import ModelConfig
+from ..config import DSPARK, LAYOUTS, ModelConfig
 from ..errors import CheckpointError, UsageError
 from ..pack import MANIFEST, default_out_dir
 from ..planner import GB, gb_up, minimum_budget, needs_from_config, plan
-from ..spec import trunk_nbytes
+from ..spec import drafter_nbytes, drafter_summary, trunk_nbytes
 from ..trunkfile import TrunkFile
 
 GIB = 1 << 30
@@ -28,12 +28,16 @@ def _gib(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def config_summary(cfg: ModelConfig) -> list[str]:
+def config_summary(cfg: ModelConfig, drafter_bytes: int | None = None) -> list[str]:
+    """What config.json implies; `drafter_bytes`: the mtp.* bytes measured on the shards (else
+    the release dtypes' estimate)."""
     kinds = Counter(cfg.layer_kinds)
     t = trunk_nbytes(cfg, include_mtp=True)
     ratios = ",".join(str(r) for r in cfg.compress_ratios[: cfg.n_layers])
+    unused = drafter_summary(cfg, drafter_nbytes(cfg) if drafter_bytes is None else drafter_bytes)
     return [
-        f"layers: {cfg.n_layers} main + {cfg.n_mtp} MTP; kinds: "
+        f"layout: {LAYOUTS[cfg.layout]}" + (f"; {unused}" if unused else ""),
+        f"layers: {cfg.n_layers} main + {cfg.n_mtp} {'DSpark stages' if cfg.layout == DSPARK else 'MTP'}; kinds: "
         + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items()))
         + f"; hash layers: {min(cfg.num_hash_layers, cfg.n_layers)}",
         f"compress ratios (main): {ratios}",
@@ -48,7 +52,7 @@ def config_summary(cfg: ModelConfig) -> list[str]:
         f"expert bytes: {cfg.expert_bytes:,} bytes per expert",
         f"working set per pass: {cfg.working_set_experts} experts = {_gib(cfg.working_set_bytes)}",
         f"all routed experts: {_gib(cfg.total_expert_bytes)}",
-        f"trunk: {_gib(t['trunk'])}; embed {_gib(t['embed'])}; head {_gib(t['head'])}; MTP block (without experts) {_gib(t['mtp'])}",
+        f"trunk: {_gib(t['trunk'])}; embed {_gib(t['embed'])}; head {_gib(t['head'])}; mtp.* without experts {_gib(t['mtp'])}",
     ]
 
 
@@ -79,7 +83,8 @@ def inspect(
         _plans(cfg, budget, ctx)
         return
     cat = Catalog.open(path)
-    for line in config_summary(cat.config):
+    mtp_bytes = sum(e.nbytes for n, e in cat.entries.items() if n.startswith("mtp."))
+    for line in config_summary(cat.config, mtp_bytes):
         click.echo(line)
     shards = len({e.path for e in cat.entries.values()})
     click.echo(f"checkpoint: {len(cat.entries)} tensors in {shards} shards, {_gib(cat.nbytes)} on disk")

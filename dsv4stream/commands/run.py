@@ -126,13 +126,20 @@ def id_prompt(prompt_ids: str, cfg: ModelConfig) -> list[int]:
     return ids
 
 
-def text_prompt(tok: Tokenizer, text: str, mode: str | None, system: str | None) -> list[int]:
+def text_prompt(
+    tok: Tokenizer,
+    text: str,
+    mode: str | None,
+    system: str | None,
+    effort: str | None = None,
+    encoder: str = chat.LATEST,
+) -> list[int]:
     """Raw completion (mode None): BOS + text. Chat: the one-turn conversation as rendered."""
     if not text:
         raise UsageError("the prompt is empty; give some text")
     if mode is None:
         return [tok.special.bos, *tok.encode(text)]
-    return tok.encode(chat.render(chat.one_turn(text, system), mode))
+    return tok.encode(chat.render(chat.one_turn(text, system), mode, effort=effort, encoder=encoder))
 
 
 def sampling_params(
@@ -188,6 +195,13 @@ def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator) -> P
 )
 @click.option("--think", is_flag=True, help="As --chat, with thinking (the answer opens <think>).")
 @click.option("--system", help="System prompt (--chat/--think).")
+@click.option(
+    "--reasoning-effort",
+    type=click.Choice(["low", "high", "max"]),
+    default=None,
+    help="Thinking effort, as the checkpoint's chat format spells it (0731: low [default], high, max;"
+    " preview: high [default], max). Takes effect with --think (or /think in a chat).",
+)
 @click.option(
     "--gen",
     type=int,
@@ -275,6 +289,7 @@ def run(
     chat_flag: bool,
     think: bool,
     system: str | None,
+    reasoning_effort: str | None,
     gen: int | None,
     ctx: int,
     budget: float | None,
@@ -314,6 +329,8 @@ def run(
         raise UsageError("--prompt-ids is a raw id prompt; --chat, --think and --system need --prompt TEXT")
     if system is not None and mode is None:
         raise UsageError("--system needs --chat or --think (a raw --prompt has no system turn)")
+    if reasoning_effort is not None and mode is None:
+        raise UsageError("--reasoning-effort needs --think (or --chat, for /think in the chat)")
     if not sources and mode is None:
         raise UsageError("give --prompt TEXT, --prompt-file F or --prompt-ids 1,2,3, or --chat for an interactive chat")
     if vram is not None and not use_gpu:
@@ -327,6 +344,14 @@ def run(
         params = replace(params, seed=int(np.random.SeedSequence().entropy % 2**31))  # reported, so reproducible
     checkpoint = checkpoint_dir(checkpoint)
     cfg = ModelConfig.from_json(checkpoint / "config.json")
+    encoder = chat.encoder_for(cfg.layout)
+    try:
+        chat.effort_prefix(reasoning_effort, encoder)
+    except UsageError:
+        efforts = ", ".join(chat.EFFORT_PREFIXES[encoder])
+        raise UsageError(
+            f"--reasoning-effort {reasoning_effort}: this checkpoint's chat format ({encoder}) has {efforts}"
+        ) from None
     check_trunk(trunk)
     check_output(stats_json, "--stats-json")
     check_output(route_log, "--route-log")
@@ -338,7 +363,7 @@ def run(
         tokenizer, ids = None, id_prompt(prompt_ids, cfg)
     else:
         tokenizer = load_tokenizer(checkpoint, tok, cfg)
-        ids = None if text is None else text_prompt(tokenizer, text, mode, system)
+        ids = None if text is None else text_prompt(tokenizer, text, mode, system, reasoning_effort, encoder)
     if ids is not None and len(ids) + gen > ctx:
         raise UsageError(
             f"the prompt ({len(ids)} tokens) + --gen {gen} is beyond --ctx {ctx}; raise --ctx or lower --gen"
@@ -386,7 +411,7 @@ def run(
             stopped = False
             if ids is None:
                 assert tokenizer is not None and mode is not None
-                conv = Conversation(tokenizer, mode, system)
+                conv = Conversation(tokenizer, mode, system, effort=reasoning_effort, encoder=encoder)
                 chat_loop(rt, conv, ChatSettings(gen, ctx, pick), say, figures)
             else:
                 stopped = _one_shot(rt, ids, gen, pick, tokenizer, mode, say)
