@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import NumericsError
 from ..kernels import QWeight, matmul, matmul_pair
 from .ops import silu, sqrt_softplus, topk_lowest_index
 
@@ -47,6 +48,8 @@ class MoeWeights:
 def route(x: np.ndarray, token_ids: np.ndarray, w: MoeWeights, k: int, scaling: float) -> tuple[np.ndarray, np.ndarray]:
     """x (T, D) -> (experts (T, k) int64, weights (T, k) float32)."""
     scores = sqrt_softplus(matmul(w.gate, x))  # (T, E)
+    if not np.isfinite(scores).all():  # NaN would otherwise pick experts and weights silently
+        raise NumericsError("router scores (ffn.gate) are NaN or infinite")
     if w.tid2eid is not None:
         experts = w.tid2eid[token_ids].astype(np.int64)
     else:
