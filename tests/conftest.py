@@ -1,0 +1,17 @@
+"""Suite-wide setup: compile the numba kernels once, before any test starts a `dsv4` process.
+
+On a fresh clone numba's cache is cold and the first `dsv4` subprocess would spend a minute or
+two compiling (in a child, outside its budget) inside whichever test came first, past that
+test's subprocess timeout on a loaded machine. Compiling here, without a timeout, leaves every
+later process a warm cache; the tests of the cold-cache path point NUMBA_CACHE_DIR elsewhere.
+"""
+
+import pytest
+
+from dsv4stream import kernels
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_kernel_cache():
+    if kernels.backend_name() == "fast":
+        kernels.warmup()
