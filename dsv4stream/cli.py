@@ -22,8 +22,11 @@ class DefaultGroup(click.Group):
     """A group that treats an unknown first word (a checkpoint path) as `run`'s argument."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        from .commands.registry import check_not_a_typo
+
         first_is_command = not args or args[0] in self.commands or args[0] in ("--help", "-h", "--version")
         if not first_is_command and DEFAULT_COMMAND in self.commands:
+            check_not_a_typo(args[0], sorted(self.commands), "dsv4")
             args = [DEFAULT_COMMAND, *args]
         return super().parse_args(ctx, args)
 

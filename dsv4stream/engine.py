@@ -26,6 +26,7 @@ from .model.attention import AttnState, new_attn_state
 from .model.block import Trace, head_forward, layer_forward
 from .model.providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
 from .model.rope import Rope, rope_tables
+from .state import SessionState, capture, thaw
 
 # on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched
 RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
@@ -156,6 +157,16 @@ class Session:
             tok = pick(logits)
             yield tok
             logits = self.step(tok)
+
+    def snapshot(self) -> SessionState:
+        """An immutable copy of this session's state (position, rings, compressed rows)."""
+        return capture(self.pos, self.state)
+
+    def restore(self, snap: SessionState) -> None:
+        """Continue from `snap`: the next logits equal those of the session it was taken from."""
+        if len(snap.layers) != self.cfg.n_layers:
+            raise UsageError(f"a state of {len(snap.layers)} layers cannot restore a {self.cfg.n_layers}-layer session")
+        self.state, self.pos = thaw(snap), snap.pos
 
     # ---- internals -------------------------------------------------------------
     def _check_ids(self, token_ids) -> np.ndarray:

@@ -17,6 +17,7 @@ Budgets are in decimal GB (10^9 bytes), the unit drives and `free` report.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import ModelConfig
@@ -29,6 +30,7 @@ ALIGN = 4096
 # measured as peak RSS of a run whose weights are negligible (bench/overhead.py: 208 MB with
 # the numba kernels, 118 MB with the numpy reference; python 3.11, 2 cpus), plus 15%.
 DEFAULT_OVERHEAD = 240 * 1000 * 1000
+DEFAULT_CHUNK = 64  # prefill tokens per forward: what a run stages for (RunOptions.chunk)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,24 @@ def minimum_budget(needs: MemoryNeeds) -> int:
     return needs.fixed_bytes + ring + slots
 
 
+def smallest_budget(needs: MemoryNeeds, ok: Callable[[Plan], bool], limit: int = 1 << 50) -> int | None:
+    """Smallest budget, rounded up to 0.01 GB (as printed), whose plan satisfies `ok`; None
+    below `limit`. Bisection: more budget never pins fewer layers or gives fewer slots."""
+    step = GB // 100
+    lo, hi = minimum_budget(needs), minimum_budget(needs)
+    while not ok(plan(needs, hi)):
+        if hi > limit:
+            return None
+        lo, hi = hi, hi * 2
+    while hi - lo > GB // 1000:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(plan(needs, mid)) else (mid, hi)
+    b = -(-hi // step) * step
+    while not ok(plan(needs, b)):  # the ring's release at "all layers pinned" is the one kink
+        b += step
+    return b
+
+
 def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -> Plan:
     """Split `budget` bytes; raise BudgetError (naming the minimum) if it cannot work."""
     floor = minimum_budget(needs)
@@ -189,7 +209,7 @@ def staging_bytes_for(cfg: ModelConfig, chunk: int) -> int:
     return chunk * per_tok + 4 * cfg.vocab_size * 2
 
 
-def needs_from_config(cfg: ModelConfig, ctx: int = 4096, chunk: int = 32) -> MemoryNeeds:
+def needs_from_config(cfg: ModelConfig, ctx: int = 4096, chunk: int = DEFAULT_CHUNK) -> MemoryNeeds:
     """Estimate from config.json alone, with the release dtypes."""
     layer_bytes = tuple(
         sum(released_nbytes(cfg, s) for s in block_specs(cfg, i, with_experts=False)) for i in range(cfg.n_layers)

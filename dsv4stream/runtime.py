@@ -21,7 +21,7 @@ from typing import IO, Self
 
 import numpy as np
 
-from . import kernels, planner
+from . import kernels, planner, ticker
 from .catalog import Catalog
 from .engine import Engine, Session
 from .errors import UsageError
@@ -37,6 +37,10 @@ from .trunkfile import TrunkFile
 Pick = Callable[[np.ndarray], int]
 Warn = Callable[[str], None]
 
+# Why a generation ended: EOS chosen, max_new_tokens reached, the session filled --ctx, or the
+# caller stopped it (Ctrl-C: the prefill or the token stream was cut short).
+STOP_REASONS = ("eos", "gen_limit", "context_full", "interrupted")
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -51,8 +55,9 @@ class RunOptions:
     trunk: str | os.PathLike | None = None
     route_log: str | os.PathLike | IO[str] | None = None
     ctx: int = 4096  # longest sequence the state estimate covers
-    chunk: int = 64  # prefill chunk (tokens per forward)
+    chunk: int = planner.DEFAULT_CHUNK  # prefill chunk (tokens per forward)
     overhead: int = planner.DEFAULT_OVERHEAD
+    kept_states: int = 0  # session states a server keeps besides the live one (prefix reuse)
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,12 @@ class RunStats:
     first_token_seconds: list[float] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
+    load_seconds: float = 0.0  # Runtime.open: catalog, plan, kernels, pinned trunk; before any prefill
+    decode_tokens_per_second: float = 0.0
+    # why each generate call (chat turn) ended: one of STOP_REASONS; the last one on its own
+    stop_reasons: list[str] = field(default_factory=list)
+    stop_reason: str = ""
+    stopped_in_think: list[bool] = field(default_factory=list)  # the turn ended before </think>
     unused: str = ""  # what the checkpoint holds that is not run (the mtp.* blocks)
 
     def as_dict(self) -> dict:
@@ -172,7 +183,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         layer_bytes=layout.layer_bytes,
         head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,
         slot_bytes=slot_bytes,
-        state_bytes=planner.state_bytes_for(cfg, opts.ctx),
+        state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (1 + opts.kept_states),
         staging_bytes=planner.staging_bytes_for(cfg, opts.chunk) + kernel_scratch_bytes(cat),
         overhead_bytes=opts.overhead,
         working_set=cfg.working_set_experts,
@@ -196,6 +207,29 @@ def measure(checkpoint: str | os.PathLike, opts: RunOptions) -> MemoryNeeds:
     tf = open_trunk_file(cat, opts.trunk)
     layouts, _ = _expert_layouts(cat)
     return memory_needs(cat, trunk_layout(cat, tf), ExpertStore.slot_nbytes(layouts), opts)
+
+
+def needs_of(path: str | os.PathLike, ctx: int = 4096) -> tuple[MemoryNeeds, str]:
+    """What the planner places for `path`, the one answer inspect, doctor and bench give:
+    measured on a checkpoint directory exactly as `dsv4 run` plans it (default trunk, ctx,
+    chunk, kernels), else estimated from a bare config.json; with where the sizes came from."""
+    p = Path(path)
+    if p.is_dir() and any(p.glob("*.safetensors")):
+        return measure(p, RunOptions(budget=planner.GB, ctx=ctx)), "measured on the checkpoint, as `dsv4 run` plans"
+    from .config import ModelConfig
+
+    cfg = ModelConfig.from_json(p / "config.json" if p.is_dir() else p)
+    return planner.needs_from_config(cfg, ctx=ctx), "estimated from config.json with the release dtypes"
+
+
+def pack_hint(root: str | os.PathLike) -> str:
+    """How to pack this checkpoint's trunk: beside it, or elsewhere when its folder is read-only."""
+    if os.access(root, os.W_OK):
+        return f"`dsv4 pack-trunk {root}` once makes start-up faster"
+    return (
+        f"{root} is read-only: `dsv4 pack-trunk {root} OUT_DIR` with OUT_DIR elsewhere,"
+        " then --trunk OUT_DIR, makes start-up faster"
+    )
 
 
 def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None) -> TrunkFile | None:
@@ -254,6 +288,9 @@ class Runtime:
         self.kernel_warmup_seconds = 0.0
         self._turn_prompt_tokens: list[int] = []
         self._first_token_seconds: list[float] = []
+        self._stop_reasons: list[str] = []
+        self._in_think: list[bool] = []
+        self.load_seconds = 0.0
 
     @classmethod
     def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None, gpu=None) -> Runtime:
@@ -264,6 +301,7 @@ class Runtime:
             raise UsageError(f"--io {opts.io!r}: use direct or buffered")
         if opts.chunk < 1 or opts.ctx < 1:
             raise UsageError(f"chunk and ctx must be at least 1, found {opts.chunk} and {opts.ctx}")
+        t_open = time.perf_counter()
         cat = Catalog.open(checkpoint)
         cat.validate()
         cfg = cat.config
@@ -283,14 +321,15 @@ class Runtime:
         plan = planner.plan(needs, opts.budget)
         if tf is None and opts.trunk != "":
             once(
-                f"no packed trunk in {default_out_dir(cat.root)}: reading the trunk from the shards;"
-                f" `dsv4 pack-trunk {cat.root}` once makes start-up faster"
+                f"no packed trunk in {default_out_dir(cat.root)}: reading the trunk from the shards; {pack_hint(cat.root)}"
             )
         if opts.threads is not None:
             kernels.set_threads(opts.threads)
-        if kernels.backend_name() == "fast" and not kernels.compiled_cache_exists():
-            once("compiling the numba kernels (once per installation, about 40 s; cached after)")
-        warmup_seconds = kernels.warmup()
+        compiling = kernels.backend_name() == "fast" and not kernels.compiled_cache_exists()
+        if compiling:
+            once("compiling the numba kernels: once per installation, about 1 minute on 2 cores; cached after")
+        with ticker.elapsed("compiling the numba kernels", enabled=None if compiling else False):
+            warmup_seconds = kernels.warmup()
         store = ExpertStore(
             layouts,
             plan.expert_slots,
@@ -312,6 +351,7 @@ class Runtime:
         engine = Engine(cfg, trunk, StreamedExperts(store, cfg), cat)
         rt = cls(cat, opts, plan, engine, store, trunk, tf)
         rt.kernel_warmup_seconds = warmup_seconds
+        rt.load_seconds = time.perf_counter() - t_open
         return rt
 
     # -- generation --------------------------------------------------------------------------
@@ -338,37 +378,60 @@ class Runtime:
         progress: Callable[[int, int], None] | None = None,
     ) -> Iterator[int]:
         """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick`
-        (default greedy, ties to the lower id), stopping after a token in `stop_ids`.
+        (default greedy, ties to the lower id), stopping after a token in `stop_ids` or when
+        the session holds `opts.ctx` positions (the context the plan covers is full).
 
         Every yielded token but the last has been fed to the session; the last one has not
         (no forward pass is spent on logits nobody reads): a later turn starts with it.
         `progress(done, total)` runs after each prefill chunk (the prefill is the session's
-        one call, chunked as always). Times go to `stats()`: prefill (to the first logits),
-        time to the first token, and decode steps separately."""
+        one call, chunked as always); an exception it raises stops the prefill, and the
+        tokens already read still count. Times go to `stats()`: prefill (to the first
+        logits), time to the first token, decode steps separately, and why it ended
+        (`STOP_REASONS`; "interrupted" when the caller closes the generator or the prefill
+        is stopped)."""
         pick = pick or _greedy
         n_prompt = len(prompt_ids)
         report = (lambda done: progress(done, n_prompt)) if progress is not None else None
         t0 = time.perf_counter()
-        logits = session.prefill(prompt_ids, last_only=True, progress=report)
-        self._prefill_seconds += time.perf_counter() - t0
-        self._prompt_tokens += n_prompt
-        self._turn_prompt_tokens.append(n_prompt)
-        for n in range(max_new_tokens):
-            tok = pick(logits)
-            if n == 0:
-                self._first_token_seconds.append(time.perf_counter() - t0)
-            last = n + 1 == max_new_tokens or tok in stop_ids
-            if not last:
-                # the token is known: its hash-layer experts can load while the caller prints it
-                self.prefetch_hash_layers([tok])
-            self._generated.append(tok)
-            yield tok
-            if last:
-                return
-            t0 = time.perf_counter()
-            logits = session.step(tok)
-            self._decode_seconds += time.perf_counter() - t0
-            self._decode_tokens += 1
+        pos0 = session.pos
+        stop: str | None = None if max_new_tokens > 0 else "gen_limit"
+        self._in_think.append(False)
+        try:
+            try:
+                logits = session.prefill(prompt_ids, last_only=True, progress=report)
+            finally:
+                self._prefill_seconds += time.perf_counter() - t0
+                self._prompt_tokens += session.pos - pos0
+                self._turn_prompt_tokens.append(session.pos - pos0)
+            for n in range(max_new_tokens):
+                tok = pick(logits)
+                if n == 0:
+                    self._first_token_seconds.append(time.perf_counter() - t0)
+                stop = _stop_reason(tok in stop_ids, session.pos >= self.opts.ctx, n + 1 == max_new_tokens)
+                if stop is None:
+                    # the token is known: its hash-layer experts can load while the caller prints it
+                    self.prefetch_hash_layers([tok])
+                self._generated.append(tok)
+                yield tok
+                if stop is not None:
+                    return
+                t0 = time.perf_counter()
+                logits = session.step(tok)
+                self._decode_seconds += time.perf_counter() - t0
+                self._decode_tokens += 1
+        finally:
+            # no reason of its own: the caller closed the generator or the prefill was stopped
+            self._stop_reasons.append(stop or "interrupted")
+
+    @property
+    def stop_reason(self) -> str:
+        """Why the last generate call ended ("" before the first)."""
+        return self._stop_reasons[-1] if self._stop_reasons else ""
+
+    def mark_in_think(self) -> None:
+        """The last generation ended inside the reasoning (before </think>): for the figures."""
+        if self._in_think:
+            self._in_think[-1] = True
 
     # -- figures and lifetime ----------------------------------------------------------------
 
@@ -422,6 +485,11 @@ class Runtime:
             turn_prompt_tokens=list(self._turn_prompt_tokens),
             first_token_seconds=list(self._first_token_seconds),
             warnings=warnings,
+            load_seconds=self.load_seconds,
+            decode_tokens_per_second=self._decode_tokens / self._decode_seconds if self._decode_seconds else 0.0,
+            stop_reasons=list(self._stop_reasons),
+            stop_reason=self._stop_reasons[-1] if self._stop_reasons else "",
+            stopped_in_think=list(self._in_think),
             unused=self.plan.needs.unused or "",
         )
 
@@ -437,6 +505,16 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stop_reason(eos: bool, context_full: bool, gen_limit: bool) -> str | None:
+    """Why generation ends after this token (None: it goes on); EOS first, then the context
+    (feeding the token would pass --ctx), then max_new_tokens."""
+    if eos:
+        return "eos"
+    if context_full:
+        return "context_full"
+    return "gen_limit" if gen_limit else None
 
 
 def _greedy(logits: np.ndarray) -> int:

@@ -203,6 +203,7 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
                 save_sparse(tensors, tmp / fname)
             else:
                 safetensors.numpy.save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            (tmp / fname).chmod(0o644)  # safetensors creates it 0600; the other files are 0644
             for k, v in tensors.items():
                 weight_map[k] = fname
                 total += v.nbytes

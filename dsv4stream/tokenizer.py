@@ -168,8 +168,9 @@ class Tokenizer:
         if path.is_dir():
             packed = default_pack_path(path)
             if not packed.is_file():
+                where = "" if os.access(path, os.W_OK) else " OUT.pack (this folder is read-only; OUT elsewhere)"
                 raise TokenizerError(
-                    f"{path}: no {DEFAULT_PACK_NAME} in this directory; run `dsv4 pack-tokenizer {path}` first"
+                    f"{path}: no {DEFAULT_PACK_NAME} in this directory; run `dsv4 pack-tokenizer {path}{where}` first"
                 )
             path = packed
         try:
@@ -191,9 +192,10 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: str | Path) -> Tokenizer:
-        """Read and check a checkpoint's tokenizer files without packing them."""
-        return _read_checkpoint(Path(checkpoint_dir))[0]
+    def from_checkpoint(cls, checkpoint_dir: str | Path, tokenizer_json: str | Path | None = None) -> Tokenizer:
+        """Read and check a checkpoint's tokenizer files without packing them; `tokenizer_json`
+        names one kept elsewhere (its tokenizer_config.json beside it, else the checkpoint's)."""
+        return _read_checkpoint(Path(checkpoint_dir), tokenizer_json)[0]
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` alone: no BOS is added (the chat renderer writes BOS itself).
@@ -218,6 +220,11 @@ class Tokenizer:
         if tid is None:
             raise TokenizerError(f"{self.path or 'tokenizer'}: no token {text!r} in the vocabulary")
         return tid
+
+    def special_ids(self) -> list[int]:
+        """Ids the tokenizer itself marks special (added tokens with `special: true`: BOS, EOS,
+        padding, the reserved placeholders): control tokens, not text."""
+        return sorted(i for i, t in self._hf.get_added_tokens_decoder().items() if t.special)
 
     def token_text(self, token_id: int) -> str:
         """The vocabulary entry of one id (byte-level symbols, e.g. 'Ġare')."""
@@ -247,8 +254,7 @@ def pack_tokenizer(checkpoint_dir: str | Path, out: str | Path | None = None) ->
     out = default_pack_path(checkpoint_dir) if out is None else Path(out)
     if out.is_dir():
         out = out / DEFAULT_PACK_NAME
-    if not out.parent.is_dir():
-        raise UsageError(f"{out.parent}: output directory does not exist; create it first")
+    out.parent.mkdir(parents=True, exist_ok=True)  # as pack-trunk does
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -275,11 +281,13 @@ def pack_tokenizer(checkpoint_dir: str | Path, out: str | Path | None = None) ->
     return out
 
 
-def _read_checkpoint(ckpt: Path) -> tuple[Tokenizer, bytes]:
+def _read_checkpoint(ckpt: Path, tokenizer_json: str | Path | None = None) -> tuple[Tokenizer, bytes]:
     if not ckpt.is_dir():
         raise UsageError(f"{ckpt}: no such checkpoint directory")
-    tok_path = ckpt / "tokenizer.json"
-    tcfg_path = ckpt / "tokenizer_config.json"
+    tok_path = ckpt / "tokenizer.json" if tokenizer_json is None else Path(tokenizer_json)
+    tcfg_path = tok_path.with_name("tokenizer_config.json")
+    if not tcfg_path.is_file():
+        tcfg_path = ckpt / "tokenizer_config.json"
     cfg_path = ckpt / "config.json"
     for p in (tok_path, tcfg_path):
         if not p.is_file():

@@ -84,7 +84,7 @@ def test_inspect_config_only_prints_the_plan_for_a_budget():
     assert "budget 3.00 GB" in r.output and "6/43 layers pinned" in r.output and "working set of 258" in r.output
     assert "x 13.4 MB" in r.output  # one V4-Flash expert slot
     r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "1"])
-    assert isinstance(r.exception, BudgetError) and "below the minimum of 1.95 GB" in str(r.exception)
+    assert isinstance(r.exception, BudgetError) and "below the minimum of 1.98 GB" in str(r.exception)
 
 
 def test_config_estimate_matches_what_a_run_measures(tmp_path):

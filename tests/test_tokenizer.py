@@ -191,8 +191,9 @@ def test_refuses_missing_files(tmp_path):
     with pytest.raises(TokenizerError) as e:
         pack_tokenizer(ck)
     one_line_error(e, "tokenizer.json: missing")
-    with pytest.raises(UsageError):
-        pack_tokenizer(write_checkpoint(tmp_path / "ok"), tmp_path / "nodir" / "x.pack")
+    # a missing output folder is made, as pack-trunk does
+    made = pack_tokenizer(write_checkpoint(tmp_path / "ok"), tmp_path / "nodir" / "deeper" / "x.pack")
+    assert made == tmp_path / "nodir" / "deeper" / "x.pack" and Tokenizer.load(made).n_tokens > 0
     with pytest.raises(UsageError):
         pack_tokenizer(tmp_path / "absent")
 
@@ -296,8 +297,13 @@ def test_cli_tokenize(packed, tok):
     assert r.output == "17\n"
     r = run(tokenize_cmd, ["--tok", str(packed), "--", "-x"])
     assert r.output.split() == [str(i) for i in tok.encode("-x")]
+    # stdin loses one final newline (echo adds it), and only one
     r = run(tokenize_cmd, ["--tok", str(packed), "-"], input="line1\n你好\n")
-    assert r.output.split() == [str(i) for i in tok.encode("line1\n你好\n")]
+    assert r.output.split() == [str(i) for i in tok.encode("line1\n你好")]
+    r = run(tokenize_cmd, ["--tok", str(packed), "-"], input="hello\n\n")
+    assert r.output.split() == [str(i) for i in tok.encode("hello\n")]
+    r = run(tokenize_cmd, ["--tok", str(packed), "-"], input="hello")
+    assert r.output.split() == [str(i) for i in tok.encode("hello")]
 
 
 def test_cli_tokenize_errors(packed, tmp_path):

@@ -10,7 +10,8 @@ import click
 from ..catalog import Catalog
 from ..config import DSPARK, LAYOUTS, ModelConfig
 from ..errors import CheckpointError, UsageError
-from ..planner import GB, gb_up, minimum_budget, needs_from_config, plan
+from ..planner import GB, gb_up, minimum_budget, plan
+from ..runtime import needs_of
 from ..spec import drafter_nbytes, drafter_summary, trunk_nbytes
 
 GIB = 1 << 30
@@ -67,10 +68,10 @@ def config_summary(cfg: ModelConfig, drafter_bytes: int | None = None) -> list[s
 def inspect(path: Path, config_only: bool, budget: tuple[float, ...], ctx: int, debug: bool) -> None:
     """Summarise a checkpoint and validate every tensor against its config."""
     if config_only or path.suffix == ".json":
-        cfg = ModelConfig.from_json(path if path.suffix == ".json" else path / "config.json")
-        for line in config_summary(cfg):
+        cfg_path = path if path.suffix == ".json" else path / "config.json"
+        for line in config_summary(ModelConfig.from_json(cfg_path)):
             click.echo(line)
-        _plans(cfg, budget, ctx)
+        _plans(cfg_path, budget, ctx)  # a config.json: estimated, even beside the shards
         return
     cat = Catalog.open(path)
     mtp_bytes = sum(e.nbytes for n, e in cat.entries.items() if n.startswith("mtp."))
@@ -86,15 +87,16 @@ def inspect(path: Path, config_only: bool, budget: tuple[float, ...], ctx: int, 
             f"{path}: {len(problems)} tensor problem(s) listed above; the shards do not match config.json"
         )
     click.echo("all tensors present with the expected dtype and shape")
-    _plans(cat.config, budget, ctx)
+    _plans(path, budget, ctx)
 
 
-def _plans(cfg: ModelConfig, budgets: tuple[float, ...], ctx: int) -> None:
-    """The planner's split of each budget, estimated from the config (as `dsv4 run` would plan)."""
+def _plans(path: Path, budgets: tuple[float, ...], ctx: int) -> None:
+    """The planner's split of each budget: measured on a checkpoint exactly as `dsv4 run`
+    plans it (the same lines it prints), estimated from a bare config.json."""
     if not budgets:
         return
-    needs = needs_from_config(cfg, ctx=ctx)
-    click.echo(f"smallest budget that runs: {gb_up(minimum_budget(needs))}")
+    needs, source = needs_of(path, ctx=ctx)
+    click.echo(f"smallest budget that runs: {gb_up(minimum_budget(needs))} ({source})")
     for b in budgets:
         if not b > 0:
             raise UsageError(f"--budget {b}: give a positive number of GB")

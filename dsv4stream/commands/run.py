@@ -8,8 +8,13 @@ printed where: plan, progress, messages and the report on stderr, the text on st
 The answer itself and the REPL are `dsv4stream.repl`; the report's wording `report.py`.
 
 Defaults that depend on the mode: with --chat/--think the temperature is 1.0 (DeepSeek's
-recommendation for V4, with top-p 1.0) and --gen 1024; a raw --prompt or --prompt-ids is
-greedy with --gen 32, so completions and benchmarks give the same ids at every budget.
+recommendation for V4, with top-p 1.0) and an answer runs to EOS or until --ctx is full; a
+raw --prompt or --prompt-ids is greedy with --gen 32 (fewer when --ctx is reached first), so
+completions and benchmarks give the same ids at every budget.
+
+Ids the tokenizer marks special (BOS, padding, the reserved placeholders) are never sampled
+unless --allow-special: they are control tokens, not text. EOS and the chat tokens the
+model writes itself (</think>, DSML) are not marked special and stay.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 
 from .. import chat, gpu
 from ..commands.logits import parse_tokens
+from ..commands.tokenizer import strip_final_newline
 from ..config import ModelConfig
 from ..errors import TokenizerError, UsageError
 from ..repl import ChatSettings, Conversation, Interrupt, Stopped, answer, chat_loop
@@ -33,7 +39,7 @@ from ..sampler import SamplingParams, sample
 from ..tokenizer import Tokenizer, default_pack_path
 
 CHAT_TEMPERATURE = 1.0  # DeepSeek's recommended sampling for V4 (with top-p 1.0)
-CHAT_GEN, RAW_GEN = 1024, 32
+RAW_GEN = 32  # raw completions; chat answers run to EOS or a full --ctx
 
 
 def checkpoint_dir(path: Path) -> Path:
@@ -65,13 +71,15 @@ def check_tokenizer(tok: Tokenizer, cfg: ModelConfig) -> Tokenizer:
 
 
 def load_tokenizer(checkpoint: Path, tok: Path | None, cfg: ModelConfig) -> Tokenizer:
-    """--tok FILE, else the checkpoint's packed tokenizer, else its tokenizer files."""
+    """--tok FILE (a pack, or a tokenizer.json), else the checkpoint's packed tokenizer, else its tokenizer files."""
     if tok is not None:
         if not tok.exists():
             raise TokenizerError(
                 f"--tok {tok}: no such file; pass the file `dsv4 pack-tokenizer CHECKPOINT` wrote"
-                f" (default {default_pack_path(checkpoint)})"
+                f" (default {default_pack_path(checkpoint)}) or a tokenizer.json"
             )
+        if tok.is_file() and tok.suffix == ".json" and tok.name != "config.json":
+            return check_tokenizer(Tokenizer.from_checkpoint(checkpoint, tok), cfg)
         return check_tokenizer(Tokenizer.load(tok), cfg)
     if default_pack_path(checkpoint).is_file():
         return check_tokenizer(Tokenizer.load(default_pack_path(checkpoint)), cfg)
@@ -99,12 +107,13 @@ def check_output(path: Path | None, flag: str) -> None:
 
 
 def prompt_text(prompt: str | None, prompt_file: Path | None) -> str | None:
+    """--prompt as given; --prompt-file's text less one final newline (as `dsv4 tokenize -`)."""
     if prompt_file is None:
         return prompt
     if str(prompt_file) == "-":
-        return sys.stdin.read()
+        return strip_final_newline(sys.stdin.read())
     try:
-        return prompt_file.read_text(encoding="utf-8")
+        return strip_final_newline(prompt_file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UsageError(f"--prompt-file {prompt_file}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -170,18 +179,39 @@ def sampling_params(
     return SamplingParams(temperature, top_k or 0, 1.0 if top_p is None else top_p, min_p or 0.0, seed)
 
 
-def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator) -> Pick:
-    """The sampler over ids 0..n_ids-1 only: the embedding may have rows no token prints."""
-    return lambda logits: sample(logits[:n_ids], params, rng)
+def banned_ids(tok: Tokenizer | None, allow_special: bool = False) -> list[int]:
+    """Ids never to sample: those the tokenizer marks special, except EOS (which ends the
+    answer). None without a tokenizer (--prompt-ids) or with --allow-special."""
+    if tok is None or allow_special:
+        return []
+    return [i for i in tok.special_ids() if i != tok.special.eos]
+
+
+def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator, banned: list[int] | None = None) -> Pick:
+    """The sampler over ids 0..n_ids-1 (the embedding may have rows no token prints) less
+    `banned` (their logits become -inf before the ladder, so greedy skips them too)."""
+    ban = np.asarray([i for i in banned or () if i < n_ids], dtype=np.int64)
+
+    def pick(logits: np.ndarray) -> int:
+        x = logits[:n_ids]
+        if ban.size:
+            x = x.copy()
+            x[ban] = -np.inf
+        return sample(x, params, rng)
+
+    return pick
 
 
 @click.command("run")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--prompt", help="Prompt text: a raw completion (BOS + text), or the user turn with --chat/--think.")
 @click.option(
+    "-p", "--prompt", help="Prompt text: a raw completion (BOS + text), or the user turn with --chat/--think."
+)
+@click.option(
+    "-f",
     "--prompt-file",
     type=click.Path(path_type=Path),
-    help="Read the prompt text from a file (- for stdin).",
+    help="Read the prompt text from a file (- for stdin); one final newline is dropped.",
 )
 @click.option("--prompt-ids", help="Prompt as token ids: 1,2,3 (no tokenizer; prints ids).")
 @click.option(
@@ -197,17 +227,20 @@ def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator) -> P
     " preview: high [default], max). Takes effect with --think (or /think in a chat).",
 )
 @click.option(
+    "-n",
     "--gen",
     type=int,
     default=None,
-    help=f"Most tokens to generate per answer. [default: {CHAT_GEN} with --chat/--think, else {RAW_GEN}]",
+    help=f"Most tokens to generate per answer; generation also stops when --ctx is full."
+    f" [default: until EOS with --chat/--think, else {RAW_GEN}]",
 )
 @click.option(
+    "-c",
     "--ctx",
     type=int,
     default=4096,
     show_default=True,
-    help="Longest sequence (prompt + answers) the memory plan covers.",
+    help="Longest sequence (prompt + answers) the memory plan covers; generation stops there.",
 )
 @click.option(
     "--budget",
@@ -222,7 +255,7 @@ def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator) -> P
     help="Dense trunk on a CUDA GPU through CuPy; without one, says so and runs on the CPU.",
 )
 @click.option("--vram", type=float, default=None, help="GB of VRAM --gpu may use. [default: free VRAM less a margin]")
-@click.option("--threads", type=int, default=None, help="CPU kernel threads (results do not depend on it).")
+@click.option("-t", "--threads", type=int, default=None, help="CPU kernel threads (results do not depend on it).")
 @click.option(
     "--temperature",
     type=float,
@@ -242,8 +275,15 @@ def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator) -> P
     default=None,
     help="Drop tokens below this fraction of the top token's probability. [default: 0, off]",
 )
-@click.option("--seed", type=int, default=None, help="Seed of the sampler (same seed, same text). [default: random]")
+@click.option(
+    "-s", "--seed", type=int, default=None, help="Seed of the sampler (same seed, same text). [default: random]"
+)
 @click.option("--greedy", is_flag=True, help="Always the most likely token (same as --temperature 0).")
+@click.option(
+    "--allow-special",
+    is_flag=True,
+    help="Let the sampler pick ids the tokenizer marks special (BOS, padding, placeholders). [default: never]",
+)
 @click.option(
     "--verify", is_flag=True, help="Re-read every expert and streamed layer with plain pread and compare bytes."
 )
@@ -296,6 +336,7 @@ def run(
     min_p: float | None,
     seed: int | None,
     greedy: bool,
+    allow_special: bool,
     verify: bool,
     show_stats: bool,
     stats_json: Path | None,
@@ -311,6 +352,8 @@ def run(
     --prompt TEXT completes TEXT; --chat/--think --prompt TEXT answers it as a user turn;
     --chat/--think alone opens an interactive chat (/help inside lists its commands).
     """
+    if chat_flag and think:
+        raise UsageError("--chat and --think conflict; give one (--think is the chat format with thinking on)")
     mode = "think" if think else "chat" if chat_flag else None
     sources = [
         n
@@ -329,7 +372,8 @@ def run(
         raise UsageError("give --prompt TEXT, --prompt-file F or --prompt-ids 1,2,3, or --chat for an interactive chat")
     if vram is not None and not use_gpu:
         raise UsageError("--vram applies to --gpu; add --gpu or drop --vram")
-    gen = gen if gen is not None else CHAT_GEN if mode else RAW_GEN
+    if gen is None and mode is None:
+        gen = RAW_GEN
     for name, value in (("--gen", gen), ("--ctx", ctx), ("--threads", threads), ("--io-threads", io_threads)):
         if value is not None and value < 1:
             raise UsageError(f"{name} {value}: give at least 1")
@@ -357,9 +401,9 @@ def run(
     else:
         tokenizer = load_tokenizer(checkpoint, tok, cfg)
         ids = None if text is None else text_prompt(tokenizer, text, mode, system, reasoning_effort, encoder)
-    if ids is not None and len(ids) + gen > ctx:
+    if ids is not None and len(ids) >= ctx:
         raise UsageError(
-            f"the prompt ({len(ids)} tokens) + --gen {gen} is beyond --ctx {ctx}; raise --ctx or lower --gen"
+            f"the prompt ({len(ids)} tokens) leaves no room to answer within --ctx {ctx}; raise --ctx above {len(ids)}"
         )
 
     say = lambda msg: click.echo(msg, err=True)
@@ -379,7 +423,7 @@ def run(
             for line in plan_lines:
                 say(line)
             n_ids = tokenizer.n_tokens if tokenizer is not None else cfg.vocab_size
-            pick = make_pick(params, n_ids, np.random.default_rng(params.seed))
+            pick = make_pick(params, n_ids, np.random.default_rng(params.seed), banned_ids(tokenizer, allow_special))
 
             def figures() -> RunStats:
                 stats = rt.stats()
@@ -400,7 +444,7 @@ def run(
                 conv = Conversation(tokenizer, mode, system, effort=reasoning_effort, encoder=encoder)
                 chat_loop(rt, conv, ChatSettings(gen, ctx, pick), say, figures)
             else:
-                stopped = _one_shot(rt, ids, gen, pick, tokenizer, mode, say)
+                stopped = _one_shot(rt, ids, gen if gen is not None else ctx, pick, tokenizer, mode, say)
             stats = figures()
             if stats_json is not None:
                 doc = {**stats.as_dict(), "sampling": asdict(params)}
@@ -412,12 +456,12 @@ def run(
 
 
 def _one_shot(rt: Runtime, ids: list[int], gen: int, pick: Pick, tok: Tokenizer | None, mode: str | None, say) -> bool:
-    """One answer to stdout; True when Ctrl-C stopped it."""
+    """One answer to stdout; True when Ctrl-C stopped it. Why it ended is in the report."""
     try:
         with Interrupt() as flag:
             reply = answer(rt, rt.session(), ids, gen=gen, pick=pick, tok=tok, thinking=mode == "think", interrupt=flag)
-    except Stopped:
-        say("dsv4: stopped during the prefill")
+    except Stopped as e:
+        say(f"dsv4: stopped during the prefill after {e.done} of {e.total} prompt tokens")
         return True
     if tok is None:
         click.echo(",".join(str(t) for t in reply.ids))

@@ -16,6 +16,14 @@ from ..errors import UsageError
 from ..tokenizer import Tokenizer, pack_tokenizer
 
 
+def strip_final_newline(text: str) -> str:
+    """Text from stdin or a file less one final line end: `echo hi` and editors add it, and it
+    would otherwise become a token of its own."""
+    if text.endswith("\r\n"):
+        return text[:-2]
+    return text.removesuffix("\n")
+
+
 def describe(tok: Tokenizer) -> str:
     """One line saying what a packed tokenizer holds."""
     s = tok.special
@@ -54,13 +62,14 @@ def pack_tokenizer_cmd(checkpoint_dir: Path, out: Path | None) -> None:
 def tokenize_cmd(tok_path: Path, mode: str | None, system: str | None, count: bool, text: tuple[str, ...]) -> None:
     """Print the token ids of TEXT on one line, separated by single spaces.
 
-    Several TEXT arguments are joined with one space; `-` reads TEXT from stdin. Plain TEXT
+    Several TEXT arguments are joined with one space; `-` reads TEXT from stdin, less one
+    final newline (`echo hello | dsv4 tokenize -` is the ids of "hello"). Plain TEXT
     gets no BOS; --chat/--think render BOS, [system], <｜User｜>TEXT<｜Assistant｜> and
     </think> or <think>. Put `--` before TEXT that starts with a dash.
     """
     if system is not None and mode is None:
         raise UsageError("--system needs --chat or --think")
-    body = sys.stdin.read() if text == ("-",) else " ".join(text)
+    body = strip_final_newline(sys.stdin.read()) if text == ("-",) else " ".join(text)
     tok = Tokenizer.load(tok_path)
     if mode is None:
         ids = tok.encode(body)

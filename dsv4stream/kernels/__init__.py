@@ -82,10 +82,18 @@ def warmup() -> float:
 
 
 def compiled_cache_exists() -> bool:
-    """Whether numba's on-disk cache of the fast kernels is there (else warmup compiles, ~40 s)."""
+    """Whether numba's on-disk cache of the fast kernels is there (else warmup compiles, ~1 min).
+
+    Asks numba where it keeps the cache: next to the source, under NUMBA_CACHE_DIR, or in a
+    per-user folder when the package directory is read-only."""
     from pathlib import Path
 
-    cache = Path(__file__).with_name("__pycache__")
+    try:
+        from . import fast
+
+        cache = Path(fast._fp4_mv._cache._cache_path)  # numba's locator for this dispatcher
+    except (ImportError, AttributeError):
+        cache = Path(__file__).with_name("__pycache__")
     return any(cache.glob("fast.*.nbi"))
 
 
