@@ -65,7 +65,7 @@ def rel_err(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 def test_fixtures_present() -> None:
-    assert set(NAMES) >= {"mixed", "ratio128", "f32scales"}
+    assert set(NAMES) >= {"mixed", "ratio128", "f32scales", "dspark0731", "proshape"}
 
 
 @pytest.mark.parametrize("mode", MODES)
