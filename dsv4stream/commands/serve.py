@@ -22,7 +22,7 @@ from .. import chat, gpu, planner
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..runtime import RunOptions, Runtime, budget_bytes
-from .run import check_trunk, checkpoint_dir, load_tokenizer
+from .run import banned_ids, check_trunk, checkpoint_dir, load_tokenizer
 
 # FastAPI, pydantic, uvicorn and the event loop on top of what `dsv4 run` holds: peak RSS of
 # `dsv4 serve` after three streamed requests minus that of the same `dsv4 run` on the tiny
@@ -85,6 +85,7 @@ def is_loopback(host: str) -> bool:
 @click.option("--io-threads", type=int, default=4, show_default=True, help="Expert reader threads.")
 @click.option("--trunk", type=click.Path(path_type=Path), help="Packed trunk directory.")
 @click.option("--tok", type=click.Path(path_type=Path), help="Packed tokenizer.")
+@click.option("--allow-special", is_flag=True, help="Let the sampler pick ids the tokenizer marks special.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def serve(
     checkpoint: Path,
@@ -106,6 +107,7 @@ def serve(
     io_threads: int,
     trunk: Path | None,
     tok: Path | None,
+    allow_special: bool,
     debug: bool,
 ) -> None:
     """Serve CHECKPOINT over HTTP: OpenAI's /v1/chat/completions, /v1/completions, /v1/models,
@@ -168,7 +170,8 @@ def serve(
             held["rt"] = rt
             for line in [*gctx.take_messages(), *rt.plan.lines()]:
                 _say(line)
-            srv.worker = _worker(rt, tokenizer.n_tokens, keep_states, ctx, kv_cache, kv_cache_gb)
+            banned = banned_ids(tokenizer, allow_special)
+            srv.worker = _worker(rt, tokenizer.n_tokens, banned, keep_states, ctx, kv_cache, kv_cache_gb)
             _say(f"listening on http://{host}:{port}")
         except BaseException as e:  # noqa: BLE001  re-raised by the main thread once the server has stopped
             failure.append(e)
@@ -196,7 +199,9 @@ def serve(
     _say("dsv4: server stopped")
 
 
-def _worker(rt: Runtime, n_ids: int, keep_states: int, ctx: int, kv_cache: Path | None, kv_cache_gb: float):
+def _worker(
+    rt: Runtime, n_ids: int, banned: list[int], keep_states: int, ctx: int, kv_cache: Path | None, kv_cache_gb: float
+):
     from ..server.cache import DiskCache, StateCache, checkpoint_identity
     from ..server.worker import Worker
 
@@ -208,4 +213,4 @@ def _worker(rt: Runtime, n_ids: int, keep_states: int, ctx: int, kv_cache: Path 
             disk = DiskCache(kv_cache, int(kv_cache_gb * planner.GB), checkpoint_identity(rt.cat), template, _say)
         except OSError as e:
             raise UsageError(f"--kv-cache {kv_cache}: cannot use it ({e.strerror})") from None
-    return Worker(rt, n_ids, ram, disk, _say)
+    return Worker(rt, n_ids, ram, disk, _say, banned)
