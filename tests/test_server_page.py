@@ -165,6 +165,7 @@ def test_chat_page(server, driver, tmp_path) -> None:
     d.find_element("id", "clear").click()
     set_field(d, "max_tokens", "2")
     send(d, "word " * 1000)
+
     def progress() -> str | None:
         shown = not d.find_element("id", "progress").get_attribute("hidden")
         line = text(d, "#progress-text") if shown else None
