@@ -85,7 +85,11 @@ def is_loopback(host: str) -> bool:
 @click.option("--io-threads", type=int, default=4, show_default=True, help="Expert reader threads.")
 @click.option("--trunk", type=click.Path(path_type=Path), help="Packed trunk directory.")
 @click.option("--tok", type=click.Path(path_type=Path), help="Packed tokenizer.")
-@click.option("--allow-special", is_flag=True, help="Let the sampler pick ids the tokenizer marks special.")
+@click.option(
+    "--allow-special",
+    is_flag=True,
+    help="Let the sampler pick special tokens (placeholders, unused ids), as `dsv4 run` does.",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def serve(
     checkpoint: Path,
@@ -170,8 +174,9 @@ def serve(
             held["rt"] = rt
             for line in [*gctx.take_messages(), *rt.plan.lines()]:
                 _say(line)
-            banned = banned_ids(tokenizer, allow_special)
-            srv.worker = _worker(rt, tokenizer.n_tokens, banned, keep_states, ctx, kv_cache, kv_cache_gb)
+            srv.worker = _worker(
+                rt, tokenizer.n_tokens, banned_ids(tokenizer, allow_special), keep_states, ctx, kv_cache, kv_cache_gb
+            )
             _say(f"listening on http://{host}:{port}")
         except BaseException as e:  # noqa: BLE001  re-raised by the main thread once the server has stopped
             failure.append(e)

@@ -72,10 +72,16 @@ class Job:
 
 class Worker:
     def __init__(
-        self, rt: Runtime, n_ids: int, ram: StateCache, disk: DiskCache | None, log: Log, banned: list[int] = ()
+        self,
+        rt: Runtime,
+        n_ids: int,
+        ram: StateCache,
+        disk: DiskCache | None,
+        log: Log,
+        banned: list[int] | None = None,
     ) -> None:
         self.rt = rt
-        self.banned = list(banned)  # never sampled: the tokenizer's special ids but EOS, as `dsv4 run`
+        self.banned = banned or []  # special ids never sampled, as in `dsv4 run` (commands.run.banned_ids)
         self.stats = LiveStats(rt)
         self.n_ids = n_ids  # ids the tokenizer can print: the sampler's range
         self.ram = ram
