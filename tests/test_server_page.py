@@ -165,7 +165,13 @@ def test_chat_page(server, driver, tmp_path) -> None:
     d.find_element("id", "clear").click()
     set_field(d, "max_tokens", "2")
     send(d, "word " * 1000)
-    line = wait(lambda: not d.find_element("id", "progress").get_attribute("hidden") and text(d, "#progress-text"))
-    assert "prefill" in line and " of 1" in line and "layer" in line, line
+
+    def progress() -> str | None:
+        shown = not d.find_element("id", "progress").get_attribute("hidden")
+        line = text(d, "#progress-text") if shown else None
+        return line if line and "layer" in line else None  # the layer shows once the first one runs
+
+    line = wait(progress)
+    assert line.startswith("prefill ") and " of 10" in line and " of 4" in line, line
     wait(lambda: not busy(d))
     assert "reading the prompt" not in last_answer(d)[0]
