@@ -22,7 +22,8 @@ from .. import chat, gpu, planner
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..runtime import RunOptions, Runtime, budget_bytes
-from .run import check_trunk, checkpoint_dir, load_tokenizer
+from ..tokenizer import Tokenizer
+from .run import banned_ids, check_trunk, checkpoint_dir, load_tokenizer
 
 # FastAPI, pydantic, uvicorn and the event loop on top of what `dsv4 run` holds: peak RSS of
 # `dsv4 serve` after three streamed requests minus that of the same `dsv4 run` on the tiny
@@ -168,7 +169,7 @@ def serve(
             held["rt"] = rt
             for line in [*gctx.take_messages(), *rt.plan.lines()]:
                 _say(line)
-            srv.worker = _worker(rt, tokenizer.n_tokens, keep_states, ctx, kv_cache, kv_cache_gb)
+            srv.worker = _worker(rt, tokenizer, keep_states, ctx, kv_cache, kv_cache_gb)
             _say(f"listening on http://{host}:{port}")
         except BaseException as e:  # noqa: BLE001  re-raised by the main thread once the server has stopped
             failure.append(e)
@@ -196,7 +197,7 @@ def serve(
     _say("dsv4: server stopped")
 
 
-def _worker(rt: Runtime, n_ids: int, keep_states: int, ctx: int, kv_cache: Path | None, kv_cache_gb: float):
+def _worker(rt: Runtime, tok: Tokenizer, keep_states: int, ctx: int, kv_cache: Path | None, kv_cache_gb: float):
     from ..server.cache import DiskCache, StateCache, checkpoint_identity
     from ..server.worker import Worker
 
@@ -208,4 +209,4 @@ def _worker(rt: Runtime, n_ids: int, keep_states: int, ctx: int, kv_cache: Path 
             disk = DiskCache(kv_cache, int(kv_cache_gb * planner.GB), checkpoint_identity(rt.cat), template, _say)
         except OSError as e:
             raise UsageError(f"--kv-cache {kv_cache}: cannot use it ({e.strerror})") from None
-    return Worker(rt, n_ids, ram, disk, _say)
+    return Worker(rt, tok.n_tokens, ram, disk, _say, banned_ids(tok))  # placeholders are never sampled

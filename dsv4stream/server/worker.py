@@ -71,10 +71,19 @@ class Job:
 
 
 class Worker:
-    def __init__(self, rt: Runtime, n_ids: int, ram: StateCache, disk: DiskCache | None, log: Log) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        n_ids: int,
+        ram: StateCache,
+        disk: DiskCache | None,
+        log: Log,
+        banned: list[int] | None = None,
+    ) -> None:
         self.rt = rt
         self.stats = LiveStats(rt)
         self.n_ids = n_ids  # ids the tokenizer can print: the sampler's range
+        self.banned = banned or []  # control ids never sampled (commands.run.banned_ids)
         self.ram = ram
         self.disk = disk
         self.log = log
@@ -163,7 +172,7 @@ class Worker:
             self.stats.prefilled(cached + done, len(ids))
             job.emit("progress", (cached + done, len(ids)))
 
-        pick = make_pick(job.params, self.n_ids, np.random.default_rng(job.params.seed))
+        pick = make_pick(job.params, self.n_ids, np.random.default_rng(job.params.seed), self.banned)
         eos = job.reply.eos
         got: list[int] = []
         t0 = time.perf_counter()
