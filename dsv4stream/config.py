@@ -148,6 +148,8 @@ class ModelConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
         p = Path(path)
+        if p.exists() and not p.is_file():
+            raise ConfigError(f"{p}: not a regular file (a FIFO, device or folder); put the real config.json there")
         if not p.is_file():
             raise ConfigError(f"{p}: config.json not found; point at the checkpoint directory that holds it")
         try:
@@ -174,8 +176,6 @@ class ModelConfig:
             if not ok:
                 problems.append(f"'{name}' should be {typ.__name__}, found {type(v).__name__}")
                 continue
-            if typ is int and v < 0:
-                problems.append(f"'{name}' must not be negative, found {v}")
             vals[name] = v
         if "compress_ratios" in vals:
             cr = vals["compress_ratios"]
@@ -183,7 +183,7 @@ class ModelConfig:
                 problems.append("'compress_ratios' must be non-negative integers")
             vals["compress_ratios"] = tuple(int(r) for r in cr if isinstance(r, (int, float)))
         n_mtp = d.get("num_nextn_predict_layers", 0)
-        if not isinstance(n_mtp, int) or n_mtp < 0:
+        if not _is_int(n_mtp) or n_mtp < 0:
             problems.append(f"'num_nextn_predict_layers' should be a non-negative int, found {n_mtp!r}")
             n_mtp = 0
         opt: dict[str, Any] = {"num_nextn_predict_layers": n_mtp}
@@ -198,17 +198,23 @@ class ModelConfig:
             opt[name] = d.get(name, default)
         if d.get("eos_token_id") is None and "eos_token_id" in d:
             opt["eos_token_id"] = 1
-        if isinstance(opt["eos_token_id"], list):
-            opt["eos_token_id"] = int(opt["eos_token_id"][0])
+        if isinstance(opt["eos_token_id"], list) and opt["eos_token_id"]:
+            opt["eos_token_id"] = opt["eos_token_id"][0]
         if opt["expert_dtype"] not in ("fp4", "fp8"):
             problems.append(f"'expert_dtype' must be 'fp4' or 'fp8', found {opt['expert_dtype']!r}")
         q = d.get("quantization_config") or {}
+        if not isinstance(q, dict):
+            problems.append(f"'quantization_config' should be an object, found {q!r}")
+            q = {}
         block = q.get("weight_block_size", [128, 128])
-        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        if not (isinstance(block, list) and len(block) == 2 and all(_is_int(b) and b > 0 for b in block)):
             problems.append(f"'quantization_config.weight_block_size' must be two positive ints, found {block!r}")
             block = [128, 128]
         opt["fp8_block"] = (int(block[0]), int(block[1]))
         opt["scale_fmt"] = q.get("scale_fmt", "ue8m0") or "float"
+        if opt["scale_fmt"] not in SCALE_FMTS:
+            problems.append(f"'quantization_config.scale_fmt' must be 'ue8m0' or null, found {opt['scale_fmt']!r}")
+        problems += _check_values(vals, opt)
         rs = d.get("rope_scaling")
         if rs:
             try:
@@ -218,8 +224,16 @@ class ModelConfig:
                     beta_fast=float(rs.get("beta_fast", 32)),
                     beta_slow=float(rs.get("beta_slow", 1)),
                 )
-            except (KeyError, TypeError, ValueError):
-                problems.append("'rope_scaling' needs numeric 'factor' and 'original_max_position_embeddings'")
+                r = opt["rope_scaling"]
+                if not (_finite(r.factor) and r.factor > 0 and r.original_max_position_embeddings > 0):
+                    raise ValueError
+                if not (_finite(r.beta_fast) and _finite(r.beta_slow)):
+                    raise ValueError
+            except (KeyError, TypeError, ValueError, AttributeError):
+                problems.append(
+                    "'rope_scaling' needs a finite positive 'factor', a positive 'original_max_position_embeddings'"
+                    " and finite betas"
+                )
         opt["model_type"] = d.get("model_type", SUPPORTED_MODEL_TYPE)
         if any(k.startswith("dspark_") for k in d) and "num_hidden_layers" in vals and "compress_ratios" in vals:
             opt["dspark"] = _dspark(d, vals, problems)
@@ -299,6 +313,49 @@ class ModelConfig:
     @property
     def total_expert_bytes(self) -> int:
         return (self.n_layers + self.n_mtp) * self.n_routed_experts * self.expert_bytes
+
+
+SCALE_FMTS = ("ue8m0", "float")  # "float": null in config.json, F32 scales
+# fields that must be above 0 (ints) or finite and above 0 (floats); the rest may be 0, not negative
+_POSITIVE = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "qk_rope_head_dim",
+    "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
+    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters",
+    "compress_rope_theta", "rope_theta", "rms_norm_eps", "routed_scaling_factor",
+)  # fmt: skip
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_values(v: dict[str, Any], opt: dict[str, Any]) -> list[str]:
+    """Ranges of the values the math divides by, takes logs of, or indexes with."""
+    p: list[str] = []
+    for name, x in v.items():
+        if isinstance(x, float) and not math.isfinite(x):
+            p.append(f"'{name}' must be a finite number, found {x}")
+        elif isinstance(x, (int, float)) and x < 0:
+            p.append(f"'{name}' must not be negative, found {x}")
+        elif name in _POSITIVE and isinstance(x, (int, float)) and x == 0:
+            p.append(f"'{name}' must be above 0, found {x}")
+    vocab = v.get("vocab_size")
+    for name in ("bos_token_id", "eos_token_id"):
+        x = opt[name]
+        if not _is_int(x) or x < 0 or (_is_int(vocab) and x >= vocab):
+            p.append(f"'{name}' must be a token id in 0..vocab_size-1 (or a non-empty list of them), found {x!r}")
+    mpe = opt["max_position_embeddings"]
+    if not _is_int(mpe) or mpe <= 0:
+        p.append(f"'max_position_embeddings' must be a positive int, found {mpe!r}")
+    if not isinstance(opt["norm_topk_prob"], bool):
+        p.append(f"'norm_topk_prob' must be true or false, found {opt['norm_topk_prob']!r}")
+    if not isinstance(opt["topk_method"], str):
+        p.append(f"'topk_method' must be a string, found {opt['topk_method']!r}")
+    return p
 
 
 def _check_model_type(d: dict[str, Any], source: str) -> None:

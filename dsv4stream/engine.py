@@ -21,11 +21,12 @@ import numpy as np
 from . import kernels
 from .catalog import Catalog
 from .config import ModelConfig
-from .errors import UsageError
+from .errors import NumericsError, UsageError
 from .model.attention import AttnState, new_attn_state
 from .model.block import Trace, head_forward, layer_forward
 from .model.providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
 from .model.rope import Rope, rope_tables
+from .model.scan import nonfinite_fields
 from .state import SessionState, capture, thaw
 
 # on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched
@@ -82,6 +83,12 @@ class Engine:
         trace: Trace | None = None,
     ) -> Session:
         return Session(self, chunk_size=chunk_size, on_route=on_route, record_requests=record_requests, trace=trace)
+
+
+_NAN_ADVICE = (
+    "a weight or scale (an E8M0 scale byte 0xFF is NaN) of the checkpoint holds NaN/inf — re-download the"
+    " shard holding it, or re-pack the trunk if it came from a packed trunk (`dsv4 inspect` checks the pack)"
+)
 
 
 class Session:
@@ -197,13 +204,28 @@ class Session:
                 if not cfg.is_hash_layer(layer):
                     eng.experts.prefetch([(layer, int(e)) for e in np.unique(experts)])
 
-            x = layer_forward(x, ids, positions, w, self.state[i], cfg, eng.rope_for(i), get, routed, self.trace)
+            try:
+                x = layer_forward(x, ids, positions, w, self.state[i], cfg, eng.rope_for(i), get, routed, self.trace)
+            except NumericsError as e:
+                bad = nonfinite_fields(w)
+                where = f" (non-finite values in {', '.join(f'layers.{i}.{b}' for b in bad[:4])})" if bad else ""
+                raise NumericsError(f"layer {i}: {e}{where}; {_NAN_ADVICE}") from None
         self.pos += t
         if not logits:
             return None
         if last_only:
             x = x[-1:]
-        return head_forward(x, eng.trunk.head(), cfg)
+        out = head_forward(x, eng.trunk.head(), cfg)
+        if not np.isfinite(out).all():  # (T, vocab): a few µs per token next to the head's matvec
+            bad = nonfinite_fields(eng.trunk.head())
+            if bad:
+                raise NumericsError(
+                    f"the logits are NaN or infinite: the head's {', '.join(bad[:4])} hold NaN/inf; {_NAN_ADVICE}"
+                )
+            raise NumericsError(
+                f"the logits (head.weight, after layer {cfg.n_layers - 1}) are NaN or infinite; {_NAN_ADVICE}"
+            )
+        return out
 
     def _prefetch_hash_layers(self, ids: np.ndarray) -> None:
         """Hash layers' experts are known from the tokens alone: ask for them up front."""

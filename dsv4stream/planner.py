@@ -151,7 +151,8 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
         raise BudgetError(
             f"--budget {budget / GB:.2f} GB is below the minimum of {gb_up(floor)}"
             f" for this model (head {_gb(needs.head_bytes)}, overhead {_gb(needs.overhead_bytes)},"
-            f" two streamed layers, {2 * needs.experts_per_token} expert slots); raise --budget"
+            f" state for --ctx {_gb(needs.state_bytes)}, two streamed layers, {2 * needs.experts_per_token}"
+            " expert slots); raise --budget (or lower --ctx)"
         )
     min_slots = 2 * needs.experts_per_token
     cap = needs.total_experts if max_expert_slots is None else max_expert_slots

@@ -123,10 +123,11 @@ def answer(
     """Prefill `ids` (progress bar on stderr), then stream up to `gen` tokens to `out`.
 
     With a tokenizer, stops at EOS (not printed) and prints text; `thinking` (the prompt
-    opened <think>) shows the reasoning dim until </think>. Without one, prints nothing:
-    the caller prints the ids. Raises Stopped when Ctrl-C came during the prefill."""
+    opened <think>) shows the reasoning dim until </think>. Without one, prints each id as
+    it comes (comma-separated, flushed; the caller ends the line) and stops at the config's
+    EOS (printed). Raises Stopped when Ctrl-C came during the prefill."""
     out = out if out is not None else sys.stdout
-    stop = (tok.special.eos,) if tok is not None else ()
+    stop = (tok.special.eos,) if tok is not None else (rt.cfg.eos_token_id,)
     flag = interrupt if interrupt is not None else Interrupt()
     bar = PrefillBar(reads_of(rt), leave=leave_bar)
 
@@ -147,7 +148,9 @@ def answer(
                     bar.close()
                     flag.phase = "decode"
                 got.append(t)
-                if stream is not None and tok is not None and t != tok.special.eos:
+                if tok is None:
+                    _echo(out, f"{',' if len(got) > 1 else ''}{t}")
+                elif stream is not None and t != tok.special.eos:
                     if thinking and t == tok.special.think_end:
                         _echo(out, stream.flush() + THINK_END, dim=True)
                         _echo(out, "\n")
@@ -344,6 +347,9 @@ def chat_loop(
         line = line.strip()
         if not line:
             continue
+        if not is_utf8(line):
+            say("dsv4: that line is not valid UTF-8 text; it was not sent (the conversation goes on)")
+            continue
         if line.startswith("/") and "\n" not in line:
             cmd, _, arg = line.partition(" ")
             if cmd in NO_ARGUMENT and arg.strip():
@@ -422,6 +428,15 @@ def context_refusal(conv: Conversation, user: str, held: int, new: int, ctx: int
     if alone < ctx and (held or conv.messages):
         return f"dsv4: {what}, leaving no room to answer within --ctx {ctx}; /reset to start over, or restart with a larger --ctx"
     return f"dsv4: {what}, leaving no room to answer within --ctx {ctx}; restart with a larger --ctx (at least {alone + 1})"
+
+
+def is_utf8(text: str) -> bool:
+    """False for text holding undecodable bytes (kept as lone surrogates by `surrogateescape`)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _mode_name(mode: str) -> str:

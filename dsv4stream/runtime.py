@@ -11,6 +11,7 @@ go through `Runtime`; the math stays in `engine` / `model`.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import time
@@ -24,10 +25,11 @@ import numpy as np
 from . import kernels, planner, ticker
 from .catalog import Catalog
 from .engine import Engine, Session
-from .errors import UsageError
+from .errors import Dsv4Error, UsageError
 from .kernels import reference
 from .pack import MANIFEST, default_out_dir
 from .planner import MemoryNeeds, Plan
+from .profile import PROFILE_LABELS, DecodeProfile
 from .spec import drafter_summary
 from .store import ExpertStore
 from .store.layout import expert_label, expert_layouts
@@ -104,6 +106,9 @@ class RunStats:
     first_token_seconds: list[float] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
+    # seconds per decode step by phase (PROFILE_PHASES): the products of routed-expert, trunk and
+    # head weights, blocked on expert / trunk reads, choosing the token, and the rest
+    decode_profile: dict[str, float] = field(default_factory=dict)
     load_seconds: float = 0.0  # Runtime.open: catalog, plan, kernels, pinned trunk; before any prefill
     decode_tokens_per_second: float = 0.0
     # why each generate call (chat turn) ended: one of STOP_REASONS; the last one on its own
@@ -136,6 +141,7 @@ class RunStats:
                 f" decode {self.decode_seconds_per_token:.3f} s/token over {self.decode_tokens} tokens"
                 f" (kernels: {self.kernel_backend}, ready in {self.kernel_warmup_seconds:.2f} s)"
             ),
+            *self._profile_lines(),
             f"memory: peak RSS {self.peak_rss_bytes / gb:.3f} GB of --budget {self.budget_bytes / gb:.3f} GB"
             + (
                 f"; verified {self.verified_reads} expert reads, {self.verify_mismatches} mismatches"
@@ -144,6 +150,14 @@ class RunStats:
             ),
         ]
         return out + [f"warning: {w}" for w in self.warnings]
+
+    def _profile_lines(self) -> list[str]:
+        p = self.decode_profile
+        total = sum(p.values())
+        if not total:
+            return []
+        parts = ", ".join(f"{PROFILE_LABELS[k]} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in p.items())
+        return [f"decode per token ({total * 1e3:.1f} ms): {parts}"]
 
 
 def peak_rss_bytes() -> int:
@@ -232,7 +246,7 @@ def pack_hint(root: str | os.PathLike) -> str:
     )
 
 
-def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None) -> TrunkFile | None:
+def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None, verify: bool = False) -> TrunkFile | None:
     """The packed trunk to read from: the one named, else the default one if packed, else None."""
     if trunk == "":
         return None
@@ -241,7 +255,46 @@ def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None) -> TrunkFile 
         if not (default / MANIFEST).is_file():
             return None
         trunk = default
-    return TrunkFile.open(trunk, cat)
+    return TrunkFile.open(trunk, cat, verify=verify)
+
+
+COMPILE_CHILD = (
+    "import os, sys, time; from dsv4stream import kernels; kernels.set_backend('fast'); "
+    "t = kernels.warmup(); print(os.getpid(), t)"
+)
+
+
+def compile_kernels_apart(say: Warn | None = None) -> tuple[int, float] | None:
+    """On a cold numba cache, compile the kernels in a child process and wait for it.
+
+    The compiler (LLVM) takes hundreds of MB that the plan does not count; in a child they
+    never enter this process's peak RSS, and this process then loads the kernels from the
+    cache the child wrote. Returns (child pid, its compile seconds), or None when the cache
+    was warm (or the kernels are not numba's)."""
+    if kernels.backend_name() != "fast" or kernels.compiled_cache_exists():
+        return None
+    if say is not None:
+        say(
+            "compiling the numba kernels in a separate process (once per installation, about 1 minute on 2"
+            " cores; cached after), so that the compiler's memory stays outside --budget"
+        )
+    import subprocess
+    import sys
+
+    import dsv4stream
+
+    env = dict(os.environ)
+    src = str(Path(dsv4stream.__file__).resolve().parents[1])  # this checkout, installed or not
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    with ticker.elapsed("compiling the numba kernels"):
+        r = subprocess.run([sys.executable, "-c", COMPILE_CHILD], env=env, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        raise Dsv4Error(
+            f"compiling the numba kernels failed in a child process ({why}); reinstall numba or set DSV4_DEBUG=1"
+        )
+    pid, seconds = r.stdout.split()[-2:]
+    return int(pid), float(seconds)
 
 
 class _Once:
@@ -288,6 +341,7 @@ class Runtime:
         self.kernel_warmup_seconds = 0.0
         self._turn_prompt_tokens: list[int] = []
         self._first_token_seconds: list[float] = []
+        self._profile = DecodeProfile()
         self._stop_reasons: list[str] = []
         self._in_think: list[bool] = []
         self.load_seconds = 0.0
@@ -306,7 +360,7 @@ class Runtime:
         cat.validate()
         cfg = cat.config
         once = _Once(warn)
-        tf = open_trunk_file(cat, opts.trunk)
+        tf = open_trunk_file(cat, opts.trunk, verify=opts.verify)
         placed = gpu.place(cat) if gpu is not None and gpu.enabled else None
         layout = trunk_layout(cat, tf, exclude=placed.tensor_names if placed is not None else frozenset())
         layouts, order = _expert_layouts(cat)
@@ -325,11 +379,8 @@ class Runtime:
             )
         if opts.threads is not None:
             kernels.set_threads(opts.threads)
-        compiling = kernels.backend_name() == "fast" and not kernels.compiled_cache_exists()
-        if compiling:
-            once("compiling the numba kernels: once per installation, about 1 minute on 2 cores; cached after")
-        with ticker.elapsed("compiling the numba kernels", enabled=None if compiling else False):
-            warmup_seconds = kernels.warmup()
+        compile_kernels_apart(once)
+        warmup_seconds = kernels.warmup()
         store = ExpertStore(
             layouts,
             plan.expert_slots,
@@ -343,6 +394,7 @@ class Runtime:
         )
         try:
             reader = GroupReader(opts.io, opts.verify, once)
+            reader.check = tf.check_window if tf is not None else None
             wrap = placed.source if placed is not None else None
             trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
         except BaseException:
@@ -404,7 +456,10 @@ class Runtime:
                 self._prompt_tokens += session.pos - pos0
                 self._turn_prompt_tokens.append(session.pos - pos0)
             for n in range(max_new_tokens):
+                t_pick = time.perf_counter()
                 tok = pick(logits)
+                if n:
+                    self._profile.seconds["sampler"] += time.perf_counter() - t_pick
                 if n == 0:
                     self._first_token_seconds.append(time.perf_counter() - t0)
                 stop = _stop_reason(tok in stop_ids, session.pos >= self.opts.ctx, n + 1 == max_new_tokens)
@@ -415,9 +470,11 @@ class Runtime:
                 yield tok
                 if stop is not None:
                     return
+                self._profile.begin(self.store, self.trunk)
                 t0 = time.perf_counter()
                 logits = session.step(tok)
                 self._decode_seconds += time.perf_counter() - t0
+                self._profile.end(self.store, self.trunk)
                 self._decode_tokens += 1
         finally:
             # no reason of its own: the caller closed the generator or the prefill was stopped
@@ -485,6 +542,7 @@ class Runtime:
             turn_prompt_tokens=list(self._turn_prompt_tokens),
             first_token_seconds=list(self._first_token_seconds),
             warnings=warnings,
+            decode_profile=self._profile.per_token(self._decode_tokens),
             load_seconds=self.load_seconds,
             decode_tokens_per_second=self._decode_tokens / self._decode_seconds if self._decode_seconds else 0.0,
             stop_reasons=list(self._stop_reasons),
@@ -532,9 +590,32 @@ def budget_bytes(gb: float | None) -> int:
     """--budget GB (decimal) -> bytes; None -> the default."""
     if gb is None:
         return default_budget()
-    if not gb > 0:
-        raise UsageError(f"--budget {gb}: give a positive number of GB (decimal, e.g. --budget 3)")
+    if not (gb > 0 and math.isfinite(gb)):
+        raise UsageError(f"--budget {gb}: give a positive, finite number of GB (decimal, e.g. --budget 3)")
+    import psutil
+
+    total = psutil.virtual_memory().total
+    if gb * planner.GB > total:
+        # the plan fills the budget with expert slots as the run goes: beyond physical memory
+        # that ends with the kernel killing the run mid-answer, not with a message
+        raise UsageError(
+            f"--budget {gb:g} GB is above this machine's {total / planner.GB:.1f} GB of physical memory;"
+            f" give at most {total / planner.GB:.1f} (the budget is what the process may hold in RAM)"
+        )
     return int(gb * planner.GB)
+
+
+def budget_warning(budget: int) -> str | None:
+    """A budget above the memory available now fits the machine but may push it into swapping."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if budget <= available:
+        return None
+    return (
+        f"--budget {budget / planner.GB:.2f} GB is above the {available / planner.GB:.2f} GB of memory available now;"
+        " other programs may be swapped out, or this run killed, as the expert cache fills"
+    )
 
 
 def checkpoint_path(path: str | os.PathLike) -> Path:

@@ -203,7 +203,16 @@ class Tokenizer:
         Special-token text inside `text` (e.g. "<｜User｜>") becomes that token, as with the
         official encoder, which tokenizes the whole rendered prompt in one call.
         """
-        return self._hf.encode(text, add_special_tokens=False).ids
+        try:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # undecodable bytes kept as surrogates (argv, stdin)
+                raise TokenizerError(
+                    f"the text is not valid UTF-8 (an undecodable byte at character {e.start}); give UTF-8 text"
+                ) from None
+            raise
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text of `ids`; `skip_special` drops BOS/EOS/pad but keeps `<think>`, `</think>`."""
@@ -245,16 +254,15 @@ class Tokenizer:
 def pack_tokenizer(checkpoint_dir: str | Path, out: str | Path | None = None) -> Path:
     """Check a checkpoint's tokenizer against its config and write the packed file.
 
-    `out` may be a file path or an existing directory (the default name goes inside); it
-    defaults to `checkpoint_dir/dsv4-tokenizer.pack`. The file appears atomically: written
-    under a temporary name in the same directory, fsynced, then renamed.
+    `out` may be a file path or a directory (an existing one, or any path ending in `/`: the
+    default name goes inside; missing folders are created); it defaults to
+    `checkpoint_dir/dsv4-tokenizer.pack`. Only a missing file or an earlier tokenizer pack is
+    ever replaced. The file appears atomically: written under a temporary name in the same
+    directory, fsynced, then renamed.
     """
     checkpoint_dir = Path(checkpoint_dir)
     tok, payload = _read_checkpoint(checkpoint_dir)
-    out = default_pack_path(checkpoint_dir) if out is None else Path(out)
-    if out.is_dir():
-        out = out / DEFAULT_PACK_NAME
-    out.parent.mkdir(parents=True, exist_ok=True)  # as pack-trunk does
+    out = _pack_target(checkpoint_dir, out)
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -279,6 +287,39 @@ def pack_tokenizer(checkpoint_dir: str | Path, out: str | Path | None = None) ->
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+def is_pack(path: Path) -> bool:
+    """A regular file whose first line is our pack header (whatever its version)."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(1 << 16)
+        header = json.loads(line)
+    except (OSError, ValueError):
+        return False
+    return isinstance(header, dict) and header.get("format") == FORMAT
+
+
+def _pack_target(checkpoint_dir: Path, out: str | Path | None) -> Path:
+    """Where the pack goes; refuses to replace anything that is not a tokenizer pack."""
+    if out is None:
+        target = default_pack_path(checkpoint_dir)
+    else:
+        target = Path(out)
+        if str(out).endswith(("/", os.sep)) or target.is_dir():
+            target = target / DEFAULT_PACK_NAME
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{target.parent}: cannot create the output folder ({e.strerror})") from None
+    if target.is_dir() or (target.exists() and not target.is_file()):
+        raise UsageError(f"{target}: exists and is not a regular file; choose another OUT (nothing was changed)")
+    if target.exists() and not is_pack(target):
+        raise UsageError(
+            f"{target}: exists and is not a dsv4 tokenizer pack; choose another OUT"
+            " (pack-tokenizer only ever replaces an earlier pack; nothing was changed)"
+        )
+    return target
 
 
 def _read_checkpoint(ckpt: Path, tokenizer_json: str | Path | None = None) -> tuple[Tokenizer, bytes]:

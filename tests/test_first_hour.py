@@ -273,12 +273,3 @@ def test_compile_ticker_shows_elapsed_time_on_a_terminal() -> None:
     with ticker.elapsed("compiling", file=quiet):  # not a terminal: nothing
         pass
     assert quiet.getvalue() == ""
-
-
-def test_the_server_masks_the_same_ids(ckpt, tok) -> None:
-    from dsv4stream.commands.serve import _worker
-
-    with Runtime.open(ckpt, RunOptions(budget=GB, io="buffered")) as rt:
-        worker = _worker(rt, tok, 1, 64, None, 0.0)
-    special = {t["id"] for t in json.loads(real_tokenizer_files()[0].read_text())["added_tokens"] if t["special"]}
-    assert set(worker.banned) == special - {tok.special.eos} and worker.n_ids == tok.n_tokens

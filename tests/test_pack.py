@@ -224,13 +224,17 @@ def test_refuses_trunk_of_another_checkpoint(packed, tmp_path):
         TrunkFile.open(tmp_path / "none", twin)
 
 
-def test_disk_space_check(ckpt, tmp_path, monkeypatch):
-    monkeypatch.setattr(pack.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+def test_disk_space_check(ckpt, cat, tmp_path, monkeypatch):
+    data = sum(r.nbytes for r in pack.plan_runs(cat))
+    # exactly the trunk's bytes free: the manifest would not fit, so it must be refused up front
+    monkeypatch.setattr(pack.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - data, data))
     out = tmp_path / "trunk"
     with pytest.raises(BudgetError) as ei:
         pack_trunk(ckpt, out, progress=False)
     msg = str(ei.value)
-    assert "\n" not in msg and "needs 0.50 MB (499,712 bytes) more disk space but 0.00 MB (1,000 bytes) is free" in msg
+    assert "\n" not in msg and f"({data:,} bytes) is free" in msg and "more disk space" in msg
+    need = int(msg.split("needs ")[1].split("(")[1].split(" bytes")[0].replace(",", ""))
+    assert need > data  # the manifest and journal are counted too
     assert not out.exists() and not staging_dir(out).exists()
 
 

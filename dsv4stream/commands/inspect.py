@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -10,9 +11,11 @@ import click
 from ..catalog import Catalog
 from ..config import DSPARK, LAYOUTS, ModelConfig
 from ..errors import CheckpointError, UsageError
+from ..pack import MANIFEST, default_out_dir
 from ..planner import GB, gb_up, minimum_budget, plan
 from ..runtime import needs_of
 from ..spec import drafter_nbytes, drafter_summary, trunk_nbytes
+from ..trunkfile import TrunkFile
 
 GIB = 1 << 30
 
@@ -64,9 +67,16 @@ def config_summary(cfg: ModelConfig, drafter_bytes: int | None = None) -> list[s
     help="Also show how this --budget (GB) would be split (release dtypes; repeat for several).",
 )
 @click.option("--ctx", type=int, default=4096, show_default=True, help="Sequence length the plan covers.")
+@click.option(
+    "--trunk",
+    type=click.Path(path_type=Path),
+    help="Packed trunk to check in full (every checksum). [default: CHECKPOINT/dsv4-trunk if packed]",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def inspect(path: Path, config_only: bool, budget: tuple[float, ...], ctx: int, debug: bool) -> None:
-    """Summarise a checkpoint and validate every tensor against its config."""
+def inspect(
+    path: Path, config_only: bool, budget: tuple[float, ...], ctx: int, trunk: Path | None, debug: bool
+) -> None:
+    """Summarise a checkpoint, validate every tensor against its config, and check its packed trunk."""
     if config_only or path.suffix == ".json":
         cfg_path = path if path.suffix == ".json" else path / "config.json"
         for line in config_summary(ModelConfig.from_json(cfg_path)):
@@ -87,7 +97,23 @@ def inspect(path: Path, config_only: bool, budget: tuple[float, ...], ctx: int, 
             f"{path}: {len(problems)} tensor problem(s) listed above; the shards do not match config.json"
         )
     click.echo("all tensors present with the expected dtype and shape")
+    _check_trunk(cat, trunk)
     _plans(path, budget, ctx)
+
+
+def _check_trunk(cat: Catalog, trunk: Path | None) -> None:
+    """Every run of the packed trunk re-hashed (blake2b) against its manifest."""
+    where = trunk if trunk is not None else default_out_dir(cat.root)
+    if trunk is None and not (where / MANIFEST).is_file():
+        click.echo(f"packed trunk: none in {where}")
+        return
+    t0 = time.perf_counter()
+    tf = TrunkFile.open(where, cat, verify=True)
+    nbytes = sum(r.nbytes for r in tf.runs.values())
+    click.echo(
+        f"packed trunk {where}: {len(tf.runs)} runs, {_gib(nbytes)}, every checksum verified"
+        f" in {time.perf_counter() - t0:.1f} s"
+    )
 
 
 def _plans(path: Path, budgets: tuple[float, ...], ctx: int) -> None:

@@ -23,20 +23,21 @@ import json
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Self
 
 import click
 import numpy as np
 
-from .. import chat, gpu
+from .. import chat, gpu, planner
 from ..commands.logits import parse_tokens
-from ..commands.tokenizer import strip_final_newline
 from ..config import ModelConfig
-from ..errors import TokenizerError, UsageError
-from ..repl import ChatSettings, Conversation, Interrupt, Stopped, answer, chat_loop
+from ..errors import BudgetError, Dsv4Error, TokenizerError, UsageError
+from ..repl import ChatSettings, Conversation, Interrupt, Stopped, answer, chat_loop, is_utf8
 from ..report import report_lines
-from ..runtime import Pick, RunOptions, RunStats, Runtime, budget_bytes
+from ..runtime import Pick, RunOptions, RunStats, Runtime, budget_bytes, budget_warning
 from ..sampler import SamplingParams, sample
 from ..tokenizer import Tokenizer, default_pack_path
+from .tokenizer import stdin_text, strip_final_newline
 
 CHAT_TEMPERATURE = 1.0  # DeepSeek's recommended sampling for V4 (with top-p 1.0)
 RAW_GEN = 32  # raw completions; chat answers run to EOS or a full --ctx
@@ -109,9 +110,11 @@ def check_output(path: Path | None, flag: str) -> None:
 def prompt_text(prompt: str | None, prompt_file: Path | None) -> str | None:
     """--prompt as given; --prompt-file's text less one final newline (as `dsv4 tokenize -`)."""
     if prompt_file is None:
+        if prompt is not None and not is_utf8(prompt):
+            raise UsageError("--prompt: the text is not valid UTF-8; give UTF-8 text")
         return prompt
     if str(prompt_file) == "-":
-        return strip_final_newline(sys.stdin.read())
+        return strip_final_newline(stdin_text("--prompt-file -"))
     try:
         return strip_final_newline(prompt_file.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -163,6 +166,8 @@ def sampling_params(
         raise UsageError(f"--top-p {top_p}: give a probability in (0, 1]; 1 turns it off")
     if top_k is not None and top_k < 0:
         raise UsageError(f"--top-k {top_k}: give 0 (off) or a positive count")
+    if seed is not None and seed < 0:
+        raise UsageError(f"--seed {seed}: give 0 or a positive integer")
     if min_p is not None and not 0 <= min_p <= 1:
         raise UsageError(f"--min-p {min_p}: give a fraction in [0, 1]; 0 turns it off")
     if greedy and temperature is not None and temperature > 0:
@@ -394,6 +399,7 @@ def run(
     check_output(stats_json, "--stats-json")
     check_output(route_log, "--route-log")
     budget_b = budget_bytes(budget)
+    check_ctx(ctx, cfg, budget_b)
 
     text = prompt_text(prompt, prompt_file)
     if prompt_ids is not None:
@@ -407,6 +413,12 @@ def run(
         )
 
     say = lambda msg: click.echo(msg, err=True)
+    warning = budget_warning(budget_b)
+    if warning is not None:
+        say(f"warning: {warning}")
+    if ids is None and hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")  # a bad line is refused, not the end of the chat
+    stats_out = StatsOut(stats_json, params)
     gctx = gpu.setup(use_gpu, vram, threads)
     for line in gctx.take_messages():
         say(line)
@@ -416,7 +428,8 @@ def run(
             io_threads=io_threads, trunk=trunk, route_log=route_log, ctx=ctx,
         )  # fmt: skip
         extra = {"gpu": gctx} if gctx.enabled else {}
-        with Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}"), **extra) as rt:
+        with stats_out, Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}"), **extra) as rt:
+            stats_out.rt = rt
             for line in gctx.take_messages():
                 say(line)
             plan_lines = rt.plan.lines()
@@ -445,28 +458,77 @@ def run(
                 chat_loop(rt, conv, ChatSettings(gen, ctx, pick), say, figures)
             else:
                 stopped = _one_shot(rt, ids, gen if gen is not None else ctx, pick, tokenizer, mode, say)
-            stats = figures()
-            if stats_json is not None:
-                doc = {**stats.as_dict(), "sampling": asdict(params)}
-                stats_json.write_text(json.dumps(doc, indent=1) + "\n")
+            stats_out.stats = figures()
+            if stopped:
+                stats_out.status = "interrupted"
     finally:
         gctx.close()
     if stopped:
         sys.exit(130)
 
 
+def check_ctx(ctx: int, cfg: ModelConfig, budget: int) -> None:
+    """--ctx within the model's positions and within the budget (the state grows with it)."""
+    if ctx > cfg.max_position_embeddings:
+        raise UsageError(
+            f"--ctx {ctx} is beyond the model's max_position_embeddings {cfg.max_position_embeddings}; lower --ctx"
+        )
+    state = planner.state_bytes_for(cfg, ctx)
+    if state >= budget:
+        raise BudgetError(
+            f"--ctx {ctx} needs {state / planner.GB:.2f} GB of sequence state (KV window, compressed rows,"
+            f" compressor states), more than the whole --budget {budget / planner.GB:.2f} GB; lower --ctx or raise --budget"
+        )
+
+
+class StatsOut:
+    """Writes --stats-json when the run ends, however it ends: the figures so far (when the
+    runtime opened) and `exit` = {status: ok | error | interrupted, message}."""
+
+    def __init__(self, path: Path | None, params: SamplingParams) -> None:
+        self.path = path
+        self.params = params
+        self.rt: Runtime | None = None
+        self.stats: RunStats | None = None
+        self.status = "ok"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if self.path is None:
+            return
+        message = ""
+        if isinstance(exc, KeyboardInterrupt):
+            self.status, message = "interrupted", "Ctrl-C"
+        elif exc is not None:
+            self.status, message = "error", str(exc) if isinstance(exc, Dsv4Error) else f"{type(exc).__name__}: {exc}"
+        doc: dict = {}
+        stats = self.stats
+        if stats is None and self.rt is not None:
+            try:
+                stats = self.rt.stats()
+            except Exception:  # noqa: BLE001 (the figures are a courtesy; the original error matters)
+                stats = None
+        if stats is not None:
+            doc.update(stats.as_dict())
+        doc.update(sampling=asdict(self.params), exit={"status": self.status, "message": message})
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(self.path)
+
+
 def _one_shot(rt: Runtime, ids: list[int], gen: int, pick: Pick, tok: Tokenizer | None, mode: str | None, say) -> bool:
-    """One answer to stdout; True when Ctrl-C stopped it. Why it ended is in the report."""
+    """One answer to stdout (ids as they come without a tokenizer); True when Ctrl-C stopped it. Why it
+    ended is in the report."""
     try:
         with Interrupt() as flag:
             reply = answer(rt, rt.session(), ids, gen=gen, pick=pick, tok=tok, thinking=mode == "think", interrupt=flag)
     except Stopped as e:
         say(f"dsv4: stopped during the prefill after {e.done} of {e.total} prompt tokens")
         return True
-    if tok is None:
-        click.echo(",".join(str(t) for t in reply.ids))
-    else:
-        click.echo("")
+    finally:
+        click.echo("")  # ends the line of ids or text, whatever stopped it
     if reply.stopped:
         say("dsv4: stopped")
     return reply.stopped

@@ -22,7 +22,6 @@ from .. import chat, gpu, planner
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..runtime import RunOptions, Runtime, budget_bytes
-from ..tokenizer import Tokenizer
 from .run import banned_ids, check_trunk, checkpoint_dir, load_tokenizer
 
 # FastAPI, pydantic, uvicorn and the event loop on top of what `dsv4 run` holds: peak RSS of
@@ -86,6 +85,11 @@ def is_loopback(host: str) -> bool:
 @click.option("--io-threads", type=int, default=4, show_default=True, help="Expert reader threads.")
 @click.option("--trunk", type=click.Path(path_type=Path), help="Packed trunk directory.")
 @click.option("--tok", type=click.Path(path_type=Path), help="Packed tokenizer.")
+@click.option(
+    "--allow-special",
+    is_flag=True,
+    help="Let the sampler pick special tokens (placeholders, unused ids), as `dsv4 run` does.",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def serve(
     checkpoint: Path,
@@ -107,6 +111,7 @@ def serve(
     io_threads: int,
     trunk: Path | None,
     tok: Path | None,
+    allow_special: bool,
     debug: bool,
 ) -> None:
     """Serve CHECKPOINT over HTTP: OpenAI's /v1/chat/completions, /v1/completions, /v1/models,
@@ -169,7 +174,9 @@ def serve(
             held["rt"] = rt
             for line in [*gctx.take_messages(), *rt.plan.lines()]:
                 _say(line)
-            srv.worker = _worker(rt, tokenizer, keep_states, ctx, kv_cache, kv_cache_gb)
+            srv.worker = _worker(
+                rt, tokenizer.n_tokens, banned_ids(tokenizer, allow_special), keep_states, ctx, kv_cache, kv_cache_gb
+            )
             _say(f"listening on http://{host}:{port}")
         except BaseException as e:  # noqa: BLE001  re-raised by the main thread once the server has stopped
             failure.append(e)
@@ -197,7 +204,9 @@ def serve(
     _say("dsv4: server stopped")
 
 
-def _worker(rt: Runtime, tok: Tokenizer, keep_states: int, ctx: int, kv_cache: Path | None, kv_cache_gb: float):
+def _worker(
+    rt: Runtime, n_ids: int, banned: list[int], keep_states: int, ctx: int, kv_cache: Path | None, kv_cache_gb: float
+):
     from ..server.cache import DiskCache, StateCache, checkpoint_identity
     from ..server.worker import Worker
 
@@ -209,4 +218,4 @@ def _worker(rt: Runtime, tok: Tokenizer, keep_states: int, ctx: int, kv_cache: P
             disk = DiskCache(kv_cache, int(kv_cache_gb * planner.GB), checkpoint_identity(rt.cat), template, _say)
         except OSError as e:
             raise UsageError(f"--kv-cache {kv_cache}: cannot use it ({e.strerror})") from None
-    return Worker(rt, tok.n_tokens, ram, disk, _say, banned_ids(tok))  # placeholders are never sampled
+    return Worker(rt, n_ids, ram, disk, _say, banned)

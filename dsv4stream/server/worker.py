@@ -81,9 +81,9 @@ class Worker:
         banned: list[int] | None = None,
     ) -> None:
         self.rt = rt
+        self.banned = banned or []  # special ids never sampled, as in `dsv4 run` (commands.run.banned_ids)
         self.stats = LiveStats(rt)
         self.n_ids = n_ids  # ids the tokenizer can print: the sampler's range
-        self.banned = banned or []  # control ids never sampled (commands.run.banned_ids)
         self.ram = ram
         self.disk = disk
         self.log = log
