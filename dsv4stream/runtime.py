@@ -23,7 +23,7 @@ import numpy as np
 
 from . import kernels, planner
 from .catalog import Catalog
-from .engine import Engine, Session
+from .engine import Engine, LayerHook, PrefillStep, Session
 from .errors import UsageError
 from .kernels import reference
 from .pack import MANIFEST, default_out_dir
@@ -50,8 +50,9 @@ class RunOptions:
     trunk: str | os.PathLike | None = None
     route_log: str | os.PathLike | IO[str] | None = None
     ctx: int = 4096  # longest sequence the state estimate covers
-    chunk: int = 64  # prefill chunk (tokens per forward)
+    chunk: int = planner.SUB_CHUNK  # attention sub-chunk of a prefill segment
     overhead: int = planner.DEFAULT_OVERHEAD
+    prefill_segment: int | None = None  # tokens per prefill segment (None: the planner's choice)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,8 @@ class RunStats:
     first_token_seconds: list[float] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
+    prefill_segment: int = 0  # tokens per prefill segment the run used
+    prefill_stopped: str = ""  # where an interrupted prefill stopped ("" when none was)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -171,11 +174,14 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,
         slot_bytes=slot_bytes,
         state_bytes=planner.state_bytes_for(cfg, opts.ctx),
-        staging_bytes=planner.staging_bytes_for(cfg, opts.chunk) + kernel_scratch_bytes(cat),
+        staging_bytes=planner.staging_bytes_for(cfg, opts.chunk, opts.ctx) + kernel_scratch_bytes(cat),
         overhead_bytes=opts.overhead,
         working_set=cfg.working_set_experts,
         experts_per_token=cfg.num_experts_per_tok,
         total_experts=cfg.n_layers * cfg.n_routed_experts,
+        segment_token_bytes=planner.segment_token_bytes(cfg),
+        segment_min=opts.chunk,
+        segment=opts.prefill_segment,
     )
 
 
@@ -251,6 +257,7 @@ class Runtime:
         self.kernel_warmup_seconds = 0.0
         self._turn_prompt_tokens: list[int] = []
         self._first_token_seconds: list[float] = []
+        self._prefill_stopped = ""
 
     @classmethod
     def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None, gpu=None) -> Runtime:
@@ -261,6 +268,8 @@ class Runtime:
             raise UsageError(f"--io {opts.io!r}: use direct or buffered")
         if opts.chunk < 1 or opts.ctx < 1:
             raise UsageError(f"chunk and ctx must be at least 1, found {opts.chunk} and {opts.ctx}")
+        if opts.prefill_segment is not None and opts.prefill_segment < 1:
+            raise UsageError(f"--prefill-segment {opts.prefill_segment}: give at least 1 token")
         cat = Catalog.open(checkpoint)
         cat.validate()
         cfg = cat.config
@@ -313,8 +322,9 @@ class Runtime:
 
     # -- generation --------------------------------------------------------------------------
 
-    def session(self) -> Session:
-        return self.engine.session(chunk_size=self.opts.chunk)
+    def session(self, **kw) -> Session:
+        """A session with this run's sub-chunk and planned prefill segment (kw: `Engine.session`'s hooks)."""
+        return self.engine.session(chunk_size=self.opts.chunk, segment=self.plan.prefill_segment, **kw)
 
     def prefetch_hash_layers(self, token_ids: Sequence[int]) -> None:
         """Start reading the hash layers' experts for these tokens: exact, known from the ids alone."""
@@ -333,20 +343,40 @@ class Runtime:
         pick: Pick | None = None,
         stop_ids: Sequence[int] = (),
         progress: Callable[[int, int], None] | None = None,
+        on_layer: LayerHook | None = None,
     ) -> Iterator[int]:
         """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick`
         (default greedy, ties to the lower id), stopping after a token in `stop_ids`.
 
         Every yielded token but the last has been fed to the session; the last one has not
         (no forward pass is spent on logits nobody reads): a later turn starts with it.
-        `progress(done, total)` runs after each prefill chunk (the prefill is the session's
-        one call, chunked as always). Times go to `stats()`: prefill (to the first logits),
-        time to the first token, and decode steps separately."""
+        `progress(done, total)` runs after each prefill segment, `on_layer(PrefillStep)` after
+        each layer of each segment (raising there stops within one layer). Times go to
+        `stats()`: prefill (to the first logits), time to the first token, and decode steps
+        separately; a prefill stopped part-way counts the tokens fully fed and says where it
+        stopped (`prefill_stopped`)."""
         pick = pick or _greedy
         n_prompt = len(prompt_ids)
         report = (lambda done: progress(done, n_prompt)) if progress is not None else None
+        last: list[PrefillStep] = []
+
+        def layer_done(step: PrefillStep) -> None:
+            last[:] = [step]
+            if on_layer is not None:
+                on_layer(step)
+
         t0 = time.perf_counter()
-        logits = session.prefill(prompt_ids, last_only=True, progress=report)
+        pos0 = session.pos
+        try:
+            logits = session.prefill(prompt_ids, last_only=True, progress=report, on_layer=layer_done)
+        except BaseException:
+            self._prefill_seconds += time.perf_counter() - t0
+            self._prompt_tokens += session.pos - pos0
+            if last:
+                self._prefill_stopped = (
+                    f"{session.pos - pos0} of {n_prompt} tokens fed; stopped after {last[0].where()}"
+                )
+            raise
         self._prefill_seconds += time.perf_counter() - t0
         self._prompt_tokens += n_prompt
         self._turn_prompt_tokens.append(n_prompt)
@@ -419,6 +449,8 @@ class Runtime:
             turn_prompt_tokens=list(self._turn_prompt_tokens),
             first_token_seconds=list(self._first_token_seconds),
             warnings=warnings,
+            prefill_segment=self.plan.prefill_segment,
+            prefill_stopped=self._prefill_stopped,
         )
 
     def close(self) -> None:
