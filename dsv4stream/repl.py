@@ -29,7 +29,7 @@ import click
 
 from . import chat
 from .chat import Message
-from .engine import Session
+from .engine import PrefillStep, Session
 from .report import PrefillBar, Reads
 from .runtime import Pick, Runtime
 from .tokenizer import EOS, THINK_END, Tokenizer
@@ -44,16 +44,19 @@ HELP = (
 
 
 class Stopped(Exception):
-    """Ctrl-C during a prefill, honoured between chunks: the session holds a partial prompt."""
+    """Ctrl-C during a prefill, honoured after the layer running: the session is torn
+    (`Session.torn`) and holds only the segments fed before it."""
 
 
 class Interrupt:
-    """While active, Ctrl-C sets `flag` (checked between tokens and between prefill chunks)
+    """While active, Ctrl-C sets `flag` (checked between tokens and after each prefill layer)
     instead of raising inside a forward pass, which would leave the session's state half
-    updated. A second Ctrl-C raises KeyboardInterrupt at once."""
+    updated; `notice`, when set, acknowledges it at once. A second Ctrl-C raises
+    KeyboardInterrupt at once."""
 
     def __init__(self) -> None:
         self.flag = False
+        self.notice: Callable[[], None] | None = None
         self._prev: object = None
 
     def __enter__(self) -> Self:
@@ -71,6 +74,8 @@ class Interrupt:
         if self.flag:
             raise KeyboardInterrupt
         self.flag = True
+        if self.notice is not None:
+            self.notice()
 
 
 @dataclass(frozen=True)
@@ -110,17 +115,22 @@ def answer(
     flag = interrupt if interrupt is not None else Interrupt()
     bar = PrefillBar(reads_of(rt), leave=leave_bar)
 
-    def progress(done: int, total: int) -> None:
-        bar(done, total)
-        if flag.flag and done < total:
-            raise Stopped
+    def on_layer(step: PrefillStep) -> None:
+        bar(int(step.tokens), step.total, step.where())
+        if flag.flag and (step.layer < step.layers or step.done + step.segment_tokens < step.total):
+            raise Stopped  # within one layer of the Ctrl-C; a prefill that just finished is kept
+
+    def acknowledge() -> None:
+        bar.note("stopping after this layer (Ctrl-C again to quit now)")
 
     stream = tok.stream() if tok is not None else None
     got: list[int] = []
     bar.start(len(ids))
+    flag.notice = acknowledge
     try:
-        for t in rt.generate(session, ids, gen, pick, stop, progress=progress):
+        for t in rt.generate(session, ids, gen, pick, stop, on_layer=on_layer):
             if not got:
+                flag.notice = None
                 bar.close()
             got.append(t)
             if stream is not None and tok is not None and t != tok.special.eos:
@@ -133,6 +143,7 @@ def answer(
             if flag.flag:
                 break
     finally:
+        flag.notice = None
         bar.close()
     if stream is not None:
         _echo(out, stream.flush(), dim=thinking)

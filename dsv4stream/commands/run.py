@@ -210,6 +210,13 @@ def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator) -> P
 @click.option("--vram", type=float, default=None, help="GB of VRAM --gpu may use. [default: free VRAM less a margin]")
 @click.option("--threads", type=int, default=None, help="CPU kernel threads (results do not depend on it).")
 @click.option(
+    "--prefill-segment",
+    type=int,
+    default=None,
+    help="Prompt tokens that go through each layer together (each expert read once per segment)."
+    " [default: the plan's, as large as --budget allows, up to 4096]",
+)
+@click.option(
     "--temperature",
     type=float,
     default=None,
@@ -275,6 +282,7 @@ def run(
     use_gpu: bool,
     vram: float | None,
     threads: int | None,
+    prefill_segment: int | None,
     temperature: float | None,
     top_p: float | None,
     top_k: int | None,
@@ -313,7 +321,8 @@ def run(
     if vram is not None and not use_gpu:
         raise UsageError("--vram applies to --gpu; add --gpu or drop --vram")
     gen = gen if gen is not None else CHAT_GEN if mode else RAW_GEN
-    for name, value in (("--gen", gen), ("--ctx", ctx), ("--threads", threads), ("--io-threads", io_threads)):
+    checks = (("--gen", gen), ("--ctx", ctx), ("--threads", threads), ("--io-threads", io_threads))
+    for name, value in (*checks, ("--prefill-segment", prefill_segment)):
         if value is not None and value < 1:
             raise UsageError(f"{name} {value}: give at least 1")
     params = sampling_params(temperature, top_p, top_k, min_p, seed, greedy, mode is not None)
@@ -344,7 +353,7 @@ def run(
     try:
         opts = RunOptions(
             budget=budget_b, io=io, verify=verify, threads=gctx.threads,
-            io_threads=io_threads, trunk=trunk, route_log=route_log, ctx=ctx,
+            io_threads=io_threads, trunk=trunk, route_log=route_log, ctx=ctx, prefill_segment=prefill_segment,
         )  # fmt: skip
         extra = {"gpu": gctx} if gctx.enabled else {}
         with Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}"), **extra) as rt:
