@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= .demo
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,17 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed
 	$(BIN)/python tools/demo.py $(DEMO_DIR)
 
-test: $(VENV)/.installed
+# The chat page's test drives Debian's chromium through chromedriver; installed here when
+# apt-get can be used (root, or sudo without a password), else that one test skips.
+browser:
+	@command -v chromedriver >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
+	  if [ "$$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then \
+	    ($$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
+	      || echo "make: could not install chromium; the browser test will skip"; \
+	  else echo "make: no chromium/chromedriver and no apt-get as root; the browser test will skip"; fi; }
+
+test: $(VENV)/.installed browser
 	$(BIN)/python -m pytest
 
 lint: $(VENV)/.installed

@@ -2,7 +2,8 @@
 
 Cases (random weights in the release formats, E8M0 scales): routed expert w1 2048x4096 and w2
 4096x2048 (FP4); attention wq_b 32768x1024 and wo_b 4096x8192, shared-expert w1 2048x4096 (FP8);
-head 129280x4096 (BF16); each at 1 token and at 32 tokens.
+head 129280x4096 (BF16); each at 1 token and at 32, 96 and 256 tokens (what prefill gives one
+expert: segment x 6 / n_experts, dozens to hundreds; the trunk sees the whole segment).
 
 Measured in the same run, before the cases:
   mem_read_gbps: the best of 3 passes of `np.add.reduce` over a 1 GiB uint64 array, by one
@@ -13,15 +14,17 @@ dispatch (fast backend): input reordering, output allocation and the kernel, not
 W_i cycles through copies of the weight whose total is at least 256 MiB (8x the L3 of this
 machine class), so the weights stream from DRAM as they do from expert slots; X (float32
 (T, cols), N(0,1)) stays cached. n covers every copy at least once and at least --seconds;
-the window is repeated --repeat times and `ms` is the median per call. JIT compilation is
-excluded (`warmup()` first; its time is in the header).
+the window is repeated --repeat times and `ms` is the best window's time per call (the
+machine is shared: the best window is the one least disturbed; BLAS is timed the same way).
+JIT compilation is excluded (`warmup()` first; its time is in the header). `path` says which
+kernel ran: fused (decode in registers / tiles) or dequant+blas (row tiles, then sgemm).
 
 Per case: gbps = weight bytes (data + scales) per call / time; gflops = 2*R*C*T / time;
 ratio = gbps / mem_read_gbps. Multi-token cases add vs_blas = our GFLOP/s over numpy float32
 GEMM `X @ W.T` (OpenBLAS, all cores) on the same shape, weight resident (best of repeats).
 OPENBLAS_THREAD_TIMEOUT=4 (unless set) keeps idle OpenBLAS workers from spinning into our timing.
-Prints a header line with the machine state, one line per case, and a footer with the load
-at the end (other users of the machine show up there).
+Prints a header line with the machine state (CPU model, SIMD features, load), one line per
+case, and a footer with the load at the end (other users of the machine show up there).
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 import argparse
 import math
 import platform
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -108,7 +110,7 @@ def time_ours(ws: list[QWeight], x: np.ndarray, seconds: float, repeat: int) -> 
             kernels.matmul(ws[n % len(ws)], x)
             n += 1
         per_call.append((time.perf_counter() - t0) / n)
-    return statistics.median(per_call)
+    return min(per_call)
 
 
 def time_blas(rows: int, cols: int, x: np.ndarray, repeat: int) -> float:
@@ -126,10 +128,27 @@ def time_blas(rows: int, cols: int, x: np.ndarray, repeat: int) -> float:
     return best
 
 
+def cpu_description() -> str:
+    """CPU model and the SIMD features the kernels can use (x86 flags or the ARM equivalents)."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                info.setdefault(k.strip(), v.strip())
+    except OSError:
+        pass
+    model = info.get("model name") or info.get("Model") or platform.processor() or platform.machine()
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    simd = [f for f in ("sse4_2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16",
+                        "asimd", "asimdhp", "sve", "bf16") if f in flags]  # fmt: skip
+    return f"cpu={model!r} simd={','.join(simd) or 'unknown'}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 96, 256])
     ap.add_argument("--cases", nargs="+", default=[c[0] for c in CASES], help="subset of case names")
     ap.add_argument("--seconds", type=float, default=0.3, help="minimum length of one timed window")
     ap.add_argument("--repeat", type=int, default=5)
@@ -144,7 +163,7 @@ def main() -> None:
     mem = max(one, many)
     load = os.getloadavg()
     print(
-        f"# machine: cpu={platform.processor() or platform.machine()} cores={os.cpu_count()} threads={threads}"
+        f"# machine: {cpu_description()} cores={os.cpu_count()} threads={threads}"
         f" load_avg={load[0]:.2f},{load[1]:.2f},{load[2]:.2f} mem_read_gbps={mem:.1f}"
         f" (1 thread {one:.1f}, {threads} threads {many:.1f}) backend={kernels.backend_name()}"
         f" warmup_s={warm:.2f} numpy={np.__version__}"
@@ -159,8 +178,9 @@ def main() -> None:
             sec = time_ours(ws, x, args.seconds, args.repeat)
             gbps = ws[0].nbytes / sec / 1e9
             gflops = 2 * rows * cols * t / sec / 1e9
+            path = "dequant+blas" if t >= fast.blas_min_tokens(ws[0]) else "fused"
             line = (
-                f"name={name} dtype={kind} rows={rows} cols={cols} tokens={t} ms={sec * 1e3:.3f}"
+                f"name={name} dtype={kind} rows={rows} cols={cols} tokens={t} path={path} ms={sec * 1e3:.3f}"
                 f" gbps={gbps:.2f} gflops={gflops:.1f} mem_read_gbps={mem:.1f} ratio={gbps / mem:.3f}"
             )
             if t > 1:

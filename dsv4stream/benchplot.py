@@ -14,6 +14,14 @@ from pathlib import Path
 from .errors import UsageError
 
 X_LABELS = {"budget_gb": "--budget (GB)", "slots": "expert cache (experts)"}
+# One look per policy, so that lines that coincide (pinned and Belady often do) stay visible:
+# different dashes and hollow markers of different sizes show through each other.
+STYLES = {
+    "lru": {"linestyle": "-", "marker": "o", "markersize": 7},
+    "pinned": {"linestyle": "--", "marker": "s", "markersize": 11, "markerfacecolor": "none", "linewidth": 2.5},
+    "pinned+lru": {"linestyle": "-.", "marker": "^", "markersize": 8},
+    "belady": {"linestyle": ":", "marker": "D", "markersize": 5, "linewidth": 1.5},
+}
 
 
 def plot_sweep(
@@ -42,14 +50,23 @@ def plot_sweep(
     ax_hit = axes[0][0]
     for policy, rows in _by_policy(records).items():
         rows = sorted(rows, key=lambda r: r[x])
-        ax_hit.plot([r[x] for r in rows], [100 * r["hit_rate"] for r in rows], marker="o", label=policy or "hit rate")
+        style = STYLES.get(policy or "", {"marker": "o"})
+        ax_hit.plot(
+            [r[x] for r in rows],
+            [100 * r["hit_rate"] for r in rows],
+            label=policy or "hit rate",
+            clip_on=False,  # a marker at 0% or 100% is drawn whole, not cut by the frame
+            **style,
+        )
     ax_hit.set_ylabel("expert cache hit rate (%)")
     ax_hit.set_ylim(0, 100)
     ax_hit.grid(True, alpha=0.3)
     if timed:
         ax_t = axes[1][0]
         rows = sorted(timed, key=lambda r: r[x])
-        ax_t.plot([r[x] for r in rows], [r["decode_s_per_token"] for r in rows], marker="s", color="tab:red")
+        ax_t.plot(
+            [r[x] for r in rows], [r["decode_s_per_token"] for r in rows], marker="s", color="tab:red", clip_on=False
+        )
         ax_t.set_ylabel("decode s/token")
         ax_t.set_ylim(bottom=0)
         ax_t.grid(True, alpha=0.3)

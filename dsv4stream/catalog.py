@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import CheckpointError
+from .config import DSPARK, LAYOUTS, PREVIEW, ModelConfig
+from .errors import CheckpointError, ReadError
 from .kernels import QWeight
 from .spec import ITEMSIZE, TensorSpec, model_specs
 
@@ -53,9 +54,30 @@ class TensorEntry:
         return self.offset + self.nbytes
 
 
+def regular_file(path: Path, what: str) -> os.stat_result:
+    """stat of `path`, refusing anything but a regular file before it is opened (a FIFO would hang)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: {what} is not a regular file (a FIFO, device or folder); replace it")
+    return st
+
+
+def _offsets(info: dict) -> tuple[tuple[int, ...], int, int] | None:
+    """(shape, begin, end) when shape is a list of non-negative ints and data_offsets two ints."""
+    shape, offs = info.get("shape", ()), info.get("data_offsets")
+    ints = lambda xs: isinstance(xs, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in xs)
+    if not (ints(shape) and ints(offs) and len(offs) == 2) or any(x < 0 for x in shape):
+        return None
+    return tuple(shape), offs[0], offs[1]
+
+
 def read_header(path: Path) -> list[TensorEntry]:
-    """Parse one shard's header; refuse unknown dtypes and tensors past the end of file."""
-    size = path.stat().st_size
+    """Parse one shard's header; refuse unknown dtypes, tensors outside the data section, and
+    tensors whose bytes overlap (each tensor must own its bytes)."""
+    size = regular_file(path, "the shard").st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
@@ -81,13 +103,17 @@ def read_header(path: Path) -> list[TensorEntry]:
             raise CheckpointError(
                 f"{path}: tensor '{name}' has unsupported dtype {dt!r}; expected one of {sorted(NP_DTYPE)}"
             )
-        try:
-            shape = tuple(int(x) for x in info.get("shape", ()))
-            b, e = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+        got = _offsets(info)
+        if got is None:
             raise CheckpointError(
-                f"{path}: tensor '{name}' has a malformed shape or data_offsets; re-download this shard"
-            ) from None
+                f"{path}: tensor '{name}' has a malformed shape or data_offsets (need non-negative integers);"
+                " re-download this shard"
+            )
+        shape, b, e = got
+        if not 0 <= b <= e:
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has data_offsets [{b}, {e}]: outside the data section; re-download this shard"
+            )
         want = int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dt]
         if e - b != want:
             raise CheckpointError(f"{path}: tensor '{name}' spans {e - b} bytes but {dt} {list(shape)} needs {want}")
@@ -97,7 +123,20 @@ def read_header(path: Path) -> list[TensorEntry]:
                 "the shard is truncated; re-download it"
             )
         out.append(TensorEntry(name, str(path), base + b, e - b, dt, shape))
+    _check_disjoint(path, out)
     return out
+
+
+def _check_disjoint(path: Path, entries: list[TensorEntry]) -> None:
+    prev = None
+    for t in sorted(entries, key=lambda t: (t.offset, t.end)):
+        if prev is not None and t.offset < prev.end and t.nbytes and prev.nbytes:
+            raise CheckpointError(
+                f"{path}: tensors '{prev.name}' (bytes {prev.offset}..{prev.end}) and '{t.name}'"
+                f" (bytes {t.offset}..{t.end}) overlap; the header is corrupt — re-download this shard"
+            )
+        if prev is None or t.end > prev.end:
+            prev = t
 
 
 class Catalog:
@@ -142,9 +181,10 @@ class Catalog:
     def problems(self, specs: Iterable[TensorSpec] | None = None) -> list[str]:
         """Every mismatch between the checkpoint and what the config implies."""
         cfg = self.config
+        whole = specs is None
         specs = list(model_specs(cfg)) if specs is None else list(specs)
         by_name = {s.name: s for s in specs}
-        out: list[str] = []
+        out: list[str] = self._layout_problems(by_name) if whole else []
         for s in specs:
             if s.kind == "scale":
                 w = self.entries.get(s.of or "")
@@ -169,6 +209,23 @@ class Catalog:
                 out.append(f"'{s.name}': dtype {e.dtype}, expected one of {'/'.join(s.dtypes)}")
             elif e.shape != s.stored_shape(e.dtype):
                 out.append(f"'{s.name}': shape {list(e.shape)}, expected {list(s.stored_shape(e.dtype))}")
+        return out
+
+    def _layout_problems(self, expected: dict[str, TensorSpec]) -> list[str]:
+        """The mtp.* layout the shards show against the config's, and tensors nobody expects."""
+        out = []
+        found, want = tensor_layout(self.entries), self.config.layout
+        if found != want:
+            out.append(
+                f"the shards hold {LAYOUTS.get(found, found)} but config.json describes {LAYOUTS[want]}"
+                " (config.json belongs to another release)"
+            )
+        unexpected = sorted(set(self.entries) - set(expected))
+        if unexpected:
+            out.append(
+                f"{len(unexpected)} tensor(s) that config.json does not describe, first '{unexpected[0]}'"
+                f" (expected {LAYOUTS[want]})"
+            )
         return out
 
     def validate(self) -> None:
@@ -219,7 +276,10 @@ class Catalog:
             for i, r in enumerate(np.asarray(rows, dtype=np.int64)):
                 if not 0 <= r < e.shape[0]:
                     raise CheckpointError(f"'{name}': row {r} outside 0..{e.shape[0] - 1}")
-                b = os.pread(fd, row_bytes, e.offset + int(r) * row_bytes)
+                try:
+                    b = os.pread(fd, row_bytes, e.offset + int(r) * row_bytes)
+                except OSError as err:
+                    raise ReadError(f"{e.path}: {err.strerror} reading '{name}' row {r}; check the disk") from None
                 if len(b) != row_bytes:
                     raise CheckpointError(f"{e.path}: short read of '{name}' row {r}; the shard is truncated")
                 out[i] = np.frombuffer(b, dtype=dt).reshape(e.shape[1:])
@@ -253,15 +313,35 @@ class Catalog:
         return bf16_to_f32(a) if e.dtype == "BF16" else a.astype(np.float32, copy=False)
 
 
+# One tensor that only each layout's mtp.0 block holds (see spec.MTP_EXTRAS).
+_LAYOUT_MARKERS = {PREVIEW: "mtp.0.e_proj.weight", DSPARK: "mtp.0.main_proj.weight"}
+
+
+def tensor_layout(entries: Iterable[str]) -> str | None:
+    """The mtp.* layout the shards themselves show: PREVIEW, DSPARK, None (no mtp.* tensor),
+    or "unrecognised mtp.* tensors" when they hold neither."""
+    names = set(entries)
+    for layout, marker in _LAYOUT_MARKERS.items():
+        if marker in names:
+            return layout
+    return "unrecognised mtp.* tensors" if any(n.startswith("mtp.") for n in names) else None
+
+
 def pread_exact(path: str, offset: int, buf, what: str) -> None:
     """Fill `buf` (a writable buffer) with the bytes of `path` from `offset`; a short read is
     a CheckpointError naming `what` (the file is truncated)."""
     view = memoryview(buf).cast("B")
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise ReadError(f"{path}: cannot open ({e.strerror}) to read {what}") from None
     try:
         got = 0
         while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got)
+            try:
+                n = os.preadv(fd, [view[got:]], offset + got)
+            except OSError as e:
+                raise ReadError(f"{path}: {e.strerror} reading {what} at byte {offset + got}; check the disk") from None
             if n <= 0:
                 raise CheckpointError(f"{path}: short read of {what} at byte {offset + got}; the file is truncated")
             got += n
@@ -278,8 +358,9 @@ def read_entry(e: TensorEntry) -> np.ndarray:
 
 def _read_index(root: Path) -> dict[str, str] | None:
     p = root / INDEX_NAME
-    if not p.exists():
+    if not p.exists() and not p.is_symlink():
         return None
+    regular_file(p, "the index")
     try:
         wm = json.loads(p.read_text())["weight_map"]
         return {str(k): str(v) for k, v in wm.items()}

@@ -7,7 +7,7 @@ code does, so special-token text inside messages becomes those tokens); tool-sch
 and the internal "task" tokens (callers put a rendered tool description in the system text).
 
 Layout (modes "chat" and "think"; the official names are "chat" and "thinking"):
-  BOS, then each message with no separator between messages:
+  BOS, [in think mode, the reasoning-effort prefix], then each message with no separator:
   system            its text as is
   user              <｜User｜> + text blocks joined by "\\n\\n"; a tool result is the block
                     <tool_result>TEXT</tool_result>; consecutive user/tool messages merge
@@ -18,6 +18,12 @@ Layout (modes "chat" and "think"; the official names are "chat" and "thinking"):
   After a user/developer turn that is last, or that an assistant/latest_reminder follows:
   <｜Assistant｜> then <think> (think mode, at or after the last user turn) or </think>.
   In think mode the reasoning of assistant turns before the last user turn is dropped.
+
+Reasoning effort (`EFFORT_PREFIXES`) differs by release of the encoder: the May preview's
+takes "high" (default, no prefix) or "max" (the "Absolute maximum" prefix); DeepSeek-V4-Flash
+-0731's takes "low" (default, no prefix), "high" (the preview's maximum prefix) or "max" (a new
+"Beyond maximum" prefix). Either way the prefix goes before the first message, in think mode
+only; chat mode ignores the effort, as the official encoders do.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .config import PREVIEW
 from .errors import UsageError
 from .tokenizer import (
     ASSISTANT,
@@ -42,6 +49,42 @@ from .tokenizer import (
 
 MODES = ("chat", "think")
 ROLES = ("system", "user", "assistant", "tool", "developer", "latest_reminder")
+
+_ABSOLUTE_MAX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root cause,"
+    " rigorously stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, considered"
+    " alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
+)
+_BEYOND_MAX = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively decompose"
+    " the problem into its most fundamental components, trace every causal chain to its root, and resolve the"
+    " underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple angles and are certain"
+    " that no assumption remains unchecked and no error remains undiscovered.\n\n"
+)
+# encoder release -> effort -> prefix; the first effort listed is the default.
+EFFORT_PREFIXES: dict[str, dict[str, str]] = {
+    "0731": {"low": "", "high": _ABSOLUTE_MAX, "max": _BEYOND_MAX},
+    "preview": {"high": "", "max": _ABSOLUTE_MAX},
+}
+LATEST = "0731"
+
+
+def encoder_for(layout: str | None) -> str:
+    """The encoder release that goes with a checkpoint's mtp.* layout (the preview's, or 0731's)."""
+    return "preview" if layout == PREVIEW else LATEST
+
+
+def effort_prefix(effort: str | None, encoder: str = LATEST) -> str:
+    """Text put before the first message in think mode; UsageError for an effort the release lacks."""
+    table = EFFORT_PREFIXES[encoder]
+    effort = effort or next(iter(table))
+    if effort not in table:
+        raise UsageError(f"reasoning effort {effort!r} is not one of {', '.join(table)} (the {encoder} chat format)")
+    return table[effort]
 
 
 @dataclass(frozen=True)
@@ -77,20 +120,28 @@ def one_turn(user: str, system: str | None = None) -> list[Message]:
     return msgs + [Message("user", user)]
 
 
-def render(messages: Sequence[Message], mode: str = "chat", drop_thinking: bool = True) -> str:
+def render(
+    messages: Sequence[Message],
+    mode: str = "chat",
+    drop_thinking: bool = True,
+    effort: str | None = None,
+    encoder: str = LATEST,
+) -> str:
     """Prompt text for `messages`; ends with the generation prefix when the last turn is a user's.
 
     `drop_thinking=False` keeps every turn's reasoning (the official encoder does this when
-    tool schemas are declared).
+    tool schemas are declared). `effort`: the reasoning effort of `encoder`'s release (None:
+    its default), prefixed in think mode only.
     """
     if mode not in MODES:
         raise UsageError(f"chat mode {mode!r} is not one of {', '.join(MODES)}")
+    prefix = effort_prefix(effort, encoder)
     think = mode == "think"
     turns = _sort_tool_results(_merge_tool_results(messages))
     if think and drop_thinking:
         turns = _drop_old_reasoning(turns)
     last_user = _last_user_index(turns)
-    parts = [BOS]
+    parts = [BOS, prefix if think and turns else ""]
     for i, turn in enumerate(turns):
         parts.append(_render_turn(turn, think and (not drop_thinking or i > last_user)))
         nxt = turns[i + 1].msg.role if i + 1 < len(turns) else None
@@ -100,8 +151,15 @@ def render(messages: Sequence[Message], mode: str = "chat", drop_thinking: bool 
     return "".join(parts)
 
 
-def encode(tok: Tokenizer, messages: Sequence[Message], mode: str = "chat", drop_thinking: bool = True) -> list[int]:
-    return tok.encode(render(messages, mode, drop_thinking))
+def encode(
+    tok: Tokenizer,
+    messages: Sequence[Message],
+    mode: str = "chat",
+    drop_thinking: bool = True,
+    effort: str | None = None,
+    encoder: str = LATEST,
+) -> list[int]:
+    return tok.encode(render(messages, mode, drop_thinking, effort, encoder))
 
 
 def from_openai(messages: Sequence[Mapping[str, Any]]) -> list[Message]:

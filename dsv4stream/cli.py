@@ -7,6 +7,7 @@ errors become `dsv4: <message>` with exit code 2 (a traceback only with --debug)
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -22,8 +23,11 @@ class DefaultGroup(click.Group):
     """A group that treats an unknown first word (a checkpoint path) as `run`'s argument."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        from .commands.registry import check_not_a_typo
+
         first_is_command = not args or args[0] in self.commands or args[0] in ("--help", "-h", "--version")
         if not first_is_command and DEFAULT_COMMAND in self.commands:
+            check_not_a_typo(args[0], sorted(self.commands), "dsv4")
             args = [DEFAULT_COMMAND, *args]
         return super().parse_args(ctx, args)
 
@@ -72,8 +76,25 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:
         if debug:
             traceback.print_exc()
-        click.echo(
-            f"dsv4: {e.strerror or e}: {e.filename or ''} — check the path and permissions (--debug for details)",
-            err=True,
-        )
+        click.echo(f"dsv4: {os_error_line(e)}", err=True)
         sys.exit(2)
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError that reached the top: the file when the system named it, and
+    advice that fits the error (a full disk is not a permissions problem)."""
+    what = e.strerror or str(e) or type(e).__name__
+    where = f"{e.filename}: " if e.filename else ""
+    if e.filename2:
+        where = f"{e.filename} -> {e.filename2}: "
+    advice = {
+        errno.ENOSPC: "free space on that disk and run again (pack-trunk resumes where it stopped)",
+        errno.EDQUOT: "free space within your quota and run again",
+        errno.EACCES: "check the permissions",
+        errno.EPERM: "check the permissions",
+        errno.ENOENT: "check the path",
+        errno.ENOTDIR: "check the path",
+        errno.EIO: "the disk reported an error reading or writing; check it (dmesg) and the file",
+    }.get(e.errno, "check the file and the disk")
+    unnamed = "" if e.filename else " (the system did not say which file; --debug shows where)"
+    return f"{where}{what}{unnamed}; {advice}"

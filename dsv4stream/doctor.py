@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 from .config import ModelConfig
-from .planner import GB, gb_up, minimum_budget, needs_from_config, plan
+from .planner import GB, MemoryNeeds, Plan, gb_up, minimum_budget, plan, smallest_budget
 from .store.directio import ALIGN, FileSet, Window, aligned_buffer
 
 # Hit rates measured publicly on the real V4-Flash with LRU (DESIGN.md): (expert cache /
@@ -115,42 +115,58 @@ def memory_lines() -> list[str]:
 def vram_line() -> str:
     try:
         import cupy
-
+    except ImportError:
+        return "vram: not checked, no CuPy (--gpu needs `pip install -e '.[gpu]'` and an NVIDIA GPU)"
+    try:
         free, total = cupy.cuda.runtime.memGetInfo()
         return f"vram: {total / GB:.1f} GB total, {free / GB:.1f} GB free (CuPy {cupy.__version__})"
-    except Exception as e:  # noqa: BLE001  any CuPy/CUDA failure just means no GPU here
-        return f"vram: none usable ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else 'no CuPy'})"
+    except Exception as e:  # noqa: BLE001  any CUDA failure just means no usable GPU here
+        first = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
+        return f"vram: none usable, CuPy is installed but CUDA says: {first}"
 
 
-def advice_lines(cfg: ModelConfig, available: int, ctx: int = 4096) -> list[str]:
-    """Working set, smallest budget, and a recommended --budget for `available` bytes of RAM."""
-    needs = needs_from_config(cfg, ctx=ctx)
+def advice_lines(cfg: ModelConfig, needs: MemoryNeeds, available: int) -> list[str]:
+    """Working set, smallest budget, and a recommended --budget for `available` bytes of RAM:
+    the plan of the most this machine can give, at the smallest budget that gets that plan."""
     floor = minimum_budget(needs)
-    useful = needs.trunk_resident_bytes + needs.working_set * needs.slot_bytes
+    want = min(needs.working_set, needs.total_experts)
+    useful = smallest_budget(needs, lambda p: p.expert_slots >= want)
     lines = [
         (
             f"model: {cfg.n_layers} layers, {cfg.working_set_experts} experts per pass x {cfg.expert_bytes:,} bytes"
             f" = working set {cfg.working_set_bytes / GB:.2f} GB"
         ),
         f"smallest budget that runs: {gb_up(floor)} (trunk streamed, cache below the working set: hit rate near 0)",
-        f"smallest budget whose cache holds the working set: {gb_up(useful)} (trunk resident)",
     ]
+    if useful is not None:
+        lines.append(f"smallest budget whose cache holds the working set: {gb_up(useful)}")
     # Leave 15% of available memory (at least 1 GB) for the OS and the page cache.
-    rec = int(min(available * 0.85, available - GB)) // GB * GB
-    if rec < floor:
+    cap = int(min(available * 0.85, available - GB))
+    if cap < floor:
         lines.append(
             f"recommended --budget: none fits — {available / GB:.1f} GB available is below the {gb_up(floor)} minimum"
         )
         return lines
+    best = plan(needs, cap)
+    rec = smallest_budget(needs, lambda p: _covers(p, best)) or cap
+    rec = min(rec, cap // (GB // 100) * (GB // 100))  # printed to 0.01 GB, never above the cap
     p = plan(needs, rec)
+    everything = p.pinned_layers == len(needs.layer_bytes) and p.expert_slots >= needs.total_experts
+    why = (
+        "every trunk layer and every expert fits: more buys nothing"
+        if everything
+        else f"the most this machine leaves ({available / GB:.1f} GB available less 15% for the OS and page cache)"
+    )
     hits = expected_hit_rate(p.expert_slots, needs.working_set, needs.total_experts)
     source = (
-        ""
-        if p.expert_slots >= needs.total_experts
-        else " (from public V4-Flash measurements; real hit rates depend on the real model's routing)"
+        "" if everything else " (from public V4-Flash measurements; real hit rates depend on the real model's routing)"
     )
     lines.append(
-        f"recommended --budget {rec // GB}: {p.pinned_layers}/{cfg.n_layers} trunk layers resident,"
+        f"recommended --budget {rec / GB:.2f}: {why}; {p.pinned_layers}/{cfg.n_layers} trunk layers resident,"
         f" {p.expert_slots} expert slots; expected LRU hit rate {hits}{source}"
     )
     return lines
+
+
+def _covers(p: Plan, best: Plan) -> bool:
+    return p.pinned_layers >= best.pinned_layers and p.expert_slots >= best.expert_slots

@@ -27,12 +27,14 @@ import numpy as np
 from . import kernels
 from .catalog import Catalog
 from .config import ModelConfig
-from .errors import UsageError
+from .errors import NumericsError, UsageError
 from .model.attention import AttnState, new_attn_state
 from .model.block import Trace, attention_half, ffn_half, head_forward
 from .model.moe import ExpertWeights
 from .model.providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
 from .model.rope import Rope, rope_tables
+from .model.scan import nonfinite_fields
+from .state import SessionState, capture, thaw
 
 # on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched
 RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
@@ -125,13 +127,27 @@ class Engine:
         )
 
 
+_NAN_ADVICE = (
+    "a weight or scale (an E8M0 scale byte 0xFF is NaN) of the checkpoint holds NaN/inf — re-download the"
+    " shard holding it, or re-pack the trunk if it came from a packed trunk (`dsv4 inspect` checks the pack)"
+)
+
+
 class Session:
     """One sequence: owns its state and position; tokens go in, logits come out.
 
     `segment`: prefill segment (tokens through each layer together; default DEFAULT_SEGMENT);
     `chunk_size`: attention sub-chunk inside a segment. An exception that escapes a forward
     pass mid-segment (Ctrl-C from `on_layer`) leaves the layers' state out of step: the
-    session is then `torn` and refuses more tokens; `pos` counts the tokens fully fed."""
+    session is then `torn` and refuses more tokens; `pos` counts the tokens fully fed.
+
+    Hook for a speculative drafter (not implemented): DeepSeek-V4-Flash-0731's DSpark stages
+    read the outputs of main layers `cfg.dspark.target_layer_ids` (40-42), concatenated. Those
+    are the `trace("hidden", layer, x)` calls, (T, hc, D) per layer after each chunk, in
+    position order. A drafter keeps its own window state beside `state` (its stages are
+    window-only blocks, mtp.* in the catalog) and never changes the main model's state, so
+    verification is an ordinary `prefill` of the drafted tokens.
+    """
 
     def __init__(
         self,
@@ -210,6 +226,16 @@ class Session:
             yield tok
             logits = self.step(tok)
 
+    def snapshot(self) -> SessionState:
+        """An immutable copy of this session's state (position, rings, compressed rows)."""
+        return capture(self.pos, self.state)
+
+    def restore(self, snap: SessionState) -> None:
+        """Continue from `snap`: the next logits equal those of the session it was taken from."""
+        if len(snap.layers) != self.cfg.n_layers:
+            raise UsageError(f"a state of {len(snap.layers)} layers cannot restore a {self.cfg.n_layers}-layer session")
+        self.state, self.pos = thaw(snap), snap.pos
+
     # ---- internals -------------------------------------------------------------
     def _check_ids(self, token_ids) -> np.ndarray:
         if self.torn:
@@ -239,10 +265,6 @@ class Session:
             for i in range(cfg.n_layers):
                 w = eng.trunk.layer(i)
                 rope = eng.rope_for(i)
-                for a in range(0, t, c):
-                    x[a : a + c] = attention_half(
-                        x[a : a + c], positions[a : a + c], w, self.state[i], cfg, rope, self.trace
-                    )
 
                 def routed(experts: np.ndarray, layer: int = i) -> None:
                     if self.on_route is not None:
@@ -250,7 +272,16 @@ class Session:
                     if not cfg.is_hash_layer(layer):
                         eng.experts.prefetch([(layer, int(e)) for e in np.unique(experts)])
 
-                x = ffn_half(x, ids, w, cfg, self._experts_of(i), routed, self.trace, rows=c)
+                try:
+                    for a in range(0, t, c):
+                        x[a : a + c] = attention_half(
+                            x[a : a + c], positions[a : a + c], w, self.state[i], cfg, rope, self.trace
+                        )
+                    x = ffn_half(x, ids, w, cfg, self._experts_of(i), routed, self.trace, rows=c)
+                except NumericsError as e:
+                    bad = nonfinite_fields(w)
+                    where = f" (non-finite values in {', '.join(f'layers.{i}.{b}' for b in bad[:4])})" if bad else ""
+                    raise NumericsError(f"layer {i}: {e}{where}; {_NAN_ADVICE}") from None
                 if after_layer is not None:
                     after_layer(i)
         except BaseException:
@@ -261,7 +292,17 @@ class Session:
             return None
         if last_only:
             x = x[-1:]
-        return head_forward(x, eng.trunk.head(), cfg)
+        out = head_forward(x, eng.trunk.head(), cfg)
+        if not np.isfinite(out).all():  # (T, vocab): a few µs per token next to the head's matvec
+            bad = nonfinite_fields(eng.trunk.head())
+            if bad:
+                raise NumericsError(
+                    f"the logits are NaN or infinite: the head's {', '.join(bad[:4])} hold NaN/inf; {_NAN_ADVICE}"
+                )
+            raise NumericsError(
+                f"the logits (head.weight, after layer {cfg.n_layers - 1}) are NaN or infinite; {_NAN_ADVICE}"
+            )
+        return out
 
     def _experts_of(self, layer: int) -> Callable[[np.ndarray], Iterator[tuple[int, ExpertWeights]]]:
         """The MoE's expert source for one layer: the provider's `get_many` (in memory first,

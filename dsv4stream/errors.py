@@ -36,3 +36,7 @@ class VerifyError(Dsv4Error):
 
 class UsageError(Dsv4Error):
     """The command line asks for something inconsistent."""
+
+
+class NumericsError(Dsv4Error):
+    """Logits or router scores came out NaN or infinite: some weight or scale holds NaN/inf."""

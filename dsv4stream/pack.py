@@ -7,8 +7,8 @@ never reads this file; routed experts stay in the official shards.
 Layout of `OUT_DIR/trunk.bin` (OUT_DIR defaults to `CHECKPOINT_DIR/dsv4-trunk`):
 - One run per group, in model order: `embed` (embed.weight), `layers.L` for each packed
   main layer (all its dense tensors: norms, mHC, attention, compressor, indexer, gate,
-  shared expert), `model` (norm, hc_head_*), `head` (head.weight), `mtp.K` for each MTP
-  block (everything but its routed experts).
+  shared expert), `model` (norm, hc_head_*), `head` (head.weight). The mtp.* blocks (the
+  preview's MTP block, 0731's DSpark drafter) are not packed: nothing runs them yet.
 - Every run starts at a multiple of 4096 and its length is padded with zeros to a multiple
   of 4096, so one O_DIRECT read of (offset, nbytes) fetches it into an aligned buffer.
 - Tensors inside a run start at multiples of 64 (zero padding between), so views into an
@@ -16,10 +16,17 @@ Layout of `OUT_DIR/trunk.bin` (OUT_DIR defaults to `CHECKPOINT_DIR/dsv4-trunk`):
 - Bytes are copied unchanged from the shards (FP8, FP4-in-I8, E8M0, BF16, F32, I64): the
   pack is a relayout, never a conversion.
 
-`manifest.json`: format, the source checkpoint's fingerprint (`Catalog.fingerprint`), and per
+`manifest.json`: format (the `dsv4-trunk/` marker that tells a pack of ours from anything
+else), the source checkpoint's fingerprint (`Catalog.fingerprint`), the plan id, and per
 run: key, layer (main index, n_layers + k for MTP block k, null for model-level runs),
-offset, nbytes (padded), blake2b-128 of all nbytes bytes, and its tensors (name, dtype,
-shape, absolute offset in trunk.bin, nbytes).
+offset, nbytes (padded), blake2b-128 of all nbytes bytes, `sum64` (`word_sum`, the cheap
+check run on every open), and its tensors (name, dtype, shape, absolute offset in
+trunk.bin, nbytes).
+
+OUT_DIR is only ever replaced when it is empty or a previous pack (`check_out_dir`). One
+packer at a time: an flock on `.<OUT_DIR name>.lock` beside OUT_DIR, held until the staged
+pack has been renamed into place and unlinked only then (a lock unlinked earlier let a
+second packer delete a finished pack's trunk.bin).
 
 Atomicity and resume: everything is written into a staging directory
 `.<OUT_DIR name>.partial` beside OUT_DIR, holding `trunk.bin` and `journal.jsonl` (one
@@ -28,14 +35,13 @@ the staging directory is renamed to OUT_DIR in one step, so a half-written pack 
 loaded. A re-run with the same checkpoint and `--layers` re-reads each journaled run,
 keeps those whose checksum still matches, and writes the rest.
 
-Partial packs (`--layers N`): the model-level runs plus main layers 0..N-1 (MTP blocks
-only when N is the full depth). The manifest says `complete: false`; a runner takes what
+Partial packs (`--layers N`): the model-level runs plus main layers 0..N-1. The manifest says `complete: false`; a runner takes what
 the pack holds and reads every other trunk tensor straight from the shards.
 """
 
 from __future__ import annotations
 
-import fcntl
+import errno
 import hashlib
 import json
 import os
@@ -45,17 +51,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .catalog import Catalog, TensorEntry
-from .errors import BudgetError, CheckpointError, Dsv4Error, UsageError
+from .errors import BudgetError, CheckpointError, Dsv4Error, ReadError, UsageError
+from .packdir import (
+    MANIFEST,
+    TRUNK_FILE,
+    check_out_dir,
+    default_out_dir,
+    drop_lock,
+    is_pack,
+    lock_path,
+    old_dir,
+    read_manifest,
+    staging_dir,
+    take_lock,
+)
 from .spec import TensorSpec, layer_prefix, model_specs
 
 FORMAT = "dsv4-trunk/1"
 ALIGN = 4096
 TENSOR_ALIGN = 64
-TRUNK_FILE = "trunk.bin"
-MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"
-DEFAULT_DIRNAME = "dsv4-trunk"
 CHECKSUM = "blake2b-128"
 CHUNK = 16 << 20  # copy granularity: bounds the packer's memory whatever the tensor size
 
@@ -94,14 +112,6 @@ class PackResult:
     up_to_date: bool = False  # OUT_DIR already held this pack; nothing done
 
 
-def default_out_dir(ckpt_dir: str | os.PathLike) -> Path:
-    return Path(ckpt_dir) / DEFAULT_DIRNAME
-
-
-def staging_dir(out_dir: Path) -> Path:
-    return out_dir.parent / f".{out_dir.name}.partial"
-
-
 def _run_key(cat: Catalog, s: TensorSpec) -> str:
     if s.layer is not None:
         return layer_prefix(cat.config, s.layer).rstrip(".")
@@ -115,10 +125,8 @@ def plan_runs(cat: Catalog, layers: int | None = None) -> list[PlannedRun]:
     groups: dict[str, list[TensorSpec]] = {}
     layer_of: dict[str, int | None] = {}
     for s in model_specs(cfg, with_experts=False):
-        if s.layer is not None and (
-            s.layer < cfg.n_layers and s.layer >= n or s.layer >= cfg.n_layers and n < cfg.n_layers
-        ):
-            continue
+        if s.layer is not None and s.layer >= min(n, cfg.n_layers):
+            continue  # past the packed depth, or an mtp.* block (not run)
         if s.name not in cat.entries:
             continue  # a scale that this weight's dtype does not have (validated before)
         k = _run_key(cat, s)
@@ -147,11 +155,14 @@ def _plan_id(cat: Catalog, runs: list[PlannedRun]) -> str:
     return h.hexdigest()[:32]
 
 
-def manifest_dict(cat: Catalog, runs: list[PlannedRun], sums: dict[str, str], layers: int) -> dict:
+def manifest_dict(
+    cat: Catalog, runs: list[PlannedRun], sums: dict[str, str], layers: int, plan: str, words: dict[str, str]
+) -> dict:
     cfg = cat.config
     return {
         "format": FORMAT,
         "fingerprint": cat.fingerprint,
+        "plan": plan,
         "source": str(cat.root.resolve()),
         "file": TRUNK_FILE,
         "file_bytes": runs[-1].offset + runs[-1].nbytes if runs else 0,
@@ -169,6 +180,7 @@ def manifest_dict(cat: Catalog, runs: list[PlannedRun], sums: dict[str, str], la
                 "offset": r.offset,
                 "nbytes": r.nbytes,
                 "blake2b": sums[r.key],
+                "sum64": words[r.key],
                 "tensors": [
                     {"name": t.src.name, "dtype": t.src.dtype, "shape": list(t.src.shape), "offset": t.offset,
                      "nbytes": t.src.nbytes}
@@ -180,19 +192,46 @@ def manifest_dict(cat: Catalog, runs: list[PlannedRun], sums: dict[str, str], la
     }  # fmt: skip
 
 
-def hash_range(fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None] | None = None) -> str:
+def word_sum(b) -> int:
+    """Sum of the little-endian uint64 words of `b` (zero-padded to 8 bytes), modulo 2**64.
+
+    The cheap check run on every open: any single changed byte changes it, and numpy does it
+    at memory speed (blake2b runs at a fraction of a GB/s per core)."""
+    view = memoryview(b).cast("B")
+    whole = len(view) // 8 * 8
+    total = int(np.add.reduce(np.frombuffer(view[:whole], dtype="<u8"), dtype=np.uint64)) if whole else 0
+    if whole < len(view):
+        total += int.from_bytes(bytes(view[whole:]).ljust(8, b"\0"), "little")
+    return total % (1 << 64)
+
+
+def hash_range(
+    fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None] | None = None, path: str = "trunk file"
+) -> str:
     """blake2b-128 of nbytes of an open file from offset; a short file is an error."""
+    return digest_range(fd, offset, nbytes, on_bytes, path)[0]
+
+
+def digest_range(
+    fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None] | None = None, path: str = "trunk file"
+) -> tuple[str, str]:
+    """(blake2b-128, word_sum as 16 hex digits) of nbytes from offset (a multiple of 8)."""
     h = new_hash()
+    words = 0
     done = 0
     while done < nbytes:
-        b = os.pread(fd, min(CHUNK, nbytes - done), offset + done)
+        try:
+            b = os.pread(fd, min(CHUNK, nbytes - done), offset + done)
+        except OSError as e:
+            raise ReadError(f"{path}: {e.strerror} at byte {offset + done}; check the disk") from None
         if not b:
-            raise CheckpointError(f"short read at byte {offset + done}: the file ends before the run does")
+            raise CheckpointError(f"{path}: short read at byte {offset + done}: the file ends before the run does")
         h.update(b)
+        words += word_sum(b)
         done += len(b)
         if on_bytes:
             on_bytes(len(b))
-    return h.hexdigest()
+    return h.hexdigest(), f"{words % (1 << 64):016x}"
 
 
 def _read_journal(path: Path, plan: str) -> dict[str, str] | None:
@@ -217,17 +256,48 @@ def _read_journal(path: Path, plan: str) -> dict[str, str] | None:
 
 
 def _existing_pack_matches(out_dir: Path, fingerprint: str, layers: int) -> bool:
+    m = read_manifest(out_dir)
     try:
-        m = json.loads((out_dir / MANIFEST).read_text())
-        size = (out_dir / m["file"]).stat().st_size
-        return (
-            m.get("format") == FORMAT
-            and m.get("fingerprint") == fingerprint
-            and m.get("layers_packed") == layers
-            and size == m.get("file_bytes")
-        )
-    except (OSError, ValueError, KeyError, TypeError):
+        size = (out_dir / str(m["file"])).stat().st_size if m else -1
+    except (OSError, KeyError, TypeError):
         return False
+    return (
+        m is not None
+        and m.get("format") == FORMAT
+        and m.get("fingerprint") == fingerprint
+        and m.get("layers_packed") == layers
+        and size == m.get("file_bytes")
+    )
+
+
+def _corrupt_runs(out_dir: Path, progress: bool) -> list[str]:
+    """Keys of the runs of an existing pack whose bytes no longer hash to the manifest's sums."""
+    from tqdm import tqdm
+
+    m = read_manifest(out_dir) or {}
+    runs = m.get("runs", [])
+    bad = []
+    fd = os.open(out_dir / m["file"], os.O_RDONLY)
+    try:
+        total = sum(int(r["nbytes"]) for r in runs)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
+            for r in runs:
+                try:
+                    ok = hash_range(fd, int(r["offset"]), int(r["nbytes"]), bar.update, str(m["file"])) == r["blake2b"]
+                except CheckpointError:
+                    ok = False
+                if not ok:
+                    bad.append(str(r["key"]))
+    finally:
+        os.close(fd)
+    return bad
+
+
+def _open_read(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise ReadError(f"{path}: cannot open ({e.strerror}); check the file and its permissions") from None
 
 
 def _size(n: int) -> str:
@@ -252,8 +322,9 @@ def _say(msg: str, progress: bool) -> None:
 class _Copier:
     """Writes planned runs into trunk.bin, hashing exactly the bytes it writes."""
 
-    def __init__(self, out_fd: int, on_bytes: Callable[[int], None]):
+    def __init__(self, out_fd: int, out_path: str, on_bytes: Callable[[int], None]):
         self.out_fd = out_fd
+        self.out_path = out_path
         self.on_bytes = on_bytes
         self.src: dict[str, int] = {}
 
@@ -268,23 +339,32 @@ class _Copier:
             h.update(z)
             os.pwrite(self.out_fd, z, pos)
 
-    def write_run(self, run: PlannedRun) -> str:
+    def write_run(self, run: PlannedRun) -> tuple[str, str]:
+        """(blake2b, word sum) of the run as written: tensors start at multiples of 64 and
+        zeros follow each one, so each tensor's zero-padded word sum is the file's."""
         h = new_hash()
+        words = 0
         pos = run.offset
         for t in run.tensors:
             self._zeros(h, pos, t.offset - pos)  # padding is written too: it may hold old garbage
             e = t.src
             fd = self.src.get(e.path)
             if fd is None:
-                fd = self.src[e.path] = os.open(e.path, os.O_RDONLY)
+                fd = self.src[e.path] = _open_read(e.path)
             done = 0
             while done < e.nbytes:
-                b = os.pread(fd, min(CHUNK, e.nbytes - done), e.offset + done)
+                try:
+                    b = os.pread(fd, min(CHUNK, e.nbytes - done), e.offset + done)
+                except OSError as err:
+                    raise ReadError(
+                        f"{e.path}: {err.strerror} reading '{e.name}' at byte {e.offset + done}; check the disk"
+                    ) from None
                 if not b:
                     raise CheckpointError(
                         f"{e.path}: short read of '{e.name}' at byte {e.offset + done}; the shard is truncated"
                     )
                 h.update(b)
+                words += word_sum(b)  # chunks start at multiples of CHUNK inside the tensor: word-aligned
                 os.pwrite(self.out_fd, b, t.offset + done)
                 done += len(b)
                 self.on_bytes(len(b))
@@ -292,7 +372,7 @@ class _Copier:
         end = run.offset + run.nbytes
         self._zeros(h, pos, end - pos)
         self.on_bytes(run.nbytes - sum(t.src.nbytes for t in run.tensors))
-        return h.hexdigest()
+        return h.hexdigest(), f"{words % (1 << 64):016x}"
 
 
 def pack_trunk(
@@ -306,9 +386,10 @@ def pack_trunk(
 ) -> PackResult:
     """Pack every non-expert tensor of the checkpoint into OUT_DIR (see the module docstring).
 
-    layers: pack only main layers 0..layers-1. force: replace an OUT_DIR holding another pack.
-    on_run(key, written) is called after each run is journaled (written=True) or found
-    verified (written=False); tests use it to interrupt the packer at a known point.
+    layers: pack only main layers 0..layers-1. force: replace an OUT_DIR holding another pack
+    (only a pack: anything else is refused). on_run(key, written) is called after each run is
+    journaled (written=True) or found verified (written=False); tests use it to interrupt the
+    packer at a known point.
     """
     t0 = time.perf_counter()
     cat = Catalog.open(ckpt_dir)
@@ -320,62 +401,100 @@ def pack_trunk(
     out = Path(out_dir) if out_dir is not None else default_out_dir(ckpt_dir)
     runs = plan_runs(cat, n)
     plan = _plan_id(cat, runs)
-    total = runs[-1].offset + runs[-1].nbytes
-
-    if _existing_pack_matches(out, cat.fingerprint, n):
-        return PackResult(out, len(runs), (), tuple(r.key for r in runs), 0, time.perf_counter() - t0, True)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise UsageError(
-            f"{out}: exists and holds something other than a pack of this checkpoint with {n} layers;"
-            " remove it, choose another OUT_DIR, or pass --force to replace it"
-        )
-
-    stage = staging_dir(out)
-    stage.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(stage / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    check_out_dir(Path(ckpt_dir), out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock_fd = take_lock(lock_path(out), out)
     try:
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise Dsv4Error(f"{stage}: another pack-trunk is writing here; wait for it or stop it") from None
-        return _pack_locked(cat, runs, plan, total, n, out, stage, force, progress, on_run, t0)
+        check_out_dir(Path(ckpt_dir), out, force)  # again, now that no other packer can change it
+        replace = force
+        if _existing_pack_matches(out, cat.fingerprint, n):
+            bad = _corrupt_runs(out, progress)
+            if not bad:
+                return PackResult(out, len(runs), (), tuple(r.key for r in runs), 0, time.perf_counter() - t0, True)
+            _say(f"{out}: run(s) {', '.join(bad)} fail their checksum; packing again", progress)
+            replace = True  # a damaged copy of this very pack: replacing it loses nothing
+        elif out.is_dir() and any(out.iterdir()) and not force:
+            raise UsageError(
+                f"{out}: holds another pack (not this checkpoint with {n} layers);"
+                " remove it, choose another OUT_DIR, or pass --force to replace it"
+            )
+        return _pack_locked(cat, runs, plan, n, out, replace, progress, on_run, t0)
     finally:
-        os.close(lock_fd)
+        drop_lock(lock_path(out), lock_fd)
 
 
-def _pack_locked(cat, runs, plan, total, n, out, stage, force, progress, on_run, t0) -> PackResult:
-    from tqdm import tqdm
+def _stage_manifest_sums(stage: Path, plan: str) -> dict[str, str] | None:
+    """Run checksums of a staged pack that was killed after writing its manifest (same plan)."""
+    m = read_manifest(stage)
+    if m is None or m.get("plan") != plan:
+        return None
+    try:
+        return {str(r["key"]): str(r["blake2b"]) for r in m["runs"]}
+    except (KeyError, TypeError):
+        return None
 
+
+def _meta_bytes(cat: Catalog, runs: list[PlannedRun], n: int) -> int:
+    """Disk the manifest (written last) and the journal take, in whole pages."""
+    manifest = json.dumps(
+        manifest_dict(cat, runs, {r.key: "0" * 32 for r in runs}, n, "0" * 32, {r.key: "0" * 16 for r in runs}),
+        indent=1,
+    )
+    journal = 200 + 100 * len(runs)
+    return _round_up(len(manifest) + 1, ALIGN) * 2 + _round_up(journal, ALIGN)  # tmp + final manifest
+
+
+def _disk_full(stage: Path, data: Path, total: int, meta: int) -> BudgetError:
+    try:
+        allocated = data.stat().st_blocks * 512
+    except OSError:
+        allocated = 0
+    need = max(0, total - allocated) + meta
+    free = shutil.disk_usage(stage).free
+    return BudgetError(
+        f"{stage}: no space left on device; finishing the pack needs {_size(need)} and {_size(free)} is free —"
+        f" free {_size(max(need - free, 0))} more and run pack-trunk again (it resumes)"
+    )
+
+
+def _pack_locked(cat, runs, plan, n, out, replace, progress, on_run, t0) -> PackResult:
+    total = runs[-1].offset + runs[-1].nbytes
+    stage = staging_dir(out)
+    stage.mkdir(exist_ok=True)
+    (stage / "lock").unlink(missing_ok=True)  # left by an older dsv4stream
     data, journal = stage / TRUNK_FILE, stage / JOURNAL
     done = _read_journal(journal, plan) if data.exists() else None
+    if done is None and data.exists():
+        done = _stage_manifest_sums(stage, plan)  # killed between its manifest and the rename
+        if done is not None:
+            _say(f"finishing the pack in {stage} (interrupted after its manifest)", progress)
+            journal.write_text(
+                json.dumps({"plan": plan, "fingerprint": cat.fingerprint, "layers": n})
+                + "\n"
+                + "".join(json.dumps({"key": k, "blake2b": v}) + "\n" for k, v in done.items())
+            )
     if done is None and (data.exists() or journal.exists()):
-        _say(f"discarding an unfinished pack of another checkpoint or --layers in {stage}", progress)
+        _say(f"discarding an unfinished pack in {stage}: it was for another checkpoint or --layers", progress)
     if done is None:
         data.unlink(missing_ok=True)
         journal.write_text(json.dumps({"plan": plan, "fingerprint": cat.fingerprint, "layers": n}) + "\n")
         done = {}
+    meta = _meta_bytes(cat, runs, n)
 
     fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o644)
-    copier = _Copier(fd, lambda k: None)
+    copier = _Copier(fd, str(data), lambda k: None)
     try:
         size = os.fstat(fd).st_size
-        sums: dict[str, str] = {}
-        skipped: list[str] = []
-        # runs a previous attempt journaled: keep each one whose bytes still hash the same
-        to_check = [r for r in runs if r.key in done and r.offset + r.nbytes <= size]
-        if to_check:
-            vbytes = sum(r.nbytes for r in to_check)
-            with tqdm(total=vbytes, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
-                for r in to_check:
-                    if hash_range(fd, r.offset, r.nbytes, bar.update) == done[r.key]:
-                        sums[r.key] = done[r.key]
-                        skipped.append(r.key)
-            _say(f"resuming: {len(skipped)} of {len(runs)} runs already written and verified", progress)
+        sums, words, skipped = _keep_verified(fd, runs, done, size, progress)
         todo = [r for r in runs if r.key not in sums]
-        need = sum(r.nbytes for r in todo)
+        # blocks already on disk (kept runs, and whatever a run cut short by a full disk wrote)
+        # are reused in place: only the rest, plus the manifest and journal, needs free space
+        need = max(0, total - os.fstat(fd).st_blocks * 512) + meta
         free = shutil.disk_usage(stage).free
         if need > free:
             if not done:
+                os.close(fd)
+                fd = -1
                 shutil.rmtree(stage, ignore_errors=True)  # nothing worth resuming
             raise BudgetError(
                 f"{stage}: packing needs {_size(need)} more disk space but {_size(free)} is free;"
@@ -389,39 +508,74 @@ def _pack_locked(cat, runs, plan, total, n, out, stage, force, progress, on_run,
         written: list[str] = []
         with (
             open(journal, "a") as jf,
-            tqdm(total=need, unit="B", unit_scale=True, desc="pack-trunk", disable=not progress) as bar,
+            tqdm_bar(sum(r.nbytes for r in todo), "pack-trunk", progress) as bar,
         ):
             copier.on_bytes = bar.update
             for r in todo:
-                sums[r.key] = copier.write_run(r)
-                os.fdatasync(fd)
-                jf.write(json.dumps({"key": r.key, "blake2b": sums[r.key]}) + "\n")
-                jf.flush()
-                os.fsync(jf.fileno())
+                try:
+                    sums[r.key], words[r.key] = copier.write_run(r)
+                    os.fdatasync(fd)
+                    jf.write(json.dumps({"key": r.key, "blake2b": sums[r.key], "sum64": words[r.key]}) + "\n")
+                    jf.flush()
+                    os.fsync(jf.fileno())
+                except OSError as e:
+                    if e.errno == errno.ENOSPC:
+                        raise _disk_full(stage, data, total, meta) from None
+                    raise Dsv4Error(f"{data}: {e.strerror} while writing run '{r.key}'; check the disk") from None
                 written.append(r.key)
                 if on_run:
                     on_run(r.key, True)
     finally:
         copier.close()
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
     tmp_manifest = stage / (MANIFEST + ".tmp")
-    tmp_manifest.write_text(json.dumps(manifest_dict(cat, runs, sums, n), indent=1) + "\n")
-    with open(tmp_manifest, "rb+") as f:
-        os.fsync(f.fileno())
+    try:
+        tmp_manifest.write_text(json.dumps(manifest_dict(cat, runs, sums, n, plan, words), indent=1) + "\n")
+        with open(tmp_manifest, "rb+") as f:
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _disk_full(stage, data, total, meta) from None
+        raise
     os.replace(tmp_manifest, stage / MANIFEST)
     journal.unlink()
-    (stage / "lock").unlink()
     _fsync_dir(stage)
     old = None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        assert force  # refused before any work otherwise
-        old = out.parent / f".{out.name}.old"
+        assert replace and is_pack(out)  # refused before any work otherwise
+        old = old_dir(out)
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out, old)
+    elif out.is_dir():
+        out.rmdir()  # empty: os.replace of a folder onto an empty one works, but say what we mean
     os.replace(stage, out)
     _fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     nbytes = sum(r.nbytes for r in runs if r.key in written)
     return PackResult(out, len(runs), tuple(written), tuple(skipped), nbytes, time.perf_counter() - t0)
+
+
+def tqdm_bar(total: int, desc: str, progress: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress)
+
+
+def _keep_verified(fd: int, runs: list[PlannedRun], done: dict[str, str], size: int, progress: bool):
+    """Runs a previous attempt journaled: keep each one whose bytes still hash the same."""
+    sums: dict[str, str] = {}
+    words: dict[str, str] = {}
+    skipped: list[str] = []
+    to_check = [r for r in runs if r.key in done and r.offset + r.nbytes <= size]
+    if to_check:
+        with tqdm_bar(sum(r.nbytes for r in to_check), "verify", progress) as bar:
+            for r in to_check:
+                blake, word = digest_range(fd, r.offset, r.nbytes, bar.update)
+                if blake == done[r.key]:
+                    sums[r.key], words[r.key] = blake, word
+                    skipped.append(r.key)
+        _say(f"resuming: {len(skipped)} of {len(runs)} runs already written and verified", progress)
+    return sums, words, skipped

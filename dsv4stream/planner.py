@@ -24,11 +24,12 @@ Budgets are in decimal GB (10^9 bytes), the unit drives and `free` report.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import ModelConfig
 from .errors import BudgetError
-from .spec import block_specs, released_nbytes
+from .spec import block_specs, drafter_nbytes, drafter_summary, released_nbytes
 
 GB = 1_000_000_000
 ALIGN = 4096
@@ -36,8 +37,9 @@ ALIGN = 4096
 # measured as peak RSS of a run whose weights are negligible (bench/overhead.py: 208 MB with
 # the numba kernels, 118 MB with the numpy reference; python 3.11, 2 cpus), plus 15%.
 DEFAULT_OVERHEAD = 240 * 1000 * 1000
+DEFAULT_CHUNK = 64  # attention sub-chunk of a prefill segment (RunOptions.chunk); also the shortest segment
+SUB_CHUNK = DEFAULT_CHUNK
 SEGMENT_CAP = 4096  # longest prefill segment the planner gives
-SUB_CHUNK = 64  # attention sub-chunk inside a segment (RunOptions.chunk); also the shortest segment
 BLOCK_FLOATS = 4 << 20  # attention gather / indexer score blocks (model.attention, model.indexer)
 
 
@@ -57,6 +59,7 @@ class MemoryNeeds:
     segment_token_bytes: int = 0  # activations per prefill segment token (0: not counted)
     segment_min: int = SUB_CHUNK
     segment: int | None = None  # --prefill-segment: fixed S instead of the planner's choice
+    unused: str | None = None  # what the checkpoint holds that is not run (the mtp.* blocks), for the plan
 
     @property
     def fixed_bytes(self) -> int:
@@ -130,6 +133,8 @@ class Plan:
             ),
             f"  planned total {_gb(self.planned_bytes)} of {_gb(self.budget)}",
         ]
+        if n.unused:
+            out.append(f"  {n.unused}")
         return out + [f"warning: {w}" for w in self.warnings]
 
 
@@ -154,6 +159,24 @@ def minimum_budget(needs: MemoryNeeds) -> int:
     return needs.fixed_bytes + ring + slots + _segment_floor(needs) * needs.segment_token_bytes
 
 
+def smallest_budget(needs: MemoryNeeds, ok: Callable[[Plan], bool], limit: int = 1 << 50) -> int | None:
+    """Smallest budget, rounded up to 0.01 GB (as printed), whose plan satisfies `ok`; None
+    below `limit`. Bisection: more budget never pins fewer layers or gives fewer slots."""
+    step = GB // 100
+    lo, hi = minimum_budget(needs), minimum_budget(needs)
+    while not ok(plan(needs, hi)):
+        if hi > limit:
+            return None
+        lo, hi = hi, hi * 2
+    while hi - lo > GB // 1000:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(plan(needs, mid)) else (mid, hi)
+    b = -(-hi // step) * step
+    while not ok(plan(needs, b)):  # the ring's release at "all layers pinned" is the one kink
+        b += step
+    return b
+
+
 def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -> Plan:
     """Split `budget` bytes; raise BudgetError (naming the minimum) if it cannot work."""
     floor = minimum_budget(needs)
@@ -162,8 +185,9 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
         raise BudgetError(
             f"--budget {budget / GB:.2f} GB is below the minimum of {gb_up(floor)}"
             f" for this model (head {_gb(needs.head_bytes)}, overhead {_gb(needs.overhead_bytes)},"
-            f" two streamed layers, {2 * needs.experts_per_token} expert slots{seg}); raise --budget"
-            + (" or lower --prefill-segment" if needs.segment is not None else "")
+            f" state for --ctx {_gb(needs.state_bytes)}, two streamed layers, {2 * needs.experts_per_token}"
+            f" expert slots{seg}); raise --budget (or lower --ctx"
+            + (" or --prefill-segment)" if needs.segment is not None else ")")
         )
     min_slots = 2 * needs.experts_per_token
     cap = needs.total_experts if max_expert_slots is None else max_expert_slots
@@ -291,4 +315,5 @@ def needs_from_config(
         segment_token_bytes=segment_token_bytes(cfg),
         segment_min=chunk,
         segment=segment,
+        unused=drafter_summary(cfg, drafter_nbytes(cfg)),
     )

@@ -140,6 +140,20 @@ def _isatty(f: IO[str]) -> bool:
         return False
 
 
+STOP_TEXT = {  # each reads after "stopped "
+    "eos": "at EOS (end of text)",
+    "gen_limit": "at the --gen limit",
+    "context_full": "with the context full (--ctx)",
+    "interrupted": "by Ctrl-C",
+}
+
+
+def stop_text(reason: str, in_think: bool = False) -> str:
+    """Why an answer ended, in words: `runtime.STOP_REASONS` plus whether <think> was still open."""
+    text = STOP_TEXT.get(reason, reason or "before it started")
+    return f"stopped {text}" + (", inside <think> (reasoning only, no answer yet)" if in_think else "")
+
+
 def report_lines(s: RunStats) -> list[str]:
     """The final report: latency, throughput, cache, I/O and memory, one figure per line.
 
@@ -154,14 +168,26 @@ def report_lines(s: RunStats) -> list[str]:
         ttft = f"{turns[0]:.2f} s first turn, {turns[-1]:.2f} s last ({len(turns)} turns)"
     rate = f", {s.prefill_tokens_per_second:.1f} tokens/s" if s.prefill_seconds else ""
     decode = (
-        f"{s.decode_seconds_per_token:.3f} s/token over {s.decode_tokens} tokens (prefill excluded)"
+        f"{s.decode_seconds_per_token:.3f} s/token, {s.decode_tokens_per_second:.2f} tokens/s"
+        f" over {s.decode_tokens} tokens (prefill excluded)"
         if s.decode_tokens
         else "no decode step (one token generated)"
     )
+    reasons = s.stop_reasons
+    if not reasons:
+        stopped = "-"
+    elif len(reasons) == 1:
+        stopped = stop_text(reasons[0], bool(s.stopped_in_think and s.stopped_in_think[0]))[len("stopped ") :]
+    else:
+        counts = {r: reasons.count(r) for r in dict.fromkeys(reasons)}
+        last = stop_text(reasons[-1], bool(s.stopped_in_think and s.stopped_in_think[-1]))
+        stopped = f"last turn {last[len('stopped ') :]}; all turns: " + ", ".join(f"{r} {n}" for r, n in counts.items())
     exposed = s.exposed_io_seconds + s.trunk_wait_seconds
     pct = f" ({s.peak_rss_bytes / s.budget_bytes:.0%})" if s.budget_bytes else ""
     rows = [
+        ("load", f"{s.load_seconds:.2f} s before the prefill (plan, trunk, kernels {s.kernel_warmup_seconds:.2f} s)"),
         ("generated", f"{len(s.generated_ids)} tokens"),
+        ("stopped", stopped),
         ("time to first token", ttft),
         ("prefill", f"{s.prompt_tokens} tokens in {s.prefill_seconds:.2f} s{rate}"),
         ("decode", decode),
@@ -183,5 +209,7 @@ def report_lines(s: RunStats) -> list[str]:
         ),
         ("peak RSS", f"{s.peak_rss_bytes / 1e9:.3f} GB of --budget {s.budget_bytes / 1e9:.3f} GB{pct}"),
     ]
+    if s.unused:
+        rows.append(("not run", s.unused))
     width = max(len(k) for k, _ in rows)
     return [f"{k:<{width}}  {v}" for k, v in rows]

@@ -11,6 +11,7 @@ go through `Runtime`; the math stays in `engine` / `model`.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import time
@@ -21,13 +22,15 @@ from typing import IO, Self
 
 import numpy as np
 
-from . import kernels, planner
+from . import kernels, planner, ticker
 from .catalog import Catalog
 from .engine import Engine, LayerHook, PrefillStep, Session
-from .errors import UsageError
+from .errors import Dsv4Error, UsageError
 from .kernels import reference
 from .pack import MANIFEST, default_out_dir
 from .planner import MemoryNeeds, Plan
+from .profile import PROFILE_LABELS, DecodeProfile
+from .spec import drafter_summary
 from .store import ExpertStore
 from .store.layout import expert_label, expert_layouts
 from .streaming import GroupReader, StreamedExperts, StreamedTrunk, TrunkLayout, trunk_layout
@@ -35,6 +38,10 @@ from .trunkfile import TrunkFile
 
 Pick = Callable[[np.ndarray], int]
 Warn = Callable[[str], None]
+
+# Why a generation ended: EOS chosen, max_new_tokens reached, the session filled --ctx, or the
+# caller stopped it (Ctrl-C: the prefill or the token stream was cut short).
+STOP_REASONS = ("eos", "gen_limit", "context_full", "interrupted")
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,9 @@ class RunOptions:
     trunk: str | os.PathLike | None = None
     route_log: str | os.PathLike | IO[str] | None = None
     ctx: int = 4096  # longest sequence the state estimate covers
-    chunk: int = planner.SUB_CHUNK  # attention sub-chunk of a prefill segment
+    chunk: int = planner.DEFAULT_CHUNK  # attention sub-chunk of a prefill segment
     overhead: int = planner.DEFAULT_OVERHEAD
+    kept_states: int = 0  # session states a server keeps besides the live one (prefix reuse)
     prefill_segment: int | None = None  # tokens per prefill segment (None: the planner's choice)
 
 
@@ -101,6 +109,16 @@ class RunStats:
     kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
     prefill_segment: int = 0  # tokens per prefill segment the run used
     prefill_stopped: str = ""  # where an interrupted prefill stopped ("" when none was)
+    # seconds per decode step by phase (PROFILE_PHASES): the products of routed-expert, trunk and
+    # head weights, blocked on expert / trunk reads, choosing the token, and the rest
+    decode_profile: dict[str, float] = field(default_factory=dict)
+    load_seconds: float = 0.0  # Runtime.open: catalog, plan, kernels, pinned trunk; before any prefill
+    decode_tokens_per_second: float = 0.0
+    # why each generate call (chat turn) ended: one of STOP_REASONS; the last one on its own
+    stop_reasons: list[str] = field(default_factory=list)
+    stop_reason: str = ""
+    stopped_in_think: list[bool] = field(default_factory=list)  # the turn ended before </think>
+    unused: str = ""  # what the checkpoint holds that is not run (the mtp.* blocks)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -126,6 +144,7 @@ class RunStats:
                 f" decode {self.decode_seconds_per_token:.3f} s/token over {self.decode_tokens} tokens"
                 f" (kernels: {self.kernel_backend}, ready in {self.kernel_warmup_seconds:.2f} s)"
             ),
+            *self._profile_lines(),
             f"memory: peak RSS {self.peak_rss_bytes / gb:.3f} GB of --budget {self.budget_bytes / gb:.3f} GB"
             + (
                 f"; verified {self.verified_reads} expert reads, {self.verify_mismatches} mismatches"
@@ -134,6 +153,14 @@ class RunStats:
             ),
         ]
         return out + [f"warning: {w}" for w in self.warnings]
+
+    def _profile_lines(self) -> list[str]:
+        p = self.decode_profile
+        total = sum(p.values())
+        if not total:
+            return []
+        parts = ", ".join(f"{PROFILE_LABELS[k]} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in p.items())
+        return [f"decode per token ({total * 1e3:.1f} ms): {parts}"]
 
 
 def peak_rss_bytes() -> int:
@@ -173,7 +200,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         layer_bytes=layout.layer_bytes,
         head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,
         slot_bytes=slot_bytes,
-        state_bytes=planner.state_bytes_for(cfg, opts.ctx),
+        state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (1 + opts.kept_states),
         staging_bytes=planner.staging_bytes_for(cfg, opts.chunk, opts.ctx) + kernel_scratch_bytes(cat),
         overhead_bytes=opts.overhead,
         working_set=cfg.working_set_experts,
@@ -182,6 +209,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         segment_token_bytes=planner.segment_token_bytes(cfg),
         segment_min=opts.chunk,
         segment=opts.prefill_segment,
+        unused=drafter_summary(cfg, sum(e.nbytes for n, e in cat.entries.items() if n.startswith("mtp."))),
     )
 
 
@@ -201,7 +229,30 @@ def measure(checkpoint: str | os.PathLike, opts: RunOptions) -> MemoryNeeds:
     return memory_needs(cat, trunk_layout(cat, tf), ExpertStore.slot_nbytes(layouts), opts)
 
 
-def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None) -> TrunkFile | None:
+def needs_of(path: str | os.PathLike, ctx: int = 4096) -> tuple[MemoryNeeds, str]:
+    """What the planner places for `path`, the one answer inspect, doctor and bench give:
+    measured on a checkpoint directory exactly as `dsv4 run` plans it (default trunk, ctx,
+    chunk, kernels), else estimated from a bare config.json; with where the sizes came from."""
+    p = Path(path)
+    if p.is_dir() and any(p.glob("*.safetensors")):
+        return measure(p, RunOptions(budget=planner.GB, ctx=ctx)), "measured on the checkpoint, as `dsv4 run` plans"
+    from .config import ModelConfig
+
+    cfg = ModelConfig.from_json(p / "config.json" if p.is_dir() else p)
+    return planner.needs_from_config(cfg, ctx=ctx), "estimated from config.json with the release dtypes"
+
+
+def pack_hint(root: str | os.PathLike) -> str:
+    """How to pack this checkpoint's trunk: beside it, or elsewhere when its folder is read-only."""
+    if os.access(root, os.W_OK):
+        return f"`dsv4 pack-trunk {root}` once makes start-up faster"
+    return (
+        f"{root} is read-only: `dsv4 pack-trunk {root} OUT_DIR` with OUT_DIR elsewhere,"
+        " then --trunk OUT_DIR, makes start-up faster"
+    )
+
+
+def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None, verify: bool = False) -> TrunkFile | None:
     """The packed trunk to read from: the one named, else the default one if packed, else None."""
     if trunk == "":
         return None
@@ -210,7 +261,46 @@ def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None) -> TrunkFile 
         if not (default / MANIFEST).is_file():
             return None
         trunk = default
-    return TrunkFile.open(trunk, cat)
+    return TrunkFile.open(trunk, cat, verify=verify)
+
+
+COMPILE_CHILD = (
+    "import os, sys, time; from dsv4stream import kernels; kernels.set_backend('fast'); "
+    "t = kernels.warmup(); print(os.getpid(), t)"
+)
+
+
+def compile_kernels_apart(say: Warn | None = None) -> tuple[int, float] | None:
+    """On a cold numba cache, compile the kernels in a child process and wait for it.
+
+    The compiler (LLVM) takes hundreds of MB that the plan does not count; in a child they
+    never enter this process's peak RSS, and this process then loads the kernels from the
+    cache the child wrote. Returns (child pid, its compile seconds), or None when the cache
+    was warm (or the kernels are not numba's)."""
+    if kernels.backend_name() != "fast" or kernels.compiled_cache_exists():
+        return None
+    if say is not None:
+        say(
+            "compiling the numba kernels in a separate process (once per installation, about 1 minute on 2"
+            " cores; cached after), so that the compiler's memory stays outside --budget"
+        )
+    import subprocess
+    import sys
+
+    import dsv4stream
+
+    env = dict(os.environ)
+    src = str(Path(dsv4stream.__file__).resolve().parents[1])  # this checkout, installed or not
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    with ticker.elapsed("compiling the numba kernels"):
+        r = subprocess.run([sys.executable, "-c", COMPILE_CHILD], env=env, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        raise Dsv4Error(
+            f"compiling the numba kernels failed in a child process ({why}); reinstall numba or set DSV4_DEBUG=1"
+        )
+    pid, seconds = r.stdout.split()[-2:]
+    return int(pid), float(seconds)
 
 
 class _Once:
@@ -258,6 +348,10 @@ class Runtime:
         self._turn_prompt_tokens: list[int] = []
         self._first_token_seconds: list[float] = []
         self._prefill_stopped = ""
+        self._profile = DecodeProfile()
+        self._stop_reasons: list[str] = []
+        self._in_think: list[bool] = []
+        self.load_seconds = 0.0
 
     @classmethod
     def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None, gpu=None) -> Runtime:
@@ -270,11 +364,12 @@ class Runtime:
             raise UsageError(f"chunk and ctx must be at least 1, found {opts.chunk} and {opts.ctx}")
         if opts.prefill_segment is not None and opts.prefill_segment < 1:
             raise UsageError(f"--prefill-segment {opts.prefill_segment}: give at least 1 token")
+        t_open = time.perf_counter()
         cat = Catalog.open(checkpoint)
         cat.validate()
         cfg = cat.config
         once = _Once(warn)
-        tf = open_trunk_file(cat, opts.trunk)
+        tf = open_trunk_file(cat, opts.trunk, verify=opts.verify)
         placed = gpu.place(cat) if gpu is not None and gpu.enabled else None
         layout = trunk_layout(cat, tf, exclude=placed.tensor_names if placed is not None else frozenset())
         layouts, order = _expert_layouts(cat)
@@ -289,13 +384,11 @@ class Runtime:
         plan = planner.plan(needs, opts.budget)
         if tf is None and opts.trunk != "":
             once(
-                f"no packed trunk in {default_out_dir(cat.root)}: reading the trunk from the shards;"
-                f" `dsv4 pack-trunk {cat.root}` once makes start-up faster"
+                f"no packed trunk in {default_out_dir(cat.root)}: reading the trunk from the shards; {pack_hint(cat.root)}"
             )
         if opts.threads is not None:
             kernels.set_threads(opts.threads)
-        if kernels.backend_name() == "fast" and not kernels.compiled_cache_exists():
-            once("compiling the numba kernels (once per installation, about 40 s; cached after)")
+        compile_kernels_apart(once)
         warmup_seconds = kernels.warmup()
         store = ExpertStore(
             layouts,
@@ -310,6 +403,7 @@ class Runtime:
         )
         try:
             reader = GroupReader(opts.io, opts.verify, once)
+            reader.check = tf.check_window if tf is not None else None
             wrap = placed.source if placed is not None else None
             trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
         except BaseException:
@@ -318,6 +412,7 @@ class Runtime:
         engine = Engine(cfg, trunk, StreamedExperts(store, cfg), cat)
         rt = cls(cat, opts, plan, engine, store, trunk, tf)
         rt.kernel_warmup_seconds = warmup_seconds
+        rt.load_seconds = time.perf_counter() - t_open
         return rt
 
     # -- generation --------------------------------------------------------------------------
@@ -346,15 +441,17 @@ class Runtime:
         on_layer: LayerHook | None = None,
     ) -> Iterator[int]:
         """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick`
-        (default greedy, ties to the lower id), stopping after a token in `stop_ids`.
+        (default greedy, ties to the lower id), stopping after a token in `stop_ids` or when
+        the session holds `opts.ctx` positions (the context the plan covers is full).
 
         Every yielded token but the last has been fed to the session; the last one has not
         (no forward pass is spent on logits nobody reads): a later turn starts with it.
         `progress(done, total)` runs after each prefill segment, `on_layer(PrefillStep)` after
-        each layer of each segment (raising there stops within one layer). Times go to
-        `stats()`: prefill (to the first logits), time to the first token, and decode steps
-        separately; a prefill stopped part-way counts the tokens fully fed and says where it
-        stopped (`prefill_stopped`)."""
+        each layer of each segment; an exception either raises stops the prefill (within one
+        layer from `on_layer`), and the tokens fully fed still count, with where it stopped
+        (`prefill_stopped`). Times go to `stats()`: prefill (to the first logits), time to the
+        first token, decode steps separately, and why it ended (`STOP_REASONS`; "interrupted"
+        when the caller closes the generator or the prefill is stopped)."""
         pick = pick or _greedy
         n_prompt = len(prompt_ids)
         report = (lambda done: progress(done, n_prompt)) if progress is not None else None
@@ -367,35 +464,54 @@ class Runtime:
 
         t0 = time.perf_counter()
         pos0 = session.pos
+        stop: str | None = None if max_new_tokens > 0 else "gen_limit"
+        self._in_think.append(False)
         try:
-            logits = session.prefill(prompt_ids, last_only=True, progress=report, on_layer=layer_done)
-        except BaseException:
-            self._prefill_seconds += time.perf_counter() - t0
-            self._prompt_tokens += session.pos - pos0
-            if last:
-                self._prefill_stopped = (
-                    f"{session.pos - pos0} of {n_prompt} tokens fed; stopped after {last[0].where()}"
-                )
-            raise
-        self._prefill_seconds += time.perf_counter() - t0
-        self._prompt_tokens += n_prompt
-        self._turn_prompt_tokens.append(n_prompt)
-        for n in range(max_new_tokens):
-            tok = pick(logits)
-            if n == 0:
-                self._first_token_seconds.append(time.perf_counter() - t0)
-            last = n + 1 == max_new_tokens or tok in stop_ids
-            if not last:
-                # the token is known: its hash-layer experts can load while the caller prints it
-                self.prefetch_hash_layers([tok])
-            self._generated.append(tok)
-            yield tok
-            if last:
-                return
-            t0 = time.perf_counter()
-            logits = session.step(tok)
-            self._decode_seconds += time.perf_counter() - t0
-            self._decode_tokens += 1
+            try:
+                logits = session.prefill(prompt_ids, last_only=True, progress=report, on_layer=layer_done)
+            except BaseException:
+                if last:
+                    fed = session.pos - pos0
+                    self._prefill_stopped = f"{fed} of {n_prompt} tokens fed; stopped after {last[0].where()}"
+                raise
+            finally:
+                self._prefill_seconds += time.perf_counter() - t0
+                self._prompt_tokens += session.pos - pos0
+                self._turn_prompt_tokens.append(session.pos - pos0)
+            for n in range(max_new_tokens):
+                t_pick = time.perf_counter()
+                tok = pick(logits)
+                if n:
+                    self._profile.seconds["sampler"] += time.perf_counter() - t_pick
+                if n == 0:
+                    self._first_token_seconds.append(time.perf_counter() - t0)
+                stop = _stop_reason(tok in stop_ids, session.pos >= self.opts.ctx, n + 1 == max_new_tokens)
+                if stop is None:
+                    # the token is known: its hash-layer experts can load while the caller prints it
+                    self.prefetch_hash_layers([tok])
+                self._generated.append(tok)
+                yield tok
+                if stop is not None:
+                    return
+                self._profile.begin(self.store, self.trunk)
+                t0 = time.perf_counter()
+                logits = session.step(tok)
+                self._decode_seconds += time.perf_counter() - t0
+                self._profile.end(self.store, self.trunk)
+                self._decode_tokens += 1
+        finally:
+            # no reason of its own: the caller closed the generator or the prefill was stopped
+            self._stop_reasons.append(stop or "interrupted")
+
+    @property
+    def stop_reason(self) -> str:
+        """Why the last generate call ended ("" before the first)."""
+        return self._stop_reasons[-1] if self._stop_reasons else ""
+
+    def mark_in_think(self) -> None:
+        """The last generation ended inside the reasoning (before </think>): for the figures."""
+        if self._in_think:
+            self._in_think[-1] = True
 
     # -- figures and lifetime ----------------------------------------------------------------
 
@@ -451,6 +567,13 @@ class Runtime:
             warnings=warnings,
             prefill_segment=self.plan.prefill_segment,
             prefill_stopped=self._prefill_stopped,
+            decode_profile=self._profile.per_token(self._decode_tokens),
+            load_seconds=self.load_seconds,
+            decode_tokens_per_second=self._decode_tokens / self._decode_seconds if self._decode_seconds else 0.0,
+            stop_reasons=list(self._stop_reasons),
+            stop_reason=self._stop_reasons[-1] if self._stop_reasons else "",
+            stopped_in_think=list(self._in_think),
+            unused=self.plan.needs.unused or "",
         )
 
     def close(self) -> None:
@@ -465,6 +588,16 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stop_reason(eos: bool, context_full: bool, gen_limit: bool) -> str | None:
+    """Why generation ends after this token (None: it goes on); EOS first, then the context
+    (feeding the token would pass --ctx), then max_new_tokens."""
+    if eos:
+        return "eos"
+    if context_full:
+        return "context_full"
+    return "gen_limit" if gen_limit else None
 
 
 def _greedy(logits: np.ndarray) -> int:
@@ -482,9 +615,32 @@ def budget_bytes(gb: float | None) -> int:
     """--budget GB (decimal) -> bytes; None -> the default."""
     if gb is None:
         return default_budget()
-    if not gb > 0:
-        raise UsageError(f"--budget {gb}: give a positive number of GB (decimal, e.g. --budget 3)")
+    if not (gb > 0 and math.isfinite(gb)):
+        raise UsageError(f"--budget {gb}: give a positive, finite number of GB (decimal, e.g. --budget 3)")
+    import psutil
+
+    total = psutil.virtual_memory().total
+    if gb * planner.GB > total:
+        # the plan fills the budget with expert slots as the run goes: beyond physical memory
+        # that ends with the kernel killing the run mid-answer, not with a message
+        raise UsageError(
+            f"--budget {gb:g} GB is above this machine's {total / planner.GB:.1f} GB of physical memory;"
+            f" give at most {total / planner.GB:.1f} (the budget is what the process may hold in RAM)"
+        )
     return int(gb * planner.GB)
+
+
+def budget_warning(budget: int) -> str | None:
+    """A budget above the memory available now fits the machine but may push it into swapping."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if budget <= available:
+        return None
+    return (
+        f"--budget {budget / planner.GB:.2f} GB is above the {available / planner.GB:.2f} GB of memory available now;"
+        " other programs may be swapped out, or this run killed, as the expert cache fills"
+    )
 
 
 def checkpoint_path(path: str | os.PathLike) -> Path:

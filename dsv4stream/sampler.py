@@ -40,23 +40,46 @@ def apply_temperature(logits: np.ndarray, t: float) -> np.ndarray:
     return logits.astype(np.float64) / t
 
 
+def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest logits in descending order, equal values by ascending id: exactly
+    `np.argsort(-logits, kind="stable")[:k]`, by a partial selection (O(vocab), not a sort)."""
+    n = logits.size
+    if k >= n or np.isnan(logits).any():  # NaN sorts last in argsort; keep its exact order
+        return np.argsort(-logits, kind="stable")[:k]
+    if k <= 0:
+        return np.zeros(0, dtype=np.intp)
+    v = logits[np.argpartition(-logits, k - 1)[k - 1]]  # the k-th largest value
+    above = np.flatnonzero(logits > v)
+    keep = np.concatenate([above, np.flatnonzero(logits == v)[: k - above.size]])
+    return keep[np.argsort(-logits[keep], kind="stable")]
+
+
 def top_k_mask(logits: np.ndarray, k: int) -> np.ndarray:
     """Keep the k largest logits (ties at the boundary: lower ids first); others -inf."""
     if k <= 0 or k >= logits.size:
         return logits
-    keep = np.argsort(-logits, kind="stable")[:k]
+    keep = top_ids(logits, k)
     out = np.full_like(logits, -np.inf)
     out[keep] = logits[keep]
     return out
 
 
 def top_p_mask(logits: np.ndarray, p: float) -> np.ndarray:
-    """Keep the smallest set of top tokens whose probability reaches p (always >= 1 token)."""
+    """Keep the smallest set of top tokens whose probability reaches p (always >= 1 token).
+
+    The candidates are taken 64, 256, ... at a time in sorted order until their running sum
+    reaches p: the same prefix of the same running sum as a full sort gives, so the same cut."""
     if p >= 1.0:
         return logits
-    order = np.argsort(-logits, kind="stable")
-    probs = softmax(logits)[order]
-    cut = int(np.searchsorted(np.cumsum(probs), p)) + 1
+    probs = softmax(logits)
+    m = 64
+    while True:
+        order = top_ids(logits, m)
+        csum = np.cumsum(probs[order])
+        if m >= logits.size or csum[-1] >= p:
+            break
+        m *= 4
+    cut = int(np.searchsorted(csum, p)) + 1
     out = np.full_like(logits, -np.inf)
     keep = order[:cut]
     out[keep] = logits[keep]

@@ -4,6 +4,11 @@ Owns: the list of expected checkpoint tensors under their release names, the rol
 (embed, head, trunk, expert), and byte totals for planning. The catalog checks a checkpoint
 against this list before any math; the generator writes exactly this list.
 
+The `mtp.*` blocks come in two released layouts (`config.ModelConfig.layout`): the May
+preview's MTP block and DeepSeek-V4-Flash-0731's three-stage DSpark drafter. Each stage is a
+transformer block as below (window-only at ratio 0, scored router with gate.bias); what each
+layout adds beyond the block is the one table `MTP_EXTRAS`. Both are validated; neither is run.
+
 Release dtypes (first in each tuple): FP8 E4M3 linears with E8M0 128x128 scales; routed
 experts as FP4 packed in I8 with E8M0 1x32 scales; compressor / indexer-compressor wkv and
 wgate and the indexer's weights_proj in BF16 with no scale; norms BF16; mHC, sinks, `ape`
@@ -13,10 +18,10 @@ or F32 (no scale), or as FP8 with F32 scales; experts may have F32 scales.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .config import CSA, ModelConfig
+from .config import CSA, DSPARK, PREVIEW, ModelConfig
 from .formats import fp4_scale_shape, fp8_scale_shape
 
 LINEAR_DTYPES = ("F8_E4M3", "BF16", "F32")
@@ -145,6 +150,62 @@ def expert_specs(cfg: ModelConfig, layer: int, expert: int) -> Iterator[TensorSp
         yield TensorSpec(p + w + ".scale", "scale", (), SCALE_DTYPES, "expert", layer, of=p + w + ".weight")
 
 
+# Tensors each layout adds to its mtp.K blocks beyond a transformer block:
+# (which stages, name after "mtp.K.", kind, shape from the dims below, dtypes).
+# D hidden, V vocab, H hc_mult, T len(dspark_target_layer_ids), R dspark_markov_rank.
+# Preview: DeepSeek's inference/model.py MTPBlock. 0731: the tensor names and shapes
+# reported for the published index by public loaders (main_proj FP8 [4096, 12288] + scale,
+# markov_w1/w2 BF16 [129280, 256], confidence_head.proj BF16 [1, 4352] = [1, D + R]); the
+# main_norm / norm widths (D) and the hc_head / Markov / confidence dtypes are inferred from
+# the DSpark code that reads them and from the index's byte total (tests/test_spec.py).
+Shape = Callable[[int, int, int, int, int], tuple[int, ...]]
+MTP_EXTRAS: dict[str, tuple[tuple[str, str, str, Shape, tuple[str, ...]], ...]] = {
+    PREVIEW: (
+        ("all", "e_proj", "linear", lambda D, V, H, T, R: (D, D), LINEAR_DTYPES),
+        ("all", "h_proj", "linear", lambda D, V, H, T, R: (D, D), LINEAR_DTYPES),
+        ("all", "enorm.weight", "plain", lambda D, V, H, T, R: (D,), VECTOR_DTYPES),
+        ("all", "hnorm.weight", "plain", lambda D, V, H, T, R: (D,), VECTOR_DTYPES),
+        ("all", "norm.weight", "plain", lambda D, V, H, T, R: (D,), VECTOR_DTYPES),
+        ("all", "hc_head_fn", "plain", lambda D, V, H, T, R: (H, H * D), F32_DTYPES),
+        ("all", "hc_head_base", "plain", lambda D, V, H, T, R: (H,), F32_DTYPES),
+        ("all", "hc_head_scale", "plain", lambda D, V, H, T, R: (1,), F32_DTYPES),
+    ),
+    DSPARK: (
+        ("first", "main_proj", "linear", lambda D, V, H, T, R: (D, D * T), LINEAR_DTYPES),
+        ("first", "main_norm.weight", "plain", lambda D, V, H, T, R: (D,), VECTOR_DTYPES),
+        ("last", "norm.weight", "plain", lambda D, V, H, T, R: (D,), VECTOR_DTYPES),
+        ("last", "hc_head_fn", "plain", lambda D, V, H, T, R: (H, H * D), F32_DTYPES),
+        ("last", "hc_head_base", "plain", lambda D, V, H, T, R: (H,), F32_DTYPES),
+        ("last", "hc_head_scale", "plain", lambda D, V, H, T, R: (1,), F32_DTYPES),
+        ("last", "markov_head.markov_w1.weight", "plain", lambda D, V, H, T, R: (V, R), VECTOR_DTYPES),
+        ("last", "markov_head.markov_w2.weight", "plain", lambda D, V, H, T, R: (V, R), VECTOR_DTYPES),
+        ("last", "confidence_head.proj.weight", "plain", lambda D, V, H, T, R: (1, D + R), VECTOR_DTYPES),
+    ),
+}
+
+
+def mtp_extra_specs(cfg: ModelConfig, k: int) -> Iterator[TensorSpec]:
+    """What block mtp.k holds beyond a transformer block, per `MTP_EXTRAS`."""
+    layer = cfg.n_layers + k
+    p = layer_prefix(cfg, layer)
+    last, ds = cfg.n_mtp - 1, cfg.dspark
+    dims = (
+        cfg.hidden_size,
+        cfg.vocab_size,
+        cfg.hc_mult,
+        len(ds.target_layer_ids) if ds else 0,
+        ds.markov_rank if ds else 0,
+    )
+    for which, name, kind, shape_of, dtypes in MTP_EXTRAS.get(cfg.layout or "", ()):
+        if which == "first" and k != 0 or which == "last" and k != last:
+            continue
+        shape = shape_of(*dims)
+        if kind == "linear":
+            yield from _linear(p + name, shape[0], shape[1], "trunk", layer, dtypes)
+        else:
+            yield from _plain(p + name, shape, dtypes, "trunk", layer)
+
+
 def model_specs(cfg: ModelConfig, with_experts: bool = True) -> Iterator[TensorSpec]:
     """Every tensor of the checkpoint, in model order."""
     d, v, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
@@ -157,16 +218,8 @@ def model_specs(cfg: ModelConfig, with_experts: bool = True) -> Iterator[TensorS
     yield from _plain("hc_head_scale", (1,), F32_DTYPES, "trunk", None)
     yield from _plain("head.weight", (v, d), VECTOR_DTYPES, "head", None)
     for k in range(cfg.n_mtp):
-        layer = cfg.n_layers + k
-        p = layer_prefix(cfg, layer)
-        yield from _linear(p + "e_proj", d, d, "trunk", layer)
-        yield from _linear(p + "h_proj", d, d, "trunk", layer)
-        for n in ("enorm", "hnorm", "norm"):
-            yield from _plain(f"{p}{n}.weight", (d,), VECTOR_DTYPES, "trunk", layer)
-        yield from _plain(p + "hc_head_fn", (hc, hc * d), F32_DTYPES, "trunk", layer)
-        yield from _plain(p + "hc_head_base", (hc,), F32_DTYPES, "trunk", layer)
-        yield from _plain(p + "hc_head_scale", (1,), F32_DTYPES, "trunk", layer)
-        yield from block_specs(cfg, layer, with_experts)
+        yield from mtp_extra_specs(cfg, k)
+        yield from block_specs(cfg, cfg.n_layers + k, with_experts)
 
 
 def released_nbytes(cfg: ModelConfig, s: TensorSpec) -> int:
@@ -182,6 +235,20 @@ def released_nbytes(cfg: ModelConfig, s: TensorSpec) -> int:
     if sshape:
         total += sshape[0] * sshape[1] * (1 if cfg.scale_fmt == "ue8m0" else 4)
     return total
+
+
+def drafter_nbytes(cfg: ModelConfig) -> int:
+    """Release-dtype bytes of everything under mtp.* (routed experts included): present, not run."""
+    return sum(released_nbytes(cfg, s) for s in model_specs(cfg) if s.layer is not None and s.layer >= cfg.n_layers)
+
+
+def drafter_summary(cfg: ModelConfig, nbytes: int) -> str | None:
+    """One line for inspect, the plan and the report: what sits under mtp.* and that it is unused."""
+    if not cfg.n_mtp:
+        return None
+    blocks = "mtp.0" if cfg.n_mtp == 1 else f"mtp.0-{cfg.n_mtp - 1}"
+    what = f"DSpark drafter ({blocks}, {cfg.n_mtp} stages)" if cfg.layout == DSPARK else f"MTP block ({blocks})"
+    return f"{what}: present, unused (not read, not budgeted), {nbytes / 1e9:.2f} GB"
 
 
 def trunk_nbytes(cfg: ModelConfig, include_mtp: bool = False) -> dict[str, int]:

@@ -39,10 +39,10 @@ from .model.moe import ExpertWeights
 from .model.providers import ExpertKey
 from .model.weights import HeadWeights, LayerWeights, expert_from_arrays, load_head, load_layer
 from .spec import block_specs, model_specs
-from .store import ExpertStore, Layout, Piece, Run, merge_pieces
+from .store import ExpertStore, Layout, Piece, merge_pieces
 from .store.directio import ALIGN, FileSet, SlotPlan, aligned_buffer, piece_views, plan_slot
 from .store.runs import layout_pieces
-from .store.verify import Verifier
+from .store.verify import Part, Verifier
 from .trunkfile import TrunkFile
 
 # Neighbouring tensors closer than this are read in one window (the packed trunk pads
@@ -163,6 +163,8 @@ class GroupReader:
         self.bytes_read = 0
         self.read_seconds = 0.0
         self.verified_reads = 0
+        # check(path, file offset, bytes): the packed trunk's cheap checksum of whole runs read
+        self.check: Callable[[str, int, np.ndarray], None] | None = None
 
     def read(self, group: Group, buf: np.ndarray) -> dict[str, np.ndarray]:
         """Fill `buf` (ALIGN-aligned, at least group.nbytes) and return name -> view."""
@@ -171,11 +173,15 @@ class GroupReader:
         try:
             for window in group.plan.windows:
                 n += self.files.read(window, buf)
+                if self.check is not None:
+                    self.check(
+                        window.path, window.file_offset, buf[window.slot_offset : window.slot_offset + window.nbytes]
+                    )
         except Dsv4Error as e:
-            raise ReadError(f"{group.label}: {e}") from e
+            raise type(e)(f"{group.label}: {e}") from e
         views = piece_views(buf, group.layout, group.plan)
         if self._verifier is not None:
-            self._verifier.check(group.label, *_verify_chunks(group.layout, views))
+            self._verifier.check(group.label, _verify_chunks(group.layout, views))
         with self._lock:
             self.reads += 1
             self.bytes_read += n
@@ -189,19 +195,19 @@ class GroupReader:
             self._verifier.close()
 
 
-def _verify_chunks(layout: Layout, views: Sequence[np.ndarray]) -> tuple[list[Run], list[np.ndarray]]:
-    """The same bytes cut into pieces of at most VERIFY_CHUNK, so that re-reading a 1 GB head
+def _verify_chunks(layout: Layout, views: Sequence[np.ndarray]) -> list[Part]:
+    """The same bytes cut into parts of at most VERIFY_CHUNK, so that re-reading a 1 GB head
     costs VERIFY_CHUNK of memory, not three copies of it."""
-    runs, arrays = [], []
+    parts = []
     flat = [(run.path, p) for run in layout for p in run.pieces]
     for (path, p), v in zip(flat, views, strict=True):
+        if p.nbytes <= VERIFY_CHUNK:
+            parts.append(Part(path, p.name, 0, p.offset, v))
+            continue
         raw = v.reshape(-1).view(np.uint8)
         for a in range(0, p.nbytes, VERIFY_CHUNK):
-            n = min(VERIFY_CHUNK, p.nbytes - a)
-            piece = Piece(f"{p.name}[+{a}]" if p.nbytes > VERIFY_CHUNK else p.name, p.offset + a, n, np.uint8, (n,))
-            runs.append(Run(path, piece.offset, n, (piece,)))
-            arrays.append(raw[a : a + n])
-    return runs, arrays
+            parts.append(Part(path, p.name, a, p.offset + a, raw[a : a + VERIFY_CHUNK]))
+    return parts
 
 
 # ---- providers ---------------------------------------------------------------------------
@@ -342,6 +348,11 @@ class StreamedTrunk:
 
     # -- stats and lifetime ----------------------------------------------------------------
 
+    @property
+    def wait_seconds(self) -> float:
+        """Time layer() has blocked on reads so far; unlike stats() it waits for nothing."""
+        return self._wait_seconds
+
     def stats(self) -> RingStats:
         # A read of the next layer may still be in flight: let it land so that the counts do
         # not depend on timing (it is the read the next forward pass would wait for anyway).
@@ -404,7 +415,10 @@ class _RowReader:
         for j, r in enumerate(ids):
             if not 0 <= r < e.shape[0]:
                 raise CheckpointError(f"'{e.name}': row {r} outside 0..{e.shape[0] - 1}")
-            b = os.pread(self.fd, self.row_bytes, e.offset + int(r) * self.row_bytes)
+            try:
+                b = os.pread(self.fd, self.row_bytes, e.offset + int(r) * self.row_bytes)
+            except OSError as err:
+                raise ReadError(f"{e.path}: {err.strerror} reading '{e.name}' row {r}; check the disk") from None
             if len(b) != self.row_bytes:
                 raise ReadError(f"{e.path}: short read of '{e.name}' row {r}; the file is truncated")
             out[j] = np.frombuffer(b, dtype=self.dtype).reshape(e.shape[1:])

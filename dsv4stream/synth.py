@@ -6,6 +6,12 @@ Owns: a release-schema `config.json` for a chosen size, random weights for every
 order is what puts an expert's three scale tensors in one run and its three weight tensors
 in another run far away, at offsets that are not 4096-aligned; tests assert it.
 
+Exact-structure checkpoints (presets `flash`, `flash-0731`) have every tensor of the released
+V4-Flash (preview: 46 shards, 69,187 tensors; 0731: 48 shards, 72,317 tensors, 166,878,536,440
+bytes) with routed experts as sparse-file holes (`sparse_experts`): the index and headers are
+the release's, the experts read as zeros and take no disk, so a full-size dry run (validation,
+planner, trunk ring, real-dimension attention and head, peak RSS) fits on a laptop.
+
 Weights are random: text generated from them is random too.
 """
 
@@ -16,6 +22,7 @@ import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +32,22 @@ import safetensors.numpy
 from . import formats
 from .config import ModelConfig
 from .errors import UsageError
-from .spec import TensorSpec, model_specs
+from .formats import fp4_scale_shape
+from .spec import ITEMSIZE, TensorSpec, model_specs
 
 FLASH_CONFIG = Path(__file__).with_name("v4_flash_config.json")
 REAL_VOCAB = 129280
+
+# The keys DeepSeek-V4-Flash-0731 adds to the preview's config.json (its drafter, unused here),
+# as public loaders of the 0731 config report them; the rest of that config is the preview's,
+# which is a report, not checked here byte for byte (the official file was not at hand).
+DSPARK_0731 = {
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [40, 41, 42],
+    "dspark_markov_rank": 256,
+}
+FLASH_RATIOS = json.loads(FLASH_CONFIG.read_text())["compress_ratios"]
 
 # Shapes per preset (config keys as released).  "tiny" builds in milliseconds; "demo" has
 # experts of ~3.3 MB so a budget below the checkpoint matters; "flash-experts" has routed
@@ -98,7 +117,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_hash_layers": 1,
     },
 }
-GENERATOR_OPTIONS = ("scale_fmt", "dense_dtype", "compressor_dtype", "route_skew", "tokenizer", "expert_gain")
+# The 0731 layout at tiny size: three DSpark stages (window-only) reading the last three layers.
+PRESETS["tiny-0731"] = {
+    **PRESETS["tiny"],
+    "compress_ratios": [0, 4, 8, 4, 0, 0, 0],
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 511,
+    "dspark_target_layer_ids": [1, 2, 3],
+    "dspark_markov_rank": 8,
+}
+# Every tensor of the release at its real shape (routed experts as holes unless asked otherwise).
+PRESETS["flash"] = {}
+PRESETS["flash-0731"] = {**DSPARK_0731, "compress_ratios": [*FLASH_RATIOS, 0, 0]}
+EXACT_PRESETS = ("flash", "flash-0731")
+GENERATOR_OPTIONS = (
+    "scale_fmt",
+    "dense_dtype",
+    "compressor_dtype",
+    "route_skew",
+    "tokenizer",
+    "expert_gain",
+    "sparse_experts",
+)
 
 
 def release_config(preset: str = "tiny", **overrides: Any) -> dict[str, Any]:
@@ -123,7 +163,9 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     "fp8" (release) | "bf16" | "f32"; compressor_dtype "bf16" (release) | "fp8";
     route_skew (power-law strength of expert popularity through the gate bias and the hash
     table, 0 = uniform); tokenizer (copy the real V4 tokenizer; default when vocab is the
-    real one); expert_gain (multiplies expert weights, to make the SwiGLU clamp bite).
+    real one); expert_gain (multiplies expert weights, to make the SwiGLU clamp bite);
+    sparse_experts (routed experts as sparse-file holes that read as zeros; default for the
+    exact-structure presets, which also shard as the release does: embed and head alone).
     """
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -138,6 +180,9 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
         **{k: v for k, v in opts.items() if v is not None},
     }
     tok = opts["tokenizer"] if opts["tokenizer"] is not None else cfg.vocab_size == REAL_VOCAB
+    exact = preset in EXACT_PRESETS
+    if opts["sparse_experts"] is None:
+        opts["sparse_experts"] = exact
     rng = np.random.default_rng(seed)
     gen = _Gen(cfg, rng, opts)
 
@@ -146,7 +191,7 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is ordinary shared data
     try:
         (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
-        groups = _shard_groups(cfg)
+        groups = _shard_groups(cfg, ends_alone=exact)
         n = len(groups)
         weight_map: dict[str, str] = {}
         total = 0
@@ -154,10 +199,15 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
             fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             tensors = {s.name: gen.tensor(s) for s in names}
             tensors = {k: v for k, v in tensors.items() if v is not None}
-            safetensors.numpy.save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            if any(isinstance(v, Hole) for v in tensors.values()):
+                save_sparse(tensors, tmp / fname)
+            else:
+                safetensors.numpy.save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            (tmp / fname).chmod(0o644)  # safetensors creates it 0600; the other files are 0644
             for k, v in tensors.items():
                 weight_map[k] = fname
                 total += v.nbytes
+            del tensors
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
         if tok:
@@ -171,15 +221,73 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     return out
 
 
-def _shard_groups(cfg: ModelConfig) -> list[list[TensorSpec]]:
-    """One shard per main layer (embed in the first, the head's tensors in the last), one per MTP block."""
-    groups: list[list[TensorSpec]] = [[] for _ in range(cfg.n_layers + cfg.n_mtp)]
+def _shard_groups(cfg: ModelConfig, ends_alone: bool = False) -> list[list[TensorSpec]]:
+    """One shard per main layer and per MTP block; the embed in the first layer's shard and the
+    head's tensors in the last's, or (ends_alone, as the release: 46 / 48 shards) each alone."""
+    n = cfg.n_layers + cfg.n_mtp
+    groups: list[list[TensorSpec]] = [[] for _ in range(n + (2 if ends_alone else 0))]
     for s in model_specs(cfg):
         if s.layer is None:
-            groups[0 if s.role == "embed" else cfg.n_layers - 1].append(s)
+            if ends_alone:
+                groups[0 if s.role == "embed" else n + 1].append(s)
+            else:
+                groups[0 if s.role == "embed" else cfg.n_layers - 1].append(s)
         else:
-            groups[s.layer].append(s)
+            groups[s.layer + (1 if ends_alone else 0)].append(s)
     return groups
+
+
+@dataclass(frozen=True)
+class Hole:
+    """A tensor written as a sparse-file hole: it reads as zeros and takes no disk."""
+
+    dtype: str  # safetensors dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+# safetensors writes tensors by dtype (this order) then by name; matching it keeps the
+# release's layout (an expert's scales in one run, its weights in another far away).
+_ST_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E8M0", "F8_E4M3", "I8", "U8")
+_ST_DTYPE = {
+    np.dtype(np.int64): "I64",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.int32): "I32",
+    np.dtype(formats.BF16): "BF16",
+    np.dtype(formats.E8M0): "F8_E8M0",
+    np.dtype(formats.E4M3): "F8_E4M3",
+    np.dtype(np.int8): "I8",
+    np.dtype(np.uint8): "U8",
+}
+
+
+def save_sparse(tensors: dict[str, np.ndarray | Hole], path: Path) -> None:
+    """A safetensors file whose Hole tensors are left unwritten (sparse), the rest as the library would."""
+    meta = {
+        k: (v.dtype if isinstance(v, Hole) else _ST_DTYPE[v.dtype], tuple(v.shape), v.nbytes)
+        for k, v in tensors.items()
+    }
+    order = sorted(meta, key=lambda k: (_ST_ORDER.index(meta[k][0]), k))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for k in order:
+        dt, shape, nb = meta[k]
+        header[k] = {"dtype": dt, "shape": list(shape), "data_offsets": [pos, pos + nb]}
+        pos += nb
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for k in order:
+            v = tensors[k]
+            if isinstance(v, Hole):
+                f.seek(v.nbytes, os.SEEK_CUR)
+            else:
+                f.write(memoryview(np.ascontiguousarray(v).view(np.uint8)).cast("B"))
+        f.truncate(8 + len(raw) + pos)
 
 
 def _copy_tokenizer(dst: Path, cfg: ModelConfig) -> None:
@@ -200,6 +308,7 @@ class _Gen:
         self.comp = opts["compressor_dtype"] or "bf16"
         self.skew = float(opts["route_skew"] or 0.0)
         self.expert_gain = float(opts["expert_gain"] or 1.0)
+        self.sparse = bool(opts["sparse_experts"])
         self._pending_scale: dict[str, np.ndarray] = {}
         e = cfg.n_routed_experts
         # Expert popularity ranks, fixed per checkpoint so every layer has its favourites.
@@ -232,8 +341,12 @@ class _Gen:
             return w
         return w.astype(formats.BF16)
 
-    def _expert(self, s: TensorSpec) -> np.ndarray:
+    def _expert(self, s: TensorSpec) -> np.ndarray | Hole:
         rows, cols = s.shape
+        if self.sparse and self.cfg.expert_dtype == "fp4":
+            scale = Hole("F8_E8M0" if self.scale_fmt == "ue8m0" else "F32", fp4_scale_shape(rows, cols))
+            self._pending_scale[s.name] = scale  # type: ignore[assignment]
+            return Hole("I8", (rows, cols // 2))
         std = self._std(cols) * self.expert_gain
         if self.cfg.expert_dtype == "fp8":
             w = self.rng.standard_normal((rows, cols), dtype=np.float32) * std
@@ -273,8 +386,13 @@ class _Gen:
             v = rng.standard_normal(shape, dtype=np.float32) * 0.5
         elif name.endswith("gate.weight"):
             v = rng.standard_normal(shape, dtype=np.float32) * self._std(shape[1]) * 2.0
-        else:  # embed, head
-            v = rng.standard_normal(shape, dtype=np.float32) * (1.0 if "embed" in name else self._std(shape[1]))
+        else:  # embed, head, Markov head: row blocks bound the float32 temporary at full size
+            std = 1.0 if "embed" in name else self._std(shape[-1])
+            out = np.empty(shape, formats.BF16 if s.dtypes[0] == "BF16" else np.float32)
+            for a in range(0, shape[0], 8192):
+                b = min(shape[0], a + 8192)
+                out[a:b] = rng.standard_normal((b - a, *shape[1:]), dtype=np.float32) * std
+            return out
         return v.astype(formats.BF16) if s.dtypes[0] == "BF16" else v.astype(np.float32)
 
     def _tid2eid(self, shape: tuple[int, ...]) -> np.ndarray:

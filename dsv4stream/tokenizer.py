@@ -168,8 +168,9 @@ class Tokenizer:
         if path.is_dir():
             packed = default_pack_path(path)
             if not packed.is_file():
+                where = "" if os.access(path, os.W_OK) else " OUT.pack (this folder is read-only; OUT elsewhere)"
                 raise TokenizerError(
-                    f"{path}: no {DEFAULT_PACK_NAME} in this directory; run `dsv4 pack-tokenizer {path}` first"
+                    f"{path}: no {DEFAULT_PACK_NAME} in this directory; run `dsv4 pack-tokenizer {path}{where}` first"
                 )
             path = packed
         try:
@@ -191,9 +192,10 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: str | Path) -> Tokenizer:
-        """Read and check a checkpoint's tokenizer files without packing them."""
-        return _read_checkpoint(Path(checkpoint_dir))[0]
+    def from_checkpoint(cls, checkpoint_dir: str | Path, tokenizer_json: str | Path | None = None) -> Tokenizer:
+        """Read and check a checkpoint's tokenizer files without packing them; `tokenizer_json`
+        names one kept elsewhere (its tokenizer_config.json beside it, else the checkpoint's)."""
+        return _read_checkpoint(Path(checkpoint_dir), tokenizer_json)[0]
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` alone: no BOS is added (the chat renderer writes BOS itself).
@@ -201,7 +203,16 @@ class Tokenizer:
         Special-token text inside `text` (e.g. "<｜User｜>") becomes that token, as with the
         official encoder, which tokenizes the whole rendered prompt in one call.
         """
-        return self._hf.encode(text, add_special_tokens=False).ids
+        try:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # undecodable bytes kept as surrogates (argv, stdin)
+                raise TokenizerError(
+                    f"the text is not valid UTF-8 (an undecodable byte at character {e.start}); give UTF-8 text"
+                ) from None
+            raise
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text of `ids`; `skip_special` drops BOS/EOS/pad but keeps `<think>`, `</think>`."""
@@ -218,6 +229,11 @@ class Tokenizer:
         if tid is None:
             raise TokenizerError(f"{self.path or 'tokenizer'}: no token {text!r} in the vocabulary")
         return tid
+
+    def special_ids(self) -> list[int]:
+        """Ids the tokenizer itself marks special (added tokens with `special: true`: BOS, EOS,
+        padding, the reserved placeholders): control tokens, not text."""
+        return sorted(i for i, t in self._hf.get_added_tokens_decoder().items() if t.special)
 
     def token_text(self, token_id: int) -> str:
         """The vocabulary entry of one id (byte-level symbols, e.g. 'Ġare')."""
@@ -238,17 +254,15 @@ class Tokenizer:
 def pack_tokenizer(checkpoint_dir: str | Path, out: str | Path | None = None) -> Path:
     """Check a checkpoint's tokenizer against its config and write the packed file.
 
-    `out` may be a file path or an existing directory (the default name goes inside); it
-    defaults to `checkpoint_dir/dsv4-tokenizer.pack`. The file appears atomically: written
-    under a temporary name in the same directory, fsynced, then renamed.
+    `out` may be a file path or a directory (an existing one, or any path ending in `/`: the
+    default name goes inside; missing folders are created); it defaults to
+    `checkpoint_dir/dsv4-tokenizer.pack`. Only a missing file or an earlier tokenizer pack is
+    ever replaced. The file appears atomically: written under a temporary name in the same
+    directory, fsynced, then renamed.
     """
     checkpoint_dir = Path(checkpoint_dir)
     tok, payload = _read_checkpoint(checkpoint_dir)
-    out = default_pack_path(checkpoint_dir) if out is None else Path(out)
-    if out.is_dir():
-        out = out / DEFAULT_PACK_NAME
-    if not out.parent.is_dir():
-        raise UsageError(f"{out.parent}: output directory does not exist; create it first")
+    out = _pack_target(checkpoint_dir, out)
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -275,11 +289,46 @@ def pack_tokenizer(checkpoint_dir: str | Path, out: str | Path | None = None) ->
     return out
 
 
-def _read_checkpoint(ckpt: Path) -> tuple[Tokenizer, bytes]:
+def is_pack(path: Path) -> bool:
+    """A regular file whose first line is our pack header (whatever its version)."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(1 << 16)
+        header = json.loads(line)
+    except (OSError, ValueError):
+        return False
+    return isinstance(header, dict) and header.get("format") == FORMAT
+
+
+def _pack_target(checkpoint_dir: Path, out: str | Path | None) -> Path:
+    """Where the pack goes; refuses to replace anything that is not a tokenizer pack."""
+    if out is None:
+        target = default_pack_path(checkpoint_dir)
+    else:
+        target = Path(out)
+        if str(out).endswith(("/", os.sep)) or target.is_dir():
+            target = target / DEFAULT_PACK_NAME
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{target.parent}: cannot create the output folder ({e.strerror})") from None
+    if target.is_dir() or (target.exists() and not target.is_file()):
+        raise UsageError(f"{target}: exists and is not a regular file; choose another OUT (nothing was changed)")
+    if target.exists() and not is_pack(target):
+        raise UsageError(
+            f"{target}: exists and is not a dsv4 tokenizer pack; choose another OUT"
+            " (pack-tokenizer only ever replaces an earlier pack; nothing was changed)"
+        )
+    return target
+
+
+def _read_checkpoint(ckpt: Path, tokenizer_json: str | Path | None = None) -> tuple[Tokenizer, bytes]:
     if not ckpt.is_dir():
         raise UsageError(f"{ckpt}: no such checkpoint directory")
-    tok_path = ckpt / "tokenizer.json"
-    tcfg_path = ckpt / "tokenizer_config.json"
+    tok_path = ckpt / "tokenizer.json" if tokenizer_json is None else Path(tokenizer_json)
+    tcfg_path = tok_path.with_name("tokenizer_config.json")
+    if not tcfg_path.is_file():
+        tcfg_path = ckpt / "tokenizer_config.json"
     cfg_path = ckpt / "config.json"
     for p in (tok_path, tcfg_path):
         if not p.is_file():

@@ -24,9 +24,10 @@ from typing import Self
 import numpy as np
 
 from .catalog import NP_DTYPE, Catalog, pread_exact
-from .errors import CheckpointError
-from .pack import ALIGN, FORMAT, MANIFEST, hash_range, staging_dir
+from .errors import CheckpointError, ReadError
+from .pack import ALIGN, FORMAT, MANIFEST, hash_range, staging_dir, word_sum
 
+CHECK_CHUNK = 16 << 20  # bytes read at a time by check_words: bounds its memory
 PROBE_BYTES = 32 << 10  # per run, compared with the shards at open: cheap, yet tells twins apart
 
 
@@ -52,6 +53,11 @@ class TrunkRun:
     nbytes: int  # multiple of 4096; the checksum covers all of it
     checksum: str  # blake2b-128 hex
     tensors: tuple[TrunkTensor, ...]
+    sum64: str | None = None  # pack.word_sum as 16 hex digits; None in packs written before it
+
+    @property
+    def what(self) -> str:
+        return f"run '{self.key}'" + (f" (layer {self.layer})" if self.layer is not None else "")
 
 
 def _restart(root: Path) -> str:
@@ -71,6 +77,7 @@ class TrunkFile:
         self._tensors = {t.name: (t, r.key) for r in runs.values() for t in r.tensors}
         self._by_layer = {r.layer: r for r in runs.values() if r.layer is not None}
         self._mm: np.memmap | None = None
+        self._checked: set[str] = set()  # runs whose bytes passed a check in this process
 
     # ---- opening ---------------------------------------------------------------------
     @classmethod
@@ -99,6 +106,7 @@ class TrunkFile:
                         TrunkTensor(t["name"], t["dtype"], tuple(t["shape"]), int(t["offset"]), int(t["nbytes"]))
                         for t in d["tensors"]
                     ),
+                    d.get("sum64"),
                 )
                 for d in m["runs"]
             }
@@ -119,6 +127,9 @@ class TrunkFile:
         tf._check_against(catalog)
         if verify:
             tf.verify()
+        else:
+            # the embedding is only ever read row by row, so no later read can check it whole
+            tf.check_words([k for k in ("embed",) if k in tf.runs])
         return tf
 
     def _check_file(self) -> None:
@@ -131,9 +142,23 @@ class TrunkFile:
                 f"{self.path}: {size} bytes, manifest says {self.manifest.get('file_bytes')} — the trunk is truncated"
                 f" or replaced; {_restart(self.root)}"
             )
-        for r in self.runs.values():
-            if r.offset % ALIGN or r.nbytes % ALIGN or r.offset + r.nbytes > size:
-                raise CheckpointError(f"{self.root}: run '{r.key}' is misplaced in the manifest; {_restart(self.root)}")
+        end = 0
+        for r in sorted(self.runs.values(), key=lambda r: r.offset):
+            if r.offset % ALIGN or r.nbytes % ALIGN or r.offset < end or r.offset + r.nbytes > size:
+                raise CheckpointError(
+                    f"{self.path}: {r.what} is misplaced in the manifest (overlaps another run or lies past"
+                    f" the end of the file); {_restart(self.root)}"
+                )
+            end = r.offset + r.nbytes
+            pos = r.offset
+            for t in sorted(r.tensors, key=lambda t: t.offset):
+                want = int(np.prod(t.shape, dtype=np.int64)) * np.dtype(NP_DTYPE.get(t.dtype, np.uint8)).itemsize
+                if t.dtype not in NP_DTYPE or t.offset < pos or t.offset + t.nbytes > end or t.nbytes != want:
+                    raise CheckpointError(
+                        f"{self.path}: tensor '{t.name}' of {r.what} is misplaced or mis-sized in the manifest;"
+                        f" {_restart(self.root)}"
+                    )
+                pos = t.offset + t.nbytes
 
     def _check_against(self, cat: Catalog) -> None:
         """Names, dtypes and shapes as in the shards; and one small tensor per run byte for byte."""
@@ -151,8 +176,9 @@ class TrunkFile:
             for at in sorted({0, probe.nbytes - n}):
                 if _pread(self.path, probe.offset + at, n).tobytes() != _pread(e.path, e.offset + at, n).tobytes():
                     raise CheckpointError(
-                        f"{self.root}: '{probe.name}' differs from {cat.root} — the trunk comes from another"
-                        f" checkpoint with the same shapes, or run '{r.key}' is corrupted; {_restart(self.root)}"
+                        f"{self.path}: '{probe.name}' of {r.what} differs from {cat.root} — the trunk comes from"
+                        f" another checkpoint with the same shapes, or the run is corrupted (fails its checksum);"
+                        f" {_restart(self.root)}"
                     )
 
     # ---- queries ------------------------------------------------------------------------
@@ -216,21 +242,54 @@ class TrunkFile:
         }
 
     def verify(self, keys: list[str] | None = None) -> None:
-        """Re-hash runs from disk (all by default); CheckpointError on the first mismatch."""
-        fd = os.open(self.path, os.O_RDONLY)
+        """Re-hash runs from disk (all by default) with blake2b; CheckpointError on the first mismatch."""
+        fd = _open(self.path)
         try:
             for key in keys or list(self.runs):
                 r = self.run(key)
-                got = hash_range(fd, r.offset, r.nbytes)
+                got = hash_range(fd, r.offset, r.nbytes, path=self.path)
                 if got != r.checksum:
                     raise self._corrupt(r, got)
+                self._checked.add(r.key)
         finally:
             os.close(fd)
 
-    def _corrupt(self, r: TrunkRun, got: str) -> CheckpointError:
+    def check_words(self, keys: list[str]) -> None:
+        """The cheap check of these runs read from disk now (word sums, at memory speed)."""
+        fd = _open(self.path)
+        try:
+            for key in keys:
+                r = self.run(key)
+                if r.sum64 is None or r.key in self._checked:
+                    continue
+                got = 0
+                for a in range(0, r.nbytes, CHECK_CHUNK):
+                    n = min(CHECK_CHUNK, r.nbytes - a)
+                    got += word_sum(_pread(self.path, r.offset + a, n, fd))
+                self._check_sum(r, got)
+        finally:
+            os.close(fd)
+
+    def check_window(self, path: str, offset: int, data: np.ndarray) -> None:
+        """The cheap check of every run that `data` (bytes of `path` from `offset`) holds whole,
+        the first time each is read in this process (a streamed layer is read again every pass)."""
+        if path != self.path:
+            return
+        for r in self.runs.values():
+            if r.key in self._checked or r.sum64 is None:
+                continue
+            if offset <= r.offset and r.offset + r.nbytes <= offset + data.nbytes:
+                self._check_sum(r, word_sum(data[r.offset - offset : r.offset - offset + r.nbytes]))
+
+    def _check_sum(self, r: TrunkRun, got: int) -> None:
+        if f"{got % (1 << 64):016x}" != r.sum64:
+            raise self._corrupt(r, f"word sum {got % (1 << 64):016x}", f"word sum {r.sum64}")
+        self._checked.add(r.key)
+
+    def _corrupt(self, r: TrunkRun, got: str, want: str | None = None) -> CheckpointError:
         return CheckpointError(
-            f"{r.path}: run '{r.key}' (bytes {r.offset}..{r.offset + r.nbytes}) fails its checksum"
-            f" ({got} != {r.checksum}); the trunk is corrupted — {_restart(self.root)}"
+            f"{r.path}: {r.what}, bytes {r.offset}..{r.offset + r.nbytes}, fails its checksum"
+            f" ({got} != {want or r.checksum}); the trunk is corrupted — {_restart(self.root)}"
         )
 
     def close(self) -> None:
@@ -243,10 +302,31 @@ class TrunkFile:
         self.close()
 
 
-def _pread(path: str, offset: int, nbytes: int) -> np.ndarray:
+def _open(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise ReadError(f"{path}: cannot open the packed trunk ({e.strerror})") from None
+
+
+def _pread(path: str, offset: int, nbytes: int, fd: int | None = None) -> np.ndarray:
     """nbytes from offset into a fresh 4096-aligned uint8 array (what O_DIRECT would need)."""
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGN
     buf = raw[start : start + nbytes]
-    pread_exact(path, offset, buf, "the packed trunk")
+    if fd is None:
+        pread_exact(path, offset, buf, "the packed trunk")
+        return buf
+    view = memoryview(buf)
+    got = 0
+    while got < nbytes:
+        try:
+            n = os.preadv(fd, [view[got:]], offset + got)
+        except OSError as e:
+            raise ReadError(f"{path}: {e.strerror} at byte {offset + got}; check the disk") from None
+        if n <= 0:
+            raise CheckpointError(
+                f"{path}: the packed trunk ends at byte {offset + got}, before its manifest says; {_restart(Path(path).parent)}"
+            )
+        got += n
     return buf

@@ -8,6 +8,8 @@ unaligned offsets. Shapes are FP4-like (I=64, D=96): weights 3072 bytes, scales 
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -32,38 +34,39 @@ def _nbytes(shape: tuple[int, ...]) -> int:
 def make_files(
     root: Path, layers: int = 3, experts: int = 8, files: int = 2, header: int = 1237, gap: int = 300_003, seed: int = 0
 ):
-    """Write the files; return (layouts {(L, E): Layout}, truth {tensor name: bytes})."""
+    """Write the files (real safetensors: the verifier finds tensors through their headers);
+    return (layouts {(L, E): Layout}, truth {tensor name: bytes})."""
     rng = np.random.default_rng(seed)
     keys = [(la, e) for la in range(layers) for e in range(experts)]
     located: dict[tuple[int, int], list] = {k: [] for k in keys}
     truth: dict[str, bytes] = {}
     for f in range(files):
-        path = root / f"shard-{f}.bin"
+        path = root / f"shard-{f}.safetensors"
         mine = keys[f::files]
-        blob = bytearray(rng.integers(0, 256, header, dtype=np.uint8).tobytes())
+        tensors: list[tuple[str, tuple[int, ...], bytes]] = []
         for kind in ("scale", "weight"):
             for key in mine:
                 for t in ("w1", "w2", "w3"):
                     tname = f"{t}.{kind}"
                     name = f"layers.{key[0]}.ffn.experts.{key[1]}.{tname}"
                     data = rng.integers(0, 256, _nbytes(SHAPES[tname]), dtype=np.uint8).tobytes()
-                    piece = Piece(name, len(blob), len(data), np.dtype(np.uint8), SHAPES[tname])
-                    located[key].append((str(path), piece))
-                    truth[name] = data
-                    blob += data
+                    tensors.append((name, SHAPES[tname], data))
             if kind == "scale":
-                blob += rng.integers(0, 256, gap, dtype=np.uint8).tobytes()
-        path.write_bytes(bytes(blob))
+                tensors.append((f"filler.{f}", (gap,), rng.integers(0, 256, gap, dtype=np.uint8).tobytes()))
+        meta, pos = {}, 0
+        for name, shape, data in tensors:
+            meta[name] = {"dtype": "U8", "shape": list(shape), "data_offsets": [pos, pos + len(data)]}
+            pos += len(data)
+        h = json.dumps(meta).encode()
+        # pad the header so the data starts at an odd offset (`header` mod 4096): nothing aligned
+        h += b" " * ((header - 8 - len(h)) % 4096)
+        base = 8 + len(h)
+        for name, shape, data in tensors:
+            if name.startswith("layers."):
+                piece = Piece(name, base + meta[name]["data_offsets"][0], len(data), np.dtype(np.uint8), shape)
+                key = tuple(int(x) for x in name.split(".")[1:5:3])
+                located[key].append((str(path), piece))
+                truth[name] = data
+        path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(d for _, _, d in tensors))
     layouts = {k: merge_pieces(v) for k, v in located.items()}
     return layouts, truth
-
-
-def expected(layout) -> list[bytes]:
-    """The bytes each piece must hold, read with plain Python file I/O (layout order)."""
-    out = []
-    for run in layout:
-        with open(run.path, "rb") as f:
-            for p in run.pieces:
-                f.seek(p.offset)
-                out.append(f.read(p.nbytes))
-    return out

@@ -271,3 +271,90 @@ def test_unexpected_scale_for_bf16_weight(copy):
     write_shard(shard, t)
     (copy / INDEX_NAME).unlink()
     assert Catalog.open(copy).problems() == ["'layers.1.attn.compressor.wkv.scale': unexpected scale for a BF16 weight"]
+
+
+# ---- headers that point tensors at the wrong bytes (issue 12, items 5 and 15) --------------------
+
+
+def rewrite_offsets(shard: Path, change) -> None:
+    """Rewrite the header in place (same length, data untouched); `change(header)` edits it."""
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    change(header)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    assert len(h) <= n, "the edit must not grow the header"
+    shard.write_bytes(raw[:8] + h + b" " * (n - len(h)) + raw[8 + n :])
+
+
+def two_same_size(header: dict) -> tuple[str, str]:
+    by_size: dict[int, list[str]] = {}
+    for name, info in header.items():
+        if name != "__metadata__":
+            b, e = info["data_offsets"]
+            by_size.setdefault(e - b, []).append(name)
+    return next(tuple(v[:2]) for v in by_size.values() if len(v) >= 2)
+
+
+@pytest.mark.parametrize(
+    "how, why",
+    [
+        ("alias", "overlap"),  # one expert's tensor reads another's bytes
+        ("shift", "overlap"),  # a tensor moved half into its neighbour
+        ("negative", "malformed shape or data_offsets|outside the data section"),  # the header read as weights
+        ("reversed", "outside the data section|spans"),
+        ("negative_dim", "malformed shape"),
+        ("float", "malformed shape"),
+    ],
+)
+def test_refuses_headers_whose_tensors_do_not_own_their_bytes(copy, how, why):
+    shard = sorted(copy.glob("*.safetensors"))[1]
+
+    def change(h):
+        a, b = two_same_size(h)
+        ia, ib = h[a], h[b]
+        ba, ea = ia["data_offsets"]
+        if how == "alias":
+            ib["data_offsets"] = [ba, ea]
+        elif how == "shift":
+            big = max((k for k in h if k != "__metadata__"), key=lambda k: -h[k]["data_offsets"][0])
+            first = h[big]["data_offsets"]
+            nxt = min((k for k in h if k != "__metadata__" and h[k]["data_offsets"][0] >= first[1]),
+                      key=lambda k: h[k]["data_offsets"][0])  # fmt: skip
+            width = h[nxt]["data_offsets"][1] - h[nxt]["data_offsets"][0]
+            start = first[1] - 1
+            h[nxt]["data_offsets"] = [start, start + width]
+        elif how == "negative":
+            ib["data_offsets"] = [ba - 64 - ea, -64]
+        elif how == "reversed":
+            ib["data_offsets"] = [ea, ba]
+        elif how == "negative_dim":
+            ib["shape"] = [-x for x in ib["shape"]]
+        elif how == "float":
+            ib["data_offsets"] = [float(x) for x in ib["data_offsets"]]
+
+    rewrite_offsets(shard, change)
+    with pytest.raises(CheckpointError, match=why) as e:
+        Catalog.open(copy)
+    assert "\n" not in str(e.value) and str(shard) in str(e.value)
+
+
+@pytest.mark.parametrize("victim", ["shard", "index"])
+def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(copy, victim):
+    import os
+    import subprocess
+    import sys
+
+    path = min(copy.glob("*.safetensors")) if victim == "shard" else copy / INDEX_NAME
+    path.unlink()
+    os.mkfifo(path)
+    for cmd in (["inspect", str(copy)], ["pack-trunk", str(copy), "--no-progress"]):
+        r = subprocess.run(
+            [sys.executable, "-c", "from dsv4stream.cli import main; main()", *cmd],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1

@@ -65,10 +65,21 @@ def reply_of(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos)] if eos in ids else ids
 
 
+def text_ids(tok: Tokenizer) -> np.ndarray:
+    """Ids a run may sample: the tokenizer's, less those tokenizer.json marks special (but EOS)."""
+    added = json.loads((tok.path.parent / "tokenizer.json").read_text())["added_tokens"] if tok.path else []
+    banned = [t["id"] for t in added if t["special"] and t["id"] != tok.special.eos]
+    keep = np.ones(tok.n_tokens, bool)
+    keep[banned] = False
+    return keep
+
+
 def masked_greedy(tok: Tokenizer, ckpt: Path, ids: list[int], n: int) -> list[int]:
-    """The independent expectation: an in-memory Engine, argmax over printable ids, EOS stops."""
+    """The independent expectation: an in-memory Engine, argmax over text ids, EOS stops."""
+    keep = text_ids(tok)
     out = []
-    for t in Engine.open(ckpt).session().generate(ids, n, pick=lambda lg: int(np.argmax(lg[: tok.n_tokens]))):
+    pick = lambda lg: int(np.argmax(np.where(keep, lg[: tok.n_tokens], -np.inf)))
+    for t in Engine.open(ckpt).session().generate(ids, n, pick=pick):
         out.append(t)
         if t == tok.special.eos:
             break
@@ -189,7 +200,12 @@ def test_repl_refuses_a_turn_beyond_ctx_and_keeps_the_session(ckpt, tok, tmp_pat
     long = " ".join(["word"] * 60)
     s, res = stats_of(tmp_path, str(ckpt), "--chat", "--greedy", "--gen", "3", "--ctx", "40",
                       input=f"Hi\n{long}\nOk\n")  # fmt: skip
-    assert "beyond --ctx 40; /reset to start over, or restart with a larger --ctx" in res.stderr
+    alone = len(tok.encode(chat.render(chat.one_turn(long))))
+    # /reset cannot help a turn longer than --ctx on its own: only a larger --ctx
+    assert (
+        f"leaving no room to answer within --ctx 40; restart with a larger --ctx (at least {alone + 1})" in res.stderr
+    )
+    assert "/reset" not in res.stderr
     first = len(tok.encode(chat.render(chat.one_turn("Hi"))))
     r1 = s["generated_ids"][:3]
     pending = 1 if r1[-1] == tok.special.eos else 2
@@ -219,6 +235,7 @@ def test_ctrl_c_stops_the_answer_between_tokens_and_the_chat_goes_on(rt, tok) ->
     with Interrupt() as flag:
         reply = answer(rt, session, turn.ids, gen=20, pick=pick, tok=tok, interrupt=flag, out=out)
     assert reply.stopped and len(reply.ids) == 3 and session.pos == len(turn.ids) + 2
+    assert reply.reason == "interrupted" and rt.stats().stop_reasons == ["interrupted"]
     conv.commit(turn, session, reply.ids)
     nxt = conv.prepare("Go on")
     assert not nxt.fresh and nxt.ids[:2] == [reply.ids[-1], tok.special.eos]
@@ -270,7 +287,8 @@ def test_report_separates_prefill_from_decode(rt) -> None:
     lines = report_lines(s)
     assert s.turn_prompt_tokens == [5] and len(s.first_token_seconds) == 1 and s.decode_tokens == 3
     decode = next(line for line in lines if line.startswith("decode"))
-    assert f"{s.decode_seconds_per_token:.3f} s/token over 3 tokens (prefill excluded)" in decode
+    assert f"{s.decode_seconds_per_token:.3f} s/token, {3 / (3 * s.decode_seconds_per_token):.2f} tokens/s" in decode
+    assert "over 3 tokens (prefill excluded)" in decode
     assert any(line.startswith("prefill") and "5 tokens" in line for line in lines)
 
 
@@ -304,7 +322,8 @@ def errors(ckpt: Path, small_vocab: Path, tmp: Path) -> list[tuple[list[str], st
         ([c, *p, "--tok", f"{c}/config.json"], "not a packed dsv4 tokenizer"),
         ([str(small_vocab), *p, "--tok", f"{c}/dsv4-tokenizer.pack"], "this checkpoint has 512"),
         ([c, *p, "--budget", "0.01"], "--budget 0.01 GB is below the minimum"),
-        ([c, *p, "--gen", "10", "--ctx", "8"], "is beyond --ctx 8; raise --ctx or lower --gen"),
+        ([c, *p, "--ctx", "2"], "the prompt (2 tokens) leaves no room to answer within --ctx 2; raise --ctx above 2"),
+        ([c, *p, "--chat", "--think"], "--chat and --think conflict"),
         ([c, *p, "--prompt-file", f"{c}/config.json"], "--prompt and --prompt-file conflict"),
         ([c, *p, "--prompt-ids", "1"], "--prompt and --prompt-ids conflict"),
         ([c, *p, "--greedy", "--temperature", "0.5"], "--greedy and --temperature 0.5 conflict"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -138,4 +139,55 @@ def test_from_json_errors(tmp_path):
         ModelConfig.from_json(p)
     p.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
+        ModelConfig.from_json(p)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"quantization_config": "fp8"}, "'quantization_config' should be an object"),
+        ({"eos_token_id": []}, "'eos_token_id' must be a token id"),
+        ({"eos_token_id": "x"}, "'eos_token_id' must be a token id"),
+        ({"eos_token_id": [True]}, "'eos_token_id' must be a token id"),
+        ({"bos_token_id": -5}, "'bos_token_id' must be a token id"),
+        ({"bos_token_id": 10**9}, "'bos_token_id' must be a token id"),
+        ({"o_groups": 0}, "'o_groups' must be above 0"),
+        ({"sliding_window": 0}, "'sliding_window' must be above 0"),
+        ({"index_topk": 0}, "'index_topk' must be above 0"),
+        ({"compress_rope_theta": -1}, "'compress_rope_theta' must not be negative"),
+        ({"rope_theta": 0}, "'rope_theta' must be above 0"),
+        ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' must be a finite number"),
+        ({"rms_norm_eps": 0}, "'rms_norm_eps' must be above 0"),
+        ({"routed_scaling_factor": float("inf")}, "'routed_scaling_factor' must be a finite number"),
+        ({"hc_eps": float("-inf")}, "'hc_eps' must be a finite number"),
+        ({"swiglu_limit": -1}, "'swiglu_limit' must not be negative"),
+        ({"scale_fmt": "weird"}, "'quantization_config.scale_fmt' must be 'ue8m0' or null"),
+        ({"max_position_embeddings": "big"}, "'max_position_embeddings' must be a positive int"),
+        ({"max_position_embeddings": 0}, "'max_position_embeddings' must be a positive int"),
+        ({"num_nextn_predict_layers": True}, "'num_nextn_predict_layers' should be a non-negative int"),
+        ({"weight_block_size": [True, 128]}, "weight_block_size' must be two positive ints"),
+        ({"rope_scaling": {"factor": float("nan"), "original_max_position_embeddings": 65536}}, "'rope_scaling'"),
+        ({"norm_topk_prob": "yes"}, "'norm_topk_prob' must be true or false"),
+    ],
+)  # fmt: skip
+def test_bad_values_are_one_config_error(change, words):
+    d = flash_dict()
+    for k, v in change.items():
+        if k in ("scale_fmt", "weight_block_size"):
+            d["quantization_config"] = dict(d["quantization_config"], **{k: v})
+        else:
+            d[k] = v
+    msg = str(pytest.raises(ConfigError, ModelConfig.from_dict, d).value)
+    assert words in msg and "\n" not in msg
+
+
+def test_nan_and_infinity_in_the_json_file(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(flash_dict()).replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": NaN'))
+    assert '"rms_norm_eps": NaN' in p.read_text()
+    with pytest.raises(ConfigError, match="'rms_norm_eps' must be a finite number"):
+        ModelConfig.from_json(p)
+    p.unlink()
+    os.mkfifo(p)
+    with pytest.raises(ConfigError, match="not a regular file"):
         ModelConfig.from_json(p)

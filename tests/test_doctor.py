@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from dsv4stream import doctor as d
 from dsv4stream.commands.doctor import doctor
 from dsv4stream.config import ModelConfig
-from dsv4stream.planner import GB
+from dsv4stream.planner import GB, needs_from_config, plan
 
 FLASH = Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json"
 
@@ -31,10 +31,19 @@ def test_expected_hit_rate_bands():
 
 def test_advice_on_flash_config():
     cfg = ModelConfig.from_json(FLASH)
-    lines = d.advice_lines(cfg, 16 * GB)
+    needs = needs_from_config(cfg)
+    lines = d.advice_lines(cfg, needs, 16 * GB)
     assert "258 experts per pass" in lines[0] and "13,369,344 bytes" in lines[0]
-    assert any(line.startswith("recommended --budget 13") for line in lines)
-    low = d.advice_lines(cfg, 1 * GB)
+    rec = next(line for line in lines if line.startswith("recommended --budget "))
+    # the most 16 GB leaves (85%: 13.6 GB), at the smallest budget with that plan
+    gb = float(rec.split()[2].rstrip(":"))
+    best = plan(needs, int(16 * GB * 0.85))
+    got = plan(needs, round(gb * GB))
+    assert (got.pinned_layers, got.expert_slots) == (best.pinned_layers, best.expert_slots)
+    smaller = plan(needs, round((gb - 0.01) * GB))
+    assert (smaller.pinned_layers, smaller.expert_slots) < (best.pinned_layers, best.expert_slots)
+    assert "the most this machine leaves" in rec
+    low = d.advice_lines(cfg, needs, 1 * GB)
     assert "none fits" in low[-1]
 
 

@@ -11,6 +11,7 @@ makes later runs fast.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numba
 import numpy as np
@@ -129,49 +130,150 @@ def test_nan_scale_and_nan_codes_poison_their_rows_only():
 
 
 def test_matvec_equals_matmul_rows_bit_for_bit():
+    """Below the BLAS threshold (decode, short chunks) prefill rows equal step-by-step matvecs."""
     rng = np.random.default_rng(11)
     for kind, rows, cols in SHAPES:
         for scale_kind in ("e8m0", "f32"):
             w = weight(kind, rows, cols, rng, scale_kind)
-            x = rng.standard_normal((70, cols)).astype(np.float32)  # > 64 tokens: split calls
+            n = fast.blas_min_tokens(w) - 1
+            x = rng.standard_normal((n, cols)).astype(np.float32)
             y = fast.matmul(w, x)
-            for t in (0, 1, 63, 64, 69):
+            for t in (0, 1, n // 2, n - 1):
                 assert np.array_equal(fast.matvec(w, x[t]), y[t]), (kind, scale_kind, t)
             assert np.array_equal(fast.matmul(w, x[3:6]), y[3:6])
 
 
-def test_pair_and_swiglu_expert():
+def test_fused_matmul_splits_long_inputs_exactly(monkeypatch):
+    """Past MAX_TOKENS the fused path splits X; each part gives the same bits as alone."""
+    monkeypatch.setitem(fast.BLAS_MIN_TOKENS, "fp4", 10**9)
+    rng = np.random.default_rng(12)
+    w = weight("fp4", 37, 96, rng)
+    x = rng.standard_normal((fast.MAX_TOKENS + 6, 96)).astype(np.float32)
+    y = fast.matmul(w, x)
+    assert np.array_equal(y[fast.MAX_TOKENS :], fast.matmul(w, x[fast.MAX_TOKENS :]))
+    assert np.array_equal(fast.matvec(w, x[-1]), y[-1])
+
+
+@pytest.mark.parametrize("kind,rows,cols", [*SHAPES, ("fp4", 300, 2048), ("fp8", 257, 640)])
+@pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
+def test_blas_path_accuracy_and_agreement_with_the_fused_path(kind, rows, cols, scale_kind, monkeypatch):
+    """Dequantise-then-BLAS (prefill-sized token counts): as accurate as the fused kernels,
+    several row tiles included, and within float32 rounding of them."""
+    rng = np.random.default_rng(rows + cols)
+    w = weight(kind, rows, cols, rng, scale_kind)
+    monkeypatch.setattr(fast, "TILE_ELEMS", 64 * cols)  # several tiles, a ragged last one
+    x = rng.standard_normal((fast.blas_min_tokens(w) + 3, cols)).astype(np.float32)
+    got, ref = fast.matmul(w, x), reference(x, w)
+    assert rel_error(got, ref) <= TOL
+    fused = np.stack([fast.matvec(w, row) for row in x])
+    assert rel_error(got, fused.astype(np.float64)) <= TOL
+
+
+@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+def test_blas_path_edge_and_nan_scales(kind):
+    rng = np.random.default_rng(8)
+    rows, cols = (384, 640) if kind == "fp8" else (12, 256)
+    w = weight(kind, rows, cols, rng, exps=[0, 1, 2, 127, 147])
+    w.scale[0] = 0
+    w.scale[1] = 147
+    w.scale[2, 0] = 0xFF
+    x = rng.standard_normal((fast.blas_min_tokens(w), cols)).astype(np.float32)
+    got, ref = fast.matmul(w, x), reference(x, w)
+    block = 1 if kind == "fp4" else 128
+    for rows_ in (slice(0, block), slice(block, 2 * block)):
+        assert rel_error(got[:, rows_], ref[:, rows_]) <= TOL
+    assert 0 < np.abs(got[:, :block]).max() < 1e-30
+    assert np.isnan(got[:, 2 * block : 3 * block]).all() and np.isfinite(got[:, : 2 * block]).all()
+
+
+def test_pair_and_grouped_equal_the_separate_products():
     rng = np.random.default_rng(5)
-    w1, w3 = weight("fp4", 64, 128, rng), weight("fp4", 64, 128, rng)
-    w2 = weight("fp4", 128, 64, rng)
-    x = rng.standard_normal((2, 128)).astype(np.float32)
-    g, u = fast.matvec_pair(w1, w3, x[0])
-    assert np.array_equal(g, fast.matvec(w1, x[0])) and np.array_equal(u, fast.matvec(w3, x[0]))
-    limit = 1.5
-    for xs in (x[:1], x):
-        g64 = np.minimum(xs.astype(np.float64) @ dense64(w1).T, limit)
-        u64 = np.clip(xs.astype(np.float64) @ dense64(w3).T, -limit, limit)
-        h64 = g64 / (1 + np.exp(-g64)) * u64
-        ref = h64 @ dense64(w2).T
-        got = fast.swiglu_expert(w1, w3, w2, xs, limit)
-        assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-5  # h is rounded to float32 once
+    for kind, rows, cols in (("fp4", 64, 128), ("fp8", 256, 384)):
+        w1, w3 = weight(kind, rows, cols, rng), weight(kind, rows, cols, rng)
+        x = rng.standard_normal((1, cols)).astype(np.float32)
+        g, u = fast.matmul_pair(w1, w3, x)
+        assert np.array_equal(g[0], fast.matvec(w1, x[0])) and np.array_equal(u[0], fast.matvec(w3, x[0]))
+        xs = rng.standard_normal((5, cols)).astype(np.float32)
+        g, u = fast.matmul_pair(w1, w3, xs)
+        assert np.array_equal(g, fast.matmul(w1, xs)) and np.array_equal(u, fast.matmul(w3, xs))
+    # the grouped output projection: row blocks of one tensor, each meeting its own input
+    from dsv4stream.model.weights import split_rows
+
+    for kind, rows, cols, groups in (("fp8", 1024, 256, 4), ("f32", 96, 64, 3), ("bf16", 40, 48, 2)):
+        parts = split_rows(weight(kind, rows, cols, rng), groups)
+        x = rng.standard_normal((1, groups, cols)).astype(np.float32)
+        want = np.concatenate([fast.matvec(p, x[0, i]) for i, p in enumerate(parts)])
+        assert np.array_equal(fast.matmul_grouped(parts, x)[0], want), kind
+        xs = rng.standard_normal((3, groups, cols)).astype(np.float32)
+        want = np.concatenate([fast.matmul(p, xs[:, i]) for i, p in enumerate(parts)], axis=1)
+        assert np.array_equal(fast.matmul_grouped(parts, xs), want)
+    # blocks that are not one tensor's rows still multiply correctly (one product per group)
+    loose = (weight("fp8", 128, 64, rng), weight("fp8", 128, 64, rng))
+    x = rng.standard_normal((1, 2, 64)).astype(np.float32)
+    want = np.concatenate([fast.matvec(p, x[0, i]) for i, p in enumerate(loose)])
+    assert np.array_equal(fast.matmul_grouped(loose, x)[0], want)
+
+
+def test_serial_and_parallel_matvec_agree(monkeypatch):
+    rng = np.random.default_rng(9)
+    cases = [weight(k, r, c, rng, sk) for k, r, c in SHAPES for sk in ("e8m0", "f32")]
+    outs = []
+    for floor in (0, 1 << 62):
+        monkeypatch.setattr(fast, "PARALLEL_MIN_BYTES", floor)
+        outs.append([fast.matvec(w, np.ones(w.cols, np.float32) / 3) for w in cases])
+    for a, b in zip(*outs):
+        assert a.tobytes() == b.tobytes()
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
 def test_results_do_not_depend_on_thread_count():
     rng = np.random.default_rng(13)
     cases = [weight(k, r, c, rng, sk) for k, r, c in SHAPES for sk in ("e8m0", "f32")]
-    xs = [rng.standard_normal((5, w.cols)).astype(np.float32) for w in cases]
+    xs = [rng.standard_normal((fast.blas_min_tokens(w) + 2, w.cols)).astype(np.float32) for w in cases]
     before = fast.get_threads()
     try:
         runs = []
         for n in (1, 2):
             assert fast.set_threads(n) == n
-            runs.append([(fast.matmul(w, x), fast.matvec(w, x[0])) for w, x in zip(cases, xs)])
+            runs.append([(fast.matmul(w, x[:5]), fast.matvec(w, x[0]), fast.matmul(w, x)) for w, x in zip(cases, xs)])
     finally:
         fast.set_threads(before)
-    for (a_mm, a_mv), (b_mm, b_mv) in zip(*runs):
-        assert a_mm.tobytes() == b_mm.tobytes() and a_mv.tobytes() == b_mv.tobytes()
+    for a, b in zip(*runs):
+        assert all(p.tobytes() == q.tobytes() for p, q in zip(a, b))
+
+
+BLAS_THREADS_CHILD = """
+import sys, numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_kernels import weight
+from dsv4stream.kernels import fast
+rng = np.random.default_rng(21)
+out = []
+for kind, rows, cols in (("fp4", 512, 1024), ("fp8", 384, 1280), ("bf16", 300, 700)):
+    w = weight(kind, rows, cols, rng)
+    x = rng.standard_normal((fast.blas_min_tokens(w) + 37, cols)).astype(np.float32)
+    out.append(fast.matmul(w, x))
+sys.stdout.write(np.concatenate([o.ravel() for o in out]).tobytes().hex())
+"""
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
+def test_blas_path_across_openblas_thread_counts():
+    """OpenBLAS reads its thread count at load: one child process per count. Its small-matrix
+    and threaded sgemm paths sum in different orders, so the BLAS path is equal up to float32
+    rounding there (the kernels' own --threads never changes a bit: the test above)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    runs = []
+    for n in ("1", "2"):
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": n, "OMP_NUM_THREADS": n}
+        cmd = [sys.executable, "-c", BLAS_THREADS_CHILD, str(Path(__file__).parent)]
+        runs.append(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout)
+    a, b = (np.frombuffer(bytes.fromhex(r), np.float32) for r in runs)
+    assert a.size > 1000 and rel_error(a, b.astype(np.float64)) <= TOL
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
@@ -214,3 +316,18 @@ def test_int8_view_and_warmup():
     x = rng.standard_normal(64).astype(np.float32)
     assert np.array_equal(fast.matvec(as_i8, x), fast.matvec(w, x))
     assert fast.warmup() >= 0.0
+
+
+def test_kernel_seconds_count_each_role():
+    from dsv4stream import kernels
+
+    rng = np.random.default_rng(4)
+    w = weight("fp8", 128, 256, rng)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    before = kernels.kernel_seconds()
+    kernels.matmul(w, x)
+    kernels.matvec(replace(w, role="experts"), x[0])
+    kernels.matmul_pair(replace(w, role="head"), w, x[:1])
+    after = kernels.kernel_seconds()
+    for role in ("trunk", "experts", "head"):
+        assert after[role] > before.get(role, 0.0), role

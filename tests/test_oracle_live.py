@@ -65,6 +65,24 @@ SHAPES = {
         "swiglu_limit": 3.0,
         "expert_gain": 3.0,
     },
+    # the 0731 layout (transformers skips mtp.*) at V4-Pro proportions: wo_a taller than hidden
+    "dspark-0731-pro-proportions": {
+        "preset": "tiny-0731",
+        "num_attention_heads": 8,
+        "o_groups": 4,
+        "o_lora_rank": 32,
+        "n_routed_experts": 12,
+        "routed_scaling_factor": 2.5,
+        "num_hidden_layers": 3,
+        "compress_ratios": [128, 4, 0, 0, 0, 0],
+        "dspark_target_layer_ids": [0, 1, 2],
+        "dspark_noise_token_id": 7,
+        "sliding_window": 20,
+        "index_topk": 5,
+        "num_hash_layers": 1,
+        "swiglu_limit": 3.0,
+        "expert_gain": 3.0,
+    },
 }
 
 
@@ -72,9 +90,10 @@ SHAPES = {
 def test_fresh_checkpoint_matches_transformers(tmp_path: Path, shape: str) -> None:
     tool = _tool()
     overrides = {**tool._BASE, **SHAPES[shape]}
+    preset = overrides.pop("preset", "tiny")
     n_tokens = 270
     for seed in range(500, 506):
-        ckpt = make_checkpoint(tmp_path / f"c{seed}", preset="tiny", seed=seed, **overrides)
+        ckpt = make_checkpoint(tmp_path / f"c{seed}", preset=preset, seed=seed, **overrides)
         cfg = json.loads((ckpt / "config.json").read_text())
         ids = np.random.default_rng(seed).integers(0, cfg["vocab_size"], n_tokens)
         cap = tool.run_reference(tool.load_reference(ckpt), ids, cfg["swiglu_limit"])

@@ -59,6 +59,25 @@ def test_stats_json_route_log_and_verify(ckpt, tmp_path) -> None:
     assert "planned total" in res.stderr and "peak RSS" in res.stderr
 
 
+def test_decode_profile_in_stats_and_json(ckpt, tmp_path) -> None:
+    """--stats shows where decode time went; --stats-json has the same phases, which add up to
+    the decode step time (the sampler is outside the step)."""
+    from dsv4stream.profile import PROFILE_PHASES
+
+    stats = tmp_path / "stats.json"
+    res = invoke(
+        str(ckpt), "--prompt-ids", "1,2,3", "--gen", "8", "--greedy", "--budget", gb(ckpt, 3),
+        "--stats", "--stats-json", str(stats),
+    )  # fmt: skip
+    s = json.loads(stats.read_text())
+    p = s["decode_profile"]
+    assert tuple(p) == PROFILE_PHASES and all(v >= 0 for v in p.values())
+    assert p["experts"] > 0 and p["trunk"] > 0 and p["head"] > 0 and p["sampler"] > 0
+    step = sum(v for k, v in p.items() if k != "sampler")
+    assert step == pytest.approx(s["decode_seconds_per_token"], rel=0.02, abs=1e-4)
+    assert "decode per token" in res.stderr and "waiting on expert reads" in res.stderr
+
+
 def test_below_the_working_set_warns_with_the_amount_and_keeps_the_ids(ckpt, tmp_path) -> None:
     stats = tmp_path / "s.json"
     res = invoke(str(ckpt), "--prompt-ids", "7,8,9", "--gen", "5", "--budget", gb(ckpt, 5), "--io", "buffered",

@@ -283,10 +283,14 @@ def test_bench_simulate_command_prints_and_writes(tmp_path):
     out_json, out_csv = tmp_path / "s.json", tmp_path / "s.csv"
     res = CliRunner().invoke(
         bench,
-        ["simulate", str(path), "--cache-experts", "4,8,16", "--expert-bytes", "1000",
+        ["simulate", str(path), "--cache-experts", "4,8,16", "--expert-bytes", "1000", "--hash-layers", "3",
          "--json", str(out_json), "--csv", str(out_csv)],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
+    # without a config the hash layers are not guessed
+    bare = CliRunner().invoke(bench, ["simulate", str(path), "--cache-experts", "4"])
+    assert isinstance(bare.exception, UsageError) and "--hash-layers N" in str(bare.exception)
+    assert CliRunner().invoke(bench, ["simulate", str(path), "--cache-experts", "4", "--hints", "none"]).exit_code == 0
     assert "belady" in res.output and "pinned+lru" in res.output and "read GB" in res.output
     data = json.loads(out_json.read_text())
     assert data["requests"] == len(log) and data["passes"] == 40 and len(data["results"]) == 12

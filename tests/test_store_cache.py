@@ -1,5 +1,6 @@
 """ExpertStore: verified reads, injected placement bugs, LRU counters, pins, stress, errors."""
 
+import errno
 import io
 import os
 import random
@@ -242,11 +243,11 @@ def test_concurrent_loads_under_stress_never_corrupt_a_pinned_slot(tmp_path):
 
 def test_read_errors_reach_the_caller_with_the_key(tmp_path):
     layouts, _ = make_files(tmp_path, files=1)
-    os.truncate(tmp_path / "shard-0.bin", 300_000)  # weights region gone
+    os.truncate(tmp_path / "shard-0.safetensors", 300_000)  # weights region gone
     with ExpertStore(layouts, slots=2, label=expert_label, **QUIET) as store:
         store.prefetch([(0, 1)])
         for _ in range(2):  # a failed load is dropped, so asking again reads again
-            with pytest.raises(ReadError, match=r"^layer 0 expert 1: short read: .*shard-0\.bin at offset \d+"):
+            with pytest.raises(ReadError, match=r"^layer 0 expert 1: short read: .*shard-0\.safetensors at offset \d+"):
                 store.get((0, 1))
         assert store.stats().misses == 2
         with pytest.raises(KeyError):
@@ -277,3 +278,30 @@ def test_wait_seconds_counts_only_blocked_time(files, monkeypatch):
     assert blocked >= 0.03 and s.wait_seconds - blocked < 0.01
     assert s.read_seconds >= 0.07
     assert np.isfinite(s.read_gbps)
+
+
+def test_a_bug_in_a_reader_thread_keeps_its_type_and_traceback(files, monkeypatch):
+    layouts, _ = files
+
+    def broken(buf, layout, plan):
+        raise ZeroDivisionError("a bug in the placement code")
+
+    monkeypatch.setattr(directio, "piece_views", broken)
+    store = ExpertStore(layouts, slots=2, label=expert_label, **QUIET)
+    with store, pytest.raises(ZeroDivisionError, match="a bug in the placement code") as err:
+        store.get((0, 1))
+    frames = [f.name for f in err.traceback]
+    assert "broken" in frames and "_load" in frames  # the reader thread's frames are kept
+
+
+def test_an_os_error_in_a_reader_thread_is_one_line_naming_the_file(files, monkeypatch):
+    layouts, _ = files
+
+    def eio(self, window, slot):
+        raise OSError(errno.EIO, "Input/output error", window.path)
+
+    monkeypatch.setattr(directio.FileSet, "read", eio)
+    store = ExpertStore(layouts, slots=2, label=expert_label, **QUIET)
+    with store, pytest.raises(ReadError, match=r"^layer 0 expert 1: .*shard-\d\.safetensors Input/output error") as err:
+        store.get((0, 1))
+    assert "\n" not in str(err.value)

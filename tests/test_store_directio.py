@@ -1,5 +1,6 @@
 """Aligned reads into slots: placement, EOF, truncation, and the O_DIRECT fallback."""
 
+import dataclasses
 import errno
 import os
 from pathlib import Path
@@ -41,7 +42,7 @@ def test_reads_place_every_piece(tmp_path, io):
     layouts, truth = make_files(tmp_path)
     files = FileSet(io, warn=lambda m: None)
     check_all(files, layouts, truth)
-    direct = files.is_direct(str(tmp_path / "shard-0.bin"))
+    direct = files.is_direct(str(tmp_path / "shard-0.safetensors"))
     assert direct == (io == "direct" and not files.fallback_paths)
     files.close()
 
@@ -70,6 +71,21 @@ def test_truncated_file_raises_read_error_naming_file_and_offset(tmp_path, io):
     with pytest.raises(ReadError, match=r"eof\.bin at offset 4096 needs 8269 bytes, got 8259"):
         read_layout(files, layout)
     files.close()
+
+
+def test_a_truncated_packed_trunk_is_told_to_re_pack_a_shard_to_re_download(tmp_path):
+    for name, advice in (("trunk.bin", "dsv4 pack-trunk"), ("model-00001-of-00002.safetensors", "re-download")):
+        d = tmp_path / name.split(".")[0]
+        d.mkdir()
+        layout, _ = eof_layout(d, 3 * ALIGN + 77, cut=10)
+        (d / "eof.bin").rename(d / name)
+        layout = tuple(dataclasses.replace(r, path=str(d / name)) for r in layout)
+        files = FileSet("buffered", warn=lambda m: None)
+        with pytest.raises(ReadError) as err:
+            read_layout(files, layout)
+        files.close()
+        msg = str(err.value)
+        assert advice in msg and "rebuild the catalog" not in msg and name in msg
 
 
 def refuse_direct(monkeypatch, where):

@@ -13,6 +13,7 @@ Expected constants and where they come from:
 
 import hashlib
 import json
+import os
 import random
 import shutil
 
@@ -191,10 +192,35 @@ def test_refuses_missing_files(tmp_path):
     with pytest.raises(TokenizerError) as e:
         pack_tokenizer(ck)
     one_line_error(e, "tokenizer.json: missing")
-    with pytest.raises(UsageError):
-        pack_tokenizer(write_checkpoint(tmp_path / "ok"), tmp_path / "nodir" / "x.pack")
+    # a missing output folder is made, as pack-trunk does
+    made = pack_tokenizer(write_checkpoint(tmp_path / "ok"), tmp_path / "nodir" / "deeper" / "x.pack")
+    assert made == tmp_path / "nodir" / "deeper" / "x.pack" and Tokenizer.load(made).n_tokens > 0
     with pytest.raises(UsageError):
         pack_tokenizer(tmp_path / "absent")
+
+
+def test_never_overwrites_what_is_not_a_tokenizer_pack(ckpt, tmp_path):
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+    for victim in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        with pytest.raises(UsageError, match="not a dsv4 tokenizer pack") as e:
+            pack_tokenizer(ckpt, ckpt / victim)
+        one_line_error(e, victim)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UsageError, match="not a regular file"):
+        pack_tokenizer(ckpt, tmp_path / "fifo")
+    # an earlier pack is replaced
+    target = pack_tokenizer(ckpt, tmp_path / "t.pack")
+    assert pack_tokenizer(ckpt, target) == target and Tokenizer.load(target).n_tokens > 0
+
+
+def test_a_trailing_slash_is_a_folder_and_missing_folders_are_created(ckpt, tmp_path):
+    got = pack_tokenizer(ckpt, f"{tmp_path}/new/")
+    assert got == tmp_path / "new" / "dsv4-tokenizer.pack" and got.is_file()
+    deep = pack_tokenizer(ckpt, tmp_path / "a" / "b" / "x.pack")
+    assert deep.is_file()
+    r = CliRunner().invoke(pack_tokenizer_cmd, [str(ckpt), f"{tmp_path}/cli/"])
+    assert r.exit_code == 0 and (tmp_path / "cli" / "dsv4-tokenizer.pack").is_file()
 
 
 def test_load_refuses_damaged_or_foreign_files(packed, tmp_path):
@@ -296,8 +322,13 @@ def test_cli_tokenize(packed, tok):
     assert r.output == "17\n"
     r = run(tokenize_cmd, ["--tok", str(packed), "--", "-x"])
     assert r.output.split() == [str(i) for i in tok.encode("-x")]
+    # stdin loses one final newline (echo adds it), and only one
     r = run(tokenize_cmd, ["--tok", str(packed), "-"], input="line1\n你好\n")
-    assert r.output.split() == [str(i) for i in tok.encode("line1\n你好\n")]
+    assert r.output.split() == [str(i) for i in tok.encode("line1\n你好")]
+    r = run(tokenize_cmd, ["--tok", str(packed), "-"], input="hello\n\n")
+    assert r.output.split() == [str(i) for i in tok.encode("hello\n")]
+    r = run(tokenize_cmd, ["--tok", str(packed), "-"], input="hello")
+    assert r.output.split() == [str(i) for i in tok.encode("hello")]
 
 
 def test_cli_tokenize_errors(packed, tmp_path):

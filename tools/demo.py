@@ -13,6 +13,8 @@ weights are random, so the text is random too: the demo shows the machinery, not
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import subprocess
 import sys
 import time
@@ -42,13 +44,16 @@ def prepare(root: Path) -> Path:
     return ckpt
 
 
-def pick_budget(ckpt: Path, opts_kw: dict) -> tuple[int, int]:
-    """(budget, checkpoint bytes): the whole trunk resident and a cache of a third of the experts."""
+def pick_budget(ckpt: Path, opts_kw: dict) -> tuple[int, int, int]:
+    """(budget, checkpoint bytes, smallest budget): the whole trunk resident and a cache of a
+    third of the experts."""
     from dsv4stream.catalog import Catalog
+    from dsv4stream.planner import minimum_budget
     from dsv4stream.runtime import RunOptions, measure
 
     n = measure(ckpt, RunOptions(budget=1, **opts_kw))
-    return n.trunk_resident_bytes + n.total_experts // 3 * n.slot_bytes, Catalog.open(ckpt).nbytes
+    budget = n.trunk_resident_bytes + n.total_experts // 3 * n.slot_bytes
+    return budget, Catalog.open(ckpt).nbytes, minimum_budget(n)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prepare-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
+    import numpy as np
+
     from dsv4stream import chat, kernels
+    from dsv4stream.commands.run import banned_ids, make_pick
     from dsv4stream.errors import Dsv4Error
     from dsv4stream.runtime import RunOptions, Runtime
+    from dsv4stream.sampler import SamplingParams
     from dsv4stream.tokenizer import Tokenizer, default_pack_path
 
     try:
@@ -83,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ckpt = args.demo_dir / "checkpoint"
         kw = {"ctx": 1024}
-        budget, size = pick_budget(ckpt, kw)
+        budget, size, floor = pick_budget(ckpt, kw)
         tok = Tokenizer.load(default_pack_path(ckpt))
         ids = chat.encode(tok, chat.one_turn(args.prompt))
         print(f"demo: checkpoint {size / 1e9:.2f} GB on disk, --budget {budget / 1e9:.2f} GB")
@@ -92,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nuser: {args.prompt}")
             print("assistant (random weights, so random text): ", end="", flush=True)
             stream = tok.stream(skip_special=True)
-            pick = lambda logits: int(logits[: tok.n_tokens].argmax())  # greedy over real tokens
+            # greedy over the ids that are text (no padding rows, no reserved placeholders)
+            pick = make_pick(SamplingParams(), tok.n_tokens, np.random.default_rng(0), banned_ids(tok))
             for t in rt.generate(rt.session(), ids, args.gen, pick, stop_ids=(tok.special.eos,)):
                 print(stream.push(t), end="", flush=True)
             print(stream.flush() + "\n")
@@ -100,7 +110,31 @@ def main(argv: list[str] | None = None) -> int:
     except Dsv4Error as e:
         print(f"dsv4: {e}", file=sys.stderr)
         return 2
+    print("\n".join(next_steps(ckpt, budget, floor)))
     return 0
+
+
+def next_steps(ckpt: Path, budget: int, floor: int) -> list[str]:
+    """What to try next, with the command as it can be typed here (the venv's dsv4)."""
+    exe = Path(sys.executable).with_name("dsv4")
+    try:
+        exe = Path(os.path.relpath(exe))
+    except ValueError:
+        pass
+    dsv4 = str(exe) if exe.exists() else "dsv4"
+    b, low = f"{budget / 1e9:.2f}", f"{math.ceil(floor / 1e7) / 100:.2f}"
+    todo = [
+        (f"{dsv4} {ckpt} --chat --budget {b}", "chat with it (/help inside)"),
+        (f"{dsv4} inspect {ckpt} --budget {low} --budget {b}", "how a budget is split"),
+        (f"{dsv4} doctor {ckpt}", "this machine, and which --budget"),
+    ]
+    width = max(len(c) for c, _ in todo)
+    return [
+        "",
+        f"next (dsv4 is {dsv4}; or `source {exe.parent}/activate` once, then plain `dsv4`):",
+        *(f"  {c:<{width}}  # {why}" for c, why in todo),
+        'then README.md, "Running the real V4-Flash", for the real 160 GB model.',
+    ]
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ class FixtureSpec:
     n_tokens: int
     overrides: dict = field(default_factory=dict)
     what: str = ""
+    preset: str = "tiny"
 
 
 # Small shapes: every FP8 dim is <= 128 or a multiple of 128 (transformers derives the block
@@ -120,6 +121,49 @@ SPECS = (
             "compressor_dtype": "fp8",
         },
         what="F32 scales everywhere, FP8 compressor projections; ratio-4 / ratio-8 / window",
+    ),
+    FixtureSpec(
+        "dspark0731",
+        seed=40,
+        n_tokens=90,
+        preset="tiny-0731",
+        overrides={
+            **_BASE,
+            "num_hidden_layers": 3,
+            "compress_ratios": [0, 4, 16, 0, 0, 0],
+            "dspark_target_layer_ids": [0, 1, 2],
+            "dspark_noise_token_id": 255,
+            "sliding_window": 16,
+            "index_topk": 4,
+            "num_hash_layers": 1,
+            "swiglu_limit": 3.0,
+            "expert_gain": 3.0,
+        },
+        what="the 0731 layout: three DSpark stages under mtp.0-2 (transformers ignores mtp.*)",
+    ),
+    FixtureSpec(
+        "proshape",
+        seed=60,
+        n_tokens=120,
+        overrides={
+            **_BASE,
+            "num_attention_heads": 8,
+            "o_groups": 4,
+            "o_lora_rank": 32,
+            "n_routed_experts": 12,
+            "moe_intermediate_size": 32,
+            "routed_scaling_factor": 2.5,
+            "num_hidden_layers": 3,
+            "num_nextn_predict_layers": 1,
+            "compress_ratios": [16, 16, 4, 0],
+            "sliding_window": 16,
+            "index_topk": 6,
+            "num_hash_layers": 1,
+            "swiglu_limit": 3.0,
+            "expert_gain": 3.0,
+        },
+        what="V4-Pro proportions: wo_a [o_groups*o_lora = 128, heads*head_dim/o_groups = 64] taller than hidden 64,"
+        " 1.5x the experts, ratio-16 first layers as Pro's ratio-128 ones, routed_scaling_factor 2.5",
     ),
 )
 
@@ -274,7 +318,7 @@ def build(spec: FixtureSpec, out_root: Path, max_tries: int = 20) -> dict:
     try:
         for attempt in range(max_tries):
             seed = spec.seed + attempt
-            ckpt = make_checkpoint(tmp / f"{spec.name}-{seed}", preset="tiny", seed=seed, **spec.overrides)
+            ckpt = make_checkpoint(tmp / f"{spec.name}-{seed}", preset=spec.preset, seed=seed, **spec.overrides)
             cfg = json.loads((ckpt / "config.json").read_text())
             ids = np.random.default_rng(1000 + seed).integers(0, cfg["vocab_size"], spec.n_tokens).astype(np.int64)
             cap = run_reference(load_reference(ckpt), ids, cfg["swiglu_limit"])
@@ -312,6 +356,7 @@ def build(spec: FixtureSpec, out_root: Path, max_tries: int = 20) -> dict:
             "what": spec.what,
             "seed": seed,
             "token_seed": 1000 + seed,
+            "preset": spec.preset,
             "overrides": spec.overrides,
             "transformers": transformers.__version__,
             "torch": torch.__version__,

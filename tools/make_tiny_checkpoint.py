@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
 """Generate a checkpoint in the official DeepSeek-V4 release format (random weights).
 
-Usage: tools/make_tiny_checkpoint.py OUT [--preset tiny|demo|flash-experts] [--seed N]
-       [--set key=json_value ...] [--scale-fmt ue8m0|float] [--dense-dtype fp8|bf16|f32]
+Usage: tools/make_tiny_checkpoint.py OUT [--preset tiny|tiny-0731|demo|flash-experts|flash|flash-0731]
+       [--seed N] [--set key=json_value ...] [--scale-fmt ue8m0|float] [--dense-dtype fp8|bf16|f32]
        [--compressor-dtype bf16|fp8] [--route-skew A] [--expert-gain G] [--tokenizer/--no-tokenizer]
+       [--sparse-experts/--dense-experts]
+
+`flash` and `flash-0731` write every tensor of the release at its real shape, routed experts
+as sparse-file holes (see dsv4stream/synth.py).
 """
 
 from __future__ import annotations
@@ -39,7 +43,24 @@ from dsv4stream.synth import PRESETS, make_checkpoint
 @click.option(
     "--tokenizer/--no-tokenizer", default=None, help="Copy the real V4 tokenizer (default: when vocab is 129280)."
 )
-def main(out, preset, seed, sets, scale_fmt, dense_dtype, compressor_dtype, route_skew, expert_gain, tokenizer):
+@click.option(
+    "--sparse-experts/--dense-experts",
+    default=None,
+    help="Routed experts as sparse-file holes (read as zeros, no disk). [default: for flash, flash-0731]",
+)
+def main(
+    out,
+    preset,
+    seed,
+    sets,
+    scale_fmt,
+    dense_dtype,
+    compressor_dtype,
+    route_skew,
+    expert_gain,
+    tokenizer,
+    sparse_experts,
+):
     overrides = {}
     for s in sets:
         k, _, v = s.partition("=")
@@ -54,6 +75,7 @@ def main(out, preset, seed, sets, scale_fmt, dense_dtype, compressor_dtype, rout
         "route_skew": route_skew,
         "expert_gain": expert_gain,
         "tokenizer": tokenizer,
+        "sparse_experts": sparse_experts,
     }.items():
         if v is not None:
             overrides[k] = v

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint_dir", type=Path)
-    ap.add_argument("out", type=Path, nargs="?")
+    ap.add_argument("out", nargs="?")  # a str: a trailing / means a folder
     args = ap.parse_args(argv)
     try:
         path = pack_tokenizer(args.checkpoint_dir, args.out)

@@ -18,9 +18,8 @@ import click
 from .. import simulate as sim
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..planner import GB, MemoryNeeds, minimum_budget, needs_from_config, plan
-
-DEFAULT_HASH_LAYERS = 3  # V4's num_hash_layers, when no config says otherwise
+from ..planner import GB, MemoryNeeds, plan, smallest_budget
+from .registry import check_not_a_typo
 
 
 class DefaultToRun(click.Group):
@@ -31,6 +30,7 @@ class DefaultToRun(click.Group):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            check_not_a_typo(args[0], sorted(self.commands), "dsv4 bench")
             args = [self.default_command, *args]
         return super().parse_args(ctx, args)
 
@@ -102,20 +102,48 @@ def run_sweep(
     (out_dir / "bench.json").write_text(json.dumps({**meta, "results": records}, indent=1) + "\n")
     from ..benchplot import plot_sweep
 
-    plot_sweep(
-        records,
-        out_dir / "bench.png",
-        threshold=meta["working_set_budget_gb"],
-        title=f"{checkpoint.name}: {gen} tokens",
-    )
+    plot_sweep(records, out_dir / "bench.png", threshold=meta["working_set_budget_gb"], title=sweep_title(meta, gen))
     for line in sweep_table(records):
         click.echo(line)
+    click.echo(REPLAY_NOTE)
+    for line in below_working_set(records, meta["working_set_budget_gb"]):
+        click.echo(line, err=True)
     click.echo(f"token ids identical at every budget ({len(meta['generated_ids'])} generated)")
     bad = [r["budget_gb"] for r in records if r.get("replay_matches") is False]
     if bad:
         click.echo(f"warning: replaying the route log did not reproduce the LRU hits at --budget {bad}", err=True)
     click.echo(f"note: real hit rates depend on the real model's routing; this ran on {sw.routing_kind(cfg)}")
     click.echo(f"wrote {out_dir / 'bench.csv'}, {out_dir / 'bench.json'}, {out_dir / 'bench.png'}")
+
+
+REPLAY_NOTE = (
+    "replay: '=' when replaying the run's route log through the store's LRU gives exactly its hits"
+    " (the simulator is trustworthy for `dsv4 bench simulate`), 'DIFF' when not, '-' without a log"
+)
+
+
+def sweep_title(meta: dict, gen: int) -> str:
+    """What the plot shows, on what: model shape, routing, run length, machine."""
+    ws, mach = meta.get("working_set_experts"), meta.get("machine") or {}
+    routing = str(meta.get("routing", "")).split(":")[0]
+    return (
+        f"hit rate and decode speed by --budget: {Path(meta['checkpoint']).name}, {routing}\n"
+        f"{gen} greedy tokens per budget, cold cache, working set {ws} experts, {mach.get('cpus', '?')} CPUs"
+    )
+
+
+def below_working_set(records: Sequence[dict], ws_budget_gb: float | None) -> list[str]:
+    """The runs' own warning, in the summary: budgets whose cache holds less than one pass."""
+    out = []
+    for r in records:
+        ws, slots = r.get("working_set_experts"), r.get("cache_slots")
+        if ws and slots is not None and slots < ws:
+            more = f"; from --budget {ws_budget_gb:.2f} up it holds one pass" if ws_budget_gb else ""
+            out.append(
+                f"warning: at --budget {r['budget_gb']:g} the cache holds {slots} experts, fewer than the"
+                f" working set of {ws}: LRU evicts nearly every expert before reuse (hit rate near 0){more}"
+            )
+    return out
 
 
 def sweep_table(records: Sequence[dict]) -> list[str]:
@@ -157,13 +185,10 @@ def load_config(path: Path) -> ModelConfig:
 
 
 def memory_needs(path: Path) -> tuple[MemoryNeeds, str]:
-    """What the planner places for this model: measured on a checkpoint directory (as `dsv4
-    run` does, so budgets map to the slots a run gets), else estimated from config.json."""
-    if path.is_dir() and any(path.glob("*.safetensors")):
-        from ..runtime import RunOptions, measure
+    """What the planner places for this model (`runtime.needs_of`: as `dsv4 run` plans it)."""
+    from ..runtime import needs_of
 
-        return measure(path, RunOptions(budget=GB)), "measured on the checkpoint"
-    return needs_from_config(load_config(path)), "estimated from config.json"
+    return needs_of(path)
 
 
 def budget_slots(needs: MemoryNeeds, budget_gb: float) -> int:
@@ -174,21 +199,7 @@ def budget_slots(needs: MemoryNeeds, budget_gb: float) -> int:
 def working_set_budget(needs: MemoryNeeds) -> int | None:
     """Smallest budget (bytes) whose plan holds one pass's working set; None if none does."""
     want = min(needs.working_set, needs.total_experts)
-    lo = minimum_budget(needs)
-    hi = lo
-    for _ in range(64):
-        if plan(needs, hi).expert_slots >= want:
-            break
-        hi *= 2
-    else:
-        return None
-    while hi - lo > GB // 1000:  # to the MB
-        mid = (lo + hi) // 2
-        if plan(needs, mid).expert_slots >= want:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return smallest_budget(needs, lambda p: p.expert_slots >= want)
 
 
 @bench.command("simulate")
@@ -210,7 +221,9 @@ def working_set_budget(needs: MemoryNeeds) -> int | None:
     show_default=True,
     help="LRU with the engine's prefetch hints (as a live run) or plain LRU on the requests.",
 )
-@click.option("--hash-layers", type=int, default=None, help="Hash-routed layers (default: the config's, else 3).")
+@click.option(
+    "--hash-layers", type=int, default=None, help="Hash-routed layers (default: the config's; needed without --config)."
+)
 @click.option("--lru-share", type=float, default=0.5, show_default=True, help="Part of the slots pinned+lru runs LRU.")
 @click.option("--expert-bytes", type=int, default=None, help="Bytes per expert (default: from --config).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
@@ -244,8 +257,14 @@ def simulate_cmd(
     log = sim.read_route_log(route_log)
     if cfg is not None:
         _check_log_fits(log, cfg, route_log)
+    if hash_layers is None and cfg is None and hints == "engine":
+        # the engine prefetches the hash layers' experts: a wrong count moves hits (never guess it)
+        raise UsageError(
+            "the replay needs the model's hash layers: give --config CHECKPOINT (or its config.json),"
+            " or --hash-layers N, or --hints none for plain LRU"
+        )
     if hash_layers is None:
-        hash_layers = min(cfg.num_hash_layers, cfg.n_layers) if cfg is not None else DEFAULT_HASH_LAYERS
+        hash_layers = min(cfg.num_hash_layers, cfg.n_layers) if cfg is not None else 0
     if expert_bytes is None:
         expert_bytes = cfg.expert_bytes if cfg is not None else 0
     pols = [p.strip() for p in policies.split(",") if p.strip()]
@@ -306,7 +325,11 @@ def simulate_cmd(
             else:
                 b = working_set_budget(needs)
                 threshold = b / GB if b is not None else None
-        plot_sweep(records, plot_path, x=x, threshold=threshold, title=f"replay of {route_log.name}")
+        title = (
+            f"hit rate by policy and cache size: replay of {route_log.name}\n"
+            f"{len(log):,} requests in {sim.forward_passes(log):,} passes, hints {hints}, {hash_layers} hash layers"
+        )
+        plot_sweep(records, plot_path, x=x, threshold=threshold, title=title)
     for p in (csv_path, json_path, plot_path):
         if p is not None:
             click.echo(f"wrote {p}")

@@ -10,6 +10,7 @@ import psutil
 from .. import doctor as d
 from ..config import ModelConfig
 from ..errors import Dsv4Error
+from ..runtime import needs_of
 
 
 @click.command("doctor")
@@ -19,6 +20,9 @@ from ..errors import Dsv4Error
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def doctor(target: Path, seconds: float, depths: str, debug: bool) -> None:
     """Measure read bandwidth, memory and VRAM; recommend a --budget for TARGET's model.
+
+    The budgets come from the same planner `dsv4 run` and `dsv4 inspect` use, measured on
+    the checkpoint when TARGET is one.
 
     TARGET is a checkpoint directory (its largest shard is read) or any directory on the
     drive you will keep the checkpoint on (a temporary 512 MB file is written and removed).
@@ -53,9 +57,13 @@ def doctor(target: Path, seconds: float, depths: str, debug: bool) -> None:
                     path.unlink(missing_ok=True)
     else:
         click.echo(f"read bandwidth: {target} does not exist; pass the checkpoint directory")
-    flash = Path(__file__).resolve().parents[1] / "v4_flash_config.json"
     if cfg is None:
-        click.echo("no config.json in TARGET: advice below is for the released V4-Flash config")
-        cfg = ModelConfig.from_json(flash)
-    for line in d.advice_lines(cfg, psutil.virtual_memory().available):
+        click.echo(f"no config.json in {target}: advice below is for the released V4-Flash config")
+        source = Path(__file__).resolve().parents[1] / "v4_flash_config.json"
+        cfg = ModelConfig.from_json(source)
+    else:
+        source = target
+    needs, how = needs_of(source)
+    click.echo(f"sizes {how}")
+    for line in d.advice_lines(cfg, needs, psutil.virtual_memory().available):
         click.echo(line)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
 import click
 
 from ..catalog import Catalog
-from ..config import ModelConfig
+from ..config import DSPARK, LAYOUTS, ModelConfig
 from ..errors import CheckpointError, UsageError
-from ..planner import GB, gb_up, minimum_budget, needs_from_config, plan
-from ..spec import trunk_nbytes
+from ..pack import MANIFEST, default_out_dir
+from ..planner import GB, gb_up, minimum_budget, plan
+from ..runtime import needs_of
+from ..spec import drafter_nbytes, drafter_summary, trunk_nbytes
+from ..trunkfile import TrunkFile
 
 GIB = 1 << 30
 
@@ -25,12 +29,16 @@ def _gib(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def config_summary(cfg: ModelConfig) -> list[str]:
+def config_summary(cfg: ModelConfig, drafter_bytes: int | None = None) -> list[str]:
+    """What config.json implies; `drafter_bytes`: the mtp.* bytes measured on the shards (else
+    the release dtypes' estimate)."""
     kinds = Counter(cfg.layer_kinds)
     t = trunk_nbytes(cfg, include_mtp=True)
     ratios = ",".join(str(r) for r in cfg.compress_ratios[: cfg.n_layers])
+    unused = drafter_summary(cfg, drafter_nbytes(cfg) if drafter_bytes is None else drafter_bytes)
     return [
-        f"layers: {cfg.n_layers} main + {cfg.n_mtp} MTP; kinds: "
+        f"layout: {LAYOUTS[cfg.layout]}" + (f"; {unused}" if unused else ""),
+        f"layers: {cfg.n_layers} main + {cfg.n_mtp} {'DSpark stages' if cfg.layout == DSPARK else 'MTP'}; kinds: "
         + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items()))
         + f"; hash layers: {min(cfg.num_hash_layers, cfg.n_layers)}",
         f"compress ratios (main): {ratios}",
@@ -45,7 +53,7 @@ def config_summary(cfg: ModelConfig) -> list[str]:
         f"expert bytes: {cfg.expert_bytes:,} bytes per expert",
         f"working set per pass: {cfg.working_set_experts} experts = {_gib(cfg.working_set_bytes)}",
         f"all routed experts: {_gib(cfg.total_expert_bytes)}",
-        f"trunk: {_gib(t['trunk'])}; embed {_gib(t['embed'])}; head {_gib(t['head'])}; MTP block (without experts) {_gib(t['mtp'])}",
+        f"trunk: {_gib(t['trunk'])}; embed {_gib(t['embed'])}; head {_gib(t['head'])}; mtp.* without experts {_gib(t['mtp'])}",
     ]
 
 
@@ -59,17 +67,25 @@ def config_summary(cfg: ModelConfig) -> list[str]:
     help="Also show how this --budget (GB) would be split (release dtypes; repeat for several).",
 )
 @click.option("--ctx", type=int, default=4096, show_default=True, help="Sequence length the plan covers.")
+@click.option(
+    "--trunk",
+    type=click.Path(path_type=Path),
+    help="Packed trunk to check in full (every checksum). [default: CHECKPOINT/dsv4-trunk if packed]",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def inspect(path: Path, config_only: bool, budget: tuple[float, ...], ctx: int, debug: bool) -> None:
-    """Summarise a checkpoint and validate every tensor against its config."""
+def inspect(
+    path: Path, config_only: bool, budget: tuple[float, ...], ctx: int, trunk: Path | None, debug: bool
+) -> None:
+    """Summarise a checkpoint, validate every tensor against its config, and check its packed trunk."""
     if config_only or path.suffix == ".json":
-        cfg = ModelConfig.from_json(path if path.suffix == ".json" else path / "config.json")
-        for line in config_summary(cfg):
+        cfg_path = path if path.suffix == ".json" else path / "config.json"
+        for line in config_summary(ModelConfig.from_json(cfg_path)):
             click.echo(line)
-        _plans(cfg, budget, ctx)
+        _plans(cfg_path, budget, ctx)  # a config.json: estimated, even beside the shards
         return
     cat = Catalog.open(path)
-    for line in config_summary(cat.config):
+    mtp_bytes = sum(e.nbytes for n, e in cat.entries.items() if n.startswith("mtp."))
+    for line in config_summary(cat.config, mtp_bytes):
         click.echo(line)
     shards = len({e.path for e in cat.entries.values()})
     click.echo(f"checkpoint: {len(cat.entries)} tensors in {shards} shards, {_gib(cat.nbytes)} on disk")
@@ -81,15 +97,32 @@ def inspect(path: Path, config_only: bool, budget: tuple[float, ...], ctx: int, 
             f"{path}: {len(problems)} tensor problem(s) listed above; the shards do not match config.json"
         )
     click.echo("all tensors present with the expected dtype and shape")
-    _plans(cat.config, budget, ctx)
+    _check_trunk(cat, trunk)
+    _plans(path, budget, ctx)
 
 
-def _plans(cfg: ModelConfig, budgets: tuple[float, ...], ctx: int) -> None:
-    """The planner's split of each budget, estimated from the config (as `dsv4 run` would plan)."""
+def _check_trunk(cat: Catalog, trunk: Path | None) -> None:
+    """Every run of the packed trunk re-hashed (blake2b) against its manifest."""
+    where = trunk if trunk is not None else default_out_dir(cat.root)
+    if trunk is None and not (where / MANIFEST).is_file():
+        click.echo(f"packed trunk: none in {where}")
+        return
+    t0 = time.perf_counter()
+    tf = TrunkFile.open(where, cat, verify=True)
+    nbytes = sum(r.nbytes for r in tf.runs.values())
+    click.echo(
+        f"packed trunk {where}: {len(tf.runs)} runs, {_gib(nbytes)}, every checksum verified"
+        f" in {time.perf_counter() - t0:.1f} s"
+    )
+
+
+def _plans(path: Path, budgets: tuple[float, ...], ctx: int) -> None:
+    """The planner's split of each budget: measured on a checkpoint exactly as `dsv4 run`
+    plans it (the same lines it prints), estimated from a bare config.json."""
     if not budgets:
         return
-    needs = needs_from_config(cfg, ctx=ctx)
-    click.echo(f"smallest budget that runs: {gb_up(minimum_budget(needs))}")
+    needs, source = needs_of(path, ctx=ctx)
+    click.echo(f"smallest budget that runs: {gb_up(minimum_budget(needs))} ({source})")
     for b in budgets:
         if not b > 0:
             raise UsageError(f"--budget {b}: give a positive number of GB")

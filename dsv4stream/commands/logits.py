@@ -8,6 +8,7 @@ float rounding.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
@@ -27,13 +28,22 @@ def parse_tokens(tokens: str | None, tokens_file: Path | None) -> np.ndarray:
             if not np.issubdtype(ids.dtype, np.integer):
                 raise UsageError(f"{tokens_file}: expected an integer array, found {ids.dtype}")
             return ids.astype(np.int64)
-        tokens = tokens_file.read_text()
-    parts = tokens.replace(",", " ").split()
-    try:
-        ids = np.array([int(p) for p in parts], dtype=np.int64)
-    except ValueError:
-        bad = next(p for p in parts if not p.lstrip("-").isdigit())
-        raise UsageError(f"token list: {bad!r} is not an integer id; pass ids like 1,2,3") from None
+        try:
+            tokens = tokens_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"{tokens_file}: cannot read it as a UTF-8 list of ids ({e})") from None
+    text = tokens.strip()
+    # ids separated by commas and/or spaces; an empty field (1,,2 or a trailing comma) is a typo
+    parts = re.split(r"\s*,\s*|\s+", text) if text else []
+    if "" in parts:
+        raise UsageError(f"token list {tokens!r} has an empty entry; pass ids like 1,2,3")
+    bad = next((p for p in parts if not re.fullmatch(r"-?[0-9]+", p)), None)
+    if bad is not None:
+        raise UsageError(f"token list: {bad!r} is not an integer id; pass ids like 1,2,3")
+    big = next((p for p in parts if not -(2**63) <= int(p) < 2**63), None)
+    if big is not None:
+        raise UsageError(f"token list: id {big} is far outside any vocabulary; pass ids like 1,2,3")
+    ids = np.array([int(p) for p in parts], dtype=np.int64)
     if ids.size == 0:
         raise UsageError("the token list is empty")
     return ids

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
+from pathlib import Path
 
 import click
+
+from ..errors import UsageError
 
 # module name -> attribute names of click commands in dsv4stream.commands.<module>
 MODULES: dict[str, tuple[str, ...]] = {
@@ -15,6 +19,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "pack": ("pack_trunk_cmd",),
     "logits": ("logits",),
     "bench": ("bench",),
+    "serve": ("serve",),
 }
 
 
@@ -24,3 +29,15 @@ def commands() -> list[click.Command]:
         m = importlib.import_module(f"dsv4stream.commands.{mod}")
         out.extend(getattr(m, n) for n in names)
     return out
+
+
+def check_not_a_typo(word: str, names: list[str], prog: str) -> None:
+    """A first word that is neither a sub-command nor an existing path but looks like a
+    sub-command is a typo (`dsv4 inpsect CKPT`): say so instead of "no such checkpoint"."""
+    if word.startswith("-") or Path(word).exists():
+        return
+    close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    if close:
+        raise UsageError(
+            f"{word}: no such command or checkpoint directory; did you mean `{prog} {close[0]}`? (`{prog} --help` lists them)"
+        )

@@ -8,8 +8,13 @@ printed where: plan, progress, messages and the report on stderr, the text on st
 The answer itself and the REPL are `dsv4stream.repl`; the report's wording `report.py`.
 
 Defaults that depend on the mode: with --chat/--think the temperature is 1.0 (DeepSeek's
-recommendation for V4, with top-p 1.0) and --gen 1024; a raw --prompt or --prompt-ids is
-greedy with --gen 32, so completions and benchmarks give the same ids at every budget.
+recommendation for V4, with top-p 1.0) and an answer runs to EOS or until --ctx is full; a
+raw --prompt or --prompt-ids is greedy with --gen 32 (fewer when --ctx is reached first), so
+completions and benchmarks give the same ids at every budget.
+
+Ids the tokenizer marks special (BOS, padding, the reserved placeholders) are never sampled
+unless --allow-special: they are control tokens, not text. EOS and the chat tokens the
+model writes itself (</think>, DSML) are not marked special and stay.
 """
 
 from __future__ import annotations
@@ -18,22 +23,24 @@ import json
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Self
 
 import click
 import numpy as np
 
-from .. import chat, gpu
+from .. import chat, gpu, planner
 from ..commands.logits import parse_tokens
 from ..config import ModelConfig
-from ..errors import TokenizerError, UsageError
-from ..repl import ChatSettings, Conversation, Interrupt, Stopped, answer, chat_loop
+from ..errors import BudgetError, Dsv4Error, TokenizerError, UsageError
+from ..repl import ChatSettings, Conversation, Interrupt, Stopped, answer, chat_loop, is_utf8
 from ..report import report_lines
-from ..runtime import Pick, RunOptions, RunStats, Runtime, budget_bytes
+from ..runtime import Pick, RunOptions, RunStats, Runtime, budget_bytes, budget_warning
 from ..sampler import SamplingParams, sample
 from ..tokenizer import Tokenizer, default_pack_path
+from .tokenizer import stdin_text, strip_final_newline
 
 CHAT_TEMPERATURE = 1.0  # DeepSeek's recommended sampling for V4 (with top-p 1.0)
-CHAT_GEN, RAW_GEN = 1024, 32
+RAW_GEN = 32  # raw completions; chat answers run to EOS or a full --ctx
 
 
 def checkpoint_dir(path: Path) -> Path:
@@ -65,13 +72,15 @@ def check_tokenizer(tok: Tokenizer, cfg: ModelConfig) -> Tokenizer:
 
 
 def load_tokenizer(checkpoint: Path, tok: Path | None, cfg: ModelConfig) -> Tokenizer:
-    """--tok FILE, else the checkpoint's packed tokenizer, else its tokenizer files."""
+    """--tok FILE (a pack, or a tokenizer.json), else the checkpoint's packed tokenizer, else its tokenizer files."""
     if tok is not None:
         if not tok.exists():
             raise TokenizerError(
                 f"--tok {tok}: no such file; pass the file `dsv4 pack-tokenizer CHECKPOINT` wrote"
-                f" (default {default_pack_path(checkpoint)})"
+                f" (default {default_pack_path(checkpoint)}) or a tokenizer.json"
             )
+        if tok.is_file() and tok.suffix == ".json" and tok.name != "config.json":
+            return check_tokenizer(Tokenizer.from_checkpoint(checkpoint, tok), cfg)
         return check_tokenizer(Tokenizer.load(tok), cfg)
     if default_pack_path(checkpoint).is_file():
         return check_tokenizer(Tokenizer.load(default_pack_path(checkpoint)), cfg)
@@ -99,12 +108,15 @@ def check_output(path: Path | None, flag: str) -> None:
 
 
 def prompt_text(prompt: str | None, prompt_file: Path | None) -> str | None:
+    """--prompt as given; --prompt-file's text less one final newline (as `dsv4 tokenize -`)."""
     if prompt_file is None:
+        if prompt is not None and not is_utf8(prompt):
+            raise UsageError("--prompt: the text is not valid UTF-8; give UTF-8 text")
         return prompt
     if str(prompt_file) == "-":
-        return sys.stdin.read()
+        return strip_final_newline(stdin_text("--prompt-file -"))
     try:
-        return prompt_file.read_text(encoding="utf-8")
+        return strip_final_newline(prompt_file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UsageError(f"--prompt-file {prompt_file}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -122,13 +134,20 @@ def id_prompt(prompt_ids: str, cfg: ModelConfig) -> list[int]:
     return ids
 
 
-def text_prompt(tok: Tokenizer, text: str, mode: str | None, system: str | None) -> list[int]:
+def text_prompt(
+    tok: Tokenizer,
+    text: str,
+    mode: str | None,
+    system: str | None,
+    effort: str | None = None,
+    encoder: str = chat.LATEST,
+) -> list[int]:
     """Raw completion (mode None): BOS + text. Chat: the one-turn conversation as rendered."""
     if not text:
         raise UsageError("the prompt is empty; give some text")
     if mode is None:
         return [tok.special.bos, *tok.encode(text)]
-    return tok.encode(chat.render(chat.one_turn(text, system), mode))
+    return tok.encode(chat.render(chat.one_turn(text, system), mode, effort=effort, encoder=encoder))
 
 
 def sampling_params(
@@ -147,6 +166,8 @@ def sampling_params(
         raise UsageError(f"--top-p {top_p}: give a probability in (0, 1]; 1 turns it off")
     if top_k is not None and top_k < 0:
         raise UsageError(f"--top-k {top_k}: give 0 (off) or a positive count")
+    if seed is not None and seed < 0:
+        raise UsageError(f"--seed {seed}: give 0 or a positive integer")
     if min_p is not None and not 0 <= min_p <= 1:
         raise UsageError(f"--min-p {min_p}: give a fraction in [0, 1]; 0 turns it off")
     if greedy and temperature is not None and temperature > 0:
@@ -163,18 +184,39 @@ def sampling_params(
     return SamplingParams(temperature, top_k or 0, 1.0 if top_p is None else top_p, min_p or 0.0, seed)
 
 
-def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator) -> Pick:
-    """The sampler over ids 0..n_ids-1 only: the embedding may have rows no token prints."""
-    return lambda logits: sample(logits[:n_ids], params, rng)
+def banned_ids(tok: Tokenizer | None, allow_special: bool = False) -> list[int]:
+    """Ids never to sample: those the tokenizer marks special, except EOS (which ends the
+    answer). None without a tokenizer (--prompt-ids) or with --allow-special."""
+    if tok is None or allow_special:
+        return []
+    return [i for i in tok.special_ids() if i != tok.special.eos]
+
+
+def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator, banned: list[int] | None = None) -> Pick:
+    """The sampler over ids 0..n_ids-1 (the embedding may have rows no token prints) less
+    `banned` (their logits become -inf before the ladder, so greedy skips them too)."""
+    ban = np.asarray([i for i in banned or () if i < n_ids], dtype=np.int64)
+
+    def pick(logits: np.ndarray) -> int:
+        x = logits[:n_ids]
+        if ban.size:
+            x = x.copy()
+            x[ban] = -np.inf
+        return sample(x, params, rng)
+
+    return pick
 
 
 @click.command("run")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--prompt", help="Prompt text: a raw completion (BOS + text), or the user turn with --chat/--think.")
 @click.option(
+    "-p", "--prompt", help="Prompt text: a raw completion (BOS + text), or the user turn with --chat/--think."
+)
+@click.option(
+    "-f",
     "--prompt-file",
     type=click.Path(path_type=Path),
-    help="Read the prompt text from a file (- for stdin).",
+    help="Read the prompt text from a file (- for stdin); one final newline is dropped.",
 )
 @click.option("--prompt-ids", help="Prompt as token ids: 1,2,3 (no tokenizer; prints ids).")
 @click.option(
@@ -183,17 +225,27 @@ def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator) -> P
 @click.option("--think", is_flag=True, help="As --chat, with thinking (the answer opens <think>).")
 @click.option("--system", help="System prompt (--chat/--think).")
 @click.option(
+    "--reasoning-effort",
+    type=click.Choice(["low", "high", "max"]),
+    default=None,
+    help="Thinking effort, as the checkpoint's chat format spells it (0731: low [default], high, max;"
+    " preview: high [default], max). Takes effect with --think (or /think in a chat).",
+)
+@click.option(
+    "-n",
     "--gen",
     type=int,
     default=None,
-    help=f"Most tokens to generate per answer. [default: {CHAT_GEN} with --chat/--think, else {RAW_GEN}]",
+    help=f"Most tokens to generate per answer; generation also stops when --ctx is full."
+    f" [default: until EOS with --chat/--think, else {RAW_GEN}]",
 )
 @click.option(
+    "-c",
     "--ctx",
     type=int,
     default=4096,
     show_default=True,
-    help="Longest sequence (prompt + answers) the memory plan covers.",
+    help="Longest sequence (prompt + answers) the memory plan covers; generation stops there.",
 )
 @click.option(
     "--budget",
@@ -208,7 +260,7 @@ def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator) -> P
     help="Dense trunk on a CUDA GPU through CuPy; without one, says so and runs on the CPU.",
 )
 @click.option("--vram", type=float, default=None, help="GB of VRAM --gpu may use. [default: free VRAM less a margin]")
-@click.option("--threads", type=int, default=None, help="CPU kernel threads (results do not depend on it).")
+@click.option("-t", "--threads", type=int, default=None, help="CPU kernel threads (results do not depend on it).")
 @click.option(
     "--prefill-segment",
     type=int,
@@ -235,8 +287,15 @@ def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator) -> P
     default=None,
     help="Drop tokens below this fraction of the top token's probability. [default: 0, off]",
 )
-@click.option("--seed", type=int, default=None, help="Seed of the sampler (same seed, same text). [default: random]")
+@click.option(
+    "-s", "--seed", type=int, default=None, help="Seed of the sampler (same seed, same text). [default: random]"
+)
 @click.option("--greedy", is_flag=True, help="Always the most likely token (same as --temperature 0).")
+@click.option(
+    "--allow-special",
+    is_flag=True,
+    help="Let the sampler pick ids the tokenizer marks special (BOS, padding, placeholders). [default: never]",
+)
 @click.option(
     "--verify", is_flag=True, help="Re-read every expert and streamed layer with plain pread and compare bytes."
 )
@@ -276,6 +335,7 @@ def run(
     chat_flag: bool,
     think: bool,
     system: str | None,
+    reasoning_effort: str | None,
     gen: int | None,
     ctx: int,
     budget: float | None,
@@ -289,6 +349,7 @@ def run(
     min_p: float | None,
     seed: int | None,
     greedy: bool,
+    allow_special: bool,
     verify: bool,
     show_stats: bool,
     stats_json: Path | None,
@@ -304,6 +365,8 @@ def run(
     --prompt TEXT completes TEXT; --chat/--think --prompt TEXT answers it as a user turn;
     --chat/--think alone opens an interactive chat (/help inside lists its commands).
     """
+    if chat_flag and think:
+        raise UsageError("--chat and --think conflict; give one (--think is the chat format with thinking on)")
     mode = "think" if think else "chat" if chat_flag else None
     sources = [
         n
@@ -316,11 +379,14 @@ def run(
         raise UsageError("--prompt-ids is a raw id prompt; --chat, --think and --system need --prompt TEXT")
     if system is not None and mode is None:
         raise UsageError("--system needs --chat or --think (a raw --prompt has no system turn)")
+    if reasoning_effort is not None and mode is None:
+        raise UsageError("--reasoning-effort needs --think (or --chat, for /think in the chat)")
     if not sources and mode is None:
         raise UsageError("give --prompt TEXT, --prompt-file F or --prompt-ids 1,2,3, or --chat for an interactive chat")
     if vram is not None and not use_gpu:
         raise UsageError("--vram applies to --gpu; add --gpu or drop --vram")
-    gen = gen if gen is not None else CHAT_GEN if mode else RAW_GEN
+    if gen is None and mode is None:
+        gen = RAW_GEN
     checks = (("--gen", gen), ("--ctx", ctx), ("--threads", threads), ("--io-threads", io_threads))
     for name, value in (*checks, ("--prefill-segment", prefill_segment)):
         if value is not None and value < 1:
@@ -330,23 +396,38 @@ def run(
         params = replace(params, seed=int(np.random.SeedSequence().entropy % 2**31))  # reported, so reproducible
     checkpoint = checkpoint_dir(checkpoint)
     cfg = ModelConfig.from_json(checkpoint / "config.json")
+    encoder = chat.encoder_for(cfg.layout)
+    try:
+        chat.effort_prefix(reasoning_effort, encoder)
+    except UsageError:
+        efforts = ", ".join(chat.EFFORT_PREFIXES[encoder])
+        raise UsageError(
+            f"--reasoning-effort {reasoning_effort}: this checkpoint's chat format ({encoder}) has {efforts}"
+        ) from None
     check_trunk(trunk)
     check_output(stats_json, "--stats-json")
     check_output(route_log, "--route-log")
     budget_b = budget_bytes(budget)
+    check_ctx(ctx, cfg, budget_b)
 
     text = prompt_text(prompt, prompt_file)
     if prompt_ids is not None:
         tokenizer, ids = None, id_prompt(prompt_ids, cfg)
     else:
         tokenizer = load_tokenizer(checkpoint, tok, cfg)
-        ids = None if text is None else text_prompt(tokenizer, text, mode, system)
-    if ids is not None and len(ids) + gen > ctx:
+        ids = None if text is None else text_prompt(tokenizer, text, mode, system, reasoning_effort, encoder)
+    if ids is not None and len(ids) >= ctx:
         raise UsageError(
-            f"the prompt ({len(ids)} tokens) + --gen {gen} is beyond --ctx {ctx}; raise --ctx or lower --gen"
+            f"the prompt ({len(ids)} tokens) leaves no room to answer within --ctx {ctx}; raise --ctx above {len(ids)}"
         )
 
     say = lambda msg: click.echo(msg, err=True)
+    warning = budget_warning(budget_b)
+    if warning is not None:
+        say(f"warning: {warning}")
+    if ids is None and hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")  # a bad line is refused, not the end of the chat
+    stats_out = StatsOut(stats_json, params)
     gctx = gpu.setup(use_gpu, vram, threads)
     for line in gctx.take_messages():
         say(line)
@@ -356,14 +437,15 @@ def run(
             io_threads=io_threads, trunk=trunk, route_log=route_log, ctx=ctx, prefill_segment=prefill_segment,
         )  # fmt: skip
         extra = {"gpu": gctx} if gctx.enabled else {}
-        with Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}"), **extra) as rt:
+        with stats_out, Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}"), **extra) as rt:
+            stats_out.rt = rt
             for line in gctx.take_messages():
                 say(line)
             plan_lines = rt.plan.lines()
             for line in plan_lines:
                 say(line)
             n_ids = tokenizer.n_tokens if tokenizer is not None else cfg.vocab_size
-            pick = make_pick(params, n_ids, np.random.default_rng(params.seed))
+            pick = make_pick(params, n_ids, np.random.default_rng(params.seed), banned_ids(tokenizer, allow_special))
 
             def figures() -> RunStats:
                 stats = rt.stats()
@@ -381,32 +463,81 @@ def run(
             stopped = False
             if ids is None:
                 assert tokenizer is not None and mode is not None
-                conv = Conversation(tokenizer, mode, system)
+                conv = Conversation(tokenizer, mode, system, effort=reasoning_effort, encoder=encoder)
                 chat_loop(rt, conv, ChatSettings(gen, ctx, pick), say, figures)
             else:
-                stopped = _one_shot(rt, ids, gen, pick, tokenizer, mode, say)
-            stats = figures()
-            if stats_json is not None:
-                doc = {**stats.as_dict(), "sampling": asdict(params)}
-                stats_json.write_text(json.dumps(doc, indent=1) + "\n")
+                stopped = _one_shot(rt, ids, gen if gen is not None else ctx, pick, tokenizer, mode, say)
+            stats_out.stats = figures()
+            if stopped:
+                stats_out.status = "interrupted"
     finally:
         gctx.close()
     if stopped:
         sys.exit(130)
 
 
+def check_ctx(ctx: int, cfg: ModelConfig, budget: int) -> None:
+    """--ctx within the model's positions and within the budget (the state grows with it)."""
+    if ctx > cfg.max_position_embeddings:
+        raise UsageError(
+            f"--ctx {ctx} is beyond the model's max_position_embeddings {cfg.max_position_embeddings}; lower --ctx"
+        )
+    state = planner.state_bytes_for(cfg, ctx)
+    if state >= budget:
+        raise BudgetError(
+            f"--ctx {ctx} needs {state / planner.GB:.2f} GB of sequence state (KV window, compressed rows,"
+            f" compressor states), more than the whole --budget {budget / planner.GB:.2f} GB; lower --ctx or raise --budget"
+        )
+
+
+class StatsOut:
+    """Writes --stats-json when the run ends, however it ends: the figures so far (when the
+    runtime opened) and `exit` = {status: ok | error | interrupted, message}."""
+
+    def __init__(self, path: Path | None, params: SamplingParams) -> None:
+        self.path = path
+        self.params = params
+        self.rt: Runtime | None = None
+        self.stats: RunStats | None = None
+        self.status = "ok"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if self.path is None:
+            return
+        message = ""
+        if isinstance(exc, KeyboardInterrupt):
+            self.status, message = "interrupted", "Ctrl-C"
+        elif exc is not None:
+            self.status, message = "error", str(exc) if isinstance(exc, Dsv4Error) else f"{type(exc).__name__}: {exc}"
+        doc: dict = {}
+        stats = self.stats
+        if stats is None and self.rt is not None:
+            try:
+                stats = self.rt.stats()
+            except Exception:  # noqa: BLE001 (the figures are a courtesy; the original error matters)
+                stats = None
+        if stats is not None:
+            doc.update(stats.as_dict())
+        doc.update(sampling=asdict(self.params), exit={"status": self.status, "message": message})
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(self.path)
+
+
 def _one_shot(rt: Runtime, ids: list[int], gen: int, pick: Pick, tok: Tokenizer | None, mode: str | None, say) -> bool:
-    """One answer to stdout; True when Ctrl-C stopped it."""
+    """One answer to stdout (ids as they come without a tokenizer); True when Ctrl-C stopped it. Why it
+    ended is in the report."""
     try:
         with Interrupt() as flag:
             reply = answer(rt, rt.session(), ids, gen=gen, pick=pick, tok=tok, thinking=mode == "think", interrupt=flag)
-    except Stopped:
-        say("dsv4: stopped during the prefill")
+    except Stopped as e:
+        say(f"dsv4: stopped during the prefill after {e.done} of {e.total} prompt tokens")
         return True
-    if tok is None:
-        click.echo(",".join(str(t) for t in reply.ids))
-    else:
-        click.echo("")
+    finally:
+        click.echo("")  # ends the line of ids or text, whatever stopped it
     if reply.stopped:
         say("dsv4: stopped")
     return reply.stopped

@@ -16,6 +16,25 @@ from ..errors import UsageError
 from ..tokenizer import Tokenizer, pack_tokenizer
 
 
+def strip_final_newline(text: str) -> str:
+    """Text from stdin or a file less one final line end: `echo hi` and editors add it, and it
+    would otherwise become a token of its own."""
+    if text.endswith("\r\n"):
+        return text[:-2]
+    return text.removesuffix("\n")
+
+
+def stdin_text(what: str) -> str:
+    """All of stdin as UTF-8 text, whatever the locale; anything else is one UsageError naming `what`."""
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"{what}: stdin is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}); give UTF-8"
+        ) from None
+
+
 def describe(tok: Tokenizer) -> str:
     """One line saying what a packed tokenizer holds."""
     s = tok.special
@@ -28,11 +47,12 @@ def describe(tok: Tokenizer) -> str:
 
 @click.command("pack-tokenizer")
 @click.argument("checkpoint_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.argument("out", required=False, type=click.Path(path_type=Path))
-def pack_tokenizer_cmd(checkpoint_dir: Path, out: Path | None) -> None:
+@click.argument("out", required=False, type=click.Path())  # a str: a trailing / must survive
+def pack_tokenizer_cmd(checkpoint_dir: Path, out: str | None) -> None:
     """Check CHECKPOINT_DIR's tokenizer against its config.json and pack it into one file.
 
-    OUT defaults to CHECKPOINT_DIR/dsv4-tokenizer.pack (a directory means that name inside it).
+    OUT defaults to CHECKPOINT_DIR/dsv4-tokenizer.pack; a directory, or a path ending in /,
+    means that name inside it (created if missing). Only an earlier pack is ever replaced.
     """
     path = pack_tokenizer(checkpoint_dir, out)
     click.echo(describe(Tokenizer.load(path)))
@@ -54,13 +74,14 @@ def pack_tokenizer_cmd(checkpoint_dir: Path, out: Path | None) -> None:
 def tokenize_cmd(tok_path: Path, mode: str | None, system: str | None, count: bool, text: tuple[str, ...]) -> None:
     """Print the token ids of TEXT on one line, separated by single spaces.
 
-    Several TEXT arguments are joined with one space; `-` reads TEXT from stdin. Plain TEXT
+    Several TEXT arguments are joined with one space; `-` reads TEXT from stdin, less one
+    final newline (`echo hello | dsv4 tokenize -` is the ids of "hello"). Plain TEXT
     gets no BOS; --chat/--think render BOS, [system], <｜User｜>TEXT<｜Assistant｜> and
     </think> or <think>. Put `--` before TEXT that starts with a dash.
     """
     if system is not None and mode is None:
         raise UsageError("--system needs --chat or --think")
-    body = sys.stdin.read() if text == ("-",) else " ".join(text)
+    body = strip_final_newline(stdin_text("tokenize -")) if text == ("-",) else " ".join(text)
     tok = Tokenizer.load(tok_path)
     if mode is None:
         ids = tok.encode(body)

@@ -1,13 +1,18 @@
 """Quantized matrix times vector / matrix: the one interface the model calls for linears.
 
 Owns: `QWeight` (a linear weight as stored: FP8, FP4, BF16 or F32 plus its scales) and the
-dispatch of `matvec` / `matmul` to a backend. The numpy reference (`reference.py`) is the
-readable definition; a fused numba backend replaces it when available. Backends must give
-results that do not depend on the thread count.
+dispatch of `matvec` / `matmul` (and the two grouped forms the model uses per token:
+`matmul_pair`, one input times two weights; `matmul_grouped`, g inputs times g row blocks)
+to a backend, and the time spent in them per weight role (`kernel_seconds`: the per-token
+profile of `--stats`). The numpy reference (`reference.py`) is the readable definition; a
+fused numba backend replaces it when available. Backends must give results that do not
+depend on the thread count.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,6 +36,7 @@ class QWeight:
     scale: np.ndarray | None
     rows: int
     cols: int
+    role: str = "trunk"  # whose time `kernel_seconds` counts it as: "experts", "head" or "trunk"
 
     # A subclass whose arrays live on a device (dsv4stream.gpu.DeviceQWeight) sets this and
     # multiplies itself there: matvec / matmul / dense hand it over instead of a CPU backend.
@@ -82,25 +88,77 @@ def warmup() -> float:
 
 
 def compiled_cache_exists() -> bool:
-    """Whether numba's on-disk cache of the fast kernels is there (else warmup compiles, ~40 s)."""
+    """Whether numba's on-disk cache of the fast kernels is there (else warmup compiles, ~1 min).
+
+    Asks numba where it keeps the cache: next to the source, under NUMBA_CACHE_DIR, or in a
+    per-user folder when the package directory is read-only."""
     from pathlib import Path
 
-    cache = Path(__file__).with_name("__pycache__")
+    try:
+        from . import fast
+
+        cache = Path(fast._fp4_mv._cache._cache_path)  # numba's locator for this dispatcher
+    except (ImportError, AttributeError):
+        cache = Path(__file__).with_name("__pycache__")
     return any(cache.glob("fast.*.nbi"))
+
+
+# Seconds spent in matvec / matmul per weight role since the process started. Two perf_counter
+# calls per product (about 0.1 us; a V4-Flash token makes ~1,000 products). Updated by whichever
+# thread multiplies: concurrent callers may lose an update, which a profile can afford.
+_spent: dict[str, float] = {}
+
+
+def kernel_seconds() -> dict[str, float]:
+    """Role -> seconds spent in the products so far (take differences around a window)."""
+    return dict(_spent)
+
+
+def _count(role: str, t0: float) -> None:
+    _spent[role] = _spent.get(role, 0.0) + time.perf_counter() - t0
 
 
 def matvec(w: QWeight, x: np.ndarray) -> np.ndarray:
     """x (C,) float32 -> (R,) float32."""
-    if w.on_device:
-        return w.matvec(x)
-    return _active().matvec(w, x)
+    t0 = time.perf_counter()
+    y = w.matvec(x) if w.on_device else _active().matvec(w, x)
+    _count(w.role, t0)
+    return y
 
 
 def matmul(w: QWeight, x: np.ndarray) -> np.ndarray:
     """X (T, C) float32 -> (T, R) float32."""
-    if w.on_device:
-        return w.matmul(x)
-    return _active().matmul(w, x)
+    t0 = time.perf_counter()
+    y = w.matmul(x) if w.on_device else _active().matmul(w, x)
+    _count(w.role, t0)
+    return y
+
+
+def matmul_pair(w1: QWeight, w3: QWeight, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(matmul(w1, X), matmul(w3, X)) for two weights of one shape: X (T, C) -> two (T, R).
+
+    Equal to the two separate products bit for bit; one pass over both weights where the
+    backend has one (a routed expert's gate and up projections at one token)."""
+    backend = _active()
+    if w1.on_device or w3.on_device or not hasattr(backend, "matmul_pair"):
+        return matmul(w1, x), matmul(w3, x)
+    t0 = time.perf_counter()
+    y = backend.matmul_pair(w1, w3, x)
+    _count(w1.role, t0)
+    return y
+
+
+def matmul_grouped(ws: Sequence[QWeight], x: np.ndarray) -> np.ndarray:
+    """Group i of X (T, g, C) times ws[i] (R, C), concatenated: -> (T, g * R).
+
+    The grouped low-rank output projection; equal to the per-group products bit for bit."""
+    backend = _active()
+    if any(w.on_device for w in ws) or not hasattr(backend, "matmul_grouped"):
+        return np.concatenate([matmul(w, x[:, i]) for i, w in enumerate(ws)], axis=1)
+    t0 = time.perf_counter()
+    y = backend.matmul_grouped(ws, x)
+    _count(ws[0].role, t0)
+    return y
 
 
 def dense(w: QWeight) -> np.ndarray:

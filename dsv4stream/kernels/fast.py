@@ -1,8 +1,10 @@
 """Fused numba kernels: FP4 / FP8 / BF16 / F32 weights times a vector or a few tokens.
 
-Owns the fast CPU backend of `kernels` (`matvec`, `matmul`, `matvec_pair`, `swiglu_expert`,
-`set_threads`, `warmup`). No dequantised matrix is ever built: a row is decoded in registers
-(matvec) or into a small per-tile buffer reused by every token (matmul). Does not own the
+Owns the fast CPU backend of `kernels` (`matvec`, `matmul`, `matmul_pair`, `matmul_grouped`,
+`set_threads`, `warmup`). Up to a few dozen tokens no dequantised matrix is built: a row is
+decoded in registers (matvec) or into a small per-tile buffer reused by every token (matmul);
+from `BLAS_MIN_TOKENS` on (prefill-sized token counts) row tiles of a few MB are dequantised
+to float32 and multiplied by numpy's BLAS, which is faster there. Does not own the
 weight formats (`formats.py`) or the dispatch (`kernels/__init__.py`). One file on purpose:
 numba's on-disk cache is invalidated by this file's timestamp only, so the bit-level helpers
 must live next to the kernels that inline them.
@@ -17,17 +19,21 @@ Arithmetic, identical in every path so that results do not depend on the thread 
   subnormal) or 2^+127 never under/overflow inside the lanes. A block whose scale is below
   2^-126 of the row's largest is flushed to zero (it cannot move the result).
 - a non-finite scale (E8M0 0xFF is NaN) makes its whole output row NaN; E4M3 NaN bytes are NaN.
-- accumulation: 32 float32 lanes per (row, token), each an FMA chain in column order, then a
-  fixed pairwise tree over the lanes. FP8 / BF16 / F32: lane = column mod 32, `lane = fma(w *
+- accumulation (fused kernels): 32 float32 lanes per (row, token), each an FMA chain in column
+  order, then a fixed pairwise tree over the lanes. FP8 / BF16 / F32: lane = column mod 32, `lane = fma(w *
   rel, x, lane)`. FP4: packed byte k of 32-block b feeds lane (b mod 2)*16 + k with
   `lane = fma(fma(odd, x_odd, even * x_even), rel, lane)`. Parallel over output rows only.
+- BLAS path: the tile holds decode * rel (exact for E8M0 scales), sgemm sums it in its own
+  order, the row factor is applied in float64. OpenBLAS splits sgemm over output blocks, never
+  over the summed dimension, so results do not depend on its thread count either
+  (tests/test_kernels.py checks both thread counts).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
+from dataclasses import replace
 
 import numba
 import numpy as np
@@ -49,6 +55,19 @@ ROW_TILE = 4  # rows decoded together by matmul; tokens go in pairs
 TILE_LANES = 256  # 4 rows x 2 tokens x 32 lanes
 CHUNK = 512  # columns decoded at a time by matmul (a multiple of 128)
 MAX_TOKENS = 64  # tokens per matmul kernel call; larger X is split
+# Below this many weight bytes a matvec runs serially. On 2 EPYC (Zen 4) cores, idle, a
+# parallel region saves at most ~20 us on a 2 MB matvec; with the other core busy (reader
+# threads, other processes; load 8 here) a 1 MB FP8 matvec took 0.5-4 ms parallel, 0.04-0.14
+# ms serial. Every routed or shared expert matrix and the big attention projections stay
+# parallel; norms, gates, mHC and small projections do not.
+PARALLEL_MIN_BYTES = 4 << 20
+# From this many tokens matmul dequantises row tiles and calls BLAS. Measured on the Flash
+# shapes (bench/matmul_bw.py, 2 EPYC cores under load 9-13): the fused kernels were faster at
+# every count up to 256 (e.g. expert w1 at 256 tokens 240 vs 363 ms); their cost grows
+# linearly with tokens (the weight is decoded again per 64 tokens) while BLAS's dequantisation
+# is paid once, so BLAS takes over where the fused kernels would decode a weight 8 times.
+BLAS_MIN_TOKENS = {"fp4": 512, "fp8": 512, "bf16": 512, "f32": 64}
+TILE_ELEMS = 1 << 22  # float32 values per dequantised row tile (16 MiB; one parallel region each)
 ACC_LANES = MAX_TOKENS // 2 * TILE_LANES
 REL_LANES = ROW_TILE * MAX_BLOCKS
 CHUNK_LANES = ROW_TILE * CHUNK
@@ -324,29 +343,66 @@ def _ol_widen(v):
     return None
 
 
+# Matvec kernels take the input per group: x (g, C) and rows per group rpg, row r meeting
+# x[r // rpg] (g = 1 for a plain matvec; the grouped output projection in one call). Each comes
+# parallel and serial (same loop body, so the same bits): a parallel region costs ~15 us on an
+# idle core and milliseconds when the other core is busy, more than a small matrix takes alone.
+
+
 @njit(parallel=True, **_JIT)
-def _fp4_mv(w, s, xe, xo, out):
+def _fp4_mv(w, s, xe, xo, rpg, out):
     for r in prange(w.shape[0]):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
         acc = carray(_stack_f32(LANES), (LANES,))
-        out[r] = _fp4_row(w, s, r, xe, xo, rel, acc)
+        out[r] = _fp4_row(w, s, r, xe[r // rpg], xo[r // rpg], rel, acc)
+
+
+@njit(**_JIT)
+def _fp4_mv_serial(w, s, xe, xo, rpg, out):
+    rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+    acc = carray(_stack_f32(LANES), (LANES,))
+    for r in range(w.shape[0]):
+        out[r] = _fp4_row(w, s, r, xe[r // rpg], xo[r // rpg], rel, acc)
+
+
+@njit(parallel=True, **_JIT)
+def _fp8_mv(w, s, x, rpg, out):
+    for r in prange(w.shape[0]):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        acc = carray(_stack_f32(LANES), (LANES,))
+        out[r] = _fp8_row(w, s, r, x[r // rpg], rel, acc)
+
+
+@njit(**_JIT)
+def _fp8_mv_serial(w, s, x, rpg, out):
+    rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+    acc = carray(_stack_f32(LANES), (LANES,))
+    for r in range(w.shape[0]):
+        out[r] = _fp8_row(w, s, r, x[r // rpg], rel, acc)
+
+
+@njit(parallel=True, **_JIT)
+def _plain_mv(w, x, rpg, out):
+    for r in prange(w.shape[0]):
+        acc = carray(_stack_f32(LANES), (LANES,))
+        out[r] = _plain_row(w, r, x[r // rpg], acc)
+
+
+@njit(**_JIT)
+def _plain_mv_serial(w, x, rpg, out):
+    acc = carray(_stack_f32(LANES), (LANES,))
+    for r in range(w.shape[0]):
+        out[r] = _plain_row(w, r, x[r // rpg], acc)
 
 
 @njit(parallel=True, **_JIT)
 def _fp4_mv2(w1, s1, w3, s3, xe, xo, out1, out3):
+    """Two weights of one shape times one x: one parallel region instead of two."""
     for r in prange(w1.shape[0]):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
         acc = carray(_stack_f32(LANES), (LANES,))
         out1[r] = _fp4_row(w1, s1, r, xe, xo, rel, acc)
         out3[r] = _fp4_row(w3, s3, r, xe, xo, rel, acc)
-
-
-@njit(parallel=True, **_JIT)
-def _fp8_mv(w, s, x, out):
-    for r in prange(w.shape[0]):
-        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
-        acc = carray(_stack_f32(LANES), (LANES,))
-        out[r] = _fp8_row(w, s, r, x, rel, acc)
 
 
 @njit(parallel=True, **_JIT)
@@ -358,11 +414,47 @@ def _fp8_mv2(w1, s1, w3, s3, x, out1, out3):
         out3[r] = _fp8_row(w3, s3, r, x, rel, acc)
 
 
+# ---- rows dequantised to float32 for BLAS (prefill-sized token counts) ----------------------------
+#
+# Values come out relative to each row's largest block scale (times `rel`, exactly as the fused
+# kernels scale them) and the row factor 2^(E-127) is applied to the product afterwards in
+# float64: a row of 2^-127 scales stays in float32's normal range inside BLAS.
+
+
 @njit(parallel=True, **_JIT)
-def _plain_mv(w, x, out):
-    for r in prange(w.shape[0]):
-        acc = carray(_stack_f32(LANES), (LANES,))
-        out[r] = _plain_row(w, r, x, acc)
+def _fp4_dequant(w, s, r0, tile, fac):
+    """Rows r0 .. r0+n of packed FP4 -> tile (n, C) float32 relative values, fac (n,) row factors."""
+    for q in prange(tile.shape[0]):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        r = r0 + q
+        fac[q] = _row_rel(s[r], 14, rel)
+        for b in range(w.shape[1] // 16):
+            sr = rel[b]
+            for k in range(16):
+                byte = w[r, b * 16 + k]
+                tile[q, 32 * b + 2 * k] = _e2m1_lo(byte) * sr
+                tile[q, 32 * b + 2 * k + 1] = _e2m1_hi(byte) * sr
+
+
+@njit(parallel=True, **_JIT)
+def _fp8_dequant(w, s, r0, tile, fac):
+    cols = w.shape[1]
+    for q in prange(tile.shape[0]):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        r = r0 + q
+        fac[q] = _row_rel(s[r // 128], 8, rel)
+        for cb in range(s.shape[1]):
+            sr = rel[cb]
+            for j in range(cb * 128, min(cols, cb * 128 + 128)):
+                tile[q, j] = _e4m3(w[r, j]) * sr
+
+
+@njit(parallel=True, **_JIT)
+def _plain_dequant(w, r0, tile, fac):
+    for q in prange(tile.shape[0]):
+        fac[q] = 1.0
+        for j in range(w.shape[1]):
+            tile[q, j] = _widen(w[r0 + q, j])
 
 
 # ---- a tile of rows times a few tokens (decode once per column chunk, reuse for every token) -----
@@ -546,18 +638,6 @@ def _plain_mm(w, xs, out):
         _tile_out(acc, fac, out, r0, nr, LANES)
 
 
-@njit(parallel=True, **_JIT)
-def _swiglu(g, u, limit, h):
-    """h = silu(min(g, limit)) * clip(u, -limit, limit), float32 (no clamp when limit <= 0)."""
-    for i in prange(g.shape[0]):
-        a = np.float64(g[i])
-        b = np.float64(u[i])
-        if limit > 0:
-            a = min(a, limit)
-            b = min(max(b, -limit), limit)
-        h[i] = np.float32(a / (1.0 + math.exp(-a)) * b)
-
-
 # ---- public API ----------------------------------------------------------------------------------
 
 
@@ -644,14 +724,23 @@ def _plain(w) -> np.ndarray:
     return d if d.dtype == np.float32 else d.astype(np.float32)
 
 
-def _matvec_rows(w, x: np.ndarray, out: np.ndarray) -> None:
+def _parallel(w) -> bool:
+    """Whether a matvec with w gets a parallel region: only when it has the bytes to pay for one."""
+    return _threads[0] != 1 and numba.get_num_threads() > 1 and w.nbytes >= PARALLEL_MIN_BYTES
+
+
+def _matvec_rows(w, x: np.ndarray, out: np.ndarray, rpg: int | None = None) -> None:
+    """out (R,) = W @ x for x (C,), or group-wise for x (g, C) with rpg rows per group."""
+    xg = x.reshape(-1, w.cols)
+    rpg = rpg or w.rows
+    par = _parallel(w)
     if w.kind == "fp4":
-        xe, xo = _halves(x[None], 1)
-        _fp4_mv(_u8(w.data), _scale(w), xe[0], xo[0], out)
+        xe, xo = xg[:, 0::2].copy(), xg[:, 1::2].copy()
+        (_fp4_mv if par else _fp4_mv_serial)(_u8(w.data), _scale(w), xe, xo, rpg, out)
     elif w.kind == "fp8":
-        _fp8_mv(_u8(w.data), _scale(w), x, out)
+        (_fp8_mv if par else _fp8_mv_serial)(_u8(w.data), _scale(w), xg, rpg, out)
     else:
-        _plain_mv(_plain(w), x, out)
+        (_plain_mv if par else _plain_mv_serial)(_plain(w), xg, rpg, out)
 
 
 def matvec(w, x: np.ndarray) -> np.ndarray:
@@ -666,8 +755,18 @@ def matvec(w, x: np.ndarray) -> np.ndarray:
     return out
 
 
+def blas_min_tokens(w) -> int:
+    """Token count from which `matmul` dequantises row tiles and calls BLAS (measured per kind)."""
+    return BLAS_MIN_TOKENS[w.kind]
+
+
 def matmul(w, x: np.ndarray) -> np.ndarray:
-    """X (T, C) @ W.T -> (T, R) float32; row t equals matvec(w, X[t]) bit for bit."""
+    """X (T, C) @ W.T -> (T, R) float32.
+
+    Below `blas_min_tokens(w)` tokens (decode, short chunks, most experts' token counts) the
+    fused kernels run, and row t equals matvec(w, X[t]) bit for bit. From there on row tiles
+    are dequantised and multiplied by numpy's BLAS sgemm: the same value to float32 rounding
+    (summation order differs), still independent of the thread count."""
     x = _tokens(x)
     _check(w, x.shape[1])
     _apply_threads()
@@ -677,6 +776,9 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
         _matvec_rows(w, x[0], out[0])
         return out
     if t == 0:
+        return out
+    if t >= blas_min_tokens(w):
+        _blas_matmul(w, x, out)
         return out
     for t0 in range(0, t, MAX_TOKENS):
         n = min(MAX_TOKENS, t - t0)
@@ -694,38 +796,85 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
     return out
 
 
-def matvec_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(W1 @ x, W3 @ x) for two weights of one kind and shape, in one pass over rows."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    _check(w1, x.shape[0])
-    _check(w3, x.shape[0])
+def _blas_matmul(w, x: np.ndarray, out: np.ndarray) -> None:
+    """out (T, R) = X @ W.T through float32 row tiles of at most TILE_ELEMS values and BLAS."""
+    if w.kind == "f32":
+        np.matmul(x, _plain(w).T, out=out)
+        return
+    step = max(1, min(w.rows, TILE_ELEMS // w.cols))
+    tile = np.empty((step, w.cols), np.float32)
+    fac = np.empty(step, np.float64)
+    prod = np.empty((x.shape[0], step), np.float32)
+    for a in range(0, w.rows, step):
+        n = min(step, w.rows - a)
+        if w.kind == "fp4":
+            _fp4_dequant(_u8(w.data), _scale(w), a, tile[:n], fac[:n])
+        elif w.kind == "fp8":
+            _fp8_dequant(_u8(w.data), _scale(w), a, tile[:n], fac[:n])
+        else:
+            _plain_dequant(_plain(w), a, tile[:n], fac[:n])
+        p = np.matmul(x, tile[:n].T, out=prod[:, :n])
+        np.multiply(p, fac[:n], out=out[:, a : a + n], casting="unsafe")  # float64 product, rounded once
+
+
+def matmul_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(X @ W1.T, X @ W3.T) for two weights of one kind and shape; at one token one parallel pass."""
+    x = _tokens(x)
+    same = w1.kind == w3.kind and w1.rows == w3.rows and w1.cols == w3.cols and w1.kind in ("fp4", "fp8")
+    if x.shape[0] != 1 or not same or not _parallel(w1):
+        return matmul(w1, x), matmul(w3, x)
+    _check(w1, x.shape[1])
+    _check(w3, x.shape[1])
     _apply_threads()
-    if w1.kind != w3.kind or w1.rows != w3.rows or w1.kind not in ("fp4", "fp8"):
-        return matvec(w1, x), matvec(w3, x)
-    y1 = np.empty(w1.rows, np.float32)
-    y3 = np.empty(w3.rows, np.float32)
+    y1 = np.empty((1, w1.rows), np.float32)
+    y3 = np.empty((1, w3.rows), np.float32)
     if w1.kind == "fp4":
-        xe, xo = _halves(x[None], 1)
-        _fp4_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe[0], xo[0], y1, y3)
+        xe, xo = x[0, 0::2].copy(), x[0, 1::2].copy()
+        _fp4_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe, xo, y1[0], y3[0])
     else:
-        _fp8_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), x, y1, y3)
+        _fp8_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), x[0], y1[0], y3[0])
     return y1, y3
 
 
-def swiglu_expert(w1, w3, w2, x: np.ndarray, limit: float) -> np.ndarray:
-    """W2 @ (silu(min(W1 x, limit)) * clip(W3 x, -limit, limit)); X (T, C) -> (T, C2).
+def _consecutive(parts: list[np.ndarray]) -> np.ndarray | None:
+    """The parts (C-contiguous, one shape and dtype) as one array along axis 0 when they lie back
+    to back in memory (row blocks of one tensor), else None. A view: nothing is copied."""
+    p0 = parts[0]
+    for i, p in enumerate(parts):
+        ok = p.flags.c_contiguous and p.dtype == p0.dtype and p.shape == p0.shape
+        if not ok or p.ctypes.data != p0.ctypes.data + i * p0.nbytes:
+            return None
+    shape = (len(parts) * p0.shape[0], *p0.shape[1:])
+    return np.lib.stride_tricks.as_strided(p0, shape=shape, strides=p0.strides, writeable=False)
 
-    The clamp follows DeepSeek-V4 (gate clamped from above only); limit <= 0 disables it.
-    """
-    x = _tokens(x)
-    if x.shape[0] == 1:
-        g, u = matvec_pair(w1, w3, x[0])
-        g, u = g[None], u[None]
-    else:
-        g, u = matmul(w1, x), matmul(w3, x)
-    h = np.empty(g.size, np.float32)
-    _swiglu(g.reshape(-1), u.reshape(-1), float(limit), h)
-    return matmul(w2, h.reshape(g.shape))
+
+def _joined(ws) -> object | None:
+    """Row blocks of one weight (the grouped output projection) as that one weight, or None."""
+    w0 = ws[0]
+    if any(w.kind != w0.kind or w.rows != w0.rows or w.cols != w0.cols for w in ws):
+        return None
+    if w0.kind == "fp8" and w0.rows % 128:
+        return None
+    data = _consecutive([np.ascontiguousarray(w.data) for w in ws])
+    scale = None if w0.scale is None else _consecutive([np.ascontiguousarray(w.scale) for w in ws])
+    if data is None or (w0.scale is not None and scale is None):
+        return None
+    return replace(w0, data=data, scale=scale, rows=len(ws) * w0.rows)
+
+
+def matmul_grouped(ws, x: np.ndarray) -> np.ndarray:
+    """X (T, g, C): group i times ws[i] (R, C) -> (T, g * R); at one token a single call."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 3 or x.shape[1] != len(ws):
+        raise ValueError(f"matmul_grouped takes X of shape (T, {len(ws)}, C), found {x.shape}")
+    whole = _joined(ws) if x.shape[0] == 1 else None
+    if whole is None:
+        return np.concatenate([matmul(w, x[:, i]) for i, w in enumerate(ws)], axis=1)
+    _check(ws[0], x.shape[2])
+    _apply_threads()
+    out = np.empty((1, whole.rows), np.float32)
+    _matvec_rows(whole, x[0], out[0], rpg=ws[0].rows)
+    return out
 
 
 def warmup() -> float:
@@ -740,12 +889,25 @@ def warmup() -> float:
             ("fp8", rng.integers(0, 126, (4, 32), dtype=np.uint8), np.full((1, 1), 127, sdt)),
         ):
             w = QWeight(kind, data, scale, 4, 32)
-            x = rng.standard_normal((3, 32)).astype(np.float32)
-            swiglu_expert(w, w, QWeight("f32", np.ones((32, 4), np.float32), None, 32, 4), x[:1], 10.0)
-            matmul(w, x[:1])
-            matmul(w, x)
+            x = rng.standard_normal((BLAS_MIN_TOKENS[kind], 32)).astype(np.float32)
+            _warm_all(w, x)
     for kind, data in (("bf16", np.zeros((4, 32), np.uint16)), ("f32", np.zeros((4, 32), np.float32))):
         w = QWeight(kind, data, None, 4, 32)
-        matmul(w, np.ones((1, 32), np.float32))
-        matmul(w, np.ones((3, 32), np.float32))
+        _warm_all(w, np.ones((BLAS_MIN_TOKENS[kind], 32), np.float32))
     return time.perf_counter() - t0
+
+
+def _warm_all(w, x: np.ndarray) -> None:
+    """Every kernel a weight of this kind and scale dtype can reach: serial and parallel matvec,
+    the pair (FP4 / FP8), the tile matmul and the dequantise-then-BLAS path."""
+    global PARALLEL_MIN_BYTES
+    keep = PARALLEL_MIN_BYTES
+    try:
+        for floor in (0, 1 << 62):
+            PARALLEL_MIN_BYTES = floor
+            matvec(w, x[0])
+            matmul_pair(w, w, x[:1])
+    finally:
+        PARALLEL_MIN_BYTES = keep
+    matmul(w, x[:3])
+    matmul(w, x)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels import QWeight, matmul
+from ..kernels import QWeight, matmul, matmul_grouped
 from .compressor import CompressorState, CompressorWeights, compress
 from .indexer import IndexerWeights, select_rows
 from .ops import rms_norm
@@ -49,7 +49,11 @@ class AttnWeights:
 
 
 class WindowCache:
-    """The last `size` (key=value) rows with their positions; a ring, never the full history."""
+    """The last `size` (key=value) rows with their positions; a ring, never the full history.
+
+    A decode step pushes its row first and attends over the ring as it lies (slot order;
+    the row it replaced is `size` positions old, out of the window anyway); a chunk attends
+    over the held rows followed by its own."""
 
     def __init__(self, size: int, d: int) -> None:
         self.kv = np.zeros((size, d), dtype=F32)
@@ -153,13 +157,17 @@ def attention(
 
     q_res = rms_norm(matmul(w.wq_a, x), w.q_norm, eps)
     q = rms_norm(matmul(w.wq_b, q_res).reshape(t, h, hd), None, eps)
-    q = apply_rope(q, cos, sin)
-    kv = apply_rope(rms_norm(matmul(w.wkv, x), w.kv_norm, eps), cos, sin)
+    q = apply_rope(q, cos, sin, in_place=True)
+    kv = apply_rope(rms_norm(matmul(w.wkv, x), w.kv_norm, eps), cos, sin, in_place=True)
 
-    keys, kpos = st.window.with_new(kv, positions)
+    if t == 1:  # decode: the ring itself is the key set once the new row is in (no copy)
+        st.window.push(kv, positions)
+        keys, kpos = st.window.kv, st.window.pos
+    else:
+        keys, kpos = st.window.with_new(kv, positions)
+        st.window.push(kv, positions)
     dist = positions[:, None] - kpos[None, :]
-    key_mask = (dist >= 0) & (dist < cfg.sliding_window)
-    st.window.push(kv, positions)
+    key_mask = (kpos[None, :] >= 0) & (dist >= 0) & (dist < cfg.sliding_window)
 
     comp = comp_mask = comp_idx = None
     if w.ratio:
@@ -186,9 +194,7 @@ def attention(
                 on_index(comp_idx)
 
     o = attend(q, keys, key_mask, comp, comp_mask, comp_idx, w.sink)
-    o = apply_rope(o, cos, sin, inverse=True)
+    o = apply_rope(o, cos, sin, inverse=True, in_place=True)
 
-    g = len(w.wo_a)
-    og = o.reshape(t, g, -1)
-    mid = np.concatenate([matmul(w.wo_a[i], og[:, i]) for i in range(g)], axis=1)  # (T, g * o_lora_rank)
+    mid = matmul_grouped(w.wo_a, o.reshape(t, len(w.wo_a), -1))  # (T, g * o_lora_rank)
     return matmul(w.wo_b, mid)

@@ -123,6 +123,6 @@ def compress(st: CompressorState, x: np.ndarray, w: CompressorWeights, rope: Rop
     first = st.out.n
     positions = (np.arange(first, first + n) * r).astype(np.int64)
     cos, sin = rope.cos_sin(positions)
-    rows = apply_rope(rms_norm(pooled, w.norm, eps), cos, sin)
+    rows = apply_rope(rms_norm(pooled, w.norm, eps), cos, sin, in_place=True)
     st.out.extend(rows)
     return rows

@@ -73,7 +73,7 @@ def select_rows(
     if n == 0:
         return np.zeros((t, 0), dtype=np.int64)
     q = matmul(w.wq_b, q_residual).reshape(t, n_heads, -1)
-    q = apply_rope(q, cos, sin)
+    q = apply_rope(q, cos, sin, in_place=True)
     hw = matmul(w.weights_proj, x) * F32(n_heads**-0.5)
     scores = index_scores(q, hw, keys)
     limit = (positions + 1) // ratio  # (T,) rows closed at each query

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels import QWeight, matmul
+from ..errors import NumericsError
+from ..kernels import QWeight, matmul, matmul_pair
 from .ops import silu, sqrt_softplus, topk_lowest_index
 
 F32 = np.float32
@@ -55,6 +56,8 @@ class MoeWeights:
 def route(x: np.ndarray, token_ids: np.ndarray, w: MoeWeights, k: int, scaling: float) -> tuple[np.ndarray, np.ndarray]:
     """x (T, D) -> (experts (T, k) int64, weights (T, k) float32)."""
     scores = sqrt_softplus(matmul(w.gate, x))  # (T, E)
+    if not np.isfinite(scores).all():  # NaN would otherwise pick experts and weights silently
+        raise NumericsError("router scores (ffn.gate) are NaN or infinite")
     if w.tid2eid is not None:
         experts = w.tid2eid[token_ids].astype(np.int64)
     else:
@@ -66,8 +69,9 @@ def route(x: np.ndarray, token_ids: np.ndarray, w: MoeWeights, k: int, scaling: 
 
 def swiglu(x: np.ndarray, e: ExpertWeights, limit: float) -> np.ndarray:
     """x (n, D) -> (n, D)."""
-    gate = np.minimum(matmul(e.w1, x), F32(limit))
-    up = np.clip(matmul(e.w3, x), F32(-limit), F32(limit))
+    gate, up = matmul_pair(e.w1, e.w3, x)  # one pass over both at one token
+    gate = np.minimum(gate, F32(limit))
+    up = np.clip(up, F32(-limit), F32(limit))
     return matmul(e.w2, silu(gate) * up)
 
 

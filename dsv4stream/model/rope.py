@@ -13,7 +13,7 @@ large positions round the same way.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,15 +25,27 @@ F32 = np.float32
 @dataclass(frozen=True)
 class Rope:
     inv_freq: np.ndarray  # (rd/2,) float32, one frequency per interleaved pair
+    # the last few position sets asked for and their tables: every layer of a forward pass asks
+    # for the same ones (queries; compressed rows), so each is computed once per pass
+    _last: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def dim(self) -> int:
         return 2 * self.inv_freq.shape[0]
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """positions (T,) int -> cos, sin each (T, rd/2) float32."""
+        """positions (T,) int -> cos, sin each (T, rd/2) float32 (read-only: shared between calls)."""
+        key = np.asarray(positions, dtype=np.int64).tobytes()
+        hit = self._last.get(key)
+        if hit is not None:
+            return hit
         ang = positions.astype(F32)[:, None] * self.inv_freq[None, :]
-        return np.cos(ang), np.sin(ang)
+        cos, sin = np.cos(ang), np.sin(ang)
+        cos.flags.writeable = sin.flags.writeable = False
+        if len(self._last) >= 4:
+            del self._last[next(iter(self._last))]
+        self._last[key] = (cos, sin)
+        return cos, sin
 
 
 def plain_inv_freq(theta: float, rd: int) -> np.ndarray:
@@ -77,22 +89,28 @@ def rope_tables(cfg: ModelConfig) -> tuple[Rope, Rope]:
     return main, comp
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False) -> np.ndarray:
+def apply_rope(
+    x: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False, in_place: bool = False
+) -> np.ndarray:
     """Rotate the trailing rd channels of x (T, ..., d) by the angles cos/sin (T, rd/2).
 
     inverse=True rotates by the negative angle (used to de-rotate the attention output).
-    Returns a new array; the leading d - rd channels are copied unchanged.
+    Returns a rotated float32 copy; with in_place=True (the forward pass, on arrays fresh from a
+    projection) a writable float32 x is rotated where it is and returned, copying only the
+    rd channels being rotated.
     """
     half = cos.shape[-1]
     shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (half,)
     c = cos.reshape(shape)
     s = sin.reshape(shape)
+    out = x if in_place and x.dtype == F32 and x.flags.writeable else x.astype(F32)
+    tail = out[..., out.shape[-1] - 2 * half :]
+    even = tail[..., 0::2].copy()  # (T, ..., rd/2): only the rotated channels are copied
+    odd = tail[..., 1::2].copy()
     if inverse:
-        s = -s
-    out = x.astype(F32, copy=True)
-    r = x[..., x.shape[-1] - 2 * half :]
-    even, odd = r[..., 0::2], r[..., 1::2]
-    tail = out[..., x.shape[-1] - 2 * half :]
-    tail[..., 0::2] = even * c - odd * s
-    tail[..., 1::2] = odd * c + even * s
+        tail[..., 0::2] = even * c + odd * s
+        tail[..., 1::2] = odd * c - even * s
+    else:
+        tail[..., 0::2] = even * c - odd * s
+        tail[..., 1::2] = odd * c + even * s
     return out

@@ -140,13 +140,14 @@ def load_head(cat: Catalog) -> HeadWeights:
             fn=_f32_qweight(cat.f32("hc_head_fn")), base=cat.f32("hc_head_base"), scale=cat.f32("hc_head_scale")
         ),
         norm=cat.f32("norm.weight"),
-        head=cat.qweight("head"),
+        head=replace(cat.qweight("head"), role="head"),
     )
 
 
 def load_expert(cat: Catalog, layer: int, expert: int) -> ExpertWeights:
     p = expert_prefix(cat.config, layer, expert)
-    return ExpertWeights(w1=cat.qweight(p + "w1"), w2=cat.qweight(p + "w2"), w3=cat.qweight(p + "w3"))
+    w1, w2, w3 = (replace(cat.qweight(p + n), role="experts") for n in ("w1", "w2", "w3"))
+    return ExpertWeights(w1=w1, w2=w2, w3=w3)
 
 
 def expert_from_arrays(cfg: ModelConfig, arrays: tuple[np.ndarray, ...]) -> ExpertWeights:
@@ -165,5 +166,5 @@ def expert_from_arrays(cfg: ModelConfig, arrays: tuple[np.ndarray, ...]) -> Expe
         n = sshape[0] * sshape[1]
         # E8M0 scales are one byte each; F32 scales may arrive typed or as raw bytes
         sc = sc.view(np.uint8) if sc.nbytes == n else sc.view(np.float32)
-        out.append(QWeight(kind, wt, sc.reshape(sshape), rows, cols))
+        out.append(QWeight(kind, wt, sc.reshape(sshape), rows, cols, role="experts"))
     return ExpertWeights(*out)

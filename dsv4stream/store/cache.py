@@ -51,7 +51,7 @@ from dsv4stream.errors import BudgetError, Dsv4Error, ReadError
 
 from . import directio
 from .runs import Layout
-from .verify import Verifier
+from .verify import Part, Verifier
 
 
 @dataclass(frozen=True)
@@ -347,6 +347,11 @@ class ExpertStore:
                 self._wait_seconds += time.perf_counter() - t0
         return min(done)
 
+    @property
+    def wait_seconds(self) -> float:
+        """Time callers have blocked on reads so far (cheap: for per-token profiles)."""
+        return self._wait_seconds
+
     def stats(self) -> StoreStats:
         with self._lock, self._stat_lock:
             n = asdict(self._n)
@@ -464,7 +469,9 @@ class ExpertStore:
             views = directio.piece_views(slot, layout, plan)
             if self._verifier is not None:
                 try:
-                    self._verifier.check(self._label(entry.key), layout, views)
+                    parts = [Part(run.path, p.name, 0, p.offset, v)
+                             for (run, p), v in zip(((r, p) for r in layout for p in r.pieces), views, strict=True)]  # fmt: skip
+                    self._verifier.check(self._label(entry.key), parts)
                 except Dsv4Error:
                     with self._stat_lock:
                         self._n.verify_mismatches += 1
@@ -477,9 +484,12 @@ class ExpertStore:
         except Dsv4Error as e:
             entry.error = type(e)(f"{self._label(entry.key)}: {e}")
             entry.error.__cause__ = e
-        except Exception as e:  # noqa: BLE001 (a bug or OS error must still reach the caller)
-            entry.error = ReadError(f"{self._label(entry.key)}: {type(e).__name__}: {e}")
+        except OSError as e:
+            where = f" {e.filename}" if e.filename else ""
+            entry.error = ReadError(f"{self._label(entry.key)}:{where} {e.strerror or e}; check the disk")
             entry.error.__cause__ = e
+        except BaseException as e:  # noqa: BLE001 (a bug: re-raised as itself in the caller, with its traceback)
+            entry.error = e
         finally:
             entry.done.set()
             with self._landed:

@@ -83,6 +83,13 @@ def piece_views(buf: np.ndarray, layout: Layout, plan: SlotPlan) -> tuple[np.nda
     )
 
 
+def _refresh_advice(path: str) -> str:
+    """What to do about a file that changed under us: re-pack ours, re-download the release's."""
+    if os.path.basename(path) == "trunk.bin":
+        return f"delete {os.path.dirname(path)} and run `dsv4 pack-trunk` again"
+    return "re-download this shard"
+
+
 class FileSet:
     """Open descriptors for the store's files, and the read of one window.
 
@@ -172,8 +179,8 @@ class FileSet:
         if got < window.need:
             raise ReadError(
                 f"short read: {window.path} at offset {window.file_offset} needs "
-                f"{window.need} bytes, got {got} (file truncated or catalog wrong); "
-                "re-download the shard or rebuild the catalog"
+                f"{window.need} bytes, got {got}: the file is shorter than when it was opened; "
+                + _refresh_advice(window.path)
             )
         return got
 

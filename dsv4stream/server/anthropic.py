@@ -1,0 +1,190 @@
+"""`POST /v1/messages`: Anthropic's Messages API over the same prompt and engine path.
+
+Owns: translating an Anthropic request (system text or blocks; messages whose content is
+text, `thinking`, `tool_use` and `tool_result` blocks; tools with `input_schema`;
+`thinking: {"type": "enabled"}`; `stop_sequences`) into the OpenAI chat body `prompt`
+already renders, and the answer back: content blocks (thinking, text, tool_use),
+`stop_reason` (end_turn, max_tokens, stop_sequence, tool_use), usage with
+`cache_read_input_tokens`, and the streaming events (message_start, content_block_*,
+message_delta, message_stop; `ping` while waiting).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from .app import (
+    ApiError,
+    ServerState,
+    _Events,
+    _Meta,
+    build,
+    job_events,
+    make_job,
+    read_body,
+    sse_response,
+    stream_error,
+    validate,
+    wait_done,
+)
+from .prompt import chat_prompt
+from .reply import Outcome
+from .schemas import AnthropicRequest, ChatRequest
+from .worker import Job
+
+
+def add_routes(app: FastAPI, srv: ServerState) -> None:
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        body, worker = await read_body(request, srv)
+        req = validate(AnthropicRequest, body)
+        chat_body = to_openai(req)
+        creq = validate(ChatRequest, chat_body)
+        prompt = build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
+        job, events = make_job(srv, prompt, req.max_tokens, creq)
+        request.state.usage = job.usage
+        worker.submit(job)
+        meta = _Meta("msg", srv.model)
+        if req.stream:
+            return sse_response(_stream(job, events, meta, srv.keepalive, len(prompt.ids)))
+        outcome = await wait_done(job, events, request)
+        blocks: list[dict[str, Any]] = []
+        if prompt.thinking and outcome.reasoning:
+            blocks.append({"type": "thinking", "thinking": outcome.reasoning, "signature": ""})
+        if outcome.content:
+            blocks.append({"type": "text", "text": outcome.content})
+        for i, c in enumerate(outcome.tool_calls):
+            blocks.append({"type": "tool_use", "id": meta.call_id(i), "name": c.name, "input": json.loads(c.arguments)})
+        return {
+            "id": meta.id, "type": "message", "role": "assistant", "model": srv.model, "content": blocks,
+            "stop_reason": _stop_reason(outcome, job), "stop_sequence": None, "usage": _usage(job),
+        }  # fmt: skip
+
+
+def to_openai(req: AnthropicRequest) -> dict[str, Any]:
+    out: list[dict[str, Any]] = []
+    if req.system:
+        out.append({"role": "system", "content": _text(req.system)})
+    for i, m in enumerate(req.messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in ("user", "assistant"):
+            raise ApiError(400, f"messages.{i}.role: must be user or assistant", code="invalid_field")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise ApiError(400, f"messages.{i}.content: text or a list of blocks", code="invalid_field")
+        texts, calls, reasoning = [], [], ""
+        for b in blocks:
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                texts.append(b.get("text") or "")
+            elif kind == "thinking" and role == "assistant":
+                reasoning += b.get("thinking") or ""
+            elif kind == "tool_use" and role == "assistant":
+                fn = {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}
+                calls.append({"id": b.get("id"), "type": "function", "function": fn})
+            elif kind == "tool_result" and role == "user":
+                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": _text(b.get("content"))})
+            else:
+                raise ApiError(400, f"messages.{i}: content block {kind!r} is not supported", code="invalid_field")
+        if role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+        elif texts:
+            out.append({"role": "user", "content": "\n\n".join(texts)})
+    body: dict[str, Any] = {"messages": out, "max_tokens": req.max_tokens}
+    for key in ("temperature", "top_p", "top_k"):
+        if getattr(req, key) is not None:
+            body[key] = getattr(req, key)
+    if req.stop_sequences:
+        body["stop"] = req.stop_sequences
+    if req.thinking is not None:
+        body["thinking"] = {"type": "enabled" if req.thinking.get("type") == "enabled" else "disabled"}
+    if req.tools:
+        body["tools"] = [
+            {"type": "function", "function": {k: v for k, v in (("name", t.get("name")), ("description",
+             t.get("description")), ("parameters", t.get("input_schema"))) if v is not None}}
+            for t in req.tools
+        ]  # fmt: skip
+    return body
+
+
+def _text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "\n\n".join(b.get("text") or "" for b in content if isinstance(b, dict) and b.get("type") == "text")
+    raise ApiError(400, "content must be text or a list of text blocks", code="invalid_field")
+
+
+def _stop_reason(outcome: Outcome, job: Job) -> str:
+    if outcome.finish_reason == "tool_calls":
+        return "tool_use"
+    if outcome.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if job.reply.stopped else "end_turn"
+
+
+def _usage(job: Job) -> dict[str, int]:
+    u = job.usage
+    return {
+        "input_tokens": u.prompt_tokens - u.cached_tokens,
+        "cache_read_input_tokens": u.cached_tokens,
+        "output_tokens": u.completion_tokens,
+    }
+
+
+def _event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
+
+
+async def _stream(job: Job, events: _Events, meta: _Meta, keepalive: float, n_prompt: int) -> AsyncIterator[str]:
+    message = {
+        "id": meta.id, "type": "message", "role": "assistant", "model": meta.model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": n_prompt, "output_tokens": 0},
+    }  # fmt: skip
+    yield _event("message_start", {"message": message})
+    index, open_kind = -1, None
+
+    def switch(kind: str, start: dict[str, Any]) -> list[str]:
+        nonlocal index, open_kind
+        out = [_event("content_block_stop", {"index": index})] if open_kind is not None else []
+        index, open_kind = index + 1, kind
+        return [*out, _event("content_block_start", {"index": index, "content_block": start})]
+
+    async for kind, payload in job_events(job, events, keepalive):
+        if kind in ("comment", "progress"):
+            yield _event("ping", {})
+        elif kind == "delta":
+            for text, block, delta in (
+                (payload.reasoning, {"type": "thinking", "thinking": ""}, "thinking_delta"),
+                (payload.content, {"type": "text", "text": ""}, "text_delta"),
+            ):
+                if not text:
+                    continue
+                if open_kind != block["type"]:
+                    for s in switch(block["type"], block):
+                        yield s
+                field = "thinking" if delta == "thinking_delta" else "text"
+                yield _event("content_block_delta", {"index": index, "delta": {"type": delta, field: text}})
+            for c in payload.tool_calls:
+                start = {"type": "tool_use", "id": meta.call_id(index + 1), "name": c.name, "input": {}}
+                for s in switch("tool_use", start):
+                    yield s
+                delta = {"type": "input_json_delta", "partial_json": c.arguments}
+                yield _event("content_block_delta", {"index": index, "delta": delta})
+        elif kind == "done":
+            if open_kind is not None:
+                yield _event("content_block_stop", {"index": index})
+            delta = {"stop_reason": _stop_reason(payload, job), "stop_sequence": None}
+            yield _event("message_delta", {"delta": delta, "usage": _usage(job)})
+            yield _event("message_stop", {})
+        elif kind == "error":
+            yield stream_error(payload).replace("data: ", "event: error\ndata: ", 1)

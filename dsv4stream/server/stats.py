@@ -1,0 +1,134 @@
+"""Live figures of the server behind `GET /v1/stats` and the chat page's panel.
+
+Owns: what the engine thread reports as it works (the request's phase, prefill progress by
+tokens and by layer, one sample per generated token: its expert hit rate and read rate)
+and the published snapshot the HTTP side reads. Only the engine thread calls the update
+methods and reads the runtime; `snapshot()` takes the lock and copies, so handlers never
+touch engine state.
+
+Per-token figures: hit rate = expert hits / requests of that token's forward pass; read
+rate = routed-expert bytes read during it / its wall time (GB/s, 10^9 bytes).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ..runtime import Runtime, peak_rss_bytes
+
+HISTORY_SECONDS = 300.0
+
+
+class LiveStats:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+        self._history: deque[dict[str, float]] = deque()
+        self._phase = "idle"
+        self._progress: dict[str, int] | None = None
+        self._layer = -1
+        self._last: dict[str, Any] | None = None
+        self._served = 0
+        self._totals = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0}
+        self._mark = self._store_counts()
+        self._mark_t = time.monotonic()
+        trunk = rt.trunk.stats()
+        self._trunk = {"pinned_layers": trunk.pinned_layers, "streamed_layers": trunk.streamed_layers}
+        self._trunk_bytes = trunk.bytes_read
+
+    # ---- engine thread ----------------------------------------------------------------------------
+    def _store_counts(self) -> tuple[int, int, int]:
+        s = self.rt.store.stats()
+        return s.requests, s.hits, s.bytes_read
+
+    def begin(self, n_prompt: int, cached: int) -> None:
+        with self._lock:
+            self._phase = "prefill"
+            self._progress = {"done": cached, "total": n_prompt, "cached": cached}
+            self._layer = -1
+        self._mark, self._mark_t = self._store_counts(), time.monotonic()
+
+    def on_route(self, layer: int, positions: np.ndarray, experts: np.ndarray) -> None:
+        """Session hook, before each layer's experts are fetched: where the forward pass is."""
+        self._layer = layer
+
+    def prefilled(self, done: int, total: int) -> None:
+        with self._lock:
+            if self._progress is not None:
+                self._progress["done"] = done
+
+    def token(self, first: bool) -> None:
+        """After each generated token: one history sample (the first covers the prefill)."""
+        now, counts = time.monotonic(), self._store_counts()
+        req, hits, nbytes = (c - m for c, m in zip(counts, self._mark, strict=True))
+        dt = max(now - self._mark_t, 1e-9)
+        self._mark, self._mark_t = counts, now
+        sample = {
+            "t": round(now - self._t0, 3),
+            "kind": "prefill" if first else "decode",
+            "hit_rate": hits / req if req else 1.0,
+            "read_gbps": nbytes / dt / 1e9,
+        }
+        with self._lock:
+            self._phase = "decode"
+            self._history.append(sample)
+            while self._history and sample["t"] - self._history[0]["t"] > HISTORY_SECONDS:
+                self._history.popleft()
+
+    def end(self, usage) -> None:
+        trunk = self.rt.trunk.stats()
+        with self._lock:
+            self._phase, self._progress, self._layer = "idle", None, -1
+            self._served += 1
+            t = self._totals
+            fed = usage.prompt_tokens - usage.cached_tokens
+            t["prefill_tokens"] += fed
+            t["prefill_seconds"] += usage.prefill_seconds
+            t["decode_tokens"] += max(usage.completion_tokens - 1, 0)
+            t["decode_seconds"] += usage.decode_seconds
+            self._trunk_bytes = trunk.bytes_read
+            self._last = {
+                "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": usage.cached_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "time_to_first_token_s": round(usage.prefill_seconds, 4),
+                "prefill_tokens_per_s": _rate(fed, usage.prefill_seconds),
+                "decode_tokens_per_s": _rate(usage.completion_tokens - 1, usage.decode_seconds),
+                "cache_source": usage.cache_source,
+            }
+
+    # ---- any thread -------------------------------------------------------------------------------
+    def snapshot(self, queued: int) -> dict[str, Any]:
+        s = self.rt.store.stats()  # its own lock; counters only
+        with self._lock:
+            t = self._totals
+            progress = dict(self._progress) if self._progress is not None else None
+            if progress is not None:
+                progress["layer"], progress["layers"] = self._layer, self.rt.cfg.n_layers
+            return {
+                "phase": self._phase,
+                "queue": queued,
+                "requests_served": self._served,
+                "prefill": progress,
+                "last_request": dict(self._last) if self._last else None,
+                "prefill_tokens_per_s": _rate(t["prefill_tokens"], t["prefill_seconds"]),
+                "decode_tokens_per_s": _rate(t["decode_tokens"], t["decode_seconds"]),
+                "expert_hit_rate": s.hit_rate,
+                "expert_requests": s.requests,
+                "gb_read": (s.bytes_read + self._trunk_bytes) / 1e9,
+                "read_gbps": s.read_gbps,
+                "trunk": dict(self._trunk),
+                "peak_rss_gb": peak_rss_bytes() / 1e9,
+                "budget_gb": self.rt.opts.budget / 1e9,
+                "history": list(self._history),
+            }
+
+
+def _rate(n: int, seconds: float) -> float:
+    return round(n / seconds, 3) if seconds > 0 and n > 0 else 0.0

@@ -1,0 +1,48 @@
+"""A one-line "still working" display for a silent step that takes a while (the first numba compile).
+
+Owns only the line on a terminal: `label ... 12 s`, rewritten in place once a second from a
+daemon thread, and ended with the total when the step returns. Silent when the file is not
+a terminal (logs get the caller's own message instead).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO
+
+
+@contextmanager
+def elapsed(label: str, file: IO[str] | None = None, tick: float = 1.0, enabled: bool | None = None) -> Iterator[None]:
+    out = file if file is not None else sys.stderr
+    if enabled is None:
+        try:
+            enabled = out.isatty()
+        except (AttributeError, ValueError):
+            enabled = False
+    if not enabled:
+        yield
+        return
+    stop = threading.Event()
+    t0 = time.perf_counter()
+
+    def show(final: bool = False) -> None:
+        out.write(f"\r{label} ... {time.perf_counter() - t0:.0f} s" + ("\n" if final else ""))
+        out.flush()
+
+    def run() -> None:
+        while not stop.wait(tick):
+            show()
+
+    show()
+    thread = threading.Thread(target=run, name="dsv4-ticker", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        show(final=True)

@@ -1,0 +1,345 @@
+"""`dsv4 run` when something is wrong: damaged trunks, NaN weights, mid-run errors, odd values.
+
+Each test injects the failure itself (a flipped byte, a NaN row, an error after two tokens,
+bytes that are not UTF-8) and checks the run says so in one `dsv4:` line, exit 2, keeping
+what it produced so far (ids on stdout, --stats-json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from dsv4stream import synth
+from dsv4stream.catalog import Catalog
+from dsv4stream.commands.run import run as run_cmd
+from dsv4stream.engine import Engine
+from dsv4stream.errors import ReadError
+from dsv4stream.pack import pack_trunk
+from dsv4stream.planner import minimum_budget
+from dsv4stream.runtime import RunOptions, Runtime, measure
+from dsv4stream.tokenizer import pack_tokenizer
+from dsv4stream.trunkfile import TrunkFile
+
+CODE = "from dsv4stream.cli import main; main()"
+
+
+def dsv4(*args: str | bytes, stdin: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", CODE, *args], input=stdin, capture_output=True, check=False, timeout=300, env=env
+    )
+
+
+def one_line(r: subprocess.CompletedProcess, *words: str) -> str:
+    err = r.stderr.decode()
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    assert r.returncode == 2, err
+    assert last.startswith("dsv4: ") and "Traceback" not in err, err
+    for w in words:
+        assert w in last, (w, last)
+    return last
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return synth.make_checkpoint(tmp_path_factory.mktemp("rr") / "tiny", preset="tiny", seed=5)
+
+
+@pytest.fixture(scope="module")
+def tok_ckpt(tmp_path_factory) -> Path:
+    path = synth.make_checkpoint(
+        tmp_path_factory.mktemp("rr") / "tok", preset="tiny", seed=3, vocab_size=synth.REAL_VOCAB, tokenizer=True
+    )
+    pack_tokenizer(path)
+    return path
+
+
+def copy(src: Path, tmp: Path) -> Path:
+    dst = tmp / "ck"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def flip(path: str | Path, offset: int, mask: int = 0x10) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
+def greedy(ckpt: Path, ids: list[int], n: int) -> list[int]:
+    return list(Engine.open(ckpt).session().generate(ids, n))
+
+
+# ---- item 3: a byte flipped inside the packed trunk is caught at run time ---------------------
+
+
+@pytest.mark.parametrize("key", ["layers.1", "head", "embed", "layers.3"])
+@pytest.mark.parametrize("budget", ["1", "stream"])
+def test_a_flipped_trunk_byte_stops_the_run_naming_the_run_and_file(ckpt, tmp_path, key, budget):
+    c = copy(ckpt, tmp_path)
+    pack_trunk(c, progress=False)
+    tf = TrunkFile.open(c / "dsv4-trunk", Catalog.open(c))
+    run = tf.run(key)
+    big = max(run.tensors, key=lambda t: t.nbytes)  # not the small tensor the open compares with the shards
+    if budget == "stream":  # the smallest budget: layers stream through the ring
+        budget = f"{minimum_budget(measure(c, RunOptions(budget=1))) / 1e9 * 1.001:.6f}"
+    flip(tf.path, big.offset + big.nbytes // 3)
+    for extra in ([], ["--verify"]):
+        r = dsv4("run", str(c), "--prompt-ids", "1,2,3", "--gen", "3", "--budget", budget, *extra)
+        one_line(r, f"run '{key}'", "trunk.bin", "fails its checksum")
+    r = dsv4("inspect", str(c))
+    one_line(r, f"run '{key}'", "fails its checksum")
+
+
+def test_inspect_reports_a_good_pack(ckpt, tmp_path):
+    c = copy(ckpt, tmp_path)
+    pack_trunk(c, progress=False)
+    r = dsv4("inspect", str(c))
+    assert r.returncode == 0 and b"every checksum verified" in r.stdout
+
+
+def test_a_manifest_whose_tensors_overlap_is_refused(ckpt, tmp_path):
+    c = copy(ckpt, tmp_path)
+    pack_trunk(c, progress=False)
+    m = json.loads((c / "dsv4-trunk" / "manifest.json").read_text())
+    ts = m["runs"][1]["tensors"]
+    ts[1]["offset"] = ts[0]["offset"]  # two tensors read from the same bytes
+    (c / "dsv4-trunk" / "manifest.json").write_text(json.dumps(m))
+    r = dsv4("run", str(c), "--prompt-ids", "1,2", "--gen", "2", "--budget", "1")
+    one_line(r, "misplaced", ts[1]["name"])
+
+
+# ---- item 7: NaN weights stop the run with the layer and tensor -----------------------------
+
+
+def test_a_nan_head_row_stops_greedy_decoding(ckpt, tmp_path):
+    c = copy(ckpt, tmp_path)
+    want = greedy(c, [1, 2, 3], 1)[0]
+    e = Catalog.open(c).entries["head.weight"]
+    row = e.nbytes // e.shape[0]
+    with open(e.path, "r+b") as f:  # BF16 NaN (0x7FC0) over the row greedy would pick
+        f.seek(e.offset + want * row)
+        f.write(np.full(e.shape[1], 0x7FC0, "<u2").tobytes())
+    r = dsv4("run", str(c), "--prompt-ids", "1,2,3", "--gen", "8", "--budget", "1")
+    one_line(r, "logits", "head", "NaN")
+
+
+def test_a_nan_scale_names_the_layer_and_tensor(ckpt, tmp_path):
+    c = copy(ckpt, tmp_path)
+    e = Catalog.open(c).entries["layers.2.attn.wq_a.scale"]
+    with open(e.path, "r+b") as f:
+        f.seek(e.offset)
+        f.write(b"\xff")  # E8M0 0xFF is NaN
+    r = dsv4("run", str(c), "--prompt-ids", "1,2,3", "--gen", "3", "--budget", "1")
+    one_line(r, "layer 2", "layers.2.attn.wq_a.scale")
+
+
+@pytest.mark.parametrize("field, value", [("rms_norm_eps", "NaN"), ("routed_scaling_factor", "Infinity"),
+                                          ("rope_theta", "0")])  # fmt: skip
+def test_non_finite_config_values_are_one_line(ckpt, tmp_path, field, value):
+    c = copy(ckpt, tmp_path)
+    d = json.loads((c / "config.json").read_text())
+    d[field] = "@"
+    (c / "config.json").write_text(json.dumps(d).replace('"@"', value))
+    r = dsv4("run", str(c), "--prompt-ids", "1,2,3", "--gen", "3", "--budget", "1")
+    one_line(r, field)
+
+
+# ---- item 8: ids as they come, stats on every exit, EOS stops ---------------------------------
+
+
+def test_ids_and_stats_survive_a_mid_run_error(ckpt, tmp_path, monkeypatch):
+    stats = tmp_path / "s.json"
+    real = Runtime.generate
+
+    def failing(self, *a, **k):
+        for n, t in enumerate(real(self, *a, **k)):
+            yield t
+            if n == 1:
+                raise ReadError("layer 3 expert 5: read failed: injected")
+
+    monkeypatch.setattr(Runtime, "generate", failing)
+    res = CliRunner().invoke(run_cmd, [str(ckpt), "--prompt-ids", "1,2,3", "--gen", "8", "--budget", "1",
+                                       "--stats-json", str(stats)])  # fmt: skip
+    assert isinstance(res.exception, ReadError)
+    want = greedy(ckpt, [1, 2, 3], 2)
+    assert res.stdout.strip() == ",".join(map(str, want))
+    s = json.loads(stats.read_text())
+    assert s["exit"]["status"] == "error" and "injected" in s["exit"]["message"]
+    assert s["generated_ids"] == want
+
+
+def test_stats_are_written_when_a_second_ctrl_c_ends_the_run(ckpt, tmp_path, monkeypatch):
+    stats = tmp_path / "s.json"
+    real = Runtime.generate
+
+    def interrupted(self, *a, **k):
+        for t in real(self, *a, **k):
+            yield t
+            raise KeyboardInterrupt  # what a second Ctrl-C raises inside a forward pass
+
+    monkeypatch.setattr(Runtime, "generate", interrupted)
+    res = CliRunner().invoke(run_cmd, [str(ckpt), "--prompt-ids", "1,2,3", "--gen", "8", "--budget", "1",
+                                       "--stats-json", str(stats)])  # fmt: skip
+    assert res.exit_code != 0
+    s = json.loads(stats.read_text())
+    assert s["exit"]["status"] == "interrupted" and s["generated_ids"] == greedy(ckpt, [1, 2, 3], 1)
+    assert res.stdout.strip() == str(s["generated_ids"][0])
+
+
+def test_stats_are_written_when_the_runtime_cannot_open(ckpt, tmp_path):
+    stats = tmp_path / "s.json"
+    r = dsv4("run", str(ckpt), "--prompt-ids", "1,2", "--budget", "0.001", "--stats-json", str(stats))
+    msg = one_line(r, "--budget")
+    s = json.loads(stats.read_text())
+    assert s["exit"]["status"] == "error" and s["exit"]["message"] == msg.removeprefix("dsv4: ")
+
+
+def test_prompt_ids_stop_at_eos(ckpt, tmp_path):
+    c = copy(ckpt, tmp_path)
+    free = greedy(c, [4, 5, 6], 8)
+    at = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    d = json.loads((c / "config.json").read_text())
+    d["eos_token_id"] = free[at]  # the model's own output id becomes EOS
+    (c / "config.json").write_text(json.dumps(d))
+    res = CliRunner().invoke(run_cmd, [str(c), "--prompt-ids", "4,5,6", "--gen", "8", "--budget", "1"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == ",".join(map(str, free[: at + 1]))
+
+
+# ---- items 11, 13, 16: values the run cannot honour ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--budget", "inf"], ["--budget inf", "finite"]),
+        (["--budget", "1e400"], ["--budget inf", "finite"]),
+        (["--budget", "nan"], ["--budget nan"]),
+        (["--budget", "100000"], ["physical memory"]),
+        (["--seed", "-1", "--temperature", "1"], ["--seed -1"]),
+        (["--ctx", "99999999"], ["--ctx 99999999", "max_position_embeddings"]),
+        (["--ctx", "1000000", "--gen", "1"], ["--ctx 1000000", "GB of sequence state"]),
+    ],
+)
+def test_odd_values_are_one_line(ckpt, args, words):
+    budget = [] if "--budget" in args else ["--budget", "0.05"]
+    r = dsv4("run", str(ckpt), "--prompt-ids", "1,2", *budget, *args)
+    one_line(r, *words)
+
+
+@pytest.mark.parametrize("ids", ["1,,2", "1,2,", ",1", "99999999999999999999999", "1;2", "1,-", ""])
+def test_bad_id_lists_are_one_line(ckpt, ids):
+    one_line(dsv4("run", str(ckpt), "--prompt-ids", ids, "--budget", "1"), "--prompt-ids")
+
+
+def test_ids_with_spaces_are_fine(ckpt):
+    r = CliRunner().invoke(run_cmd, [str(ckpt), "--prompt-ids", "1, 2  3", "--gen", "2", "--budget", "1"])
+    assert r.exit_code == 0 and r.stdout.strip() == ",".join(map(str, greedy(ckpt, [1, 2, 3], 2)))
+
+
+# ---- item 12: bytes that are not UTF-8 ----------------------------------------------------------
+
+
+def test_non_utf8_prompts_are_one_line(tok_ckpt, tmp_path):
+    bad = b"caf\xe9 \xff"
+    one_line(dsv4("run", str(tok_ckpt), "--prompt", bad, "--budget", "1"), "UTF-8")
+    one_line(dsv4("run", str(tok_ckpt), "--prompt-file", "-", "--budget", "1", stdin=bad), "UTF-8")
+    (tmp_path / "p.txt").write_bytes(bad)
+    one_line(dsv4("run", str(tok_ckpt), "--prompt-file", str(tmp_path / "p.txt"), "--budget", "1"), "UTF-8")
+    for lang in ("C", "C.UTF-8"):  # a strict UTF-8 locale decodes stdin differently from the C locale
+        env = dict(os.environ, LC_ALL=lang, PYTHONUTF8="0")
+        one_line(dsv4("tokenize", "--tok", str(tok_ckpt), "-", stdin=bad, env=env), "UTF-8")
+        one_line(dsv4("run", str(tok_ckpt), "--prompt-file", "-", "--budget", "1", stdin=bad, env=env), "UTF-8")
+    one_line(dsv4("tokenize", "--tok", str(tok_ckpt), bad), "UTF-8")
+
+
+@pytest.mark.parametrize("lang", ["C.UTF-8"])  # strict UTF-8 stdin; (LC_ALL=C cannot print the reply)
+def test_a_non_utf8_chat_line_is_refused_and_the_chat_goes_on(tok_ckpt, tmp_path, lang):
+    stats = tmp_path / "s.json"
+    r = dsv4("run", str(tok_ckpt), "--chat", "--greedy", "--gen", "2", "--budget", "1", "--stats-json", str(stats),
+             stdin=b"Hi\n\xff\xfe bad\nOk\n", env=dict(os.environ, LC_ALL=lang, PYTHONUTF8="0"))  # fmt: skip
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"not valid UTF-8" in r.stderr
+    assert len(json.loads(stats.read_text())["turn_prompt_tokens"]) == 2  # Hi and Ok, not the bad line
+
+
+# ---- item 17: OSErrors name the file and give advice that fits ---------------------------------
+
+
+def test_an_io_error_reading_a_shard_names_it(ckpt, monkeypatch, capsys):
+    import errno
+
+    from dsv4stream import catalog
+    from dsv4stream.cli import main
+
+    real = os.preadv
+
+    def eio(fd, bufs, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("model-00002-of-00005.safetensors"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(catalog.os, "preadv", eio)
+    with pytest.raises(SystemExit) as ex:
+        main(["run", str(ckpt), "--prompt-ids", "1,2", "--gen", "2", "--budget", "1"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ex.value.code == 2 and last.startswith("dsv4: ")
+    assert "model-00002-of-00005.safetensors" in last and "Input/output error" in last
+
+
+def test_os_errors_without_a_file_say_so_and_a_full_disk_is_not_a_permission_problem():
+    import errno
+
+    from dsv4stream.cli import os_error_line
+
+    line = os_error_line(OSError(errno.ENOSPC, "No space left on device"))
+    assert "free space" in line and "permission" not in line and ":  " not in line and "did not say which file" in line
+    line = os_error_line(OSError(errno.EIO, "Input/output error", "/x/trunk.bin"))
+    assert line.startswith("/x/trunk.bin: Input/output error") and "did not say" not in line
+
+
+# ---- item 9: a cold numba cache is compiled outside the budgeted process -------------------------
+
+
+def test_a_cold_kernel_cache_is_compiled_in_a_child_process(ckpt, monkeypatch):
+    from dsv4stream import kernels, runtime
+
+    said: list[str] = []
+    monkeypatch.setattr(kernels, "compiled_cache_exists", lambda: False)  # as on a fresh installation
+    got = runtime.compile_kernels_apart(said.append)
+    assert got is not None and got[0] != os.getpid() and got[1] >= 0
+    assert "separate process" in said[0] and "outside --budget" in said[0]
+    monkeypatch.setattr(kernels, "compiled_cache_exists", lambda: True)
+    assert runtime.compile_kernels_apart(said.append) is None and len(said) == 1
+
+
+def test_the_cache_check_follows_numba_cache_dir(tmp_path, monkeypatch):
+    from dsv4stream import kernels
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    assert not kernels.compiled_cache_exists()
+    (tmp_path / "work" / "x").mkdir(parents=True)
+    (tmp_path / "work" / "x" / "fast._plain_mv-361.py311.nbi").write_bytes(b"")
+    assert kernels.compiled_cache_exists()
+
+
+def test_a_budget_too_small_for_the_ctx_state_names_both(ckpt):
+    from dsv4stream.config import ModelConfig
+    from dsv4stream.planner import state_bytes_for
+
+    cfg = ModelConfig.from_json(ckpt / "config.json")
+    floor = minimum_budget(measure(ckpt, RunOptions(budget=1)))
+    ctx = 200_000  # its state pushes the minimum past a budget that fits the default --ctx
+    assert state_bytes_for(cfg, ctx) < floor
+    r = dsv4("run", str(ckpt), "--prompt-ids", "1,2", "--ctx", str(ctx), "--budget", f"{floor / 1e9 * 1.05:.6f}")
+    one_line(r, "state for --ctx", "lower --ctx")
