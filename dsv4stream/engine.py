@@ -6,15 +6,21 @@ the main and indexer compressors; no full-length KV), and running chunks of toke
 all layers. Math lives in `dsv4stream.model`; weights come through the `Trunk` and
 `Experts` providers, so streaming implementations can replace the in-memory defaults.
 
-Prefill runs a chunk of tokens through each layer together (matrix-matrix projections,
-causal attention inside the chunk, each routed expert once per chunk); `step` is a chunk of
-one. Any chunk size gives the same logits up to float rounding. Activations are float32.
+Prefill is layer-major, in segments of `segment` tokens: the whole segment goes through
+layer i before layer i+1 starts. Inside a layer, attention runs over the segment in
+sub-chunks of `chunk_size` tokens (causal, the state updated in order, temporaries bounded
+by the sub-chunk), then one MoE pass over the whole segment fetches each routed expert
+once and applies it to all its tokens. So a prompt reads each (layer, expert) it touches
+once per segment and a streamed trunk layer once per segment, not once per chunk. `step`
+is a segment of one. Any segment or chunk size gives the same logits up to float rounding
+(each token sums its experts in a fixed order). Activations are float32.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,7 +29,8 @@ from .catalog import Catalog
 from .config import ModelConfig
 from .errors import NumericsError, UsageError
 from .model.attention import AttnState, new_attn_state
-from .model.block import Trace, head_forward, layer_forward
+from .model.block import Trace, attention_half, ffn_half, head_forward
+from .model.moe import ExpertWeights
 from .model.providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
 from .model.rope import Rope, rope_tables
 from .model.scan import nonfinite_fields
@@ -31,6 +38,33 @@ from .state import SessionState, capture, thaw
 
 # on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched
 RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
+
+DEFAULT_SEGMENT = 4096  # prefill segment of a session made without one (the planner picks a run's)
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """Where a prefill stands after one layer of one segment (counts from 1 where 'of')."""
+
+    layer: int  # layers of this segment done, 1..layers
+    layers: int
+    segment: int  # 1..segments
+    segments: int
+    done: int  # tokens of the earlier segments (fully prefilled)
+    segment_tokens: int
+    total: int  # tokens of this prefill call
+
+    @property
+    def tokens(self) -> float:
+        """Progress in tokens, counting a segment's layers pro rata."""
+        return self.done + self.segment_tokens * self.layer / self.layers
+
+    def where(self) -> str:
+        return f"layer {self.layer}/{self.layers}, segment {self.segment}/{self.segments}"
+
+
+# on_layer(step): after each layer of each prefill segment; it may raise to stop the prefill
+LayerHook = Callable[[PrefillStep], None]
 
 
 class Engine:
@@ -78,11 +112,19 @@ class Engine:
         self,
         *,
         chunk_size: int = 64,
+        segment: int | None = None,
         on_route: RouteHook | None = None,
         record_requests: bool = False,
         trace: Trace | None = None,
     ) -> Session:
-        return Session(self, chunk_size=chunk_size, on_route=on_route, record_requests=record_requests, trace=trace)
+        return Session(
+            self,
+            chunk_size=chunk_size,
+            segment=segment,
+            on_route=on_route,
+            record_requests=record_requests,
+            trace=trace,
+        )
 
 
 _NAN_ADVICE = (
@@ -93,6 +135,11 @@ _NAN_ADVICE = (
 
 class Session:
     """One sequence: owns its state and position; tokens go in, logits come out.
+
+    `segment`: prefill segment (tokens through each layer together; default DEFAULT_SEGMENT);
+    `chunk_size`: attention sub-chunk inside a segment. An exception that escapes a forward
+    pass mid-segment (Ctrl-C from `on_layer`) leaves the layers' state out of step: the
+    session is then `torn` and refuses more tokens; `pos` counts the tokens fully fed.
 
     Hook for a speculative drafter (not implemented): DeepSeek-V4-Flash-0731's DSpark stages
     read the outputs of main layers `cfg.dspark.target_layer_ids` (40-42), concatenated. Those
@@ -107,15 +154,19 @@ class Session:
         engine: Engine,
         *,
         chunk_size: int = 64,
+        segment: int | None = None,
         on_route: RouteHook | None = None,
         record_requests: bool = False,
         trace: Trace | None = None,
     ) -> None:
-        if chunk_size < 1:
-            raise UsageError(f"chunk size must be at least 1, found {chunk_size}")
+        segment = DEFAULT_SEGMENT if segment is None else segment
+        if chunk_size < 1 or segment < 1:
+            raise UsageError(f"chunk and segment sizes must be at least 1, found {chunk_size} and {segment}")
         self.engine = engine
         self.cfg = engine.cfg
         self.chunk_size = chunk_size
+        self.segment = segment
+        self.torn = False
         self.on_route = on_route
         self.trace = trace
         # (layer, expert) in the order the experts were requested, when record_requests is on
@@ -130,21 +181,31 @@ class Session:
         *,
         last_only: bool = False,
         progress: Callable[[int], None] | None = None,
+        on_layer: LayerHook | None = None,
     ) -> np.ndarray:
-        """Feed tokens in chunks of chunk_size: logits (T, vocab) float32, or (vocab,) for the last with last_only.
+        """Feed tokens in segments: logits (T, vocab) float32, or (vocab,) for the last with last_only.
 
-        `progress(tokens_done)` runs after each chunk, between forward passes: the place where
-        a caller may show progress or stop (the state then holds the chunks fed so far)."""
+        `progress(tokens_done)` runs after each segment, between forward passes: the place
+        where a caller may stop cleanly (the state then holds the segments fed so far).
+        `on_layer(PrefillStep)` runs after each layer of each segment; raising there stops
+        within one layer, and leaves the session torn."""
         ids = self._check_ids(token_ids)
         if ids.size == 0:
             raise UsageError("prefill needs at least one token")
         out = []
-        for a in range(0, ids.size, self.chunk_size):
-            chunk = ids[a : a + self.chunk_size]
-            want_logits = not last_only or a + self.chunk_size >= ids.size
-            out.append(self._forward(chunk, logits=want_logits, last_only=last_only))
+        n, seg = ids.size, self.segment
+        segments = -(-n // seg)
+        for j, a in enumerate(range(0, n, seg)):
+            part = ids[a : a + seg]
+            want_logits = not last_only or a + seg >= n
+            hook = None
+            if on_layer is not None:
+                hook = lambda i, j=j, a=a, t=part.size: on_layer(
+                    PrefillStep(i + 1, self.cfg.n_layers, j + 1, segments, a, t, n)
+                )
+            out.append(self._forward(part, logits=want_logits, last_only=last_only, after_layer=hook))
             if progress is not None:
-                progress(a + chunk.size)
+                progress(a + part.size)
         return out[-1][-1] if last_only else np.concatenate(out)
 
     def step(self, token_id: int) -> np.ndarray:
@@ -177,6 +238,8 @@ class Session:
 
     # ---- internals -------------------------------------------------------------
     def _check_ids(self, token_ids) -> np.ndarray:
+        if self.torn:
+            raise UsageError("this session was stopped in the middle of a forward pass; start a new session")
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         v = self.cfg.vocab_size
         if ids.size and (ids.min() < 0 or ids.max() >= v):
@@ -184,32 +247,46 @@ class Session:
             raise UsageError(f"token id {bad} is outside the vocabulary 0..{v - 1}")
         return ids
 
-    def _forward(self, ids: np.ndarray, *, logits: bool, last_only: bool) -> np.ndarray | None:
+    def _forward(
+        self,
+        ids: np.ndarray,
+        *,
+        logits: bool,
+        last_only: bool,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> np.ndarray | None:
+        """One segment through every layer: attention in sub-chunks, then one MoE pass."""
         cfg, eng = self.cfg, self.engine
-        t = ids.size
+        t, c = ids.size, min(self.chunk_size, ids.size)
         positions = np.arange(self.pos, self.pos + t, dtype=np.int64)
         self._prefetch_hash_layers(ids)
         x = np.repeat(eng.trunk.embed(ids)[:, None, :], cfg.hc_mult, axis=1)  # (T, hc, D)
-        for i in range(cfg.n_layers):
-            w = eng.trunk.layer(i)
+        try:
+            for i in range(cfg.n_layers):
+                w = eng.trunk.layer(i)
+                rope = eng.rope_for(i)
 
-            def get(e: int, layer: int = i):
-                if self.requests is not None:
-                    self.requests.append((layer, e))
-                return eng.experts.get(layer, e)
+                def routed(experts: np.ndarray, layer: int = i) -> None:
+                    if self.on_route is not None:
+                        self.on_route(layer, positions, experts)
+                    if not cfg.is_hash_layer(layer):
+                        eng.experts.prefetch([(layer, int(e)) for e in np.unique(experts)])
 
-            def routed(experts: np.ndarray, layer: int = i) -> None:
-                if self.on_route is not None:
-                    self.on_route(layer, positions, experts)
-                if not cfg.is_hash_layer(layer):
-                    eng.experts.prefetch([(layer, int(e)) for e in np.unique(experts)])
-
-            try:
-                x = layer_forward(x, ids, positions, w, self.state[i], cfg, eng.rope_for(i), get, routed, self.trace)
-            except NumericsError as e:
-                bad = nonfinite_fields(w)
-                where = f" (non-finite values in {', '.join(f'layers.{i}.{b}' for b in bad[:4])})" if bad else ""
-                raise NumericsError(f"layer {i}: {e}{where}; {_NAN_ADVICE}") from None
+                try:
+                    for a in range(0, t, c):
+                        x[a : a + c] = attention_half(
+                            x[a : a + c], positions[a : a + c], w, self.state[i], cfg, rope, self.trace
+                        )
+                    x = ffn_half(x, ids, w, cfg, self._experts_of(i), routed, self.trace, rows=c)
+                except NumericsError as e:
+                    bad = nonfinite_fields(w)
+                    where = f" (non-finite values in {', '.join(f'layers.{i}.{b}' for b in bad[:4])})" if bad else ""
+                    raise NumericsError(f"layer {i}: {e}{where}; {_NAN_ADVICE}") from None
+                if after_layer is not None:
+                    after_layer(i)
+        except BaseException:
+            self.torn = True
+            raise
         self.pos += t
         if not logits:
             return None
@@ -227,8 +304,25 @@ class Session:
             )
         return out
 
+    def _experts_of(self, layer: int) -> Callable[[np.ndarray], Iterator[tuple[int, ExpertWeights]]]:
+        """The MoE's expert source for one layer: the provider's `get_many` (in memory first,
+        misses as they land) where it has one, else one `get` per expert in id order."""
+        experts = self.engine.experts
+
+        def each(ids: np.ndarray) -> Iterator[tuple[int, ExpertWeights]]:
+            if self.requests is not None:
+                self.requests.extend((layer, int(e)) for e in ids)
+            many = getattr(experts, "get_many", None)
+            if many is not None:
+                yield from many(layer, [int(e) for e in ids])
+            else:
+                for e in ids:
+                    yield int(e), experts.get(layer, int(e))
+
+        return each
+
     def _prefetch_hash_layers(self, ids: np.ndarray) -> None:
-        """Hash layers' experts are known from the tokens alone: ask for them up front."""
+        """Hash layers' experts are known from the tokens alone: ask for the whole segment's up front."""
         keys: list[ExpertKey] = []
         for i in range(min(self.cfg.num_hash_layers, self.cfg.n_layers)):
             tid2eid = self.engine.trunk.tid2eid(i)  # not layer(i): a streamed trunk reads layers in order

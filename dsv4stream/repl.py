@@ -30,7 +30,7 @@ import click
 
 from . import chat
 from .chat import Message
-from .engine import Session
+from .engine import PrefillStep, Session
 from .errors import UsageError
 from .report import PrefillBar, Reads, stop_text
 from .runtime import Pick, Runtime
@@ -50,7 +50,8 @@ NO_ARGUMENT = ("/nothink", "/reset", "/stats", "/help", "/quit", "/exit")
 
 
 class Stopped(Exception):
-    """Ctrl-C during a prefill, honoured between chunks: the session holds a partial prompt."""
+    """Ctrl-C during a prefill, honoured after the layer running: the session is torn
+    (`Session.torn`) and holds only the segments fed before it."""
 
     def __init__(self, done: int, total: int) -> None:
         super().__init__(f"stopped after {done} of {total} prompt tokens")
@@ -58,7 +59,7 @@ class Stopped(Exception):
 
 
 class Interrupt:
-    """While active, Ctrl-C sets `flag` (checked between tokens and between prefill chunks)
+    """While active, Ctrl-C sets `flag` (checked between tokens and after each prefill layer)
     instead of raising inside a forward pass, which would leave the session's state half
     updated. A second Ctrl-C raises KeyboardInterrupt at once. During a prefill (`phase`
     "prefill") the first Ctrl-C is acknowledged on `err` at once, since the prefill only
@@ -131,16 +132,16 @@ def answer(
     flag = interrupt if interrupt is not None else Interrupt()
     bar = PrefillBar(reads_of(rt), leave=leave_bar)
 
-    def progress(done: int, total: int) -> None:
-        bar(done, total)
-        if flag.flag and done < total:
-            raise Stopped(done, total)
+    def on_layer(step: PrefillStep) -> None:
+        bar(int(step.tokens), step.total, step.where())
+        if flag.flag and (step.layer < step.layers or step.done + step.segment_tokens < step.total):
+            raise Stopped(step.done, step.total)  # within one layer of the Ctrl-C; a finished prefill is kept
 
     stream = tok.stream() if tok is not None else None
     got: list[int] = []
     flag.phase = "prefill"
     bar.start(len(ids))
-    tokens = rt.generate(session, ids, gen, pick, stop, progress=progress)
+    tokens = rt.generate(session, ids, gen, pick, stop, on_layer=on_layer)
     try:
         with no_echo(sys.stdin):
             for t in tokens:

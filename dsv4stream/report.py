@@ -59,15 +59,26 @@ class PrefillBar:
         self._start = reads() if self._enabled else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._where = ""
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, done: int, total: int, where: str = "") -> None:
+        """`where`: the prefill's place, e.g. "layer 12/43, segment 1/3" (after each layer)."""
         if not self._enabled:
             return
         if self._bar is None:
             self._open(total)
         assert self._bar is not None
+        if where:
+            self._where = where
         self._bar.set_postfix_str(self._figures(), refresh=False)
         self._bar.update(done - self._bar.n)
+
+    def note(self, msg: str) -> None:
+        """A line above the bar, at once (from a signal handler too): e.g. acknowledging Ctrl-C."""
+        if self._bar is not None:
+            self._bar.write(msg, file=self._file)
+        else:
+            print(msg, file=self._file, flush=True)
 
     def start(self, total: int) -> None:
         """Show the bar at 0 before the first chunk runs."""
@@ -118,7 +129,8 @@ class PrefillBar:
         req = now.expert_requests - s.expert_requests
         hits = now.expert_hits - s.expert_hits
         rate = f"{hits / req:.0%}" if req else "-"
-        return f"hit {rate}, read {size(now.bytes_read - s.bytes_read)}"
+        where = f"{self._where}, " if self._where else ""
+        return f"{where}hit {rate}, read {size(now.bytes_read - s.bytes_read)}"
 
 
 def _isatty(f: IO[str]) -> bool:

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import kernels, planner, ticker
 from .catalog import Catalog
-from .engine import Engine, Session
+from .engine import Engine, LayerHook, PrefillStep, Session
 from .errors import Dsv4Error, UsageError
 from .kernels import reference
 from .pack import MANIFEST, default_out_dir
@@ -57,9 +57,10 @@ class RunOptions:
     trunk: str | os.PathLike | None = None
     route_log: str | os.PathLike | IO[str] | None = None
     ctx: int = 4096  # longest sequence the state estimate covers
-    chunk: int = planner.DEFAULT_CHUNK  # prefill chunk (tokens per forward)
+    chunk: int = planner.DEFAULT_CHUNK  # attention sub-chunk of a prefill segment
     overhead: int = planner.DEFAULT_OVERHEAD
     kept_states: int = 0  # session states a server keeps besides the live one (prefix reuse)
+    prefill_segment: int | None = None  # tokens per prefill segment (None: the planner's choice)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ class RunStats:
     first_token_seconds: list[float] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
+    prefill_segment: int = 0  # tokens per prefill segment the run used
+    prefill_stopped: str = ""  # where an interrupted prefill stopped ("" when none was)
     # seconds per decode step by phase (PROFILE_PHASES): the products of routed-expert, trunk and
     # head weights, blocked on expert / trunk reads, choosing the token, and the rest
     decode_profile: dict[str, float] = field(default_factory=dict)
@@ -198,11 +201,14 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,
         slot_bytes=slot_bytes,
         state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (1 + opts.kept_states),
-        staging_bytes=planner.staging_bytes_for(cfg, opts.chunk) + kernel_scratch_bytes(cat),
+        staging_bytes=planner.staging_bytes_for(cfg, opts.chunk, opts.ctx) + kernel_scratch_bytes(cat),
         overhead_bytes=opts.overhead,
         working_set=cfg.working_set_experts,
         experts_per_token=cfg.num_experts_per_tok,
         total_experts=cfg.n_layers * cfg.n_routed_experts,
+        segment_token_bytes=planner.segment_token_bytes(cfg),
+        segment_min=opts.chunk,
+        segment=opts.prefill_segment,
         unused=drafter_summary(cfg, sum(e.nbytes for n, e in cat.entries.items() if n.startswith("mtp."))),
     )
 
@@ -341,6 +347,7 @@ class Runtime:
         self.kernel_warmup_seconds = 0.0
         self._turn_prompt_tokens: list[int] = []
         self._first_token_seconds: list[float] = []
+        self._prefill_stopped = ""
         self._profile = DecodeProfile()
         self._stop_reasons: list[str] = []
         self._in_think: list[bool] = []
@@ -355,6 +362,8 @@ class Runtime:
             raise UsageError(f"--io {opts.io!r}: use direct or buffered")
         if opts.chunk < 1 or opts.ctx < 1:
             raise UsageError(f"chunk and ctx must be at least 1, found {opts.chunk} and {opts.ctx}")
+        if opts.prefill_segment is not None and opts.prefill_segment < 1:
+            raise UsageError(f"--prefill-segment {opts.prefill_segment}: give at least 1 token")
         t_open = time.perf_counter()
         cat = Catalog.open(checkpoint)
         cat.validate()
@@ -408,8 +417,9 @@ class Runtime:
 
     # -- generation --------------------------------------------------------------------------
 
-    def session(self) -> Session:
-        return self.engine.session(chunk_size=self.opts.chunk)
+    def session(self, **kw) -> Session:
+        """A session with this run's sub-chunk and planned prefill segment (kw: `Engine.session`'s hooks)."""
+        return self.engine.session(chunk_size=self.opts.chunk, segment=self.plan.prefill_segment, **kw)
 
     def prefetch_hash_layers(self, token_ids: Sequence[int]) -> None:
         """Start reading the hash layers' experts for these tokens: exact, known from the ids alone."""
@@ -428,6 +438,7 @@ class Runtime:
         pick: Pick | None = None,
         stop_ids: Sequence[int] = (),
         progress: Callable[[int, int], None] | None = None,
+        on_layer: LayerHook | None = None,
     ) -> Iterator[int]:
         """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick`
         (default greedy, ties to the lower id), stopping after a token in `stop_ids` or when
@@ -435,22 +446,34 @@ class Runtime:
 
         Every yielded token but the last has been fed to the session; the last one has not
         (no forward pass is spent on logits nobody reads): a later turn starts with it.
-        `progress(done, total)` runs after each prefill chunk (the prefill is the session's
-        one call, chunked as always); an exception it raises stops the prefill, and the
-        tokens already read still count. Times go to `stats()`: prefill (to the first
-        logits), time to the first token, decode steps separately, and why it ended
-        (`STOP_REASONS`; "interrupted" when the caller closes the generator or the prefill
-        is stopped)."""
+        `progress(done, total)` runs after each prefill segment, `on_layer(PrefillStep)` after
+        each layer of each segment; an exception either raises stops the prefill (within one
+        layer from `on_layer`), and the tokens fully fed still count, with where it stopped
+        (`prefill_stopped`). Times go to `stats()`: prefill (to the first logits), time to the
+        first token, decode steps separately, and why it ended (`STOP_REASONS`; "interrupted"
+        when the caller closes the generator or the prefill is stopped)."""
         pick = pick or _greedy
         n_prompt = len(prompt_ids)
         report = (lambda done: progress(done, n_prompt)) if progress is not None else None
+        last: list[PrefillStep] = []
+
+        def layer_done(step: PrefillStep) -> None:
+            last[:] = [step]
+            if on_layer is not None:
+                on_layer(step)
+
         t0 = time.perf_counter()
         pos0 = session.pos
         stop: str | None = None if max_new_tokens > 0 else "gen_limit"
         self._in_think.append(False)
         try:
             try:
-                logits = session.prefill(prompt_ids, last_only=True, progress=report)
+                logits = session.prefill(prompt_ids, last_only=True, progress=report, on_layer=layer_done)
+            except BaseException:
+                if last:
+                    fed = session.pos - pos0
+                    self._prefill_stopped = f"{fed} of {n_prompt} tokens fed; stopped after {last[0].where()}"
+                raise
             finally:
                 self._prefill_seconds += time.perf_counter() - t0
                 self._prompt_tokens += session.pos - pos0
@@ -542,6 +565,8 @@ class Runtime:
             turn_prompt_tokens=list(self._turn_prompt_tokens),
             first_token_seconds=list(self._first_token_seconds),
             warnings=warnings,
+            prefill_segment=self.plan.prefill_segment,
+            prefill_stopped=self._prefill_stopped,
             decode_profile=self._profile.per_token(self._decode_tokens),
             load_seconds=self.load_seconds,
             decode_tokens_per_second=self._decode_tokens / self._decode_seconds if self._decode_seconds else 0.0,

@@ -268,15 +268,30 @@ class StoreModel:
         for entry in self._lru.values():
             entry.pins = 0
 
+    def get_many(self, keys: Sequence[Hashable]) -> None:
+        """``ExpertStore.get_many`` consumed to the end: present entries first, at most the
+        unpinned slots pinned at once, position i acquired when i - cap is released."""
+        order = [k for k in keys if k in self._lru] + [k for k in keys if k not in self._lru]
+        cap = min(len(order), self.slots - sum(1 for e in self._lru.values() if e.pins))
+        if order and cap < 1:
+            raise BudgetError(f"all {self.slots} expert slots are pinned")
+        for i, key in enumerate(order):
+            if i >= cap:
+                self.release(order[i - cap])
+            self.get(key)
+        for key in order[max(0, len(order) - cap) :]:
+            self.release(key)
+
     def _take(self, prefetch: bool, keep: set | frozenset = frozenset()) -> bool:
-        """Make room for one entry: a free slot, else evict the oldest evictable (for a
-        prefetch: claimed, unpinned and not in its batch ``keep``)."""
+        """Make room for one entry: a free slot, else evict the store's victim."""
         if len(self._lru) < self.slots:
             return True
-        for key, entry in self._lru.items():
-            if entry.pins or (prefetch and (not entry.claimed or key in keep)):
-                continue
-            del self._lru[key]
+        # claimed entries go first; a demand read then takes an unrequested prefetch
+        claimed = [k for k, e in self._lru.items() if not e.pins and e.claimed and k not in keep]
+        unasked = [k for k, e in self._lru.items() if not e.pins and not e.claimed and not prefetch]
+        victim = (claimed or unasked or [None])[0]
+        if victim is not None:
+            entry = self._lru.pop(victim)
             self.evictions += 1
             if not entry.claimed:
                 self.prefetch_unused += 1
@@ -286,20 +301,23 @@ class StoreModel:
         raise BudgetError(f"all {self.slots} expert slots are pinned")
 
 
-RELEASES = ("previous", "each", "layer")
-Call = tuple[str, object]  # ("prefetch", [keys]) | ("get", key) | ("release", key) | ("release_all", None)
+RELEASES = ("many", "previous", "each", "layer")
+Call = tuple[
+    str, object
+]  # ("prefetch", [keys]) | ("get", key) | ("get_many", [keys]) | ("release", key) | ("release_all", None)
 
 
-def engine_calls(log: np.ndarray, hash_layers: int, release: str = "previous") -> Iterator[Call]:
+def engine_calls(log: np.ndarray, hash_layers: int, release: str = "many") -> Iterator[Call]:
     """The store calls ``dsv4stream.engine`` makes for this route log.
 
-    Per forward pass (a chunk of tokens): first ``prefetch`` of every hash layer's experts
-    (layer order, ascending experts: exactly what those layers will request), then per layer
-    its ``get`` calls in ascending expert order, each scored layer's preceded by a
-    ``prefetch`` of the same keys. A forward pass ends where the layer number goes down (or a
-    layer's experts stop ascending). ``release``: "previous" (the expert got last stays
-    pinned until the next get, as ``streaming.StreamedExperts`` does), "each" (released right
-    after its get) or "layer" (``release_all`` after each layer)."""
+    Per forward pass (a prefill segment or a decode step): first ``prefetch`` of every hash
+    layer's experts (layer order, ascending experts: exactly what those layers will
+    request), then per layer one ``get_many`` of its experts in ascending order, each
+    scored layer's preceded by a ``prefetch`` of the same keys. A forward pass ends where
+    the layer number goes down (or a layer's experts stop ascending). ``release``: "many"
+    (the engine's ``get_many``), or one ``get`` per expert with "previous" (the expert got
+    last stays pinned until the next get, as ``streaming.StreamedExperts.get`` does), "each"
+    (released right after its get) or "layer" (``release_all`` after each layer)."""
     if release not in RELEASES:
         raise ValueError(f"release must be one of {', '.join(RELEASES)}, got {release!r}")
     rows = log.tolist()
@@ -321,6 +339,10 @@ def engine_calls(log: np.ndarray, hash_layers: int, release: str = "previous") -
             group = passes[i:j]
             if group[0][0] >= hash_layers:
                 yield "prefetch", group
+            if release == "many":
+                yield "get_many", group
+                i = j
+                continue
             for k in group:
                 if held is not None:
                     yield "release", held
@@ -348,7 +370,7 @@ def run_calls(calls: Iterable[Call], slots: int) -> StoreModel:
 
 
 def replay_store(
-    log: np.ndarray, slots: int, hash_layers: int, release: str = "previous", expert_bytes: int = 0
+    log: np.ndarray, slots: int, hash_layers: int, release: str = "many", expert_bytes: int = 0
 ) -> SimResult:
     """LRU as the live run does it: ``engine_calls`` through a ``StoreModel``."""
     model = run_calls(engine_calls(log, hash_layers, release), slots)
@@ -384,7 +406,7 @@ def simulate(
         for p in policies:
             if p == "lru":
                 if hints == "engine":
-                    r = replay_store(log, slots, hash_layers, "previous", expert_bytes)
+                    r = replay_store(log, slots, hash_layers, "many", expert_bytes)
                 else:
                     r = lru(ids, slots, expert_bytes)
             elif p == "pinned":

@@ -8,10 +8,11 @@ slots in their fixed order; `ViewSource`, the catalog look-alike that lets
 `model.weights.load_layer` build a layer's named weights as views into a slot's bytes.
 It does not own the split of the budget (`planner`) or the run itself (`runtime`).
 
-Pin contract with the MoE (`model.moe.routed_experts`): `get(layer, e)` is called once per
-distinct expert in ascending id order, and the expert's computation finishes before the
-next `get`. So the previous expert is released when the next one is asked for: at most one
-expert is pinned at any time, which is what lets a cache of two layers' worth of slots work.
+Pin contract with the MoE (`model.moe.routed_experts`): a layer's experts come through
+`get_many(layer, experts)`, the store's `get_many`: those in memory first, then misses as
+their reads land, at most the unpinned slots pinned at once, each expert's computation
+finished before the iterator advances. The single `get(layer, e)` keeps the older contract
+(the previous expert is released when the next one is asked for).
 
 Ring contract with the engine: layers are asked for in the order 0..n-1, again and again
 (one forward pass after another); a streamed layer's weights are valid until the next
@@ -24,7 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -227,6 +228,18 @@ class StreamedExperts:
         arrays = self.store.get(key)
         self._held = key
         return expert_from_arrays(self.cfg, tuple(arrays))
+
+    def get_many(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """Each expert once: resident ones first, then misses in the order their reads land."""
+        self.release()
+        many = getattr(self.store, "get_many", None)
+        if many is None:  # a store with get/release only: one at a time, in order
+            for e in experts:
+                yield e, self.get(layer, e)
+            self.release()
+            return
+        for (_, e), arrays in many([(layer, e) for e in experts]):
+            yield e, expert_from_arrays(self.cfg, tuple(arrays))
 
     def prefetch(self, keys: Sequence[ExpertKey]) -> None:
         self.store.prefetch(list(keys))

@@ -256,20 +256,28 @@ def test_ctrl_c_at_the_prompt_leaves_cleanly(rt, tok) -> None:
 # -- progress and report -------------------------------------------------------------------
 
 
-def test_prefill_progress_in_chunks_equals_one_prefill(rt, tok, ckpt) -> None:
+def test_prefill_progress_in_segments_and_layers_equals_one_prefill(rt, tok, ckpt) -> None:
     ids = [tok.special.bos, *tok.encode(" ".join(["one", "two", "three"] * 9))][:19]
     calls: list[tuple[int, int]] = []
-    got = list(rt.generate(rt.session(), ids, 3, progress=lambda d, t: calls.append((d, t))))
+    layers: list[str] = []
+    s = rt.engine.session(chunk_size=4, segment=8)
+    got = list(
+        rt.generate(s, ids, 3, progress=lambda d, t: calls.append((d, t)), on_layer=lambda p: layers.append(p.where()))
+    )
     assert calls == [(8, 19), (16, 19), (19, 19)]
+    n = rt.cfg.n_layers
+    assert layers == [f"layer {i}/{n}, segment {j}/3" for j in (1, 2, 3) for i in range(1, n + 1)]
     assert got == list(Engine.open(ckpt).session(chunk_size=64).generate(ids, 3))
     lines = io.StringIO()
     bar = PrefillBar(lambda: Reads(10, 5, 3_000_000), file=lines, enabled=True, tick=0.01)
     bar.start(19)
-    bar(8, 19)
+    bar(8, 19, "layer 2/4, segment 1/3")
+    bar.note("stopping after this layer")
     bar(19, 19)
     bar.close()
     text = lines.getvalue()
     assert "prefill" in text and "19/19 tokens" in text and "read 0.0 MB" in text
+    assert "layer 2/4, segment 1/3" in text and "stopping after this layer" in text
     assert PrefillBar(lambda: Reads(0, 0, 0), file=io.StringIO()).__call__(1, 2) is None  # not a tty: silent
 
 

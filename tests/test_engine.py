@@ -67,7 +67,7 @@ def test_bad_tokens_are_refused() -> None:
 def test_routing_hooks_and_request_log() -> None:
     seen = []
     s = engine().session(
-        chunk_size=8, record_requests=True, on_route=lambda l, p, e: seen.append((l, p.copy(), e.copy()))
+        chunk_size=4, segment=8, record_requests=True, on_route=lambda l, p, e: seen.append((l, p.copy(), e.copy()))
     )
     s.prefill(IDS[:16])
     cfg = engine().cfg
@@ -76,7 +76,7 @@ def test_routing_hooks_and_request_log() -> None:
     for layer, pos, experts in seen:
         assert experts.shape == (len(pos), cfg.num_experts_per_tok)
         want += [(layer, int(e)) for e in np.unique(experts)]
-    assert s.requests == want  # each expert once per layer per chunk, ascending
+    assert s.requests == want  # each expert once per layer per segment, ascending
 
 
 class FakeStore:

@@ -20,7 +20,19 @@ from dsv4stream.engine import Engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "oracle.npz").exists())
-MODES = {"prefill": 1 << 30, "step": 1, "chunk5": 5, "chunk32": 32}
+# mode -> (attention sub-chunk, prefill segment): "prefill" is the whole prompt at once,
+# "step" one token per forward pass; the seg* modes run layer-major segments of 1, 7, 64
+# tokens and "whole" the whole prompt as one segment in sub-chunks of 8.
+MODES = {
+    "prefill": (1 << 30, 1 << 30),
+    "step": (1, 1),
+    "chunk5": (5, 5),
+    "chunk32": (32, 32),
+    "seg1": (64, 1),
+    "seg7": (4, 7),
+    "seg64": (16, 64),
+    "whole": (8, 1 << 30),
+}
 TOL = 1e-4  # vs transformers, relative to max |logit| at each position
 SELF_TOL = 1e-5  # between feeding modes
 
@@ -52,7 +64,8 @@ def run(name: str, mode: str) -> tuple[np.ndarray, dict]:
     def on_route(layer: int, positions: np.ndarray, experts: np.ndarray) -> None:
         traces["route"].setdefault(layer, []).append(np.sort(experts, axis=1))
 
-    s = engine(name).session(chunk_size=MODES[mode], trace=trace, on_route=on_route)
+    chunk, segment = MODES[mode]
+    s = engine(name).session(chunk_size=chunk, segment=segment, trace=trace, on_route=on_route)
     logits = s.prefill(ids)
     cat = {k: {i: np.concatenate(v) for i, v in d.items()} for k, d in traces.items()}
     return logits, cat

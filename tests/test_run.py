@@ -4,6 +4,7 @@ the plan and its warnings, text prompts through the tokenizer, and one-line erro
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -31,10 +32,7 @@ def ckpt(tmp_path_factory) -> Path:
 def gb(ckpt: Path, slots: int) -> str:
     """--budget (GB) giving `slots` expert slots with the whole trunk resident, at the default overhead."""
     n = measure(ckpt, RunOptions(budget=1))
-    total = (
-        n.overhead_bytes + n.state_bytes + n.staging_bytes + n.head_bytes + sum(n.layer_bytes) + slots * n.slot_bytes
-    )
-    return f"{total / planner.GB:.9f}"
+    return f"{math.ceil(planner.budget_for(n, slots) / 1e3) / 1e6:.9f}"
 
 
 def invoke(*args: str):

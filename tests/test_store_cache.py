@@ -187,7 +187,7 @@ def test_pinned_slots_are_never_evicted(files):
         assert store.stats().evictions == 1
 
 
-def test_get_many_yields_present_first_in_a_fixed_order_and_releases(files):
+def test_get_many_yields_present_first_then_misses_and_releases(files):
     layouts, truth = files
     keys = [(1, 0), (1, 1), (1, 2), (1, 3)]
     with ExpertStore(layouts, slots=4, **QUIET) as store:
@@ -198,7 +198,7 @@ def test_get_many_yields_present_first_in_a_fixed_order_and_releases(files):
         for key, views in store.get_many(keys):
             assert_item(layouts, truth, key, views)
             seen.append(key)
-        assert seen == [keys[1], keys[3], keys[0], keys[2]]
+        assert seen[:2] == [keys[1], keys[3]] and sorted(seen[2:]) == [keys[0], keys[2]]  # misses as they land
         s = store.stats()
         assert (s.requests, s.hits, s.misses) == (6, 2, 4)
         gen = store.get_many(keys)

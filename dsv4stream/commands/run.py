@@ -262,6 +262,13 @@ def make_pick(params: SamplingParams, n_ids: int, rng: np.random.Generator, bann
 @click.option("--vram", type=float, default=None, help="GB of VRAM --gpu may use. [default: free VRAM less a margin]")
 @click.option("-t", "--threads", type=int, default=None, help="CPU kernel threads (results do not depend on it).")
 @click.option(
+    "--prefill-segment",
+    type=int,
+    default=None,
+    help="Prompt tokens that go through each layer together (each expert read once per segment)."
+    " [default: the plan's, as large as --budget allows, up to 4096]",
+)
+@click.option(
     "--temperature",
     type=float,
     default=None,
@@ -335,6 +342,7 @@ def run(
     use_gpu: bool,
     vram: float | None,
     threads: int | None,
+    prefill_segment: int | None,
     temperature: float | None,
     top_p: float | None,
     top_k: int | None,
@@ -379,7 +387,8 @@ def run(
         raise UsageError("--vram applies to --gpu; add --gpu or drop --vram")
     if gen is None and mode is None:
         gen = RAW_GEN
-    for name, value in (("--gen", gen), ("--ctx", ctx), ("--threads", threads), ("--io-threads", io_threads)):
+    checks = (("--gen", gen), ("--ctx", ctx), ("--threads", threads), ("--io-threads", io_threads))
+    for name, value in (*checks, ("--prefill-segment", prefill_segment)):
         if value is not None and value < 1:
             raise UsageError(f"{name} {value}: give at least 1")
     params = sampling_params(temperature, top_p, top_k, min_p, seed, greedy, mode is not None)
@@ -425,7 +434,7 @@ def run(
     try:
         opts = RunOptions(
             budget=budget_b, io=io, verify=verify, threads=gctx.threads,
-            io_threads=io_threads, trunk=trunk, route_log=route_log, ctx=ctx,
+            io_threads=io_threads, trunk=trunk, route_log=route_log, ctx=ctx, prefill_segment=prefill_segment,
         )  # fmt: skip
         extra = {"gpu": gctx} if gctx.enabled else {}
         with stats_out, Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}"), **extra) as rt:

@@ -30,6 +30,7 @@ from .ops import rms_norm
 from .rope import Rope, apply_rope
 
 F32 = np.float32
+GATHER_FLOATS = 4 << 20  # compressed rows gathered per block of queries (planner.BLOCK_FLOATS)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,16 @@ def attend(
     (T, K) (-1 = none); sink (H,). Returns (T, H, hd).
     """
     t, h, hd = q.shape
+    if comp is not None and comp_idx is not None and t > 1 and t * comp_idx.shape[1] * hd > GATHER_FLOATS:
+        # queries are independent: gather each block's rows alone, so the (T, K, hd) copy
+        # stays near GATHER_FLOATS (64 queries x 512 rows x 512 would be 64 MiB)
+        step = max(1, GATHER_FLOATS // max(1, comp_idx.shape[1] * hd))
+        return np.concatenate(
+            [
+                attend(q[a : a + step], keys, key_mask[a : a + step], comp, None, comp_idx[a : a + step], sink)
+                for a in range(0, t, step)
+            ]
+        )
     scale = F32(hd**-0.5)
     qf = q.reshape(t * h, hd)
     parts = [np.where(key_mask[:, None, :], (qf @ keys.T).reshape(t, h, -1) * scale, -np.inf)]

@@ -3,7 +3,8 @@
 Owns: the order of operations inside a layer (mHC pre -> attn_norm -> attention -> mHC
 post -> mHC pre -> ffn_norm -> MoE -> mHC post; the FFN half reads the streams as the
 attention half left them) and the head (hc_head collapse -> norm -> head). Weights and
-state come in; nothing is looked up by name.
+state come in; nothing is looked up by name. The two halves are separate calls so that a
+prefill segment can run attention in sub-chunks and the MoE over the whole segment.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..config import ModelConfig
 from ..kernels import matmul
 from .attention import AttnState, attention
 from .mhc import hc_head, hc_post, hc_pre
-from .moe import ExpertWeights, moe
+from .moe import ExpertSource, moe
 from .ops import rms_norm
 from .rope import Rope
 from .weights import HeadWeights, LayerWeights
@@ -24,6 +25,64 @@ from .weights import HeadWeights, LayerWeights
 # trace(what, layer, array): what is "attn" (T, D), "ffn" (T, D), "hidden" (T, hc, D) after the
 # layer, or "index" (T, K) the indexer's rows at ratio-4 layers (-1 = none)
 Trace = Callable[[str, int, np.ndarray], None]
+
+
+def attention_half(
+    x: np.ndarray,
+    positions: np.ndarray,
+    w: LayerWeights,
+    st: AttnState,
+    cfg: ModelConfig,
+    rope: Rope,
+    trace: Trace | None = None,
+) -> np.ndarray:
+    """Streams x (T, hc, D) at positions (T,) -> streams after the attention half; updates st.
+
+    Tokens must come in order: the state holds every earlier position of the sequence."""
+    it, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    h, post, comb = hc_pre(x, w.hc_attn, it, hc_eps, eps)
+    on_index = (lambda idx: trace("index", w.index, idx)) if trace else None
+    y = attention(rms_norm(h, w.attn_norm, eps), positions, w.attn, st, cfg, rope, on_index)
+    if trace:
+        trace("attn", w.index, y)
+    return hc_post(x, y, post, comb)
+
+
+def ffn_half(
+    x: np.ndarray,
+    token_ids: np.ndarray,
+    w: LayerWeights,
+    cfg: ModelConfig,
+    each: ExpertSource,
+    on_route: Callable[[np.ndarray], None] | None = None,
+    trace: Trace | None = None,
+    rows: int | None = None,
+) -> np.ndarray:
+    """Streams x (T, hc, D) of tokens token_ids (T,) -> streams after the MoE half, written into x.
+
+    One MoE pass over all T tokens (each routed expert fetched once); the per-token mHC
+    mixing before and after it runs `rows` tokens at a time to bound its temporaries."""
+    it, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    t = x.shape[0]
+    rows = rows or t
+    h = np.empty((t, cfg.hidden_size), dtype=np.float32)
+    post = np.empty((t, cfg.hc_mult), dtype=np.float32)
+    comb = np.empty((t, cfg.hc_mult, cfg.hc_mult), dtype=np.float32)
+    for a in range(0, t, rows):
+        b = min(t, a + rows)
+        hb, post[a:b], comb[a:b] = hc_pre(x[a:b], w.hc_ffn, it, hc_eps, eps)
+        h[a:b] = rms_norm(hb, w.ffn_norm, eps)
+    k, scale, limit = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit
+    y = moe(h, token_ids, w.moe, each, k, scale, limit, on_route)
+    del h
+    if trace:
+        trace("ffn", w.index, y)
+    for a in range(0, t, rows):
+        b = min(t, a + rows)
+        x[a:b] = hc_post(x[a:b], y[a:b], post[a:b], comb[a:b])
+    if trace:
+        trace("hidden", w.index, x)
+    return x
 
 
 def layer_forward(
@@ -34,36 +93,13 @@ def layer_forward(
     st: AttnState,
     cfg: ModelConfig,
     rope: Rope,
-    get_expert: Callable[[int], ExpertWeights],
+    each: ExpertSource,
     on_route: Callable[[np.ndarray], None] | None = None,
     trace: Trace | None = None,
 ) -> np.ndarray:
     """Streams x (T, hc, D) of tokens token_ids (T,) at positions (T,) -> new streams (T, hc, D)."""
-    it, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-    h, post, comb = hc_pre(x, w.hc_attn, it, hc_eps, eps)
-    on_index = (lambda idx: trace("index", w.index, idx)) if trace else None
-    y = attention(rms_norm(h, w.attn_norm, eps), positions, w.attn, st, cfg, rope, on_index)
-    if trace:
-        trace("attn", w.index, y)
-    x = hc_post(x, y, post, comb)
-
-    h, post, comb = hc_pre(x, w.hc_ffn, it, hc_eps, eps)
-    y = moe(
-        rms_norm(h, w.ffn_norm, eps),
-        token_ids,
-        w.moe,
-        get_expert,
-        cfg.num_experts_per_tok,
-        cfg.routed_scaling_factor,
-        cfg.swiglu_limit,
-        on_route,
-    )
-    if trace:
-        trace("ffn", w.index, y)
-    x = hc_post(x, y, post, comb)
-    if trace:
-        trace("hidden", w.index, x)
-    return x
+    x = attention_half(x, positions, w, st, cfg, rope, trace)
+    return ffn_half(x, token_ids, w, cfg, each, on_route, trace)
 
 
 def head_forward(x: np.ndarray, w: HeadWeights, cfg: ModelConfig) -> np.ndarray:

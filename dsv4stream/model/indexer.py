@@ -34,13 +34,13 @@ class IndexerWeights:
 def index_scores(q: np.ndarray, w: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """q (T, h, c), head weights w (T, h), keys (n, c) -> scores (T, n).
 
-    Queries go in blocks so the (block, h, n) intermediate stays near 64 MB even when a
-    long context has hundreds of thousands of rows.
+    Queries go in blocks so the (block, h, n) intermediate stays near 16 MB even when a
+    long context has hundreds of thousands of rows (planner.BLOCK_FLOATS).
     """
     t, h, c = q.shape
     n = keys.shape[0]
     out = np.empty((t, n), dtype=F32)
-    step = max(1, (16 << 20) // max(1, h * n))
+    step = max(1, (4 << 20) // max(1, h * n))
     for a in range(0, t, step):
         b = min(t, a + step)
         s = (q[a:b].reshape((b - a) * h, c) @ keys.T).reshape(b - a, h, n)

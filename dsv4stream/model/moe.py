@@ -11,14 +11,17 @@ routed_scaling_factor. Expert: w2(silu(min(w1 x, L)) * clip(w3 x, -L, L)) with
 L = swiglu_limit (the gate is clamped from above only). The shared expert uses the same
 clamped SwiGLU and is added with weight 1.
 
-Batched: each expert chosen in a chunk runs once, as a matrix product, over all the chunk's
-tokens that chose it; experts run in ascending id order so every token sums its experts in
-the same order whatever the chunk size.
+Batched: each expert chosen by a batch of tokens runs once, as a matrix product, over all
+the batch's tokens that chose it. The experts may arrive in any order (the shared expert
+first, then those already in memory, then the rest as their reads land); each one's
+weighted output is kept, and every token sums its experts in ascending id order at the
+end, so the sum, hence the logits, never depend on the arrival order, the cache size or
+the batch size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +31,11 @@ from ..kernels import QWeight, matmul, matmul_pair
 from .ops import silu, sqrt_softplus, topk_lowest_index
 
 F32 = np.float32
+# Token rows per expert matrix product: bounds the temporaries when many tokens pick one expert.
+EXPERT_ROWS = 256
+
+# Given the distinct experts (ascending), yields (expert, weights) once each, in any order.
+ExpertSource = Callable[[np.ndarray], Iterable[tuple[int, "ExpertWeights"]]]
 
 
 @dataclass(frozen=True)
@@ -67,22 +75,47 @@ def swiglu(x: np.ndarray, e: ExpertWeights, limit: float) -> np.ndarray:
     return matmul(e.w2, silu(gate) * up)
 
 
+def swiglu_rows(x: np.ndarray, e: ExpertWeights, limit: float, tok: np.ndarray | None = None) -> np.ndarray:
+    """`swiglu` of the rows `tok` of x (all rows: None), EXPERT_ROWS at a time: -> (len(tok), D)."""
+    n = x.shape[0] if tok is None else tok.size
+    if n <= EXPERT_ROWS:
+        return swiglu(x if tok is None else x[tok], e, limit)
+    out = np.empty((n, x.shape[1]), dtype=F32)
+    for a in range(0, n, EXPERT_ROWS):
+        rows = slice(a, a + EXPERT_ROWS) if tok is None else tok[a : a + EXPERT_ROWS]
+        out[a : a + EXPERT_ROWS] = swiglu(x[rows], e, limit)
+    return out
+
+
 def routed_experts(
     x: np.ndarray,
     experts: np.ndarray,
     weights: np.ndarray,
-    get: Callable[[int], ExpertWeights],
+    each: ExpertSource,
     limit: float,
 ) -> np.ndarray:
     """Weighted sum of each token's experts: x (T, D), experts/weights (T, k) -> (T, D).
 
-    get(expert) is called once per distinct expert, in ascending id order.
+    each(distinct experts) hands every chosen expert once, in any order; the sum runs in
+    ascending expert id order whatever that order was.
     """
-    out = np.zeros_like(x)
-    for e in np.unique(experts):
+    ids = np.unique(experts)
+    parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for e, ew in each(ids):
         tok, slot = np.nonzero(experts == e)
-        y = swiglu(x[tok], get(int(e)), limit) * weights[tok, slot][:, None]
-        np.add.at(out, tok, y)
+        y = swiglu_rows(x, ew, limit, tok)
+        y *= weights[tok, slot][:, None]
+        parts[int(e)] = (tok, y)
+    missing = [int(e) for e in ids if int(e) not in parts]
+    if missing:
+        raise RuntimeError(f"expert source skipped experts {missing}")
+    out = np.zeros_like(x)
+    for e in ids:
+        tok, y = parts.pop(int(e))
+        if tok.size > 1 and np.any(tok[1:] == tok[:-1]):  # a token listing one expert twice
+            np.add.at(out, tok, y)
+        else:
+            out[tok] += y
     return out
 
 
@@ -90,14 +123,18 @@ def moe(
     x: np.ndarray,
     token_ids: np.ndarray,
     w: MoeWeights,
-    get: Callable[[int], ExpertWeights],
+    each: ExpertSource,
     k: int,
     scaling: float,
     limit: float,
     on_route: Callable[[np.ndarray], None] | None = None,
 ) -> np.ndarray:
-    """The whole FFN block: x (T, D) normed block input -> (T, D)."""
+    """The whole FFN block: x (T, D) normed block input -> (T, D).
+
+    Routing first, then `on_route` (where the caller starts the reads), then the shared
+    expert, whose weights are resident, while those reads land; then the routed ones."""
     experts, weights = route(x, token_ids, w, k, scaling)
     if on_route is not None:
         on_route(experts)
-    return routed_experts(x, experts, weights, get, limit) + swiglu(x, w.shared, limit)
+    shared = swiglu_rows(x, w.shared, limit)
+    return routed_experts(x, experts, weights, each, limit) + shared

@@ -8,7 +8,7 @@ without touching the model code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -37,6 +37,12 @@ class Trunk(Protocol):
 
 class Experts(Protocol):
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
+
+    def get_many(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """Each of these distinct experts once, in any order (those in memory first); an
+        expert's weights stay valid until the iterator advances. Optional: the engine falls
+        back to `get` in id order."""
+        ...
 
     def prefetch(self, keys: Sequence[ExpertKey]) -> None:
         """A hint: these experts are about to be needed, in this order."""
@@ -86,6 +92,10 @@ class CatalogExperts:
         if w is None:
             w = self._cache[key] = load_expert(self.cat, layer, expert)
         return w
+
+    def get_many(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        for e in experts:
+            yield e, self.get(layer, e)
 
     def prefetch(self, keys: Sequence[ExpertKey]) -> None:
         pass

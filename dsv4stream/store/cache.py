@@ -9,9 +9,10 @@ Pin protocol
     ``get(key)`` returns zero-copy views into the key's slot and *pins* it: the slot is
     neither evicted nor overwritten until a matching ``release(key)`` (one per ``get``).
     ``hold(key)`` is the same as a context manager; ``release_all()`` drops every pin (a
-    single-consumer layer boundary). ``get_many(keys)`` pins each item while it is
-    yielded and releases it when the generator advances or closes. A view used after its
-    release may show another item's bytes: copy it if it must outlive the pin.
+    single-consumer layer boundary). ``get_many(keys)`` hands out each item in turn, the
+    ones in memory first and the rest as their reads land, each pinned at least until the
+    generator advances. A view used after its release may show another item's bytes: copy
+    it if it must outlive the pin.
     An in-flight read is never given a new owner: evicting an entry whose read has not
     finished makes the next read into that slot wait for it first.
 
@@ -19,9 +20,10 @@ Determinism
     Hits, misses, evictions and the LRU order depend only on the sequence of calls
     (``prefetch``/``get``/``get_many``/``release``), never on when reads complete: an
     in-flight entry sits in the LRU like a resident one, victims are the oldest unpinned
-    entries, free slots are handed out lowest first, and ``get_many`` yields in an order
-    fixed when its iteration starts (present entries first, then the rest, each in
-    request order).
+    entries (claimed ones before unrequested prefetches), free slots are handed out lowest
+    first, and ``get_many`` acquires in an order fixed when its iteration starts (present
+    entries first, then the rest, each in request order, releasing by position); only the
+    order it *yields* in follows the reads.
 
 Counting
     A request is a hit when the entry was present and already claimed by an earlier
@@ -118,6 +120,23 @@ class _Entry:
         self.after = after
 
 
+def _victim(lru: Mapping[Hashable, object], prefetch: bool, keep: frozenset | set = frozenset()) -> Hashable | None:
+    """The entry to evict: the oldest unpinned one that requests have claimed; for a demand
+    read, failing that, the oldest unpinned prefetch nobody asked for yet (a prefetch of a
+    later layer is worth more than an expert already used). A prefetch evicts neither
+    unrequested entries nor those in its batch ``keep``. Entries need ``pins`` and
+    ``claimed`` (the store's and `simulate.StoreModel`'s share this rule)."""
+    later = None
+    for key, entry in lru.items():
+        if entry.pins:  # type: ignore[attr-defined]
+            continue
+        if entry.claimed and key not in keep:  # type: ignore[attr-defined]
+            return key
+        if not prefetch and later is None and not entry.claimed:  # type: ignore[attr-defined]
+            later = key
+    return later
+
+
 def _route_line(key: Hashable) -> str:
     if isinstance(key, tuple):
         return " ".join(str(k) for k in key) + "\n"
@@ -162,6 +181,7 @@ class ExpertStore:
         self._label = label
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dsv4-io")
         self._lock = threading.Lock()
+        self._landed = threading.Condition()  # notified whenever a read finishes
         self._lru: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._free = list(range(slots))  # a heap: lowest slot first
         self._closed = False
@@ -264,10 +284,17 @@ class ExpertStore:
             self.release(key)
 
     def get_many(self, keys: Iterable[Hashable]) -> Iterator[tuple[Hashable, tuple[np.ndarray, ...]]]:
-        """Yield ``(key, views)`` for every key: present entries first (no waiting), while
-        the others load behind them, then those. Each item is pinned only until the
-        generator advances. Requests are counted and logged, and the order fixed, at the
-        first ``next()`` (a generator body runs only then), never by read completion."""
+        """Yield ``(key, views)`` once for each of the distinct ``keys``: entries whose bytes
+        are in memory first, then the others in the order their reads complete.
+
+        Requests are logged in the order given, at the first ``next()``. The order of
+        *acquisition* (counting, LRU, pins) is fixed then, by the calls so far only: entries
+        present (loaded or loading) first, then the absent, each in request order; at most
+        ``cap`` = the unpinned slots are pinned at once, and the key at position i >= cap
+        is acquired right after the one at i - cap has been yielded and is released then.
+        The others a consumer has finished with stay pinned until their turn comes or the
+        generator ends, so hits and victims never depend on read timing; only the yield
+        order does. An item's views are valid until the generator advances."""
         keys = list(keys)
         with self._lock:
             self._check_open()
@@ -275,32 +302,50 @@ class ExpertStore:
                 if key not in self._layouts:
                     raise KeyError(f"no layout for key {key!r}")
                 self._log(key)
-            present = [k for k in keys if k in self._lru]
-            absent = [k for k in keys if k not in self._lru]
-            held: list[_Entry | None] = [self._acquire(k) for k in present]
+            order = [k for k in keys if k in self._lru] + [k for k in keys if k not in self._lru]
+            cap = min(len(order), self.slots - sum(1 for e in self._lru.values() if e.pins))
+            if order and cap < 1:
+                raise BudgetError(
+                    f"all {self.slots} expert slots are pinned; release items before getting more "
+                    "or give the store more slots (raise --budget)"
+                )
+            pending = {i: self._acquire(order[i]) for i in range(cap)}
+        kept: dict[int, _Entry] = {}  # yielded, pin kept until its successor's turn
+        nxt = cap
         try:
-            self.prefetch(absent)
-            for i, key in enumerate(present):
-                entry, held[i] = held[i], None
-                views = self._wait(entry)
-                try:
-                    yield key, views
-                finally:
-                    self.release(key)
-            for key in absent:
+            while pending:
+                i = self._next_landed(pending)
+                entry = pending.pop(i)
+                views = self._wait(entry)  # on error it unpins the entry itself
+                kept[i] = entry
+                yield order[i], views
                 with self._lock:
-                    self._check_open()
-                    entry = self._acquire(key)
-                views = self._wait(entry)
-                try:
-                    yield key, views
-                finally:
-                    self.release(key)
+                    while nxt < len(order) and nxt - cap in kept:
+                        kept.pop(nxt - cap).pins -= 1
+                        self._check_open()
+                        pending[nxt] = self._acquire(order[nxt])
+                        nxt += 1
         finally:
             with self._lock:
-                for entry in held:
-                    if entry is not None and entry.pins:
-                        entry.pins -= 1
+                for entry in (*pending.values(), *kept.values()):
+                    entry.pins -= 1
+
+    def _next_landed(self, pending: Mapping[int, _Entry]) -> int:
+        """(Lock NOT held.) The first position in ``pending`` whose read has finished,
+        waiting for one to finish when none has."""
+        t0 = None
+        with self._landed:
+            while True:
+                done = [i for i, e in pending.items() if e.done.is_set()]
+                if done:
+                    break
+                if t0 is None:
+                    t0 = time.perf_counter()
+                self._landed.wait(0.05)
+        if t0 is not None:
+            with self._stat_lock:
+                self._wait_seconds += time.perf_counter() - t0
+        return min(done)
 
     @property
     def wait_seconds(self) -> float:
@@ -359,15 +404,13 @@ class ExpertStore:
     def _take_slot(
         self, prefetch: bool, keep: frozenset | set = frozenset()
     ) -> tuple[int, threading.Event | None] | None:
-        """A free slot, else the oldest evictable entry's (with its read to wait for,
-        if still in flight). Prefetch evicts neither pinned nor unrequested entries, nor
-        entries in ``keep``."""
+        """A free slot, else the victim's (``_victim``), with its read to wait for if still
+        in flight."""
         if self._free:
             return heapq.heappop(self._free), None
-        for key, entry in self._lru.items():
-            if entry.pins or (prefetch and (not entry.claimed or key in keep)):
-                continue
-            del self._lru[key]
+        victim = _victim(self._lru, prefetch, keep)
+        if victim is not None:
+            entry = self._lru.pop(victim)
             self._n.evictions += 1
             if not entry.claimed:
                 self._n.prefetch_unused += 1
@@ -449,6 +492,8 @@ class ExpertStore:
             entry.error = e
         finally:
             entry.done.set()
+            with self._landed:
+                self._landed.notify_all()
 
     def _io_begin(self) -> None:
         with self._stat_lock:

@@ -1,0 +1,145 @@
+"""Layer-major prefill on generated checkpoints: each (layer, expert) read once per segment and
+each streamed trunk layer once per segment, the same ids at every segment size and budget, the
+planner's segment and its override, and a stop within one layer."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsv4stream import planner, synth
+from dsv4stream.engine import Engine, PrefillStep
+from dsv4stream.errors import BudgetError, UsageError
+from dsv4stream.runtime import RunOptions, Runtime, measure
+from dsv4stream.store import ExpertStore
+
+PROMPT = np.random.default_rng(7).integers(2, 500, 48).tolist()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return synth.make_checkpoint(
+        tmp_path_factory.mktemp("p") / "tiny", preset="tiny", seed=4, route_skew=0.3, n_routed_experts=6
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt) -> list[int]:
+    """Greedy ids of the in-memory engine fed one token per forward pass."""
+    return list(Engine.open(ckpt).session(chunk_size=1, segment=1).generate(PROMPT, 6))
+
+
+def streaming(ckpt: Path, slots: int, pinned: int, **kw) -> RunOptions:
+    n = measure(ckpt, RunOptions(budget=1, overhead=0, chunk=4, **kw))
+    return RunOptions(budget=planner.budget_for(n, slots, pinned), overhead=0, chunk=4, **kw)
+
+
+def test_each_expert_and_trunk_layer_is_read_once_per_segment(ckpt, monkeypatch) -> None:
+    """A 48-token prompt as one segment, with fewer slots than the experts it touches and the trunk
+    streamed: every (layer, expert) is read at most once and every streamed layer once. Fed in
+    chunks (a segment of 4 tokens), the same prompt reads most experts again and again."""
+    reads: Counter = Counter()
+    real = ExpertStore._load
+
+    def counting(self, entry):
+        reads[entry.key] += 1
+        return real(self, entry)
+
+    monkeypatch.setattr(ExpertStore, "_load", counting)
+    cfg = Engine.open(ckpt).cfg
+    touched: set = set()
+
+    def route(layer, positions, experts):
+        touched.update((layer, int(e)) for e in experts.ravel())
+
+    for segment, once in ((len(PROMPT), True), (4, False)):
+        reads.clear()
+        touched.clear()
+        opts = streaming(ckpt, cfg.n_routed_experts + 2, 1, prefill_segment=segment)  # a layer's experts fit
+        with Runtime.open(ckpt, opts) as rt:
+            assert rt.plan.prefill_segment == segment and rt.plan.streamed_layers == cfg.n_layers - 1
+            slots = rt.plan.expert_slots
+            s = rt.session(on_route=route)
+            trunk0 = rt.trunk.stats().reads
+            s.prefill(PROMPT, last_only=True)
+            trunk = rt.trunk.stats().reads - trunk0
+        assert set(reads) == touched
+        if once:
+            assert max(reads.values()) == 1 and len(touched) > slots
+            assert trunk <= cfg.n_layers - 1 + 1  # each streamed layer once, plus the next pass's first
+        else:
+            assert sum(reads.values()) > 1.5 * len(touched)  # chunk after chunk re-reads evicted experts
+            assert trunk > 2 * (cfg.n_layers - 1)
+
+
+@pytest.mark.parametrize("segment", [1, 7, 64, len(PROMPT)])
+def test_same_logits_and_ids_at_every_segment_size(ckpt, reference, segment) -> None:
+    eng = Engine.open(ckpt)
+    base = eng.session(chunk_size=1, segment=1).prefill(PROMPT)
+    got = eng.session(chunk_size=5, segment=segment).prefill(PROMPT)
+    err = np.abs(got - base).max(axis=1) / np.abs(base).max(axis=1)
+    assert err.max() <= 1e-5
+    assert list(eng.session(chunk_size=3, segment=segment).generate(PROMPT, 6)) == reference
+
+
+@pytest.mark.parametrize("slots,pinned,segment", [(4, 0, None), (8, 1, 7), (12, 4, None), (24, 4, 1)])
+def test_same_ids_at_every_budget_and_segment(ckpt, reference, slots, pinned, segment) -> None:
+    with Runtime.open(ckpt, streaming(ckpt, slots, pinned, prefill_segment=segment)) as rt:
+        assert list(rt.generate(rt.session(), PROMPT, 6)) == reference
+
+
+def test_planner_picks_the_segment_from_the_budget_and_counts_it(ckpt) -> None:
+    n = measure(ckpt, RunOptions(budget=1, overhead=0, chunk=4))
+    floor = planner.minimum_budget(n)
+    small, large = planner.plan(n, floor), planner.plan(n, floor + 10**9)
+    assert small.prefill_segment == 4 and large.prefill_segment == planner.SEGMENT_CAP
+    for p in (small, large):
+        assert p.planned_bytes <= p.budget
+        assert p.segment_bytes == p.prefill_segment * n.segment_token_bytes > 0
+        assert any(f"segments of {p.prefill_segment} tokens" in line for line in p.lines())
+    fixed = RunOptions(budget=floor + 10**9, overhead=0, chunk=4, prefill_segment=100)
+    with Runtime.open(ckpt, fixed) as rt:
+        assert rt.plan.prefill_segment == 100 and rt.session().segment == 100
+    with pytest.raises(BudgetError, match="lower --prefill-segment"):
+        Runtime.open(ckpt, RunOptions(budget=floor, overhead=0, chunk=4, prefill_segment=10**6))
+    with pytest.raises(UsageError, match="--prefill-segment 0"):
+        Runtime.open(ckpt, RunOptions(budget=floor, prefill_segment=0))
+
+
+def test_stop_from_the_layer_hook_acts_within_one_layer_and_tears_the_session(ckpt) -> None:
+    eng = Engine.open(ckpt)
+    cfg = eng.cfg
+    s = eng.session(chunk_size=4, segment=16)
+    seen: list[PrefillStep] = []
+
+    class Stop(Exception):
+        pass
+
+    def on_layer(step: PrefillStep) -> None:
+        seen.append(step)
+        if step.segment == 2 and step.layer == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        s.prefill(PROMPT, on_layer=on_layer)
+    assert len(seen) == cfg.n_layers + 2 and seen[-1].where() == f"layer 2/{cfg.n_layers}, segment 2/3"
+    assert seen[-1].tokens == 16 + 16 * 2 / cfg.n_layers and s.pos == 16 and s.torn
+    with pytest.raises(UsageError, match="start a new session"):
+        s.step(1)
+
+
+def test_runtime_reports_a_stopped_prefill(ckpt) -> None:
+    with Runtime.open(ckpt, streaming(ckpt, 12, 4, prefill_segment=16)) as rt:
+
+        def stop(step: PrefillStep) -> None:
+            if step.segment == 2 and step.layer == 1:
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            list(rt.generate(rt.session(), PROMPT, 4, on_layer=stop))
+        st = rt.stats()
+    assert st.prompt_tokens == 16 and st.prefill_segment == 16
+    assert st.prefill_stopped == f"16 of {len(PROMPT)} tokens fed; stopped after layer 1/{rt.cfg.n_layers}, segment 2/3"
