@@ -66,7 +66,7 @@ PARALLEL_MIN_BYTES = 4 << 20
 # every count up to 256 (e.g. expert w1 at 256 tokens 240 vs 363 ms); their cost grows
 # linearly with tokens (the weight is decoded again per 64 tokens) while BLAS's dequantisation
 # is paid once, so BLAS takes over where the fused kernels would decode a weight 8 times.
-BLAS_MIN_TOKENS = {"fp4": 512, "fp8": 512, "bf16": 512, "f32": 64}
+BLAS_MIN_TOKENS = {"fp4": 512, "fp8": 512, "bf16": 512, "f32": 512}
 TILE_ELEMS = 1 << 22  # float32 values per dequantised row tile (16 MiB; one parallel region each)
 ACC_LANES = MAX_TOKENS // 2 * TILE_LANES
 REL_LANES = ROW_TILE * MAX_BLOCKS

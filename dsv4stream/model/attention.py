@@ -49,11 +49,7 @@ class AttnWeights:
 
 
 class WindowCache:
-    """The last `size` (key=value) rows with their positions; a ring, never the full history.
-
-    A decode step pushes its row first and attends over the ring as it lies (slot order;
-    the row it replaced is `size` positions old, out of the window anyway); a chunk attends
-    over the held rows followed by its own."""
+    """The last `size` (key=value) rows with their positions; a ring, never the full history."""
 
     def __init__(self, size: int, d: int) -> None:
         self.kv = np.zeros((size, d), dtype=F32)
@@ -160,14 +156,12 @@ def attention(
     q = apply_rope(q, cos, sin, in_place=True)
     kv = apply_rope(rms_norm(matmul(w.wkv, x), w.kv_norm, eps), cos, sin, in_place=True)
 
-    if t == 1:  # decode: the ring itself is the key set once the new row is in (no copy)
-        st.window.push(kv, positions)
-        keys, kpos = st.window.kv, st.window.pos
-    else:
-        keys, kpos = st.window.with_new(kv, positions)
-        st.window.push(kv, positions)
+    # held rows then the chunk's, for a step too: the same keys in the same order whatever the
+    # chunking, so a state restored mid-prompt (the server's prefix cache) gives the same bits
+    keys, kpos = st.window.with_new(kv, positions)
     dist = positions[:, None] - kpos[None, :]
-    key_mask = (kpos[None, :] >= 0) & (dist >= 0) & (dist < cfg.sliding_window)
+    key_mask = (dist >= 0) & (dist < cfg.sliding_window)
+    st.window.push(kv, positions)
 
     comp = comp_mask = comp_idx = None
     if w.ratio:
