@@ -152,10 +152,13 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=[c[0] for c in CASES], help="subset of case names")
     ap.add_argument("--seconds", type=float, default=0.3, help="minimum length of one timed window")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--blas-path", action="store_true", help="turn on dequantise-then-BLAS (off in runs)")
     args = ap.parse_args()
 
     kernels.set_backend("fast")
     from dsv4stream.kernels import fast
+
+    fast.BLAS_PATH = args.blas_path
 
     warm = fast.warmup()
     threads = fast.set_threads(args.threads)
@@ -178,7 +181,7 @@ def main() -> None:
             sec = time_ours(ws, x, args.seconds, args.repeat)
             gbps = ws[0].nbytes / sec / 1e9
             gflops = 2 * rows * cols * t / sec / 1e9
-            path = "dequant+blas" if t >= fast.blas_min_tokens(ws[0]) else "fused"
+            path = "dequant+blas" if fast.BLAS_PATH and t >= fast.blas_min_tokens(ws[0]) else "fused"
             line = (
                 f"name={name} dtype={kind} rows={rows} cols={cols} tokens={t} path={path} ms={sec * 1e3:.3f}"
                 f" gbps={gbps:.2f} gflops={gflops:.1f} mem_read_gbps={mem:.1f} ratio={gbps / mem:.3f}"

@@ -159,6 +159,7 @@ def test_fused_matmul_splits_long_inputs_exactly(monkeypatch):
 def test_blas_path_accuracy_and_agreement_with_the_fused_path(kind, rows, cols, scale_kind, monkeypatch):
     """Dequantise-then-BLAS (prefill-sized token counts): as accurate as the fused kernels,
     several row tiles included, and within float32 rounding of them."""
+    monkeypatch.setattr(fast, "BLAS_PATH", True)
     rng = np.random.default_rng(rows + cols)
     w = weight(kind, rows, cols, rng, scale_kind)
     monkeypatch.setattr(fast, "TILE_ELEMS", 64 * cols)  # several tiles, a ragged last one
@@ -170,7 +171,8 @@ def test_blas_path_accuracy_and_agreement_with_the_fused_path(kind, rows, cols, 
 
 
 @pytest.mark.parametrize("kind", ["fp4", "fp8"])
-def test_blas_path_edge_and_nan_scales(kind):
+def test_blas_path_edge_and_nan_scales(kind, monkeypatch):
+    monkeypatch.setattr(fast, "BLAS_PATH", True)
     rng = np.random.default_rng(8)
     rows, cols = (384, 640) if kind == "fp8" else (12, 256)
     w = weight(kind, rows, cols, rng, exps=[0, 1, 2, 127, 147])
@@ -247,6 +249,7 @@ import sys, numpy as np
 sys.path.insert(0, sys.argv[1])
 from test_kernels import weight
 from dsv4stream.kernels import fast
+fast.BLAS_PATH = True
 rng = np.random.default_rng(21)
 out = []
 for kind, rows, cols in (("fp4", 512, 1024), ("fp8", 384, 1280), ("bf16", 300, 700)):

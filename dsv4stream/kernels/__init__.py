@@ -92,8 +92,12 @@ def compiled_cache_exists() -> bool:
 
     Asks numba where it keeps the cache: next to the source, under NUMBA_CACHE_DIR, or in a
     per-user folder when the package directory is read-only."""
+    import os
     from pathlib import Path
 
+    user = os.environ.get("NUMBA_CACHE_DIR")  # numba mirrors the source path below it
+    if user:
+        return any(Path(user).rglob("fast.*.nbi"))
     try:
         from . import fast
 

@@ -67,6 +67,10 @@ PARALLEL_MIN_BYTES = 4 << 20
 # linearly with tokens (the weight is decoded again per 64 tokens) while BLAS's dequantisation
 # is paid once, so BLAS takes over where the fused kernels would decode a weight 8 times.
 BLAS_MIN_TOKENS = {"fp4": 512, "fp8": 512, "bf16": 512, "f32": 512}
+# The BLAS path is off by default: its rounding differs from the fused kernels', so a prefill
+# segment of >= 512 tokens (the planner sizes segments from --budget) would give logits that
+# depend on the budget, and greedy ids must not. It never measured faster here either.
+BLAS_PATH = False
 TILE_ELEMS = 1 << 22  # float32 values per dequantised row tile (16 MiB; one parallel region each)
 ACC_LANES = MAX_TOKENS // 2 * TILE_LANES
 REL_LANES = ROW_TILE * MAX_BLOCKS
@@ -763,8 +767,8 @@ def blas_min_tokens(w) -> int:
 def matmul(w, x: np.ndarray) -> np.ndarray:
     """X (T, C) @ W.T -> (T, R) float32.
 
-    Below `blas_min_tokens(w)` tokens (decode, short chunks, most experts' token counts) the
-    fused kernels run, and row t equals matvec(w, X[t]) bit for bit. From there on row tiles
+    The fused kernels run (row t equals matvec(w, X[t]) bit for bit) unless BLAS_PATH is on
+    and X has at least `blas_min_tokens(w)` tokens: then row tiles
     are dequantised and multiplied by numpy's BLAS sgemm: the same value to float32 rounding
     (summation order differs), still independent of the thread count."""
     x = _tokens(x)
@@ -777,7 +781,7 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
         return out
     if t == 0:
         return out
-    if t >= blas_min_tokens(w):
+    if BLAS_PATH and t >= blas_min_tokens(w):
         _blas_matmul(w, x, out)
         return out
     for t0 in range(0, t, MAX_TOKENS):
