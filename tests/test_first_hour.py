@@ -81,18 +81,18 @@ def test_ctrl_c_during_a_prefill_is_acknowledged_at_once_and_counted(ckpt, tok) 
     err, seen = io.StringIO(), []
 
     def ctrl_c_in_the_first_layer(layer: int, positions, experts) -> None:
-        if not seen and positions[0] >= 16:  # in the second prefill segment: the first is whole
+        if not seen and positions[0] >= 8:  # the second segment
             os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, mid-prefill
             seen.append(err.getvalue())  # what was said before the forward pass went on
 
     with Runtime.open(ckpt, RunOptions(budget=GB, io="buffered", chunk=8)) as rt:
-        session = rt.engine.session(chunk_size=8, segment=16, on_route=ctrl_c_in_the_first_layer)
+        session = rt.engine.session(chunk_size=8, segment=8, on_route=ctrl_c_in_the_first_layer)
         with Interrupt(err=err) as flag, pytest.raises(Stopped) as e:
             answer(rt, session, ids, gen=4, pick=lambda lg: 0, tok=tok, interrupt=flag, out=io.StringIO())
         s = rt.stats()
     assert "stopping the prefill after this layer" in seen[0]
     done = e.value.done
-    assert 0 < done < len(ids) == e.value.total and session.pos == done
+    assert done == 8 < len(ids) == e.value.total and session.pos == done and session.torn  # within one layer
     assert s.turn_prompt_tokens == [done] and s.prompt_tokens == done and s.stop_reason == "interrupted"
 
 

@@ -246,11 +246,12 @@ def test_routed_experts_run_each_expert_once_for_its_tokens() -> None:
     weights = RNG.random((6, 2)).astype(np.float32)
     calls = []
 
-    def get(e: int) -> ExpertWeights:
-        calls.append(e)
-        return ex[e]
+    def each(ids):  # hands the experts in reverse: the sum's order must not follow it
+        calls.extend(int(e) for e in ids)
+        for e in reversed(ids.tolist()):
+            yield e, ex[e]
 
-    out = routed_experts(x, experts, weights, get, 10.0)
+    out = routed_experts(x, experts, weights, each, 10.0)
     assert calls == sorted(set(experts.ravel().tolist()))
     for t in range(6):
         want = sum(weights[t, j] * swiglu(x[t : t + 1], ex[experts[t, j]], 10.0)[0] for j in range(2))
