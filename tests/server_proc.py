@@ -40,8 +40,9 @@ class Server:
     def log(self) -> str:
         return "\n".join(self.lines)
 
-    def wait_for(self, text: str, timeout: float = 90.0, after: int = 0) -> str:
-        """The first log line at index >= `after` containing `text`."""
+    def wait_for(self, text: str, timeout: float = 300.0, after: int = 0) -> str:
+        """The first log line at index >= `after` containing `text` (the default timeout covers a
+        cold numba compile on a loaded machine)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             for line in self.lines[after:]:
