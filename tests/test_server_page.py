@@ -8,6 +8,7 @@ works, a long prefill shows its progress by layer; a screenshot is saved
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -31,7 +32,8 @@ def server(tmp_path_factory):
     ck = synth.make_checkpoint(
         tmp_path_factory.mktemp("page") / "tiny", preset="tiny", seed=9, vocab_size=synth.REAL_VOCAB, tokenizer=True
     )
-    with Server(ck, "--ctx", "2048") as s:
+    # small segments: a long prefill lasts long enough for the page's polls to see its layers
+    with Server(ck, "--ctx", "4096", "--prefill-segment", "16") as s:
         yield s
 
 
@@ -164,7 +166,7 @@ def test_chat_page(server, driver, tmp_path) -> None:
     # 6. a long prefill shows its progress, by tokens and layer, from the server
     d.find_element("id", "clear").click()
     set_field(d, "max_tokens", "2")
-    send(d, "word " * 1000)
+    send(d, "word " * 3000)
 
     def progress() -> str | None:
         shown = not d.find_element("id", "progress").get_attribute("hidden")
@@ -172,6 +174,7 @@ def test_chat_page(server, driver, tmp_path) -> None:
         return line if line and "layer" in line else None  # the layer shows once the first one runs
 
     line = wait(progress)
-    assert line.startswith("prefill ") and " of 10" in line and " of 4" in line, line
+    m = re.fullmatch(r"prefill (\d+) of (\d+) tokens \((\d+) cached\), layer ([1-4]) of 4", line)
+    assert m and int(m[1]) < int(m[2]) and int(m[2]) > 3000, line
     wait(lambda: not busy(d))
     assert "reading the prompt" not in last_answer(d)[0]

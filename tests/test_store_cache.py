@@ -275,7 +275,8 @@ def test_wait_seconds_counts_only_blocked_time(files, monkeypatch):
             time.sleep(0.01)  # "compute" until the read has landed
         store.get((0, 1))
         s = store.stats()
-    assert blocked >= 0.03 and s.wait_seconds - blocked < 0.01
+    # the two runs of (0, 0) may be read side by side on the two threads: at least one 0.02 s
+    assert blocked >= 0.018 and s.wait_seconds - blocked < 0.01
     assert s.read_seconds >= 0.07
     assert np.isfinite(s.read_gbps)
 

@@ -86,6 +86,12 @@ def is_loopback(host: str) -> bool:
 @click.option("--trunk", type=click.Path(path_type=Path), help="Packed trunk directory.")
 @click.option("--tok", type=click.Path(path_type=Path), help="Packed tokenizer.")
 @click.option(
+    "--prefill-segment",
+    type=int,
+    default=None,
+    help="Prompt tokens that go through each layer together. [default: the plan's]",
+)
+@click.option(
     "--allow-special",
     is_flag=True,
     help="Let the sampler pick special tokens (placeholders, unused ids), as `dsv4 run` does.",
@@ -111,6 +117,7 @@ def serve(
     io_threads: int,
     trunk: Path | None,
     tok: Path | None,
+    prefill_segment: int | None,
     allow_special: bool,
     debug: bool,
 ) -> None:
@@ -120,7 +127,13 @@ def serve(
 
     from ..server.app import AccessLog, ServerState, create_app
 
-    for name, value in (("--ctx", ctx), ("--threads", threads), ("--io-threads", io_threads)):
+    checks = (
+        ("--ctx", ctx),
+        ("--threads", threads),
+        ("--io-threads", io_threads),
+        ("--prefill-segment", prefill_segment),
+    )
+    for name, value in checks:
         if value is not None and value < 1:
             raise UsageError(f"{name} {value}: give at least 1")
     if keep_states < 0:
@@ -166,7 +179,7 @@ def serve(
             disk_io = 2 * planner.state_bytes_for(cfg, ctx) if kv_cache is not None else 0
             opts = RunOptions(
                 budget=budget_b, io=io, verify=verify, threads=gctx.threads, io_threads=io_threads,
-                trunk=trunk, ctx=ctx, kept_states=keep_states,
+                trunk=trunk, ctx=ctx, kept_states=keep_states, prefill_segment=prefill_segment,
                 overhead=planner.DEFAULT_OVERHEAD + SERVER_OVERHEAD + disk_io,
             )  # fmt: skip
             extra = {"gpu": gctx} if gctx.enabled else {}

@@ -157,11 +157,11 @@ class Worker:
         rt, ids, u = self.rt, job.ids, job.usage
         cached, state, u.cache_source = self._lookup(ids)
         self.stats.begin(len(ids), cached)
-        session = rt.engine.session(chunk_size=rt.opts.chunk, on_route=self.stats.on_route)
+        session = rt.session(on_route=self.stats.on_route)  # the plan's prefill segment
         if state is not None:
             session.restore(state)
         new = ids[cached:]
-        chunk = session.chunk_size
+        chunk = session.segment  # progress comes after each segment
         kept: list[tuple[list[int], SessionState]] = []
 
         def progress(done: int, total: int) -> None:
@@ -177,7 +177,12 @@ class Worker:
         got: list[int] = []
         t0 = time.perf_counter()
         t_first = t0
-        for tok in rt.generate(session, new, job.max_tokens, pick, (eos,), progress=progress):
+
+        def layer_done(step) -> None:
+            if job.cancelled.is_set():  # a client gone mid-prefill: stop within one layer
+                raise Cancelled
+
+        for tok in rt.generate(session, new, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done):
             if not got:
                 t_first = time.perf_counter()
                 kept.append((list(ids), session.snapshot()))
