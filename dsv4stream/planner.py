@@ -159,16 +159,18 @@ def minimum_budget(needs: MemoryNeeds) -> int:
     return needs.fixed_bytes + ring + slots + _segment_floor(needs) * needs.segment_token_bytes
 
 
-def smallest_budget(needs: MemoryNeeds, ok: Callable[[Plan], bool], limit: int = 1 << 50) -> int | None:
-    """Smallest budget, rounded up to 0.01 GB (as printed), whose plan satisfies `ok`; None
-    below `limit`. Bisection: more budget never pins fewer layers or gives fewer slots."""
-    step = GB // 100
+def smallest_budget(
+    needs: MemoryNeeds, ok: Callable[[Plan], bool], limit: int = 1 << 50, step: int = GB // 100
+) -> int | None:
+    """Smallest budget, a multiple of `step` bytes (default 0.01 GB, as printed), whose plan
+    satisfies `ok`; None below `limit`. Bisection: more budget never pins fewer layers or
+    gives fewer slots."""
     lo, hi = minimum_budget(needs), minimum_budget(needs)
     while not ok(plan(needs, hi)):
         if hi > limit:
             return None
         lo, hi = hi, hi * 2
-    while hi - lo > GB // 1000:
+    while hi - lo > min(step, GB // 1000):
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if ok(plan(needs, mid)) else (mid, hi)
     b = -(-hi // step) * step
@@ -234,20 +236,14 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
 
 
 def budget_for(needs: MemoryNeeds, slots: int, pinned: int | None = None) -> int:
-    """The smallest budget whose plan has at least `slots` expert slots with `pinned` trunk
-    layers (None: all), found by bisection over `plan` (its pieces only grow with the budget)."""
+    """The smallest budget, to the byte, whose plan has at least `slots` expert slots with
+    `pinned` trunk layers (None: all)."""
     want = len(needs.layer_bytes) if pinned is None else pinned
 
-    def enough(b: int) -> bool:
-        p = plan(needs, b)
+    def enough(p: Plan) -> bool:
         return p.pinned_layers > want or (p.pinned_layers == want and p.expert_slots >= slots)
 
-    lo, hi = minimum_budget(needs), minimum_budget(needs) + sum(needs.layer_bytes) + 1
-    hi += max(slots, 1) * needs.slot_bytes + SEGMENT_CAP * needs.segment_token_bytes
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if enough(mid) else (mid + 1, hi)
-    return lo
+    return smallest_budget(needs, enough, step=1)
 
 
 def slot_bytes_for(expert_bytes: int, runs: int = 2) -> int:
