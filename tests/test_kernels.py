@@ -334,3 +334,14 @@ def test_kernel_seconds_count_each_role():
     after = kernels.kernel_seconds()
     for role in ("trunk", "experts", "head"):
         assert after[role] > before.get(role, 0.0), role
+
+
+def test_runs_never_take_the_blas_path_so_segment_size_cannot_change_bits():
+    """Prefill segments are sized from --budget; a product over a long segment must give the
+    same bits as over a short one, so matmul stays on the fused kernels by default."""
+    rng = np.random.default_rng(31)
+    w = weight("fp8", 256, 384, rng)
+    x = rng.standard_normal((fast.blas_min_tokens(w) + 5, 384)).astype(np.float32)
+    y = fast.matmul(w, x)
+    assert np.array_equal(y[-5:], fast.matmul(w, x[-5:]))
+    assert np.array_equal(y[0], fast.matvec(w, x[0]))
