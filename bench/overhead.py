@@ -43,8 +43,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=8)
     ap.add_argument("--backends", default="fast,reference")
     args = ap.parse_args()
-    from dsv4stream import synth
     from dsv4stream.tokenizer import pack_tokenizer
+    from dsv4stream.tools import synth
 
     parts = []
     with tempfile.TemporaryDirectory() as d:

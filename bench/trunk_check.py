@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv4stream import synth
 from dsv4stream.catalog import Catalog
 from dsv4stream.pack import default_out_dir, pack_trunk, word_sum
+from dsv4stream.tools import synth
 from dsv4stream.trunkfile import TrunkFile
 
 

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream import pack, synth
+from dsv4stream import pack
 from dsv4stream.catalog import Catalog
 from dsv4stream.commands.pack import pack_trunk_cmd
 from dsv4stream.errors import BudgetError, CheckpointError, UsageError
 from dsv4stream.pack import MANIFEST, TRUNK_FILE, pack_trunk, staging_dir
+from dsv4stream.tools import synth
 from dsv4stream.trunkfile import TrunkFile
 
 ROOT = Path(__file__).resolve().parents[1]

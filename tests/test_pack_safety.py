@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream import pack, synth
+from dsv4stream import pack
 from dsv4stream.catalog import Catalog
 from dsv4stream.cli import cli
 from dsv4stream.errors import BudgetError, Dsv4Error, UsageError
 from dsv4stream.pack import MANIFEST, TRUNK_FILE, lock_path, pack_trunk, staging_dir
+from dsv4stream.tools import synth
 from dsv4stream.trunkfile import TrunkFile
 
 

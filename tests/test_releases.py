@@ -25,12 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream import chat, synth
+from dsv4stream import chat
 from dsv4stream.catalog import Catalog
 from dsv4stream.config import DSPARK, PREVIEW, ModelConfig
 from dsv4stream.errors import CheckpointError, ConfigError, UsageError
 from dsv4stream.planner import needs_from_config, plan
 from dsv4stream.spec import model_specs, released_nbytes
+from dsv4stream.tools import synth
 
 PKG = Path(synth.__file__).parent
 FLASH = json.loads((PKG / "v4_flash_config.json").read_text())

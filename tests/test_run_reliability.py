@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream import synth
 from dsv4stream.catalog import Catalog
 from dsv4stream.commands.run import run as run_cmd
 from dsv4stream.engine import Engine
@@ -26,6 +25,7 @@ from dsv4stream.pack import pack_trunk
 from dsv4stream.planner import minimum_budget
 from dsv4stream.runtime import RunOptions, Runtime, measure
 from dsv4stream.tokenizer import pack_tokenizer
+from dsv4stream.tools import synth
 from dsv4stream.trunkfile import TrunkFile
 
 CODE = "from dsv4stream.cli import main; main()"

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from server_proc import one_thread_engine
 
-from dsv4stream import synth
 from dsv4stream.catalog import Catalog
 from dsv4stream.server.cache import SUFFIX, DiskCache, StateCache, checkpoint_identity, prefix_names
 from dsv4stream.state import capture, to_bytes
+from dsv4stream.tools import synth
 
 IDS = [int(i) for i in np.random.default_rng(1).integers(0, 512, size=40)]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream import planner, synth
+from dsv4stream import planner
 from dsv4stream.catalog import Catalog
 from dsv4stream.engine import Engine
 from dsv4stream.errors import BudgetError
@@ -22,6 +22,7 @@ from dsv4stream.store import ExpertStore
 from dsv4stream.store.directio import aligned_buffer
 from dsv4stream.store.layout import expert_layouts
 from dsv4stream.streaming import GroupReader, StreamedExperts, ViewSource, trunk_layout
+from dsv4stream.tools import synth
 
 PROMPT = [3, 17, 101, 5, 250, 7, 9, 64, 33, 2]
 GEN = 8

@@ -28,9 +28,9 @@ PROMPT = "Explain in one sentence why a model can run with less memory than its 
 
 def prepare(root: Path) -> Path:
     """The demo checkpoint with its packed trunk and tokenizer, made once."""
-    from dsv4stream import synth
     from dsv4stream.pack import pack_trunk
     from dsv4stream.tokenizer import default_pack_path, pack_tokenizer
+    from dsv4stream.tools import synth
 
     ckpt = root / "checkpoint"
     if not (ckpt / "config.json").is_file():  # make_checkpoint renames a finished directory into place

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .errors import BudgetError, UsageError
+from ..errors import BudgetError, UsageError
 
 POLICIES = ("lru", "pinned", "pinned+lru", "belady")
 
