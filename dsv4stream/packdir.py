@@ -13,10 +13,8 @@ import os
 from pathlib import Path
 
 from .errors import Dsv4Error, UsageError
+from .trunkformat import FORMAT_FAMILY, MANIFEST, TRUNK_FILE
 
-FORMAT_FAMILY = "dsv4-trunk/"  # the marker that says a folder is a pack of ours, any version
-TRUNK_FILE = "trunk.bin"
-MANIFEST = "manifest.json"
 DEFAULT_DIRNAME = "dsv4-trunk"
 PACK_FILES = frozenset({MANIFEST, TRUNK_FILE})
 STAGE_FILES = PACK_FILES | {"journal.jsonl", "manifest.json.tmp", "lock"}

@@ -27,7 +27,7 @@ from .catalog import Catalog
 from .engine import Engine, LayerHook, PrefillStep, Session
 from .errors import Dsv4Error, UsageError
 from .kernels import reference
-from .pack import MANIFEST, default_out_dir
+from .packdir import default_out_dir
 from .planner import MemoryNeeds, Plan
 from .profile import PROFILE_LABELS, DecodeProfile
 from .spec import drafter_summary
@@ -35,6 +35,7 @@ from .store import ExpertStore
 from .store.layout import expert_label, expert_layouts
 from .streaming import GroupReader, StreamedExperts, StreamedTrunk, TrunkLayout, trunk_layout
 from .trunkfile import TrunkFile
+from .trunkformat import MANIFEST
 
 Pick = Callable[[np.ndarray], int]
 Warn = Callable[[str], None]

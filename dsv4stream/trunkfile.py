@@ -25,7 +25,8 @@ import numpy as np
 
 from .catalog import NP_DTYPE, Catalog, pread_exact
 from .errors import CheckpointError, ReadError
-from .pack import ALIGN, FORMAT, MANIFEST, hash_range, staging_dir, word_sum
+from .packdir import staging_dir
+from .trunkformat import ALIGN, FORMAT, MANIFEST, hash_range, word_sum
 
 CHECK_CHUNK = 16 << 20  # bytes read at a time by check_words: bounds its memory
 PROBE_BYTES = 32 << 10  # per run, compared with the shards at open: cheap, yet tells twins apart
@@ -53,7 +54,7 @@ class TrunkRun:
     nbytes: int  # multiple of 4096; the checksum covers all of it
     checksum: str  # blake2b-128 hex
     tensors: tuple[TrunkTensor, ...]
-    sum64: str | None = None  # pack.word_sum as 16 hex digits; None in packs written before it
+    sum64: str | None = None  # trunkformat.word_sum as 16 hex digits; None in packs written before it
 
     @property
     def what(self) -> str:

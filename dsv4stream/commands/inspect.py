@@ -11,11 +11,12 @@ import click
 from ..catalog import Catalog
 from ..config import DSPARK, LAYOUTS, ModelConfig
 from ..errors import CheckpointError, UsageError
-from ..pack import MANIFEST, default_out_dir
+from ..packdir import default_out_dir
 from ..planner import GB, gb_up, minimum_budget, plan
 from ..runtime import needs_of
 from ..spec import drafter_nbytes, drafter_summary, trunk_nbytes
 from ..trunkfile import TrunkFile
+from ..trunkformat import MANIFEST
 
 GIB = 1 << 30
 
