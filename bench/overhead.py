@@ -24,7 +24,9 @@ import json, sys
 from dsv4stream import kernels
 kernels.set_backend(sys.argv[2])
 from dsv4stream import chat
-from dsv4stream.runtime import Runtime, RunOptions, peak_rss_bytes
+from dsv4stream.runtime import Runtime
+from dsv4stream.runinfo import RunOptions
+from dsv4stream.memory import peak_rss_bytes
 from dsv4stream.tokenizer import Tokenizer
 tok = Tokenizer.load(sys.argv[1])
 ids = chat.encode(tok, chat.one_turn("How much memory does a small run need?"))

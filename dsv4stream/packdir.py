@@ -106,3 +106,13 @@ def drop_lock(path: Path, fd: int) -> None:
         path.unlink(missing_ok=True)
     finally:
         os.close(fd)
+
+
+def pack_hint(root: str | os.PathLike) -> str:
+    """How to pack this checkpoint's trunk: beside it, or elsewhere when its folder is read-only."""
+    if os.access(root, os.W_OK):
+        return f"`dsv4 pack-trunk {root}` once makes start-up faster"
+    return (
+        f"{root} is read-only: `dsv4 pack-trunk {root} OUT_DIR` with OUT_DIR elsewhere,"
+        " then --trunk OUT_DIR, makes start-up faster"
+    )

@@ -22,7 +22,8 @@ from dsv4stream.commands.run import run as run_cmd
 from dsv4stream.engine import Engine
 from dsv4stream.repl import ChatSettings, Conversation, Interrupt, answer, chat_loop
 from dsv4stream.report import PrefillBar, Reads, report_lines
-from dsv4stream.runtime import RunOptions, Runtime
+from dsv4stream.runinfo import RunOptions
+from dsv4stream.runtime import Runtime
 from dsv4stream.tokenizer import EOS, Tokenizer, pack_tokenizer
 from dsv4stream.tools import synth
 

@@ -28,9 +28,11 @@ from dsv4stream.commands.inspect import inspect
 from dsv4stream.commands.run import banned_ids, make_pick
 from dsv4stream.engine import Engine
 from dsv4stream.errors import BudgetError
+from dsv4stream.packdir import pack_hint
 from dsv4stream.planner import GB, plan
 from dsv4stream.repl import Interrupt, Stopped, answer, no_echo, read_turn
-from dsv4stream.runtime import RunOptions, Runtime, pack_hint
+from dsv4stream.runinfo import RunOptions
+from dsv4stream.runtime import Runtime
 from dsv4stream.sampler import SamplingParams
 from dsv4stream.tokenizer import real_tokenizer_files
 from dsv4stream.tools import synth

@@ -462,8 +462,9 @@ def test_placed_source_delegates_everything_else(mixed) -> None:
 
 @pytest.mark.parametrize("budget_mb", [1000, 1])
 def test_runtime_with_gpu_gives_the_same_ids(monkeypatch, mixed, budget_mb: int) -> None:
-    from dsv4stream.runtime import RunOptions, Runtime
-    from dsv4stream.streaming import trunk_layout
+    from dsv4stream.runinfo import RunOptions
+    from dsv4stream.runtime import Runtime
+    from dsv4stream.streaming.layout import trunk_layout
 
     monkeypatch.setattr(context, "available", lambda: (True, "1 CUDA device"))
     monkeypatch.setattr(cuda, "CudaOps", FakeCudaOps)

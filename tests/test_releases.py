@@ -227,7 +227,8 @@ def test_exact_presets_shard_as_the_release():
 
 def test_0731_runs_with_the_drafter_unused(tiny0731, tmp_path):
     from dsv4stream.pack import pack_trunk
-    from dsv4stream.runtime import RunOptions, Runtime
+    from dsv4stream.runinfo import RunOptions
+    from dsv4stream.runtime import Runtime
 
     r = pack_trunk(tiny0731, tmp_path / "trunk", progress=False)
     assert not [k for k in r.written if k.startswith("mtp.")]

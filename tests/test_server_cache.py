@@ -110,7 +110,8 @@ def test_capture_of_unknown_objects_fails_loudly() -> None:
 
 
 def test_the_plan_counts_the_kept_states(ckpt) -> None:
-    from dsv4stream.runtime import RunOptions, measure
+    from dsv4stream.memory import measure
+    from dsv4stream.runinfo import RunOptions
 
     one, five = measure(ckpt, RunOptions(budget=1)), measure(ckpt, RunOptions(budget=1, kept_states=4))
     assert five.state_bytes == 5 * one.state_bytes > 0

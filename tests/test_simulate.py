@@ -371,7 +371,7 @@ def test_replay_reproduces_a_real_engine_run_exactly(tmp_path):
     from dsv4stream.catalog import Catalog
     from dsv4stream.engine import Engine
     from dsv4stream.store.layout import expert_layouts
-    from dsv4stream.streaming import StreamedExperts
+    from dsv4stream.streaming.experts import StreamedExperts
     from dsv4stream.tools.synth import make_checkpoint
 
     ck = make_checkpoint(tmp_path / "c", "tiny", seed=1, route_skew=0.7, n_routed_experts=16, num_experts_per_tok=3,

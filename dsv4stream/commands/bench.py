@@ -185,8 +185,8 @@ def load_config(path: Path) -> ModelConfig:
 
 
 def memory_needs(path: Path) -> tuple[MemoryNeeds, str]:
-    """What the planner places for this model (`runtime.needs_of`: as `dsv4 run` plans it)."""
-    from ..runtime import needs_of
+    """What the planner places for this model (`memory.needs_of`: as `dsv4 run` plans it)."""
+    from ..memory import needs_of
 
     return needs_of(path)
 

@@ -9,7 +9,7 @@ import psutil
 
 from ..config import ModelConfig
 from ..errors import Dsv4Error
-from ..runtime import needs_of
+from ..memory import needs_of
 from ..tools import doctor as d
 
 

@@ -11,9 +11,9 @@ import click
 from ..catalog import Catalog
 from ..config import DSPARK, LAYOUTS, ModelConfig
 from ..errors import CheckpointError, UsageError
+from ..memory import needs_of
 from ..packdir import default_out_dir
 from ..planner import GB, gb_up, minimum_budget, plan
-from ..runtime import needs_of
 from ..spec import drafter_nbytes, drafter_summary, trunk_nbytes
 from ..trunkfile import TrunkFile
 from ..trunkformat import MANIFEST
