@@ -51,7 +51,7 @@ from dsv4stream.gpu import affinity
 from dsv4stream.gpu.cuda import relative_error
 from dsv4stream.gpu.device import DeviceQWeight, dequant_gemm
 from dsv4stream.kernels import QWeight, reference
-from dsv4stream.model.providers import CatalogExperts, CatalogTrunk
+from dsv4stream.providers import CatalogExperts, CatalogTrunk
 from dsv4stream.tools import synth
 
 TOL = 1e-5

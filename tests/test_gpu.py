@@ -19,7 +19,7 @@ from dsv4stream.engine import Engine
 from dsv4stream.gpu import affinity, context, cuda, plan
 from dsv4stream.gpu.device import DeviceQWeight, HostOps
 from dsv4stream.kernels import QWeight
-from dsv4stream.model.providers import CatalogExperts, CatalogTrunk
+from dsv4stream.providers import CatalogExperts, CatalogTrunk
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WIRED = getattr(kernels.QWeight, "on_device", None) is False  # kernels/__init__.py dispatches device weights

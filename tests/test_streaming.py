@@ -14,10 +14,10 @@ from dsv4stream import planner
 from dsv4stream.catalog import Catalog
 from dsv4stream.engine import Engine
 from dsv4stream.errors import BudgetError
+from dsv4stream.loading import load_layer
 from dsv4stream.memory import measure
-from dsv4stream.model.providers import CatalogTrunk
-from dsv4stream.model.weights import load_layer
 from dsv4stream.pack import pack_trunk
+from dsv4stream.providers import CatalogTrunk
 from dsv4stream.runinfo import RunOptions
 from dsv4stream.runtime import Runtime
 from dsv4stream.store import ExpertStore

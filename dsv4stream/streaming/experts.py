@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from ..config import ModelConfig
+from ..loading import expert_from_arrays
 from ..model.moe import ExpertWeights
-from ..model.providers import ExpertKey
-from ..model.weights import expert_from_arrays
+from ..providers import ExpertKey
 from ..store import ExpertStore
 
 

@@ -1,7 +1,7 @@
 """`StreamedTrunk`: the `Trunk` provider that keeps layers 0..p-1 and the head resident and
 streams the other layers through two layer slots in their fixed order.
 
-Owns: the ring and `ViewSource`, the catalog look-alike that lets `model.weights.load_layer`
+Owns: the ring and `ViewSource`, the catalog look-alike that lets `loading.load_layer`
 build a layer's named weights as views into a slot's bytes.
 
 Ring contract with the engine: layers are asked for in the order 0..n-1, again and again
@@ -22,7 +22,8 @@ import numpy as np
 from ..catalog import Catalog, TensorEntry, read_entry
 from ..config import ModelConfig
 from ..errors import CheckpointError
-from ..model.weights import HeadWeights, LayerWeights, load_head, load_layer
+from ..loading import load_head, load_layer
+from ..model.layer import HeadWeights, LayerWeights
 from ..store.directio import aligned_buffer
 from .layout import TrunkLayout
 from .reader import GroupReader

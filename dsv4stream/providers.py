@@ -13,10 +13,11 @@ from typing import Protocol
 
 import numpy as np
 
-from ..catalog import Catalog
-from ..formats import bf16_to_f32
-from .moe import ExpertWeights
-from .weights import HeadWeights, LayerWeights, load_expert, load_head, load_layer
+from .catalog import Catalog
+from .formats import bf16_to_f32
+from .loading import load_expert, load_head, load_layer
+from .model.layer import HeadWeights, LayerWeights
+from .model.moe import ExpertWeights
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 

@@ -1,8 +1,8 @@
-"""Named weights of the model, built once from the checkpoint catalog.
+"""Named weights of the model, built once from checkpoint tensors (a catalog or a look-alike).
 
-Owns: the translation from release tensor names to the frozen dataclasses the forward pass
-reads (`LayerWeights`, `HeadWeights`, `ExpertWeights`, ...). This is the only place that
-spells checkpoint keys; the hot path never looks a weight up by string.
+Owns: filling the frozen dataclasses the forward pass reads (`model.layer.LayerWeights`,
+`HeadWeights`, `ExpertWeights`, ...) from release tensors named by `spec`'s table; the hot
+path never looks a weight up by string.
 
 Small vectors (norms, mHC, sinks, ape, gate bias) become float32; linears stay as stored
 (`QWeight`: FP8 + scale, BF16 or F32) and go through `dsv4stream.kernels`.
@@ -10,38 +10,21 @@ Small vectors (norms, mHC, sinks, ape, gate bias) become float32; linears stay a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from ..catalog import Catalog
-from ..config import ModelConfig
-from ..formats import fp4_scale_shape, fp8_scale_shape
-from ..kernels import QWeight, dense
-from ..spec import expert_prefix, layer_prefix
-from .attention import AttnWeights
-from .compressor import CompressorWeights
-from .indexer import IndexerWeights
-from .mhc import HcHeadWeights, HcWeights
-from .moe import ExpertWeights, MoeWeights
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    index: int
-    attn_norm: np.ndarray  # (D,)
-    ffn_norm: np.ndarray  # (D,)
-    hc_attn: HcWeights
-    hc_ffn: HcWeights
-    attn: AttnWeights
-    moe: MoeWeights
-
-
-@dataclass(frozen=True)
-class HeadWeights:
-    hc: HcHeadWeights
-    norm: np.ndarray  # (D,)
-    head: QWeight  # (vocab, D)
+from .catalog import Catalog
+from .config import ModelConfig
+from .formats import fp4_scale_shape, fp8_scale_shape
+from .kernels import QWeight, dense
+from .model.attention import AttnWeights
+from .model.compressor import CompressorWeights
+from .model.indexer import IndexerWeights
+from .model.layer import HeadWeights, LayerWeights
+from .model.mhc import HcHeadWeights, HcWeights
+from .model.moe import ExpertWeights, MoeWeights
+from .spec import expert_prefix, layer_prefix
 
 
 def _f32_qweight(a: np.ndarray) -> QWeight:
