@@ -24,7 +24,7 @@ from .model.indexer import IndexerWeights
 from .model.layer import HeadWeights, LayerWeights
 from .model.mhc import HcHeadWeights, HcWeights
 from .model.moe import ExpertWeights, MoeWeights
-from .spec import expert_prefix, layer_prefix
+from .spec import COMPRESSOR, EXPERT_LINEARS, MODEL, block_names, expert_prefix, hc_names
 
 
 def _f32_qweight(a: np.ndarray) -> QWeight:
@@ -51,67 +51,59 @@ def split_rows(w: QWeight, parts: int) -> tuple[QWeight, ...]:
     return tuple(out)
 
 
-def _hc(cat: Catalog, prefix: str) -> HcWeights:
-    return HcWeights(
-        fn=_f32_qweight(cat.f32(prefix + "_fn")),
-        base=cat.f32(prefix + "_base"),
-        scale=cat.f32(prefix + "_scale"),
-    )
+def _hc(cat: Catalog, stem: str, kind=HcWeights):
+    fn, base, scale = hc_names(stem)
+    return kind(fn=_f32_qweight(cat.f32(fn)), base=cat.f32(base), scale=cat.f32(scale))
 
 
 def _compressor(cat: Catalog, p: str) -> CompressorWeights:
+    c = {k: p + v for k, v in COMPRESSOR.items()}
     return CompressorWeights(
-        wkv=cat.qweight(p + "wkv"),
-        wgate=cat.qweight(p + "wgate"),
-        ape=np.ascontiguousarray(cat.f32(p + "ape")),
-        norm=cat.f32(p + "norm.weight"),
+        wkv=cat.qweight(c["wkv"]),
+        wgate=cat.qweight(c["wgate"]),
+        ape=np.ascontiguousarray(cat.f32(c["ape"])),
+        norm=cat.f32(c["norm"]),
     )
 
 
 def load_layer(cat: Catalog, layer: int) -> LayerWeights:
     """All dense weights of main layer `layer` (routed experts excluded)."""
     cfg = cat.config
-    p = layer_prefix(cfg, layer)
-    a = p + "attn."
+    n = block_names(cfg, layer)
     ratio = cfg.ratio(layer)
     indexer = None
     if ratio == 4:
         indexer = IndexerWeights(
-            wq_b=cat.qweight(a + "indexer.wq_b"),
-            weights_proj=cat.qweight(a + "indexer.weights_proj"),
-            compressor=_compressor(cat, a + "indexer.compressor."),
+            wq_b=cat.qweight(n["attn.indexer.wq_b"]),
+            weights_proj=cat.qweight(n["attn.indexer.weights_proj"]),
+            compressor=_compressor(cat, n["attn.indexer.compressor"]),
         )
     attn = AttnWeights(
-        wq_a=cat.qweight(a + "wq_a"),
-        q_norm=cat.f32(a + "q_norm.weight"),
-        wq_b=cat.qweight(a + "wq_b"),
-        wkv=cat.qweight(a + "wkv"),
-        kv_norm=cat.f32(a + "kv_norm.weight"),
-        wo_a=split_rows(cat.qweight(a + "wo_a"), cfg.o_groups),
-        wo_b=cat.qweight(a + "wo_b"),
-        sink=cat.f32(a + "attn_sink"),
+        wq_a=cat.qweight(n["attn.wq_a"]),
+        q_norm=cat.f32(n["attn.q_norm"]),
+        wq_b=cat.qweight(n["attn.wq_b"]),
+        wkv=cat.qweight(n["attn.wkv"]),
+        kv_norm=cat.f32(n["attn.kv_norm"]),
+        wo_a=split_rows(cat.qweight(n["attn.wo_a"]), cfg.o_groups),
+        wo_b=cat.qweight(n["attn.wo_b"]),
+        sink=cat.f32(n["attn.sink"]),
         ratio=ratio,
-        compressor=_compressor(cat, a + "compressor.") if ratio else None,
+        compressor=_compressor(cat, n["attn.compressor"]) if ratio else None,
         indexer=indexer,
     )
-    f = p + "ffn."
     is_hash = cfg.is_hash_layer(layer)
     moe = MoeWeights(
-        gate=cat.qweight(f + "gate"),
-        bias=None if is_hash else cat.f32(f + "gate.bias"),
-        tid2eid=np.ascontiguousarray(cat.read(f + "gate.tid2eid"), dtype=np.int64) if is_hash else None,
-        shared=ExpertWeights(
-            w1=cat.qweight(f + "shared_experts.w1"),
-            w2=cat.qweight(f + "shared_experts.w2"),
-            w3=cat.qweight(f + "shared_experts.w3"),
-        ),
+        gate=cat.qweight(n["moe.gate"]),
+        bias=None if is_hash else cat.f32(n["moe.bias"]),
+        tid2eid=np.ascontiguousarray(cat.read(n["moe.tid2eid"]), dtype=np.int64) if is_hash else None,
+        shared=ExpertWeights(**{w: cat.qweight(n["moe.shared"] + w) for w in EXPERT_LINEARS}),
     )
     return LayerWeights(
         index=layer,
-        attn_norm=cat.f32(p + "attn_norm.weight"),
-        ffn_norm=cat.f32(p + "ffn_norm.weight"),
-        hc_attn=_hc(cat, p + "hc_attn"),
-        hc_ffn=_hc(cat, p + "hc_ffn"),
+        attn_norm=cat.f32(n["attn_norm"]),
+        ffn_norm=cat.f32(n["ffn_norm"]),
+        hc_attn=_hc(cat, n["hc_attn"]),
+        hc_ffn=_hc(cat, n["hc_ffn"]),
         attn=attn,
         moe=moe,
     )
@@ -119,22 +111,19 @@ def load_layer(cat: Catalog, layer: int) -> LayerWeights:
 
 def load_head(cat: Catalog) -> HeadWeights:
     return HeadWeights(
-        hc=HcHeadWeights(
-            fn=_f32_qweight(cat.f32("hc_head_fn")), base=cat.f32("hc_head_base"), scale=cat.f32("hc_head_scale")
-        ),
-        norm=cat.f32("norm.weight"),
-        head=replace(cat.qweight("head"), role="head"),
+        hc=_hc(cat, MODEL["hc_head"], HcHeadWeights),
+        norm=cat.f32(MODEL["norm"]),
+        head=replace(cat.qweight(MODEL["head"]), role="head"),
     )
 
 
 def load_expert(cat: Catalog, layer: int, expert: int) -> ExpertWeights:
     p = expert_prefix(cat.config, layer, expert)
-    w1, w2, w3 = (replace(cat.qweight(p + n), role="experts") for n in ("w1", "w2", "w3"))
-    return ExpertWeights(w1=w1, w2=w2, w3=w3)
+    return ExpertWeights(**{w: replace(cat.qweight(p + w), role="experts") for w in EXPERT_LINEARS})
 
 
 def expert_from_arrays(cfg: ModelConfig, arrays: tuple[np.ndarray, ...]) -> ExpertWeights:
-    """ExpertWeights from raw arrays in store order: w1.weight, w1.scale, w2.weight, w2.scale, w3.weight, w3.scale.
+    """ExpertWeights from raw arrays in store order (`spec.EXPERT_TENSORS`: w1.weight, w1.scale, ...).
 
     Weights are FP4 packed bytes (expert_dtype "fp4") or E4M3 bytes ("fp8"); scales are
     E8M0 bytes (uint8) or float32.

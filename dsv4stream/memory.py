@@ -17,7 +17,7 @@ from .catalog import Catalog
 from .kernels import reference
 from .planner import MemoryNeeds
 from .runinfo import RunOptions
-from .spec import drafter_summary
+from .spec import drafter_summary, is_drafter
 from .store import ExpertStore
 from .store.layout import expert_layouts
 from .streaming.layout import TrunkLayout, trunk_layout
@@ -70,7 +70,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         segment_token_bytes=planner.segment_token_bytes(cfg),
         segment_min=opts.chunk,
         segment=opts.prefill_segment,
-        unused=drafter_summary(cfg, sum(e.nbytes for n, e in cat.entries.items() if n.startswith("mtp."))),
+        unused=drafter_summary(cfg, sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n))),
     )
 
 

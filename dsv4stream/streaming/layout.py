@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..catalog import NP_DTYPE, Catalog, TensorEntry
-from ..spec import block_specs, model_specs
+from ..spec import MODEL, block_specs, hc_names, model_specs
 from ..store import Layout, Piece, merge_pieces
 from ..store.directio import ALIGN, SlotPlan, plan_slot
 from ..trunkfile import TrunkFile
@@ -21,7 +21,7 @@ from ..trunkfile import TrunkFile
 # tensors to 64 bytes; in the shards it merges a layer's small tensors).
 MERGE_GAP = ALIGN
 
-HEAD_NAMES = ("norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")
+HEAD_NAMES = (MODEL["norm"], *hc_names(MODEL["hc_head"]))  # read with the head (the head matrix by its spec)
 
 
 @dataclass(frozen=True)
@@ -83,4 +83,4 @@ def trunk_layout(cat: Catalog, trunk: TrunkFile | None = None, exclude: frozense
     head_names = [*HEAD_NAMES, *(s.name for s in model_specs(cfg, with_experts=False) if s.role == "head")]
     head = _group("head", present(head_names))
     packed = trunk is not None and any(e.path == trunk.path for g in (*layers, head) for e in g.entries.values())
-    return TrunkLayout(layers, head, locate("embed.weight"), packed)
+    return TrunkLayout(layers, head, locate(MODEL["embed"]), packed)

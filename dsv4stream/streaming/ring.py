@@ -24,6 +24,7 @@ from ..config import ModelConfig
 from ..errors import CheckpointError
 from ..loading import load_head, load_layer
 from ..model.layer import HeadWeights, LayerWeights
+from ..spec import block_names
 from ..store.directio import aligned_buffer
 from .layout import TrunkLayout
 from .reader import GroupReader
@@ -99,7 +100,7 @@ class StreamedTrunk:
             if i < self.pinned:
                 self._tid2eid[i] = self._pinned[i].moe.tid2eid
             else:
-                name = f"layers.{i}.ffn.gate.tid2eid"
+                name = block_names(cfg, i)["moe.tid2eid"]
                 self._tid2eid[i] = np.ascontiguousarray(read_entry(layout.layers[i].entries[name]), dtype=np.int64)
         self._embed = RowReader(layout.embed)
         self._opened_reads, self._opened_bytes = reader.reads, reader.bytes_read
