@@ -33,7 +33,7 @@ from dsv4stream.planner import needs_from_config, plan
 from dsv4stream.spec import model_specs, released_nbytes
 from dsv4stream.tools import synth
 
-PKG = Path(synth.__file__).parent
+PKG = Path(synth.__file__).resolve().parents[1]  # the package folder holding the config JSONs
 FLASH = json.loads((PKG / "v4_flash_config.json").read_text())
 PRO = json.loads((PKG / "v4_pro_config.json").read_text())
 FLASH_0731 = {
