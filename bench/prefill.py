@@ -33,7 +33,8 @@ import numpy as np
 
 def child(ckpt: str, budget: float, length: int, gen: int, seed: int, segment: int | None) -> dict:
     from dsv4stream.profile import DecodeProfile
-    from dsv4stream.runtime import RunOptions, Runtime
+    from dsv4stream.runinfo import RunOptions
+    from dsv4stream.runtime import Runtime
 
     opts = RunOptions(budget=int(budget * 1e9), prefill_segment=segment)
     with Runtime.open(ckpt, opts) as rt:
