@@ -227,6 +227,30 @@ def test_serial_and_parallel_matvec_agree(monkeypatch):
         assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("rows,cols", [(130, 200), (3, 1), (64, 1100), (258, 8192), (512, 8192)])
+@pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
+def test_wide_fp8_matvec_takes_rows_together_with_the_same_bits(rows, cols, scale_kind, monkeypatch):
+    """Rows of >= WIDE_COLS columns go MV_ROWS at a time (ragged row counts end row by row)."""
+    rng = np.random.default_rng(rows + cols)
+    w = weight("fp8", rows, cols, rng, scale_kind)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    monkeypatch.setattr(fast, "PARALLEL_MIN_BYTES", 0)
+    narrow = [fast.matvec(w, x[t]) for t in range(3)]
+    monkeypatch.setattr(fast, "WIDE_COLS", 1)
+    wide = [fast.matvec(w, x[t]) for t in range(3)]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(narrow, wide))
+    assert rel_error(np.stack(wide), reference(x, w)) <= TOL
+    assert np.array_equal(np.stack(wide), fast.matmul(w, x))
+    if rows == 512:  # grouped rows (the joined output projection): 2 groups of 256 rows, 4 of 128
+        from dsv4stream.model.weights import split_rows
+
+        for groups in (2, 4):
+            parts = split_rows(w, groups)
+            xg = rng.standard_normal((1, groups, cols)).astype(np.float32)
+            want = np.concatenate([fast.matvec(p, xg[0, i]) for i, p in enumerate(parts)])
+            assert np.array_equal(fast.matmul_grouped(parts, xg)[0], want)
+
+
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
 def test_results_do_not_depend_on_thread_count():
     rng = np.random.default_rng(13)
