@@ -32,9 +32,9 @@ from .kernels.blas import one_thread
 from .model.attention import AttnState, new_attn_state
 from .model.block import Trace, attention_half, ffn_half, head_forward
 from .model.moe import ExpertWeights
-from .model.providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
 from .model.rope import Rope, rope_tables
 from .model.scan import nonfinite_fields
+from .providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
 from .state import SessionState, capture, thaw
 
 # on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched

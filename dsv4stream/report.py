@@ -16,7 +16,7 @@ from typing import IO, Self
 
 from tqdm import tqdm
 
-from .runtime import RunStats
+from .runinfo import RunStats
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ STOP_TEXT = {  # each reads after "stopped "
 
 
 def stop_text(reason: str, in_think: bool = False) -> str:
-    """Why an answer ended, in words: `runtime.STOP_REASONS` plus whether <think> was still open."""
+    """Why an answer ended, in words: `runinfo.STOP_REASONS` plus whether <think> was still open."""
     text = STOP_TEXT.get(reason, reason or "before it started")
     return f"stopped {text}" + (", inside <think> (reasoning only, no answer yet)" if in_think else "")
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import psutil
 
-from .config import ModelConfig
-from .planner import GB, MemoryNeeds, Plan, gb_up, minimum_budget, plan, smallest_budget
-from .store.directio import ALIGN, FileSet, Window, aligned_buffer
+from ..config import ModelConfig
+from ..planner import GB, MemoryNeeds, Plan, gb_up, minimum_budget, plan, smallest_budget
+from ..store.directio import ALIGN, FileSet, Window, aligned_buffer
 
 # Hit rates measured publicly on the real V4-Flash with LRU (DESIGN.md): (expert cache /
 # working set, low %, high %). Below one working set an LRU never hits.
