@@ -242,7 +242,7 @@ def test_wide_fp8_matvec_takes_rows_together_with_the_same_bits(rows, cols, scal
     assert rel_error(np.stack(wide), reference(x, w)) <= TOL
     assert np.array_equal(np.stack(wide), fast.matmul(w, x))
     if rows == 512:  # grouped rows (the joined output projection): 2 groups of 256 rows, 4 of 128
-        from dsv4stream.model.weights import split_rows
+        from dsv4stream.loading import split_rows
 
         for groups in (2, 4):
             parts = split_rows(w, groups)
