@@ -325,14 +325,47 @@ def test_a_cold_kernel_cache_is_compiled_in_a_child_process(ckpt, monkeypatch):
     assert runtime.compile_kernels_apart(said.append) is None and len(said) == 1
 
 
-def test_the_cache_check_follows_numba_cache_dir(tmp_path, monkeypatch):
+def test_the_cache_check_follows_numba_cache_dir_and_wants_a_finished_warmup(tmp_path, monkeypatch):
     from dsv4stream import kernels
 
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
     assert not kernels.compiled_cache_exists()
     (tmp_path / "work" / "x").mkdir(parents=True)
     (tmp_path / "work" / "x" / "fast._plain_mv-361.py311.nbi").write_bytes(b"")
+    assert not kernels.compiled_cache_exists()  # index files alone may be an older source's
+    kernels._mark_cache_complete()
     assert kernels.compiled_cache_exists()
+    monkeypatch.setattr(kernels, "cache_stamp", lambda source=None: "0" * 16)
+    assert not kernels.compiled_cache_exists()  # the kernels' source changed: compile apart again
+
+
+def test_the_cache_stamp_changes_with_the_kernel_source_and_the_cpu(monkeypatch):
+    from dsv4stream import kernels
+
+    here = kernels.cache_stamp()
+    assert here == kernels.cache_stamp() and len(here) == 16
+    assert kernels.cache_stamp(b"def k(): pass") != here
+    monkeypatch.setenv("NUMBA_CPU_NAME", "generic")  # numba then compiles for another target
+    assert kernels.cache_stamp() != here
+
+
+def test_a_run_after_warmup_compiles_nothing_new(ckpt):
+    """Every signature a run reaches is one warmup compiles (so a warm cache, or the child that
+    filled a cold one, leaves nothing for numba to compile inside the budgeted process)."""
+    from dsv4stream import kernels
+    from dsv4stream.kernels import fast
+    from dsv4stream.runtime import Runtime
+
+    if kernels.backend_name() != "fast":
+        pytest.skip("numba is not installed: the reference kernels compile nothing")
+    kernels.warmup()
+    dispatchers = [v for v in vars(fast).values() if hasattr(v, "signatures") and hasattr(v, "py_func")]
+    before = {d.py_func.__name__: set(d.signatures) for d in dispatchers}
+    with Runtime.open(ckpt, RunOptions(budget=int(3e9))) as rt:
+        got = list(rt.generate(rt.session(), list(range(5, 75)), 6))  # a long prefill, then decode
+    assert len(got) == 6
+    grown = {d.py_func.__name__: set(d.signatures) - before[d.py_func.__name__] for d in dispatchers}
+    assert not {k: v for k, v in grown.items() if v}, grown
 
 
 def test_a_budget_too_small_for_the_ctx_state_names_both(ckpt):

@@ -82,29 +82,80 @@ def set_threads(n: int) -> None:
 
 
 def warmup() -> float:
-    """Compile (or load from the numba cache) every kernel; returns the seconds it took."""
+    """Compile (or load from the numba cache) every kernel; returns the seconds it took.
+
+    A warm-up that ends has put every signature in numba's cache: it leaves the marker that
+    `compiled_cache_exists` looks for."""
     backend = _active()
-    return backend.warmup() if hasattr(backend, "warmup") else 0.0
+    if not hasattr(backend, "warmup"):
+        return 0.0
+    seconds = backend.warmup()
+    _mark_cache_complete()
+    return seconds
 
 
-def compiled_cache_exists() -> bool:
-    """Whether numba's on-disk cache of the fast kernels is there (else warmup compiles, ~1 min).
-
-    Asks numba where it keeps the cache: next to the source, under NUMBA_CACHE_DIR, or in a
-    per-user folder when the package directory is read-only."""
+def _cache_dir():
+    """Where numba keeps the fast kernels' cache: next to the source, under NUMBA_CACHE_DIR (read
+    here, not from numba's locator, so a child given the variable agrees), or in a per-user
+    folder when the package directory is read-only."""
     import os
     from pathlib import Path
 
-    user = os.environ.get("NUMBA_CACHE_DIR")  # numba mirrors the source path below it
+    user = os.environ.get("NUMBA_CACHE_DIR")
     if user:
-        return any(Path(user).rglob("fast.*.nbi"))
+        return Path(user)
     try:
         from . import fast
 
-        cache = Path(fast._fp4_mv._cache._cache_path)  # numba's locator for this dispatcher
+        return Path(fast._fp4_mv._cache._cache_path)  # numba's locator for this dispatcher
     except (ImportError, AttributeError):
-        cache = Path(__file__).with_name("__pycache__")
-    return any(cache.glob("fast.*.nbi"))
+        return Path(__file__).with_name("__pycache__")
+
+
+def cache_stamp(source: bytes | None = None) -> str:
+    """What numba's cached machine code depends on: the kernels' source, numba's version and the
+    CPU it was compiled for (a copied cache or an upgrade leaves index files that no longer
+    match, and numba would then compile inside the budgeted process)."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    import llvmlite.binding as llvm
+    import numba
+
+    if source is None:
+        source = Path(__file__).with_name("fast.py").read_bytes()
+    h = hashlib.sha256(source)
+    cpu = (llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten())
+    env = (os.environ.get("NUMBA_CPU_NAME", ""), os.environ.get("NUMBA_CPU_FEATURES", ""))
+    for part in (numba.__version__, *cpu, *env):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:16]
+
+
+def _cache_marker():
+    return _cache_dir() / f"dsv4-kernels-{cache_stamp()}.ok"
+
+
+def _mark_cache_complete() -> None:
+    import os
+    import tempfile
+
+    marker = _cache_marker()
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=marker.parent, prefix=".dsv4-kernels-")
+        os.close(fd)
+        os.replace(tmp, marker)
+    except OSError:
+        pass  # an unwritable cache folder: numba cannot cache there either, so every run compiles
+
+
+def compiled_cache_exists() -> bool:
+    """Whether numba's on-disk cache holds every fast kernel for this source, numba and CPU (else
+    warmup compiles, ~1 min): a completed warm-up's marker, not merely some index files (those
+    of an older source or another CPU stay behind and no longer load)."""
+    return _cache_marker().is_file()
 
 
 # Seconds spent in matvec / matmul per weight role since the process started. Two perf_counter

@@ -929,7 +929,10 @@ def matmul_grouped(ws, x: np.ndarray) -> np.ndarray:
 
 
 def warmup() -> float:
-    """Compile (or load from numba's cache) every kernel signature; returns the seconds it took."""
+    """Compile (or load from numba's cache) every kernel signature; returns the seconds it took.
+
+    Each kind twice: with writable arrays and with read-only ones (weights viewed on a
+    safetensors buffer or a mapped file), which numba types, and so compiles, apart."""
     from . import QWeight  # kernels/__init__ imports this module lazily
 
     t0 = time.perf_counter()
@@ -939,13 +942,19 @@ def warmup() -> float:
             ("fp4", rng.integers(0, 256, (4, 16), dtype=np.uint8), np.full((4, 1), 127, sdt)),
             ("fp8", rng.integers(0, 126, (4, 32), dtype=np.uint8), np.full((1, 1), 127, sdt)),
         ):
-            w = QWeight(kind, data, scale, 4, 32)
             x = rng.standard_normal((BLAS_MIN_TOKENS[kind], 32)).astype(np.float32)
-            _warm_all(w, x)
+            for d, s in ((data, scale), (_read_only(data), _read_only(scale))):
+                _warm_all(QWeight(kind, d, s, 4, 32), x)
     for kind, data in (("bf16", np.zeros((4, 32), np.uint16)), ("f32", np.zeros((4, 32), np.float32))):
-        w = QWeight(kind, data, None, 4, 32)
-        _warm_all(w, np.ones((BLAS_MIN_TOKENS[kind], 32), np.float32))
+        for d in (data, _read_only(data)):
+            _warm_all(QWeight(kind, d, None, 4, 32), np.ones((BLAS_MIN_TOKENS[kind], 32), np.float32))
     return time.perf_counter() - t0
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    ro = a.copy()
+    ro.setflags(write=False)
+    return ro
 
 
 def _warm_all(w, x: np.ndarray) -> None:
