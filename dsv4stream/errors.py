@@ -40,3 +40,18 @@ class UsageError(Dsv4Error):
 
 class NumericsError(Dsv4Error):
     """Logits or router scores came out NaN or infinite: some weight or scale holds NaN/inf."""
+
+
+class StoreError(Dsv4Error):
+    """A request the expert store cannot serve: a key it has no layout for, a closed store,
+    a size it cannot have."""
+
+
+class InternalError(RuntimeError):
+    """A broken invariant or a misuse of an internal API: a bug in dsv4stream or its caller.
+    Not a Dsv4Error: the CLI shows its traceback."""
+
+
+class LifetimeError(InternalError):
+    """A view or handle used after its lifetime ended (an expert released, a streamed layer
+    whose ring slot moved on): its bytes may already belong to something else."""

@@ -8,7 +8,7 @@ from store_files import make_files
 
 from dsv4stream import synth
 from dsv4stream.catalog import Catalog
-from dsv4stream.errors import CheckpointError
+from dsv4stream.errors import CheckpointError, InternalError
 from dsv4stream.store.directio import ALIGN, plan_slot
 from dsv4stream.store.layout import EXPERT_TENSORS, expert_layouts
 from dsv4stream.store.runs import Piece, Run, layout_nbytes, layout_pieces, merge_pieces
@@ -42,9 +42,9 @@ def test_merge_splits_at_gaps_unless_allowed():
 
 
 def test_merge_refuses_overlap_and_piece_checks_its_size():
-    with pytest.raises(ValueError, match="overlap"):
+    with pytest.raises(CheckpointError, match="overlap"):
         merge_pieces([("f", piece("x", 0, 10)), ("f", piece("y", 9, 4))])
-    with pytest.raises(ValueError, match="needs 8 bytes"):
+    with pytest.raises(InternalError, match="needs 8 bytes"):
         Piece("w", 0, 7, np.dtype(np.float32), (2,))
 
 

@@ -133,7 +133,7 @@ def test_pins_never_exceed_the_slots_even_below_the_planned_minimum(ckpt, refere
     class CountingStore(ExpertStore):
         def _acquire(self, key):
             out = super()._acquire(key)
-            outstanding.append(sum(e.pins for e in self._lru.values()))
+            outstanding.append(sum(e.pins for e in self._lru.entries.values()))
             return out
 
         def get_many(self, keys):
@@ -172,7 +172,7 @@ def test_hash_layer_experts_are_requested_as_soon_as_the_token_is_known(ckpt) ->
         for n, tok in enumerate(gen):
             if n + 1 < GEN:  # the last token is not fed, so nothing is fetched for it
                 want = {(i, int(e)) for i in hash_layers for e in rt.trunk.tid2eid(i)[tok]}
-                assert want <= set(rt.store._lru), "hash-layer experts not started before the next forward"
+                assert want <= set(rt.store._lru.entries), "hash-layer experts not started before the next forward"
 
 
 def test_verify_catches_a_misplaced_trunk_layer(ckpt, monkeypatch) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv4stream.errors import ReadError
+from dsv4stream.errors import ReadError, StoreError
 
 from .runs import Layout, layout_pieces
 
@@ -102,7 +102,7 @@ class FileSet:
 
     def __init__(self, io: str = "direct", warn: Callable[[str], None] | None = None) -> None:
         if io not in IO_MODES:
-            raise ValueError(f"io must be one of {IO_MODES}, got {io!r}")
+            raise StoreError(f"--io {io!r}: use one of {', '.join(IO_MODES)}")
         self.io = io
         self._warn = warn if warn is not None else _log.warning
         self._fds: dict[str, int] = {}
