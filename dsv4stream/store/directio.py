@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv4stream.errors import ReadError, StoreError
+from dsv4stream.errors import ReadError, ShortReadError, StoreError
 
 from .runs import Layout, layout_pieces
 
@@ -157,7 +157,7 @@ class FileSet:
         """Read ``window`` into ``slot`` (an ALIGN-aligned uint8 buffer); returns bytes read.
 
         Loops over short reads; stops early only at end of file, and raises ReadError if
-        fewer than ``window.need`` bytes arrived."""
+        fewer than ``window.need`` bytes arrived (ShortReadError)."""
         fd, direct = self._open(window.path)
         view = memoryview(slot)[window.slot_offset : window.slot_offset + window.nbytes]
         got = 0
@@ -177,7 +177,7 @@ class FileSet:
                 break
             got += n
         if got < window.need:
-            raise ReadError(
+            raise ShortReadError(
                 f"short read: {window.path} at offset {window.file_offset} needs "
                 f"{window.need} bytes, got {got}: the file is shorter than when it was opened; "
                 + _refresh_advice(window.path)
