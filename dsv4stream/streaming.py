@@ -12,12 +12,15 @@ Pin contract with the MoE (`model.moe.routed_experts`): a layer's experts come t
 `get_many(layer, experts)`, the store's `get_many`: those in memory first, then misses as
 their reads land, at most the unpinned slots pinned at once, each expert's computation
 finished before the iterator advances. The single `get(layer, e)` keeps the older contract
-(the previous expert is released when the next one is asked for).
+(the previous expert is released when the next one is asked for). Weights used past either
+end raise LifetimeError (`lifetime.expire`).
 
 Ring contract with the engine: layers are asked for in the order 0..n-1, again and again
 (one forward pass after another); a streamed layer's weights are valid until the next
 `layer()` call, when its slot starts receiving the layer after next. An out-of-order request
 still works (it is read at once, and counted), it just does not overlap with compute.
+Weights kept past the point where their slot starts receiving another layer raise
+LifetimeError when touched.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from .catalog import NP_DTYPE, Catalog, TensorEntry, read_entry
 from .config import ModelConfig
 from .errors import CheckpointError, Dsv4Error, ReadError
 from .formats import bf16_to_f32
+from .lifetime import expire
 from .model.moe import ExpertWeights
 from .model.providers import ExpertKey
 from .model.weights import HeadWeights, LayerWeights, expert_from_arrays, load_head, load_layer
@@ -221,13 +225,15 @@ class StreamedExperts:
         self.store = store
         self.cfg = cfg
         self._held: ExpertKey | None = None
+        self._held_weights: ExpertWeights | None = None
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         self.release()  # the previous expert's computation is finished (MoE contract)
         key = (layer, expert)
         arrays = self.store.get(key)
         self._held = key
-        return expert_from_arrays(self.cfg, tuple(arrays))
+        self._held_weights = expert_from_arrays(self.cfg, tuple(arrays))
+        return self._held_weights
 
     def get_many(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """Each expert once: resident ones first, then misses in the order their reads land."""
@@ -239,7 +245,11 @@ class StreamedExperts:
             self.release()
             return
         for (_, e), arrays in many([(layer, e) for e in experts]):
-            yield e, expert_from_arrays(self.cfg, tuple(arrays))
+            w = expert_from_arrays(self.cfg, tuple(arrays))
+            try:
+                yield e, w
+            finally:
+                expire(w, f"layer {layer} expert {e}'s weights used after get_many moved on (valid until it advances)")
 
     def prefetch(self, keys: Sequence[ExpertKey]) -> None:
         self.store.prefetch(list(keys))
@@ -248,6 +258,9 @@ class StreamedExperts:
         """Unpin the expert handed out last (also done by the next get)."""
         if self._held is not None:
             key, self._held = self._held, None
+            expire(self._held_weights, f"layer {key[0]} expert {key[1]}'s weights used after their release"
+                   " (one expert is pinned at a time: the next get releases the previous)")  # fmt: skip
+            self._held_weights = None
             self.store.release(key)
 
 
@@ -386,6 +399,10 @@ class StreamedTrunk:
 
     def _start(self, s: int, i: int) -> None:
         """Queue the read of layer i into slot s (after whatever the reader thread has queued)."""
+        old = self._built[s]
+        if old is not None:
+            expire(old, f"layer {self._tags[s]}'s weights used after the ring started reading layer {i} into"
+                   " their slot (a streamed layer is valid until the next layer() call)")  # fmt: skip
         self._tags[s] = i
         self._built[s] = None
         assert self._pool is not None
