@@ -150,7 +150,7 @@ STOP_TEXT = {  # each reads after "stopped "
 
 
 def stop_text(reason: str, in_think: bool = False) -> str:
-    """Why an answer ended, in words: `runtime.STOP_REASONS` plus whether <think> was still open."""
+    """Why an answer ended, in words: `engine.STOP_REASONS` plus whether <think> was still open."""
     text = STOP_TEXT.get(reason, reason or "before it started")
     return f"stopped {text}" + (", inside <think> (reasoning only, no answer yet)" if in_think else "")
 
