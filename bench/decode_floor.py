@@ -40,7 +40,8 @@ DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 
 CHILD = r"""
 import json, sys
-from dsv4stream.runtime import Runtime, RunOptions
+from dsv4stream.runtime import Runtime
+from dsv4stream.runinfo import RunOptions
 ck, budget, gen, io_threads, warm = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 ids = [int(i) for i in sys.argv[6].split(",")]
 
@@ -89,10 +90,10 @@ def dd_rate(path: Path, block: int, mb: int, q: int) -> float:
 
 def expert_bytes(ck: Path) -> int:
     from dsv4stream.catalog import Catalog
-    from dsv4stream.runtime import _expert_layouts
+    from dsv4stream.memory import main_expert_layouts
     from dsv4stream.store import ExpertStore
 
-    layouts, _ = _expert_layouts(Catalog.open(ck))
+    layouts, _ = main_expert_layouts(Catalog.open(ck))
     return ExpertStore.slot_nbytes(layouts)
 
 

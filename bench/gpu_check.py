@@ -44,14 +44,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv4stream import formats, gpu, kernels, synth
+from dsv4stream import formats, gpu, kernels
 from dsv4stream.catalog import Catalog
 from dsv4stream.engine import Engine
 from dsv4stream.gpu import affinity
 from dsv4stream.gpu.cuda import relative_error
 from dsv4stream.gpu.device import DeviceQWeight, dequant_gemm
 from dsv4stream.kernels import QWeight, reference
-from dsv4stream.model.providers import CatalogExperts, CatalogTrunk
+from dsv4stream.providers import CatalogExperts, CatalogTrunk
+from dsv4stream.tools import synth
 
 TOL = 1e-5
 FAILED: list[str] = []

@@ -24,7 +24,9 @@ import json, sys
 from dsv4stream import kernels
 kernels.set_backend(sys.argv[2])
 from dsv4stream import chat
-from dsv4stream.runtime import Runtime, RunOptions, peak_rss_bytes
+from dsv4stream.runtime import Runtime
+from dsv4stream.runinfo import RunOptions
+from dsv4stream.memory import peak_rss_bytes
 from dsv4stream.tokenizer import Tokenizer
 tok = Tokenizer.load(sys.argv[1])
 ids = chat.encode(tok, chat.one_turn("How much memory does a small run need?"))
@@ -43,8 +45,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=8)
     ap.add_argument("--backends", default="fast,reference")
     args = ap.parse_args()
-    from dsv4stream import synth
     from dsv4stream.tokenizer import pack_tokenizer
+    from dsv4stream.tools import synth
 
     parts = []
     with tempfile.TemporaryDirectory() as d:

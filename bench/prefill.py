@@ -32,7 +32,8 @@ import numpy as np
 
 def child(ckpt: str, budget: float, length: int, gen: int, seed: int, segment: int | None) -> dict:
     from dsv4stream.engine import Session
-    from dsv4stream.runtime import RunOptions, Runtime
+    from dsv4stream.runinfo import RunOptions
+    from dsv4stream.runtime import Runtime
 
     opts = RunOptions(budget=int(budget * 1e9))
     if segment is not None:

@@ -23,7 +23,7 @@ import numpy as np
 from .config import DSPARK, LAYOUTS, PREVIEW, ModelConfig
 from .errors import CheckpointError, ReadError, ShortReadError
 from .kernels import QWeight
-from .spec import ITEMSIZE, TensorSpec, model_specs
+from .spec import ITEMSIZE, MTP, MTP_EXTRAS, TensorSpec, is_drafter, linear_names, model_specs
 
 INDEX_NAME = "model.safetensors.index.json"
 NP_DTYPE = {
@@ -292,10 +292,11 @@ class Catalog:
 
     def qweight(self, prefix: str) -> QWeight:
         """A linear weight `prefix.weight` (+ `prefix.scale`) in whatever dtype it ships."""
-        w = self.entry(prefix + ".weight")
+        weight, scale = linear_names(prefix)
+        w = self.entry(weight)
         data = self.read(w.name)
         if w.dtype in ("F8_E4M3", "I8"):
-            s = self.entry(prefix + ".scale")
+            s = self.entry(scale)
             scale = self.read(s.name)
             if w.dtype == "I8":
                 return QWeight("fp4", data, scale, w.shape[0], w.shape[1] * 2)
@@ -314,7 +315,7 @@ class Catalog:
 
 
 # One tensor that only each layout's mtp.0 block holds (see spec.MTP_EXTRAS).
-_LAYOUT_MARKERS = {PREVIEW: "mtp.0.e_proj.weight", DSPARK: "mtp.0.main_proj.weight"}
+_LAYOUT_MARKERS = {layout: linear_names(f"{MTP}.0.{MTP_EXTRAS[layout][0][1]}")[0] for layout in (PREVIEW, DSPARK)}
 
 
 def tensor_layout(entries: Iterable[str]) -> str | None:
@@ -324,7 +325,7 @@ def tensor_layout(entries: Iterable[str]) -> str | None:
     for layout, marker in _LAYOUT_MARKERS.items():
         if marker in names:
             return layout
-    return "unrecognised mtp.* tensors" if any(n.startswith("mtp.") for n in names) else None
+    return "unrecognised mtp.* tensors" if any(is_drafter(n) for n in names) else None
 
 
 def pread_exact(path: str, offset: int, buf, what: str) -> None:

@@ -31,9 +31,9 @@ from .errors import NumericsError, UsageError
 from .model.attention import AttnState, new_attn_state
 from .model.block import Trace, attention_half, ffn_half, head_forward
 from .model.moe import ExpertWeights
-from .model.providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
 from .model.rope import Rope, rope_tables
 from .model.scan import nonfinite_fields
+from .providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
 from .sampler import greedy
 from .state import SessionState, capture, thaw
 
@@ -41,7 +41,9 @@ from .state import SessionState, capture, thaw
 RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
 
 DEFAULT_SEGMENT = 4096  # prefill segment of a session made without one (the planner picks a run's)
-STOP_REASONS = ("eos", "gen_limit", "context_full", "interrupted")  # why a generate() ended
+# Why a generation ended: EOS chosen, max_new_tokens reached, feeding the token would pass
+# max_pos (--ctx), or the caller stopped it (Ctrl-C: the prefill or the token stream was cut short).
+STOP_REASONS = ("eos", "gen_limit", "context_full", "interrupted")
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,8 @@
 """One-time packing of the trunk: every tensor that is not a routed expert, in per-layer runs.
 
-Owns: the packed-trunk layout, the manifest, and the packer (atomic, resumable, checked
-for free disk space). `trunkfile.TrunkFile` is the matching loader. The expert store
+Owns: the packer (atomic, resumable, checked for free disk space). The format it writes
+(layout, manifest, checksums) is `trunkformat`; `trunkfile.TrunkFile` is the matching loader. The expert store
 never reads this file; routed experts stay in the official shards.
-
-Layout of `OUT_DIR/trunk.bin` (OUT_DIR defaults to `CHECKPOINT_DIR/dsv4-trunk`):
-- One run per group, in model order: `embed` (embed.weight), `layers.L` for each packed
-  main layer (all its dense tensors: norms, mHC, attention, compressor, indexer, gate,
-  shared expert), `model` (norm, hc_head_*), `head` (head.weight). The mtp.* blocks (the
-  preview's MTP block, 0731's DSpark drafter) are not packed: nothing runs them yet.
-- Every run starts at a multiple of 4096 and its length is padded with zeros to a multiple
-  of 4096, so one O_DIRECT read of (offset, nbytes) fetches it into an aligned buffer.
-- Tensors inside a run start at multiples of 64 (zero padding between), so views into an
-  aligned run buffer are aligned for any dtype and for SIMD loads.
-- Bytes are copied unchanged from the shards (FP8, FP4-in-I8, E8M0, BF16, F32, I64): the
-  pack is a relayout, never a conversion.
-
-`manifest.json`: format (the `dsv4-trunk/` marker that tells a pack of ours from anything
-else), the source checkpoint's fingerprint (`Catalog.fingerprint`), the plan id, and per
-run: key, layer (main index, n_layers + k for MTP block k, null for model-level runs),
-offset, nbytes (padded), blake2b-128 of all nbytes bytes, `sum64` (`word_sum`, the cheap
-check run on every open), and its tensors (name, dtype, shape, absolute offset in
-trunk.bin, nbytes).
 
 OUT_DIR is only ever replaced when it is empty or a previous pack (`check_out_dir`). One
 packer at a time: an flock on `.<OUT_DIR name>.lock` beside OUT_DIR, held until the staged
@@ -51,13 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from .catalog import Catalog, TensorEntry
-from .errors import BudgetError, CheckpointError, Dsv4Error, ReadError, UsageError
+from .catalog import Catalog
+from .errors import BudgetError, Dsv4Error, InternalError, ReadError, ShortReadError, UsageError
 from .packdir import (
-    MANIFEST,
-    TRUNK_FILE,
     check_out_dir,
     default_out_dir,
     drop_lock,
@@ -68,37 +45,24 @@ from .packdir import (
     staging_dir,
     take_lock,
 )
-from .spec import TensorSpec, layer_prefix, model_specs
+from .trunkformat import (
+    ALIGN,
+    CHUNK,
+    FORMAT,
+    MANIFEST,
+    TRUNK_FILE,
+    PlannedRun,
+    digest_range,
+    hash_range,
+    manifest_dict,
+    new_hash,
+    plan_id,
+    plan_runs,
+    round_up,
+    word_sum,
+)
 
-FORMAT = "dsv4-trunk/1"
-ALIGN = 4096
-TENSOR_ALIGN = 64
 JOURNAL = "journal.jsonl"
-CHECKSUM = "blake2b-128"
-CHUNK = 16 << 20  # copy granularity: bounds the packer's memory whatever the tensor size
-
-
-def _round_up(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
-def new_hash() -> hashlib.blake2b:
-    return hashlib.blake2b(digest_size=16)
-
-
-@dataclass(frozen=True)
-class PlannedTensor:
-    src: TensorEntry
-    offset: int  # absolute, in trunk.bin
-
-
-@dataclass(frozen=True)
-class PlannedRun:
-    key: str
-    layer: int | None
-    offset: int
-    nbytes: int  # padded to ALIGN
-    tensors: tuple[PlannedTensor, ...]
 
 
 @dataclass(frozen=True)
@@ -110,128 +74,6 @@ class PackResult:
     bytes_written: int
     seconds: float
     up_to_date: bool = False  # OUT_DIR already held this pack; nothing done
-
-
-def _run_key(cat: Catalog, s: TensorSpec) -> str:
-    if s.layer is not None:
-        return layer_prefix(cat.config, s.layer).rstrip(".")
-    return s.role if s.role in ("embed", "head") else "model"
-
-
-def plan_runs(cat: Catalog, layers: int | None = None) -> list[PlannedRun]:
-    """The runs of a pack of `cat` with main layers 0..layers-1 (all when None), in file order."""
-    cfg = cat.config
-    n = cfg.n_layers if layers is None else layers
-    groups: dict[str, list[TensorSpec]] = {}
-    layer_of: dict[str, int | None] = {}
-    for s in model_specs(cfg, with_experts=False):
-        if s.layer is not None and s.layer >= min(n, cfg.n_layers):
-            continue  # past the packed depth, or an mtp.* block (not run)
-        if s.name not in cat.entries:
-            continue  # a scale that this weight's dtype does not have (validated before)
-        k = _run_key(cat, s)
-        groups.setdefault(k, []).append(s)
-        layer_of[k] = s.layer
-    runs, pos = [], 0
-    for key, specs in groups.items():
-        tensors, rel = [], 0
-        for s in specs:
-            rel = _round_up(rel, TENSOR_ALIGN)
-            e = cat.entries[s.name]
-            tensors.append(PlannedTensor(e, pos + rel))
-            rel += e.nbytes
-        size = _round_up(max(rel, 1), ALIGN)
-        runs.append(PlannedRun(key, layer_of[key], pos, size, tuple(tensors)))
-        pos += size
-    return runs
-
-
-def _plan_id(cat: Catalog, runs: list[PlannedRun]) -> str:
-    h = hashlib.sha256(f"{FORMAT}|{cat.fingerprint}".encode())
-    for r in runs:
-        h.update(f"{r.key}|{r.offset}|{r.nbytes}|".encode())
-        for t in r.tensors:
-            h.update(f"{t.src.name}|{t.offset}|{t.src.nbytes}|".encode())
-    return h.hexdigest()[:32]
-
-
-def manifest_dict(
-    cat: Catalog, runs: list[PlannedRun], sums: dict[str, str], layers: int, plan: str, words: dict[str, str]
-) -> dict:
-    cfg = cat.config
-    return {
-        "format": FORMAT,
-        "fingerprint": cat.fingerprint,
-        "plan": plan,
-        "source": str(cat.root.resolve()),
-        "file": TRUNK_FILE,
-        "file_bytes": runs[-1].offset + runs[-1].nbytes if runs else 0,
-        "align": ALIGN,
-        "tensor_align": TENSOR_ALIGN,
-        "checksum": CHECKSUM,
-        "n_layers": cfg.n_layers,
-        "n_mtp": cfg.n_mtp,
-        "layers_packed": layers,
-        "complete": layers == cfg.n_layers,
-        "runs": [
-            {
-                "key": r.key,
-                "layer": r.layer,
-                "offset": r.offset,
-                "nbytes": r.nbytes,
-                "blake2b": sums[r.key],
-                "sum64": words[r.key],
-                "tensors": [
-                    {"name": t.src.name, "dtype": t.src.dtype, "shape": list(t.src.shape), "offset": t.offset,
-                     "nbytes": t.src.nbytes}
-                    for t in r.tensors
-                ],
-            }
-            for r in runs
-        ],
-    }  # fmt: skip
-
-
-def word_sum(b) -> int:
-    """Sum of the little-endian uint64 words of `b` (zero-padded to 8 bytes), modulo 2**64.
-
-    The cheap check run on every open: any single changed byte changes it, and numpy does it
-    at memory speed (blake2b runs at a fraction of a GB/s per core)."""
-    view = memoryview(b).cast("B")
-    whole = len(view) // 8 * 8
-    total = int(np.add.reduce(np.frombuffer(view[:whole], dtype="<u8"), dtype=np.uint64)) if whole else 0
-    if whole < len(view):
-        total += int.from_bytes(bytes(view[whole:]).ljust(8, b"\0"), "little")
-    return total % (1 << 64)
-
-
-def hash_range(
-    fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None] | None = None, path: str = "trunk file"
-) -> str:
-    """blake2b-128 of nbytes of an open file from offset; a short file is an error."""
-    return digest_range(fd, offset, nbytes, on_bytes, path)[0]
-
-
-def digest_range(
-    fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None] | None = None, path: str = "trunk file"
-) -> tuple[str, str]:
-    """(blake2b-128, word_sum as 16 hex digits) of nbytes from offset (a multiple of 8)."""
-    h = new_hash()
-    words = 0
-    done = 0
-    while done < nbytes:
-        try:
-            b = os.pread(fd, min(CHUNK, nbytes - done), offset + done)
-        except OSError as e:
-            raise ReadError(f"{path}: {e.strerror} at byte {offset + done}; check the disk") from None
-        if not b:
-            raise CheckpointError(f"{path}: short read at byte {offset + done}: the file ends before the run does")
-        h.update(b)
-        words += word_sum(b)
-        done += len(b)
-        if on_bytes:
-            on_bytes(len(b))
-    return h.hexdigest(), f"{words % (1 << 64):016x}"
 
 
 def _read_journal(path: Path, plan: str) -> dict[str, str] | None:
@@ -284,7 +126,7 @@ def _corrupt_runs(out_dir: Path, progress: bool) -> list[str]:
             for r in runs:
                 try:
                     ok = hash_range(fd, int(r["offset"]), int(r["nbytes"]), bar.update, str(m["file"])) == r["blake2b"]
-                except CheckpointError:
+                except ShortReadError:  # a truncated run fails its check; a disk error is raised
                     ok = False
                 if not ok:
                     bad.append(str(r["key"]))
@@ -360,7 +202,7 @@ class _Copier:
                         f"{e.path}: {err.strerror} reading '{e.name}' at byte {e.offset + done}; check the disk"
                     ) from None
                 if not b:
-                    raise CheckpointError(
+                    raise ShortReadError(
                         f"{e.path}: short read of '{e.name}' at byte {e.offset + done}; the shard is truncated"
                     )
                 h.update(b)
@@ -400,7 +242,7 @@ def pack_trunk(
         raise UsageError(f"--layers {layers}: the checkpoint has {cfg.n_layers} main layers; pass 0..{cfg.n_layers}")
     out = Path(out_dir) if out_dir is not None else default_out_dir(ckpt_dir)
     runs = plan_runs(cat, n)
-    plan = _plan_id(cat, runs)
+    plan = plan_id(cat, runs)
     check_out_dir(Path(ckpt_dir), out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     lock_fd = take_lock(lock_path(out), out)
@@ -441,7 +283,7 @@ def _meta_bytes(cat: Catalog, runs: list[PlannedRun], n: int) -> int:
         indent=1,
     )
     journal = 200 + 100 * len(runs)
-    return _round_up(len(manifest) + 1, ALIGN) * 2 + _round_up(journal, ALIGN)  # tmp + final manifest
+    return round_up(len(manifest) + 1, ALIGN) * 2 + round_up(journal, ALIGN)  # tmp + final manifest
 
 
 def _disk_full(stage: Path, data: Path, total: int, meta: int) -> BudgetError:
@@ -544,7 +386,8 @@ def _pack_locked(cat, runs, plan, n, out, replace, progress, on_run, t0) -> Pack
     _fsync_dir(stage)
     old = None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        assert replace and is_pack(out)  # refused before any work otherwise
+        if not (replace and is_pack(out)):  # refused before any work otherwise
+            raise InternalError(f"{out}: about to replace what is not a pack of ours")
         old = old_dir(out)
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out, old)

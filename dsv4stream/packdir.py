@@ -13,10 +13,8 @@ import os
 from pathlib import Path
 
 from .errors import Dsv4Error, UsageError
+from .trunkformat import FORMAT_FAMILY, MANIFEST, TRUNK_FILE
 
-FORMAT_FAMILY = "dsv4-trunk/"  # the marker that says a folder is a pack of ours, any version
-TRUNK_FILE = "trunk.bin"
-MANIFEST = "manifest.json"
 DEFAULT_DIRNAME = "dsv4-trunk"
 PACK_FILES = frozenset({MANIFEST, TRUNK_FILE})
 STAGE_FILES = PACK_FILES | {"journal.jsonl", "manifest.json.tmp", "lock"}
@@ -108,3 +106,13 @@ def drop_lock(path: Path, fd: int) -> None:
         path.unlink(missing_ok=True)
     finally:
         os.close(fd)
+
+
+def pack_hint(root: str | os.PathLike) -> str:
+    """How to pack this checkpoint's trunk: beside it, or elsewhere when its folder is read-only."""
+    if os.access(root, os.W_OK):
+        return f"`dsv4 pack-trunk {root}` once makes start-up faster"
+    return (
+        f"{root} is read-only: `dsv4 pack-trunk {root} OUT_DIR` with OUT_DIR elsewhere,"
+        " then --trunk OUT_DIR, makes start-up faster"
+    )

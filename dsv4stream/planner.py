@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from .config import ModelConfig
 from .errors import BudgetError
 from .spec import block_specs, drafter_nbytes, drafter_summary, released_nbytes
+from .store.directio import ALIGN
 
 GB = 1_000_000_000
-ALIGN = 4096
 # Interpreter, numpy/numba/tokenizers code and heaps, thread stacks, allocator slack:
 # measured as peak RSS of a run whose weights are negligible (bench/overhead.py: 208 MB with
 # the numba kernels, 118 MB with the numpy reference; python 3.11, 2 cpus), plus 15%.

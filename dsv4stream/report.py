@@ -17,7 +17,7 @@ from typing import IO, Self
 from tqdm import tqdm
 
 from .errors import InternalError
-from .runtime import RunStats
+from .runinfo import RunStats
 
 
 @dataclass(frozen=True)

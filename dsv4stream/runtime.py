@@ -1,24 +1,20 @@
 """A budgeted run: open a checkpoint under `--budget`, generate tokens, collect statistics.
 
-Owns: measuring what the process must hold from the actual checkpoint (`memory_needs`:
-layer and head groups as they are read, the expert slot size, state and staging
-estimates, the measured baseline overhead), planning it (`planner.plan`), wiring the
-streaming providers (`streaming`) into an `Engine`, `Runtime.generate` (the session's
-generation loop, timed and stopped at --ctx) and the figures of a run (`RunStats`). The CLI
-(`commands/run.py`), the demo and the benches go through `Runtime`; the math stays in
-`engine` / `model`.
+Owns: planning what `memory.memory_needs` measured (`planner.plan`), compiling the kernels
+outside the budget, wiring the streaming providers (`streaming`) into an `Engine`,
+`Runtime.generate` (the session's generation loop, timed and stopped at --ctx), and filling
+the run's figures (`runinfo.RunStats`). The CLI (`commands/run.py`), the demo and the benches
+go through `Runtime`; the math stays in `engine` / `model`.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import IO, Self
+from typing import Self
 
 import numpy as np
 
@@ -26,240 +22,22 @@ from . import kernels, planner, ticker
 from .catalog import Catalog
 from .engine import Engine, LayerHook, PrefillStep, Session
 from .errors import Dsv4Error, UsageError
-from .kernels import reference
-from .pack import MANIFEST, default_out_dir
-from .planner import MemoryNeeds, Plan
-from .profile import PROFILE_LABELS, DecodeProfile
+from .memory import main_expert_layouts, memory_needs, peak_rss_bytes
+from .packdir import default_out_dir, pack_hint
+from .planner import Plan
+from .profile import DecodeProfile
+from .runinfo import RunOptions, RunStats
 from .sampler import greedy
-from .spec import drafter_summary
 from .store import ExpertStore
-from .store.layout import expert_label, expert_layouts
-from .streaming import GroupReader, StreamedExperts, StreamedTrunk, TrunkLayout, trunk_layout
-from .trunkfile import TrunkFile
+from .store.layout import expert_label
+from .streaming.experts import StreamedExperts
+from .streaming.layout import trunk_layout
+from .streaming.reader import GroupReader
+from .streaming.ring import StreamedTrunk
+from .trunkfile import TrunkFile, open_trunk_file
 
 Pick = Callable[[np.ndarray], int]
 Warn = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """What a run may use. `budget` in bytes; `trunk`: a packed trunk directory, None for the
-    default one when it exists (CHECKPOINT/dsv4-trunk), or "" to read the shards only."""
-
-    budget: int
-    io: str = "direct"
-    verify: bool = False
-    threads: int | None = None  # kernel threads
-    io_threads: int = 4  # expert reader threads (queue depth)
-    trunk: str | os.PathLike | None = None
-    route_log: str | os.PathLike | IO[str] | None = None
-    ctx: int = 4096  # longest sequence the state estimate covers
-    chunk: int = planner.DEFAULT_CHUNK  # attention sub-chunk of a prefill segment
-    overhead: int = planner.DEFAULT_OVERHEAD
-    kept_states: int = 0  # session states a server keeps besides the live one (prefix reuse)
-    prefill_segment: int | None = None  # tokens per prefill segment (None: the planner's choice)
-
-
-@dataclass(frozen=True)
-class RunStats:
-    """Figures of a run so far (JSON-ready through `as_dict`). Bytes are as read from disk."""
-
-    generated_ids: list[int]
-    prompt_tokens: int
-    expert_requests: int
-    expert_hits: int
-    expert_misses: int
-    expert_evictions: int
-    expert_prefetches: int
-    prefetch_used: int
-    hit_rate: float
-    bytes_read: int  # routed experts
-    read_seconds: float  # wall time with an expert read in flight
-    read_gbps: float
-    exposed_io_seconds: float  # time the forward blocked on expert reads: I/O not hidden
-    verified_reads: int
-    verify_mismatches: int
-    cache_slots: int
-    slot_bytes: int
-    working_set_experts: int
-    trunk_pinned_layers: int
-    trunk_streamed_layers: int
-    trunk_reads: int
-    trunk_bytes_read: int
-    trunk_wait_seconds: float
-    trunk_out_of_order: int  # layer requests that broke the fixed order (read without overlap)
-    trunk_verified_reads: int
-    peak_rss_bytes: int
-    budget_bytes: int
-    planned_bytes: int
-    io_mode: str
-    io_fallback_files: int
-    kernel_backend: str
-    prefill_seconds: float
-    decode_tokens: int
-    decode_seconds_per_token: float  # decode only: prefill excluded
-    prefill_tokens_per_second: float
-    # one entry per `generate` call (a chat turn): tokens prefilled, seconds to its first token
-    turn_prompt_tokens: list[int] = field(default_factory=list)
-    first_token_seconds: list[float] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
-    prefill_segment: int = 0  # tokens per prefill segment the run used
-    prefill_stopped: str = ""  # where an interrupted prefill stopped ("" when none was)
-    # seconds per decode step by phase (PROFILE_PHASES): the products of routed-expert, trunk and
-    # head weights, blocked on expert / trunk reads, choosing the token, and the rest
-    decode_profile: dict[str, float] = field(default_factory=dict)
-    load_seconds: float = 0.0  # Runtime.open: catalog, plan, kernels, pinned trunk; before any prefill
-    decode_tokens_per_second: float = 0.0
-    # why each generate call (chat turn) ended: one of engine.STOP_REASONS; the last one on its own
-    stop_reasons: list[str] = field(default_factory=list)
-    stop_reason: str = ""
-    stopped_in_think: list[bool] = field(default_factory=list)  # the turn ended before </think>
-    unused: str = ""  # what the checkpoint holds that is not run (the mtp.* blocks)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def lines(self) -> list[str]:
-        """A short human summary."""
-        gb = 1e9
-        out = [
-            (
-                f"experts: {self.expert_requests} requests, {self.expert_hits} hits ({self.hit_rate:.1%}),"
-                f" {self.expert_misses} misses, {self.bytes_read / gb:.3f} GB read at {self.read_gbps:.2f} GB/s,"
-                f" {self.exposed_io_seconds:.2f} s waiting on reads; cache {self.cache_slots} slots"
-                f" (working set {self.working_set_experts})"
-            ),
-            f"trunk: {self.trunk_pinned_layers} layers pinned, {self.trunk_streamed_layers} streamed"
-            + (
-                f" ({self.trunk_reads} reads, {self.trunk_bytes_read / gb:.3f} GB, {self.trunk_wait_seconds:.2f} s waiting)"
-                if self.trunk_streamed_layers
-                else ""
-            ),
-            (
-                f"time: prefill {self.prompt_tokens} tokens in {self.prefill_seconds:.2f} s,"
-                f" decode {self.decode_seconds_per_token:.3f} s/token over {self.decode_tokens} tokens"
-                f" (kernels: {self.kernel_backend}, ready in {self.kernel_warmup_seconds:.2f} s)"
-            ),
-            *self._profile_lines(),
-            f"memory: peak RSS {self.peak_rss_bytes / gb:.3f} GB of --budget {self.budget_bytes / gb:.3f} GB"
-            + (
-                f"; verified {self.verified_reads} expert reads, {self.verify_mismatches} mismatches"
-                if self.verified_reads
-                else ""
-            ),
-        ]
-        return out + [f"warning: {w}" for w in self.warnings]
-
-    def _profile_lines(self) -> list[str]:
-        p = self.decode_profile
-        total = sum(p.values())
-        if not total:
-            return []
-        parts = ", ".join(f"{PROFILE_LABELS[k]} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in p.items())
-        return [f"decode per token ({total * 1e3:.1f} ms): {parts}"]
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (the kernel's VmHWM, in bytes).
-
-    Not getrusage's ru_maxrss: across fork + exec that figure keeps the parent's peak (the
-    pre-exec address space is the parent's), so a run started from a large process (a test
-    runner, `dsv4 bench`) would report the parent's memory as its own."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def kernel_scratch_bytes(cat: Catalog) -> int:
-    """Float32 scratch the kernels allocate for the largest linear (the numpy reference
-    dequantises row blocks; the fused backend's tile buffers are part of the overhead)."""
-    if kernels.backend_name() != "reference":
-        return 0
-    most = 0
-    for e in cat.entries.values():
-        if len(e.shape) == 2 and e.dtype in ("F8_E4M3", "I8", "BF16", "F32"):
-            cols = e.shape[1] * (2 if e.dtype == "I8" else 1)
-            most = max(most, reference.scratch_bytes(e.shape[0], cols))
-    return most
-
-
-def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOptions) -> MemoryNeeds:
-    """What the plan must place, measured on this checkpoint (layer groups as read, with
-    their aligned windows), plus the state / staging estimates and the baseline overhead."""
-    cfg = cat.config
-    return MemoryNeeds(
-        layer_bytes=layout.layer_bytes,
-        head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,
-        slot_bytes=slot_bytes,
-        state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (1 + opts.kept_states),
-        staging_bytes=planner.staging_bytes_for(cfg, opts.chunk, opts.ctx) + kernel_scratch_bytes(cat),
-        overhead_bytes=opts.overhead,
-        working_set=cfg.working_set_experts,
-        experts_per_token=cfg.num_experts_per_tok,
-        total_experts=cfg.n_layers * cfg.n_routed_experts,
-        segment_token_bytes=planner.segment_token_bytes(cfg),
-        segment_min=opts.chunk,
-        segment=opts.prefill_segment,
-        unused=drafter_summary(cfg, sum(e.nbytes for n, e in cat.entries.items() if n.startswith("mtp."))),
-    )
-
-
-def _expert_layouts(cat: Catalog) -> tuple[dict, dict]:
-    """Store layouts and piece orders of the main layers' experts (the MTP block is not run)."""
-    n = cat.config.n_layers
-    el = expert_layouts(cat.entries, n)
-    layouts = {k: v for k, v in el.layouts.items() if k[0] < n}
-    return layouts, {k: el.order[k] for k in layouts}
-
-
-def measure(checkpoint: str | os.PathLike, opts: RunOptions) -> MemoryNeeds:
-    """MemoryNeeds of this checkpoint as `Runtime.open` would plan it (reads headers only)."""
-    cat = Catalog.open(checkpoint)
-    tf = open_trunk_file(cat, opts.trunk)
-    layouts, _ = _expert_layouts(cat)
-    return memory_needs(cat, trunk_layout(cat, tf), ExpertStore.slot_nbytes(layouts), opts)
-
-
-def needs_of(path: str | os.PathLike, ctx: int = 4096) -> tuple[MemoryNeeds, str]:
-    """What the planner places for `path`, the one answer inspect, doctor and bench give:
-    measured on a checkpoint directory exactly as `dsv4 run` plans it (default trunk, ctx,
-    chunk, kernels), else estimated from a bare config.json; with where the sizes came from."""
-    p = Path(path)
-    if p.is_dir() and any(p.glob("*.safetensors")):
-        return measure(p, RunOptions(budget=planner.GB, ctx=ctx)), "measured on the checkpoint, as `dsv4 run` plans"
-    from .config import ModelConfig
-
-    cfg = ModelConfig.from_json(p / "config.json" if p.is_dir() else p)
-    return planner.needs_from_config(cfg, ctx=ctx), "estimated from config.json with the release dtypes"
-
-
-def pack_hint(root: str | os.PathLike) -> str:
-    """How to pack this checkpoint's trunk: beside it, or elsewhere when its folder is read-only."""
-    if os.access(root, os.W_OK):
-        return f"`dsv4 pack-trunk {root}` once makes start-up faster"
-    return (
-        f"{root} is read-only: `dsv4 pack-trunk {root} OUT_DIR` with OUT_DIR elsewhere,"
-        " then --trunk OUT_DIR, makes start-up faster"
-    )
-
-
-def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None, verify: bool = False) -> TrunkFile | None:
-    """The packed trunk to read from: the one named, else the default one if packed, else None."""
-    if trunk == "":
-        return None
-    if trunk is None:
-        default = default_out_dir(cat.root)
-        if not (default / MANIFEST).is_file():
-            return None
-        trunk = default
-    return TrunkFile.open(trunk, cat, verify=verify)
-
 
 COMPILE_CHILD = (
     "import os, sys, time; from dsv4stream import kernels; kernels.set_backend('fast'); "
@@ -369,7 +147,7 @@ class Runtime:
         tf = open_trunk_file(cat, opts.trunk, verify=opts.verify)
         placed = gpu.place(cat) if gpu is not None and gpu.enabled else None
         layout = trunk_layout(cat, tf, exclude=placed.tensor_names if placed is not None else frozenset())
-        layouts, order = _expert_layouts(cat)
+        layouts, order = main_expert_layouts(cat)
         if gpu is not None and gpu.enabled:
             # the CUDA context, CuPy and pinned activation buffers are host memory too
             d = cfg.hidden_size
@@ -593,51 +371,3 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def default_budget() -> int:
-    """80% of the memory available now (what `--budget` defaults to)."""
-    import psutil
-
-    return int(psutil.virtual_memory().available * 0.8)
-
-
-def budget_bytes(gb: float | None) -> int:
-    """--budget GB (decimal) -> bytes; None -> the default."""
-    if gb is None:
-        return default_budget()
-    if not (gb > 0 and math.isfinite(gb)):
-        raise UsageError(f"--budget {gb}: give a positive, finite number of GB (decimal, e.g. --budget 3)")
-    import psutil
-
-    total = psutil.virtual_memory().total
-    if gb * planner.GB > total:
-        # the plan fills the budget with expert slots as the run goes: beyond physical memory
-        # that ends with the kernel killing the run mid-answer, not with a message
-        raise UsageError(
-            f"--budget {gb:g} GB is above this machine's {total / planner.GB:.1f} GB of physical memory;"
-            f" give at most {total / planner.GB:.1f} (the budget is what the process may hold in RAM)"
-        )
-    return int(gb * planner.GB)
-
-
-def budget_warning(budget: int) -> str | None:
-    """A budget above the memory available now fits the machine but may push it into swapping."""
-    import psutil
-
-    available = psutil.virtual_memory().available
-    if budget <= available:
-        return None
-    return (
-        f"--budget {budget / planner.GB:.2f} GB is above the {available / planner.GB:.2f} GB of memory available now;"
-        " other programs may be swapped out, or this run killed, as the expert cache fills"
-    )
-
-
-def checkpoint_path(path: str | os.PathLike) -> Path:
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise UsageError(
-            f"{p}: not a checkpoint directory (no config.json); pass the folder holding config.json and *.safetensors"
-        )
-    return p

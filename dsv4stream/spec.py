@@ -1,7 +1,9 @@
 """Every tensor the model needs, with the dtypes and shapes the config implies.
 
-Owns: the list of expected checkpoint tensors under their release names, the role of each
-(embed, head, trunk, expert), and byte totals for planning. The catalog checks a checkpoint
+Owns: the one table of checkpoint tensor names (`BLOCK`, `MODEL`, `EXPERT_LINEARS`,
+`MTP_EXTRAS`: the model's named fields -> release names; every other module derives names
+from it), the list of expected checkpoint tensors, the role of each (embed, head, trunk,
+expert), and byte totals for planning. The catalog checks a checkpoint
 against this list before any math; the generator writes exactly this list.
 
 The `mtp.*` blocks come in two released layouts (`config.ModelConfig.layout`): the May
@@ -18,6 +20,7 @@ or F32 (no scale), or as FP8 with F32 scales; experts may have F32 scales.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -66,76 +69,140 @@ class TensorSpec:
         return None
 
 
+# ---- the one table of checkpoint tensor names --------------------------------------------
+# Block names follow the block prefix (`layer_prefix`: "layers.{i}." for main layer i,
+# "mtp.{k}." for drafter block k). A linear is named by its prefix (`linear_names`: PREFIX.weight
+# and, when quantized, PREFIX.scale); an mHC triple by its stem (`hc_names`); a compressor,
+# the shared expert and the routed experts by a prefix the names after them follow.
+LAYERS, MTP = "layers", "mtp"
+WEIGHT, SCALE = "weight", "scale"
+HC_PARTS = ("fn", "base", "scale")  # HcWeights / HcHeadWeights fields
+COMPRESSOR = {"wkv": "wkv", "wgate": "wgate", "ape": "ape", "norm": "norm.weight"}  # CompressorWeights
+EXPERT_LINEARS = ("w1", "w2", "w3")  # ExpertWeights fields, shared and routed
+BLOCK = {
+    "attn_norm": "attn_norm.weight",
+    "ffn_norm": "ffn_norm.weight",
+    "hc_attn": "hc_attn",
+    "hc_ffn": "hc_ffn",
+    "attn.wq_a": "attn.wq_a",
+    "attn.q_norm": "attn.q_norm.weight",
+    "attn.wq_b": "attn.wq_b",
+    "attn.wkv": "attn.wkv",
+    "attn.kv_norm": "attn.kv_norm.weight",
+    "attn.wo_a": "attn.wo_a",
+    "attn.wo_b": "attn.wo_b",
+    "attn.sink": "attn.attn_sink",
+    "attn.compressor": "attn.compressor.",
+    "attn.indexer.wq_b": "attn.indexer.wq_b",
+    "attn.indexer.weights_proj": "attn.indexer.weights_proj",
+    "attn.indexer.compressor": "attn.indexer.compressor.",
+    "moe.gate": "ffn.gate",
+    "moe.bias": "ffn.gate.bias",
+    "moe.tid2eid": "ffn.gate.tid2eid",
+    "moe.shared": "ffn.shared_experts.",
+    "moe.experts": "ffn.experts.",
+}
+MODEL = {"embed": "embed.weight", "norm": "norm.weight", "hc_head": "hc_head", "head": "head"}
+# The order an expert's tensors are handed to the MoE (BF16/F32 experts have no scales).
+EXPERT_TENSORS = tuple(f"{w}.{x}" for w in EXPERT_LINEARS for x in (WEIGHT, SCALE))
+# A routed expert's tensor: groups (LAYERS or MTP, block index, expert, one of EXPERT_TENSORS).
+EXPERT_NAME = re.compile(
+    rf"^({LAYERS}|{MTP})\.(\d+)\.{re.escape(BLOCK['moe.experts'])}(\d+)\."
+    rf"({'|'.join(re.escape(t) for t in EXPERT_TENSORS)})$"
+)
+
+
 def layer_prefix(cfg: ModelConfig, layer: int) -> str:
-    return f"layers.{layer}." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}."
+    return f"{LAYERS}.{layer}." if layer < cfg.n_layers else f"{MTP}.{layer - cfg.n_layers}."
+
+
+def block_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
+    """`BLOCK` under block `layer`'s prefix: field -> release name (or name prefix)."""
+    p = layer_prefix(cfg, layer)
+    return {k: p + v for k, v in BLOCK.items()}
 
 
 def expert_prefix(cfg: ModelConfig, layer: int, expert: int) -> str:
-    return f"{layer_prefix(cfg, layer)}ffn.experts.{expert}."
+    return f"{block_names(cfg, layer)['moe.experts']}{expert}."
+
+
+def linear_names(prefix: str) -> tuple[str, str]:
+    """(weight, scale) names of the linear `prefix`."""
+    return f"{prefix}.{WEIGHT}", f"{prefix}.{SCALE}"
+
+
+def hc_names(stem: str) -> tuple[str, ...]:
+    """Names of an mHC triple, in `HC_PARTS` order (fn, base, scale)."""
+    return tuple(f"{stem}_{x}" for x in HC_PARTS)
+
+
+def is_drafter(name: str) -> bool:
+    """A tensor of the mtp.* blocks (present, not run)."""
+    return name.startswith(MTP + ".")
 
 
 def _linear(name: str, rows: int, cols: int, role: str, layer: int | None, dtypes=LINEAR_DTYPES):
-    yield TensorSpec(name + ".weight", "linear", (rows, cols), dtypes, role, layer)
-    yield TensorSpec(name + ".scale", "scale", (), SCALE_DTYPES, role, layer, of=name + ".weight")
+    weight, scale = linear_names(name)
+    yield TensorSpec(weight, "linear", (rows, cols), dtypes, role, layer)
+    yield TensorSpec(scale, "scale", (), SCALE_DTYPES, role, layer, of=weight)
 
 
 def _plain(name: str, shape: tuple[int, ...], dtypes, role: str, layer: int | None):
     yield TensorSpec(name, "plain", shape, dtypes, role, layer)
 
 
-def hc_specs(cfg: ModelConfig, prefix: str, layer: int | None, what: str) -> Iterator[TensorSpec]:
+def hc_specs(cfg: ModelConfig, stem: str, layer: int | None) -> Iterator[TensorSpec]:
     hc, d = cfg.hc_mult, cfg.hidden_size
     mix = (2 + hc) * hc
-    yield from _plain(f"{prefix}hc_{what}_fn", (mix, hc * d), F32_DTYPES, "trunk", layer)
-    yield from _plain(f"{prefix}hc_{what}_base", (mix,), F32_DTYPES, "trunk", layer)
-    yield from _plain(f"{prefix}hc_{what}_scale", (3,), F32_DTYPES, "trunk", layer)
+    fn, base, scale = hc_names(stem)
+    yield from _plain(fn, (mix, hc * d), F32_DTYPES, "trunk", layer)
+    yield from _plain(base, (mix,), F32_DTYPES, "trunk", layer)
+    yield from _plain(scale, (3,), F32_DTYPES, "trunk", layer)
 
 
 def _compressor(cfg, prefix: str, layer: int, ratio: int, dim: int) -> Iterator[TensorSpec]:
     coff = 2 if ratio == 4 else 1  # ratio-4 windows overlap: two halves per slot
     d = cfg.hidden_size
-    yield from _linear(prefix + "wkv", coff * dim, d, "trunk", layer, BF16_LINEAR_DTYPES)
-    yield from _linear(prefix + "wgate", coff * dim, d, "trunk", layer, BF16_LINEAR_DTYPES)
-    yield from _plain(prefix + "ape", (ratio, coff * dim), F32_DTYPES, "trunk", layer)
-    yield from _plain(prefix + "norm.weight", (dim,), VECTOR_DTYPES, "trunk", layer)
+    c = {k: prefix + v for k, v in COMPRESSOR.items()}
+    yield from _linear(c["wkv"], coff * dim, d, "trunk", layer, BF16_LINEAR_DTYPES)
+    yield from _linear(c["wgate"], coff * dim, d, "trunk", layer, BF16_LINEAR_DTYPES)
+    yield from _plain(c["ape"], (ratio, coff * dim), F32_DTYPES, "trunk", layer)
+    yield from _plain(c["norm"], (dim,), VECTOR_DTYPES, "trunk", layer)
 
 
 def block_specs(cfg: ModelConfig, layer: int, with_experts: bool = True) -> Iterator[TensorSpec]:
     """Tensors of one transformer block (main layer or MTP block), experts included."""
-    p = layer_prefix(cfg, layer)
+    n = block_names(cfg, layer)
     d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     ratio = cfg.ratio(layer)
-    yield from _plain(p + "attn_norm.weight", (d,), VECTOR_DTYPES, "trunk", layer)
-    yield from _plain(p + "ffn_norm.weight", (d,), VECTOR_DTYPES, "trunk", layer)
-    yield from hc_specs(cfg, p, layer, "attn")
-    yield from hc_specs(cfg, p, layer, "ffn")
-    a = p + "attn."
-    yield from _linear(a + "wq_a", cfg.q_lora_rank, d, "trunk", layer)
-    yield from _plain(a + "q_norm.weight", (cfg.q_lora_rank,), VECTOR_DTYPES, "trunk", layer)
-    yield from _linear(a + "wq_b", h * hd, cfg.q_lora_rank, "trunk", layer)
-    yield from _linear(a + "wkv", hd, d, "trunk", layer)
-    yield from _plain(a + "kv_norm.weight", (hd,), VECTOR_DTYPES, "trunk", layer)
-    yield from _linear(a + "wo_a", cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups, "trunk", layer)
-    yield from _linear(a + "wo_b", d, cfg.o_groups * cfg.o_lora_rank, "trunk", layer)
-    yield from _plain(a + "attn_sink", (h,), F32_DTYPES, "trunk", layer)
+    yield from _plain(n["attn_norm"], (d,), VECTOR_DTYPES, "trunk", layer)
+    yield from _plain(n["ffn_norm"], (d,), VECTOR_DTYPES, "trunk", layer)
+    yield from hc_specs(cfg, n["hc_attn"], layer)
+    yield from hc_specs(cfg, n["hc_ffn"], layer)
+    yield from _linear(n["attn.wq_a"], cfg.q_lora_rank, d, "trunk", layer)
+    yield from _plain(n["attn.q_norm"], (cfg.q_lora_rank,), VECTOR_DTYPES, "trunk", layer)
+    yield from _linear(n["attn.wq_b"], h * hd, cfg.q_lora_rank, "trunk", layer)
+    yield from _linear(n["attn.wkv"], hd, d, "trunk", layer)
+    yield from _plain(n["attn.kv_norm"], (hd,), VECTOR_DTYPES, "trunk", layer)
+    yield from _linear(n["attn.wo_a"], cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups, "trunk", layer)
+    yield from _linear(n["attn.wo_b"], d, cfg.o_groups * cfg.o_lora_rank, "trunk", layer)
+    yield from _plain(n["attn.sink"], (h,), F32_DTYPES, "trunk", layer)
     if ratio:
-        yield from _compressor(cfg, a + "compressor.", layer, ratio, hd)
+        yield from _compressor(cfg, n["attn.compressor"], layer, ratio, hd)
     if ratio == 4 and cfg.layer_kind(layer) == CSA:
         ih, ihd = cfg.index_n_heads, cfg.index_head_dim
-        yield from _linear(a + "indexer.wq_b", ih * ihd, cfg.q_lora_rank, "trunk", layer)
-        yield from _linear(a + "indexer.weights_proj", ih, d, "trunk", layer, BF16_LINEAR_DTYPES)
-        yield from _compressor(cfg, a + "indexer.compressor.", layer, 4, ihd)
-    f = p + "ffn."
+        yield from _linear(n["attn.indexer.wq_b"], ih * ihd, cfg.q_lora_rank, "trunk", layer)
+        yield from _linear(n["attn.indexer.weights_proj"], ih, d, "trunk", layer, BF16_LINEAR_DTYPES)
+        yield from _compressor(cfg, n["attn.indexer.compressor"], layer, 4, ihd)
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    yield from _plain(f + "gate.weight", (e, d), VECTOR_DTYPES, "trunk", layer)
+    yield from _plain(linear_names(n["moe.gate"])[0], (e, d), VECTOR_DTYPES, "trunk", layer)
     if cfg.is_hash_layer(layer):
-        yield from _plain(f + "gate.tid2eid", (cfg.vocab_size, k), ("I64", "I32"), "trunk", layer)
+        yield from _plain(n["moe.tid2eid"], (cfg.vocab_size, k), ("I64", "I32"), "trunk", layer)
     else:
-        yield from _plain(f + "gate.bias", (e,), F32_DTYPES, "trunk", layer)
+        yield from _plain(n["moe.bias"], (e,), F32_DTYPES, "trunk", layer)
     m = cfg.moe_intermediate_size * cfg.n_shared_experts
-    yield from _linear(f + "shared_experts.w1", m, d, "trunk", layer)
-    yield from _linear(f + "shared_experts.w2", d, m, "trunk", layer)
-    yield from _linear(f + "shared_experts.w3", m, d, "trunk", layer)
+    for w, (r, c) in zip(EXPERT_LINEARS, ((m, d), (d, m), (m, d)), strict=True):
+        yield from _linear(n["moe.shared"] + w, r, c, "trunk", layer)
     if with_experts:
         for x in range(e):
             yield from expert_specs(cfg, layer, x)
@@ -145,9 +212,10 @@ def expert_specs(cfg: ModelConfig, layer: int, expert: int) -> Iterator[TensorSp
     p = expert_prefix(cfg, layer, expert)
     d, m = cfg.hidden_size, cfg.moe_intermediate_size
     wdt = ("I8",) if cfg.expert_dtype == "fp4" else ("F8_E4M3",)
-    for w, (r, c) in (("w1", (m, d)), ("w2", (d, m)), ("w3", (m, d))):
-        yield TensorSpec(p + w + ".weight", "expert", (r, c), wdt, "expert", layer)
-        yield TensorSpec(p + w + ".scale", "scale", (), SCALE_DTYPES, "expert", layer, of=p + w + ".weight")
+    for w, (r, c) in zip(EXPERT_LINEARS, ((m, d), (d, m), (m, d)), strict=True):
+        weight, scale = linear_names(p + w)
+        yield TensorSpec(weight, "expert", (r, c), wdt, "expert", layer)
+        yield TensorSpec(scale, "scale", (), SCALE_DTYPES, "expert", layer, of=weight)
 
 
 # Tensors each layout adds to its mtp.K blocks beyond a transformer block:
@@ -209,14 +277,15 @@ def mtp_extra_specs(cfg: ModelConfig, k: int) -> Iterator[TensorSpec]:
 def model_specs(cfg: ModelConfig, with_experts: bool = True) -> Iterator[TensorSpec]:
     """Every tensor of the checkpoint, in model order."""
     d, v, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
-    yield from _plain("embed.weight", (v, d), VECTOR_DTYPES, "embed", None)
+    yield from _plain(MODEL["embed"], (v, d), VECTOR_DTYPES, "embed", None)
     for layer in range(cfg.n_layers):
         yield from block_specs(cfg, layer, with_experts)
-    yield from _plain("norm.weight", (d,), VECTOR_DTYPES, "trunk", None)
-    yield from _plain("hc_head_fn", (hc, hc * d), F32_DTYPES, "trunk", None)
-    yield from _plain("hc_head_base", (hc,), F32_DTYPES, "trunk", None)
-    yield from _plain("hc_head_scale", (1,), F32_DTYPES, "trunk", None)
-    yield from _plain("head.weight", (v, d), VECTOR_DTYPES, "head", None)
+    yield from _plain(MODEL["norm"], (d,), VECTOR_DTYPES, "trunk", None)
+    fn, base, scale = hc_names(MODEL["hc_head"])
+    yield from _plain(fn, (hc, hc * d), F32_DTYPES, "trunk", None)
+    yield from _plain(base, (hc,), F32_DTYPES, "trunk", None)
+    yield from _plain(scale, (1,), F32_DTYPES, "trunk", None)
+    yield from _plain(linear_names(MODEL["head"])[0], (v, d), VECTOR_DTYPES, "head", None)
     for k in range(cfg.n_mtp):
         yield from mtp_extra_specs(cfg, k)
         yield from block_specs(cfg, cfg.n_layers + k, with_experts)

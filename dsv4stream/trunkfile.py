@@ -25,7 +25,8 @@ import numpy as np
 
 from .catalog import NP_DTYPE, Catalog, pread_exact
 from .errors import CheckpointError, ReadError
-from .pack import ALIGN, FORMAT, MANIFEST, hash_range, staging_dir, word_sum
+from .packdir import default_out_dir, staging_dir
+from .trunkformat import ALIGN, FORMAT, MANIFEST, hash_range, word_sum
 
 CHECK_CHUNK = 16 << 20  # bytes read at a time by check_words: bounds its memory
 PROBE_BYTES = 32 << 10  # per run, compared with the shards at open: cheap, yet tells twins apart
@@ -53,7 +54,7 @@ class TrunkRun:
     nbytes: int  # multiple of 4096; the checksum covers all of it
     checksum: str  # blake2b-128 hex
     tensors: tuple[TrunkTensor, ...]
-    sum64: str | None = None  # pack.word_sum as 16 hex digits; None in packs written before it
+    sum64: str | None = None  # trunkformat.word_sum as 16 hex digits; None in packs written before it
 
     @property
     def what(self) -> str:
@@ -330,3 +331,15 @@ def _pread(path: str, offset: int, nbytes: int, fd: int | None = None) -> np.nda
             )
         got += n
     return buf
+
+
+def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None, verify: bool = False) -> TrunkFile | None:
+    """The packed trunk to read from: the one named, else the default one if packed, else None."""
+    if trunk == "":
+        return None
+    if trunk is None:
+        default = default_out_dir(cat.root)
+        if not (default / MANIFEST).is_file():
+            return None
+        trunk = default
+    return TrunkFile.open(trunk, cat, verify=verify)

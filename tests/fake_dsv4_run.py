@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 
-from dsv4stream import simulate as sim
-from dsv4stream.runtime import peak_rss_bytes
+from dsv4stream.memory import peak_rss_bytes
+from dsv4stream.tools import simulate as sim
 
 ap = argparse.ArgumentParser()
 ap.add_argument("cmd")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from dsv4stream.benchplot import plot_sweep
 from dsv4stream.errors import UsageError
+from dsv4stream.tools.benchplot import plot_sweep
 
 pytest.importorskip("matplotlib")
 

@@ -16,14 +16,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream import chat, synth
+from dsv4stream import chat
 from dsv4stream.cli import main
 from dsv4stream.commands.run import run as run_cmd
 from dsv4stream.engine import Engine
 from dsv4stream.repl import ChatSettings, Conversation, Interrupt, answer, chat_loop
 from dsv4stream.report import PrefillBar, Reads, report_lines
-from dsv4stream.runtime import RunOptions, Runtime
+from dsv4stream.runinfo import RunOptions
+from dsv4stream.runtime import Runtime
 from dsv4stream.tokenizer import EOS, Tokenizer, pack_tokenizer
+from dsv4stream.tools import synth
 
 DSV4 = Path(sys.executable).with_name("dsv4")
 

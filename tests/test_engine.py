@@ -16,7 +16,7 @@ from dsv4stream.commands.logits import logits as logits_cmd
 from dsv4stream.engine import Engine
 from dsv4stream.errors import UsageError
 from dsv4stream.spec import expert_prefix
-from dsv4stream.streaming import StreamedExperts
+from dsv4stream.streaming.experts import StreamedExperts
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MIXED = FIXTURES / "mixed"

@@ -9,13 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream import cli, synth
+from dsv4stream import cli
 from dsv4stream.catalog import Catalog
 from dsv4stream.errors import CheckpointError, Dsv4Error, InternalError, ReadError, ShortReadError
 from dsv4stream.model.ops import topk_lowest_index
 from dsv4stream.profile import DecodeProfile
 from dsv4stream.store.directio import FileSet, aligned_buffer, plan_slot
 from dsv4stream.store.layout import expert_layouts
+from dsv4stream.streaming.rows import RowReader
+from dsv4stream.tools import synth
+from dsv4stream.trunkformat import digest_range
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +37,8 @@ def last_in_its_shard(cat: Catalog, prefix: str = "") -> str:
 
 
 def test_a_truncated_shard_is_one_short_read_error_wherever_it_is_read(truncated):
+    """The catalog, the expert store's aligned reads, the embedding rows and the packed
+    trunk's checksums all read the same truncated bytes: one error class."""
     cat = truncated
     errors = []
     with pytest.raises(ShortReadError) as e:
@@ -53,9 +58,20 @@ def test_a_truncated_shard_is_one_short_read_error_wherever_it_is_read(truncated
             files.read(w, buf)
     files.close()
     errors.append(e.value)
+    rows = RowReader(embed)
+    with pytest.raises(ShortReadError) as e:
+        rows.rows(np.array([embed.shape[0] - 1]))
+    rows.close()
+    errors.append(e.value)
+    last = cat.entry(last_in_its_shard(cat))
+    fd = os.open(last.path, os.O_RDONLY)
+    with pytest.raises(ShortReadError) as e:
+        digest_range(fd, last.offset // 8 * 8, 8 * -(-last.nbytes // 8), path=last.path)
+    os.close(fd)
+    errors.append(e.value)
     # one class, still a checkpoint problem for code that catches those, one line each
     assert all(isinstance(x, ReadError) and isinstance(x, CheckpointError) for x in errors)
-    assert all("\n" not in str(x) and ("truncated" in str(x) or "shorter" in str(x)) for x in errors)
+    assert all("\n" not in str(x) and "short read" in str(x) for x in errors) and len(errors) == 5
 
 
 def test_a_bug_keeps_its_traceback_and_a_user_problem_is_one_line(monkeypatch, capsys):

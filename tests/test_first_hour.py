@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 from test_cli import ckpt, stats_of, tok  # noqa: F401  fixtures and helpers shared with the CLI tests
 
-from dsv4stream import chat, synth, ticker
+from dsv4stream import chat, ticker
 from dsv4stream.cli import main
 from dsv4stream.commands import run as run_mod
 from dsv4stream.commands.bench import below_working_set, budget_slots, memory_needs, sweep_title
@@ -28,11 +28,14 @@ from dsv4stream.commands.inspect import inspect
 from dsv4stream.commands.run import banned_ids, make_pick
 from dsv4stream.engine import Engine
 from dsv4stream.errors import BudgetError
+from dsv4stream.packdir import pack_hint
 from dsv4stream.planner import GB, plan
 from dsv4stream.repl import Interrupt, Stopped, answer, no_echo, read_turn
-from dsv4stream.runtime import RunOptions, Runtime, pack_hint
+from dsv4stream.runinfo import RunOptions
+from dsv4stream.runtime import Runtime
 from dsv4stream.sampler import SamplingParams
 from dsv4stream.tokenizer import real_tokenizer_files
+from dsv4stream.tools import synth
 
 PLACEHOLDER = 128091  # <｜place▁holder▁no▁91｜> in the release tokenizer.json
 

@@ -19,7 +19,7 @@ from dsv4stream.engine import Engine
 from dsv4stream.gpu import affinity, context, cuda, plan
 from dsv4stream.gpu.device import DeviceQWeight, HostOps
 from dsv4stream.kernels import QWeight
-from dsv4stream.model.providers import CatalogExperts, CatalogTrunk
+from dsv4stream.providers import CatalogExperts, CatalogTrunk
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WIRED = getattr(kernels.QWeight, "on_device", None) is False  # kernels/__init__.py dispatches device weights
@@ -462,8 +462,9 @@ def test_placed_source_delegates_everything_else(mixed) -> None:
 
 @pytest.mark.parametrize("budget_mb", [1000, 1])
 def test_runtime_with_gpu_gives_the_same_ids(monkeypatch, mixed, budget_mb: int) -> None:
-    from dsv4stream.runtime import RunOptions, Runtime
-    from dsv4stream.streaming import trunk_layout
+    from dsv4stream.runinfo import RunOptions
+    from dsv4stream.runtime import Runtime
+    from dsv4stream.streaming.layout import trunk_layout
 
     monkeypatch.setattr(context, "available", lambda: (True, "1 CUDA device"))
     monkeypatch.setattr(cuda, "CudaOps", FakeCudaOps)

@@ -212,7 +212,7 @@ def test_pair_and_grouped_equal_the_separate_products():
         g, u = fast.matmul_pair(w1, w3, xs)
         assert np.array_equal(g, fast.matmul(w1, xs)) and np.array_equal(u, fast.matmul(w3, xs))
     # the grouped output projection: row blocks of one tensor, each meeting its own input
-    from dsv4stream.model.weights import split_rows
+    from dsv4stream.loading import split_rows
 
     for kind, rows, cols, groups in (("fp8", 1024, 256, 4), ("f32", 96, 64, 3), ("bf16", 40, 48, 2)):
         parts = split_rows(weight(kind, rows, cols, rng), groups)

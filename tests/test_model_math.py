@@ -10,13 +10,13 @@ import pytest
 
 from dsv4stream import formats
 from dsv4stream.kernels import QWeight, dense, matmul
+from dsv4stream.loading import split_rows
 from dsv4stream.model.attention import WindowCache, attend
 from dsv4stream.model.compressor import CompressorState, CompressorWeights, compress
 from dsv4stream.model.mhc import HcWeights, hc_post, hc_pre
 from dsv4stream.model.moe import ExpertWeights, MoeWeights, route, routed_experts, swiglu
 from dsv4stream.model.ops import rms_norm, topk_lowest_index
 from dsv4stream.model.rope import Rope, apply_rope, plain_inv_freq, yarn_inv_freq
-from dsv4stream.model.weights import split_rows
 
 RNG = np.random.default_rng(0)
 

@@ -15,12 +15,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream import pack, synth
+from dsv4stream import pack
 from dsv4stream.catalog import Catalog
 from dsv4stream.commands.pack import pack_trunk_cmd
 from dsv4stream.errors import BudgetError, CheckpointError, UsageError
-from dsv4stream.pack import MANIFEST, TRUNK_FILE, pack_trunk, staging_dir
+from dsv4stream.pack import pack_trunk
+from dsv4stream.packdir import staging_dir
+from dsv4stream.tools import synth
 from dsv4stream.trunkfile import TrunkFile
+from dsv4stream.trunkformat import MANIFEST, TRUNK_FILE, plan_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "model", "head"]  # mtp.* is not run: not packed
@@ -156,7 +159,7 @@ def test_resume_after_sigkill(ckpt, cat, packed, tmp_path):
     journal = [json.loads(x) for x in (stage / "journal.jsonl").read_text().splitlines()]
     assert [d["key"] for d in journal[1:]] == KEYS[:3]
     # damage one journaled run: the resume must rewrite it, and keep the other two
-    m_run1 = pack.plan_runs(cat)[1]
+    m_run1 = plan_runs(cat)[1]
     flip(stage / TRUNK_FILE, m_run1.tensors[-1].offset + 5)
     seen = []
     r = pack_trunk(ckpt, out, progress=False, on_run=lambda k, w: seen.append((k, w)))
@@ -225,7 +228,7 @@ def test_refuses_trunk_of_another_checkpoint(packed, tmp_path):
 
 
 def test_disk_space_check(ckpt, cat, tmp_path, monkeypatch):
-    data = sum(r.nbytes for r in pack.plan_runs(cat))
+    data = sum(r.nbytes for r in plan_runs(cat))
     # exactly the trunk's bytes free: the manifest would not fit, so it must be refused up front
     monkeypatch.setattr(pack.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - data, data))
     out = tmp_path / "trunk"

@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream import pack, synth
+from dsv4stream import pack
 from dsv4stream.catalog import Catalog
 from dsv4stream.cli import cli
 from dsv4stream.errors import BudgetError, Dsv4Error, UsageError
-from dsv4stream.pack import MANIFEST, TRUNK_FILE, lock_path, pack_trunk, staging_dir
+from dsv4stream.pack import pack_trunk
+from dsv4stream.packdir import lock_path, staging_dir
+from dsv4stream.tools import synth
 from dsv4stream.trunkfile import TrunkFile
+from dsv4stream.trunkformat import MANIFEST, TRUNK_FILE, plan_runs
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def cat(ckpt) -> Catalog:
 
 @pytest.fixture(scope="module")
 def keys(cat) -> tuple[str, ...]:
-    return tuple(r.key for r in pack.plan_runs(cat))
+    return tuple(r.key for r in plan_runs(cat))
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +201,7 @@ def test_a_pack_killed_after_its_manifest_is_finished_not_discarded(ckpt, cat, g
 
 def test_a_full_disk_names_the_space_and_the_resume_fits(ckpt, cat, good, tmp_path, monkeypatch):
     out = tmp_path / "trunk"
-    runs = pack.plan_runs(cat)
+    runs = plan_runs(cat)
     total = runs[-1].offset + runs[-1].nbytes
     stop_at = runs[2].offset + runs[2].nbytes - 8192  # most of layers.1 is on disk when the disk fills
     real = os.pwrite

@@ -126,8 +126,9 @@ def test_inspect_config_only_prints_the_plan_for_a_budget():
 def test_config_estimate_matches_what_a_run_measures(tmp_path):
     """`inspect --config-only --budget` and `doctor` plan from config.json alone: their sizes
     must agree with what `dsv4 run` measures on the shards (within 2%)."""
-    from dsv4stream import synth
-    from dsv4stream.runtime import RunOptions, measure
+    from dsv4stream.memory import measure
+    from dsv4stream.runinfo import RunOptions
+    from dsv4stream.tools import synth
 
     ckpt = synth.make_checkpoint(tmp_path / "c", "tiny", seed=3, hidden_size=256, moe_intermediate_size=256)
     opts = RunOptions(budget=GB, trunk="")

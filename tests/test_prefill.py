@@ -10,11 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream import planner, synth
+from dsv4stream import planner
 from dsv4stream.engine import Engine, PrefillStep
 from dsv4stream.errors import BudgetError, UsageError
-from dsv4stream.runtime import RunOptions, Runtime, measure
+from dsv4stream.memory import measure
+from dsv4stream.runinfo import RunOptions
+from dsv4stream.runtime import Runtime
 from dsv4stream.store import ExpertStore
+from dsv4stream.tools import synth
 
 PROMPT = np.random.default_rng(7).integers(2, 500, 48).tolist()
 

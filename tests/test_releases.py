@@ -25,14 +25,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream import chat, synth
+from dsv4stream import chat
 from dsv4stream.catalog import Catalog
 from dsv4stream.config import DSPARK, PREVIEW, ModelConfig
 from dsv4stream.errors import CheckpointError, ConfigError, UsageError
 from dsv4stream.planner import needs_from_config, plan
 from dsv4stream.spec import model_specs, released_nbytes
+from dsv4stream.tools import synth
 
-PKG = Path(synth.__file__).parent
+PKG = Path(synth.__file__).resolve().parents[1]  # the package folder holding the config JSONs
 FLASH = json.loads((PKG / "v4_flash_config.json").read_text())
 PRO = json.loads((PKG / "v4_pro_config.json").read_text())
 FLASH_0731 = {
@@ -226,7 +227,8 @@ def test_exact_presets_shard_as_the_release():
 
 def test_0731_runs_with_the_drafter_unused(tiny0731, tmp_path):
     from dsv4stream.pack import pack_trunk
-    from dsv4stream.runtime import RunOptions, Runtime
+    from dsv4stream.runinfo import RunOptions
+    from dsv4stream.runtime import Runtime
 
     r = pack_trunk(tiny0731, tmp_path / "trunk", progress=False)
     assert not [k for k in r.written if k.startswith("mtp.")]

@@ -13,10 +13,12 @@ import pytest
 from click.testing import CliRunner
 from store_files import o_direct_refusal
 
-from dsv4stream import planner, synth
+from dsv4stream import planner
 from dsv4stream.commands.run import run as run_cmd
 from dsv4stream.engine import Engine
-from dsv4stream.runtime import RunOptions, measure
+from dsv4stream.memory import measure
+from dsv4stream.runinfo import RunOptions
+from dsv4stream.tools import synth
 
 FIELDS = (
     "generated_ids", "expert_requests", "expert_hits", "expert_misses", "bytes_read", "verified_reads",

@@ -17,15 +17,17 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream import synth
 from dsv4stream.catalog import Catalog
 from dsv4stream.commands.run import run as run_cmd
 from dsv4stream.engine import Engine
 from dsv4stream.errors import ReadError
+from dsv4stream.memory import measure
 from dsv4stream.pack import pack_trunk
 from dsv4stream.planner import minimum_budget
-from dsv4stream.runtime import RunOptions, Runtime, measure
+from dsv4stream.runinfo import RunOptions
+from dsv4stream.runtime import Runtime
 from dsv4stream.tokenizer import pack_tokenizer
+from dsv4stream.tools import synth
 from dsv4stream.trunkfile import TrunkFile
 
 CODE = "from dsv4stream.cli import main; main()"

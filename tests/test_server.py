@@ -22,12 +22,13 @@ import pytest
 from server_proc import CODE, Server, free_port, one_thread_engine
 from test_dsml import EXPECTED_TOOLS_SECTION, WEATHER
 
-from dsv4stream import chat, synth
+from dsv4stream import chat
 from dsv4stream.catalog import Catalog
 from dsv4stream.commands.serve import is_loopback
 from dsv4stream.engine import Engine
 from dsv4stream.server.cache import checkpoint_identity, prefix_names
 from dsv4stream.tokenizer import Tokenizer
+from dsv4stream.tools import synth
 
 CTX = 512
 GEN = 6

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from store_files import make_files
 
-from dsv4stream import synth
 from dsv4stream.catalog import Catalog
 from dsv4stream.errors import CheckpointError, InternalError
 from dsv4stream.store.directio import ALIGN, plan_slot
 from dsv4stream.store.layout import EXPERT_TENSORS, expert_layouts
 from dsv4stream.store.runs import Piece, Run, layout_nbytes, layout_pieces, merge_pieces
+from dsv4stream.tools import synth
 
 U8 = np.dtype(np.uint8)
 

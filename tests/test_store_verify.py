@@ -12,12 +12,13 @@ import pytest
 from click.testing import CliRunner
 from store_files import make_files
 
-from dsv4stream import catalog, synth
+from dsv4stream import catalog
 from dsv4stream.commands.run import run as run_cmd
 from dsv4stream.errors import VerifyError
 from dsv4stream.store import ExpertStore, directio
 from dsv4stream.store.layout import expert_label
 from dsv4stream.store.runs import Run
+from dsv4stream.tools import synth
 
 QUIET = {"warn": lambda m: None}
 

@@ -10,18 +10,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream import planner, synth
+from dsv4stream import planner
 from dsv4stream.catalog import Catalog
 from dsv4stream.engine import Engine
 from dsv4stream.errors import BudgetError
-from dsv4stream.model.providers import CatalogTrunk
-from dsv4stream.model.weights import load_layer
+from dsv4stream.loading import load_layer
+from dsv4stream.memory import measure
 from dsv4stream.pack import pack_trunk
-from dsv4stream.runtime import RunOptions, Runtime, measure
+from dsv4stream.providers import CatalogTrunk
+from dsv4stream.runinfo import RunOptions
+from dsv4stream.runtime import Runtime
 from dsv4stream.store import ExpertStore
 from dsv4stream.store.directio import aligned_buffer
 from dsv4stream.store.layout import expert_layouts
-from dsv4stream.streaming import GroupReader, StreamedExperts, ViewSource, trunk_layout
+from dsv4stream.streaming.experts import StreamedExperts
+from dsv4stream.streaming.layout import trunk_layout
+from dsv4stream.streaming.reader import GroupReader
+from dsv4stream.streaming.ring import ViewSource
+from dsv4stream.tools import synth
 
 PROMPT = [3, 17, 101, 5, 250, 7, 9, 64, 33, 2]
 GEN = 8
@@ -176,14 +182,14 @@ def test_hash_layer_experts_are_requested_as_soon_as_the_token_is_known(ckpt) ->
 
 
 def test_verify_catches_a_misplaced_trunk_layer(ckpt, monkeypatch) -> None:
-    from dsv4stream import streaming
     from dsv4stream.errors import VerifyError
+    from dsv4stream.streaming import reader
 
     def shifted(buf, layout, plan):  # every tensor one byte off: the bug the verifier is for
         return real(buf[1:], layout, plan)
 
-    real = streaming.piece_views
-    monkeypatch.setattr(streaming, "piece_views", shifted)
+    real = reader.piece_views
+    monkeypatch.setattr(reader, "piece_views", shifted)
     with pytest.raises(VerifyError, match=r"layer 0 tensor layers\.0\..* bytes differ"):
         Runtime.open(ckpt, RunOptions(budget=budget_for(ckpt, 8), overhead=0, chunk=4, verify=True))
 

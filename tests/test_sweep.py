@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream import sweep
 from dsv4stream.commands.bench import bench
 from dsv4stream.errors import Dsv4Error
-from dsv4stream.synth import release_config
+from dsv4stream.tools import sweep
+from dsv4stream.tools.synth import release_config
 
 FAKE = (sys.executable, str(Path(__file__).with_name("fake_dsv4_run.py")))
 

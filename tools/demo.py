@@ -28,9 +28,9 @@ PROMPT = "Explain in one sentence why a model can run with less memory than its 
 
 def prepare(root: Path) -> Path:
     """The demo checkpoint with its packed trunk and tokenizer, made once."""
-    from dsv4stream import synth
     from dsv4stream.pack import pack_trunk
     from dsv4stream.tokenizer import default_pack_path, pack_tokenizer
+    from dsv4stream.tools import synth
 
     ckpt = root / "checkpoint"
     if not (ckpt / "config.json").is_file():  # make_checkpoint renames a finished directory into place
@@ -48,8 +48,9 @@ def pick_budget(ckpt: Path, opts_kw: dict) -> tuple[int, int, int]:
     """(budget, checkpoint bytes, smallest budget): the whole trunk resident and a cache of a
     third of the experts."""
     from dsv4stream.catalog import Catalog
+    from dsv4stream.memory import measure
     from dsv4stream.planner import minimum_budget
-    from dsv4stream.runtime import RunOptions, measure
+    from dsv4stream.runinfo import RunOptions
 
     n = measure(ckpt, RunOptions(budget=1, **opts_kw))
     budget = n.trunk_resident_bytes + n.total_experts // 3 * n.slot_bytes
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from dsv4stream import chat, kernels
     from dsv4stream.commands.run import banned_ids, make_pick
     from dsv4stream.errors import Dsv4Error
-    from dsv4stream.runtime import RunOptions, Runtime
+    from dsv4stream.runinfo import RunOptions
+    from dsv4stream.runtime import Runtime
     from dsv4stream.sampler import SamplingParams
     from dsv4stream.tokenizer import Tokenizer, default_pack_path
 

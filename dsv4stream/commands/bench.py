@@ -2,8 +2,8 @@
 the what-if replay of a route log (`dsv4 bench simulate ROUTE_LOG ...`).
 
 Owns the command line, the budget -> expert-slot conversion (through the planner), the
-table and the CSV / JSON / PNG outputs. The policies live in `dsv4stream.simulate`, the
-figure in `dsv4stream.benchplot`.
+table and the CSV / JSON / PNG outputs. The policies live in `dsv4stream.tools.simulate`, the
+figure in `dsv4stream.tools.benchplot`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import click
 
-from .. import simulate as sim
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..planner import GB, MemoryNeeds, plan, smallest_budget
+from ..tools import simulate as sim
 from .registry import check_not_a_typo
 
 
@@ -78,7 +78,7 @@ def run_sweep(
     """Run the same greedy generation at each budget, each in a fresh process from a cold
     cache with direct I/O, and record hit rate, bytes read, read GB/s, exposed I/O,
     prefill tok/s, decode s/token and peak RSS. Fails if the token ids differ."""
-    from .. import sweep as sw
+    from ..tools import sweep as sw
 
     if sum(x is not None for x in (prompt, prompt_file, prompt_ids)) > 1:
         raise UsageError("give at most one of --prompt, --prompt-file, --prompt-ids")
@@ -100,7 +100,7 @@ def run_sweep(
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(out_dir / "bench.csv", records)
     (out_dir / "bench.json").write_text(json.dumps({**meta, "results": records}, indent=1) + "\n")
-    from ..benchplot import plot_sweep
+    from ..tools.benchplot import plot_sweep
 
     plot_sweep(records, out_dir / "bench.png", threshold=meta["working_set_budget_gb"], title=sweep_title(meta, gen))
     for line in sweep_table(records):
@@ -185,8 +185,8 @@ def load_config(path: Path) -> ModelConfig:
 
 
 def memory_needs(path: Path) -> tuple[MemoryNeeds, str]:
-    """What the planner places for this model (`runtime.needs_of`: as `dsv4 run` plans it)."""
-    from ..runtime import needs_of
+    """What the planner places for this model (`memory.needs_of`: as `dsv4 run` plans it)."""
+    from ..memory import needs_of
 
     return needs_of(path)
 
@@ -315,7 +315,7 @@ def simulate_cmd(
     if json_path is not None:
         json_path.write_text(json.dumps({**meta, "results": records}, indent=1) + "\n")
     if plot_path is not None:
-        from ..benchplot import plot_sweep
+        from ..tools.benchplot import plot_sweep
 
         x = "budget_gb" if gbs is not None else "slots"
         threshold = None

@@ -7,10 +7,10 @@ from pathlib import Path
 import click
 import psutil
 
-from .. import doctor as d
 from ..config import ModelConfig
 from ..errors import Dsv4Error
-from ..runtime import needs_of
+from ..memory import needs_of
+from ..tools import doctor as d
 
 
 @click.command("doctor")

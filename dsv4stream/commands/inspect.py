@@ -11,11 +11,12 @@ import click
 from ..catalog import Catalog
 from ..config import DSPARK, LAYOUTS, ModelConfig
 from ..errors import CheckpointError, UsageError
-from ..pack import MANIFEST, default_out_dir
+from ..memory import needs_of
+from ..packdir import default_out_dir
 from ..planner import GB, gb_up, minimum_budget, plan
-from ..runtime import needs_of
-from ..spec import drafter_nbytes, drafter_summary, trunk_nbytes
+from ..spec import drafter_nbytes, drafter_summary, is_drafter, trunk_nbytes
 from ..trunkfile import TrunkFile
+from ..trunkformat import MANIFEST
 
 GIB = 1 << 30
 
@@ -84,7 +85,7 @@ def inspect(
         _plans(cfg_path, budget, ctx)  # a config.json: estimated, even beside the shards
         return
     cat = Catalog.open(path)
-    mtp_bytes = sum(e.nbytes for n, e in cat.entries.items() if n.startswith("mtp."))
+    mtp_bytes = sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n))
     for line in config_summary(cat.config, mtp_bytes):
         click.echo(line)
     shards = len({e.path for e in cat.entries.values()})

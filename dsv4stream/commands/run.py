@@ -34,9 +34,11 @@ from ..config import ModelConfig
 from ..errors import BudgetError, Dsv4Error, InternalError, TokenizerError, UsageError
 from ..repl import ChatSettings, Conversation, Interrupt, Stopped, answer, chat_loop, is_utf8
 from ..report import report_lines
-from ..runtime import Pick, RunOptions, RunStats, Runtime, budget_bytes, budget_warning
+from ..runinfo import RunOptions, RunStats
+from ..runtime import Pick, Runtime
 from ..sampler import SamplingParams, sample
 from ..tokenizer import Tokenizer, default_pack_path
+from .budget import budget_bytes, budget_warning
 from .tokenizer import stdin_text, strip_final_newline
 
 CHAT_TEMPERATURE = 1.0  # DeepSeek's recommended sampling for V4 (with top-p 1.0)

@@ -21,7 +21,9 @@ import click
 from .. import chat, gpu, planner
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..runtime import RunOptions, Runtime, budget_bytes
+from ..runinfo import RunOptions
+from ..runtime import Runtime
+from .budget import budget_bytes
 from .run import banned_ids, check_trunk, checkpoint_dir, load_tokenizer
 
 # FastAPI, pydantic, uvicorn and the event loop on top of what `dsv4 run` holds: peak RSS of

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..kernels import QWeight
+from ..spec import MODEL
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -58,7 +59,7 @@ class Placement:
 
     def summary(self) -> str:
         gb = 1e9
-        head = "head in VRAM" if (None, "head") in self.on_device else "head on the CPU"
+        head = "head in VRAM" if (None, MODEL["head"]) in self.on_device else "head on the CPU"
         return (
             f"{self.count} of {self.total} trunk matrices in VRAM ({self.host_bytes_moved / gb:.2f} GB;"
             f" {self.host_bytes_left / gb:.2f} GB stay in RAM; {head}; VRAM used {self.device_bytes / gb:.2f}"

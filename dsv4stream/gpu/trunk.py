@@ -4,7 +4,7 @@ Owns: the placement candidates read from the catalog (every 2-D `.weight` of a m
 that the model turns into a `QWeight`, and the head), the upload of the chosen ones (each
 read from the checkpoint once, uploaded, its host copy dropped: one matrix in RAM at a
 time), and `PlacedSource`, a catalog look-alike whose `qweight(prefix)` answers with the
-device copy. `model.weights.load_layer` / `load_head` build their named weights from such a
+device copy. `loading.load_layer` / `load_head` build their named weights from such a
 source, so whichever trunk provider builds the layers (all in RAM, or streamed through a
 ring) gets `DeviceQWeight`s for placed matrices and never reads their bytes again; a
 streamed trunk leaves `Placed.tensor_names` out of its groups, so its slots (and the
@@ -17,31 +17,32 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..kernels import QWeight
-from ..spec import block_specs
+from ..spec import MODEL, block_specs, linear_names
 from .device import Device, DeviceQWeight
 from .plan import MIN_BYTES, PARAMS_PER_BYTE, Key, Matrix, Placement, device_bytes_of, plan_placement
 
 KINDS = {"F8_E4M3": "fp8", "BF16": "bf16", "F32": "f32"}
-HEAD = "head"
+HEAD = MODEL["head"]
 
 
 def candidates(cat) -> list[Matrix]:
     """Matrices that may go to VRAM, keyed (layer, tensor prefix); the head is (None, "head")."""
     cfg = cat.config
     found: list[tuple[int | None, str]] = [
-        (i, s.name[: -len(".weight")])
+        (i, s.name.rpartition(".")[0])
         for i in range(cfg.n_layers)
         for s in block_specs(cfg, i, with_experts=False)
-        if s.name.endswith(".weight") and len(s.shape) == 2
+        if len(s.shape) == 2 and s.name == linear_names(s.name.rpartition(".")[0])[0]
     ]
     found.append((None, HEAD))
     out = []
     for layer, prefix in found:
-        w = cat.entries.get(prefix + ".weight")
+        weight, scale = linear_names(prefix)
+        w = cat.entries.get(weight)
         kind = KINDS.get(w.dtype) if w is not None and len(w.shape) == 2 else None
         if kind is None or kind not in PARAMS_PER_BYTE:
             continue
-        s = cat.entries.get(prefix + ".scale")
+        s = cat.entries.get(scale)
         host = w.nbytes + (s.nbytes if s is not None and kind == "fp8" else 0)
         rows, cols = w.shape
         out.append(Matrix((layer, prefix), kind, rows, cols, host, device_bytes_of(kind, rows, cols)))
@@ -59,8 +60,8 @@ class Placed:
     @property
     def tensor_names(self) -> frozenset[str]:
         """Checkpoint tensors a streamed trunk no longer reads (weights and their scales)."""
-        names = {p + ".weight" for p in self.weights}
-        return frozenset(names | {p + ".scale" for p, w in self.weights.items() if w.scale is not None})
+        names = {linear_names(p)[0] for p in self.weights}
+        return frozenset(names | {linear_names(p)[1] for p, w in self.weights.items() if w.scale is not None})
 
     def source(self, inner) -> PlacedSource:
         return PlacedSource(inner, self.weights)

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime import Runtime, peak_rss_bytes
+from ..memory import peak_rss_bytes
+from ..runtime import Runtime
 
 HISTORY_SECONDS = 300.0
 

@@ -1,8 +1,8 @@
 """Per-(layer, expert) layouts of a checkpoint's routed experts, from the catalog.
 
-Owns the one place where expert tensor names are translated: ``layers.L.ffn.experts.E.
-w{1,2,3}.{weight,scale}`` (and ``mtp.M.ffn.experts...``, keyed as layer
-``num_hidden_layers + M``) become key ``(L, E)`` -> a ``Layout`` whose six pieces are
+Owns the translation of expert tensor names (``spec.EXPERT_NAME``: ``layers.L.ffn.experts.E.
+w{1,2,3}.{weight,scale}`` and ``mtp.M.ffn.experts...``, keyed as layer ``num_hidden_layers + M``)
+into key ``(L, E)`` -> a ``Layout`` whose six pieces are
 merged into as few runs as the file allows (two on the release layout: three scales,
 then far away three weights). Runs hold pieces in file order; ``order`` is the per-key
 permutation that makes the store return them in the fixed ``EXPERT_TENSORS`` order, so
@@ -11,7 +11,6 @@ the MoE layer never depends on how a shard happens to order its tensors.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,15 +18,11 @@ import numpy as np
 
 from dsv4stream.catalog import NP_DTYPE, TensorEntry
 from dsv4stream.errors import CheckpointError
+from dsv4stream.spec import EXPERT_NAME, EXPERT_TENSORS, MTP, SCALE, WEIGHT
 
 from .runs import Layout, Piece, layout_pieces, merge_pieces
 
 ExpertKey = tuple[int, int]
-
-# The order the store returns an expert in (with ExpertLayouts.order); BF16/F32 experts have no scales.
-EXPERT_TENSORS = ("w1.weight", "w1.scale", "w2.weight", "w2.scale", "w3.weight", "w3.scale")
-
-_EXPERT_NAME = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123]\.(?:weight|scale))$")
 
 
 @dataclass(frozen=True)
@@ -44,17 +39,17 @@ def expert_layouts(entries: Mapping[str, TensorEntry], num_hidden_layers: int, m
     """Group ``entries`` (a catalog's) into per-expert layouts; refuse incomplete experts."""
     grouped: dict[ExpertKey, dict[str, TensorEntry]] = {}
     for name, entry in entries.items():
-        m = _EXPERT_NAME.match(name)
+        m = EXPERT_NAME.match(name)
         if m is None:
             continue
-        layer = int(m.group(2)) + (num_hidden_layers if m.group(1) == "mtp" else 0)
+        layer = int(m.group(2)) + (num_hidden_layers if m.group(1) == MTP else 0)
         grouped.setdefault((layer, int(m.group(3))), {})[m.group(4)] = entry
     layouts: dict[ExpertKey, Layout] = {}
     order: dict[ExpertKey, tuple[int, ...]] = {}
     for key in sorted(grouped):
         tensors = grouped[key]
-        missing = [t for t in EXPERT_TENSORS if t.endswith(".weight") and t not in tensors]
-        scaled = [t for t in EXPERT_TENSORS if t.endswith(".scale") and t in tensors]
+        missing = [t for t in EXPERT_TENSORS if t.endswith(WEIGHT) and t not in tensors]
+        scaled = [t for t in EXPERT_TENSORS if t.endswith(SCALE) and t in tensors]
         if missing or len(scaled) not in (0, 3):
             any_entry = next(iter(tensors.values()))
             raise CheckpointError(

@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .errors import UsageError
-from .store.lru import Counts, Entry, SlotLru
+from ..errors import UsageError
+from ..store.lru import Counts, Entry, SlotLru
 
 POLICIES = ("lru", "pinned", "pinned+lru", "belady")
 
@@ -256,7 +256,7 @@ def engine_calls(log: np.ndarray, hash_layers: int, release: str = "many") -> It
     scored layer's preceded by a ``prefetch`` of the same keys. A forward pass ends where
     the layer number goes down (or a layer's experts stop ascending). ``release``: "many"
     (the engine's ``get_many``), or one ``get`` per expert with "previous" (the expert got
-    last stays pinned until the next get, as ``streaming.StreamedExperts.get`` does), "each"
+    last stays pinned until the next get, as ``streaming.experts.StreamedExperts.get`` does), "each"
     (released right after its get)."""
     if release not in RELEASES:
         raise ValueError(f"release must be one of {', '.join(RELEASES)}, got {release!r}")

@@ -13,10 +13,12 @@ from typing import Protocol
 
 import numpy as np
 
-from ..catalog import Catalog
-from ..formats import bf16_to_f32
-from .moe import ExpertWeights
-from .weights import HeadWeights, LayerWeights, load_expert, load_head, load_layer
+from .catalog import Catalog
+from .formats import bf16_to_f32
+from .loading import load_expert, load_head, load_layer
+from .model.layer import HeadWeights, LayerWeights
+from .model.moe import ExpertWeights
+from .spec import MODEL
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 
@@ -56,12 +58,12 @@ class CatalogTrunk:
         self.cat = cat
         self._layers: dict[int, LayerWeights] = {}
         self._head: HeadWeights | None = None
-        e = cat.entry("embed.weight")
+        e = cat.entry(MODEL["embed"])
         self._embed_bf16 = e.dtype == "BF16"
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(token_ids, dtype=np.int64)
-        rows = self.cat.read_rows("embed.weight", ids)
+        rows = self.cat.read_rows(MODEL["embed"], ids)
         return bf16_to_f32(rows) if self._embed_bf16 else rows.astype(np.float32)
 
     def layer(self, i: int) -> LayerWeights:

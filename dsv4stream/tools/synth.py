@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 import safetensors.numpy
 
-from . import formats
-from .config import ModelConfig
-from .errors import UsageError
-from .formats import fp4_scale_shape
-from .spec import ITEMSIZE, TensorSpec, model_specs
+from .. import formats
+from ..config import ModelConfig
+from ..errors import UsageError
+from ..formats import fp4_scale_shape
+from ..spec import ITEMSIZE, TensorSpec, model_specs
 
-FLASH_CONFIG = Path(__file__).with_name("v4_flash_config.json")
+FLASH_CONFIG = Path(__file__).resolve().parents[1] / "v4_flash_config.json"
 REAL_VOCAB = 129280
 
 # The keys DeepSeek-V4-Flash-0731 adds to the preview's config.json (its drafter, unused here),
@@ -291,7 +291,7 @@ def save_sparse(tensors: dict[str, np.ndarray | Hole], path: Path) -> None:
 
 
 def _copy_tokenizer(dst: Path, cfg: ModelConfig) -> None:
-    from .tokenizer import real_tokenizer_files
+    from ..tokenizer import real_tokenizer_files
 
     for src in real_tokenizer_files():
         shutil.copyfile(src, dst / src.name)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import ModelConfig
+from ..errors import Dsv4Error, UsageError
 from . import simulate as sim
-from .config import ModelConfig
-from .errors import Dsv4Error, UsageError
 
 GB = 1_000_000_000
 GENERATOR_KEY = "dsv4stream_generator"  # where synth records how a checkpoint was made
@@ -101,7 +101,7 @@ def run_budget(
 def _child_env() -> dict[str, str]:
     """This environment, with this copy of dsv4stream first on the child's path."""
     env = dict(os.environ)
-    here = str(Path(__file__).resolve().parent.parent)
+    here = str(Path(__file__).resolve().parents[2])  # the checkout holding dsv4stream/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     return env
 

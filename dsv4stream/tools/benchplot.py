@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 X_LABELS = {"budget_gb": "--budget (GB)", "slots": "expert cache (experts)"}
 # One look per policy, so that lines that coincide (pinned and Belady often do) stay visible:

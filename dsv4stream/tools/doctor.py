@@ -20,9 +20,9 @@ from pathlib import Path
 
 import psutil
 
-from .config import ModelConfig
-from .planner import GB, MemoryNeeds, Plan, gb_up, minimum_budget, plan, smallest_budget
-from .store.directio import ALIGN, FileSet, Window, aligned_buffer
+from ..config import ModelConfig
+from ..planner import GB, MemoryNeeds, Plan, gb_up, minimum_budget, plan, smallest_budget
+from ..store.directio import ALIGN, FileSet, Window, aligned_buffer
 
 # LRU hit rates another engine reported publicly on the real V4-Flash: about 0 / 40 / 53% at
 # 1.6 / 5.6 / 9.6 GB of expert cache (README, "Running the real V4-Flash", speed to expect),

@@ -1,0 +1,220 @@
+"""`StreamedTrunk`: the `Trunk` provider that keeps layers 0..p-1 and the head resident and
+streams the other layers through two layer slots in their fixed order.
+
+Owns: the ring and `ViewSource`, the catalog look-alike that lets `loading.load_layer`
+build a layer's named weights as views into a slot's bytes.
+
+Ring contract with the engine: layers are asked for in the order 0..n-1, again and again
+(one forward pass after another); a streamed layer's weights are valid until the next
+`layer()` call, when its slot starts receiving the layer after next. An out-of-order request
+still works (it is read at once, and counted), it just does not overlap with compute.
+Weights kept past the point where their slot starts receiving another layer raise
+LifetimeError when touched (`lifetime.expire`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..catalog import Catalog, TensorEntry, read_entry
+from ..config import ModelConfig
+from ..errors import CheckpointError, InternalError
+from ..lifetime import expire
+from ..loading import load_head, load_layer
+from ..model.layer import HeadWeights, LayerWeights
+from ..spec import block_names
+from ..store.directio import aligned_buffer
+from .layout import TrunkLayout
+from .reader import GroupReader
+from .rows import RowReader
+
+
+class ViewSource:
+    """What `load_layer` / `load_head` call on a catalog (config, entry, read, qweight, f32),
+    answered with views into one slot's bytes: building named weights copies nothing
+    (BF16 norms become float32, a few KB)."""
+
+    # The catalog's own translation from (dtype, shape) to QWeight / float32: one place only.
+    qweight = Catalog.qweight
+    f32 = Catalog.f32
+
+    def __init__(self, config: ModelConfig, entries: Mapping[str, TensorEntry], arrays: Mapping[str, np.ndarray]):
+        self.config = config
+        self._entries = entries
+        self._arrays = arrays
+
+    def entry(self, name: str) -> TensorEntry:
+        e = self._entries.get(name)
+        if e is None:
+            raise CheckpointError(
+                f"tensor '{name}' is missing from the trunk group being loaded; the checkpoint is incomplete"
+            )
+        return e
+
+    def read(self, name: str) -> np.ndarray:
+        self.entry(name)
+        return self._arrays[name]
+
+
+@dataclass(frozen=True)
+class RingStats:
+    pinned_layers: int
+    streamed_layers: int
+    reads: int  # group reads after opening (streamed layers)
+    bytes_read: int
+    wait_seconds: float  # time layer() blocked on a read: trunk I/O not hidden
+    out_of_order: int  # layer() calls that did not follow the fixed order
+    verified_reads: int
+
+
+class StreamedTrunk:
+    """`Trunk` provider: layers 0..pinned-1 and the head resident, the rest streamed through
+    two slots in fixed order (layer i+1 read while layer i computes); embedding rows read
+    on demand; hash layers' tid2eid resident so routing never needs a streamed layer."""
+
+    def __init__(
+        self,
+        cat: Catalog,
+        layout: TrunkLayout,
+        pinned: int,
+        reader: GroupReader,
+        slot_bytes: int | None = None,
+        wrap: Callable[[ViewSource], object] | None = None,
+    ) -> None:
+        cfg = self.cfg = cat.config
+        # wrap: serves matrices placed in VRAM (--gpu) in place of the slot's (absent) bytes
+        self._wrap = wrap or (lambda src: src)
+        self.layout = layout
+        self.pinned = min(pinned, cfg.n_layers)
+        self._reader = reader
+        self._pinned: list[LayerWeights] = []
+        for i in range(self.pinned):
+            g = layout.layers[i]
+            self._pinned.append(self._build(i, reader.read(g, aligned_buffer(g.nbytes))))
+        g = layout.head
+        self._head = load_head(self._wrap(ViewSource(cfg, g.entries, reader.read(g, aligned_buffer(g.nbytes)))))
+        self._tid2eid = {}
+        for i in range(min(cfg.num_hash_layers, cfg.n_layers)):
+            if i < self.pinned:
+                self._tid2eid[i] = self._pinned[i].moe.tid2eid
+            else:
+                name = block_names(cfg, i)["moe.tid2eid"]
+                self._tid2eid[i] = np.ascontiguousarray(read_entry(layout.layers[i].entries[name]), dtype=np.int64)
+        self._embed = RowReader(layout.embed)
+        self._opened_reads, self._opened_bytes = reader.reads, reader.bytes_read
+        streamed = cfg.n_layers - self.pinned
+        size = slot_bytes or max((g.nbytes for g in layout.layers[self.pinned :]), default=0)
+        self._slots = [aligned_buffer(size) for _ in range(2)] if streamed else []
+        self._tags: list[int | None] = [None, None]
+        self._built: list[LayerWeights | None] = [None, None]
+        self._futures: list[Future | None] = [None, None]
+        self._current: int | None = None  # slot handed out last
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-ring") if streamed else None
+        self._wait_seconds = 0.0
+        self._out_of_order = 0
+        if streamed:
+            self._start(0, self.pinned)  # the first forward pass finds its first streamed layer loading
+
+    # -- Trunk protocol --------------------------------------------------------------------
+
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        """token_ids (T,) -> (T, D) float32, reading only those rows."""
+        return self._embed.rows(np.asarray(token_ids, dtype=np.int64))
+
+    def head(self) -> HeadWeights:
+        return self._head
+
+    def tid2eid(self, i: int) -> np.ndarray:
+        """(vocab, k) int64 expert table of hash layer i, without loading the layer."""
+        return self._tid2eid[i]
+
+    def layer(self, i: int) -> LayerWeights:
+        if i < self.pinned:
+            return self._pinned[i]
+        s = self._slot_of(i)
+        if s is None:
+            self._out_of_order += 1
+            s = 0 if self._current is None else 1 - self._current
+            self._start(s, i)
+        t0 = time.perf_counter()
+        fut = self._futures[s]
+        if fut is None:
+            raise InternalError(f"ring slot {s} holds layer {i} but no read of it was started")
+        try:
+            fut.result()
+        finally:
+            self._wait_seconds += time.perf_counter() - t0
+        w = self._built[s]
+        if w is None:
+            raise InternalError(f"the read of layer {i} finished without building its weights")
+        self._current = s
+        nxt = self.pinned + (i + 1 - self.pinned) % (self.cfg.n_layers - self.pinned)
+        if self._slot_of(nxt) is None:
+            self._start(1 - s, nxt)
+        return w
+
+    # -- stats and lifetime ----------------------------------------------------------------
+
+    @property
+    def wait_seconds(self) -> float:
+        """Time layer() has blocked on reads so far; unlike stats() it waits for nothing."""
+        return self._wait_seconds
+
+    def stats(self) -> RingStats:
+        # A read of the next layer may still be in flight: let it land so that the counts do
+        # not depend on timing (it is the read the next forward pass would wait for anyway).
+        for fut in self._futures:
+            if fut is not None:
+                fut.exception()
+        r = self._reader
+        return RingStats(
+            pinned_layers=self.pinned,
+            streamed_layers=self.cfg.n_layers - self.pinned,
+            reads=r.reads - self._opened_reads,
+            bytes_read=r.bytes_read - self._opened_bytes,
+            wait_seconds=self._wait_seconds,
+            out_of_order=self._out_of_order,
+            verified_reads=r.verified_reads,
+        )
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._embed.close()
+        self._reader.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _slot_of(self, i: int) -> int | None:
+        for s in (0, 1):
+            if self._tags[s] == i:
+                return s
+        return None
+
+    def _start(self, s: int, i: int) -> None:
+        """Queue the read of layer i into slot s (after whatever the reader thread has queued)."""
+        old = self._built[s]
+        if old is not None:
+            expire(
+                old,
+                f"layer {self._tags[s]}'s weights used after the ring started reading layer {i} into"
+                " their slot (a streamed layer is valid until the next layer() call)",
+            )
+        self._tags[s] = i
+        self._built[s] = None
+        if self._pool is None:
+            raise InternalError(f"layer {i} asked of a ring with no streamed layers")
+        self._futures[s] = self._pool.submit(self._load, s, i)
+
+    def _load(self, s: int, i: int) -> None:
+        # (ring thread) the slot's previous layer is no longer used: the engine asked for the next one
+        arrays = self._reader.read(self.layout.layers[i], self._slots[s])
+        self._built[s] = self._build(i, arrays)
+
+    def _build(self, i: int, arrays: Mapping[str, np.ndarray]) -> LayerWeights:
+        return load_layer(self._wrap(ViewSource(self.cfg, self.layout.layers[i].entries, arrays)), i)

@@ -1,0 +1,99 @@
+"""The package's layout rules that imports can show: `model/` is math over frozen weights.
+
+Imports are read with `ast` from the source files (never by matching strings), relative ones
+resolved against the module's package, so `from ..catalog import X` and
+`import dsv4stream.catalog` count the same.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "dsv4stream"
+
+# What a model/ module may import from the project: the config, the errors, the kernels
+# (arrays in, arrays out) and model/ itself. Anything else (catalog, store, streaming, trunk
+# file, loading, providers, runtime, ...) is the checkpoint / I/O side.
+MODEL_MAY_IMPORT = ("dsv4stream.config", "dsv4stream.errors", "dsv4stream.kernels", "dsv4stream.model")
+# Standard-library and third-party modules that open files, start threads or processes.
+IO_MODULES = {
+    "os", "io", "pathlib", "shutil", "tempfile", "threading", "concurrent", "multiprocessing", "subprocess",
+    "socket", "mmap", "fcntl", "resource", "queue", "asyncio", "json", "pickle", "safetensors", "psutil",
+}  # fmt: skip
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Absolute names of every module `source` (the text of `module`) imports, at any depth."""
+    package = module if is_package else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                prefix = ".".join(base)
+                name = f"{prefix}.{node.module}" if node.module else prefix
+            else:
+                name = node.module or ""
+            out.add(name)
+            # `from . import x` imports the module x
+            out.update(f"{name}.{a.name}" for a in node.names if not node.module)
+    return out
+
+
+def layering_violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    bad = []
+    for name in sorted(imported_modules(source, module, is_package)):
+        top = name.split(".")[0]
+        if top == "dsv4stream":
+            if not any(name == a or name.startswith(a + ".") for a in MODEL_MAY_IMPORT):
+                bad.append(name)
+        elif top in IO_MODULES:
+            bad.append(name)
+    return bad
+
+
+def model_modules() -> list[tuple[str, Path]]:
+    out = []
+    for p in sorted((PKG / "model").glob("*.py")):
+        name = "dsv4stream.model" if p.name == "__init__.py" else f"dsv4stream.model.{p.stem}"
+        out.append((name, p))
+    return out
+
+
+@pytest.mark.parametrize("module,path", model_modules(), ids=[m for m, _ in model_modules()])
+def test_model_modules_import_no_io(module, path):
+    bad = layering_violations(path.read_text(), module, path.name == "__init__.py")
+    assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}: model/ is math over frozen weights"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from ..catalog import Catalog",
+        "from ..store.directio import aligned_buffer",
+        "from .. import streaming",
+        "import dsv4stream.trunkfile",
+        "from ..loading import load_layer",
+        "import os",
+        "from concurrent.futures import ThreadPoolExecutor",
+        "def f():\n    import threading",
+    ],
+)
+def test_the_check_catches_an_io_import(line):
+    # the same check on a model module with one such line added must fail
+    src = (PKG / "model" / "moe.py").read_text() + "\n" + line + "\n"
+    assert layering_violations(src, "dsv4stream.model.moe")
+
+
+def test_relative_imports_resolve_against_the_package():
+    got = imported_modules(
+        "from ..kernels import QWeight\nfrom .ops import rms_norm\nfrom . import rope\n", "dsv4stream.model.moe"
+    )
+    assert got == {"dsv4stream.kernels", "dsv4stream.model.ops", "dsv4stream.model", "dsv4stream.model.rope"}
+    assert imported_modules("from .moe import x\n", "dsv4stream.model", is_package=True) == {"dsv4stream.model.moe"}
