@@ -55,10 +55,11 @@ def read_bandwidth(path: Path, block: int, depths: tuple[int, ...], seconds: flo
         def worker(buf, rng_seed: int, files=files, deadline=deadline) -> int:
             r = random.Random(rng_seed)
             n = 0
-            while time.perf_counter() < deadline:
+            while True:  # at least one read: a thread started late on a loaded machine still measures
                 off = r.randrange(max(slots, 1)) * block
                 n += files.read(Window(str(path), off, block, 0, min(block, size - off)), buf)
-            return n
+                if time.perf_counter() >= deadline:
+                    return n
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(depth) as ex:
