@@ -83,7 +83,7 @@ class RunStats:
     decode_profile: dict[str, float] = field(default_factory=dict)
     load_seconds: float = 0.0  # Runtime.open: catalog, plan, kernels, pinned trunk; before any prefill
     decode_tokens_per_second: float = 0.0
-    # why each generate call (chat turn) ended: one of STOP_REASONS; the last one on its own
+    # why each generate call (chat turn) ended: one of engine.STOP_REASONS; the last one on its own
     stop_reasons: list[str] = field(default_factory=list)
     stop_reason: str = ""
     stopped_in_think: list[bool] = field(default_factory=list)  # the turn ended before </think>

@@ -216,7 +216,7 @@ class Runtime:
         stops the prefill (within one layer from `on_layer`), and the tokens fully fed still
         count, with where it stopped (`prefill_stopped`). Timed: the prefill (to the first
         logits), the time to the first token, each decode step (the decode profile's window)
-        and the sampler; why it ended goes to `stop_reasons` (`STOP_REASONS`)."""
+        and the sampler; why it ended goes to `stop_reasons` (`engine.STOP_REASONS`)."""
         pick = pick or greedy
         n_prompt = len(prompt_ids)
         last: list[PrefillStep] = []
