@@ -1,6 +1,6 @@
 """Decode s/token at a streaming budget against its two floors (compute, disk), in one run.
 
-    python bench/decode_floor.py CHECKPOINT [--budget 2.2] [--cached-budget 5] [--gen 40]
+    python bench/decode_floor.py CHECKPOINT [--budget 2.2] [--cached-budget 6] [--gen 40]
         [--prompt TEXT | --prompt-ids 0,1,2] [--io-threads 4] [--dd-mb 1024]
 
 Three measurements, the first two each in a fresh child process (so each budget holds and
@@ -128,7 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--budget", type=float, default=2.2, help="streaming budget, GB")
-    ap.add_argument("--cached-budget", type=float, default=5.0, help="a budget that holds everything, GB")
+    ap.add_argument("--cached-budget", type=float, default=6.0, help="a budget that holds everything, GB")
     ap.add_argument("--gen", type=int, default=40)
     ap.add_argument("--prompt", default=None, help=f"text (BOS + its tokens) [default: {DEFAULT_PROMPT!r}]")
     ap.add_argument("--prompt-ids", default=None, help="comma-separated ids instead of --prompt")

@@ -2,8 +2,9 @@
 
 Cases (random weights in the release formats, E8M0 scales): routed expert w1 2048x4096 and w2
 4096x2048 (FP4); attention wq_b 32768x1024 and wo_b 4096x8192, shared-expert w1 2048x4096 (FP8);
-head 129280x4096 (BF16); each at 1 token and at 32, 96 and 256 tokens (what prefill gives one
-expert: segment x 6 / n_experts, dozens to hundreds; the trunk sees the whole segment).
+head 129280x4096 (BF16); each at 1 token and at 16, 48, 96, 192 and 384 tokens (what prefill
+gives one expert: segment S x 6 / n_experts, S = 1024 / 256 experts -> 24, S = 4096 / 64 experts
+-> 384; the trunk sees the whole segment).
 
 Measured in the same run, before the cases:
   mem_read_gbps: the best of 3 passes of `np.add.reduce` over a 1 GiB uint64 array, by one
@@ -23,6 +24,10 @@ Per case: gbps = weight bytes (data + scales) per call / time; gflops = 2*R*C*T 
 ratio = gbps / mem_read_gbps. Multi-token cases add vs_blas = our GFLOP/s over numpy float32
 GEMM `X @ W.T` (OpenBLAS, all cores) on the same shape, weight resident (best of repeats).
 OPENBLAS_THREAD_TIMEOUT=4 (unless set) keeps idle OpenBLAS workers from spinning into our timing.
+`--clock cpu` times both sides in process CPU seconds instead of wall seconds: on a shared
+machine a thread that waits for a core costs wall time but no CPU time, so with `--threads 1`
+and OPENBLAS_NUM_THREADS=1 the vs_blas ratio is the two kernels' work per core whatever the
+load (gbps and ratio are then per CPU-second, not what the machine delivers).
 Prints a header line with the machine state (CPU model, SIMD features, load), one line per
 case, and a footer with the load at the end (other users of the machine show up there).
 """
@@ -99,32 +104,37 @@ def copies(w: QWeight) -> list[QWeight]:
     return out
 
 
+CLOCK = [time.perf_counter]  # or time.process_time (--clock cpu)
+
+
 def time_ours(ws: list[QWeight], x: np.ndarray, seconds: float, repeat: int) -> float:
-    """Median seconds per call over `repeat` windows, cycling through the weight copies."""
+    """Best seconds per call over `repeat` windows, cycling through the weight copies."""
+    clock = CLOCK[0]
     kernels.matmul(ws[0], x)
     per_call = []
     for _ in range(repeat):
         n = 0
-        t0 = time.perf_counter()
-        while n < len(ws) or time.perf_counter() - t0 < seconds:
+        t0 = clock()
+        while n < len(ws) or clock() - t0 < seconds:
             kernels.matmul(ws[n % len(ws)], x)
             n += 1
-        per_call.append((time.perf_counter() - t0) / n)
+        per_call.append((clock() - t0) / n)
     return min(per_call)
 
 
 def time_blas(rows: int, cols: int, x: np.ndarray, repeat: int) -> float:
     """Best seconds per call of numpy float32 GEMM on the same shape."""
+    clock = CLOCK[0]
     wf = np.full((rows, cols), 0.01, np.float32)
     x @ wf.T
     best = math.inf
     for _ in range(repeat):
         n = 0
-        t0 = time.perf_counter()
-        while n < 2 or time.perf_counter() - t0 < 0.3:
+        t0 = clock()
+        while n < 2 or clock() - t0 < 0.3:
             x @ wf.T
             n += 1
-        best = min(best, (time.perf_counter() - t0) / n)
+        best = min(best, (clock() - t0) / n)
     return best
 
 
@@ -148,12 +158,15 @@ def cpu_description() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 96, 256])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 48, 96, 192, 384])
     ap.add_argument("--cases", nargs="+", default=[c[0] for c in CASES], help="subset of case names")
     ap.add_argument("--seconds", type=float, default=0.3, help="minimum length of one timed window")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--blas-path", action="store_true", help="turn on dequantise-then-BLAS (off in runs)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: process CPU seconds")
     args = ap.parse_args()
+    if args.clock == "cpu":
+        CLOCK[0] = time.process_time
 
     kernels.set_backend("fast")
     from dsv4stream.kernels import fast
@@ -169,7 +182,8 @@ def main() -> None:
         f"# machine: {cpu_description()} cores={os.cpu_count()} threads={threads}"
         f" load_avg={load[0]:.2f},{load[1]:.2f},{load[2]:.2f} mem_read_gbps={mem:.1f}"
         f" (1 thread {one:.1f}, {threads} threads {many:.1f}) backend={kernels.backend_name()}"
-        f" warmup_s={warm:.2f} numpy={np.__version__}"
+        f" warmup_s={warm:.2f} numpy={np.__version__} clock={args.clock}"
+        f" OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
     )
     rng = np.random.default_rng(0)
     for name, kind, rows, cols in CASES:

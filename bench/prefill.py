@@ -4,14 +4,15 @@ For each budget and prompt length, one fresh child process under `/usr/bin/time 
 measured from outside): open `Runtime` at that budget, prefill a random id prompt of that length
 (fixed seed) through `Session.prefill`, then decode `--gen` greedy tokens. The child records
 the store's and the ring's counters around the prefill and, through the session's routing
-hook, every (segment, layer, expert) the prefill routed to (segment = the run's prefill segment:
-`plan.prefill_segment` where the planner has one, else the old 64-token chunk).
+hook, every (segment, layer, expert) the prefill routed to. The session is the run's own
+(`Runtime.session`: the plan's segment, the one whose activations the budget counts).
 
-Printed per run: budget, tokens, segment size S, expert bytes read during the prefill, distinct
+Printed per run: budget, tokens, segment size S and segments run, expert bytes read during the prefill, distinct
 (layer, expert) pairs summed over segments x expert bytes (what a read-once prefill must read at
 most), their ratio, trunk bytes read / streamed-trunk bytes (trunk passes), prefill seconds and
-tokens/s, decode tokens/s of the same run, the prefill/decode speed ratio, peak RSS. Then the
-machine: CPU model, SIMD flags, load.
+tokens/s, decode tokens/s of the same run, the prefill/decode speed ratio, peak RSS; below it
+where the prefill's seconds went (`profile.DecodeProfile` around the prefill: products by weight
+role, waits on expert and trunk reads, the rest). Then the machine: CPU model, SIMD flags, load.
 
     python bench/prefill.py /work/ckpt/i19-flash --budgets 2.2,5 --lengths 64,256,1024,4096
 """
@@ -31,16 +32,13 @@ import numpy as np
 
 
 def child(ckpt: str, budget: float, length: int, gen: int, seed: int, segment: int | None) -> dict:
-    from dsv4stream.engine import Session
+    from dsv4stream.profile import DecodeProfile
     from dsv4stream.runinfo import RunOptions
     from dsv4stream.runtime import Runtime
 
-    opts = RunOptions(budget=int(budget * 1e9))
-    if segment is not None:
-        opts = RunOptions(budget=int(budget * 1e9), prefill_segment=segment)  # type: ignore[call-arg]
+    opts = RunOptions(budget=int(budget * 1e9), prefill_segment=segment)
     with Runtime.open(ckpt, opts) as rt:
         cfg = rt.cfg
-        seg = getattr(rt.plan, "prefill_segment", None) or opts.chunk
         touched: set[tuple[int, int, int]] = set()
 
         def on_route(layer: int, positions: np.ndarray, experts: np.ndarray) -> None:
@@ -50,15 +48,23 @@ def child(ckpt: str, budget: float, length: int, gen: int, seed: int, segment: i
                 for e in row:
                     touched.add((int(p) // seg, layer, int(e)))
 
-        kwargs = {"chunk_size": opts.chunk, "on_route": on_route}
-        if hasattr(rt, "session_options"):
-            kwargs.update(rt.session_options())
-        session = Session(rt.engine, **kwargs)
+        # the run's own session: the plan's segment, whose activations the budget counts (a
+        # session made here with the engine's default segment would hold a larger one)
+        session = rt.session(on_route=on_route)
+        seg = session.segment
+        ran = [0]
+
+        def on_layer(step) -> None:
+            ran[0] = step.segments
+
         ids = np.random.default_rng(seed).integers(2, cfg.vocab_size, size=length)
         s0, r0 = rt.store.stats(), rt.trunk.stats()
+        prof = DecodeProfile()
+        prof.begin(rt.store, rt.trunk)
         t0 = time.perf_counter()
-        logits = session.prefill(ids, last_only=True)
+        logits = session.prefill(ids, last_only=True, on_layer=on_layer)
         prefill_s = time.perf_counter() - t0
+        prof.end(rt.store, rt.trunk)
         s1, r1 = rt.store.stats(), rt.trunk.stats()
         t0 = time.perf_counter()
         for _ in range(gen):
@@ -69,6 +75,9 @@ def child(ckpt: str, budget: float, length: int, gen: int, seed: int, segment: i
             "budget": budget,
             "tokens": length,
             "segment": seg,
+            "segments": ran[0],
+            "planned_segment": rt.plan.prefill_segment,
+            "planned_bytes": rt.plan.planned_bytes,
             "slots": s1.slots,
             "expert_bytes_read": s1.bytes_read - s0.bytes_read,
             "touched_pairs": len(touched),
@@ -77,6 +86,7 @@ def child(ckpt: str, budget: float, length: int, gen: int, seed: int, segment: i
             "trunk_bytes_read": r1.bytes_read - r0.bytes_read,
             "streamed_trunk_bytes": streamed,
             "prefill_s": prefill_s,
+            "prefill_profile": {k: round(v, 3) for k, v in prof.per_token(1).items()},
             "decode_tok_s": gen / decode_s if gen else 0.0,
         }
 
@@ -105,15 +115,16 @@ def show(rec: dict) -> str:
     tok_s = rec["tokens"] / rec["prefill_s"]
     speed = tok_s / rec["decode_tok_s"] if rec["decode_tok_s"] else 0.0
     return (
-        f"{rec['budget']:>6g} {rec['tokens']:>6} {rec['segment']:>5} {rec['slots']:>5}"
+        f"{rec['budget']:>6g} {rec['tokens']:>6} {rec['segment']:>5} {rec['segments']:>4} {rec['slots']:>5}"
         f" {rec['expert_bytes_read'] / 1e9:>8.2f} {rec['touched_pairs']:>6} {need / 1e9:>8.2f} {ratio:>5.2f}"
         f" {passes:>6.1f} {rec['prefill_s']:>8.1f} {tok_s:>7.1f} {rec['decode_tok_s']:>6.2f} {speed:>6.1f}"
-        f" {rec['peak_rss'] / 1e9:>6.2f}"
+        f" {rec['peak_rss'] / 1e9:>6.2f}\n"
+        "       prefill s: " + ", ".join(f"{k} {v:.2f}" for k, v in rec["prefill_profile"].items() if v)
     )
 
 
 HEADER = (
-    "budget tokens     S slots  read_GB  pairs  need_GB ratio trunkx prefill_s   tok/s dec/s  ratio  rss_GB\n"
+    "budget tokens     S segs slots  read_GB  pairs  need_GB ratio trunkx prefill_s   tok/s dec/s  ratio  rss_GB\n"
     "(read_GB: expert bytes read in the prefill; pairs: distinct (segment, layer, expert); need_GB: pairs x"
     " expert bytes; trunkx: streamed-trunk passes; dec/s: decode tok/s; ratio: prefill/decode tok/s)"
 )

@@ -28,6 +28,7 @@ from . import kernels
 from .catalog import Catalog
 from .config import ModelConfig
 from .errors import NumericsError, UsageError
+from .kernels.blas import one_thread
 from .model.attention import AttnState, new_attn_state
 from .model.block import Trace, attention_half, ffn_half, head_forward
 from .model.moe import ExpertWeights
@@ -316,9 +317,10 @@ class Session:
 
                 try:
                     for a in range(0, t, c):
-                        x[a : a + c] = attention_half(
-                            x[a : a + c], positions[a : a + c], w, self.state[i], cfg, rope, self.trace
-                        )
+                        with one_thread(min(c, t - a) == 1):  # one query: BLAS threads only wait
+                            x[a : a + c] = attention_half(
+                                x[a : a + c], positions[a : a + c], w, self.state[i], cfg, rope, self.trace
+                            )
                     x = ffn_half(x, ids, w, cfg, self._experts_of(i), routed, self.trace, rows=c)
                 except NumericsError as e:
                     bad = nonfinite_fields(w)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from .config import ModelConfig
 from .errors import BudgetError
+from .model.compressor import row_capacity
 from .spec import block_specs, drafter_nbytes, drafter_summary, released_nbytes
 from .store.directio import ALIGN
 
@@ -252,18 +253,24 @@ def slot_bytes_for(expert_bytes: int, runs: int = 2) -> int:
 
 
 def state_bytes_for(cfg: ModelConfig, ctx: int) -> int:
-    """float32 bytes of per-sequence state at `ctx` tokens: window ring, compressed rows, pending windows."""
+    """float32 bytes of per-sequence state at `ctx` tokens: per layer the window ring (rows and
+    positions); per compressed layer the compressed rows as allocated (`row_capacity`: a
+    buffer grows ahead of its rows), the open window's kv and gate, the overlap's last Ca
+    half; the same for the indexer's compressor at ratio 4; plus one buffer's old copy while
+    it grows (layers grow one at a time)."""
     hd, ihd, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
-    total = 0
+    total = largest = 0
     for layer in range(cfg.n_layers):
         r = cfg.ratio(layer)
-        total += w * hd * 4
-        if r:
-            coff = 2 if r == 4 else 1
-            total += (ctx // r + 1) * hd * 4 + 2 * r * coff * hd * 4
+        total += w * hd * 4 + w * 8
+        comps = [(hd, 2 if r == 4 else 1)] if r else []
         if r == 4:
-            total += (ctx // r + 1) * ihd * 4 + 2 * r * 2 * ihd * 4
-    return total
+            comps.append((ihd, 2))
+        for d, coff in comps:
+            rows = row_capacity(ctx // r + 1) * d * 4
+            largest = max(largest, rows)
+            total += rows + 2 * r * coff * d * 4 + (2 * r * d * 4 if coff == 2 else 0)
+    return total + largest
 
 
 def staging_bytes_for(cfg: ModelConfig, chunk: int, ctx: int = 4096) -> int:

@@ -240,6 +240,30 @@ def test_serial_and_parallel_matvec_agree(monkeypatch):
         assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("rows,cols", [(130, 200), (3, 1), (64, 1100), (258, 8192), (512, 8192)])
+@pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
+def test_wide_fp8_matvec_takes_rows_together_with_the_same_bits(rows, cols, scale_kind, monkeypatch):
+    """Rows of >= WIDE_COLS columns go MV_ROWS at a time (ragged row counts end row by row)."""
+    rng = np.random.default_rng(rows + cols)
+    w = weight("fp8", rows, cols, rng, scale_kind)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    monkeypatch.setattr(fast, "PARALLEL_MIN_BYTES", 0)
+    narrow = [fast.matvec(w, x[t]) for t in range(3)]
+    monkeypatch.setattr(fast, "WIDE_COLS", 1)
+    wide = [fast.matvec(w, x[t]) for t in range(3)]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(narrow, wide))
+    assert rel_error(np.stack(wide), reference(x, w)) <= TOL
+    assert np.array_equal(np.stack(wide), fast.matmul(w, x))
+    if rows == 512:  # grouped rows (the joined output projection): 2 groups of 256 rows, 4 of 128
+        from dsv4stream.loading import split_rows
+
+        for groups in (2, 4):
+            parts = split_rows(w, groups)
+            xg = rng.standard_normal((1, groups, cols)).astype(np.float32)
+            want = np.concatenate([fast.matvec(p, xg[0, i]) for i, p in enumerate(parts)])
+            assert np.array_equal(fast.matmul_grouped(parts, xg)[0], want)
+
+
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
 def test_results_do_not_depend_on_thread_count():
     rng = np.random.default_rng(13)
@@ -358,3 +382,50 @@ def test_runs_never_take_the_blas_path_so_segment_size_cannot_change_bits():
     y = fast.matmul(w, x)
     assert np.array_equal(y[-5:], fast.matmul(w, x[-5:]))
     assert np.array_equal(y[0], fast.matvec(w, x[0]))
+
+
+def test_blas_one_thread_sets_and_restores_the_thread_count():
+    from dsv4stream.kernels import blas
+
+    fns = blas._entry_points()
+    if fns is None:
+        pytest.skip("numpy's BLAS has no OpenBLAS thread-count entry points")
+    before = blas.threads()
+    fns[1](2)  # from 2 threads, so that "restored" and "set to 1" differ
+    try:
+        with blas.one_thread():
+            assert blas.threads() == 1
+        assert blas.threads() == 2
+        with blas.one_thread(False):
+            assert blas.threads() == 2
+        with pytest.raises(RuntimeError), blas.one_thread():
+            raise RuntimeError("inside")
+        assert blas.threads() == 2
+    finally:
+        fns[1](before)
+
+
+def test_one_query_attention_has_the_same_bits_on_one_blas_thread():
+    """Decode's attention runs BLAS on one thread, prefill's on all: a one-query product must not
+    change with that (V4-Flash's 64 heads x 512, a full window, indexed rows: a threaded size)."""
+    from dsv4stream.kernels import blas
+    from dsv4stream.model.attention import attend
+
+    fns = blas._entry_points()
+    if fns is None:
+        pytest.skip("numpy's BLAS has no OpenBLAS thread-count entry points")
+    rng = np.random.default_rng(17)
+    q = rng.standard_normal((1, 64, 512)).astype(np.float32)
+    keys = rng.standard_normal((128, 512)).astype(np.float32)
+    comp = rng.standard_normal((80, 512)).astype(np.float32)
+    idx = rng.permutation(80)[None, :64]
+    sink = rng.standard_normal(64).astype(np.float32)
+    before = blas.threads()
+    fns[1](2)
+    try:
+        threaded = attend(q, keys, np.ones((1, 128), bool), comp, None, idx, sink)
+        with blas.one_thread():
+            single = attend(q, keys, np.ones((1, 128), bool), comp, None, idx, sink)
+    finally:
+        fns[1](before)
+    assert threaded.tobytes() == single.tobytes()

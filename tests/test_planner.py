@@ -41,6 +41,34 @@ def test_flash_budget_16_pins_the_whole_trunk_and_holds_the_working_set():
     assert p.planned_bytes <= 16 * GB
 
 
+def test_flash_at_budget_16_and_8192_positions_counts_by_hand():
+    """What a 4096+-token prompt costs on the released V4-Flash config, figured by hand from
+    config.json (hidden 4096, hc 4, 6 of 256 experts, head_dim 512, index_head_dim 128, 64
+    heads, window 128, vocab 129280; 21 layers at ratio 4, 20 at 128, 2 window-only)."""
+    needs = needs_from_config(FLASH, ctx=8192)
+    # per segment token: 4 * (hc*D + (k+5)*D + 3*E + hc + hc^2) + 3 * 8
+    assert needs.segment_token_bytes == 4 * (16384 + 45056 + 768 + 4 + 16) + 24 == 248_936
+    # window ring per layer: 128 rows x 512 float32 + 128 int64 positions = 263,168 (x 43)
+    # ratio 4: 8192 // 4 + 1 = 2049 rows -> allocated 2049 + 2049 // 8 = 2305 rows;
+    #   main rows 2305 * 512 * 4 = 4,720,640, open window 2 * 4 * 1024 * 4 = 32,768, overlap
+    #   2 * 4 * 512 * 4 = 16,384; indexer 2305 * 128 * 4 = 1,180,160 + 8,192 + 4,096 (x 21)
+    # ratio 128: 65 rows -> 73 allocated: 73 * 512 * 4 = 149,504, open window 2 * 128 * 512 * 4 (x 20)
+    # one buffer's old copy while it grows: 4,720,640
+    state = 43 * 263_168 + 21 * (4_720_640 + 32_768 + 16_384 + 1_180_160 + 8_192 + 4_096)
+    state += 20 * (149_504 + 524_288) + 4_720_640
+    assert needs.state_bytes == state == 154_719_744
+    # a 64-token sub-chunk: 4 * (3*hc*D + 3*H*hd + 4*inter + vocab) + 4 * (4*H*(128 + 64 + 512 + 1)
+    # + 4 * 2049) per token, the head's two logits rows, two 16 MiB blocks
+    per_token = 4 * (49152 + 98304 + 8192 + 129280) + 4 * (4 * 64 * 705 + 4 * 2049)
+    assert needs.staging_bytes == 64 * per_token + 4 * 129280 * 2 + 2 * 16 * 2**20 == 155_831_296
+    p = plan(needs, 16 * GB)
+    assert p.prefill_segment == 4096 and p.segment_bytes == 4096 * 248_936 == 1_019_641_856
+    assert p.pinned_layers == FLASH.n_layers
+    fixed = needs.overhead_bytes + state + needs.staging_bytes + needs.head_bytes
+    assert p.planned_bytes == fixed + sum(needs.layer_bytes) + p.expert_slots * needs.slot_bytes + 1_019_641_856
+    assert 0 <= 16 * GB - p.planned_bytes < needs.slot_bytes  # the rest is less than one more slot
+
+
 def test_too_small_a_budget_names_the_minimum():
     needs = needs_from_config(FLASH)
     floor = minimum_budget(needs)
@@ -117,10 +145,10 @@ def test_inspect_config_only_prints_the_plan_for_a_budget():
     cfg_path = Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json"
     r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "3"])
     assert r.exit_code == 0, r.output
-    assert "budget 3.00 GB" in r.output and "6/43 layers pinned" in r.output and "working set of 258" in r.output
+    assert "budget 3.00 GB" in r.output and "5/43 layers pinned" in r.output and "working set of 258" in r.output
     assert "x 13.4 MB" in r.output  # one V4-Flash expert slot
     r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "1"])
-    assert isinstance(r.exception, BudgetError) and "below the minimum of 2.08 GB" in str(r.exception)
+    assert isinstance(r.exception, BudgetError) and "below the minimum of 2.09 GB" in str(r.exception)
 
 
 def test_config_estimate_matches_what_a_run_measures(tmp_path):

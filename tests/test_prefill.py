@@ -146,3 +146,33 @@ def test_runtime_reports_a_stopped_prefill(ckpt) -> None:
         st = rt.stats()
     assert st.prompt_tokens == 16 and st.prefill_segment == 16
     assert st.prefill_stopped == f"16 of {len(PROMPT)} tokens fed; stopped after layer 1/{rt.cfg.n_layers}, segment 2/3"
+
+
+def test_the_prefill_bench_runs_the_segments_the_plan_counts(ckpt) -> None:
+    """bench/prefill.py once fed the prompt through a session with the engine's default segment
+    (4096 tokens) while the budget counted the plan's (1344): its peak RSS was the larger
+    segment's. Its child must run the plan's segments."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prefill_bench", Path(__file__).parents[1] / "bench" / "prefill.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    floor = planner.minimum_budget(measure(ckpt, RunOptions(budget=1)))
+    rec = bench.child(str(ckpt), (floor + 1000) / 1e9, 150, 2, 0, None)
+    assert rec["segment"] == rec["planned_segment"] == planner.SUB_CHUNK and rec["segments"] == 3
+    assert rec["planned_bytes"] <= floor + 1000
+
+
+def test_a_sessions_state_stays_within_what_the_planner_counts(ckpt) -> None:
+    """The state a session allocates after n tokens (window rings, compressed rows as their
+    buffers grew, open windows) is at most `planner.state_bytes_for(cfg, n)`, and close to it.
+    n = 4 * 129 + 3 puts the ratio-4 layers' rows just past a doubling point (129 rows in a
+    buffer that a doubling rule would have grown to 256)."""
+    eng = Engine.open(ckpt)
+    n = 4 * 129 + 3
+    s = eng.session(chunk_size=64, segment=200)
+    s.prefill(np.random.default_rng(3).integers(2, eng.cfg.vocab_size, n - 5), last_only=True)
+    for tok in range(5):
+        s.step(tok + 2)
+    held, planned = s.snapshot().nbytes, planner.state_bytes_for(eng.cfg, n)
+    assert held <= planned < 1.5 * held

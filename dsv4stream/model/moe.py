@@ -70,9 +70,11 @@ def route(x: np.ndarray, token_ids: np.ndarray, w: MoeWeights, k: int, scaling: 
 def swiglu(x: np.ndarray, e: ExpertWeights, limit: float) -> np.ndarray:
     """x (n, D) -> (n, D)."""
     gate, up = matmul_pair(e.w1, e.w3, x)  # one pass over both at one token
-    gate = np.minimum(gate, F32(limit))
-    up = np.clip(up, F32(-limit), F32(limit))
-    return matmul(e.w2, silu(gate) * up)
+    np.minimum(gate, F32(limit), out=gate)
+    np.clip(up, F32(-limit), F32(limit), out=up)
+    h = silu(gate)
+    h *= up
+    return matmul(e.w2, h)
 
 
 def swiglu_rows(x: np.ndarray, e: ExpertWeights, limit: float, tok: np.ndarray | None = None) -> np.ndarray:
@@ -137,4 +139,6 @@ def moe(
     if on_route is not None:
         on_route(experts)
     shared = swiglu_rows(x, w.shared, limit)
-    return routed_experts(x, experts, weights, each, limit) + shared
+    out = routed_experts(x, experts, weights, each, limit)
+    out += shared
+    return out

@@ -22,13 +22,24 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    """Overflow-free logistic function."""
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, F32(1.0) / (F32(1.0) + e), e / (F32(1.0) + e)).astype(F32, copy=False)
+    """Overflow-free logistic function: 1 / (1 + e) for x >= 0, e / (1 + e) below, e = exp(-|x|).
+
+    In place on its own temporaries (three arrays, not nine: the MoE calls it on every
+    expert's (n, inter) gate)."""
+    x = np.asarray(x, dtype=F32)
+    e = np.empty_like(x)
+    np.abs(x, out=e)
+    np.negative(e, out=e)
+    np.exp(e, out=e)
+    num = np.where(x >= 0, F32(1.0), e)
+    e += F32(1.0)
+    return np.divide(num, e, out=num)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x * sigmoid(x)
+    """x * sigmoid(x), float32."""
+    s = sigmoid(x)
+    return np.multiply(x, s, out=s)
 
 
 def sqrt_softplus(x: np.ndarray) -> np.ndarray:

@@ -22,18 +22,29 @@ class RowReader:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         e = self.e
-        out = np.empty((len(ids), *e.shape[1:]), dtype=self.dtype)
-        for j, r in enumerate(ids):
-            if not 0 <= r < e.shape[0]:
-                raise CheckpointError(f"'{e.name}': row {r} outside 0..{e.shape[0] - 1}")
+        ids = np.asarray(ids, dtype=np.int64)
+        bad = ids[(ids < 0) | (ids >= e.shape[0])]
+        if bad.size:
+            raise CheckpointError(f"'{e.name}': row {int(bad[0])} outside 0..{e.shape[0] - 1}")
+        # each distinct row once (a prompt repeats tokens); a long prompt's rows are announced
+        # to the kernel first so their reads overlap instead of waiting one by one
+        uniq, inv = np.unique(ids, return_inverse=True)
+        offsets = [e.offset + int(r) * self.row_bytes for r in uniq]
+        if len(offsets) > 1:
+            for off in offsets:
+                os.posix_fadvise(self.fd, off, self.row_bytes, os.POSIX_FADV_WILLNEED)
+        out = np.empty((len(uniq), *e.shape[1:]), dtype=self.dtype)
+        for j, off in enumerate(offsets):
             try:
-                b = os.pread(self.fd, self.row_bytes, e.offset + int(r) * self.row_bytes)
+                n = os.preadv(self.fd, [out[j]], off)
             except OSError as err:
-                raise ReadError(f"{e.path}: {err.strerror} reading '{e.name}' row {r}; check the disk") from None
-            if len(b) != self.row_bytes:
-                raise ShortReadError(f"{e.path}: short read of '{e.name}' row {r}; the file is truncated")
-            out[j] = np.frombuffer(b, dtype=self.dtype).reshape(e.shape[1:])
-        return bf16_to_f32(out) if e.dtype == "BF16" else out.astype(np.float32)
+                raise ReadError(
+                    f"{e.path}: {err.strerror} reading '{e.name}' row {int(uniq[j])}; check the disk"
+                ) from None
+            if n != self.row_bytes:
+                raise ShortReadError(f"{e.path}: short read of '{e.name}' row {int(uniq[j])}; the file is truncated")
+        rows = bf16_to_f32(out) if e.dtype == "BF16" else out.astype(np.float32)
+        return rows if len(uniq) == len(ids) and np.array_equal(uniq, ids) else rows[inv.reshape(-1)]
 
     def close(self) -> None:
         if self.fd >= 0:
