@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import DSPARK, LAYOUTS, PREVIEW, ModelConfig
-from .errors import CheckpointError, ReadError
+from .errors import CheckpointError, ReadError, ShortReadError
 from .kernels import QWeight
 from .spec import ITEMSIZE, MTP, MTP_EXTRAS, TensorSpec, is_drafter, linear_names, model_specs
 
@@ -281,7 +281,7 @@ class Catalog:
                 except OSError as err:
                     raise ReadError(f"{e.path}: {err.strerror} reading '{name}' row {r}; check the disk") from None
                 if len(b) != row_bytes:
-                    raise CheckpointError(f"{e.path}: short read of '{name}' row {r}; the shard is truncated")
+                    raise ShortReadError(f"{e.path}: short read of '{name}' row {r}; the shard is truncated")
                 out[i] = np.frombuffer(b, dtype=dt).reshape(e.shape[1:])
         finally:
             os.close(fd)
@@ -330,7 +330,7 @@ def tensor_layout(entries: Iterable[str]) -> str | None:
 
 def pread_exact(path: str, offset: int, buf, what: str) -> None:
     """Fill `buf` (a writable buffer) with the bytes of `path` from `offset`; a short read is
-    a CheckpointError naming `what` (the file is truncated)."""
+    a ShortReadError naming `what` (the file is truncated)."""
     view = memoryview(buf).cast("B")
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -344,7 +344,7 @@ def pread_exact(path: str, offset: int, buf, what: str) -> None:
             except OSError as e:
                 raise ReadError(f"{path}: {e.strerror} reading {what} at byte {offset + got}; check the disk") from None
             if n <= 0:
-                raise CheckpointError(f"{path}: short read of {what} at byte {offset + got}; the file is truncated")
+                raise ShortReadError(f"{path}: short read of {what} at byte {offset + got}; the file is truncated")
             got += n
     finally:
         os.close(fd)

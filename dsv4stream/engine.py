@@ -19,7 +19,7 @@ is a segment of one. Any segment or chunk size gives the same logits up to float
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,12 +35,16 @@ from .model.moe import ExpertWeights
 from .model.rope import Rope, rope_tables
 from .model.scan import nonfinite_fields
 from .providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
+from .sampler import greedy
 from .state import SessionState, capture, thaw
 
 # on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched
 RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
 
 DEFAULT_SEGMENT = 4096  # prefill segment of a session made without one (the planner picks a run's)
+# Why a generation ended: EOS chosen, max_new_tokens reached, feeding the token would pass
+# max_pos (--ctx), or the caller stopped it (Ctrl-C: the prefill or the token stream was cut short).
+STOP_REASONS = ("eos", "gen_limit", "context_full", "interrupted")
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,16 @@ class Engine:
         )
 
 
+def _stop_reason(eos: bool, context_full: bool, gen_limit: bool) -> str | None:
+    """Why generation ends after this token (None: it goes on); EOS first, then the context
+    (feeding the token would pass max_pos), then max_new_tokens."""
+    if eos:
+        return "eos"
+    if context_full:
+        return "context_full"
+    return "gen_limit" if gen_limit else None
+
+
 _NAN_ADVICE = (
     "a weight or scale (an E8M0 scale byte 0xFF is NaN) of the checkpoint holds NaN/inf — re-download the"
     " shard holding it, or re-pack the trunk if it came from a packed trunk (`dsv4 inspect` checks the pack)"
@@ -173,6 +187,8 @@ class Session:
         # (layer, expert) in the order the experts were requested, when record_requests is on
         self.requests: list[ExpertKey] | None = [] if record_requests else None
         self.pos = 0
+        self.stop_reason = ""  # why the last generate() ended (STOP_REASONS)
+        self._hash_prefetched: np.ndarray | None = None  # ids whose hash-layer experts were asked for
         self.state: list[AttnState] = [new_attn_state(self.cfg, self.cfg.ratio(i)) for i in range(self.cfg.n_layers)]
 
     # ---- public ----------------------------------------------------------------
@@ -218,12 +234,36 @@ class Session:
         prompt_ids: Sequence[int],
         max_new_tokens: int,
         pick: Callable[[np.ndarray], int] | None = None,
+        *,
+        stop_ids: Collection[int] = (),
+        max_pos: int | None = None,
+        progress: Callable[[int], None] | None = None,
+        on_layer: LayerHook | None = None,
     ) -> Iterator[int]:
-        """Yield up to max_new_tokens tokens; pick(logits) chooses each (default: greedy, ties to the lower id)."""
-        pick = pick or (lambda logits: int(np.argmax(logits)))
-        logits = self.prefill(prompt_ids, last_only=True)
-        for _ in range(max_new_tokens):
+        """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick(logits)`
+        (default: greedy, ties to the lower id); stop after a token in `stop_ids`, or when
+        feeding the token would take the session past `max_pos` positions.
+
+        Every yielded token but the last has been fed; the last one has not (no forward pass
+        is spent on logits nobody reads): a later turn starts by feeding it. `stop_reason` then
+        says why it ended (STOP_REASONS; "interrupted" when the caller closed the generator or
+        a forward pass raised). A token's hash-layer experts are prefetched as soon as it is
+        picked, while the caller handles it, once per forward pass. `progress` and `on_layer`
+        go to `prefill`."""
+        pick = pick or greedy
+        self.stop_reason = "interrupted"
+        logits = self.prefill(prompt_ids, last_only=True, progress=progress, on_layer=on_layer)
+        if max_new_tokens <= 0:
+            self.stop_reason = "gen_limit"
+            return
+        for n in range(max_new_tokens):
             tok = pick(logits)
+            stop = _stop_reason(tok in stop_ids, max_pos is not None and self.pos >= max_pos, n + 1 == max_new_tokens)
+            if stop is not None:
+                self.stop_reason = stop
+                yield tok
+                return
+            self._prefetch_hash_layers(np.array([tok], dtype=np.int64))
             yield tok
             logits = self.step(tok)
 
@@ -260,7 +300,9 @@ class Session:
         cfg, eng = self.cfg, self.engine
         t, c = ids.size, min(self.chunk_size, ids.size)
         positions = np.arange(self.pos, self.pos + t, dtype=np.int64)
-        self._prefetch_hash_layers(ids)
+        if self._hash_prefetched is None or not np.array_equal(self._hash_prefetched, ids):
+            self._prefetch_hash_layers(ids)
+        self._hash_prefetched = None
         x = np.repeat(eng.trunk.embed(ids)[:, None, :], cfg.hc_mult, axis=1)  # (T, hc, D)
         try:
             for i in range(cfg.n_layers):
@@ -324,7 +366,9 @@ class Session:
         return each
 
     def _prefetch_hash_layers(self, ids: np.ndarray) -> None:
-        """Hash layers' experts are known from the tokens alone: ask for the whole segment's up front."""
+        """Hash layers' experts are known from the tokens alone: ask for the whole segment's up
+        front, once (the next forward pass of exactly `ids` does not ask again)."""
+        self._hash_prefetched = ids
         keys: list[ExpertKey] = []
         for i in range(min(self.cfg.num_hash_layers, self.cfg.n_layers)):
             tid2eid = self.engine.trunk.tid2eid(i)  # not layer(i): a streamed trunk reads layers in order

@@ -1,8 +1,21 @@
-"""The one error type dsv4stream reports at its boundary, and its few subclasses.
+"""The one error type dsv4stream reports at its boundary, its few subclasses, and the one
+type for bugs.
 
-Every message is a single line: what is wrong (naming the file, tensor or key, what was
-expected and what was found) and what to do about it. The CLI prints `dsv4: <message>` and
-exits 2; a traceback appears only with `--debug`.
+A `Dsv4Error` is a problem the user can act on. Every message is a single line: what is
+wrong (naming the file, tensor or key, what was expected and what was found) and what to do
+about it. The CLI prints `dsv4: <message>` and exits 2; a traceback appears only with
+`--debug`. An `InternalError` is a broken invariant or an internal API used against its
+contract (what an `assert` would say, but checked under `python -O` too): it is not a
+Dsv4Error, so it keeps its traceback everywhere.
+
+    Dsv4Error
+        ConfigError, TokenizerError, BudgetError, UsageError, NumericsError, VerifyError,
+        StoreError
+        CheckpointError
+            ReadError
+                ShortReadError
+    InternalError (a RuntimeError)
+        LifetimeError
 """
 
 
@@ -26,8 +39,14 @@ class BudgetError(Dsv4Error):
     """The memory budget cannot hold what the run needs."""
 
 
-class ReadError(Dsv4Error):
-    """A read from the checkpoint failed or came back short."""
+class ReadError(CheckpointError):
+    """A read from a checkpoint file (shard, packed trunk) failed: the file cannot be opened
+    or the disk returned an error."""
+
+
+class ShortReadError(ReadError):
+    """A file ended before the bytes it should hold (truncated since it was described): the
+    same class wherever the read happens (catalog, packer, trunk ring, expert store)."""
 
 
 class VerifyError(Dsv4Error):
@@ -40,3 +59,18 @@ class UsageError(Dsv4Error):
 
 class NumericsError(Dsv4Error):
     """Logits or router scores came out NaN or infinite: some weight or scale holds NaN/inf."""
+
+
+class StoreError(Dsv4Error):
+    """A request the expert store cannot serve: a key it has no layout for, a closed store,
+    a size it cannot have."""
+
+
+class InternalError(RuntimeError):
+    """A broken invariant or a misuse of an internal API: a bug in dsv4stream or its caller.
+    Not a Dsv4Error: the CLI shows its traceback."""
+
+
+class LifetimeError(InternalError):
+    """A view or handle used after its lifetime ended (an expert released, a streamed layer
+    whose ring slot moved on): its bytes may already belong to something else."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .catalog import Catalog
-from .errors import BudgetError, CheckpointError, Dsv4Error, ReadError, UsageError
+from .errors import BudgetError, Dsv4Error, InternalError, ReadError, ShortReadError, UsageError
 from .packdir import (
     check_out_dir,
     default_out_dir,
@@ -126,7 +126,7 @@ def _corrupt_runs(out_dir: Path, progress: bool) -> list[str]:
             for r in runs:
                 try:
                     ok = hash_range(fd, int(r["offset"]), int(r["nbytes"]), bar.update, str(m["file"])) == r["blake2b"]
-                except CheckpointError:
+                except ShortReadError:  # a truncated run fails its check; a disk error is raised
                     ok = False
                 if not ok:
                     bad.append(str(r["key"]))
@@ -202,7 +202,7 @@ class _Copier:
                         f"{e.path}: {err.strerror} reading '{e.name}' at byte {e.offset + done}; check the disk"
                     ) from None
                 if not b:
-                    raise CheckpointError(
+                    raise ShortReadError(
                         f"{e.path}: short read of '{e.name}' at byte {e.offset + done}; the shard is truncated"
                     )
                 h.update(b)
@@ -386,7 +386,8 @@ def _pack_locked(cat, runs, plan, n, out, replace, progress, on_run, t0) -> Pack
     _fsync_dir(stage)
     old = None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        assert replace and is_pack(out)  # refused before any work otherwise
+        if not (replace and is_pack(out)):  # refused before any work otherwise
+            raise InternalError(f"{out}: about to replace what is not a pack of ours")
         old = old_dir(out)
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out, old)

@@ -13,6 +13,7 @@ import time
 from typing import Protocol
 
 from . import kernels
+from .errors import InternalError
 
 
 class _Waits(Protocol):
@@ -44,7 +45,8 @@ class DecodeProfile:
         self._mark = (time.perf_counter(), kernels.kernel_seconds(), store.wait_seconds, trunk.wait_seconds)
 
     def end(self, store: _Waits, trunk: _Waits) -> None:
-        assert self._mark is not None
+        if self._mark is None:
+            raise InternalError("DecodeProfile.end() without begin()")
         t0, k0, e0, w0 = self._mark
         wall = time.perf_counter() - t0
         k1 = kernels.kernel_seconds()

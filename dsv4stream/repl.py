@@ -96,7 +96,7 @@ class Interrupt:
 class Reply:
     ids: list[int]  # every yielded id; all but the last have been fed to the session
     stopped: bool  # Ctrl-C came while it was generated
-    reason: str = ""  # runinfo.STOP_REASONS
+    reason: str = ""  # engine.STOP_REASONS
     in_think: bool = False  # it ended before </think>: reasoning only, no answer
 
 

@@ -16,6 +16,7 @@ from typing import IO, Self
 
 from tqdm import tqdm
 
+from .errors import InternalError
 from .runinfo import RunStats
 
 
@@ -65,13 +66,11 @@ class PrefillBar:
         """`where`: the prefill's place, e.g. "layer 12/43, segment 1/3" (after each layer)."""
         if not self._enabled:
             return
-        if self._bar is None:
-            self._open(total)
-        assert self._bar is not None
+        bar = self._bar if self._bar is not None else self._open(total)
         if where:
             self._where = where
-        self._bar.set_postfix_str(self._figures(), refresh=False)
-        self._bar.update(done - self._bar.n)
+        bar.set_postfix_str(self._figures(), refresh=False)
+        bar.update(done - bar.n)
 
     def note(self, msg: str) -> None:
         """A line above the bar, at once (from a signal handler too): e.g. acknowledging Ctrl-C."""
@@ -101,8 +100,8 @@ class PrefillBar:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _open(self, total: int) -> None:
-        self._bar = tqdm(
+    def _open(self, total: int) -> tqdm:
+        bar = self._bar = tqdm(
             total=total,
             desc="prefill",
             unit="tok",
@@ -115,6 +114,7 @@ class PrefillBar:
         if self._tick > 0:
             self._thread = threading.Thread(target=self._ticker, name="dsv4-prefill-bar", daemon=True)
             self._thread.start()
+        return bar
 
     def _ticker(self) -> None:
         while not self._stop.wait(self._tick):
@@ -125,7 +125,8 @@ class PrefillBar:
 
     def _figures(self) -> str:
         now, s = self._reads(), self._start
-        assert s is not None
+        if s is None:
+            raise InternalError("prefill figures asked of a disabled bar")
         req = now.expert_requests - s.expert_requests
         hits = now.expert_hits - s.expert_hits
         rate = f"{hits / req:.0%}" if req else "-"
@@ -149,7 +150,7 @@ STOP_TEXT = {  # each reads after "stopped "
 
 
 def stop_text(reason: str, in_think: bool = False) -> str:
-    """Why an answer ended, in words: `runinfo.STOP_REASONS` plus whether <think> was still open."""
+    """Why an answer ended, in words: `engine.STOP_REASONS` plus whether <think> was still open."""
     text = STOP_TEXT.get(reason, reason or "before it started")
     return f"stopped {text}" + (", inside <think> (reasoning only, no answer yet)" if in_think else "")
 

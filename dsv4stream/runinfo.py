@@ -12,10 +12,6 @@ from typing import IO
 from . import planner
 from .profile import PROFILE_LABELS
 
-# Why a generation ended: EOS chosen, max_new_tokens reached, the session filled --ctx, or the
-# caller stopped it (Ctrl-C: the prefill or the token stream was cut short).
-STOP_REASONS = ("eos", "gen_limit", "context_full", "interrupted")
-
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -87,7 +83,7 @@ class RunStats:
     decode_profile: dict[str, float] = field(default_factory=dict)
     load_seconds: float = 0.0  # Runtime.open: catalog, plan, kernels, pinned trunk; before any prefill
     decode_tokens_per_second: float = 0.0
-    # why each generate call (chat turn) ended: one of STOP_REASONS; the last one on its own
+    # why each generate call (chat turn) ended: one of engine.STOP_REASONS; the last one on its own
     stop_reasons: list[str] = field(default_factory=list)
     stop_reason: str = ""
     stopped_in_think: list[bool] = field(default_factory=list)  # the turn ended before </think>

@@ -1,9 +1,9 @@
 """A budgeted run: open a checkpoint under `--budget`, generate tokens, collect statistics.
 
 Owns: planning what `memory.memory_needs` measured (`planner.plan`), compiling the kernels
-outside the budget, wiring the streaming providers (`streaming`) into an `Engine`, the
-generation loop (`Runtime.generate`, a generator that also prefetches the hash layers'
-experts the moment a token is chosen), and filling the run's figures (`runinfo.RunStats`). The CLI (`commands/run.py`), the demo and the benches
+outside the budget, wiring the streaming providers (`streaming`) into an `Engine`,
+`Runtime.generate` (the session's generation loop, timed and stopped at --ctx), and filling
+the run's figures (`runinfo.RunStats`). The CLI (`commands/run.py`), the demo and the benches
 go through `Runtime`; the math stays in `engine` / `model`.
 """
 
@@ -27,6 +27,7 @@ from .packdir import default_out_dir, pack_hint
 from .planner import Plan
 from .profile import DecodeProfile
 from .runinfo import RunOptions, RunStats
+from .sampler import greedy
 from .store import ExpertStore
 from .store.layout import expert_label
 from .streaming.experts import StreamedExperts
@@ -195,15 +196,6 @@ class Runtime:
         """A session with this run's sub-chunk and planned prefill segment (kw: `Engine.session`'s hooks)."""
         return self.engine.session(chunk_size=self.opts.chunk, segment=self.plan.prefill_segment, **kw)
 
-    def prefetch_hash_layers(self, token_ids: Sequence[int]) -> None:
-        """Start reading the hash layers' experts for these tokens: exact, known from the ids alone."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        keys = []
-        for i in range(min(self.cfg.num_hash_layers, self.cfg.n_layers)):
-            keys += [(i, int(e)) for e in np.unique(self.trunk.tid2eid(i)[ids])]
-        if keys:
-            self.experts.prefetch(keys)
-
     def generate(
         self,
         session: Session,
@@ -214,21 +206,19 @@ class Runtime:
         progress: Callable[[int, int], None] | None = None,
         on_layer: LayerHook | None = None,
     ) -> Iterator[int]:
-        """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick`
-        (default greedy, ties to the lower id), stopping after a token in `stop_ids` or when
-        the session holds `opts.ctx` positions (the context the plan covers is full).
+        """`session.generate` (the one generation loop) within this run: it also stops when
+        the session holds `opts.ctx` positions (the context the plan covers is full), and its
+        times go to `stats()`.
 
-        Every yielded token but the last has been fed to the session; the last one has not
-        (no forward pass is spent on logits nobody reads): a later turn starts with it.
-        `progress(done, total)` runs after each prefill segment, `on_layer(PrefillStep)` after
-        each layer of each segment; an exception either raises stops the prefill (within one
-        layer from `on_layer`), and the tokens fully fed still count, with where it stopped
-        (`prefill_stopped`). Times go to `stats()`: prefill (to the first logits), time to the
-        first token, decode steps separately, and why it ended (`STOP_REASONS`; "interrupted"
-        when the caller closes the generator or the prefill is stopped)."""
-        pick = pick or _greedy
+        As there, every yielded token but the last has been fed to the session; a later turn
+        starts with the last one. `progress(done, total)` runs after each prefill segment,
+        `on_layer(PrefillStep)` after each layer of each segment; an exception either raises
+        stops the prefill (within one layer from `on_layer`), and the tokens fully fed still
+        count, with where it stopped (`prefill_stopped`). Timed: the prefill (to the first
+        logits), the time to the first token, each decode step (the decode profile's window)
+        and the sampler; why it ended goes to `stop_reasons` (`engine.STOP_REASONS`)."""
+        pick = pick or greedy
         n_prompt = len(prompt_ids)
-        report = (lambda done: progress(done, n_prompt)) if progress is not None else None
         last: list[PrefillStep] = []
 
         def layer_done(step: PrefillStep) -> None:
@@ -238,44 +228,63 @@ class Runtime:
 
         t0 = time.perf_counter()
         pos0 = session.pos
-        stop: str | None = None if max_new_tokens > 0 else "gen_limit"
-        self._in_think.append(False)
-        try:
-            try:
-                logits = session.prefill(prompt_ids, last_only=True, progress=report, on_layer=layer_done)
-            except BaseException:
-                if last:
-                    fed = session.pos - pos0
-                    self._prefill_stopped = f"{fed} of {n_prompt} tokens fed; stopped after {last[0].where()}"
-                raise
-            finally:
+        picks = 0
+        prefilled = False
+        t_step = 0.0
+
+        def end_prefill() -> None:
+            nonlocal prefilled
+            if not prefilled:
+                prefilled = True
+                fed = session.pos - pos0
                 self._prefill_seconds += time.perf_counter() - t0
-                self._prompt_tokens += session.pos - pos0
-                self._turn_prompt_tokens.append(session.pos - pos0)
-            for n in range(max_new_tokens):
-                t_pick = time.perf_counter()
-                tok = pick(logits)
-                if n:
-                    self._profile.seconds["sampler"] += time.perf_counter() - t_pick
-                if n == 0:
-                    self._first_token_seconds.append(time.perf_counter() - t0)
-                stop = _stop_reason(tok in stop_ids, session.pos >= self.opts.ctx, n + 1 == max_new_tokens)
-                if stop is None:
-                    # the token is known: its hash-layer experts can load while the caller prints it
-                    self.prefetch_hash_layers([tok])
-                self._generated.append(tok)
-                yield tok
-                if stop is not None:
-                    return
-                self._profile.begin(self.store, self.trunk)
-                t0 = time.perf_counter()
-                logits = session.step(tok)
-                self._decode_seconds += time.perf_counter() - t0
+                self._prompt_tokens += fed
+                self._turn_prompt_tokens.append(fed)
+
+        def timed_pick(logits: np.ndarray) -> int:
+            # the loop picks right after each forward pass: the first pick ends the prefill,
+            # each later one a decode step
+            nonlocal picks
+            t_pick = time.perf_counter()
+            if picks == 0:
+                end_prefill()
+            else:
+                self._decode_seconds += t_pick - t_step
                 self._profile.end(self.store, self.trunk)
                 self._decode_tokens += 1
+            tok = pick(logits)
+            if picks == 0:
+                self._first_token_seconds.append(time.perf_counter() - t0)
+            else:
+                self._profile.seconds["sampler"] += time.perf_counter() - t_pick
+            picks += 1
+            return tok
+
+        report = (lambda done: progress(done, n_prompt)) if progress is not None else None
+        tokens = session.generate(
+            prompt_ids, max_new_tokens, timed_pick, stop_ids=stop_ids, max_pos=self.opts.ctx,
+            progress=report, on_layer=layer_done,
+        )  # fmt: skip
+        self._in_think.append(False)
+        try:
+            while True:
+                try:
+                    tok = next(tokens)
+                except StopIteration:
+                    break
+                except BaseException:
+                    if not prefilled and last:
+                        fed = session.pos - pos0
+                        self._prefill_stopped = f"{fed} of {n_prompt} tokens fed; stopped after {last[0].where()}"
+                    raise
+                self._generated.append(tok)
+                yield tok
+                self._profile.begin(self.store, self.trunk)  # a step follows unless that was the last
+                t_step = time.perf_counter()
         finally:
-            # no reason of its own: the caller closed the generator or the prefill was stopped
-            self._stop_reasons.append(stop or "interrupted")
+            tokens.close()
+            end_prefill()
+            self._stop_reasons.append(session.stop_reason)
 
     @property
     def stop_reason(self) -> str:
@@ -362,17 +371,3 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _stop_reason(eos: bool, context_full: bool, gen_limit: bool) -> str | None:
-    """Why generation ends after this token (None: it goes on); EOS first, then the context
-    (feeding the token would pass --ctx), then max_new_tokens."""
-    if eos:
-        return "eos"
-    if context_full:
-        return "context_full"
-    return "gen_limit" if gen_limit else None
-
-
-def _greedy(logits: np.ndarray) -> int:
-    return int(np.argmax(logits))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .catalog import Catalog, TensorEntry
-from .errors import CheckpointError, ReadError
+from .errors import ReadError, ShortReadError
 from .spec import TensorSpec, layer_prefix, model_specs
 from .store.directio import ALIGN  # runs are read with O_DIRECT: its alignment, defined once
 
@@ -183,7 +183,7 @@ def digest_range(
         except OSError as e:
             raise ReadError(f"{path}: {e.strerror} at byte {offset + done}; check the disk") from None
         if not b:
-            raise CheckpointError(f"{path}: short read at byte {offset + done}: the file ends before the run does")
+            raise ShortReadError(f"{path}: short read at byte {offset + done}: the file ends before the run does")
         h.update(b)
         words += word_sum(b)
         done += len(b)

@@ -70,3 +70,31 @@ def make_files(
         path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(d for _, _, d in tensors))
     layouts = {k: merge_pieces(v) for k, v in located.items()}
     return layouts, truth
+
+
+def o_direct_refusal(directory: Path) -> str | None:
+    """Why O_DIRECT does not work in ``directory`` (None: it does), probed the way the store
+    reads, independently of ``directio``: an O_DIRECT open and one 4096-byte aligned read."""
+    import mmap
+    import os
+
+    probe = Path(directory) / f".o_direct_probe_{os.getpid()}"
+    probe.write_bytes(bytes(range(256)) * 32)  # 8192 bytes
+    try:
+        try:
+            fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+        except OSError as e:
+            return f"the file system of {directory} refuses O_DIRECT on open ({e.strerror})"
+        try:
+            buf = mmap.mmap(-1, 4096)  # page-aligned
+            try:
+                n = os.preadv(fd, [buf], 4096)
+            except OSError as e:
+                return f"the file system of {directory} refuses an aligned O_DIRECT read ({e.strerror})"
+            if n != 4096 or buf[:256] != bytes(range(256)):
+                return f"an aligned O_DIRECT read in {directory} returned wrong bytes"
+        finally:
+            os.close(fd)
+    finally:
+        probe.unlink()
+    return None

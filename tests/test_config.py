@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -31,10 +32,23 @@ def pro_dict() -> dict:
     return d
 
 
-def test_packaged_copy_is_the_shared_config():
-    if not SHARED.exists():
-        pytest.skip("no /work/shared copy on this machine")
-    assert json.loads(SHARED.read_text()) == flash_dict()
+# sha256 of the released V4-Flash config.json's content (keys sorted, no spaces), taken from
+# the copy the project was given as the release's (/work/shared/v4_flash_config.json)
+RELEASED_SHA256 = "610c24153bee191ae1607521de219840599880627be5dbc11210e7c7dd976d5b"
+
+
+def content_sha256(d: dict) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def test_packaged_copy_is_the_released_config():
+    """Every key and value of the packaged copy is the release's: checked against the
+    release's content hash everywhere (CI included), and against the shared copy itself
+    where it is present (which also keeps the hash honest)."""
+    assert content_sha256(flash_dict()) == RELEASED_SHA256
+    if SHARED.exists():
+        shared = json.loads(SHARED.read_text())
+        assert shared == flash_dict() and content_sha256(shared) == RELEASED_SHA256
 
 
 def test_flash_numbers():

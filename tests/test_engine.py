@@ -55,6 +55,50 @@ def test_last_only_and_generate() -> None:
         logits = s.step(t)
 
 
+class Counted:
+    """A provider that counts: every call is passed on; embed calls are forward passes and
+    prefetch calls are recorded with their keys."""
+
+    def __init__(self, inner, log: dict) -> None:
+        self._inner, self._log = inner, log
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def embed(self, ids):
+        self._log["passes"] += 1
+        return self._inner.embed(ids)
+
+    def prefetch(self, keys):
+        self._log["prefetch"].append(list(keys))
+        return self._inner.prefetch(keys)
+
+
+def test_generate_runs_one_forward_pass_per_token_and_prefetches_hash_layers_once() -> None:
+    """n tokens cost the prefill and n - 1 steps (the last token is yielded, never fed), and
+    each forward pass asks for its hash layers' experts exactly once."""
+    base = engine()
+    cfg = base.cfg
+    log = {"passes": 0, "prefetch": []}
+    eng = Engine(cfg, Counted(base.trunk, log), Counted(base.experts, log), base.catalog)
+
+    def hash_keys(ids) -> list:
+        return [(i, int(e)) for i in range(cfg.num_hash_layers) for e in np.unique(base.trunk.tid2eid(i)[ids])]
+
+    s = eng.session()
+    toks = list(s.generate(IDS[:10], 5))
+    assert log["passes"] == 5 and s.pos == 10 + 4 and s.stop_reason == "gen_limit"
+    hashed = [k for k in log["prefetch"] if k[0][0] < cfg.num_hash_layers]
+    assert hashed == [hash_keys(IDS[:10])] + [hash_keys([t]) for t in toks[:-1]]
+    # the same ids as prefill + step by hand (test_last_only_and_generate), and stops
+    s = eng.session()
+    assert list(s.generate(IDS[:10], 9, stop_ids={toks[2]})) == toks[:3]
+    assert (s.stop_reason, s.pos) == ("eos", 12)
+    s = eng.session()
+    assert list(s.generate(IDS[:10], 9, max_pos=12)) == toks[:3]
+    assert (s.stop_reason, s.pos) == ("context_full", 12)
+
+
 def test_bad_tokens_are_refused() -> None:
     s = engine().session()
     with pytest.raises(UsageError, match="outside the vocabulary"):

@@ -72,6 +72,7 @@ def weight(kind: str, rows: int, cols: int, rng, scale_kind: str = "e8m0", exps=
 SHAPES = [
     ("fp4", 64, 256),
     ("fp4", 37, 96),
+    ("fp4", 33, 1088),  # two full column chunks of the matmul tile and a ragged third
     ("fp8", 130, 200),  # rows and cols not multiples of 128
     ("fp8", 3, 1),
     ("fp8", 64, 1100),  # several column chunks of the matmul tile, ragged end
@@ -86,6 +87,18 @@ def test_accuracy_against_float64(kind, rows, cols, scale_kind):
     rng = np.random.default_rng(rows * 1000 + cols)
     w = weight(kind, rows, cols, rng, scale_kind)
     x = rng.standard_normal((5, cols)).astype(np.float32)
+    ref = reference(x, w)
+    assert rel_error(fast.matmul(w, x), ref) <= TOL
+    assert rel_error(fast.matvec(w, x[0]), ref[:1]) <= TOL
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(2048, 4096), (4096, 2048)])
+def test_fp4_at_the_real_flash_expert_shapes(rows, cols):
+    """V4-Flash's routed experts: w1/w3 are 2048 x 4096 FP4, w2 4096 x 2048 (8 and 4 column
+    chunks of the matmul tile); decode (matvec) and a few tokens (matmul)."""
+    rng = np.random.default_rng(rows + 7 * cols)
+    w = weight("fp4", rows, cols, rng)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
     ref = reference(x, w)
     assert rel_error(fast.matmul(w, x), ref) <= TOL
     assert rel_error(fast.matvec(w, x[0]), ref[:1]) <= TOL

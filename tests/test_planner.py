@@ -8,7 +8,16 @@ import pytest
 
 from dsv4stream.config import ModelConfig
 from dsv4stream.errors import BudgetError
-from dsv4stream.planner import GB, MemoryNeeds, minimum_budget, needs_from_config, plan, state_bytes_for
+from dsv4stream.planner import (
+    GB,
+    SEGMENT_CAP,
+    MemoryNeeds,
+    budget_for,
+    minimum_budget,
+    needs_from_config,
+    plan,
+    state_bytes_for,
+)
 
 FLASH = ModelConfig.from_json(Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json")
 
@@ -95,6 +104,33 @@ def test_pins_layers_in_order_before_adding_expert_slots():
     p = plan(needs, 965)  # what is left after the trunk goes to expert slots
     assert (p.pinned_layers, p.ring_slots, p.expert_slots) == (4, 0, 6)
     assert p.warnings == () and plan(needs, 840).warnings  # 4 slots < working set 6
+
+
+def test_budget_for_is_the_smallest_budget_by_hand():
+    """Figures worked out by hand from the split rules (fixed part, minimum slots, ring, layers
+    in order, slots to the working set, the segment, then slots), to the byte."""
+    needs = MemoryNeeds(
+        layer_bytes=(100, 100, 300, 300), head_bytes=50, slot_bytes=10, state_bytes=5, staging_bytes=5,
+        overhead_bytes=40, working_set=6, experts_per_token=2, total_experts=30,
+    )  # fmt: skip
+    # whole trunk: fixed 100 + layers 800 + 6 slots x 10
+    assert budget_for(needs, 6) == 960
+    # layer 0 pinned: the floor 740 (ring 600 included) + 100; then 10 per slot past the 4
+    assert [budget_for(needs, n, pinned=1) for n in (4, 5, 10, 12)] == [840, 850, 900, 920]
+    # 13 slots with one layer pinned would need 930, but at 930 layer 1 still does not fit
+    # (780 free < 800 + ring): 13 slots at 930; at 940 the whole trunk fits, which also counts
+    assert budget_for(needs, 13, pinned=1) == 930 and budget_for(needs, 14, pinned=1) == 940
+    # with a prefill segment costing 1 byte per token, from 1 token: slots to the working set
+    # (6) first, then the segment to SEGMENT_CAP, and only then a 7th slot
+    seg = MemoryNeeds(
+        layer_bytes=(100, 100), head_bytes=50, slot_bytes=10, state_bytes=5, staging_bytes=5,
+        overhead_bytes=40, working_set=6, experts_per_token=2, total_experts=30,
+        segment_token_bytes=1, segment_min=1,
+    )  # fmt: skip
+    assert budget_for(seg, 6) == 100 + 200 + 6 * 10 + 1
+    assert budget_for(seg, 7) == 100 + 200 + 7 * 10 + SEGMENT_CAP == 4466
+    below = plan(seg, 4465)
+    assert (below.expert_slots, below.prefill_segment) == (6, SEGMENT_CAP)
 
 
 def test_state_grows_with_context():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from store_files import make_files
+from store_files import make_files, o_direct_refusal
 
 from dsv4stream.errors import ReadError
 from dsv4stream.store import directio
@@ -44,6 +44,22 @@ def test_reads_place_every_piece(tmp_path, io):
     check_all(files, layouts, truth)
     direct = files.is_direct(str(tmp_path / "shard-0.safetensors"))
     assert direct == (io == "direct" and not files.fallback_paths)
+    files.close()
+
+
+def test_o_direct_is_used_where_the_file_system_accepts_it(tmp_path):
+    """The buffered fallback is for file systems that refuse O_DIRECT: where an aligned
+    O_DIRECT read works, every file must be read with it."""
+    refused = o_direct_refusal(tmp_path)
+    if refused:
+        pytest.skip(refused)
+    layouts, truth = make_files(tmp_path)
+    said = []
+    files = FileSet("direct", warn=said.append)
+    check_all(files, layouts, truth)
+    paths = {r.path for lay in layouts.values() for r in lay}
+    assert [files.is_direct(p) for p in sorted(paths)] == [True] * len(paths)
+    assert files.fallback_paths == [] and said == []
     files.close()
 
 

@@ -7,7 +7,7 @@ import pytest
 from store_files import make_files
 
 from dsv4stream.catalog import Catalog
-from dsv4stream.errors import CheckpointError
+from dsv4stream.errors import CheckpointError, InternalError
 from dsv4stream.store.directio import ALIGN, plan_slot
 from dsv4stream.store.layout import EXPERT_TENSORS, expert_layouts
 from dsv4stream.store.runs import Piece, Run, layout_nbytes, layout_pieces, merge_pieces
@@ -42,9 +42,9 @@ def test_merge_splits_at_gaps_unless_allowed():
 
 
 def test_merge_refuses_overlap_and_piece_checks_its_size():
-    with pytest.raises(ValueError, match="overlap"):
+    with pytest.raises(CheckpointError, match="overlap"):
         merge_pieces([("f", piece("x", 0, 10)), ("f", piece("y", 9, 4))])
-    with pytest.raises(ValueError, match="needs 8 bytes"):
+    with pytest.raises(InternalError, match="needs 8 bytes"):
         Piece("w", 0, 7, np.dtype(np.float32), (2,))
 
 
@@ -89,7 +89,7 @@ def test_expert_layouts_from_a_generated_checkpoint(tmp_path):
     el = expert_layouts(cat.entries, cfg.num_hidden_layers)
     layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     assert sorted(el.layouts) == [(la, e) for la in range(layers) for e in range(cfg.n_routed_experts)]
-    assert el.max_runs == 2
+    assert {len(v) for v in el.layouts.values()} == {2}  # scales apart from weights, as in the release
     names = [p.name for p in layout_pieces(el.layouts[(2, 5)])]
     assert names[:3] == [f"layers.2.ffn.experts.5.w{i}.scale" for i in (1, 2, 3)]  # file order
     assert [names[i] for i in el.order[(2, 5)]] == [f"layers.2.ffn.experts.5.{t}" for t in EXPERT_TENSORS]

@@ -139,7 +139,7 @@ def test_pins_never_exceed_the_slots_even_below_the_planned_minimum(ckpt, refere
     class CountingStore(ExpertStore):
         def _acquire(self, key):
             out = super()._acquire(key)
-            outstanding.append(sum(e.pins for e in self._lru.values()))
+            outstanding.append(sum(e.pins for e in self._lru.entries.values()))
             return out
 
         def get_many(self, keys):
@@ -178,7 +178,7 @@ def test_hash_layer_experts_are_requested_as_soon_as_the_token_is_known(ckpt) ->
         for n, tok in enumerate(gen):
             if n + 1 < GEN:  # the last token is not fed, so nothing is fetched for it
                 want = {(i, int(e)) for i in hash_layers for e in rt.trunk.tid2eid(i)[tok]}
-                assert want <= set(rt.store._lru), "hash-layer experts not started before the next forward"
+                assert want <= set(rt.store._lru.entries), "hash-layer experts not started before the next forward"
 
 
 def test_verify_catches_a_misplaced_trunk_layer(ckpt, monkeypatch) -> None:
@@ -192,3 +192,34 @@ def test_verify_catches_a_misplaced_trunk_layer(ckpt, monkeypatch) -> None:
     monkeypatch.setattr(reader, "piece_views", shifted)
     with pytest.raises(VerifyError, match=r"layer 0 tensor layers\.0\..* bytes differ"):
         Runtime.open(ckpt, RunOptions(budget=budget_for(ckpt, 8), overhead=0, chunk=4, verify=True))
+
+
+def test_weights_kept_past_their_lifetime_fail_loudly(ckpt) -> None:
+    """A streamed layer is valid until the next layer() call, a streamed expert until the next
+    get (or until get_many advances): touching one later raises, naming what it was."""
+    from dsv4stream.errors import LifetimeError
+
+    with Runtime.open(ckpt, RunOptions(budget=budget_for(ckpt, 5, pinned=0), overhead=0, chunk=4)) as rt:
+        trunk, experts = rt.trunk, rt.experts
+        w0 = trunk.layer(0)
+        assert w0.attn.wq_a.rows > 0 and w0.attn_norm.size  # in its lifetime: the real thing
+        w1 = trunk.layer(1)  # the ring now reads layer 2 into layer 0's slot
+        with pytest.raises(LifetimeError, match="layer 0's weights used after the ring"):
+            _ = w0.attn.wq_a
+        with pytest.raises(LifetimeError):
+            _ = w0.attn_norm * 2
+        assert w1.attn.wq_a.rows > 0
+        a = experts.get(1, 0)
+        assert a.w1.rows > 0
+        experts.get(1, 1)
+        with pytest.raises(LifetimeError, match="layer 1 expert 0's weights used after their release"):
+            _ = a.w1.rows
+        items = experts.get_many(1, [2, 3])
+        _, first = next(items)
+        assert first.w2.rows > 0
+        next(items)
+        with pytest.raises(LifetimeError, match="get_many moved on"):
+            _ = first.w2.data
+        items.close()
+        # the engine keeps to both contracts: a whole generation at this budget still runs
+        assert len(list(rt.generate(rt.session(), PROMPT, 3))) == 3

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 from .. import planner
 from ..errors import UsageError
@@ -47,12 +45,3 @@ def budget_warning(budget: int) -> str | None:
         f"--budget {budget / planner.GB:.2f} GB is above the {available / planner.GB:.2f} GB of memory available now;"
         " other programs may be swapped out, or this run killed, as the expert cache fills"
     )
-
-
-def checkpoint_path(path: str | os.PathLike) -> Path:
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise UsageError(
-            f"{p}: not a checkpoint directory (no config.json); pass the folder holding config.json and *.safetensors"
-        )
-    return p

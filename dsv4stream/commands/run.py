@@ -31,7 +31,7 @@ import numpy as np
 from .. import chat, gpu, planner
 from ..commands.logits import parse_tokens
 from ..config import ModelConfig
-from ..errors import BudgetError, Dsv4Error, TokenizerError, UsageError
+from ..errors import BudgetError, Dsv4Error, InternalError, TokenizerError, UsageError
 from ..repl import ChatSettings, Conversation, Interrupt, Stopped, answer, chat_loop, is_utf8
 from ..report import report_lines
 from ..runinfo import RunOptions, RunStats
@@ -464,7 +464,8 @@ def run(
 
             stopped = False
             if ids is None:
-                assert tokenizer is not None and mode is not None
+                if tokenizer is None or mode is None:
+                    raise InternalError("a chat without a tokenizer or chat mode")
                 conv = Conversation(tokenizer, mode, system, effort=reasoning_effort, encoder=encoder)
                 chat_loop(rt, conv, ChatSettings(gen, ctx, pick), say, figures)
             else:

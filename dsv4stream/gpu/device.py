@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import formats
+from ..errors import InternalError
 from ..kernels import QWeight
 from . import affinity
 
@@ -180,7 +181,8 @@ def dequant_rows(xp, w: QWeight, r0: int, r1: int, lut) -> Any:
     this equals the CPU reference's dequantisation bit for bit.
     """
     if w.kind == "fp8":
-        assert r0 % 128 == 0
+        if r0 % 128:
+            raise InternalError(f"FP8 rows from {r0}: a row block starts at a multiple of 128")
         s = w.scale[r0 // 128 : -(-r1 // 128)]
         full = xp.repeat(xp.repeat(s, 128, axis=0), 128, axis=1)[: r1 - r0, : w.cols]
         return xp.take(lut, w.data[r0:r1]) * full

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import NumericsError
+from ..errors import InternalError, NumericsError
 from ..kernels import QWeight, matmul, matmul_pair
 from .ops import silu, sqrt_softplus, topk_lowest_index
 
@@ -110,7 +110,7 @@ def routed_experts(
         parts[int(e)] = (tok, y)
     missing = [int(e) for e in ids if int(e) not in parts]
     if missing:
-        raise RuntimeError(f"expert source skipped experts {missing}")
+        raise InternalError(f"expert source skipped experts {missing}")
     out = np.zeros_like(x)
     for e in ids:
         tok, y = parts.pop(int(e))

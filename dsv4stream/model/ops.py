@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import InternalError
+
 F32 = np.float32
 
 
@@ -59,7 +61,8 @@ def topk_lowest_index(scores: np.ndarray, k: int) -> np.ndarray:
     algorithm or thread count. Requires 1 <= k <= N.
     """
     t, n = scores.shape
-    assert 1 <= k <= n
+    if not 1 <= k <= n:
+        raise InternalError(f"top-{k} of {n} scores per row: need 1 <= k <= {n}")
     if k == n:
         return np.broadcast_to(np.arange(n), (t, n)).copy()
     kth = np.partition(scores, n - k, axis=-1)[:, n - k : n - k + 1]

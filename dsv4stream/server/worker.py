@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..commands.run import make_pick
-from ..errors import Dsv4Error
+from ..errors import Dsv4Error, InternalError
 from ..runtime import Runtime
 from ..sampler import SamplingParams
 from ..state import SessionState
@@ -197,7 +197,8 @@ class Worker:
         u.prompt_tokens, u.cached_tokens, u.completion_tokens = len(ids), cached, len(got)
         u.prefill_seconds, u.decode_seconds = t_first - t0, t_end - t_first
         # the last token yielded was never fed: the session has read ids + got[:-1]
-        assert session.pos == len(ids) + len(got) - 1, (session.pos, len(ids), len(got))
+        if session.pos != len(ids) + len(got) - 1:
+            raise InternalError(f"session at {session.pos} after {len(ids)} prompt + {len(got)} generated tokens")
         if len(got) > 1:
             kept.append((ids + got[:-1], session.snapshot()))
         if job.cancelled.is_set():

@@ -1,18 +1,19 @@
 """ExpertStore: a fixed number of slots holding items read from their files, LRU-managed.
 
-Owns the slots (one aligned buffer), the LRU order, pins, the reader threads, counters and
-the route log. It knows nothing about the model: keys are any hashable, an item is a
-``Layout`` (runs of pieces), and ``get`` hands back one numpy view per piece. Alignment and
-file access live in ``directio``; the byte-for-byte check in ``verify``.
+Owns the slots (one aligned buffer), the reader threads, read counters and the route log.
+The LRU order, pins, claims and request counters are ``lru.SlotLru``'s (shared with
+``simulate.StoreModel``, so a replay follows these rules exactly). It knows nothing about
+the model: keys are any hashable, an item is a ``Layout`` (runs of pieces), and ``get``
+hands back one numpy view per piece. Alignment and file access live in ``directio``; the
+byte-for-byte check in ``verify``.
 
 Pin protocol
     ``get(key)`` returns zero-copy views into the key's slot and *pins* it: the slot is
     neither evicted nor overwritten until a matching ``release(key)`` (one per ``get``).
-    ``hold(key)`` is the same as a context manager; ``release_all()`` drops every pin (a
-    single-consumer layer boundary). ``get_many(keys)`` hands out each item in turn, the
-    ones in memory first and the rest as their reads land, each pinned at least until the
-    generator advances. A view used after its release may show another item's bytes: copy
-    it if it must outlive the pin.
+    ``hold(key)`` is the same as a context manager. ``get_many(keys)`` hands out each item
+    in turn, the ones in memory first and the rest as their reads land, each pinned at
+    least until the generator advances. A view used after its release may show another
+    item's bytes: copy it if it must outlive the pin.
     An in-flight read is never given a new owner: evicting an entry whose read has not
     finished makes the next read into that slot wait for it first.
 
@@ -34,11 +35,9 @@ Counting
 
 from __future__ import annotations
 
-import heapq
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -47,9 +46,10 @@ from typing import IO, Self
 
 import numpy as np
 
-from dsv4stream.errors import BudgetError, Dsv4Error, ReadError
+from dsv4stream.errors import Dsv4Error, ReadError, StoreError
 
 from . import directio
+from .lru import Entry, SlotLru
 from .runs import Layout
 from .verify import Part, Verifier
 
@@ -86,55 +86,27 @@ class StoreStats:
 
 
 @dataclass
-class _Counters:
-    """Integer counters; request-side ones move under the store lock, read-side ones
-    under the stats lock."""
+class _ReadCounts:
+    """Read-side counters, moved under the stats lock (request-side ones are the LRU's)."""
 
-    requests: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    prefetches: int = 0
-    prefetch_used: int = 0
-    prefetch_unused: int = 0
     bytes_read: int = 0
     verified_reads: int = 0
     verify_mismatches: int = 0
 
 
-class _Entry:
-    """One key's occupancy of a slot. ``done`` is set once the read finished (views or
-    error filled in); readers never take the store lock, so waiting on ``done`` while
-    holding it cannot deadlock."""
+class _Entry(Entry):
+    """An LRU entry with its read: ``done`` is set once the read finished (views or error
+    filled in); readers never take the store lock, so waiting on ``done`` while holding it
+    cannot deadlock. ``after``: the evicted entry's read, to finish before this one starts."""
 
-    __slots__ = ("after", "claimed", "done", "error", "key", "pins", "slot", "views")
+    __slots__ = ("after", "done", "error", "views")
 
-    def __init__(self, key: Hashable, slot: int, claimed: bool, after: threading.Event | None):
-        self.key = key
-        self.slot = slot
-        self.pins = 0
-        self.claimed = claimed
+    def __init__(self, key: Hashable, slot: int, claimed: bool) -> None:
+        super().__init__(key, slot, claimed)
         self.done = threading.Event()
         self.views: tuple[np.ndarray, ...] = ()
         self.error: BaseException | None = None
-        self.after = after
-
-
-def _victim(lru: Mapping[Hashable, object], prefetch: bool, keep: frozenset | set = frozenset()) -> Hashable | None:
-    """The entry to evict: the oldest unpinned one that requests have claimed; for a demand
-    read, failing that, the oldest unpinned prefetch nobody asked for yet (a prefetch of a
-    later layer is worth more than an expert already used). A prefetch evicts neither
-    unrequested entries nor those in its batch ``keep``. Entries need ``pins`` and
-    ``claimed`` (the store's and `simulate.StoreModel`'s share this rule)."""
-    later = None
-    for key, entry in lru.items():
-        if entry.pins:  # type: ignore[attr-defined]
-            continue
-        if entry.claimed and key not in keep:  # type: ignore[attr-defined]
-            return key
-        if not prefetch and later is None and not entry.claimed:  # type: ignore[attr-defined]
-            later = key
-    return later
+        self.after: threading.Event | None = None
 
 
 def _route_line(key: Hashable) -> str:
@@ -169,7 +141,7 @@ class ExpertStore:
         order: Mapping[Hashable, Sequence[int]] | None = None,
     ) -> None:
         if slots < 1 or threads < 1:
-            raise ValueError(f"need slots >= 1 and threads >= 1, got {slots} and {threads}")
+            raise StoreError(f"an expert store needs slots >= 1 and threads >= 1, got {slots} and {threads}")
         self._layouts = layouts
         self._order = order
         self._plans = {k: directio.plan_slot(lay) for k, lay in layouts.items()}
@@ -182,11 +154,10 @@ class ExpertStore:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dsv4-io")
         self._lock = threading.Lock()
         self._landed = threading.Condition()  # notified whenever a read finishes
-        self._lru: OrderedDict[Hashable, _Entry] = OrderedDict()
-        self._free = list(range(slots))  # a heap: lowest slot first
+        self._lru: SlotLru[_Entry] = SlotLru(slots, _Entry)
         self._closed = False
         self._route, self._own_route = self._open_route(route_log)
-        self._n = _Counters()
+        self._n = _ReadCounts()
         self._stat_lock = threading.Lock()
         self._active_reads = 0
         self._busy_since = 0.0
@@ -238,19 +209,9 @@ class ExpertStore:
         with self._lock:
             self._check_open()
             for key in keys:
-                if key not in self._layouts:
-                    raise KeyError(f"no layout for key {key!r}")
-                if key in self._lru:
-                    self._lru.move_to_end(key)
-            batch = set(keys)
-            for key in keys:
-                if key in self._lru:
-                    continue
-                slot = self._take_slot(prefetch=True, keep=batch)
-                if slot is None:
-                    return
-                self._start(key, slot, claimed=False)
-                self._n.prefetches += 1
+                self._check_key(key)
+            for entry, evicted in self._lru.prefetch(keys):
+                self._start(entry, evicted)
 
     def get(self, key: Hashable) -> tuple[np.ndarray, ...]:
         """The pieces of ``key`` (layout order, or ``order[key]``), pinned until ``release(key)``."""
@@ -263,16 +224,7 @@ class ExpertStore:
     def release(self, key: Hashable) -> None:
         """Undo one ``get(key)``: its views may be overwritten from now on."""
         with self._lock:
-            entry = self._lru.get(key)
-            if entry is None or entry.pins == 0:
-                raise ValueError(f"release({key!r}) without a matching get")
-            entry.pins -= 1
-
-    def release_all(self) -> None:
-        """Drop every pin (a layer boundary when one thread consumes the store)."""
-        with self._lock:
-            for entry in self._lru.values():
-                entry.pins = 0
+            self._lru.release(key)
 
     @contextmanager
     def hold(self, key: Hashable) -> Iterator[tuple[np.ndarray, ...]]:
@@ -299,16 +251,9 @@ class ExpertStore:
         with self._lock:
             self._check_open()
             for key in keys:
-                if key not in self._layouts:
-                    raise KeyError(f"no layout for key {key!r}")
+                self._check_key(key)
                 self._log(key)
-            order = [k for k in keys if k in self._lru] + [k for k in keys if k not in self._lru]
-            cap = min(len(order), self.slots - sum(1 for e in self._lru.values() if e.pins))
-            if order and cap < 1:
-                raise BudgetError(
-                    f"all {self.slots} expert slots are pinned; release items before getting more "
-                    "or give the store more slots (raise --budget)"
-                )
+            order, cap = self._lru.many_order(keys)
             pending = {i: self._acquire(order[i]) for i in range(cap)}
         kept: dict[int, _Entry] = {}  # yielded, pin kept until its successor's turn
         nxt = cap
@@ -321,14 +266,14 @@ class ExpertStore:
                 yield order[i], views
                 with self._lock:
                     while nxt < len(order) and nxt - cap in kept:
-                        kept.pop(nxt - cap).pins -= 1
+                        self._lru.unpin(kept.pop(nxt - cap))
                         self._check_open()
                         pending[nxt] = self._acquire(order[nxt])
                         nxt += 1
         finally:
             with self._lock:
                 for entry in (*pending.values(), *kept.values()):
-                    entry.pins -= 1
+                    self._lru.unpin(entry)
 
     def _next_landed(self, pending: Mapping[int, _Entry]) -> int:
         """(Lock NOT held.) The first position in ``pending`` whose read has finished,
@@ -354,7 +299,7 @@ class ExpertStore:
 
     def stats(self) -> StoreStats:
         with self._lock, self._stat_lock:
-            n = asdict(self._n)
+            n = {**asdict(self._lru.n), **asdict(self._n)}
             seconds = self._read_seconds
             if self._active_reads:
                 seconds += time.perf_counter() - self._busy_since
@@ -374,7 +319,11 @@ class ExpertStore:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("ExpertStore is closed")
+            raise StoreError("the expert store is closed")
+
+    def _check_key(self, key: Hashable) -> None:
+        if key not in self._layouts:
+            raise StoreError(f"no layout for key {key!r}: the store knows only the checkpoint's routed experts")
 
     def _log(self, key: Hashable) -> None:
         if self._route is not None:
@@ -382,52 +331,17 @@ class ExpertStore:
 
     def _acquire(self, key: Hashable) -> _Entry:
         """Count one request for ``key``, make sure it is present or loading, pin it."""
-        if key not in self._layouts:
-            raise KeyError(f"no layout for key {key!r}")
-        self._n.requests += 1
-        entry = self._lru.get(key)
-        if entry is None:
-            self._n.misses += 1
-            slot = self._take_slot(prefetch=False)
-            entry = self._start(key, slot, claimed=True)
-        else:
-            if entry.claimed:
-                self._n.hits += 1
-            else:
-                self._n.misses += 1
-                self._n.prefetch_used += 1
-                entry.claimed = True
-            self._lru.move_to_end(key)
-        entry.pins += 1
+        self._check_key(key)
+        entry, evicted, new = self._lru.acquire(key)
+        if new:
+            self._start(entry, evicted)
         return entry
 
-    def _take_slot(
-        self, prefetch: bool, keep: frozenset | set = frozenset()
-    ) -> tuple[int, threading.Event | None] | None:
-        """A free slot, else the victim's (``_victim``), with its read to wait for if still
-        in flight."""
-        if self._free:
-            return heapq.heappop(self._free), None
-        victim = _victim(self._lru, prefetch, keep)
-        if victim is not None:
-            entry = self._lru.pop(victim)
-            self._n.evictions += 1
-            if not entry.claimed:
-                self._n.prefetch_unused += 1
-            return entry.slot, None if entry.done.is_set() else entry.done
-        if prefetch:
-            return None
-        raise BudgetError(
-            f"all {self.slots} expert slots are pinned; release items before getting more "
-            "or give the store more slots (raise --budget)"
-        )
-
-    def _start(self, key: Hashable, slot: tuple[int, threading.Event | None], claimed: bool) -> _Entry:
-        index, after = slot
-        entry = _Entry(key, index, claimed, after)
-        self._lru[key] = entry
+    def _start(self, entry: _Entry, evicted: _Entry | None) -> None:
+        """Read ``entry``; into an evicted entry's slot only once that entry's read finished."""
+        if evicted is not None and not evicted.done.is_set():
+            entry.after = evicted.done
         self._pool.submit(self._load, entry)
-        return entry
 
     def _slot(self, index: int) -> np.ndarray:
         return self._buf[index * self.slot_bytes : (index + 1) * self.slot_bytes]
@@ -441,12 +355,10 @@ class ExpertStore:
                 self._wait_seconds += time.perf_counter() - t0
         if entry.error is not None:
             with self._lock:
-                entry.pins -= 1
-                if self._lru.get(entry.key) is entry:
-                    # The slot holds garbage and nobody holds views of it: reuse it now,
-                    # so a retry reads afresh.
-                    del self._lru[entry.key]
-                    heapq.heappush(self._free, entry.slot)
+                self._lru.unpin(entry)
+                # The slot holds garbage and nobody holds views of it: reuse it now, so a
+                # retry reads afresh.
+                self._lru.drop(entry)
             raise entry.error
         return entry.views
 

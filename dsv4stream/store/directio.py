@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv4stream.errors import ReadError
+from dsv4stream.errors import ReadError, ShortReadError, StoreError
 
 from .runs import Layout, layout_pieces
 
@@ -102,7 +102,7 @@ class FileSet:
 
     def __init__(self, io: str = "direct", warn: Callable[[str], None] | None = None) -> None:
         if io not in IO_MODES:
-            raise ValueError(f"io must be one of {IO_MODES}, got {io!r}")
+            raise StoreError(f"--io {io!r}: use one of {', '.join(IO_MODES)}")
         self.io = io
         self._warn = warn if warn is not None else _log.warning
         self._fds: dict[str, int] = {}
@@ -157,7 +157,7 @@ class FileSet:
         """Read ``window`` into ``slot`` (an ALIGN-aligned uint8 buffer); returns bytes read.
 
         Loops over short reads; stops early only at end of file, and raises ReadError if
-        fewer than ``window.need`` bytes arrived."""
+        fewer than ``window.need`` bytes arrived (ShortReadError)."""
         fd, direct = self._open(window.path)
         view = memoryview(slot)[window.slot_offset : window.slot_offset + window.nbytes]
         got = 0
@@ -177,7 +177,7 @@ class FileSet:
                 break
             got += n
         if got < window.need:
-            raise ReadError(
+            raise ShortReadError(
                 f"short read: {window.path} at offset {window.file_offset} needs "
                 f"{window.need} bytes, got {got}: the file is shorter than when it was opened; "
                 + _refresh_advice(window.path)

@@ -34,15 +34,6 @@ class ExpertLayouts:
     layouts: dict[ExpertKey, Layout]
     order: dict[ExpertKey, tuple[int, ...]]
 
-    @property
-    def expert_nbytes(self) -> int:
-        """Bytes of the largest expert's tensors (not counting alignment)."""
-        return max((sum(p.nbytes for p in layout_pieces(v)) for v in self.layouts.values()), default=0)
-
-    @property
-    def max_runs(self) -> int:
-        return max((len(v) for v in self.layouts.values()), default=0)
-
 
 def expert_layouts(entries: Mapping[str, TensorEntry], num_hidden_layers: int, max_gap: int = 0) -> ExpertLayouts:
     """Group ``entries`` (a catalog's) into per-expert layouts; refuse incomplete experts."""

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsv4stream.errors import CheckpointError, InternalError
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -36,7 +38,7 @@ class Piece:
         for d in self.shape:
             count *= d
         if self.offset < 0 or count * dtype.itemsize != self.nbytes:
-            raise ValueError(
+            raise InternalError(
                 f"piece {self.name}: offset {self.offset}, shape {self.shape} of {dtype} "
                 f"needs {count * dtype.itemsize} bytes, layout says {self.nbytes}"
             )
@@ -73,7 +75,7 @@ def merge_pieces(located: Iterable[tuple[str, Piece]], max_gap: int = 0) -> Layo
         if last is not None and last.path == path:
             if piece.offset < last.end:
                 prev = last.pieces[-1].name
-                raise ValueError(f"pieces {prev} and {piece.name} overlap in {path}")
+                raise CheckpointError(f"{path}: tensors {prev} and {piece.name} overlap; the shard header is corrupt")
             if piece.offset - last.end <= max_gap:
                 end = piece.offset + piece.nbytes
                 runs[-1] = Run(path, last.offset, end - last.offset, last.pieces + (piece,))

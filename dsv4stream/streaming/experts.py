@@ -4,7 +4,8 @@ Pin contract with the MoE (`model.moe.routed_experts`): a layer's experts come t
 `get_many(layer, experts)`, the store's `get_many`: those in memory first, then misses as
 their reads land, at most the unpinned slots pinned at once, each expert's computation
 finished before the iterator advances. The single `get(layer, e)` keeps the older contract
-(the previous expert is released when the next one is asked for).
+(the previous expert is released when the next one is asked for). Weights used past either
+end raise LifetimeError (`lifetime.expire`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from ..config import ModelConfig
+from ..lifetime import expire
 from ..loading import expert_from_arrays
 from ..model.moe import ExpertWeights
 from ..providers import ExpertKey
@@ -26,13 +28,15 @@ class StreamedExperts:
         self.store = store
         self.cfg = cfg
         self._held: ExpertKey | None = None
+        self._held_weights: ExpertWeights | None = None
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         self.release()  # the previous expert's computation is finished (MoE contract)
         key = (layer, expert)
         arrays = self.store.get(key)
         self._held = key
-        return expert_from_arrays(self.cfg, tuple(arrays))
+        self._held_weights = expert_from_arrays(self.cfg, tuple(arrays))
+        return self._held_weights
 
     def get_many(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """Each expert once: resident ones first, then misses in the order their reads land."""
@@ -44,7 +48,11 @@ class StreamedExperts:
             self.release()
             return
         for (_, e), arrays in many([(layer, e) for e in experts]):
-            yield e, expert_from_arrays(self.cfg, tuple(arrays))
+            w = expert_from_arrays(self.cfg, tuple(arrays))
+            try:
+                yield e, w
+            finally:
+                expire(w, f"layer {layer} expert {e}'s weights used after get_many moved on (valid until it advances)")
 
     def prefetch(self, keys: Sequence[ExpertKey]) -> None:
         self.store.prefetch(list(keys))
@@ -53,4 +61,10 @@ class StreamedExperts:
         """Unpin the expert handed out last (also done by the next get)."""
         if self._held is not None:
             key, self._held = self._held, None
+            expire(
+                self._held_weights,
+                f"layer {key[0]} expert {key[1]}'s weights used after their release"
+                " (one expert is pinned at a time: the next get releases the previous)",
+            )
+            self._held_weights = None
             self.store.release(key)

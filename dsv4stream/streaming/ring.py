@@ -8,6 +8,8 @@ Ring contract with the engine: layers are asked for in the order 0..n-1, again a
 (one forward pass after another); a streamed layer's weights are valid until the next
 `layer()` call, when its slot starts receiving the layer after next. An out-of-order request
 still works (it is read at once, and counted), it just does not overlap with compute.
+Weights kept past the point where their slot starts receiving another layer raise
+LifetimeError when touched (`lifetime.expire`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import numpy as np
 
 from ..catalog import Catalog, TensorEntry, read_entry
 from ..config import ModelConfig
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InternalError
+from ..lifetime import expire
 from ..loading import load_head, load_layer
 from ..model.layer import HeadWeights, LayerWeights
 from ..spec import block_names
@@ -140,13 +143,15 @@ class StreamedTrunk:
             self._start(s, i)
         t0 = time.perf_counter()
         fut = self._futures[s]
-        assert fut is not None
+        if fut is None:
+            raise InternalError(f"ring slot {s} holds layer {i} but no read of it was started")
         try:
             fut.result()
         finally:
             self._wait_seconds += time.perf_counter() - t0
         w = self._built[s]
-        assert w is not None
+        if w is None:
+            raise InternalError(f"the read of layer {i} finished without building its weights")
         self._current = s
         nxt = self.pinned + (i + 1 - self.pinned) % (self.cfg.n_layers - self.pinned)
         if self._slot_of(nxt) is None:
@@ -193,9 +198,17 @@ class StreamedTrunk:
 
     def _start(self, s: int, i: int) -> None:
         """Queue the read of layer i into slot s (after whatever the reader thread has queued)."""
+        old = self._built[s]
+        if old is not None:
+            expire(
+                old,
+                f"layer {self._tags[s]}'s weights used after the ring started reading layer {i} into"
+                " their slot (a streamed layer is valid until the next layer() call)",
+            )
         self._tags[s] = i
         self._built[s] = None
-        assert self._pool is not None
+        if self._pool is None:
+            raise InternalError(f"layer {i} asked of a ring with no streamed layers")
         self._futures[s] = self._pool.submit(self._load, s, i)
 
     def _load(self, s: int, i: int) -> None:

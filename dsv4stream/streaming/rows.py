@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from ..catalog import NP_DTYPE, TensorEntry
-from ..errors import CheckpointError, ReadError
+from ..errors import CheckpointError, ReadError, ShortReadError
 from ..formats import bf16_to_f32
 
 
@@ -42,7 +42,7 @@ class RowReader:
                     f"{e.path}: {err.strerror} reading '{e.name}' row {int(uniq[j])}; check the disk"
                 ) from None
             if n != self.row_bytes:
-                raise ReadError(f"{e.path}: short read of '{e.name}' row {int(uniq[j])}; the file is truncated")
+                raise ShortReadError(f"{e.path}: short read of '{e.name}' row {int(uniq[j])}; the file is truncated")
         rows = bf16_to_f32(out) if e.dtype == "BF16" else out.astype(np.float32)
         return rows if len(uniq) == len(ids) and np.array_equal(uniq, ids) else rows[inv.reshape(-1)]
 

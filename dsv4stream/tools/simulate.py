@@ -2,8 +2,8 @@
 frequency-pinned cache, and Belady's optimum.
 
 Owns: reading a route log (the store's ``--route-log``: one ``layer expert`` line per
-request, in request order), the policies below, and a mirror of ``ExpertStore``'s
-request-side bookkeeping. It reads no checkpoint and knows the model only through the
+request, in request order) and the policies below; LRU replays through the store's own
+bookkeeping (``store.lru.SlotLru``). It reads no checkpoint and knows the model only through the
 engine's prefetch pattern (``engine_calls``).
 
 Counting, as in ``dsv4stream.store.cache``: every line is a request; a request is a hit
@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..errors import BudgetError, UsageError
+from ..errors import UsageError
+from ..store.lru import Counts, Entry, SlotLru
 
 POLICIES = ("lru", "pinned", "pinned+lru", "belady")
 
@@ -206,75 +207,34 @@ def belady(ids: Sequence[Hashable], slots: int, expert_bytes: int = 0, nxt: list
 # ---- the store's LRU, call for call ------------------------------------------------
 
 
-class _Slot:
-    __slots__ = ("claimed", "pins")
-
-    def __init__(self, claimed: bool) -> None:
-        self.claimed = claimed
-        self.pins = 0
-
-
 class StoreModel:
-    """``ExpertStore``'s request-side bookkeeping (LRU order, claimed flags, pins,
-    counters) for ``prefetch``/``get``/``release``/``release_all``, without buffers,
-    files or threads. Its counters equal the store's for the same call sequence (tested
-    against the store); keep the two in step when the store's rules change."""
+    """``ExpertStore``'s request-side bookkeeping for ``prefetch``/``get``/``release``/
+    ``get_many`` without buffers, files or threads: the store's own ``SlotLru`` driven call
+    for call, so its counters are the store's for the same call sequence."""
 
     def __init__(self, slots: int) -> None:
         _check_slots(slots)
         self.slots = slots
-        self._lru: OrderedDict[Hashable, _Slot] = OrderedDict()
-        self.requests = self.hits = self.misses = self.evictions = 0
-        self.prefetches = self.prefetch_used = self.prefetch_unused = 0
+        self._lru: SlotLru[Entry] = SlotLru(slots)
+
+    @property
+    def counts(self) -> Counts:
+        """requests, hits, misses, evictions, prefetches, prefetch_used, prefetch_unused."""
+        return self._lru.n
 
     def prefetch(self, keys: Iterable[Hashable]) -> None:
-        keys = list(keys)
-        for key in keys:
-            if key in self._lru:
-                self._lru.move_to_end(key)
-        batch = set(keys)
-        for key in keys:
-            if key in self._lru:
-                continue
-            if not self._take(prefetch=True, keep=batch):
-                return
-            self._lru[key] = _Slot(claimed=False)
-            self.prefetches += 1
+        self._lru.prefetch(list(keys))
 
     def get(self, key: Hashable) -> None:
-        self.requests += 1
-        entry = self._lru.get(key)
-        if entry is None:
-            self.misses += 1
-            self._take(prefetch=False)
-            entry = self._lru[key] = _Slot(claimed=True)
-        else:
-            if entry.claimed:
-                self.hits += 1
-            else:
-                self.misses += 1
-                self.prefetch_used += 1
-                entry.claimed = True
-            self._lru.move_to_end(key)
-        entry.pins += 1
+        self._lru.acquire(key)
 
     def release(self, key: Hashable) -> None:
-        entry = self._lru.get(key)
-        if entry is None or entry.pins == 0:
-            raise ValueError(f"release({key!r}) without a matching get")
-        entry.pins -= 1
-
-    def release_all(self) -> None:
-        for entry in self._lru.values():
-            entry.pins = 0
+        self._lru.release(key)
 
     def get_many(self, keys: Sequence[Hashable]) -> None:
-        """``ExpertStore.get_many`` consumed to the end: present entries first, at most the
-        unpinned slots pinned at once, position i acquired when i - cap is released."""
-        order = [k for k in keys if k in self._lru] + [k for k in keys if k not in self._lru]
-        cap = min(len(order), self.slots - sum(1 for e in self._lru.values() if e.pins))
-        if order and cap < 1:
-            raise BudgetError(f"all {self.slots} expert slots are pinned")
+        """``ExpertStore.get_many`` consumed to the end: position i acquired once i - cap
+        has been yielded and released."""
+        order, cap = self._lru.many_order(keys)
         for i, key in enumerate(order):
             if i >= cap:
                 self.release(order[i - cap])
@@ -282,29 +242,9 @@ class StoreModel:
         for key in order[max(0, len(order) - cap) :]:
             self.release(key)
 
-    def _take(self, prefetch: bool, keep: set | frozenset = frozenset()) -> bool:
-        """Make room for one entry: a free slot, else evict the store's victim."""
-        if len(self._lru) < self.slots:
-            return True
-        # claimed entries go first; a demand read then takes an unrequested prefetch
-        claimed = [k for k, e in self._lru.items() if not e.pins and e.claimed and k not in keep]
-        unasked = [k for k, e in self._lru.items() if not e.pins and not e.claimed and not prefetch]
-        victim = (claimed or unasked or [None])[0]
-        if victim is not None:
-            entry = self._lru.pop(victim)
-            self.evictions += 1
-            if not entry.claimed:
-                self.prefetch_unused += 1
-            return True
-        if prefetch:
-            return False
-        raise BudgetError(f"all {self.slots} expert slots are pinned")
 
-
-RELEASES = ("many", "previous", "each", "layer")
-Call = tuple[
-    str, object
-]  # ("prefetch", [keys]) | ("get", key) | ("get_many", [keys]) | ("release", key) | ("release_all", None)
+RELEASES = ("many", "previous", "each")
+Call = tuple[str, object]  # ("prefetch", [keys]) | ("get", key) | ("get_many", [keys]) | ("release", key)
 
 
 def engine_calls(log: np.ndarray, hash_layers: int, release: str = "many") -> Iterator[Call]:
@@ -317,7 +257,7 @@ def engine_calls(log: np.ndarray, hash_layers: int, release: str = "many") -> It
     the layer number goes down (or a layer's experts stop ascending). ``release``: "many"
     (the engine's ``get_many``), or one ``get`` per expert with "previous" (the expert got
     last stays pinned until the next get, as ``streaming.experts.StreamedExperts.get`` does), "each"
-    (released right after its get) or "layer" (``release_all`` after each layer)."""
+    (released right after its get)."""
     if release not in RELEASES:
         raise ValueError(f"release must be one of {', '.join(RELEASES)}, got {release!r}")
     rows = log.tolist()
@@ -350,8 +290,6 @@ def engine_calls(log: np.ndarray, hash_layers: int, release: str = "many") -> It
                 if release == "each":
                     yield "release", k
                 held = k if release == "previous" else None
-            if release == "layer":
-                yield "release_all", None
             i = j
         start = end
 
@@ -374,7 +312,7 @@ def replay_store(
 ) -> SimResult:
     """LRU as the live run does it: ``engine_calls`` through a ``StoreModel``."""
     model = run_calls(engine_calls(log, hash_layers, release), slots)
-    return _result("lru", slots, model.hits, model.requests, expert_bytes)
+    return _result("lru", slots, model.counts.hits, model.counts.requests, expert_bytes)
 
 
 # ---- a sweep -------------------------------------------------------------------------
