@@ -368,6 +368,47 @@ def test_a_run_after_warmup_compiles_nothing_new(ckpt):
     assert not {k: v for k, v in grown.items() if v}, grown
 
 
+def test_grouped_products_of_every_kind_compile_nothing_after_warmup():
+    """The grouped output projection joins its row blocks into one weight; at V4-Flash's sizes
+    that weight is FP8, which the tiny checkpoints never reach."""
+    from dsv4stream import kernels
+    from dsv4stream.kernels import QWeight, fast
+
+    if kernels.backend_name() != "fast":
+        pytest.skip("numba is not installed: the reference kernels compile nothing")
+    kernels.warmup()
+    dispatchers = [v for v in vars(fast).values() if hasattr(v, "signatures") and hasattr(v, "py_func")]
+    before = {d: set(d.signatures) for d in dispatchers}
+    rng = np.random.default_rng(5)
+    g, rows, cols = 2, 128, 256
+    whole = {
+        "fp8": (rng.integers(0, 126, (g * rows, cols), dtype=np.uint8), np.full((g * rows // 128, 2), 127, np.uint8)),
+        "fp4": (
+            rng.integers(0, 256, (g * rows, cols // 2), dtype=np.uint8),
+            np.full((g * rows, cols // 32), 127, np.uint8),
+        ),
+        "bf16": (rng.integers(0, 1 << 14, (g * rows, cols), dtype=np.uint16), None),
+        "f32": (rng.standard_normal((g * rows, cols)).astype(np.float32), None),
+    }
+    x = rng.standard_normal((1, g, cols)).astype(np.float32)
+    for kind, (data, scale) in whole.items():
+        srows = rows // 128 if kind == "fp8" else rows
+        ws = [
+            QWeight(
+                kind,
+                data[i * rows : (i + 1) * rows],
+                None if scale is None else scale[i * srows : (i + 1) * srows],
+                rows,
+                cols,
+            )
+            for i in range(g)
+        ]
+        y = kernels.matmul_grouped(ws, x)
+        assert np.array_equal(y[0], np.concatenate([kernels.matvec(w, x[0, i]) for i, w in enumerate(ws)]))
+    grown = {d.py_func.__name__: set(d.signatures) - before[d] for d in dispatchers}
+    assert not {k: v for k, v in grown.items() if v}, grown
+
+
 def test_a_budget_too_small_for_the_ctx_state_names_both(ckpt):
     from dsv4stream.config import ModelConfig
     from dsv4stream.planner import state_bytes_for

@@ -896,7 +896,10 @@ def _consecutive(parts: list[np.ndarray]) -> np.ndarray | None:
         if not ok or p.ctypes.data != p0.ctypes.data + i * p0.nbytes:
             return None
     shape = (len(parts) * p0.shape[0], *p0.shape[1:])
-    return np.lib.stride_tricks.as_strided(p0, shape=shape, strides=p0.strides, writeable=False)
+    # writable like its parts (the kernels never write it): numba types a read-only array apart,
+    # and a read-only view here would compile a second kernel inside the first decode step
+    writeable = all(p.flags.writeable for p in parts)
+    return np.lib.stride_tricks.as_strided(p0, shape=shape, strides=p0.strides, writeable=writeable)
 
 
 def _joined(ws) -> object | None:
@@ -931,8 +934,8 @@ def matmul_grouped(ws, x: np.ndarray) -> np.ndarray:
 def warmup() -> float:
     """Compile (or load from numba's cache) every kernel signature; returns the seconds it took.
 
-    Each kind twice: with writable arrays and with read-only ones (weights viewed on a
-    safetensors buffer or a mapped file), which numba types, and so compiles, apart."""
+    Writable arrays only: every weight a run hands the kernels is writable (its own buffer, a
+    ring slot, or a view of those), and numba would type a read-only one apart."""
     from . import QWeight  # kernels/__init__ imports this module lazily
 
     t0 = time.perf_counter()
@@ -942,19 +945,13 @@ def warmup() -> float:
             ("fp4", rng.integers(0, 256, (4, 16), dtype=np.uint8), np.full((4, 1), 127, sdt)),
             ("fp8", rng.integers(0, 126, (4, 32), dtype=np.uint8), np.full((1, 1), 127, sdt)),
         ):
+            w = QWeight(kind, data, scale, 4, 32)
             x = rng.standard_normal((BLAS_MIN_TOKENS[kind], 32)).astype(np.float32)
-            for d, s in ((data, scale), (_read_only(data), _read_only(scale))):
-                _warm_all(QWeight(kind, d, s, 4, 32), x)
+            _warm_all(w, x)
     for kind, data in (("bf16", np.zeros((4, 32), np.uint16)), ("f32", np.zeros((4, 32), np.float32))):
-        for d in (data, _read_only(data)):
-            _warm_all(QWeight(kind, d, None, 4, 32), np.ones((BLAS_MIN_TOKENS[kind], 32), np.float32))
+        w = QWeight(kind, data, None, 4, 32)
+        _warm_all(w, np.ones((BLAS_MIN_TOKENS[kind], 32), np.float32))
     return time.perf_counter() - t0
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-    ro = a.copy()
-    ro.setflags(write=False)
-    return ro
 
 
 def _warm_all(w, x: np.ndarray) -> None:
