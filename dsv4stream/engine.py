@@ -36,6 +36,7 @@ from .model.rope import Rope, rope_tables
 from .model.scan import nonfinite_fields
 from .providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
 from .sampler import greedy
+from .spec import layer_prefix
 from .state import SessionState, capture, thaw
 
 # on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched
@@ -324,7 +325,9 @@ class Session:
                     x = ffn_half(x, ids, w, cfg, self._experts_of(i), routed, self.trace, rows=c)
                 except NumericsError as e:
                     bad = nonfinite_fields(w)
-                    where = f" (non-finite values in {', '.join(f'layers.{i}.{b}' for b in bad[:4])})" if bad else ""
+                    where = (
+                        f" (non-finite values in {', '.join(layer_prefix(cfg, i) + b for b in bad[:4])})" if bad else ""
+                    )
                     raise NumericsError(f"layer {i}: {e}{where}; {_NAN_ADVICE}") from None
                 if after_layer is not None:
                     after_layer(i)

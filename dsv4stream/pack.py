@@ -49,6 +49,7 @@ from .trunkformat import (
     ALIGN,
     CHUNK,
     FORMAT,
+    JOURNAL,
     MANIFEST,
     TRUNK_FILE,
     PlannedRun,
@@ -61,8 +62,6 @@ from .trunkformat import (
     round_up,
     word_sum,
 )
-
-JOURNAL = "journal.jsonl"
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ import os
 from pathlib import Path
 
 from .errors import Dsv4Error, UsageError
-from .trunkformat import FORMAT_FAMILY, MANIFEST, TRUNK_FILE
+from .trunkformat import FORMAT_FAMILY, JOURNAL, MANIFEST, TRUNK_FILE
 
 DEFAULT_DIRNAME = "dsv4-trunk"
 PACK_FILES = frozenset({MANIFEST, TRUNK_FILE})
-STAGE_FILES = PACK_FILES | {"journal.jsonl", "manifest.json.tmp", "lock"}
+STAGE_FILES = PACK_FILES | {JOURNAL, f"{MANIFEST}.tmp", "lock"}
 
 
 def default_out_dir(ckpt_dir: str | os.PathLike) -> Path:

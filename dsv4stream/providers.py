@@ -19,8 +19,7 @@ from .loading import load_expert, load_head, load_layer
 from .model.layer import HeadWeights, LayerWeights
 from .model.moe import ExpertWeights
 from .spec import MODEL
-
-ExpertKey = tuple[int, int]  # (layer, expert)
+from .store.layout import ExpertKey
 
 
 class Trunk(Protocol):

@@ -42,6 +42,7 @@ FORMAT_FAMILY = "dsv4-trunk/"  # the marker that says a folder is a pack of ours
 FORMAT = FORMAT_FAMILY + "1"
 TRUNK_FILE = "trunk.bin"
 MANIFEST = "manifest.json"
+JOURNAL = "journal.jsonl"  # the staging folder's record of verified runs (resume)
 TENSOR_ALIGN = 64
 CHECKSUM = "blake2b-128"
 CHUNK = 16 << 20  # read / copy granularity: bounds memory whatever the tensor size
