@@ -349,36 +349,45 @@ def test_the_cache_stamp_changes_with_the_kernel_source_and_the_cpu(monkeypatch)
     assert kernels.cache_stamp() != here
 
 
+def _kernel_signatures() -> dict[str, set]:
+    """Every compiled signature of every numba kernel, by kernel name."""
+    from dsv4stream.kernels import fast
+
+    return {v.py_func.__name__: set(v.signatures) for v in vars(fast).values() if hasattr(v, "py_func")}
+
+
+def _grown_since(before: dict[str, set]) -> dict[str, set]:
+    """Kernel name -> the signatures compiled since `before` (only those that grew)."""
+    return {k: v - before[k] for k, v in _kernel_signatures().items() if v - before[k]}
+
+
 def test_a_run_after_warmup_compiles_nothing_new(ckpt):
     """Every signature a run reaches is one warmup compiles (so a warm cache, or the child that
     filled a cold one, leaves nothing for numba to compile inside the budgeted process)."""
     from dsv4stream import kernels
-    from dsv4stream.kernels import fast
     from dsv4stream.runtime import Runtime
 
     if kernels.backend_name() != "fast":
         pytest.skip("numba is not installed: the reference kernels compile nothing")
     kernels.warmup()
-    dispatchers = [v for v in vars(fast).values() if hasattr(v, "signatures") and hasattr(v, "py_func")]
-    before = {d.py_func.__name__: set(d.signatures) for d in dispatchers}
+    before = _kernel_signatures()
     with Runtime.open(ckpt, RunOptions(budget=int(3e9))) as rt:
         got = list(rt.generate(rt.session(), list(range(5, 75)), 6))  # a long prefill, then decode
     assert len(got) == 6
-    grown = {d.py_func.__name__: set(d.signatures) - before[d.py_func.__name__] for d in dispatchers}
-    assert not {k: v for k, v in grown.items() if v}, grown
+    grown = _grown_since(before)
+    assert not grown, grown
 
 
 def test_grouped_products_of_every_kind_compile_nothing_after_warmup():
     """The grouped output projection joins its row blocks into one weight; at V4-Flash's sizes
     that weight is FP8, which the tiny checkpoints never reach."""
     from dsv4stream import kernels
-    from dsv4stream.kernels import QWeight, fast
+    from dsv4stream.kernels import QWeight
 
     if kernels.backend_name() != "fast":
         pytest.skip("numba is not installed: the reference kernels compile nothing")
     kernels.warmup()
-    dispatchers = [v for v in vars(fast).values() if hasattr(v, "signatures") and hasattr(v, "py_func")]
-    before = {d: set(d.signatures) for d in dispatchers}
+    before = _kernel_signatures()
     rng = np.random.default_rng(5)
     g, rows, cols = 2, 128, 256
     whole = {
@@ -405,8 +414,8 @@ def test_grouped_products_of_every_kind_compile_nothing_after_warmup():
         ]
         y = kernels.matmul_grouped(ws, x)
         assert np.array_equal(y[0], np.concatenate([kernels.matvec(w, x[0, i]) for i, w in enumerate(ws)]))
-    grown = {d.py_func.__name__: set(d.signatures) - before[d] for d in dispatchers}
-    assert not {k: v for k, v in grown.items() if v}, grown
+    grown = _grown_since(before)
+    assert not grown, grown
 
 
 def test_a_budget_too_small_for_the_ctx_state_names_both(ckpt):

@@ -142,6 +142,8 @@ def _mark_cache_complete() -> None:
     import tempfile
 
     marker = _cache_marker()
+    if marker.is_file():
+        return  # every run warms up: write once per source, numba and CPU
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=marker.parent, prefix=".dsv4-kernels-")

@@ -121,16 +121,19 @@ def lru(ids: Sequence[Hashable], slots: int, expert_bytes: int = 0) -> SimResult
     """Plain LRU on the requests: a hit if resident; a miss evicts the least recently requested."""
     _check_slots(slots)
     cache: OrderedDict[Hashable, None] = OrderedDict()
-    hits = 0
-    for k in ids:
-        if k in cache:
-            cache.move_to_end(k)
-            hits += 1
-        else:
-            if len(cache) >= slots:
-                cache.popitem(last=False)
-            cache[k] = None
+    hits = sum(_lru_hit(cache, k, slots) for k in ids)
     return _result("lru", slots, hits, len(ids), expert_bytes)
+
+
+def _lru_hit(cache: OrderedDict[Hashable, None], k: Hashable, slots: int) -> bool:
+    """One request through an LRU of `slots` keys: True on a hit; a miss evicts the oldest."""
+    if k in cache:
+        cache.move_to_end(k)
+        return True
+    if len(cache) >= slots:
+        cache.popitem(last=False)
+    cache[k] = None
+    return False
 
 
 def pinned(ids: Sequence[Hashable], slots: int, lru_slots: int = 1, expert_bytes: int = 0) -> SimResult:
@@ -153,13 +156,8 @@ def pinned(ids: Sequence[Hashable], slots: int, lru_slots: int = 1, expert_bytes
                 hits += 1
             else:
                 loaded.add(k)
-        elif k in cache:
-            cache.move_to_end(k)
+        elif _lru_hit(cache, k, lru_slots):
             hits += 1
-        else:
-            if len(cache) >= lru_slots:
-                cache.popitem(last=False)
-            cache[k] = None
     name = "pinned" if lru_slots == 1 else "pinned+lru"
     return _result(name, slots, hits, len(ids), expert_bytes)
 
