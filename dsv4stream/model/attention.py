@@ -31,6 +31,13 @@ from .rope import Rope, apply_rope
 
 F32 = np.float32
 GATHER_FLOATS = 4 << 20  # compressed rows gathered per block of queries (planner.BLOCK_FLOATS)
+# Below this many multiply-adds `attend` runs numpy's BLAS on one thread (`attend_macs`). OpenBLAS
+# threads a product from a few hundred thousand; on 2 AMD EPYC cores with one busy (load 1.6-2.2,
+# `attend`, 64 queries, 7 runs) 4 heads x 128 over 192 keys + 64 rows (16.8 M) took 11.9 ms on
+# two threads and 0.64 ms on one. The second thread waits for a core numba's workers or another
+# program hold, and spins after the call against the kernels that follow. One thread costs at
+# most the split, under a millisecond at this size; V4-Flash's 64 x 512 (2.95 G) keeps its threads.
+ONE_THREAD_MACS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,18 @@ def new_attn_state(cfg: ModelConfig, ratio: int) -> AttnState:
     comp = CompressorState(hd, overlap=ratio == 4) if ratio else None
     index_comp = CompressorState(cfg.index_head_dim, overlap=True) if ratio == 4 else None
     return AttnState(WindowCache(cfg.sliding_window, hd), comp, index_comp)
+
+
+def attend_macs(cfg: ModelConfig, ratio: int, queries: int, end: int) -> int:
+    """Multiply-adds of `attend` (scores and weighted sum) for `queries` queries ending at
+    position `end` (exclusive): the window and the chunk's keys, plus index_topk rows at ratio 4
+    or every closed row at other ratios."""
+    rows = cfg.sliding_window + queries
+    if ratio == 4:
+        rows += cfg.index_topk
+    elif ratio:
+        rows += end // ratio
+    return 2 * queries * cfg.num_attention_heads * cfg.head_dim * rows
 
 
 def attend(
