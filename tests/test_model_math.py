@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from dsv4stream.model.attention import WindowCache, attend
 from dsv4stream.model.compressor import CompressorState, CompressorWeights, compress
 from dsv4stream.model.mhc import HcWeights, hc_post, hc_pre
 from dsv4stream.model.moe import ExpertWeights, MoeWeights, route, routed_experts, swiglu
-from dsv4stream.model.ops import rms_norm, topk_lowest_index
+from dsv4stream.model.ops import rms_norm, silu, topk_lowest_index
 from dsv4stream.model.rope import Rope, apply_rope, plain_inv_freq, yarn_inv_freq
 
 RNG = np.random.default_rng(0)
@@ -236,6 +237,20 @@ def test_swiglu_clamp_is_asymmetric() -> None:
     gate = np.minimum(x, 7.0)
     up = np.clip(x, -7.0, 7.0)
     np.testing.assert_allclose(y, gate / (1 + np.exp(-gate)) * up, rtol=1e-6)
+
+
+def test_silu_matches_float64_over_the_whole_range_without_warnings() -> None:
+    edges = [-1e30, -3e38, 3e38, 0.0, -0.0, 1e-30, -5e-39]
+    x = np.concatenate([np.linspace(-120, 120, 20001), edges]).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e^-x overflows below about -88: no RuntimeWarning may escape
+        y = silu(x.reshape(2, -1)).reshape(-1)
+    x64 = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        ref = x64 / (1.0 + np.exp(-x64))
+    assert y.dtype == np.float32 and np.isfinite(y).all()
+    np.testing.assert_allclose(y, ref, rtol=3e-7, atol=1e-35)  # below -88 the result is -0, not ~-1e-37
+    assert np.isnan(silu(np.array([np.nan], np.float32))).all()
 
 
 def test_routed_experts_run_each_expert_once_for_its_tokens() -> None:

@@ -37,9 +37,14 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x), float32."""
-    s = sigmoid(x)
-    return np.multiply(x, s, out=s)
+    """x * sigmoid(x) as x / (1 + e^-x), float32, in four passes over one temporary (the MoE's
+    (n, inter) gate: 256 x 2048 went 2.9 -> 0.46 ms, against `sigmoid`'s seven passes). Where
+    e^-x overflows (x below about -88) the quotient is -0, the limit."""
+    e = np.negative(x, dtype=F32)
+    with np.errstate(over="ignore"):
+        np.exp(e, out=e)
+    e += F32(1.0)
+    return np.divide(x, e, out=e)
 
 
 def sqrt_softplus(x: np.ndarray) -> np.ndarray:
