@@ -220,3 +220,23 @@ def test_multi_query_attention_has_the_same_bits_on_one_blas_thread(dense) -> No
     finally:
         fns[1](before)
     assert threaded.tobytes() == single.tobytes()
+
+
+def test_a_segment_reads_its_embedding_rows_before_asking_for_its_hash_layer_experts(ckpt, monkeypatch) -> None:
+    """Rows asked for after the hash layers' experts wait behind those reads (the reader
+    threads hold the disk and take the GIL at every row's pread)."""
+    eng = Engine.open(ckpt)
+    assert eng.cfg.num_hash_layers >= 1
+    calls: list[str] = []
+    embed, prefetch = eng.trunk.embed, eng.experts.prefetch
+    monkeypatch.setattr(eng.trunk, "embed", lambda ids: calls.append("embed") or embed(ids))
+    hash_layers = range(eng.cfg.num_hash_layers)
+    monkeypatch.setattr(
+        eng.experts,
+        "prefetch",
+        lambda keys: calls.append("hash" if {k[0] for k in keys} <= set(hash_layers) else "scored") or prefetch(keys),
+    )
+    eng.session(chunk_size=4, segment=16).prefill(PROMPT[:40])
+    segments = [calls[i : i + 2] for i, c in enumerate(calls) if c == "embed"]
+    assert len(segments) == 3 and all(s == ["embed", "hash"] for s in segments)
+    assert calls[0] == "embed"
