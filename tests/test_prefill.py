@@ -240,3 +240,20 @@ def test_a_segment_reads_its_embedding_rows_before_asking_for_its_hash_layer_exp
     segments = [calls[i : i + 2] for i, c in enumerate(calls) if c == "embed"]
     assert len(segments) == 3 and all(s == ["embed", "hash"] for s in segments)
     assert calls[0] == "embed"
+
+
+def test_the_engine_runs_small_attention_sub_chunks_on_one_blas_thread(ckpt, monkeypatch) -> None:
+    """The tiny checkpoint's sub-chunks are all below ONE_THREAD_MACS; with the threshold at 0
+    only one-query sub-chunks (the 7-token prompt's last one of 3) stay on one thread."""
+    from dsv4stream import engine
+
+    seen: list[bool] = []
+    real = engine.one_thread
+    monkeypatch.setattr(engine, "one_thread", lambda on: seen.append(on) or real(on))
+    eng = Engine.open(ckpt)
+    eng.session(chunk_size=3, segment=7).prefill(PROMPT[:7])
+    assert len(seen) == 3 * eng.cfg.n_layers and all(seen)
+    seen.clear()
+    monkeypatch.setattr(engine, "ONE_THREAD_MACS", 0)
+    eng.session(chunk_size=3, segment=7).prefill(PROMPT[:7])
+    assert seen == [False, False, True] * eng.cfg.n_layers
