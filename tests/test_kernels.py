@@ -156,6 +156,21 @@ def test_matvec_equals_matmul_rows_bit_for_bit():
             assert np.array_equal(fast.matmul(w, x[3:6]), y[3:6])
 
 
+@pytest.mark.parametrize("kind,cols", [("fp4", 1056), ("fp8", 1152), ("bf16", 1040)])
+def test_a_token_has_the_same_bits_at_every_count_and_place_in_a_register_block(kind, cols):
+    """Tokens go through the matmul kernels in blocks of TOKS (padded with zero rows) and columns
+    in chunks of CHUNK: a row's result may depend on neither, since prefill segments (sized from
+    --budget) give an expert any number of tokens. cols leaves a short last chunk (FP4: one
+    32-block, lanes 0-15 only)."""
+    rng = np.random.default_rng(14)
+    w = weight(kind, 9, cols, rng)
+    x = rng.standard_normal((2 * fast.TOKS + 2, cols)).astype(np.float32)
+    want = np.stack([fast.matvec(w, v) for v in x])
+    for t in range(2, len(x) + 1):
+        for start in range(len(x) - t + 1):
+            assert np.array_equal(fast.matmul(w, x[start : start + t]), want[start : start + t]), (t, start)
+
+
 def test_fused_matmul_splits_long_inputs_exactly(monkeypatch):
     """Past MAX_TOKENS the fused path splits X; each part gives the same bits as alone."""
     monkeypatch.setitem(fast.BLAS_MIN_TOKENS, "fp4", 10**9)

@@ -22,7 +22,9 @@ Arithmetic, identical in every path so that results do not depend on the thread 
 - accumulation (fused kernels): 32 float32 lanes per (row, token), each an FMA chain in column
   order, then a fixed pairwise tree over the lanes. FP8 / BF16 / F32: lane = column mod 32, `lane = fma(w *
   rel, x, lane)`. FP4: packed byte k of 32-block b feeds lane (b mod 2)*16 + k with
-  `lane = fma(fma(odd, x_odd, even * x_even), rel, lane)`. Parallel over output rows only.
+  `lane = fma(odd * rel, x_odd, fma(even * rel, x_even, lane))`: one FMA per product, so the
+  matmul multiplies a pre-scaled tile (the products by rel are exact: rel is a power of two
+  and the decoded values stay above 2^-149). Parallel over output rows only.
 - BLAS path: the tile holds decode * rel (exact for E8M0 scales), sgemm sums it in its own
   order, the row factor is applied in float64. OpenBLAS splits sgemm over output blocks, never
   over the summed dimension, so results do not depend on its thread count either
@@ -49,7 +51,7 @@ from numba.extending import intrinsic, overload
 os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 LANES = 32
-FP4_LANES = 32  # lane h*16 + k: (even * x_even + odd * x_odd) * scale, 32-blocks of parity h
+FP4_LANES = 32  # lane h*16 + k: even * scale * x_even, then odd * scale * x_odd; 32-blocks of parity h
 MAX_BLOCKS = 1024  # stack room for one row's relative scales: FP4 cols <= 32768, FP8 cols <= 131072
 # FP8 rows a wide matvec takes per pass over x (divides 128, so they share one scale block). A
 # row of >= WIDE_COLS columns has an x of >= 32 KiB, which does not stay in L1 beside the weight
@@ -58,10 +60,17 @@ MAX_BLOCKS = 1024  # stack room for one row's relative scales: FP4 cols <= 32768
 MV_ROWS = 4
 WIDE_COLS = 8192
 MV_LANES = MV_ROWS * LANES
-ROW_TILE = 4  # rows decoded together by matmul; tokens go in pairs
-TILE_LANES = 256  # 4 rows x 2 tokens x 32 lanes
-CHUNK = 512  # columns decoded at a time by matmul (a multiple of 128)
-MAX_TOKENS = 64  # tokens per matmul kernel call; larger X is split
+ROW_TILE = 4  # rows decoded together by matmul
+# Tokens per register block: 4 rows x 3 tokens x 32 lanes are 24 AVX-512 accumulators, and each
+# vector load of a weight feeds 3 FMAs instead of 2 (Zen 4, one thread: FP8 64-token matmul
+# 71 -> 76 GFLOP/s). A token's result does not depend on its place in the block.
+TOKS = 3  # `_fma_block` / `_fp4_fma_block` are written out for 3
+TILE_LANES = ROW_TILE * TOKS * 32
+# Columns decoded at a time by matmul (a multiple of 128). A token block's lanes leave the
+# registers at the end of each chunk: 512 -> 1024 took a 64-token FP8 matmul (Zen 4, one thread,
+# weight in L2) from 71 to 78 GFLOP/s; the 16 KiB tile still leaves L1 room for the x slices.
+CHUNK = 1024
+MAX_TOKENS = 64  # tokens per matmul kernel call (rounded up to a multiple of TOKS); larger X is split
 # Below this many weight bytes a matvec runs serially. On 2 EPYC (Zen 4) cores, idle, a
 # parallel region saves at most ~20 us on a 2 MB matvec; with the other core busy (reader
 # threads, other processes; load 8 here) a 1 MB FP8 matvec took 0.5-4 ms parallel, 0.04-0.14
@@ -79,7 +88,7 @@ BLAS_MIN_TOKENS = {"fp4": 512, "fp8": 512, "bf16": 512, "f32": 512}
 # depend on the budget, and greedy ids must not. It never measured faster here either.
 BLAS_PATH = False
 TILE_ELEMS = 1 << 22  # float32 values per dequantised row tile (16 MiB; one parallel region each)
-ACC_LANES = MAX_TOKENS // 2 * TILE_LANES
+ACC_LANES = -(-MAX_TOKENS // TOKS) * TILE_LANES
 REL_LANES = ROW_TILE * MAX_BLOCKS
 CHUNK_LANES = ROW_TILE * CHUNK
 _JIT = {"cache": True, "fastmath": False}
@@ -203,6 +212,7 @@ def _stack_f32(typingctx, n):
 
     def codegen(context, builder, sig, args):
         arr = cgutils.alloca_once(builder, ir.ArrayType(_F32, n.literal_value))
+        arr.align = 64
         return builder.bitcast(arr, _F32.as_pointer())
 
     return types.CPointer(types.float32)(n), codegen
@@ -262,12 +272,18 @@ def _row_rel(srow, shift, rel):
 
 @njit(**_INLINE)
 def _lane_sum(acc, base, n):
-    """Fixed pairwise tree over acc[base : base + n], n a power of two (destroys it)."""
-    h = n // 2
-    while h >= 1:
-        for k in range(h):
-            acc[base + k] += acc[base + k + h]
-        h //= 2
+    """Fixed pairwise tree over acc[base : base + 32] (destroys it); n must be 32. Each level a
+    constant-length loop, so LLVM makes it one vector add (a loop over a variable half-width was
+    31 scalar adds per output, ~10% of a 64-token matmul)."""
+    for k in range(16):
+        acc[base + k] += acc[base + k + 16]
+    for k in range(8):
+        acc[base + k] += acc[base + k + 8]
+    for k in range(4):
+        acc[base + k] += acc[base + k + 4]
+    for k in range(2):
+        acc[base + k] += acc[base + k + 2]
+    acc[base] += acc[base + 1]
     return acc[base]
 
 
@@ -285,7 +301,7 @@ def _fp4_block(w, r, b, xe, xo, sr, acc):
     for k in range(16):
         i = b * 16 + k
         byte = w[r, i]
-        acc[a + k] = _fma(_fma(_e2m1_hi(byte), xo[i], _e2m1_lo(byte) * xe[i]), sr, acc[a + k])
+        acc[a + k] = _fma(_e2m1_hi(byte) * sr, xo[i], _fma(_e2m1_lo(byte) * sr, xe[i], acc[a + k]))
 
 
 @njit(**_INLINE)
@@ -510,53 +526,59 @@ def _plain_dequant(w, r0, tile, fac):
 # ---- a tile of rows times a few tokens (decode once per column chunk, reuse for every token) -----
 #
 # Stack layout of one row tile: rel (4 rows x MAX_BLOCKS), the decoded chunk (4 rows x CHUNK
-# float32, 8 KiB: stays in L1 next to the token slice it meets) and the lanes of every
+# float32, 16 KiB: stays in L1 next to the token slices it meets) and the lanes of every
 # (token, row) pair (MAX_TOKENS x 4 x 32). Stack buffers cannot alias the weights, so LLVM
 # vectorises the decode and keeps the lanes in registers without runtime checks.
 
 
 @njit(**_INLINE)
-def _fp4_decode(w, r, c0, cw, tile, q):
-    """Columns c0 .. c0+cw of row r: even elements to tile[q, :cw/2], odd to tile[q, CHUNK/2:]."""
-    for i in range(cw // 2):
-        byte = w[r, _nn(c0 // 2 + i)]
-        tile[q * CHUNK + i] = _e2m1_lo(byte)
-        tile[q * CHUNK + CHUNK // 2 + i] = _e2m1_hi(byte)
+def _fp4_decode(w, r, rel, c0, cw, tile, q):
+    """Columns c0 .. c0+cw of row r times their blocks' rel: even elements to tile[q, :cw/2], odd to
+    tile[q, CHUNK/2:] (exact: rel is a power of two and the products stay above 2^-149)."""
+    for b in range(cw // 32):
+        sr = rel[c0 // 32 + b]
+        for k in range(16):
+            i = b * 16 + k
+            byte = w[r, _nn(c0 // 2 + i)]
+            tile[q * CHUNK + i] = _e2m1_lo(byte) * sr
+            tile[q * CHUNK + CHUNK // 2 + i] = _e2m1_hi(byte) * sr
 
 
 @njit(**_INLINE)
-def _fp4_fma_4x2(tile, xe, xo, rel, t, c0, b, k, acc, a0):
-    """Lane (b % 2)*16 + k of 4 rows x 2 tokens for 32-block b of the chunk, as `_fp4_block` does it."""
-    i = b * 16 + k
-    blk = c0 // 32 + b
-    xe0 = xe[t, c0 // 2 + i]
-    xo0 = xo[t, c0 // 2 + i]
-    xe1 = xe[t + 1, c0 // 2 + i]
-    xo1 = xo[t + 1, c0 // 2 + i]
-    for q in range(ROW_TILE):
-        lo = tile[q * CHUNK + i]
-        hi = tile[q * CHUNK + CHUNK // 2 + i]
-        sq = rel[q * MAX_BLOCKS + blk]
-        a = a0 + q * FP4_LANES + (b % 2) * 16 + k
-        acc[a] = _fma(_fma(hi, xo0, lo * xe0), sq, acc[a])
-        a += ROW_TILE * FP4_LANES
-        acc[a] = _fma(_fma(hi, xo1, lo * xe1), sq, acc[a])
+def _fp4_fma_row(tile, q, i, xe0, xo0, xe1, xo1, xe2, xo2, acc, a):
+    """Lane a of row q's three tokens (lanes 128 apart), as `_fp4_block` does it. Written out:
+    numba's loops over tokens and rows would stop LLVM vectorising the lane loop around them."""
+    lo = tile[q * CHUNK + i]
+    hi = tile[q * CHUNK + CHUNK // 2 + i]
+    acc[a] = _fma(hi, xo0, _fma(lo, xe0, acc[a]))
+    acc[a + 128] = _fma(hi, xo1, _fma(lo, xe1, acc[a + 128]))
+    acc[a + 256] = _fma(hi, xo2, _fma(lo, xe2, acc[a + 256]))
 
 
 @njit(**_INLINE)
-def _fp4_chunk_times_tokens(tile, xe, xo, rel, c0, cw, acc):
-    """CHUNK / 32 is even, so a block's parity within the chunk is its parity within the row."""
-    nb = cw // 32
-    for p in range(xe.shape[0] // 2):
-        a0 = p * 8 * FP4_LANES
-        for bp in range(nb // 2):
-            for k in range(16):
-                _fp4_fma_4x2(tile, xe, xo, rel, 2 * p, c0, 2 * bp, k, acc, a0)
-            for k in range(16):
-                _fp4_fma_4x2(tile, xe, xo, rel, 2 * p, c0, 2 * bp + 1, k, acc, a0)
-        if nb % 2:
-            for k in range(16):
-                _fp4_fma_4x2(tile, xe, xo, rel, 2 * p, c0, nb - 1, k, acc, a0)
+def _fp4_fma_block(tile, xe, xo, t, h, i, k, acc, a0):
+    """Lane k of 4 rows x TOKS tokens for byte i of the chunk (x offset h = c0 / 2)."""
+    j = h + i
+    xe0, xo0, xe1, xo1, xe2, xo2 = xe[t, j], xo[t, j], xe[t + 1, j], xo[t + 1, j], xe[t + 2, j], xo[t + 2, j]
+    _fp4_fma_row(tile, 0, i, xe0, xo0, xe1, xo1, xe2, xo2, acc, a0 + k)
+    _fp4_fma_row(tile, 1, i, xe0, xo0, xe1, xo1, xe2, xo2, acc, a0 + 32 + k)
+    _fp4_fma_row(tile, 2, i, xe0, xo0, xe1, xo1, xe2, xo2, acc, a0 + 64 + k)
+    _fp4_fma_row(tile, 3, i, xe0, xo0, xe1, xo1, xe2, xo2, acc, a0 + 96 + k)
+
+
+@njit(**_INLINE)
+def _fp4_chunk_times_tokens(tile, xe, xo, c0, cw, acc):
+    """Byte i of a 32-byte group feeds lane i mod 32: two 32-blocks, parity first (CHUNK / 32 is
+    even, so a block's parity within the chunk is its parity within the row)."""
+    nbytes = cw // 2
+    ng = nbytes // FP4_LANES
+    for p in range(xe.shape[0] // TOKS):
+        a0 = p * TILE_LANES
+        for g in range(ng):
+            for k in range(FP4_LANES):
+                _fp4_fma_block(tile, xe, xo, TOKS * p, c0 // 2, g * FP4_LANES + k, k, acc, a0)
+        for k in range(nbytes - ng * FP4_LANES):
+            _fp4_fma_block(tile, xe, xo, TOKS * p, c0 // 2, ng * FP4_LANES + k, k, acc, a0)
 
 
 @njit(**_INLINE)
@@ -581,49 +603,48 @@ def _plain_decode(w, r, c0, cw, tile, q):
 
 
 @njit(**_INLINE)
-def _fma_4x2(tile, xs, t, c0, j, k, acc, a0):
-    """Lane k of 4 rows x 2 tokens: acc[a0 + (u*4 + q)*32 + k] += tile[q, j] * xs[t + u, c0 + j]."""
-    x0 = xs[t, c0 + j]
-    x1 = xs[t + 1, c0 + j]
-    w0 = tile[j]
-    w1 = tile[CHUNK + j]
-    w2 = tile[2 * CHUNK + j]
-    w3 = tile[3 * CHUNK + j]
-    acc[a0 + k] = _fma(w0, x0, acc[a0 + k])
-    acc[a0 + 32 + k] = _fma(w1, x0, acc[a0 + 32 + k])
-    acc[a0 + 64 + k] = _fma(w2, x0, acc[a0 + 64 + k])
-    acc[a0 + 96 + k] = _fma(w3, x0, acc[a0 + 96 + k])
-    acc[a0 + 128 + k] = _fma(w0, x1, acc[a0 + 128 + k])
-    acc[a0 + 160 + k] = _fma(w1, x1, acc[a0 + 160 + k])
-    acc[a0 + 192 + k] = _fma(w2, x1, acc[a0 + 192 + k])
-    acc[a0 + 224 + k] = _fma(w3, x1, acc[a0 + 224 + k])
+def _fma_row(tile, q, j, x0, x1, x2, acc, a):
+    w = tile[q * CHUNK + j]
+    acc[a] = _fma(w, x0, acc[a])
+    acc[a + 128] = _fma(w, x1, acc[a + 128])
+    acc[a + 256] = _fma(w, x2, acc[a + 256])
+
+
+@njit(**_INLINE)
+def _fma_block(tile, xs, t, c0, j, k, acc, a0):
+    """Lane k of 4 rows x TOKS tokens: acc[a0 + (u*4 + q)*32 + k] += tile[q, j] * xs[t + u, c0 + j]."""
+    x0, x1, x2 = xs[t, c0 + j], xs[t + 1, c0 + j], xs[t + 2, c0 + j]
+    _fma_row(tile, 0, j, x0, x1, x2, acc, a0 + k)
+    _fma_row(tile, 1, j, x0, x1, x2, acc, a0 + 32 + k)
+    _fma_row(tile, 2, j, x0, x1, x2, acc, a0 + 64 + k)
+    _fma_row(tile, 3, j, x0, x1, x2, acc, a0 + 96 + k)
 
 
 @njit(**_INLINE)
 def _chunk_times_tokens(tile, xs, c0, cw, acc):
-    """Add the decoded chunk (4 rows x cw) times xs[:, c0 : c0 + cw] to every token pair's lanes."""
+    """Add the decoded chunk (4 rows x cw) times xs[:, c0 : c0 + cw] to every token block's lanes."""
     nb = cw // LANES
-    for p in range(xs.shape[0] // 2):
-        t = 2 * p
+    for p in range(xs.shape[0] // TOKS):
+        t = TOKS * p
         a0 = p * TILE_LANES
         for b in range(nb):
             for k in range(LANES):
-                _fma_4x2(tile, xs, t, c0, b * LANES + k, k, acc, a0)
+                _fma_block(tile, xs, t, c0, b * LANES + k, k, acc, a0)
         for k in range(cw - nb * LANES):
-            _fma_4x2(tile, xs, t, c0, nb * LANES + k, k, acc, a0)
+            _fma_block(tile, xs, t, c0, nb * LANES + k, k, acc, a0)
 
 
 @njit(**_INLINE)
 def _tile_out(acc, fac, out, r0, nr, lanes):
     for t in range(out.shape[0]):
         for q in range(nr):
-            a = ((t // 2) * 8 + (t % 2) * 4 + q) * lanes
+            a = (t * ROW_TILE + q) * lanes
             out[t, r0 + q] = _finish(_lane_sum(acc, a, lanes), fac[q])
 
 
 @njit(parallel=True, **_JIT)
 def _fp4_mm(w, s, xe, xo, out):
-    """out (T, R) = X @ W.T for T <= MAX_TOKENS; xe / xo: X[:, 0::2] / X[:, 1::2], T rounded up to even."""
+    """out (T, R) = X @ W.T for T <= MAX_TOKENS; xe / xo: X[:, 0::2] / X[:, 1::2], T rounded up to a multiple of TOKS."""
     rows, cols = w.shape[0], 2 * xe.shape[1]
     for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
         rel = carray(_stack_f32(REL_LANES), (REL_LANES,))
@@ -634,14 +655,14 @@ def _fp4_mm(w, s, xe, xo, out):
         nr = min(ROW_TILE, rows - r0)
         for q in range(nr):
             fac[q] = _row_rel(s[r0 + q], 14, rel[q * MAX_BLOCKS :])
-        acc[: xe.shape[0] // 2 * TILE_LANES] = 0
+        acc[: xe.shape[0] * ROW_TILE * FP4_LANES] = 0
         tile[:] = 0
         for ci in range((cols + CHUNK - 1) // CHUNK):
             c0 = ci * CHUNK
             cw = min(CHUNK, cols - c0)
             for q in range(nr):
-                _fp4_decode(w, r0 + q, c0, cw, tile, q)
-            _fp4_chunk_times_tokens(tile, xe, xo, rel, c0, cw, acc)
+                _fp4_decode(w, r0 + q, rel[q * MAX_BLOCKS :], c0, cw, tile, q)
+            _fp4_chunk_times_tokens(tile, xe, xo, c0, cw, acc)
         _tile_out(acc, fac, out, r0, nr, FP4_LANES)
 
 
@@ -657,7 +678,7 @@ def _fp8_mm(w, s, xs, out):
         nr = min(ROW_TILE, rows - r0)
         for q in range(nr):
             fac[q] = _row_rel(s[(r0 + q) // 128], 8, rel[q * MAX_BLOCKS :])
-        acc[: xs.shape[0] // 2 * TILE_LANES] = 0
+        acc[: xs.shape[0] * ROW_TILE * LANES] = 0
         tile[:] = 0
         for ci in range((cols + CHUNK - 1) // CHUNK):
             c0 = ci * CHUNK
@@ -677,7 +698,7 @@ def _plain_mm(w, xs, out):
         fac = np.ones(ROW_TILE)
         r0 = ti * ROW_TILE
         nr = min(ROW_TILE, rows - r0)
-        acc[: xs.shape[0] // 2 * TILE_LANES] = 0
+        acc[: xs.shape[0] * ROW_TILE * LANES] = 0
         tile[:] = 0
         for ci in range((cols + CHUNK - 1) // CHUNK):
             c0 = ci * CHUNK
@@ -750,11 +771,27 @@ def _check(w, cols: int) -> None:
         raise ValueError(f"{w.kind} weight has {want_s[1]} scale blocks per row, the kernels hold {MAX_BLOCKS}")
 
 
+def _aligned_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """float32 zeros starting on a 64-byte boundary. numpy's buffers start 16 bytes past one, so
+    every 64-byte vector load of a kernel input would span two cache lines: 64-token FP8 matmul,
+    one thread, Zen 4, 47 -> 71 GFLOP/s with this and the stack buffers aligned too."""
+    n = int(np.prod(shape))
+    raw = np.zeros(n + 16, np.float32)
+    skip = (-raw.ctypes.data % 64) // 4
+    return raw[skip : skip + n].reshape(shape)
+
+
+def _aligned_copy(x: np.ndarray) -> np.ndarray:
+    out = _aligned_zeros(x.shape)
+    out[...] = x
+    return out
+
+
 def _halves(x: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """(T, C) -> X[:, 0::2], X[:, 1::2] as (rows, C/2) float32 (rows >= T; extra rows zero)."""
     t, c = x.shape
-    xe = np.zeros((rows, c // 2), np.float32)
-    xo = np.zeros((rows, c // 2), np.float32)
+    xe = _aligned_zeros((rows, c // 2))
+    xo = _aligned_zeros((rows, c // 2))
     xe[:t] = x[:, 0::2]
     xo[:t] = x[:, 1::2]
     return xe, xo
@@ -781,11 +818,11 @@ def _parallel(w) -> bool:
 
 def _matvec_rows(w, x: np.ndarray, out: np.ndarray, rpg: int | None = None) -> None:
     """out (R,) = W @ x for x (C,), or group-wise for x (g, C) with rpg rows per group."""
-    xg = x.reshape(-1, w.cols)
+    xg = _aligned_copy(x.reshape(-1, w.cols))
     rpg = rpg or w.rows
     par = _parallel(w)
     if w.kind == "fp4":
-        xe, xo = xg[:, 0::2].copy(), xg[:, 1::2].copy()
+        xe, xo = _aligned_copy(xg[:, 0::2]), _aligned_copy(xg[:, 1::2])
         (_fp4_mv if par else _fp4_mv_serial)(_u8(w.data), _scale(w), xe, xo, rpg, out)
     elif w.kind == "fp8":
         kernel = (_fp8_mv_wide if w.cols >= WIDE_COLS else _fp8_mv) if par else _fp8_mv_serial
@@ -835,10 +872,10 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
         n = min(MAX_TOKENS, t - t0)
         part = out[t0 : t0 + n]
         if w.kind == "fp4":
-            xe, xo = _halves(x[t0 : t0 + n], n + n % 2)
+            xe, xo = _halves(x[t0 : t0 + n], n - n % -TOKS)
             _fp4_mm(_u8(w.data), _scale(w), xe, xo, part)
             continue
-        xs = np.zeros((n + n % 2, w.cols), np.float32)
+        xs = _aligned_zeros((n - n % -TOKS, w.cols))
         xs[:n] = x[t0 : t0 + n]
         if w.kind == "fp8":
             _fp8_mm(_u8(w.data), _scale(w), xs, part)
@@ -880,7 +917,7 @@ def matmul_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     y1 = np.empty((1, w1.rows), np.float32)
     y3 = np.empty((1, w3.rows), np.float32)
     if w1.kind == "fp4":
-        xe, xo = x[0, 0::2].copy(), x[0, 1::2].copy()
+        xe, xo = _aligned_copy(x[0, 0::2]), _aligned_copy(x[0, 1::2])
         _fp4_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe, xo, y1[0], y3[0])
     else:
         _fp8_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), x[0], y1[0], y3[0])
