@@ -70,7 +70,7 @@ TILE_LANES = ROW_TILE * TOKS * 32
 # registers at the end of each chunk: 512 -> 1024 took a 64-token FP8 matmul (Zen 4, one thread,
 # weight in L2) from 71 to 78 GFLOP/s; the 16 KiB tile still leaves L1 room for the x slices.
 CHUNK = 1024
-MAX_TOKENS = 64  # tokens per matmul kernel call (rounded up to a multiple of TOKS); larger X is split
+MAX_TOKENS = 128  # tokens per matmul kernel call (rounded up to a multiple of TOKS); larger X is split
 # Below this many weight bytes a matvec runs serially. On 2 EPYC (Zen 4) cores, idle, a
 # parallel region saves at most ~20 us on a 2 MB matvec; with the other core busy (reader
 # threads, other processes; load 8 here) a 1 MB FP8 matvec took 0.5-4 ms parallel, 0.04-0.14
@@ -656,7 +656,8 @@ def _fp4_mm(w, s, xe, xo, out):
         for q in range(nr):
             fac[q] = _row_rel(s[r0 + q], 14, rel[q * MAX_BLOCKS :])
         acc[: xe.shape[0] * ROW_TILE * FP4_LANES] = 0
-        tile[:] = 0
+        if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
+            tile[:] = 0
         for ci in range((cols + CHUNK - 1) // CHUNK):
             c0 = ci * CHUNK
             cw = min(CHUNK, cols - c0)
@@ -679,7 +680,8 @@ def _fp8_mm(w, s, xs, out):
         for q in range(nr):
             fac[q] = _row_rel(s[(r0 + q) // 128], 8, rel[q * MAX_BLOCKS :])
         acc[: xs.shape[0] * ROW_TILE * LANES] = 0
-        tile[:] = 0
+        if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
+            tile[:] = 0
         for ci in range((cols + CHUNK - 1) // CHUNK):
             c0 = ci * CHUNK
             cw = min(CHUNK, cols - c0)
@@ -699,7 +701,8 @@ def _plain_mm(w, xs, out):
         r0 = ti * ROW_TILE
         nr = min(ROW_TILE, rows - r0)
         acc[: xs.shape[0] * ROW_TILE * LANES] = 0
-        tile[:] = 0
+        if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
+            tile[:] = 0
         for ci in range((cols + CHUNK - 1) // CHUNK):
             c0 = ci * CHUNK
             cw = min(CHUNK, cols - c0)
