@@ -69,14 +69,26 @@ def check_out_dir(ckpt: Path, out: Path, force: bool) -> None:
         )
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: is a file, not a pack; choose another OUT_DIR (nothing was changed)")
-    if out.is_dir() and any(out.iterdir()) and not is_pack(out):
+    names = _names(out)
+    if names and not is_pack(out):
         raise UsageError(
             f"{out}: holds files that are not a dsv4 trunk pack; choose a new or empty OUT_DIR"
             " (--force replaces only a previous pack, never other files)"
         )
     for side, allowed in ((staging_dir(out), STAGE_FILES), (old_dir(out), PACK_FILES)):
-        if side.exists() and (not side.is_dir() or not {p.name for p in side.iterdir()} <= allowed):
+        names = _names(side)
+        if (names is None and side.exists()) or (names is not None and not names <= allowed):
             raise UsageError(f"{side}: in the way and not left by pack-trunk; move it away or choose another OUT_DIR")
+
+
+def _names(d: Path) -> set[str] | None:
+    """The names in folder d; None when d is not a folder, or no longer there. Before the lock is
+    taken another packer may rename or remove its staging folder between our looking and
+    listing it (a vanished folder is not in the way; the check runs again under the lock)."""
+    try:
+        return {p.name for p in d.iterdir()}
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def take_lock(path: Path, out: Path) -> int:

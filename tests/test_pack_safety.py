@@ -106,6 +106,31 @@ def test_a_foreign_folder_where_the_old_pack_is_parked_is_refused(ckpt, tmp_path
     assert (parked / "keep.txt").read_text() == "keep"
 
 
+def test_a_staging_folder_that_vanishes_while_checked_is_not_in_the_way(ckpt, tmp_path, monkeypatch):
+    """Before the lock, another packer may finish and rename its staging folder between our
+    seeing and listing it (a FileNotFoundError in a 4-packer run under load): not in the way."""
+    from dsv4stream import packdir
+
+    out = tmp_path / "trunk"
+    side = staging_dir(out)
+    side.mkdir()
+    (side / "lock").write_text("")
+    real = Path.iterdir
+
+    def vanishing(self):
+        if self == side and side.exists():
+            shutil.rmtree(side)
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", vanishing)
+    packdir.check_out_dir(ckpt, out, force=False)  # no FileNotFoundError, nothing refused
+    foreign = staging_dir(tmp_path / "other")
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("keep")
+    with pytest.raises(UsageError, match="not left by pack-trunk"):
+        packdir.check_out_dir(ckpt, tmp_path / "other", force=False)
+
+
 # ---- item 4: the lock is never unlinked before the rename ----------------------------------------
 
 
