@@ -80,7 +80,7 @@ PARALLEL_MIN_BYTES = 4 << 20
 # From this many tokens matmul dequantises row tiles and calls BLAS. Measured on the Flash
 # shapes (bench/matmul_bw.py, 2 EPYC cores under load 9-13): the fused kernels were faster at
 # every count up to 256 (e.g. expert w1 at 256 tokens 240 vs 363 ms); their cost grows
-# linearly with tokens (the weight is decoded again per 64 tokens) while BLAS's dequantisation
+# linearly with tokens (the weight was decoded again per 64 tokens then, 128 now) while BLAS's dequantisation
 # is paid once, so BLAS takes over where the fused kernels would decode a weight 8 times.
 BLAS_MIN_TOKENS = {"fp4": 512, "fp8": 512, "bf16": 512, "f32": 512}
 # The BLAS path is off by default: its rounding differs from the fused kernels', so a prefill
