@@ -61,11 +61,10 @@ MV_ROWS = 4
 WIDE_COLS = 8192
 MV_LANES = MV_ROWS * LANES
 ROW_TILE = 4  # rows decoded together by matmul
-# Tokens per register block: 4 rows x 2 tokens x 32 lanes are 16 AVX-512 accumulators. 3 tokens
-# (24 accumulators, each weight load feeding 3 FMAs) measured the same or slower (Zen 4, one
-# thread, 96 tokens, quiet: FP4 2048x4096 78 vs 78 GFLOP/s, FP8 32768x1024 68 vs 75). A token's
-# result does not depend on its place in the block.
-TOKS = 2  # `_fma_block` / `_fp4_fma_block` are written out for 2
+# Tokens per register block: 4 rows x 3 tokens x 32 lanes are 24 AVX-512 accumulators, and each
+# vector load of a weight feeds 3 FMAs instead of 2 (Zen 4, one thread: FP8 64-token matmul
+# 71 -> 76 GFLOP/s). A token's result does not depend on its place in the block.
+TOKS = 3  # `_fma_block` / `_fp4_fma_block` are written out for 3
 TILE_LANES = ROW_TILE * TOKS * 32
 # Columns decoded at a time by matmul (a multiple of 128). A token block's lanes leave the
 # registers at the end of each chunk: 512 -> 1024 took a 64-token FP8 matmul (Zen 4, one thread,
@@ -574,24 +573,25 @@ def _fp4_decode(w, r, rel, c0, cw, tile, q):
 
 
 @njit(**_INLINE)
-def _fp4_fma_row(tile, q, i, xe0, xo0, xe1, xo1, acc, a):
-    """Lane a of row q's two tokens (lanes 128 apart), as `_fp4_block` does it. Written out:
+def _fp4_fma_row(tile, q, i, xe0, xo0, xe1, xo1, xe2, xo2, acc, a):
+    """Lane a of row q's three tokens (lanes 128 apart), as `_fp4_block` does it. Written out:
     numba's loops over tokens and rows would stop LLVM vectorising the lane loop around them."""
     lo = tile[q * CHUNK + i]
     hi = tile[q * CHUNK + CHUNK // 2 + i]
     acc[a] = _fma(hi, xo0, _fma(lo, xe0, acc[a]))
     acc[a + 128] = _fma(hi, xo1, _fma(lo, xe1, acc[a + 128]))
+    acc[a + 256] = _fma(hi, xo2, _fma(lo, xe2, acc[a + 256]))
 
 
 @njit(**_INLINE)
 def _fp4_fma_block(tile, xe, xo, t, h, i, k, acc, a0):
     """Lane k of 4 rows x TOKS tokens for byte i of the chunk (x offset h = c0 / 2)."""
     j = h + i
-    xe0, xo0, xe1, xo1 = xe[t, j], xo[t, j], xe[t + 1, j], xo[t + 1, j]
-    _fp4_fma_row(tile, 0, i, xe0, xo0, xe1, xo1, acc, a0 + k)
-    _fp4_fma_row(tile, 1, i, xe0, xo0, xe1, xo1, acc, a0 + 32 + k)
-    _fp4_fma_row(tile, 2, i, xe0, xo0, xe1, xo1, acc, a0 + 64 + k)
-    _fp4_fma_row(tile, 3, i, xe0, xo0, xe1, xo1, acc, a0 + 96 + k)
+    xe0, xo0, xe1, xo1, xe2, xo2 = xe[t, j], xo[t, j], xe[t + 1, j], xo[t + 1, j], xe[t + 2, j], xo[t + 2, j]
+    _fp4_fma_row(tile, 0, i, xe0, xo0, xe1, xo1, xe2, xo2, acc, a0 + k)
+    _fp4_fma_row(tile, 1, i, xe0, xo0, xe1, xo1, xe2, xo2, acc, a0 + 32 + k)
+    _fp4_fma_row(tile, 2, i, xe0, xo0, xe1, xo1, xe2, xo2, acc, a0 + 64 + k)
+    _fp4_fma_row(tile, 3, i, xe0, xo0, xe1, xo1, xe2, xo2, acc, a0 + 96 + k)
 
 
 @njit(**_INLINE)
@@ -634,20 +634,21 @@ def _plain_decode(w, r, c0, cw, tile, q):
 
 
 @njit(**_INLINE)
-def _fma_row(tile, q, j, x0, x1, acc, a):
+def _fma_row(tile, q, j, x0, x1, x2, acc, a):
     w = tile[q * CHUNK + j]
     acc[a] = _fma(w, x0, acc[a])
     acc[a + 128] = _fma(w, x1, acc[a + 128])
+    acc[a + 256] = _fma(w, x2, acc[a + 256])
 
 
 @njit(**_INLINE)
 def _fma_block(tile, xs, t, c0, j, k, acc, a0):
     """Lane k of 4 rows x TOKS tokens: acc[a0 + (u*4 + q)*32 + k] += tile[q, j] * xs[t + u, c0 + j]."""
-    x0, x1 = xs[t, c0 + j], xs[t + 1, c0 + j]
-    _fma_row(tile, 0, j, x0, x1, acc, a0 + k)
-    _fma_row(tile, 1, j, x0, x1, acc, a0 + 32 + k)
-    _fma_row(tile, 2, j, x0, x1, acc, a0 + 64 + k)
-    _fma_row(tile, 3, j, x0, x1, acc, a0 + 96 + k)
+    x0, x1, x2 = xs[t, c0 + j], xs[t + 1, c0 + j], xs[t + 2, c0 + j]
+    _fma_row(tile, 0, j, x0, x1, x2, acc, a0 + k)
+    _fma_row(tile, 1, j, x0, x1, x2, acc, a0 + 32 + k)
+    _fma_row(tile, 2, j, x0, x1, x2, acc, a0 + 64 + k)
+    _fma_row(tile, 3, j, x0, x1, x2, acc, a0 + 96 + k)
 
 
 @njit(**_INLINE)
