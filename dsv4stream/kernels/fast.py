@@ -70,10 +70,7 @@ TILE_LANES = ROW_TILE * TOKS * 32
 # registers at the end of each chunk: 512 -> 1024 took a 64-token FP8 matmul (Zen 4, one thread,
 # weight in L2) from 71 to 78 GFLOP/s; the 16 KiB tile still leaves L1 room for the x slices.
 CHUNK = 1024
-# Tokens per matmul kernel call (rounded up to a multiple of TOKS); larger X is split. 128
-# measured the same within noise and doubled the several-token kernels' compile (a 16512-float
-# stack array: FP8 8.7 -> 17.7 s per signature, the first run's compile 60 -> 138 s).
-MAX_TOKENS = 64
+MAX_TOKENS = 128  # tokens per matmul kernel call (rounded up to a multiple of TOKS); larger X is split
 # Below this many weight bytes a matvec runs serially. On 2 EPYC (Zen 4) cores, idle, a
 # parallel region saves at most ~20 us on a 2 MB matvec; with the other core busy (reader
 # threads, other processes; load 8 here) a 1 MB FP8 matvec took 0.5-4 ms parallel, 0.04-0.14
@@ -83,7 +80,7 @@ PARALLEL_MIN_BYTES = 4 << 20
 # From this many tokens matmul dequantises row tiles and calls BLAS. Measured on the Flash
 # shapes (bench/matmul_bw.py, 2 EPYC cores under load 9-13): the fused kernels were faster at
 # every count up to 256 (e.g. expert w1 at 256 tokens 240 vs 363 ms); their cost grows
-# linearly with tokens (the weight is decoded again per 64 tokens) while BLAS's dequantisation
+# linearly with tokens (the weight was decoded again per 64 tokens then, 128 now) while BLAS's dequantisation
 # is paid once, so BLAS takes over where the fused kernels would decode a weight 8 times.
 BLAS_MIN_TOKENS = {"fp4": 512, "fp8": 512, "bf16": 512, "f32": 512}
 # The BLAS path is off by default: its rounding differs from the fused kernels', so a prefill
@@ -674,7 +671,7 @@ def _chunk_times_tokens(tile, xs, c0, cw, acc, last, fac, out, r0, nr):
 @njit(**_INLINE)
 def _block_start(acc, a0, c0):
     """A token block's lanes start at zero in the first chunk, and leave in the last one
-    (`_block_out`) right after their final FMAs, while still in L1: 64 tokens' lanes are 33 KB,
+    (`_block_out`) right after their final FMAs, while still in L1: 128 tokens' lanes are 66 KB,
     so zeroing and summing them all per row tile went through L2. (Measured within noise on
     one thread: 64-token FP8 2048x4096 70.6 -> 72.8 GFLOP/s; wq_b's 1024 columns stay at ~49.)"""
     if c0 == 0:
