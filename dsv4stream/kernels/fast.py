@@ -204,33 +204,31 @@ def _nn(typingctx, i):
     return types.int64(types.int64), codegen
 
 
-@intrinsic
-def _stack_f32(typingctx, n):
-    """Pointer to n float32 on the stack of the enclosing function (allocated once, at entry)."""
+def _stack_buffer(n, elem: ir.Type, nbtype):
+    """Typing of an n-element stack buffer: a pointer into an array allocated once at the
+    enclosing function's entry, 64-byte aligned (a vector load must not span two lines)."""
     if not isinstance(n, types.IntegerLiteral):
         return None
 
     def codegen(context, builder, sig, args):
-        arr = cgutils.alloca_once(builder, ir.ArrayType(_F32, n.literal_value))
+        arr = cgutils.alloca_once(builder, ir.ArrayType(elem, n.literal_value))
         arr.align = 64
-        return builder.bitcast(arr, _F32.as_pointer())
+        return builder.bitcast(arr, elem.as_pointer())
 
-    return types.CPointer(types.float32)(n), codegen
+    return types.CPointer(nbtype)(n), codegen
+
+
+@intrinsic
+def _stack_f32(typingctx, n):
+    """Pointer to n float32 on the stack of the enclosing function."""
+    return _stack_buffer(n, _F32, types.float32)
 
 
 @intrinsic
 def _stack_f64(typingctx, n):
-    """`_stack_f32` for float64 (a row tile's row factors: a heap array per tile was a malloc per
-    4 rows)."""
-    if not isinstance(n, types.IntegerLiteral):
-        return None
-
-    def codegen(context, builder, sig, args):
-        arr = cgutils.alloca_once(builder, ir.ArrayType(_F64, n.literal_value))
-        arr.align = 64
-        return builder.bitcast(arr, _F64.as_pointer())
-
-    return types.CPointer(types.float64)(n), codegen
+    """Pointer to n float64 on the stack (a row tile's row factors: a heap array per tile was a
+    malloc per 4 rows)."""
+    return _stack_buffer(n, _F64, types.float64)
 
 
 # ---- scales: E8M0 bytes or float32, one code path ----------------------------------------------
@@ -286,8 +284,8 @@ def _row_rel(srow, shift, rel):
 
 
 @njit(**_INLINE)
-def _lane_sum(acc, base, n):
-    """Fixed pairwise tree over acc[base : base + 32]; n must be 32. Level h adds lane k + h to
+def _lane_sum(acc, base):
+    """Fixed pairwise tree over acc[base : base + 32] (LANES = FP4_LANES = 32). Level h adds lane k + h to
     lane k (h = 16, 8, 4, 2, 1). Written out on local values: the same tree as loops over the
     stack array waited on a store-to-load forward at every level: a 63-token FP8 matmul of a
     1024-column weight (wq_b's shape), one thread, went 49 -> 63 GFLOP/s with this."""
@@ -347,7 +345,7 @@ def _fp4_row(w, s, r, xe, xo, rel, acc):
         _fp4_block(w, r, 2 * bp + 1, xe, xo, rel[2 * bp + 1], acc)
     if nb % 2:
         _fp4_block(w, r, nb - 1, xe, xo, rel[nb - 1], acc)
-    return _finish(_lane_sum(acc, 0, FP4_LANES), fac)
+    return _finish(_lane_sum(acc, 0), fac)
 
 
 @njit(**_INLINE)
@@ -367,7 +365,7 @@ def _fp8_row(w, s, r, x, rel, acc):
             j0 += LANES
         for k in range(j1 - j0):
             acc[k] = _fma(_e4m3(w[r, j0 + k]) * sr, x[j0 + k], acc[k])
-    return _finish(_lane_sum(acc, 0, LANES), fac)
+    return _finish(_lane_sum(acc, 0), fac)
 
 
 @njit(**_INLINE)
@@ -391,7 +389,7 @@ def _fp8_rows(w, s, r, x, rel, acc, out):
             for k in range(j1 - j0):
                 acc[q * LANES + k] = _fma(_e4m3(w[r + q, j0 + k]) * sr, x[j0 + k], acc[q * LANES + k])
     for q in range(MV_ROWS):
-        out[r + q] = _finish(_lane_sum(acc, q * LANES, LANES), fac)
+        out[r + q] = _finish(_lane_sum(acc, q * LANES), fac)
 
 
 @njit(**_INLINE)
@@ -406,7 +404,7 @@ def _plain_row(w, r, x, acc):
             acc[k] = _fma(_widen(w[r, b * LANES + k]), x[b * LANES + k], acc[k])
     for k in range(cols - nb * LANES):
         acc[k] = _fma(_widen(w[r, nb * LANES + k]), x[nb * LANES + k], acc[k])
-    return _finish(_lane_sum(acc, 0, LANES), 1.0)
+    return _finish(_lane_sum(acc, 0), 1.0)
 
 
 def _widen(v):
@@ -684,7 +682,7 @@ def _block_out(acc, a0, fac, out, r0, nr, t0):
     """Outputs of one token block: lanes (u * ROW_TILE + q) * 32 of token t0 + u, row r0 + q."""
     for u in range(min(TOKS, out.shape[0] - t0)):
         for q in range(nr):
-            out[t0 + u, r0 + q] = _finish(_lane_sum(acc, a0 + (u * ROW_TILE + q) * LANES, LANES), fac[q])
+            out[t0 + u, r0 + q] = _finish(_lane_sum(acc, a0 + (u * ROW_TILE + q) * LANES), fac[q])
 
 
 @njit(parallel=True, **_JIT)
@@ -864,17 +862,17 @@ def _parallel(w) -> bool:
 
 def _matvec_rows(w, x: np.ndarray, out: np.ndarray, rpg: int | None = None) -> None:
     """out (R,) = W @ x for x (C,), or group-wise for x (g, C) with rpg rows per group."""
-    xg = _aligned_copy(x.reshape(-1, w.cols))
+    xg = x.reshape(-1, w.cols)
     rpg = rpg or w.rows
     par = _parallel(w)
     if w.kind == "fp4":
-        xe, xo = _aligned_copy(xg[:, 0::2]), _aligned_copy(xg[:, 1::2])
+        xe, xo = _halves(xg, xg.shape[0])
         (_fp4_mv if par else _fp4_mv_serial)(_u8(w.data), _scale(w), xe, xo, rpg, out)
     elif w.kind == "fp8":
         kernel = (_fp8_mv_wide if w.cols >= WIDE_COLS else _fp8_mv) if par else _fp8_mv_serial
-        kernel(_u8(w.data), _scale(w), xg, rpg, out)
+        kernel(_u8(w.data), _scale(w), _aligned_copy(xg), rpg, out)
     else:
-        (_plain_mv if par else _plain_mv_serial)(_plain(w), xg, rpg, out)
+        (_plain_mv if par else _plain_mv_serial)(_plain(w), _aligned_copy(xg), rpg, out)
 
 
 def matvec(w, x: np.ndarray) -> np.ndarray:
@@ -963,8 +961,8 @@ def matmul_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     y1 = np.empty((1, w1.rows), np.float32)
     y3 = np.empty((1, w3.rows), np.float32)
     if w1.kind == "fp4":
-        xe, xo = _aligned_copy(x[0, 0::2]), _aligned_copy(x[0, 1::2])
-        _fp4_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe, xo, y1[0], y3[0])
+        xe, xo = _halves(x[:1], 1)
+        _fp4_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe[0], xo[0], y1[0], y3[0])
     else:
         _fp8_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), x[0], y1[0], y3[0])
     return y1, y3
