@@ -444,3 +444,73 @@ def test_one_query_attention_has_the_same_bits_on_one_blas_thread():
     finally:
         fns[1](before)
     assert threaded.tobytes() == single.tobytes()
+
+
+def test_lane_sum_is_the_documented_pairwise_tree():
+    """The vector-IR lane sum against the tree written out in numpy float32: level h adds lane k + h
+    to lane k (h = 16, 8, 4, 2, 1). Values of mixed magnitude, so another order rounds differently."""
+
+    @numba.njit
+    def lane_sums(acc, n):
+        out = np.empty(n, np.float32)
+        for i in range(n):
+            out[i] = fast._lane_sum(acc, 32 * i)
+        return out
+
+    rng = np.random.default_rng(11)
+    n = 400
+    acc = (rng.standard_normal(32 * n) * np.exp2(rng.integers(-20, 20, 32 * n))).astype(np.float32)
+    want = acc.reshape(n, 32).copy()
+    h = 16
+    while h:
+        want = want[:, :h] + want[:, h : 2 * h]
+        h //= 2
+    got = lane_sums(acc, n)
+    assert np.array_equal(got.view(np.uint32), want[:, 0].view(np.uint32))
+    # a different order (sequential) does differ on these inputs: the check can fail
+    seq = np.zeros(n, np.float32)
+    for k in range(32):
+        seq += acc.reshape(n, 32)[:, k]
+    assert not np.array_equal(seq.view(np.uint32), got.view(np.uint32))
+
+
+@numba.njit
+def _fp4_block_scalar(w, r, b, xe, xo, sr, acc):
+    """The FP4 block arithmetic as the module docstring states it, one lane at a time."""
+    a = (b % 2) * 16
+    for k in range(16):
+        i = b * 16 + k
+        byte = w[r, i]
+        acc[a + k] = fast._fma(fast._e2m1_hi(byte) * sr, xo[i], fast._fma(fast._e2m1_lo(byte) * sr, xe[i], acc[a + k]))
+
+
+def test_fp4_block_decodes_have_the_bits_of_the_scalar_arithmetic():
+    """The vector FP4 block by table lookup (AVX-512; elsewhere it falls back to the half decode)
+    and by float16 bit patterns (what AVX2 and ARM machines run) against the scalar statement of
+    the arithmetic: every byte value, relative scales from 2^-126 to 2^+20 and float32 ones that
+    are not powers of two, flushed blocks, inputs of mixed magnitude and sign; identical lanes."""
+
+    @numba.njit
+    def lanes(w, rel, xe, xo):
+        out = np.zeros((3, w.shape[0], 32), np.float32)
+        for r in range(w.shape[0]):
+            a_t, a_h, a_s = out[0, r], out[1, r], out[2, r]
+            for b in range(w.shape[1] // 16):
+                fast._fp4_block_table(w, r, b, xe, xo, rel[r, b], a_t, (b % 2) * 16)
+                fast._fp4_block_half(w, r, b, xe, xo, rel[r, b], a_h, (b % 2) * 16)
+                _fp4_block_scalar(w, r, b, xe, xo, rel[r, b], a_s)
+        return out
+
+    rng = np.random.default_rng(5)
+    rows, nbytes = 64, 512
+    w = rng.integers(0, 256, (rows, nbytes), dtype=np.uint8)
+    w[0, :256] = np.arange(256, dtype=np.uint8)
+    rel = np.exp2(rng.integers(-126, 21, (rows, nbytes // 16))).astype(np.float32)
+    rel[rows // 2 :] *= rng.uniform(0.5, 1.0, rel[rows // 2 :].shape).astype(np.float32)
+    rel[1, ::3] = 0.0  # flushed blocks
+    xe = (rng.standard_normal(nbytes) * np.exp2(rng.integers(-30, 30, nbytes))).astype(np.float32)
+    xo = (rng.standard_normal(nbytes) * np.exp2(rng.integers(-30, 30, nbytes))).astype(np.float32)
+    table, half, scalar = lanes(w, rel, xe, xo)
+    assert np.isfinite(scalar).all() and np.abs(scalar).max() > 0
+    assert np.array_equal(table.view(np.uint32), scalar.view(np.uint32))
+    assert np.array_equal(half.view(np.uint32), scalar.view(np.uint32))
