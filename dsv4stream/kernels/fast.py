@@ -102,16 +102,12 @@ _F32, _F64 = ir.FloatType(), ir.DoubleType()
 # ---- bit-level helpers (LLVM IR: 16/32-bit integer lanes; numba would widen to int64) ----------
 
 
-def _decode_via_half(builder, byte, mag_shift: int, sign_shift: int, mag_mask: int, nan_code: int | None):
+def _decode_via_half(builder, byte, mag_shift: int, sign_shift: int, mag_mask: int):
     """uint8 -> float32 through a float16 bit pattern: ((b << mag_shift) & mag_mask) | sign."""
     v = builder.zext(byte, _I16)
     mag = builder.and_(builder.shl(v, ir.Constant(_I16, mag_shift)), ir.Constant(_I16, mag_mask))
     sgn = builder.and_(builder.shl(v, ir.Constant(_I16, sign_shift)), ir.Constant(_I16, -0x8000))
-    bits = builder.or_(mag, sgn)
-    if nan_code is not None:
-        is_nan = builder.icmp_unsigned("==", builder.and_(v, ir.Constant(_I16, 0x7F)), ir.Constant(_I16, nan_code))
-        bits = builder.select(is_nan, ir.Constant(_I16, 0x7E00), bits)
-    return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
+    return builder.fpext(builder.bitcast(builder.or_(mag, sgn), ir.HalfType()), _F32)
 
 
 @intrinsic
@@ -119,7 +115,7 @@ def _e2m1_lo(typingctx, b):
     """Low nibble of a packed byte as float32, times 2^-14."""
 
     def codegen(context, builder, sig, args):
-        return _decode_via_half(builder, args[0], 9, 12, 0x0E00, None)
+        return _decode_via_half(builder, args[0], 9, 12, 0x0E00)
 
     return types.float32(types.uint8), codegen
 
@@ -129,7 +125,7 @@ def _e2m1_hi(typingctx, b):
     """High nibble of a packed byte as float32, times 2^-14."""
 
     def codegen(context, builder, sig, args):
-        return _decode_via_half(builder, args[0], 5, 8, 0x0E00, None)
+        return _decode_via_half(builder, args[0], 5, 8, 0x0E00)
 
     return types.float32(types.uint8), codegen
 
@@ -139,7 +135,14 @@ def _e4m3(typingctx, b):
     """E4M3FN byte as float32, times 2^-8 (S.1111.111 -> NaN)."""
 
     def codegen(context, builder, sig, args):
-        return _decode_via_half(builder, args[0], 7, 8, 0x3F80, 0x7F)
+        # sign-extended byte << 7 puts the sign at bit 15 (and a copy at bit 14, masked off) and
+        # the 7 magnitude bits at 13..7: the float16 pattern in two operations instead of five
+        # (one thread, 32768x1024 FP8 matvec from RAM: 4.04-4.31 -> 3.64-4.07 ms)
+        v = builder.sext(args[0], _I16)
+        bits = builder.and_(builder.shl(v, ir.Constant(_I16, 7)), ir.Constant(_I16, -0x4080))
+        is_nan = builder.icmp_unsigned("==", builder.and_(v, ir.Constant(_I16, 0x7F)), ir.Constant(_I16, 0x7F))
+        bits = builder.select(is_nan, ir.Constant(_I16, 0x7E00), bits)
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
 
     return types.float32(types.uint8), codegen
 
