@@ -95,19 +95,35 @@ CHUNK_LANES = ROW_TILE * CHUNK
 _JIT = {"cache": True, "fastmath": False}
 _INLINE = {"inline": "always", **_JIT}  # numba-level inlining: stack lanes land in the kernel
 
-_I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32, _F64 = ir.FloatType(), ir.DoubleType()
 
 
 # ---- bit-level helpers (LLVM IR: 16/32-bit integer lanes; numba would widen to int64) ----------
 
 
-def _decode_via_half(builder, byte, mag_shift: int, sign_shift: int, mag_mask: int):
-    """uint8 -> float32 through a float16 bit pattern: ((b << mag_shift) & mag_mask) | sign."""
-    v = builder.zext(byte, _I16)
-    mag = builder.and_(builder.shl(v, ir.Constant(_I16, mag_shift)), ir.Constant(_I16, mag_mask))
-    sgn = builder.and_(builder.shl(v, ir.Constant(_I16, sign_shift)), ir.Constant(_I16, -0x8000))
-    return builder.fpext(builder.bitcast(builder.or_(mag, sgn), ir.HalfType()), _F32)
+def _decode_via_half(builder, byte, mag_shift: int, sign_shift: int, mag_mask: int, lanes: int = 0):
+    """uint8 -> float32 through a float16 bit pattern: ((b << mag_shift) & mag_mask) | sign; on a
+    vector of `lanes` bytes when lanes > 0."""
+
+    def ty(t):
+        return ir.VectorType(t, lanes) if lanes else t
+
+    def const(c):
+        return ir.Constant(ty(_I16), [c] * lanes if lanes else c)
+
+    v = builder.zext(byte, ty(_I16))
+    mag = builder.and_(builder.shl(v, const(mag_shift)), const(mag_mask))
+    sgn = builder.and_(builder.shl(v, const(sign_shift)), const(-0x8000))
+    return builder.fpext(builder.bitcast(builder.or_(mag, sgn), ty(ir.HalfType())), ty(_F32))
+
+
+def _item_ptr(context, builder, aryty, ary, inds, elem: ir.Type):
+    """Pointer to ary[inds] (no wraparound: indices are >= 0) as elem* (a vector type for vector
+    loads and stores)."""
+    inds = [context.cast(builder, v, t, types.intp) for v, t in inds]
+    ptr = cgutils.get_item_pointer(context, builder, aryty, context.make_array(aryty)(context, builder, ary), inds)
+    return builder.bitcast(ptr, elem.as_pointer())
 
 
 @intrinsic
@@ -215,9 +231,7 @@ def _prefetch(typingctx, w, r, j):
 
     def codegen(context, builder, sig, args):
         tw, tr, tj = sig.args
-        inds = [context.cast(builder, v, t, types.intp) for v, t in ((args[1], tr), (args[2], tj))]
-        ptr = cgutils.get_item_pointer(context, builder, tw, context.make_array(tw)(context, builder, args[0]), inds)
-        ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
+        ptr = _item_ptr(context, builder, tw, args[0], [(args[1], tr), (args[2], tj)], _I8)
         fn = builder.module.declare_intrinsic(
             "llvm.prefetch.p0", (), ir.FunctionType(ir.VoidType(), [ptr.type, _I32, _I32, _I32])
         )
@@ -335,9 +349,8 @@ def _lane_sum(typingctx, acc, base):
         return None
 
     def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        at = builder.gep(data, [context.cast(builder, args[1], sig.args[1], types.intp)])
-        v = builder.load(builder.bitcast(at, ir.VectorType(_F32, 32).as_pointer()), align=4)
+        at = _item_ptr(context, builder, sig.args[0], args[0], [(args[1], sig.args[1])], ir.VectorType(_F32, 32))
+        v = builder.load(at, align=4)
         n = 32
         while n > 1:
             n //= 2
@@ -380,25 +393,12 @@ def _host_has(feature: str) -> bool:
 
 FP4_TABLE = [float(np.array([((c & 7) << 9) | ((c & 8) << 12)], np.uint16).view(np.float16)[0]) for c in range(16)]
 FP4_BY_TABLE = _host_has("avx512f")
-_V16F, _V16I, _V16H = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16), ir.VectorType(_I16, 16)
-
-
-def _vec_at(context, builder, aryty, ary, inds, vty):
-    ptr = cgutils.get_item_pointer(context, builder, aryty, context.make_array(aryty)(context, builder, ary), inds)
-    return builder.bitcast(ptr, vty.as_pointer())
+_V16F, _V16I = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16)
 
 
 def _splat16(builder, v, vty):
     one = builder.insert_element(ir.Constant(vty, ir.Undefined), v, ir.Constant(_I32, 0))
     return builder.shuffle_vector(one, one, ir.Constant(_V16I, [0] * 16))
-
-
-def _decode_half16(builder, bytes16, mag_shift: int, sign_shift: int):
-    """`_decode_via_half` on 16 lanes (E2M1: mask 0x0E00, no NaN code)."""
-    v = builder.zext(bytes16, _V16H)
-    mag = builder.and_(builder.shl(v, ir.Constant(_V16H, [mag_shift] * 16)), ir.Constant(_V16H, [0x0E00] * 16))
-    sgn = builder.and_(builder.shl(v, ir.Constant(_V16H, [sign_shift] * 16)), ir.Constant(_V16H, [-0x8000] * 16))
-    return builder.fpext(builder.bitcast(builder.or_(mag, sgn), ir.VectorType(ir.HalfType(), 16)), _V16F)
 
 
 def _fp4_block_intrinsic(table: bool):
@@ -412,9 +412,8 @@ def _fp4_block_intrinsic(table: bool):
             w_, r_, b_, xe_, xo_, sr_, acc_, a_ = args
             tw, tr, tb, txe, txo, _, tacc, ta = sig.args
             i = builder.mul(context.cast(builder, b_, tb, types.intp), ir.Constant(_I64, 16))
-            row = context.cast(builder, r_, tr, types.intp)
-            byte_ptr = _vec_at(context, builder, tw, w_, [row, i], ir.VectorType(ir.IntType(8), 16))
-            raw = builder.load(byte_ptr, align=1)
+            at_i = (i, types.intp)
+            raw = builder.load(_item_ptr(context, builder, tw, w_, [(r_, tr), at_i], ir.VectorType(_I8, 16)), align=1)
             rel = _splat16(builder, sr_, _V16F)
             if table and FP4_BY_TABLE:  # never emitted where the instruction does not exist
                 idx = builder.zext(raw, _V16I)
@@ -425,12 +424,12 @@ def _fp4_block_intrinsic(table: bool):
                 lo = builder.call(perm, [scaled, builder.and_(idx, ir.Constant(_V16I, [15] * 16))])
                 hi = builder.call(perm, [scaled, builder.lshr(idx, ir.Constant(_V16I, [4] * 16))])
             else:
-                lo = builder.fmul(_decode_half16(builder, raw, 9, 12), rel)
-                hi = builder.fmul(_decode_half16(builder, raw, 5, 8), rel)
+                lo = builder.fmul(_decode_via_half(builder, raw, 9, 12, 0x0E00, 16), rel)
+                hi = builder.fmul(_decode_via_half(builder, raw, 5, 8, 0x0E00, 16), rel)
             fma = builder.module.declare_intrinsic("llvm.fma.v16f32", (), ir.FunctionType(_V16F, [_V16F] * 3))
-            xe_v = builder.load(_vec_at(context, builder, txe, xe_, [i], _V16F), align=4)
-            xo_v = builder.load(_vec_at(context, builder, txo, xo_, [i], _V16F), align=4)
-            acc_ptr = _vec_at(context, builder, tacc, acc_, [context.cast(builder, a_, ta, types.intp)], _V16F)
+            xe_v = builder.load(_item_ptr(context, builder, txe, xe_, [at_i], _V16F), align=4)
+            xo_v = builder.load(_item_ptr(context, builder, txo, xo_, [at_i], _V16F), align=4)
+            acc_ptr = _item_ptr(context, builder, tacc, acc_, [(a_, ta)], _V16F)
             v = builder.call(fma, [lo, xe_v, builder.load(acc_ptr, align=4)])
             builder.store(builder.call(fma, [hi, xo_v, v]), acc_ptr, align=4)
             return context.get_dummy_value()
