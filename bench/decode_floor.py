@@ -40,8 +40,8 @@ DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 
 CHILD = r"""
 import json, sys
-from dsv4stream.runtime import Runtime
-from dsv4stream.runinfo import RunOptions
+from dsv4stream.run.runtime import Runtime
+from dsv4stream.run.runinfo import RunOptions
 ck, budget, gen, io_threads, warm = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 ids = [int(i) for i in sys.argv[6].split(",")]
 
@@ -89,8 +89,8 @@ def dd_rate(path: Path, block: int, mb: int, q: int) -> float:
 
 
 def expert_bytes(ck: Path) -> int:
-    from dsv4stream.catalog import Catalog
-    from dsv4stream.memory import main_expert_layouts
+    from dsv4stream.checkpoint.catalog import Catalog
+    from dsv4stream.run.memory import main_expert_layouts
     from dsv4stream.store import ExpertStore
 
     layouts, _ = main_expert_layouts(Catalog.open(ck))
@@ -111,7 +111,7 @@ def machine() -> str:
 def prompt_ids(ck: Path, text: str | None, ids: str | None) -> list[int]:
     if ids:
         return [int(i) for i in ids.split(",")]
-    from dsv4stream.tokenizer import Tokenizer
+    from dsv4stream.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_checkpoint(ck)
     return [tok.special.bos, *tok.encode(text or DEFAULT_PROMPT)]

@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv4stream.catalog import Catalog
-from dsv4stream.tools.synth import EXACT_PRESETS, make_checkpoint
+from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.checkpoint.synth import EXACT_PRESETS, make_checkpoint
 
 
 def validate(ckpt: Path) -> str:

@@ -24,10 +24,10 @@ import json, sys
 from dsv4stream import kernels
 kernels.set_backend(sys.argv[2])
 from dsv4stream import chat
-from dsv4stream.runtime import Runtime
-from dsv4stream.runinfo import RunOptions
-from dsv4stream.memory import peak_rss_bytes
-from dsv4stream.tokenizer import Tokenizer
+from dsv4stream.run.runtime import Runtime
+from dsv4stream.run.runinfo import RunOptions
+from dsv4stream.run.memory import peak_rss_bytes
+from dsv4stream.text.tokenizer import Tokenizer
 tok = Tokenizer.load(sys.argv[1])
 ids = chat.encode(tok, chat.one_turn("How much memory does a small run need?"))
 with Runtime.open(sys.argv[1], RunOptions(budget=10**10, overhead=0, trunk="")) as rt:
@@ -45,8 +45,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=8)
     ap.add_argument("--backends", default="fast,reference")
     args = ap.parse_args()
-    from dsv4stream.tokenizer import pack_tokenizer
-    from dsv4stream.tools import synth
+    from dsv4stream.checkpoint import synth
+    from dsv4stream.text.tokenizer import pack_tokenizer
 
     parts = []
     with tempfile.TemporaryDirectory() as d:

@@ -32,9 +32,9 @@ import numpy as np
 
 
 def child(ckpt: str, budget: float, length: int, gen: int, seed: int, segment: int | None) -> dict:
-    from dsv4stream.profile import DecodeProfile
-    from dsv4stream.runinfo import RunOptions
-    from dsv4stream.runtime import Runtime
+    from dsv4stream.run.profile import DecodeProfile
+    from dsv4stream.run.runinfo import RunOptions
+    from dsv4stream.run.runtime import Runtime
 
     opts = RunOptions(budget=int(budget * 1e9), prefill_segment=segment)
     with Runtime.open(ckpt, opts) as rt:

@@ -4,7 +4,7 @@ Builds (once, into OUT) a generated checkpoint with V4-Flash's embed and head (v
 hidden 4096, BF16: 1.06 GB each; preset flash-experts with 8 routed experts) and packs its
 trunk. Then times, each in this process on the pack as the page cache holds it:
 - `TrunkFile.open` (manifest and size checks, one probe per run, the embedding's word sum);
-- the word sum (trunkformat.word_sum) of every run held in memory: what runs read the first time;
+- the word sum (format.word_sum) of every run held in memory: what runs read the first time;
 - `TrunkFile.verify` (blake2b of every run: `--verify` and `dsv4 inspect`).
 Prints one line with GB, seconds and GB/s of each, and the machine state.
 
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv4stream.catalog import Catalog
-from dsv4stream.pack import pack_trunk
-from dsv4stream.packdir import default_out_dir
-from dsv4stream.tools import synth
-from dsv4stream.trunkfile import TrunkFile
-from dsv4stream.trunkformat import word_sum
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.trunkpack.format import word_sum
+from dsv4stream.trunkpack.packdir import default_out_dir
+from dsv4stream.trunkpack.reader import TrunkFile
+from dsv4stream.trunkpack.writer import pack_trunk
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 
-from dsv4stream.memory import peak_rss_bytes
-from dsv4stream.tools import simulate as sim
+from dsv4stream.measure import simulate as sim
+from dsv4stream.run.memory import peak_rss_bytes
 
 ap = argparse.ArgumentParser()
 ap.add_argument("cmd")

@@ -3,7 +3,7 @@
 import pytest
 
 from dsv4stream.errors import UsageError
-from dsv4stream.tools.benchplot import plot_sweep
+from dsv4stream.measure.benchplot import plot_sweep
 
 pytest.importorskip("matplotlib")
 

@@ -12,9 +12,9 @@ import pytest
 import safetensors
 from safetensors import safe_open
 
-from dsv4stream.catalog import INDEX_NAME, Catalog, read_header
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import INDEX_NAME, Catalog, read_header
 from dsv4stream.errors import CheckpointError, ConfigError
-from dsv4stream.tools import synth
 
 NP_OK = {"F32", "I64", "I32", "I8", "U8"}  # dtypes safe_open(framework="numpy") can return
 

@@ -28,10 +28,10 @@ import shutil
 
 import pytest
 
-from dsv4stream import chat
-from dsv4stream.chat import Message, ToolCall
 from dsv4stream.errors import UsageError
-from dsv4stream.tokenizer import Tokenizer, real_tokenizer_files
+from dsv4stream.text import chat
+from dsv4stream.text.chat import Message, ToolCall
+from dsv4stream.text.tokenizer import Tokenizer, real_tokenizer_files
 
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"

@@ -15,17 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from dsv4stream.engine.session.session import Engine
 
-from dsv4stream import chat
+from dsv4stream.checkpoint import synth
 from dsv4stream.cli import main
-from dsv4stream.commands.run import run as run_cmd
-from dsv4stream.engine import Engine
-from dsv4stream.repl import ChatSettings, Conversation, Interrupt, answer, chat_loop
-from dsv4stream.report import PrefillBar, Reads, report_lines
-from dsv4stream.runinfo import RunOptions
-from dsv4stream.runtime import Runtime
-from dsv4stream.tokenizer import EOS, Tokenizer, pack_tokenizer
-from dsv4stream.tools import synth
+from dsv4stream.cli.repl import ChatSettings, Conversation, Interrupt, answer, chat_loop
+from dsv4stream.cli.run import run as run_cmd
+from dsv4stream.run.report import PrefillBar, Reads, report_lines
+from dsv4stream.run.runinfo import RunOptions
+from dsv4stream.run.runtime import Runtime
+from dsv4stream.text import chat
+from dsv4stream.text.tokenizer import EOS, Tokenizer, pack_tokenizer
 
 DSV4 = Path(sys.executable).with_name("dsv4")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dsv4stream.config import CSA, HCA, WINDOW, ModelConfig
+from dsv4stream.checkpoint.config import CSA, HCA, WINDOW, ModelConfig
+from dsv4stream.checkpoint.spec import trunk_nbytes
 from dsv4stream.errors import ConfigError
-from dsv4stream.spec import trunk_nbytes
 
 PACKAGED = Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json"
 SHARED = Path("/work/shared/v4_flash_config.json")

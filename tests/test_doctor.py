@@ -6,10 +6,10 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from dsv4stream.commands.doctor import doctor
-from dsv4stream.config import ModelConfig
-from dsv4stream.planner import GB, needs_from_config, plan
-from dsv4stream.tools import doctor as d
+from dsv4stream.checkpoint.config import ModelConfig
+from dsv4stream.cli.doctor import doctor
+from dsv4stream.measure import doctor as d
+from dsv4stream.run.planner import GB, needs_from_config, plan
 
 FLASH = Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json"
 

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from dsv4stream import chat, dsml
-from dsv4stream.chat import Message, ToolCall
 from dsv4stream.server.reply import ReplyStream
-from dsv4stream.tokenizer import Tokenizer, real_tokenizer_files
+from dsv4stream.text import chat, dsml
+from dsv4stream.text.chat import Message, ToolCall
+from dsv4stream.text.tokenizer import Tokenizer, real_tokenizer_files
 
 D = "｜DSML｜"
 WEATHER = {
@@ -48,7 +48,7 @@ CALLS = (ToolCall("get_weather", '{"city": "Hang zhou", "days": 3}'), ToolCall("
 def tok() -> Tokenizer:
     import tokenizers
 
-    from dsv4stream.tokenizer import SPECIAL_TEXT, SpecialTokens
+    from dsv4stream.text.tokenizer import SPECIAL_TEXT, SpecialTokens
 
     path = real_tokenizer_files()[0]
     hf = tokenizers.Tokenizer.from_file(str(path))

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from dsv4stream.engine.session.session import Engine
 
-from dsv4stream.commands.logits import logits as logits_cmd
-from dsv4stream.engine import Engine
+from dsv4stream.checkpoint.spec import expert_prefix
+from dsv4stream.cli.logits import logits as logits_cmd
 from dsv4stream.errors import UsageError
-from dsv4stream.spec import expert_prefix
 from dsv4stream.streaming.experts import StreamedExperts
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -162,7 +162,7 @@ def test_store_adapter_gives_the_same_logits(fixture: str, raw: bool) -> None:
 
 def test_same_logits_whatever_the_thread_count() -> None:
     code = (
-        "import sys, hashlib, numpy as np; from dsv4stream.engine import Engine; "
+        "import sys, hashlib, numpy as np; from dsv4stream.engine.session import Engine; "
         f"e = Engine.open({str(MIXED)!r}, threads=int(sys.argv[1])); "
         f"print(hashlib.sha256(e.session(chunk_size=16).prefill(np.arange(0, 200, 7)).tobytes()).hexdigest())"
     )

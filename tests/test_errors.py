@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 from dsv4stream import cli
-from dsv4stream.catalog import Catalog
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.errors import CheckpointError, Dsv4Error, InternalError, ReadError, ShortReadError
 from dsv4stream.model.ops import topk_lowest_index
-from dsv4stream.profile import DecodeProfile
+from dsv4stream.run.profile import DecodeProfile
 from dsv4stream.store.directio import FileSet, aligned_buffer, plan_slot
-from dsv4stream.store.layout import expert_layouts
+from dsv4stream.streaming.expert_layout import expert_layouts
 from dsv4stream.streaming.rows import RowReader
-from dsv4stream.tools import synth
-from dsv4stream.trunkformat import digest_range
+from dsv4stream.trunkpack.format import digest_range
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_a_bug_keeps_its_traceback_and_a_user_problem_is_one_line(monkeypatch, c
 
         return cmd
 
-    from dsv4stream.commands import tokenizer as tok_cmd
+    from dsv4stream.cli import tokenizer as tok_cmd
 
     monkeypatch.setattr(tok_cmd.tokenize_cmd, "callback", boom(ShortReadError))
     with pytest.raises(SystemExit) as e:

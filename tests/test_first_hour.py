@@ -17,25 +17,25 @@ import stat
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from dsv4stream.engine.session.session import Engine
 from test_cli import ckpt, stats_of, tok  # noqa: F401  fixtures and helpers shared with the CLI tests
 
-from dsv4stream import chat, ticker
+from dsv4stream.checkpoint import synth
 from dsv4stream.cli import main
-from dsv4stream.commands import run as run_mod
-from dsv4stream.commands.bench import below_working_set, budget_slots, memory_needs, sweep_title
-from dsv4stream.commands.doctor import doctor
-from dsv4stream.commands.inspect import inspect
-from dsv4stream.commands.run import banned_ids, make_pick
-from dsv4stream.engine import Engine
+from dsv4stream.cli import run as run_mod
+from dsv4stream.cli.bench import below_working_set, budget_slots, memory_needs, sweep_title
+from dsv4stream.cli.doctor import doctor
+from dsv4stream.cli.inspect import inspect
+from dsv4stream.cli.repl import Interrupt, Stopped, answer, no_echo, read_turn
 from dsv4stream.errors import BudgetError
-from dsv4stream.packdir import pack_hint
-from dsv4stream.planner import GB, plan
-from dsv4stream.repl import Interrupt, Stopped, answer, no_echo, read_turn
-from dsv4stream.runinfo import RunOptions
-from dsv4stream.runtime import Runtime
-from dsv4stream.sampler import SamplingParams
-from dsv4stream.tokenizer import real_tokenizer_files
-from dsv4stream.tools import synth
+from dsv4stream.run import ticker
+from dsv4stream.run.planner import GB, plan
+from dsv4stream.run.runinfo import RunOptions
+from dsv4stream.run.runtime import Runtime
+from dsv4stream.text import chat
+from dsv4stream.text.sampler import SamplingParams, banned_ids, make_pick
+from dsv4stream.text.tokenizer import real_tokenizer_files
+from dsv4stream.trunkpack.packdir import pack_hint
 
 PLACEHOLDER = 128091  # <｜place▁holder▁no▁91｜> in the release tokenizer.json
 

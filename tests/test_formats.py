@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import pytest
 
-from dsv4stream import formats
+from dsv4stream.checkpoint import formats
 
 
 def e4m3_ref(b: int) -> float:

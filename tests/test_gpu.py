@@ -13,13 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dsv4stream.engine.session.session import Engine
 
-from dsv4stream import formats, gpu, kernels
-from dsv4stream.engine import Engine
+from dsv4stream import gpu, kernels
+from dsv4stream.checkpoint import formats
 from dsv4stream.gpu import affinity, context, cuda, plan
 from dsv4stream.gpu.device import DeviceQWeight, HostOps
 from dsv4stream.kernels import QWeight
-from dsv4stream.providers import CatalogExperts, CatalogTrunk
+from dsv4stream.weights.providers import CatalogExperts, CatalogTrunk
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WIRED = getattr(kernels.QWeight, "on_device", None) is False  # kernels/__init__.py dispatches device weights
@@ -37,7 +38,7 @@ def test_importing_the_package_does_not_import_cupy() -> None:
         "        if name.split('.')[0] in ('cupy', 'cupyx'):\n"
         "            raise SystemExit('cupy imported: ' + name)\n"
         "sys.meta_path.insert(0, Spy())\n"
-        "import dsv4stream.gpu, dsv4stream.gpu.cuda, dsv4stream.engine\n"
+        "import dsv4stream.gpu, dsv4stream.gpu.cuda, dsv4stream.engine.session\n"
         "ctx = dsv4stream.gpu.setup(False, None, 3)\n"
         "assert not ctx.enabled and ctx.threads == 3 and not ctx.take_messages()\n"
     )
@@ -462,8 +463,8 @@ def test_placed_source_delegates_everything_else(mixed) -> None:
 
 @pytest.mark.parametrize("budget_mb", [1000, 1])
 def test_runtime_with_gpu_gives_the_same_ids(monkeypatch, mixed, budget_mb: int) -> None:
-    from dsv4stream.runinfo import RunOptions
-    from dsv4stream.runtime import Runtime
+    from dsv4stream.run.runinfo import RunOptions
+    from dsv4stream.run.runtime import Runtime
     from dsv4stream.streaming.layout import trunk_layout
 
     monkeypatch.setattr(context, "available", lambda: (True, "1 CUDA device"))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream.commands.inspect import inspect
+from dsv4stream.checkpoint import synth
+from dsv4stream.cli.inspect import inspect
 from dsv4stream.errors import CheckpointError, ConfigError
-from dsv4stream.tools import synth
 
 FLASH = synth.FLASH_CONFIG
 DSV4 = Path(sys.executable).with_name("dsv4")

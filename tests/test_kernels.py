@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import pytest
 
-from dsv4stream import formats
+from dsv4stream.checkpoint import formats
 from dsv4stream.kernels import QWeight
 
 fast = pytest.importorskip("dsv4stream.kernels.fast")
@@ -227,7 +227,7 @@ def test_pair_and_grouped_equal_the_separate_products():
         g, u = fast.matmul_pair(w1, w3, xs)
         assert np.array_equal(g, fast.matmul(w1, xs)) and np.array_equal(u, fast.matmul(w3, xs))
     # the grouped output projection: row blocks of one tensor, each meeting its own input
-    from dsv4stream.loading import split_rows
+    from dsv4stream.weights.loading import split_rows
 
     for kind, rows, cols, groups in (("fp8", 1024, 256, 4), ("f32", 96, 64, 3), ("bf16", 40, 48, 2)):
         parts = split_rows(weight(kind, rows, cols, rng), groups)
@@ -270,7 +270,7 @@ def test_wide_fp8_matvec_takes_rows_together_with_the_same_bits(rows, cols, scal
     assert rel_error(np.stack(wide), reference(x, w)) <= TOL
     assert np.array_equal(np.stack(wide), fast.matmul(w, x))
     if rows == 512:  # grouped rows (the joined output projection): 2 groups of 256 rows, 4 of 128
-        from dsv4stream.loading import split_rows
+        from dsv4stream.weights.loading import split_rows
 
         for groups in (2, 4):
             parts = split_rows(w, groups)

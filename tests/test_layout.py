@@ -1,8 +1,10 @@
-"""The package's layout rules that imports can show: `model/` is math over frozen weights.
+"""The package's layout rules that imports can show: each layer imports only the layers below
+it, nothing but the CLI imports the CLI, the expert store is model-agnostic, and `model/` is math
+over frozen weights.
 
 Imports are read with `ast` from the source files (never by matching strings), relative ones
 resolved against the module's package, so `from ..catalog import X` and
-`import dsv4stream.catalog` count the same.
+`import dsv4stream.checkpoint.catalog` count the same.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ PKG = Path(__file__).resolve().parents[1] / "dsv4stream"
 # What a model/ module may import from the project: the config, the errors, the kernels
 # (arrays in, arrays out) and model/ itself. Anything else (catalog, store, streaming, trunk
 # file, loading, providers, runtime, ...) is the checkpoint / I/O side.
-MODEL_MAY_IMPORT = ("dsv4stream.config", "dsv4stream.errors", "dsv4stream.kernels", "dsv4stream.model")
+MODEL_MAY_IMPORT = ("dsv4stream.checkpoint.config", "dsv4stream.errors", "dsv4stream.kernels", "dsv4stream.model")
 # Standard-library and third-party modules that open files, start threads or processes.
 IO_MODULES = {
     "os", "io", "pathlib", "shutil", "tempfile", "threading", "concurrent", "multiprocessing", "subprocess",
@@ -78,7 +80,7 @@ def test_model_modules_import_no_io(module, path):
         "from ..catalog import Catalog",
         "from ..store.directio import aligned_buffer",
         "from .. import streaming",
-        "import dsv4stream.trunkfile",
+        "import dsv4stream.trunkpack.reader",
         "from ..loading import load_layer",
         "import os",
         "from concurrent.futures import ThreadPoolExecutor",
@@ -97,3 +99,80 @@ def test_relative_imports_resolve_against_the_package():
     )
     assert got == {"dsv4stream.kernels", "dsv4stream.model.ops", "dsv4stream.model", "dsv4stream.model.rope"}
     assert imported_modules("from .moe import x\n", "dsv4stream.model", is_package=True) == {"dsv4stream.model.moe"}
+
+
+# Project packages each top-level package may import (besides itself and `errors`), in data-flow
+# order. A dotted entry allows one module only. Adding a package means adding its line here.
+MAY_IMPORT: dict[str, set[str]] = {
+    "kernels": {"checkpoint.formats"},
+    "checkpoint": {"kernels", "text.tokenizer"},  # synth writes the real tokenizer into generated checkpoints
+    "model": {"checkpoint.config", "kernels"},
+    "store": set(),
+    "trunkpack": {"checkpoint", "store"},
+    "weights": {"checkpoint", "kernels", "model"},
+    "streaming": {"checkpoint", "kernels", "model", "store", "trunkpack", "weights"},
+    "text": {"checkpoint"},
+    "engine": {"checkpoint", "kernels", "model", "text", "weights"},
+    "gpu": {"checkpoint", "kernels"},
+    "run": {"checkpoint", "engine", "gpu", "kernels", "model", "store", "streaming", "text", "trunkpack", "weights"},
+    "measure": {"checkpoint", "run", "store"},
+    "server": {"checkpoint", "engine", "run", "text"},
+    "cli": None,  # the top: may import anything
+}
+
+
+def package_modules() -> list[tuple[str, str, Path]]:
+    """(top-level package, module name, path) of every module inside a subpackage."""
+    out = []
+    for p in sorted(PKG.rglob("*.py")):
+        parts = list(p.relative_to(PKG).with_suffix("").parts)
+        if len(parts) < 2:
+            continue
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out.append((parts[0], ".".join(["dsv4stream", *parts]), p))
+    return out
+
+
+def cross_layer_imports(top: str, module: str, path: Path) -> list[str]:
+    allowed = MAY_IMPORT[top]
+    if allowed is None:
+        return []
+    bad = []
+    for name in sorted(imported_modules(path.read_text(), module, path.name == "__init__.py")):
+        parts = name.split(".")
+        if parts[0] != "dsv4stream" or len(parts) < 2 or parts[1] in (top, "errors"):
+            continue
+        if name == "dsv4stream":
+            continue
+        rest = ".".join(parts[1:])
+        if not any(rest == a or rest.startswith(a + ".") or a.startswith(rest + ".") for a in allowed):
+            bad.append(name)
+    return bad
+
+
+def test_every_package_has_a_rule():
+    tops = {top for top, _, _ in package_modules()}
+    assert tops <= set(MAY_IMPORT), f"packages without an import rule: {sorted(tops - set(MAY_IMPORT))}"
+
+
+@pytest.mark.parametrize("top,module,path", package_modules(), ids=[m for _, m, _ in package_modules()])
+def test_layers_import_only_the_layers_below(top, module, path):
+    bad = cross_layer_imports(top, module, path)
+    assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}; {top}/ may import only {sorted(MAY_IMPORT[top])}"
+
+
+@pytest.mark.parametrize(
+    "top,line",
+    [
+        ("server", "from ..cli.run import make_pick"),
+        ("store", "from ..checkpoint.spec import EXPERT_NAME"),
+        ("text", "from ..engine import Engine"),
+        ("weights", "from ..streaming.expert_layout import expert_layouts"),
+    ],
+)
+def test_the_layer_check_catches_an_upward_import(top, line, tmp_path):
+    module = next(m for t, m, p in package_modules() if t == top and not p.name.startswith("__"))
+    path = tmp_path / "m.py"
+    path.write_text(line + "\n")
+    assert cross_layer_imports(top, module, path)

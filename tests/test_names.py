@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsv4stream.catalog import Catalog
-from dsv4stream.config import DSPARK, PREVIEW
-from dsv4stream.providers import CatalogExperts, CatalogTrunk
-from dsv4stream.spec import (
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.checkpoint.config import DSPARK, PREVIEW
+from dsv4stream.checkpoint.spec import (
     BLOCK,
     COMPRESSOR,
     EXPERT_LINEARS,
@@ -25,9 +25,9 @@ from dsv4stream.spec import (
     is_drafter,
     layer_prefix,
 )
-from dsv4stream.store.layout import expert_layouts
+from dsv4stream.streaming.expert_layout import expert_layouts
 from dsv4stream.streaming.layout import trunk_layout
-from dsv4stream.tools import synth
+from dsv4stream.weights.providers import CatalogExperts, CatalogTrunk
 
 LAYOUTS = {
     "preview": ("tiny", {}),
@@ -136,7 +136,7 @@ def test_every_table_name_is_consumed(cat):
 
 def test_a_loader_that_skips_a_tensor_is_caught(cat, monkeypatch):
     # the bug the first test guards against: a field the loader forgets is a tensor nobody reads
-    from dsv4stream import loading
+    from dsv4stream.weights import loading
 
     real = loading._compressor
     monkeypatch.setattr(loading, "_compressor", lambda c, p: real(c, p) if "indexer" not in p else None)

@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream import pack
-from dsv4stream.catalog import Catalog
-from dsv4stream.commands.pack import pack_trunk_cmd
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.cli.pack import pack_trunk_cmd
 from dsv4stream.errors import BudgetError, CheckpointError, UsageError
-from dsv4stream.pack import pack_trunk
-from dsv4stream.packdir import staging_dir
-from dsv4stream.tools import synth
-from dsv4stream.trunkfile import TrunkFile
-from dsv4stream.trunkformat import MANIFEST, TRUNK_FILE, plan_runs
+from dsv4stream.trunkpack import writer as pack
+from dsv4stream.trunkpack.format import MANIFEST, TRUNK_FILE, plan_runs
+from dsv4stream.trunkpack.packdir import staging_dir
+from dsv4stream.trunkpack.reader import TrunkFile
+from dsv4stream.trunkpack.writer import pack_trunk
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "model", "head"]  # mtp.* is not run: not packed
@@ -130,7 +130,7 @@ def test_partial_pack(ckpt, cat, tmp_path):
 
 CHILD = """
 import sys, time
-from dsv4stream.pack import pack_trunk
+from dsv4stream.trunkpack.writer import pack_trunk
 n = 0
 def hook(key, written):
     global n

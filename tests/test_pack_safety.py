@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream import pack
-from dsv4stream.catalog import Catalog
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.cli import cli
 from dsv4stream.errors import BudgetError, Dsv4Error, UsageError
-from dsv4stream.pack import pack_trunk
-from dsv4stream.packdir import lock_path, staging_dir
-from dsv4stream.tools import synth
-from dsv4stream.trunkfile import TrunkFile
-from dsv4stream.trunkformat import MANIFEST, TRUNK_FILE, plan_runs
+from dsv4stream.trunkpack import writer as pack
+from dsv4stream.trunkpack.format import MANIFEST, TRUNK_FILE, plan_runs
+from dsv4stream.trunkpack.packdir import lock_path, staging_dir
+from dsv4stream.trunkpack.reader import TrunkFile
+from dsv4stream.trunkpack.writer import pack_trunk
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_a_foreign_folder_where_the_old_pack_is_parked_is_refused(ckpt, tmp_path
 def test_a_staging_folder_that_vanishes_while_checked_is_not_in_the_way(ckpt, tmp_path, monkeypatch):
     """Before the lock, another packer may finish and rename its staging folder between our
     seeing and listing it (a FileNotFoundError in a 4-packer run under load): not in the way."""
-    from dsv4stream import packdir
+    from dsv4stream.trunkpack import packdir
 
     out = tmp_path / "trunk"
     side = staging_dir(out)

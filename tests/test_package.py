@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import dsv4stream
-import dsv4stream.engine
+import dsv4stream.engine.session
 import dsv4stream.model.moe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,5 +16,5 @@ def test_regular_package_with_version():
 
 
 def test_modules_load_from_this_tree():
-    for mod in (dsv4stream, dsv4stream.engine, dsv4stream.model.moe):
+    for mod in (dsv4stream, dsv4stream.engine.session, dsv4stream.model.moe):
         assert Path(mod.__file__).resolve().is_relative_to(ROOT / "dsv4stream"), mod.__file__

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from dsv4stream.config import ModelConfig
+from dsv4stream.checkpoint.config import ModelConfig
 from dsv4stream.errors import BudgetError
-from dsv4stream.planner import (
+from dsv4stream.run.planner import (
     GB,
     SEGMENT_CAP,
     MemoryNeeds,
@@ -140,7 +140,7 @@ def test_state_grows_with_context():
 def test_inspect_config_only_prints_the_plan_for_a_budget():
     from click.testing import CliRunner
 
-    from dsv4stream.commands.inspect import inspect
+    from dsv4stream.cli.inspect import inspect
 
     cfg_path = Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json"
     r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "3"])
@@ -154,9 +154,9 @@ def test_inspect_config_only_prints_the_plan_for_a_budget():
 def test_config_estimate_matches_what_a_run_measures(tmp_path):
     """`inspect --config-only --budget` and `doctor` plan from config.json alone: their sizes
     must agree with what `dsv4 run` measures on the shards (within 2%)."""
-    from dsv4stream.memory import measure
-    from dsv4stream.runinfo import RunOptions
-    from dsv4stream.tools import synth
+    from dsv4stream.checkpoint import synth
+    from dsv4stream.run.memory import measure
+    from dsv4stream.run.runinfo import RunOptions
 
     ckpt = synth.make_checkpoint(tmp_path / "c", "tiny", seed=3, hidden_size=256, moe_intermediate_size=256)
     opts = RunOptions(budget=GB, trunk="")

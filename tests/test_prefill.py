@@ -10,17 +10,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dsv4stream.engine.session.session import Engine, PrefillStep
 
-from dsv4stream import planner
-from dsv4stream.config import ModelConfig
-from dsv4stream.engine import Engine, PrefillStep
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.config import ModelConfig
 from dsv4stream.errors import BudgetError, UsageError
-from dsv4stream.memory import measure
 from dsv4stream.model.attention import ONE_THREAD_MACS, attend, attend_macs
-from dsv4stream.runinfo import RunOptions
-from dsv4stream.runtime import Runtime
+from dsv4stream.run import planner
+from dsv4stream.run.memory import measure
+from dsv4stream.run.runinfo import RunOptions
+from dsv4stream.run.runtime import Runtime
 from dsv4stream.store import ExpertStore
-from dsv4stream.tools import synth
 
 PROMPT = np.random.default_rng(7).integers(2, 500, 48).tolist()
 
@@ -245,7 +245,7 @@ def test_a_segment_reads_its_embedding_rows_before_asking_for_its_hash_layer_exp
 def test_the_engine_runs_small_attention_sub_chunks_on_one_blas_thread(ckpt, monkeypatch) -> None:
     """The tiny checkpoint's sub-chunks are all below ONE_THREAD_MACS; with the threshold at 0
     only one-query sub-chunks (the 7-token prompt's last one of 3) stay on one thread."""
-    from dsv4stream import engine
+    from dsv4stream.engine.session import session as engine
 
     seen: list[bool] = []
     real = engine.one_thread

@@ -9,7 +9,7 @@ import pytest
 
 from dsv4stream import kernels
 from dsv4stream.kernels import QWeight
-from dsv4stream.profile import PROFILE_PHASES, DecodeProfile
+from dsv4stream.run.profile import PROFILE_PHASES, DecodeProfile
 
 
 class Waits:

@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream import chat
-from dsv4stream.catalog import Catalog
-from dsv4stream.config import DSPARK, PREVIEW, ModelConfig
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.checkpoint.config import DSPARK, PREVIEW, ModelConfig
+from dsv4stream.checkpoint.spec import model_specs, released_nbytes
 from dsv4stream.errors import CheckpointError, ConfigError, UsageError
-from dsv4stream.planner import needs_from_config, plan
-from dsv4stream.spec import model_specs, released_nbytes
-from dsv4stream.tools import synth
+from dsv4stream.run.planner import needs_from_config, plan
+from dsv4stream.text import chat
 
 PKG = Path(synth.__file__).resolve().parents[1]  # the package folder holding the config JSONs
 FLASH = json.loads((PKG / "v4_flash_config.json").read_text())
@@ -226,9 +226,9 @@ def test_exact_presets_shard_as_the_release():
 
 
 def test_0731_runs_with_the_drafter_unused(tiny0731, tmp_path):
-    from dsv4stream.pack import pack_trunk
-    from dsv4stream.runinfo import RunOptions
-    from dsv4stream.runtime import Runtime
+    from dsv4stream.run.runinfo import RunOptions
+    from dsv4stream.run.runtime import Runtime
+    from dsv4stream.trunkpack.writer import pack_trunk
 
     r = pack_trunk(tiny0731, tmp_path / "trunk", progress=False)
     assert not [k for k in r.written if k.startswith("mtp.")]
@@ -268,7 +268,7 @@ def test_preview_reasoning_effort_kept():
 
 @pytest.fixture(scope="module")
 def chat0731(tmp_path_factory) -> Path:
-    from dsv4stream.tokenizer import pack_tokenizer
+    from dsv4stream.text.tokenizer import pack_tokenizer
 
     p = synth.make_checkpoint(
         tmp_path_factory.mktemp("r") / "c", "tiny-0731", seed=2, vocab_size=synth.REAL_VOCAB, tokenizer=True
@@ -280,13 +280,13 @@ def chat0731(tmp_path_factory) -> Path:
 def _run(*args: str, input: str | None = None):
     from click.testing import CliRunner
 
-    from dsv4stream.commands.run import run as run_cmd
+    from dsv4stream.cli.run import run as run_cmd
 
     return CliRunner().invoke(run_cmd, [*args, "--budget", "1"], input=input)
 
 
 def test_cli_reasoning_effort(chat0731, tmp_path):
-    from dsv4stream.tokenizer import Tokenizer
+    from dsv4stream.text.tokenizer import Tokenizer
 
     tok = Tokenizer.load(chat0731)
     for effort in ("low", "high", "max"):
@@ -306,7 +306,7 @@ def test_cli_reasoning_effort(chat0731, tmp_path):
 
 
 def test_cli_preview_has_no_low_effort(tmp_path):
-    from dsv4stream.tokenizer import pack_tokenizer
+    from dsv4stream.text.tokenizer import pack_tokenizer
 
     p = synth.make_checkpoint(tmp_path / "p", "tiny", seed=2, vocab_size=synth.REAL_VOCAB, tokenizer=True)
     pack_tokenizer(p)
@@ -318,7 +318,7 @@ def test_cli_preview_has_no_low_effort(tmp_path):
 def test_inspect_says_the_drafter_is_unused(tiny0731, tmp_path):
     from click.testing import CliRunner
 
-    from dsv4stream.commands.inspect import inspect
+    from dsv4stream.cli.inspect import inspect
 
     r = CliRunner().invoke(inspect, [str(tiny0731), "--budget", "1"])
     assert r.exit_code == 0, r.output

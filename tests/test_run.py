@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from dsv4stream.engine.session.session import Engine
 from store_files import o_direct_refusal
 
-from dsv4stream import planner
-from dsv4stream.commands.run import run as run_cmd
-from dsv4stream.engine import Engine
-from dsv4stream.memory import measure
-from dsv4stream.runinfo import RunOptions
-from dsv4stream.tools import synth
+from dsv4stream.checkpoint import synth
+from dsv4stream.cli.run import run as run_cmd
+from dsv4stream.run import planner
+from dsv4stream.run.memory import measure
+from dsv4stream.run.runinfo import RunOptions
 
 FIELDS = (
     "generated_ids", "expert_requests", "expert_hits", "expert_misses", "bytes_read", "verified_reads",
@@ -70,7 +70,7 @@ def test_stats_json_route_log_and_verify(ckpt, tmp_path) -> None:
 def test_decode_profile_in_stats_and_json(ckpt, tmp_path) -> None:
     """--stats shows where decode time went; --stats-json has the same phases, which add up to
     the decode step time (the sampler is outside the step)."""
-    from dsv4stream.profile import PROFILE_PHASES
+    from dsv4stream.run.profile import PROFILE_PHASES
 
     stats = tmp_path / "stats.json"
     res = invoke(
@@ -117,7 +117,7 @@ def test_text_prompt_with_the_real_vocabulary(tmp_path) -> None:
     stats = tmp_path / "s.json"
     res = invoke(str(ck), "--prompt", "Hello there", "--gen", "4", "--budget", "1", "--stats-json", str(stats))
     s = json.loads(stats.read_text())
-    from dsv4stream.tokenizer import Tokenizer
+    from dsv4stream.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_checkpoint(ck)
     assert s["prompt_tokens"] == 1 + len(tok.encode("Hello there"))

@@ -16,19 +16,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from dsv4stream.engine.session.session import Engine
 
-from dsv4stream.catalog import Catalog
-from dsv4stream.commands.run import run as run_cmd
-from dsv4stream.engine import Engine
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.cli.run import run as run_cmd
 from dsv4stream.errors import ReadError
-from dsv4stream.memory import measure
-from dsv4stream.pack import pack_trunk
-from dsv4stream.planner import minimum_budget
-from dsv4stream.runinfo import RunOptions
-from dsv4stream.runtime import Runtime
-from dsv4stream.tokenizer import pack_tokenizer
-from dsv4stream.tools import synth
-from dsv4stream.trunkfile import TrunkFile
+from dsv4stream.run.memory import measure
+from dsv4stream.run.planner import minimum_budget
+from dsv4stream.run.runinfo import RunOptions
+from dsv4stream.run.runtime import Runtime
+from dsv4stream.text.tokenizer import pack_tokenizer
+from dsv4stream.trunkpack.reader import TrunkFile
+from dsv4stream.trunkpack.writer import pack_trunk
 
 CODE = "from dsv4stream.cli import main; main()"
 
@@ -281,7 +281,7 @@ def test_a_non_utf8_chat_line_is_refused_and_the_chat_goes_on(tok_ckpt, tmp_path
 def test_an_io_error_reading_a_shard_names_it(ckpt, monkeypatch, capsys):
     import errno
 
-    from dsv4stream import catalog
+    from dsv4stream.checkpoint import catalog
     from dsv4stream.cli import main
 
     real = os.preadv
@@ -314,7 +314,8 @@ def test_os_errors_without_a_file_say_so_and_a_full_disk_is_not_a_permission_pro
 
 
 def test_a_cold_kernel_cache_is_compiled_in_a_child_process(ckpt, monkeypatch):
-    from dsv4stream import kernels, runtime
+    from dsv4stream import kernels
+    from dsv4stream.run import runtime
 
     said: list[str] = []
     monkeypatch.setattr(kernels, "compiled_cache_exists", lambda: False)  # as on a fresh installation
@@ -365,7 +366,7 @@ def test_a_run_after_warmup_compiles_nothing_new(ckpt):
     """Every signature a run reaches is one warmup compiles (so a warm cache, or the child that
     filled a cold one, leaves nothing for numba to compile inside the budgeted process)."""
     from dsv4stream import kernels
-    from dsv4stream.runtime import Runtime
+    from dsv4stream.run.runtime import Runtime
 
     if kernels.backend_name() != "fast":
         pytest.skip("numba is not installed: the reference kernels compile nothing")
@@ -419,8 +420,8 @@ def test_grouped_products_of_every_kind_compile_nothing_after_warmup():
 
 
 def test_a_budget_too_small_for_the_ctx_state_names_both(ckpt):
-    from dsv4stream.config import ModelConfig
-    from dsv4stream.planner import state_bytes_for
+    from dsv4stream.checkpoint.config import ModelConfig
+    from dsv4stream.run.planner import state_bytes_for
 
     cfg = ModelConfig.from_json(ckpt / "config.json")
     floor = minimum_budget(measure(ckpt, RunOptions(budget=1)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsv4stream import sampler
+from dsv4stream.text import sampler
 
 
 def sorted_ref(x: np.ndarray) -> np.ndarray:

@@ -19,16 +19,16 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from dsv4stream.engine.session.session import Engine
 from server_proc import CODE, Server, free_port, one_thread_engine
 from test_dsml import EXPECTED_TOOLS_SECTION, WEATHER
 
-from dsv4stream import chat
-from dsv4stream.catalog import Catalog
-from dsv4stream.commands.serve import is_loopback
-from dsv4stream.engine import Engine
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.cli.serve import is_loopback
 from dsv4stream.server.cache import checkpoint_identity, prefix_names
-from dsv4stream.tokenizer import Tokenizer
-from dsv4stream.tools import synth
+from dsv4stream.text import chat
+from dsv4stream.text.tokenizer import Tokenizer
 
 CTX = 512
 GEN = 6
@@ -385,7 +385,7 @@ def test_stats_json(server) -> None:
 
 
 def test_reasoning_effort_is_the_checkpoints_chat_format(server, ckpt, tok) -> None:
-    from dsv4stream.config import ModelConfig
+    from dsv4stream.checkpoint.config import ModelConfig
 
     encoder = chat.encoder_for(ModelConfig.from_json(ckpt / "config.json").layout)
     for asked, effort in (("max", "max"), ("xhigh", "max"), ("medium", None)):

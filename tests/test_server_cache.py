@@ -8,12 +8,12 @@ import os
 
 import numpy as np
 import pytest
+from dsv4stream.engine.session.state import capture, to_bytes
 from server_proc import one_thread_engine
 
-from dsv4stream.catalog import Catalog
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.server.cache import SUFFIX, DiskCache, StateCache, checkpoint_identity, prefix_names
-from dsv4stream.state import capture, to_bytes
-from dsv4stream.tools import synth
 
 IDS = [int(i) for i in np.random.default_rng(1).integers(0, 512, size=40)]
 
@@ -110,8 +110,8 @@ def test_capture_of_unknown_objects_fails_loudly() -> None:
 
 
 def test_the_plan_counts_the_kept_states(ckpt) -> None:
-    from dsv4stream.memory import measure
-    from dsv4stream.runinfo import RunOptions
+    from dsv4stream.run.memory import measure
+    from dsv4stream.run.runinfo import RunOptions
 
     one, five = measure(ckpt, RunOptions(budget=1)), measure(ckpt, RunOptions(budget=1, kept_states=4))
     assert five.state_bytes == 5 * one.state_bytes > 0

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from server_proc import Server
 
-from dsv4stream.tools import synth
+from dsv4stream.checkpoint import synth
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -8,11 +8,11 @@ import json
 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from dsv4stream.chat import ToolCall
-from dsv4stream.sampler import SamplingParams
 from dsv4stream.server.app import _Events, _Meta, chat_body, chat_chunks
 from dsv4stream.server.reply import Delta, Outcome
 from dsv4stream.server.worker import Job, Usage
+from dsv4stream.text.chat import ToolCall
+from dsv4stream.text.sampler import SamplingParams
 
 CALLS = (ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("now", "{}"))
 

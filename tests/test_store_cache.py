@@ -14,8 +14,8 @@ from store_files import make_files
 from dsv4stream.errors import BudgetError, InternalError, ReadError, StoreError, VerifyError
 from dsv4stream.store import ExpertStore, directio
 from dsv4stream.store.directio import ALIGN, SlotPlan, Window
-from dsv4stream.store.layout import expert_label
 from dsv4stream.store.runs import layout_pieces
+from dsv4stream.streaming.expert_layout import expert_label
 
 QUIET = {"warn": lambda m: None}
 GOOD_PLAN = directio.plan_slot

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from store_files import make_files
 
-from dsv4stream.catalog import Catalog
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.errors import CheckpointError, InternalError
 from dsv4stream.store.directio import ALIGN, plan_slot
-from dsv4stream.store.layout import EXPERT_TENSORS, expert_layouts
 from dsv4stream.store.runs import Piece, Run, layout_nbytes, layout_pieces, merge_pieces
-from dsv4stream.tools import synth
+from dsv4stream.streaming.expert_layout import EXPERT_TENSORS, expert_layouts
 
 U8 = np.dtype(np.uint8)
 
@@ -108,7 +108,7 @@ def test_expert_layouts_refuses_an_incomplete_expert(tmp_path):
 
 def test_store_serves_a_generated_checkpoint_like_the_catalog(tmp_path):
     from dsv4stream.store import ExpertStore
-    from dsv4stream.store.layout import expert_label
+    from dsv4stream.streaming.expert_layout import expert_label
 
     ckpt = synth.make_checkpoint(tmp_path / "ck", "tiny", seed=2, scale_fmt="float")
     cat = Catalog.open(ckpt)

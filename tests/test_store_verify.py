@@ -12,13 +12,12 @@ import pytest
 from click.testing import CliRunner
 from store_files import make_files
 
-from dsv4stream import catalog
-from dsv4stream.commands.run import run as run_cmd
+from dsv4stream.checkpoint import catalog, synth
+from dsv4stream.cli.run import run as run_cmd
 from dsv4stream.errors import VerifyError
 from dsv4stream.store import ExpertStore, directio
-from dsv4stream.store.layout import expert_label
 from dsv4stream.store.runs import Run
-from dsv4stream.tools import synth
+from dsv4stream.streaming.expert_layout import expert_label
 
 QUIET = {"warn": lambda m: None}
 
@@ -82,7 +81,7 @@ def test_run_verify_catches_a_catalog_that_misread_a_header(tmp_path, monkeypatc
 
 
 def test_verify_reads_a_packed_trunk_through_its_manifest(tmp_path):
-    from dsv4stream.pack import pack_trunk
+    from dsv4stream.trunkpack.writer import pack_trunk
 
     ckpt = synth.make_checkpoint(tmp_path / "c", "tiny", seed=2)
     pack_trunk(ckpt, progress=False)

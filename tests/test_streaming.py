@@ -9,25 +9,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dsv4stream.engine.session.session import Engine
 
-from dsv4stream import planner
-from dsv4stream.catalog import Catalog
-from dsv4stream.engine import Engine
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.errors import BudgetError
-from dsv4stream.loading import load_layer
-from dsv4stream.memory import measure
-from dsv4stream.pack import pack_trunk
-from dsv4stream.providers import CatalogTrunk
-from dsv4stream.runinfo import RunOptions
-from dsv4stream.runtime import Runtime
+from dsv4stream.run import planner
+from dsv4stream.run.memory import measure
+from dsv4stream.run.runinfo import RunOptions
+from dsv4stream.run.runtime import Runtime
 from dsv4stream.store import ExpertStore
 from dsv4stream.store.directio import aligned_buffer
-from dsv4stream.store.layout import expert_layouts
+from dsv4stream.streaming.expert_layout import expert_layouts
 from dsv4stream.streaming.experts import StreamedExperts
 from dsv4stream.streaming.layout import trunk_layout
 from dsv4stream.streaming.reader import GroupReader
 from dsv4stream.streaming.ring import ViewSource
-from dsv4stream.tools import synth
+from dsv4stream.trunkpack.writer import pack_trunk
+from dsv4stream.weights.loading import load_layer
+from dsv4stream.weights.providers import CatalogTrunk
 
 PROMPT = [3, 17, 101, 5, 250, 7, 9, 64, 33, 2]
 GEN = 8

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream.commands.bench import bench
+from dsv4stream.checkpoint.synth import release_config
+from dsv4stream.cli.bench import bench
 from dsv4stream.errors import Dsv4Error
-from dsv4stream.tools import sweep
-from dsv4stream.tools.synth import release_config
+from dsv4stream.measure import sweep
 
 FAKE = (sys.executable, str(Path(__file__).with_name("fake_dsv4_run.py")))
 
@@ -61,7 +61,7 @@ def test_a_failed_run_names_its_budget_and_log(checkpoint, tmp_path, monkeypatch
 
 
 def test_routing_kind_says_what_it_ran_on():
-    from dsv4stream.config import ModelConfig
+    from dsv4stream.checkpoint.config import ModelConfig
 
     cfg = release_config("tiny")
     assert "own routing" in sweep.routing_kind(ModelConfig.from_dict(cfg))

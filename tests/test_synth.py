@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream.catalog import INDEX_NAME, Catalog
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import INDEX_NAME, Catalog
+from dsv4stream.checkpoint.spec import expert_prefix
 from dsv4stream.errors import UsageError
-from dsv4stream.spec import expert_prefix
-from dsv4stream.tools import synth
 
 ROOT = Path(__file__).resolve().parents[1]
 # Bigger than tiny: each FP4 expert weight is 64 KiB, a multiple of 4096, as in the release.

@@ -21,15 +21,9 @@ import pytest
 import tokenizers
 from click.testing import CliRunner
 
-from dsv4stream.commands.tokenizer import pack_tokenizer_cmd, tokenize_cmd
+from dsv4stream.cli.tokenizer import pack_tokenizer_cmd, tokenize_cmd
 from dsv4stream.errors import ConfigError, TokenizerError, UsageError
-from dsv4stream.tokenizer import (
-    DEFAULT_PACK_NAME,
-    SpecialTokens,
-    Tokenizer,
-    pack_tokenizer,
-    real_tokenizer_files,
-)
+from dsv4stream.text.tokenizer import DEFAULT_PACK_NAME, SpecialTokens, Tokenizer, pack_tokenizer, real_tokenizer_files
 
 RELEASE_SHA256 = "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf"
 V4_SPECIAL = SpecialTokens(

@@ -28,9 +28,9 @@ PROMPT = "Explain in one sentence why a model can run with less memory than its 
 
 def prepare(root: Path) -> Path:
     """The demo checkpoint with its packed trunk and tokenizer, made once."""
-    from dsv4stream.pack import pack_trunk
-    from dsv4stream.tokenizer import default_pack_path, pack_tokenizer
-    from dsv4stream.tools import synth
+    from dsv4stream.checkpoint import synth
+    from dsv4stream.text.tokenizer import default_pack_path, pack_tokenizer
+    from dsv4stream.trunkpack.writer import pack_trunk
 
     ckpt = root / "checkpoint"
     if not (ckpt / "config.json").is_file():  # make_checkpoint renames a finished directory into place
@@ -47,10 +47,10 @@ def prepare(root: Path) -> Path:
 def pick_budget(ckpt: Path, opts_kw: dict) -> tuple[int, int, int]:
     """(budget, checkpoint bytes, smallest budget): the whole trunk resident and a cache of a
     third of the experts."""
-    from dsv4stream.catalog import Catalog
-    from dsv4stream.memory import measure
-    from dsv4stream.planner import minimum_budget
-    from dsv4stream.runinfo import RunOptions
+    from dsv4stream.checkpoint.catalog import Catalog
+    from dsv4stream.run.memory import measure
+    from dsv4stream.run.planner import minimum_budget
+    from dsv4stream.run.runinfo import RunOptions
 
     n = measure(ckpt, RunOptions(budget=1, **opts_kw))
     budget = n.trunk_resident_bytes + n.total_experts // 3 * n.slot_bytes
@@ -67,13 +67,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
-    from dsv4stream import chat, kernels
-    from dsv4stream.commands.run import banned_ids, make_pick
+    from dsv4stream import kernels
     from dsv4stream.errors import Dsv4Error
-    from dsv4stream.runinfo import RunOptions
-    from dsv4stream.runtime import Runtime
-    from dsv4stream.sampler import SamplingParams
-    from dsv4stream.tokenizer import Tokenizer, default_pack_path
+    from dsv4stream.run.runinfo import RunOptions
+    from dsv4stream.run.runtime import Runtime
+    from dsv4stream.text import chat
+    from dsv4stream.text.sampler import SamplingParams, banned_ids, make_pick
+    from dsv4stream.text.tokenizer import Tokenizer, default_pack_path
 
     try:
         kernels.set_backend("fast")  # the numba kernels when they import; else the numpy reference

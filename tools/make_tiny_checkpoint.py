@@ -7,7 +7,7 @@ Usage: tools/make_tiny_checkpoint.py OUT [--preset tiny|tiny-0731|demo|flash-exp
        [--sparse-experts/--dense-experts]
 
 `flash` and `flash-0731` write every tensor of the release at its real shape, routed experts
-as sparse-file holes (see dsv4stream/tools/synth.py).
+as sparse-file holes (see dsv4stream/checkpoint/synth.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dsv4stream.checkpoint.synth import PRESETS, make_checkpoint
 from dsv4stream.errors import Dsv4Error
-from dsv4stream.tools.synth import PRESETS, make_checkpoint
 
 
 @click.command()

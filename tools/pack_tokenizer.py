@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dsv4stream.commands.tokenizer import describe
+    from dsv4stream.cli.tokenizer import describe
     from dsv4stream.errors import Dsv4Error
-    from dsv4stream.tokenizer import Tokenizer, pack_tokenizer
+    from dsv4stream.text.tokenizer import Tokenizer, pack_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint_dir", type=Path)

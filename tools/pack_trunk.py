@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv: list[str] | None = None) -> int:
     import click
 
-    from dsv4stream.commands.pack import pack_trunk_cmd
+    from dsv4stream.cli.pack import pack_trunk_cmd
     from dsv4stream.errors import Dsv4Error
 
     try:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import formats
+from ..checkpoint import formats
 from ..kernels import QWeight, reference
 from .device import E4M3_TABLE, DeviceQWeight, DeviceStats, dequant_gemm, dequant_rows, upload_arrays
 

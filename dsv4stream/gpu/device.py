@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import formats
+from ..checkpoint import formats
 from ..errors import InternalError
 from ..kernels import QWeight
 from . import affinity

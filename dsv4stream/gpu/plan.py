@@ -22,8 +22,8 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from ..checkpoint.spec import MODEL
 from ..kernels import QWeight
-from ..spec import MODEL
 
 GIB = 1 << 30
 MIB = 1 << 20

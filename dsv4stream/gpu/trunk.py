@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ..checkpoint.spec import MODEL, block_specs, linear_names
 from ..kernels import QWeight
-from ..spec import MODEL, block_specs, linear_names
 from .device import Device, DeviceQWeight
 from .plan import MIN_BYTES, PARAMS_PER_BYTE, Key, Matrix, Placement, device_bytes_of, plan_placement
 

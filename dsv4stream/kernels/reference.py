@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .. import formats
+from ..checkpoint import formats
 
 BLOCK_ELEMS = 1 << 22  # float32 values dequantised at once (16 MB)
 

@@ -6,5 +6,5 @@ indexer) · indexer (ratio-4 row selection) · attention (window + compressed ro
 grouped output) · moe (routing, SwiGLU experts) · block (one layer, the head) · weights
 (checkpoint names -> frozen dataclasses) · providers (where weights come from).
 Everything is float32; linears go through `dsv4stream.kernels`. Per-sequence state and the
-public API live in `dsv4stream.engine`.
+public API live in `dsv4stream.engine.session`.
 """

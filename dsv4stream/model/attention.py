@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..checkpoint.config import ModelConfig
 from ..kernels import QWeight, matmul, matmul_grouped
 from .compressor import CompressorState, CompressorWeights, compress
 from .indexer import IndexerWeights, select_rows

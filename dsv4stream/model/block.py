@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..checkpoint.config import ModelConfig
 from ..kernels import matmul
 from .attention import AttnState, attention
 from .layer import HeadWeights, LayerWeights

@@ -1,6 +1,6 @@
 """The named weights of a block and of the head: frozen containers the forward pass reads.
 
-Owns nothing but the fields; `dsv4stream.loading` fills them from checkpoint tensors.
+Owns nothing but the fields; `dsv4stream.weights.loading` fills them from checkpoint tensors.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..checkpoint.config import ModelConfig
 
 F32 = np.float32
 

@@ -26,10 +26,10 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
-from .. import chat
-from ..chat import ToolCall
 from ..errors import Dsv4Error
-from ..tokenizer import Tokenizer
+from ..text import chat
+from ..text.chat import ToolCall
+from ..text.tokenizer import Tokenizer
 from .prompt import Prompt, chat_prompt, completion_prompt, max_new_tokens, sampling
 from .reply import Delta, Outcome, ReplyStream
 from .schemas import ChatRequest, CompletionRequest

@@ -21,8 +21,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..catalog import Catalog
-from ..state import SessionState, StateFileError, from_bytes, to_bytes
+from ..checkpoint.catalog import Catalog
+from ..engine.state import SessionState, StateFileError, from_bytes, to_bytes
 
 SUFFIX = ".dsv4state"
 _SAMPLE = 1 << 16  # bytes read from three places of each shard for the identity

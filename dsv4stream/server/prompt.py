@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import chat
-from ..chat import Message
-from ..dsml import with_tools
 from ..errors import UsageError
-from ..sampler import SamplingParams
-from ..tokenizer import Tokenizer
+from ..text import chat
+from ..text.chat import Message
+from ..text.dsml import with_tools
+from ..text.sampler import SamplingParams
+from ..text.tokenizer import Tokenizer
 from .schemas import ChatRequest, CompletionRequest, Sampling
 
 # OpenAI's effort levels the V4 chat formats do not name: the format's default, or its top

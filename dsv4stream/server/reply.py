@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..chat import ToolCall
-from ..dsml import BLOCK_START, DsmlError, parse_block
-from ..tokenizer import THINK_END, Tokenizer
+from ..text.chat import ToolCall
+from ..text.dsml import BLOCK_START, DsmlError, parse_block
+from ..text.tokenizer import THINK_END, Tokenizer
 
 
 @dataclass

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ..memory import peak_rss_bytes
-from ..runtime import Runtime
+from ..run.memory import peak_rss_bytes
+from ..run.runtime import Runtime
 
 HISTORY_SECONDS = 300.0
 

@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..commands.run import make_pick
+from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
-from ..runtime import Runtime
-from ..sampler import SamplingParams
-from ..state import SessionState
+from ..run.runtime import Runtime
+from ..text.sampler import SamplingParams, make_pick
 from .cache import DiskCache, StateCache
 from .reply import ReplyStream
 from .stats import LiveStats
@@ -81,7 +80,7 @@ class Worker:
         banned: list[int] | None = None,
     ) -> None:
         self.rt = rt
-        self.banned = banned or []  # special ids never sampled, as in `dsv4 run` (commands.run.banned_ids)
+        self.banned = banned or []  # special ids never sampled, as in `dsv4 run` (text.sampler.banned_ids)
         self.stats = LiveStats(rt)
         self.n_ids = n_ids  # ids the tokenizer can print: the sampler's range
         self.ram = ram

@@ -46,8 +46,7 @@ from typing import IO, Self
 
 import numpy as np
 
-from dsv4stream.errors import Dsv4Error, ReadError, StoreError
-
+from ..errors import Dsv4Error, ReadError, StoreError
 from . import directio
 from .lru import Entry, SlotLru
 from .runs import Layout

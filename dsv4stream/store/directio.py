@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv4stream.errors import ReadError, ShortReadError, StoreError
-
+from ..errors import ReadError, ShortReadError, StoreError
 from .runs import Layout, layout_pieces
 
 ALIGN = 4096

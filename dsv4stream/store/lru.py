@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from dsv4stream.errors import BudgetError, InternalError
+from ..errors import BudgetError, InternalError
 
 
 class Entry:

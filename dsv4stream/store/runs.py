@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv4stream.errors import CheckpointError, InternalError
+from ..errors import CheckpointError, InternalError
 
 
 @dataclass(frozen=True)

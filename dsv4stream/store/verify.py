@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv4stream.errors import ReadError, VerifyError
+from ..errors import ReadError, VerifyError
 
 _ITEM = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8}
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from ..config import ModelConfig
-from ..lifetime import expire
-from ..loading import expert_from_arrays
+from ..checkpoint.config import ModelConfig
 from ..model.moe import ExpertWeights
-from ..providers import ExpertKey
 from ..store import ExpertStore
+from ..weights.lifetime import expire
+from ..weights.loading import expert_from_arrays
+from ..weights.providers import ExpertKey
 
 
 class StreamedExperts:

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..catalog import NP_DTYPE, Catalog, TensorEntry
-from ..spec import MODEL, block_specs, hc_names, model_specs
+from ..checkpoint.catalog import NP_DTYPE, Catalog, TensorEntry
+from ..checkpoint.spec import MODEL, block_specs, hc_names, model_specs
 from ..store import Layout, Piece, merge_pieces
 from ..store.directio import ALIGN, SlotPlan, plan_slot
-from ..trunkfile import TrunkFile
+from ..trunkpack.reader import TrunkFile
 
 # Neighbouring tensors closer than this are read in one window (the packed trunk pads
 # tensors to 64 bytes; in the shards it merges a layer's small tensors).

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..catalog import Catalog, TensorEntry, read_entry
-from ..config import ModelConfig
+from ..checkpoint.catalog import Catalog, TensorEntry, read_entry
+from ..checkpoint.config import ModelConfig
+from ..checkpoint.spec import block_names
 from ..errors import CheckpointError, InternalError
-from ..lifetime import expire
-from ..loading import load_head, load_layer
 from ..model.layer import HeadWeights, LayerWeights
-from ..spec import block_names
 from ..store.directio import aligned_buffer
+from ..weights.lifetime import expire
+from ..weights.loading import load_head, load_layer
 from .layout import TrunkLayout
 from .reader import GroupReader
 from .rows import RowReader

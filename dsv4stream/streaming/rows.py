@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 
-from ..catalog import NP_DTYPE, TensorEntry
+from ..checkpoint.catalog import NP_DTYPE, TensorEntry
+from ..checkpoint.formats import bf16_to_f32
 from ..errors import CheckpointError, ReadError, ShortReadError
-from ..formats import bf16_to_f32
 
 
 class RowReader:

@@ -1,0 +1,69 @@
+"""`dsv4 doctor`: measure this machine and say what budget to use. Always exits 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import psutil
+
+from ..checkpoint.config import ModelConfig
+from ..errors import Dsv4Error
+from ..measure import doctor as d
+from ..run.memory import needs_of
+
+
+@click.command("doctor")
+@click.argument("target", required=False, type=click.Path(path_type=Path), default=".")
+@click.option("--seconds", type=float, default=1.0, show_default=True, help="Read time per queue depth.")
+@click.option("--depths", default="1,2,4", show_default=True, help="Queue depths (reader threads) to try.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def doctor(target: Path, seconds: float, depths: str, debug: bool) -> None:
+    """Measure read bandwidth, memory and VRAM; recommend a --budget for TARGET's model.
+
+    The budgets come from the same planner `dsv4 run` and `dsv4 inspect` use, measured on
+    the checkpoint when TARGET is one.
+
+    TARGET is a checkpoint directory (its largest shard is read) or any directory on the
+    drive you will keep the checkpoint on (a temporary 512 MB file is written and removed).
+    """
+    for line in d.memory_lines():
+        click.echo(line)
+    click.echo(d.vram_line())
+    cfg = None
+    if target.is_dir() and (target / "config.json").is_file():
+        try:
+            cfg = ModelConfig.from_json(target / "config.json")
+        except Dsv4Error as e:
+            click.echo(f"config: {e}")
+    block = max(cfg.expert_bytes, 1 << 20) if cfg else 13_369_344  # tiny test experts: 1 MiB reads
+    if target.exists():
+        try:
+            path, temp = d.probe_file(target)
+        except OSError as e:
+            click.echo(
+                f"read bandwidth: cannot write a probe file in {target} ({e.strerror}); pass a checkpoint directory"
+            )
+        else:
+            try:
+                qd = tuple(int(x) for x in depths.split(",") if x.strip())
+                for f in d.read_bandwidth(path, block, qd, seconds):
+                    mode = "O_DIRECT" if f.direct else "buffered (O_DIRECT refused)"
+                    click.echo(
+                        f"read bandwidth: {f.gbps:.2f} GB/s at queue depth {f.depth}, {f.block:,}-byte reads, {mode}, {path.name}"
+                    )
+            finally:
+                if temp:
+                    path.unlink(missing_ok=True)
+    else:
+        click.echo(f"read bandwidth: {target} does not exist; pass the checkpoint directory")
+    if cfg is None:
+        click.echo(f"no config.json in {target}: advice below is for the released V4-Flash config")
+        source = Path(__file__).resolve().parents[1] / "v4_flash_config.json"
+        cfg = ModelConfig.from_json(source)
+    else:
+        source = target
+    needs, how = needs_of(source)
+    click.echo(f"sizes {how}")
+    for line in d.advice_lines(cfg, needs, psutil.virtual_memory().available):
+        click.echo(line)

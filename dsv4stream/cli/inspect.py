@@ -1,0 +1,131 @@
+"""`dsv4 inspect`: what a checkpoint (or a bare config.json) implies, and whether it is whole."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import click
+
+from ..checkpoint.catalog import Catalog
+from ..checkpoint.config import DSPARK, LAYOUTS, ModelConfig
+from ..checkpoint.spec import drafter_nbytes, drafter_summary, is_drafter, trunk_nbytes
+from ..errors import CheckpointError, UsageError
+from ..run.memory import needs_of
+from ..run.planner import GB, gb_up, minimum_budget, plan
+from ..trunkpack.format import MANIFEST
+from ..trunkpack.packdir import default_out_dir
+from ..trunkpack.reader import TrunkFile
+
+GIB = 1 << 30
+
+
+def _gib(n: int) -> str:
+    """Bytes in binary units, with decimal GB alongside for large sizes."""
+    if n >= GIB // 10:
+        return f"{n / GIB:.2f} GiB ({n / 1e9:.2f} GB)"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def config_summary(cfg: ModelConfig, drafter_bytes: int | None = None) -> list[str]:
+    """What config.json implies; `drafter_bytes`: the mtp.* bytes measured on the shards (else
+    the release dtypes' estimate)."""
+    kinds = Counter(cfg.layer_kinds)
+    t = trunk_nbytes(cfg, include_mtp=True)
+    ratios = ",".join(str(r) for r in cfg.compress_ratios[: cfg.n_layers])
+    unused = drafter_summary(cfg, drafter_nbytes(cfg) if drafter_bytes is None else drafter_bytes)
+    return [
+        f"layout: {LAYOUTS[cfg.layout]}" + (f"; {unused}" if unused else ""),
+        f"layers: {cfg.n_layers} main + {cfg.n_mtp} {'DSpark stages' if cfg.layout == DSPARK else 'MTP'}; kinds: "
+        + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items()))
+        + f"; hash layers: {min(cfg.num_hash_layers, cfg.n_layers)}",
+        f"compress ratios (main): {ratios}",
+        (
+            f"dims: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} x {cfg.head_dim} (rope {cfg.qk_rope_head_dim}),"
+            f" q_lora {cfg.q_lora_rank}, o {cfg.o_groups}x{cfg.o_lora_rank}, window {cfg.sliding_window}, vocab {cfg.vocab_size}"
+        ),
+        (
+            f"experts: {cfg.n_routed_experts} routed/layer, {cfg.num_experts_per_tok} per token, {cfg.n_shared_experts} shared,"
+            f" {cfg.expert_dtype} {cfg.moe_intermediate_size}x{cfg.hidden_size}"
+        ),
+        f"expert bytes: {cfg.expert_bytes:,} bytes per expert",
+        f"working set per pass: {cfg.working_set_experts} experts = {_gib(cfg.working_set_bytes)}",
+        f"all routed experts: {_gib(cfg.total_expert_bytes)}",
+        f"trunk: {_gib(t['trunk'])}; embed {_gib(t['embed'])}; head {_gib(t['head'])}; mtp.* without experts {_gib(t['mtp'])}",
+    ]
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--config-only", is_flag=True, help="PATH is a config.json: plan without weights.")
+@click.option(
+    "--budget",
+    type=float,
+    multiple=True,
+    help="Also show how this --budget (GB) would be split (release dtypes; repeat for several).",
+)
+@click.option("--ctx", type=int, default=4096, show_default=True, help="Sequence length the plan covers.")
+@click.option(
+    "--trunk",
+    type=click.Path(path_type=Path),
+    help="Packed trunk to check in full (every checksum). [default: CHECKPOINT/dsv4-trunk if packed]",
+)
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def inspect(
+    path: Path, config_only: bool, budget: tuple[float, ...], ctx: int, trunk: Path | None, debug: bool
+) -> None:
+    """Summarise a checkpoint, validate every tensor against its config, and check its packed trunk."""
+    if config_only or path.suffix == ".json":
+        cfg_path = path if path.suffix == ".json" else path / "config.json"
+        for line in config_summary(ModelConfig.from_json(cfg_path)):
+            click.echo(line)
+        _plans(cfg_path, budget, ctx)  # a config.json: estimated, even beside the shards
+        return
+    cat = Catalog.open(path)
+    mtp_bytes = sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n))
+    for line in config_summary(cat.config, mtp_bytes):
+        click.echo(line)
+    shards = len({e.path for e in cat.entries.values()})
+    click.echo(f"checkpoint: {len(cat.entries)} tensors in {shards} shards, {_gib(cat.nbytes)} on disk")
+    problems = cat.problems()
+    if problems:
+        for p in problems:
+            click.echo(f"  problem: {p}", err=True)
+        raise CheckpointError(
+            f"{path}: {len(problems)} tensor problem(s) listed above; the shards do not match config.json"
+        )
+    click.echo("all tensors present with the expected dtype and shape")
+    _check_trunk(cat, trunk)
+    _plans(path, budget, ctx)
+
+
+def _check_trunk(cat: Catalog, trunk: Path | None) -> None:
+    """Every run of the packed trunk re-hashed (blake2b) against its manifest."""
+    where = trunk if trunk is not None else default_out_dir(cat.root)
+    if trunk is None and not (where / MANIFEST).is_file():
+        click.echo(f"packed trunk: none in {where}")
+        return
+    t0 = time.perf_counter()
+    tf = TrunkFile.open(where, cat, verify=True)
+    nbytes = sum(r.nbytes for r in tf.runs.values())
+    click.echo(
+        f"packed trunk {where}: {len(tf.runs)} runs, {_gib(nbytes)}, every checksum verified"
+        f" in {time.perf_counter() - t0:.1f} s"
+    )
+
+
+def _plans(path: Path, budgets: tuple[float, ...], ctx: int) -> None:
+    """The planner's split of each budget: measured on a checkpoint exactly as `dsv4 run`
+    plans it (the same lines it prints), estimated from a bare config.json."""
+    if not budgets:
+        return
+    needs, source = needs_of(path, ctx=ctx)
+    click.echo(f"smallest budget that runs: {gb_up(minimum_budget(needs))} ({source})")
+    for b in budgets:
+        if not b > 0:
+            raise UsageError(f"--budget {b}: give a positive number of GB")
+        for line in plan(needs, int(b * GB)).lines():
+            click.echo(line)

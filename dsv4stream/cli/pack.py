@@ -1,0 +1,34 @@
+"""`dsv4 pack-trunk`: argument handling and the summary line; the work is in `dsv4stream.trunkpack.writer`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..trunkpack.writer import pack_trunk
+
+
+@click.command("pack-trunk")
+@click.argument("checkpoint_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out_dir", required=False, type=click.Path(path_type=Path))
+@click.option("--layers", type=int, default=None, help="Pack only main layers 0..N-1 (a partial pack).")
+@click.option("--force", is_flag=True, help="Replace an OUT_DIR that holds another pack.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def pack_trunk_cmd(
+    checkpoint_dir: Path, out_dir: Path | None, layers: int | None, force: bool, no_progress: bool
+) -> None:
+    """Pack every tensor that is not a routed expert into per-layer runs aligned to 4096 bytes.
+
+    OUT_DIR defaults to CHECKPOINT_DIR/dsv4-trunk. An interrupted pack resumes where it
+    stopped when run again; the output appears only once it is complete.
+    """
+    r = pack_trunk(checkpoint_dir, out_dir, layers, force=force, progress=not no_progress)
+    if r.up_to_date:
+        click.echo(f"{r.path}: already packed from this checkpoint ({r.runs} runs); nothing to do")
+        return
+    mb = r.bytes_written / 1e6
+    click.echo(
+        f"{r.path}: {r.runs} runs, wrote {len(r.written)} ({mb:,.1f} MB) and kept {len(r.skipped)} verified,"
+        f" in {r.seconds:.1f} s ({mb / max(r.seconds, 1e-9):,.0f} MB/s)"
+    )

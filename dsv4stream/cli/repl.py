@@ -1,0 +1,451 @@
+"""Answering on the terminal: one streamed answer, and the multi-turn chat built from them.
+
+Owns: `answer` (prefill with a progress bar, then decode streamed to stdout, stoppable with
+Ctrl-C between tokens), `Conversation` (the chat history and what its session has been
+fed, so a turn prefills only its new tokens) and `chat_loop` (the REPL and its /commands).
+Not here: option parsing and the final report (`cli/run.py`, `run/report.py`), the chat
+layout (`chat.py`), the forward pass (`Runtime`).
+
+Why a turn can continue a session: the session holds the text `fed_text` (every prompt as
+rendered, every generated id as decoded, the EOS that closes a reply) plus `pending`, the
+ids already part of that text but not yet fed (`Runtime.generate` does not feed its last
+token). The next turn renders the whole history; when that text extends `fed_text`, only
+`pending` and the new suffix are fed. Generated ids are never re-encoded: the session
+keeps the model's own tokens. When the text does not extend it (think mode drops earlier
+reasoning, /system or the mode changed) a fresh session reads the whole conversation.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
+from typing import Self, TextIO
+
+import click
+
+from ..engine.session import PrefillStep, Session
+from ..errors import UsageError
+from ..run.report import PrefillBar, Reads, stop_text
+from ..run.runtime import Pick, Runtime
+from ..text import chat
+from ..text.chat import Message
+from ..text.tokenizer import EOS, THINK_END, Tokenizer
+
+Say = Callable[[str], None]
+
+HELP = (
+    "/think [low|high|max]  thinking on (at that effort)    /nothink  thinking off\n"
+    "/system TEXT  set the system prompt (/system alone clears it)\n"
+    "/reset  forget the conversation    /stats  figures so far    /quit  leave (also Ctrl-D)\n"
+    'Several lines: end a line with \\ to go on, or put them between two lines of """.\n'
+    "Ctrl-C stops the current answer; at the prompt it leaves."
+)
+BLOCK = '"""'  # a line of its own opens / closes a multi-line turn
+NO_ARGUMENT = ("/nothink", "/reset", "/stats", "/help", "/quit", "/exit")
+
+
+class Stopped(Exception):
+    """Ctrl-C during a prefill, honoured after the layer running: the session is torn
+    (`Session.torn`) and holds only the segments fed before it."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__(f"stopped after {done} of {total} prompt tokens")
+        self.done, self.total = done, total
+
+
+class Interrupt:
+    """While active, Ctrl-C sets `flag` (checked between tokens and after each prefill layer)
+    instead of raising inside a forward pass, which would leave the session's state half
+    updated. A second Ctrl-C raises KeyboardInterrupt at once. During a prefill (`phase`
+    "prefill") the first Ctrl-C is acknowledged on `err` at once, since the prefill only
+    stops at its next boundary."""
+
+    def __init__(self, err: TextIO | None = None) -> None:
+        self.flag = False
+        self.phase = "decode"
+        self._err = err
+        self._prev: object = None
+
+    def __enter__(self) -> Self:
+        self.flag = False
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)  # type: ignore[arg-type]
+            self._prev = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.flag:
+            raise KeyboardInterrupt
+        self.flag = True
+        if self.phase == "prefill":
+            err = self._err if self._err is not None else sys.stderr
+            err.write("\ndsv4: Ctrl-C: stopping the prefill after this layer (Ctrl-C again stops at once)\n")
+            err.flush()
+
+
+@dataclass(frozen=True)
+class Reply:
+    ids: list[int]  # every yielded id; all but the last have been fed to the session
+    stopped: bool  # Ctrl-C came while it was generated
+    reason: str = ""  # engine.STOP_REASONS
+    in_think: bool = False  # it ended before </think>: reasoning only, no answer
+
+
+def reads_of(rt: Runtime) -> Callable[[], Reads]:
+    def reads() -> Reads:
+        s, r = rt.store.stats(), rt.trunk.stats()
+        return Reads(s.requests, s.hits, s.bytes_read + r.bytes_read)
+
+    return reads
+
+
+def answer(
+    rt: Runtime,
+    session: Session,
+    ids: Sequence[int],
+    *,
+    gen: int,
+    pick: Pick,
+    tok: Tokenizer | None,
+    thinking: bool = False,
+    interrupt: Interrupt | None = None,
+    out: TextIO | None = None,
+    leave_bar: bool = True,
+) -> Reply:
+    """Prefill `ids` (progress bar on stderr), then stream up to `gen` tokens to `out`.
+
+    With a tokenizer, stops at EOS (not printed) and prints text; `thinking` (the prompt
+    opened <think>) shows the reasoning dim until </think>. Without one, prints each id as
+    it comes (comma-separated, flushed; the caller ends the line) and stops at the config's
+    EOS (printed). Raises Stopped when Ctrl-C came during the prefill."""
+    out = out if out is not None else sys.stdout
+    stop = (tok.special.eos,) if tok is not None else (rt.cfg.eos_token_id,)
+    flag = interrupt if interrupt is not None else Interrupt()
+    bar = PrefillBar(reads_of(rt), leave=leave_bar)
+
+    def on_layer(step: PrefillStep) -> None:
+        bar(int(step.tokens), step.total, step.where())
+        if flag.flag and (step.layer < step.layers or step.done + step.segment_tokens < step.total):
+            raise Stopped(step.done, step.total)  # within one layer of the Ctrl-C; a finished prefill is kept
+
+    stream = tok.stream() if tok is not None else None
+    got: list[int] = []
+    flag.phase = "prefill"
+    bar.start(len(ids))
+    tokens = rt.generate(session, ids, gen, pick, stop, on_layer=on_layer)
+    try:
+        with no_echo(sys.stdin):
+            for t in tokens:
+                if not got:
+                    bar.close()
+                    flag.phase = "decode"
+                got.append(t)
+                if tok is None:
+                    _echo(out, f"{',' if len(got) > 1 else ''}{t}")
+                elif stream is not None and t != tok.special.eos:
+                    if thinking and t == tok.special.think_end:
+                        _echo(out, stream.flush() + THINK_END, dim=True)
+                        _echo(out, "\n")
+                        thinking = False
+                    else:
+                        _echo(out, stream.push(t), dim=thinking)
+                if flag.flag:
+                    break
+    finally:
+        tokens.close()  # a reply cut short records its stop reason now, not when collected
+        bar.close()
+        flag.phase = "decode"
+    if stream is not None:
+        _echo(out, stream.flush(), dim=thinking)
+    if thinking:
+        rt.mark_in_think()
+    return Reply(got, stopped=flag.flag, reason=rt.stop_reason, in_think=thinking)
+
+
+@contextmanager
+def no_echo(stdin: TextIO) -> Iterator[None]:
+    """Keys typed while the model answers are not echoed (they would break the progress bar
+    and the streamed text); they stay in the terminal's buffer and start the next input line."""
+    fd = _tty_fd(stdin)
+    if fd is None:
+        yield
+        return
+    import termios
+
+    old = termios.tcgetattr(fd)
+    new = list(old)
+    new[3] &= ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, new)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, old)
+
+
+def _tty_fd(f: TextIO) -> int | None:
+    try:
+        return f.fileno() if f.isatty() else None
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _echo(out: TextIO, text: str, dim: bool = False) -> None:
+    if text:
+        click.echo(click.style(text, dim=True) if dim else text, file=out, nl=False)
+        out.flush()
+
+
+def parse_reply(text: str, mode: str) -> tuple[str, str]:
+    """(reasoning, content) of a reply's text. Think mode: the prompt opened <think>, so the
+    reasoning runs to the first </think> (all of it when the reply stopped before)."""
+    if mode != "think":
+        return "", text
+    reasoning, sep, content = text.partition(THINK_END)
+    return (reasoning, content) if sep else (text, "")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One user turn, ready to feed."""
+
+    messages: list[Message]  # the history including the new user message
+    text: str  # the rendered conversation: what the session holds once `ids` are fed
+    ids: list[int]  # what to feed now
+    fresh: bool  # True: a new session reads the whole conversation
+
+
+class Conversation:
+    """A chat history and the session that has read it (see the module docstring)."""
+
+    def __init__(
+        self,
+        tok: Tokenizer,
+        mode: str = "chat",
+        system: str | None = None,
+        effort: str | None = None,
+        encoder: str = chat.LATEST,
+    ) -> None:
+        self.tok = tok
+        self.mode = mode
+        self.system = system
+        self.effort = effort  # reasoning effort of `encoder`'s chat format (None: its default)
+        self.encoder = encoder
+        self.messages: list[Message] = []
+        self.session: Session | None = None
+        self.fed_text = ""
+        self.pending: list[int] = []
+
+    def render(self, messages: Sequence[Message]) -> str:
+        head = [Message("system", self.system)] if self.system else []
+        return chat.render([*head, *messages], self.mode, effort=self.effort, encoder=self.encoder)
+
+    def prepare(self, user: str) -> Turn:
+        messages = [*self.messages, Message("user", user)]
+        text = self.render(messages)
+        if self.session is not None and text.startswith(self.fed_text):
+            return Turn(messages, text, self.pending + self.tok.encode(text[len(self.fed_text) :]), fresh=False)
+        return Turn(messages, text, self.tok.encode(text), fresh=True)
+
+    def commit(self, turn: Turn, session: Session, reply: Sequence[int]) -> None:
+        """`session` has read `turn.ids` and every id of `reply` but the last."""
+        eos = self.tok.special.eos
+        body = list(reply[:-1]) if reply[-1] == eos else list(reply)
+        text = self.tok.decode(body)
+        reasoning, content = parse_reply(text, self.mode)
+        self.messages = [*turn.messages, Message("assistant", content, reasoning=reasoning)]
+        self.session = session
+        # the reply is closed with EOS in the text whether the model wrote it or not
+        self.fed_text = turn.text + text + EOS
+        self.pending = [reply[-1]] if reply[-1] == eos else [reply[-1], eos]
+
+    def drop_session(self) -> None:
+        """Forget what was fed (the history stays): the next turn reads it all again."""
+        self.session, self.fed_text, self.pending = None, "", []
+
+    def reset(self) -> None:
+        self.messages = []
+        self.drop_session()
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    gen: int | None  # most tokens per answer; None: until EOS or the context is full
+    ctx: int
+    pick: Pick
+
+
+def read_line(stdin: TextIO, tty: bool, prompt: str = "> ") -> str | None:
+    """One input line without its newline; None at EOF."""
+    if tty:
+        try:
+            return input(prompt)
+        except EOFError:
+            click.echo("")  # end the prompt's line
+            return None
+    line = stdin.readline()
+    return None if line == "" else line.rstrip("\n")
+
+
+def read_turn(stdin: TextIO, tty: bool) -> str | None:
+    """One turn: a line; lines ending in a backslash joined with the next (newline kept);
+    or the lines between two lines of three double quotes. None at EOF (a block cut
+    short by EOF is still a turn)."""
+    first = read_line(stdin, tty)
+    if first is None:
+        return None
+    if first.strip() == BLOCK:
+        lines: list[str] = []
+        while (line := read_line(stdin, tty, "... ")) is not None and line.strip() != BLOCK:
+            lines.append(line)
+        return "\n".join(lines)
+    lines = [first]
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        line = read_line(stdin, tty, "... ")
+        if line is None:
+            break
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def chat_loop(
+    rt: Runtime,
+    conv: Conversation,
+    settings: ChatSettings,
+    say: Say,
+    show_stats: Callable[[], None],
+    stdin: TextIO | None = None,
+    out: TextIO | None = None,
+) -> None:
+    """Read turns and /commands until /quit, EOF or Ctrl-C at the prompt."""
+    stdin = stdin if stdin is not None else sys.stdin
+    out = out if out is not None else sys.stdout
+    tty = _isatty(stdin)
+    if tty:
+        try:
+            import readline  # noqa: F401  line editing and history for input()
+        except ImportError:
+            pass
+        say(f"chat ({_mode_name(conv.mode)}); /help for commands, Ctrl-D or /quit to leave")
+    note = ""  # why the next turn may need a fresh session
+    while True:
+        try:
+            line = read_turn(stdin, tty)
+        except KeyboardInterrupt:
+            click.echo("", err=True)
+            return
+        if line is None:
+            return
+        line = line.strip()
+        if not line:
+            continue
+        if not is_utf8(line):
+            say("dsv4: that line is not valid UTF-8 text; it was not sent (the conversation goes on)")
+            continue
+        if line.startswith("/") and "\n" not in line:
+            cmd, _, arg = line.partition(" ")
+            if cmd in NO_ARGUMENT and arg.strip():
+                say(f"dsv4: {cmd} takes no argument (got {arg.strip()!r}); /help lists the commands")
+                continue
+            if cmd in ("/quit", "/exit"):
+                return
+            if cmd == "/help":
+                say(HELP)
+            elif cmd in ("/think", "/nothink"):
+                mode = "think" if cmd == "/think" else "chat"
+                effort = arg.strip() or conv.effort
+                if cmd == "/think" and effort != conv.effort:
+                    try:
+                        chat.effort_prefix(effort, conv.encoder)
+                    except UsageError as e:
+                        say(f"dsv4: {e}")
+                        continue
+                    conv.effort, note = effort, "the reasoning effort changed"
+                if mode != conv.mode:
+                    conv.mode, note = mode, "the mode changed"
+                say(f"({_mode_name(conv.mode)}{f', effort {conv.effort}' if conv.effort and mode == 'think' else ''})")
+            elif cmd == "/system":
+                conv.system, note = (arg.strip() or None), "the system prompt changed"
+                say("(system prompt set)" if conv.system else "(system prompt cleared)")
+            elif cmd == "/reset":
+                conv.reset()
+                say("(conversation cleared)")
+            elif cmd == "/stats":
+                show_stats()
+            else:
+                say(f"dsv4: unknown command {cmd}; /help lists them")
+            continue
+        _turn(rt, conv, settings, line, say, out, note)
+        note = ""
+
+
+def _turn(rt: Runtime, conv: Conversation, settings: ChatSettings, user: str, say: Say, out: TextIO, note: str) -> None:
+    turn = conv.prepare(user)
+    held = 0 if turn.fresh or conv.session is None else conv.session.pos
+    if held + len(turn.ids) >= settings.ctx:
+        say(context_refusal(conv, user, held, len(turn.ids), settings.ctx))
+        return
+    if turn.fresh and conv.session is not None:
+        why = note or ("think mode drops earlier turns' reasoning" if conv.mode == "think" else "the history changed")
+        say(f"({why}: re-reading the whole conversation, {len(turn.ids)} tokens)")
+    session = conv.session if not turn.fresh and conv.session is not None else rt.session()
+    # without --gen the answer runs to EOS or until the context is full (the runtime stops there)
+    gen = settings.gen if settings.gen is not None else settings.ctx
+    try:
+        with Interrupt() as flag:
+            reply = answer(
+                rt, session, turn.ids, gen=gen, pick=settings.pick, tok=conv.tok,
+                thinking=conv.mode == "think", interrupt=flag, out=out, leave_bar=False,
+            )  # fmt: skip
+    except Stopped as e:
+        conv.drop_session()
+        say(f"(stopped during the prefill after {e.done} of {e.total} tokens; the turn is dropped)")
+        return
+    except KeyboardInterrupt:
+        # raised inside a forward pass: the session's state cannot be trusted any more
+        conv.drop_session()
+        click.echo("", file=out)
+        say("(interrupted mid-pass; the turn is dropped and the next one re-reads the conversation)")
+        return
+    click.echo("", file=out)
+    if reply.reason != "eos":
+        say(f"({stop_text(reply.reason, reply.in_think)})")
+    conv.commit(turn, session, reply.ids)
+
+
+def context_refusal(conv: Conversation, user: str, held: int, new: int, ctx: int) -> str:
+    """Why a turn cannot start, and the remedy that would actually help."""
+    alone = len(conv.tok.encode(conv.render([Message("user", user)])))
+    what = f"this turn needs {new} tokens" + (f" after the {held} the conversation holds" if held else "")
+    if alone < ctx and (held or conv.messages):
+        return f"dsv4: {what}, leaving no room to answer within --ctx {ctx}; /reset to start over, or restart with a larger --ctx"
+    return f"dsv4: {what}, leaving no room to answer within --ctx {ctx}; restart with a larger --ctx (at least {alone + 1})"
+
+
+def is_utf8(text: str) -> bool:
+    """False for text holding undecodable bytes (kept as lone surrogates by `surrogateescape`)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _mode_name(mode: str) -> str:
+    return "thinking on" if mode == "think" else "thinking off"
+
+
+def _isatty(f: TextIO) -> bool:
+    try:
+        return f.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -1,0 +1,239 @@
+"""`dsv4 serve CHECKPOINT`: the OpenAI-compatible HTTP server.
+
+Owns: the options (checked before anything slow starts), binding the socket first (a port
+in use is one line, exit 2), loading the model in the background while `/health` answers
+"loading", the plan on stderr, then `listening on http://HOST:PORT`; the prefix caches'
+sizes (`--keep-states` states in RAM, counted in the plan; `--kv-cache DIR` on disk up to
+`--kv-cache-gb`), and shutting down cleanly on Ctrl-C / SIGTERM. The HTTP layer is
+`dsv4stream.server`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import click
+
+from .. import gpu
+from ..checkpoint.config import ModelConfig
+from ..errors import UsageError
+from ..run import planner
+from ..run.runinfo import RunOptions
+from ..run.runtime import Runtime
+from ..text import chat
+from ..text.sampler import banned_ids
+from .budget import budget_bytes
+from .run import check_trunk, checkpoint_dir, load_tokenizer
+
+# FastAPI, pydantic, uvicorn and the event loop on top of what `dsv4 run` holds: peak RSS of
+# `dsv4 serve` after three streamed requests minus that of the same `dsv4 run` on the tiny
+# test checkpoint (270.5 MB vs 222.1 MB, python 3.11), plus a margin.
+SERVER_OVERHEAD = 60 * 1000 * 1000
+
+
+def _say(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(
+            f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another --port"
+        ) from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command("serve")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
+@click.option("--port", type=int, default=8000, show_default=True, help="TCP port.")
+@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1/ endpoints.")
+@click.option("--budget", type=float, default=None, help="GB the whole process may hold. [default: 80% of available]")
+@click.option("--ctx", type=int, default=4096, show_default=True, help="Longest sequence (prompt + answer) served.")
+@click.option(
+    "--keep-states",
+    type=int,
+    default=4,
+    show_default=True,
+    help="Session states kept in RAM for prefix reuse, each sized for --ctx and counted in the plan.",
+)
+@click.option("--kv-cache", type=click.Path(path_type=Path), help="Also keep session states in this directory.")
+@click.option("--kv-cache-gb", type=float, default=10.0, show_default=True, help="Size cap of --kv-cache (GB).")
+@click.option("--max-body-mb", type=float, default=8.0, show_default=True, help="Largest request body accepted.")
+@click.option("--keep-alive", type=float, default=10.0, show_default=True, help="Seconds between SSE keep-alives.")
+@click.option("--gpu", "use_gpu", is_flag=True, help="Dense trunk on a CUDA GPU through CuPy.")
+@click.option("--vram", type=float, default=None, help="GB of VRAM --gpu may use.")
+@click.option("--threads", type=int, default=None, help="CPU kernel threads.")
+@click.option("--verify", is_flag=True, help="Re-read every expert and streamed layer with plain pread and compare.")
+@click.option("--io", type=click.Choice(["direct", "buffered"]), default="direct", show_default=True)
+@click.option("--io-threads", type=int, default=4, show_default=True, help="Expert reader threads.")
+@click.option("--trunk", type=click.Path(path_type=Path), help="Packed trunk directory.")
+@click.option("--tok", type=click.Path(path_type=Path), help="Packed tokenizer.")
+@click.option(
+    "--prefill-segment",
+    type=int,
+    default=None,
+    help="Prompt tokens that go through each layer together. [default: the plan's]",
+)
+@click.option(
+    "--allow-special",
+    is_flag=True,
+    help="Let the sampler pick special tokens (placeholders, unused ids), as `dsv4 run` does.",
+)
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def serve(
+    checkpoint: Path,
+    host: str,
+    port: int,
+    api_key: str | None,
+    budget: float | None,
+    ctx: int,
+    keep_states: int,
+    kv_cache: Path | None,
+    kv_cache_gb: float,
+    max_body_mb: float,
+    keep_alive: float,
+    use_gpu: bool,
+    vram: float | None,
+    threads: int | None,
+    verify: bool,
+    io: str,
+    io_threads: int,
+    trunk: Path | None,
+    tok: Path | None,
+    prefill_segment: int | None,
+    allow_special: bool,
+    debug: bool,
+) -> None:
+    """Serve CHECKPOINT over HTTP: OpenAI's /v1/chat/completions, /v1/completions, /v1/models,
+    Anthropic's /v1/messages, and /health."""
+    import uvicorn
+
+    from ..server.app import AccessLog, ServerState, create_app
+
+    checks = (
+        ("--ctx", ctx),
+        ("--threads", threads),
+        ("--io-threads", io_threads),
+        ("--prefill-segment", prefill_segment),
+    )
+    for name, value in checks:
+        if value is not None and value < 1:
+            raise UsageError(f"{name} {value}: give at least 1")
+    if keep_states < 0:
+        raise UsageError(f"--keep-states {keep_states}: give 0 (no reuse) or more")
+    for name, value in (("--kv-cache-gb", kv_cache_gb), ("--max-body-mb", max_body_mb), ("--keep-alive", keep_alive)):
+        if not value > 0:
+            raise UsageError(f"{name} {value}: give a positive number")
+    if not 0 < port < 65536:
+        raise UsageError(f"--port {port}: give a port in 1..65535")
+    if vram is not None and not use_gpu:
+        raise UsageError("--vram applies to --gpu; add --gpu or drop --vram")
+    if kv_cache is not None and kv_cache.exists() and not kv_cache.is_dir():
+        raise UsageError(f"--kv-cache {kv_cache}: is a file; give a directory (created if missing)")
+    checkpoint = checkpoint_dir(checkpoint)
+    cfg = ModelConfig.from_json(checkpoint / "config.json")
+    check_trunk(trunk)
+    budget_b = budget_bytes(budget)
+    tokenizer = load_tokenizer(checkpoint, tok, cfg)
+    if not is_loopback(host) and not api_key:
+        _say(f"dsv4: warning: listening on {host} without --api-key: anyone who can reach it can use the model")
+
+    sock = bind(host, port)
+    srv = ServerState(
+        checkpoint.resolve().name, tokenizer, ctx, _say, api_key, chat.encoder_for(cfg.layout), keep_alive,
+        int(max_body_mb * 1e6),
+    )  # fmt: skip
+    config = uvicorn.Config(
+        AccessLog(create_app(srv), _say), log_level="warning", access_log=False, lifespan="off",
+        timeout_graceful_shutdown=3,
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    failure: list[BaseException] = []
+    held: dict[str, object] = {}
+    _say(f'dsv4: loading {checkpoint} (GET http://{host}:{port}/health says "loading" until ready)')
+
+    def load() -> None:
+        try:
+            gctx = gpu.setup(use_gpu, vram, threads)
+            held["gpu"] = gctx
+            for line in gctx.take_messages():
+                _say(line)
+            # a state file being written or read is held twice (bytes and arrays) for a moment
+            disk_io = 2 * planner.state_bytes_for(cfg, ctx) if kv_cache is not None else 0
+            opts = RunOptions(
+                budget=budget_b, io=io, verify=verify, threads=gctx.threads, io_threads=io_threads,
+                trunk=trunk, ctx=ctx, kept_states=keep_states, prefill_segment=prefill_segment,
+                overhead=planner.DEFAULT_OVERHEAD + SERVER_OVERHEAD + disk_io,
+            )  # fmt: skip
+            extra = {"gpu": gctx} if gctx.enabled else {}
+            rt = Runtime.open(checkpoint, opts, warn=lambda m: _say(f"dsv4: {m}"), **extra)
+            held["rt"] = rt
+            for line in [*gctx.take_messages(), *rt.plan.lines()]:
+                _say(line)
+            srv.worker = _worker(
+                rt, tokenizer.n_tokens, banned_ids(tokenizer, allow_special), keep_states, ctx, kv_cache, kv_cache_gb
+            )
+            _say(f"listening on http://{host}:{port}")
+        except BaseException as e:  # noqa: BLE001  re-raised by the main thread once the server has stopped
+            failure.append(e)
+            server.should_exit = True
+
+    loader = threading.Thread(target=load, name="dsv4-load", daemon=True)
+    loader.start()
+    # uvicorn stops on SIGINT/SIGTERM, then raises the signal again under the handler it
+    # found: a no-op here, so that the caches and the runtime close and the exit code is 0
+    quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in quiet.items():
+            signal.signal(sig, handler)
+        loader.join()
+        if srv.worker is not None:
+            srv.worker.close()
+        for key in ("rt", "gpu"):
+            if key in held:
+                held[key].close()  # type: ignore[attr-defined]
+        sock.close()
+    if failure:
+        raise failure[0]
+    _say("dsv4: server stopped")
+
+
+def _worker(
+    rt: Runtime, n_ids: int, banned: list[int], keep_states: int, ctx: int, kv_cache: Path | None, kv_cache_gb: float
+):
+    from ..server.cache import DiskCache, StateCache, checkpoint_identity
+    from ..server.worker import Worker
+
+    ram = StateCache(keep_states * planner.state_bytes_for(rt.cfg, ctx))
+    disk = None
+    if kv_cache is not None:
+        template = rt.session().state
+        try:
+            disk = DiskCache(kv_cache, int(kv_cache_gb * planner.GB), checkpoint_identity(rt.cat), template, _say)
+        except OSError as e:
+            raise UsageError(f"--kv-cache {kv_cache}: cannot use it ({e.strerror})") from None
+    return Worker(rt, n_ids, ram, disk, _say, banned)

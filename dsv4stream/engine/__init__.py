@@ -1,0 +1,10 @@
+"""The public API of the forward pass: `Engine` (a loaded model) and `Session` (one sequence).
+
+`session` runs tokens through the layers (prefill in segments, step, the one generation
+loop); `state` is a session as a value (snapshot, restore, a checked file format) for the
+prefix caches. Math lives in `model`, weights arrive through `weights` / `streaming` providers.
+"""
+
+from .session import Engine, Session
+
+__all__ = ["Engine", "Session"]

@@ -1,0 +1,104 @@
+"""Memory: what this process holds (`peak_rss_bytes`) and what a run on a checkpoint will hold.
+
+Owns: measuring the plan's inputs from the actual checkpoint (`memory_needs`: layer and head
+groups as they are read, the expert slot size, state and staging estimates, the baseline
+overhead), the one answer inspect, doctor and bench give (`needs_of`). Placing them is
+`planner`'s job; opening the run is `runtime`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+
+from .. import kernels
+from ..checkpoint.catalog import Catalog
+from ..checkpoint.spec import drafter_summary, is_drafter
+from ..kernels import reference
+from ..store import ExpertStore
+from ..streaming.expert_layout import expert_layouts
+from ..streaming.layout import TrunkLayout, trunk_layout
+from ..trunkpack.reader import open_trunk_file
+from . import planner
+from .planner import MemoryNeeds
+from .runinfo import RunOptions
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (the kernel's VmHWM, in bytes).
+
+    Not getrusage's ru_maxrss: across fork + exec that figure keeps the parent's peak (the
+    pre-exec address space is the parent's), so a run started from a large process (a test
+    runner, `dsv4 bench`) would report the parent's memory as its own."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def kernel_scratch_bytes(cat: Catalog) -> int:
+    """Float32 scratch the kernels allocate for the largest linear (the numpy reference
+    dequantises row blocks; the fused backend's tile buffers are part of the overhead)."""
+    if kernels.backend_name() != "reference":
+        return 0
+    most = 0
+    for e in cat.entries.values():
+        if len(e.shape) == 2 and e.dtype in ("F8_E4M3", "I8", "BF16", "F32"):
+            cols = e.shape[1] * (2 if e.dtype == "I8" else 1)
+            most = max(most, reference.scratch_bytes(e.shape[0], cols))
+    return most
+
+
+def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOptions) -> MemoryNeeds:
+    """What the plan must place, measured on this checkpoint (layer groups as read, with
+    their aligned windows), plus the state / staging estimates and the baseline overhead."""
+    cfg = cat.config
+    return MemoryNeeds(
+        layer_bytes=layout.layer_bytes,
+        head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,
+        slot_bytes=slot_bytes,
+        state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (1 + opts.kept_states),
+        staging_bytes=planner.staging_bytes_for(cfg, opts.chunk, opts.ctx) + kernel_scratch_bytes(cat),
+        overhead_bytes=opts.overhead,
+        working_set=cfg.working_set_experts,
+        experts_per_token=cfg.num_experts_per_tok,
+        total_experts=cfg.n_layers * cfg.n_routed_experts,
+        segment_token_bytes=planner.segment_token_bytes(cfg),
+        segment_min=opts.chunk,
+        segment=opts.prefill_segment,
+        unused=drafter_summary(cfg, sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n))),
+    )
+
+
+def main_expert_layouts(cat: Catalog) -> tuple[dict, dict]:
+    """Store layouts and piece orders of the main layers' experts (the MTP block is not run)."""
+    n = cat.config.n_layers
+    el = expert_layouts(cat.entries, n)
+    layouts = {k: v for k, v in el.layouts.items() if k[0] < n}
+    return layouts, {k: el.order[k] for k in layouts}
+
+
+def measure(checkpoint: str | os.PathLike, opts: RunOptions) -> MemoryNeeds:
+    """MemoryNeeds of this checkpoint as `Runtime.open` would plan it (reads headers only)."""
+    cat = Catalog.open(checkpoint)
+    tf = open_trunk_file(cat, opts.trunk)
+    layouts, _ = main_expert_layouts(cat)
+    return memory_needs(cat, trunk_layout(cat, tf), ExpertStore.slot_nbytes(layouts), opts)
+
+
+def needs_of(path: str | os.PathLike, ctx: int = 4096) -> tuple[MemoryNeeds, str]:
+    """What the planner places for `path`, the one answer inspect, doctor and bench give:
+    measured on a checkpoint directory exactly as `dsv4 run` plans it (default trunk, ctx,
+    chunk, kernels), else estimated from a bare config.json; with where the sizes came from."""
+    p = Path(path)
+    if p.is_dir() and any(p.glob("*.safetensors")):
+        return measure(p, RunOptions(budget=planner.GB, ctx=ctx)), "measured on the checkpoint, as `dsv4 run` plans"
+    from ..checkpoint.config import ModelConfig
+
+    cfg = ModelConfig.from_json(p / "config.json" if p.is_dir() else p)
+    return planner.needs_from_config(cfg, ctx=ctx), "estimated from config.json with the release dtypes"

@@ -1,0 +1,322 @@
+"""How a `--budget` is split: pinned trunk layers, a layer ring, the head, expert slots.
+
+Owns: pure arithmetic from the model's byte sizes and a budget to a `Plan`, its printed
+summary, the refusal of a budget that cannot work (naming the minimum), and the warning
+when the expert cache is smaller than one forward pass's working set (an LRU then never
+hits). It reads no files; `needs_from_config` estimates sizes from config.json alone (for
+`inspect --config-only` and `doctor`), the runtime passes sizes measured from the catalog.
+
+Why trunk layers are pinned before expert slots are added: a pinned layer saves its whole
+size in reads on every token, while a cached expert saves its size only when it hits.
+Layers are pinned in order (0, 1, ...); the rest stream through a ring of two layer slots
+(read layer i+1 while computing layer i). The embedding is read by rows on demand.
+
+The prefill segment S (tokens that go through each layer together, see `engine`) costs
+`segment_token_bytes` per token: the residual streams, the MoE's input, its per-expert
+outputs kept for the fixed-order sum, the shared expert's and the router's. After the trunk,
+expert slots are given up to one pass's working set (decode hits need them), then S grows
+to SEGMENT_CAP (each segment re-reads the experts it touches, so long prompts want it
+large), then the rest goes to slots. The attention sub-chunk's temporaries are `staging`.
+
+Budgets are in decimal GB (10^9 bytes), the unit drives and `free` report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..checkpoint.config import ModelConfig
+from ..checkpoint.spec import block_specs, drafter_nbytes, drafter_summary, released_nbytes
+from ..errors import BudgetError
+from ..model.compressor import row_capacity
+from ..store.directio import ALIGN
+
+GB = 1_000_000_000
+# Interpreter, numpy/numba/tokenizers code and heaps, thread stacks, allocator slack:
+# measured as peak RSS of a run whose weights are negligible (bench/overhead.py: 208 MB with
+# the numba kernels, 118 MB with the numpy reference; python 3.11, 2 cpus), plus 15%.
+DEFAULT_OVERHEAD = 240 * 1000 * 1000
+DEFAULT_CHUNK = 64  # attention sub-chunk of a prefill segment (RunOptions.chunk); also the shortest segment
+SUB_CHUNK = DEFAULT_CHUNK
+SEGMENT_CAP = 4096  # longest prefill segment the planner gives
+BLOCK_FLOATS = 4 << 20  # attention gather / indexer score blocks (model.attention, model.indexer)
+
+
+@dataclass(frozen=True)
+class MemoryNeeds:
+    """Resident byte sizes the plan has to place (all in bytes)."""
+
+    layer_bytes: tuple[int, ...]  # dense weights of each main layer
+    head_bytes: int  # head + final norm + hc_head
+    slot_bytes: int  # one expert cache slot (aligned windows included)
+    state_bytes: int  # KV window, compressed rows, compressor state for --ctx
+    staging_bytes: int  # activations and per-chunk scratch
+    overhead_bytes: int = DEFAULT_OVERHEAD
+    working_set: int = 0  # experts one pass touches
+    experts_per_token: int = 1
+    total_experts: int = 0
+    segment_token_bytes: int = 0  # activations per prefill segment token (0: not counted)
+    segment_min: int = SUB_CHUNK
+    segment: int | None = None  # --prefill-segment: fixed S instead of the planner's choice
+    unused: str | None = None  # what the checkpoint holds that is not run (the mtp.* blocks), for the plan
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What every plan holds whatever the budget: overhead, state, staging, the head."""
+        return self.overhead_bytes + self.state_bytes + self.staging_bytes + self.head_bytes
+
+    @property
+    def trunk_resident_bytes(self) -> int:
+        """The fixed part plus every trunk layer pinned: the smallest plan without a ring."""
+        return self.fixed_bytes + sum(self.layer_bytes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    budget: int
+    needs: MemoryNeeds
+    pinned_layers: int
+    ring_slots: int
+    ring_slot_bytes: int
+    expert_slots: int
+    warnings: tuple[str, ...] = field(default=())
+    prefill_segment: int = SEGMENT_CAP
+
+    @property
+    def segment_bytes(self) -> int:
+        return self.prefill_segment * self.needs.segment_token_bytes
+
+    @property
+    def streamed_layers(self) -> int:
+        return len(self.needs.layer_bytes) - self.pinned_layers
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self.needs.layer_bytes[: self.pinned_layers])
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_slots * self.needs.slot_bytes
+
+    @property
+    def planned_bytes(self) -> int:
+        return (
+            self.needs.fixed_bytes
+            + self.pinned_bytes
+            + self.ring_slots * self.ring_slot_bytes
+            + self.expert_bytes
+            + self.segment_bytes
+        )
+
+    def lines(self) -> list[str]:
+        n = self.needs
+        ws = n.working_set
+        out = [
+            (
+                f"budget {_gb(self.budget)}: overhead {_gb(n.overhead_bytes)}, state {_gb(n.state_bytes)},"
+                f" staging {_gb(n.staging_bytes)}, head {_gb(n.head_bytes)}"
+            ),
+            f"  trunk: {self.pinned_layers}/{len(n.layer_bytes)} layers pinned ({_gb(self.pinned_bytes)})"
+            + (
+                f", {self.streamed_layers} streamed through {self.ring_slots} x {_gb(self.ring_slot_bytes)} ring"
+                if self.streamed_layers
+                else ""
+            ),
+            (
+                f"  experts: {self.expert_slots} slots x {_gb(n.slot_bytes)} = {_gb(self.expert_bytes)}"
+                f" (working set per pass: {ws} experts{', all experts fit' if self.expert_slots >= n.total_experts else ''})"
+            ),
+            (
+                f"  prefill: segments of {self.prefill_segment} tokens ({_gb(self.segment_bytes)} of activations),"
+                f" attention in sub-chunks of {min(n.segment_min, self.prefill_segment)}"
+            ),
+            f"  planned total {_gb(self.planned_bytes)} of {_gb(self.budget)}",
+        ]
+        if n.unused:
+            out.append(f"  {n.unused}")
+        return out + [f"warning: {w}" for w in self.warnings]
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:.2f} GB" if n >= GB // 10 else f"{n / 1e6:.1f} MB"
+
+
+def gb_up(n: int) -> str:
+    """Bytes as GB rounded up to 0.01: a minimum must never print below itself."""
+    return f"{math.ceil(n / GB * 100) / 100:.2f} GB"
+
+
+def _segment_floor(needs: MemoryNeeds) -> int:
+    return needs.segment if needs.segment is not None else min(needs.segment_min, SEGMENT_CAP)
+
+
+def minimum_budget(needs: MemoryNeeds) -> int:
+    """Smallest budget that runs: nothing pinned, a two-slot ring, two layers' worth of experts,
+    the shortest prefill segment (or the one --prefill-segment fixes)."""
+    ring = 2 * max(needs.layer_bytes, default=0)
+    slots = 2 * needs.experts_per_token * needs.slot_bytes
+    return needs.fixed_bytes + ring + slots + _segment_floor(needs) * needs.segment_token_bytes
+
+
+def smallest_budget(
+    needs: MemoryNeeds, ok: Callable[[Plan], bool], limit: int = 1 << 50, step: int = GB // 100
+) -> int | None:
+    """Smallest budget, a multiple of `step` bytes (default 0.01 GB, as printed), whose plan
+    satisfies `ok`; None below `limit`. Bisection: more budget never pins fewer layers or
+    gives fewer slots."""
+    lo, hi = minimum_budget(needs), minimum_budget(needs)
+    while not ok(plan(needs, hi)):
+        if hi > limit:
+            return None
+        lo, hi = hi, hi * 2
+    while hi - lo > min(step, GB // 1000):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(plan(needs, mid)) else (mid, hi)
+    b = -(-hi // step) * step
+    while not ok(plan(needs, b)):  # the ring's release at "all layers pinned" is the one kink
+        b += step
+    return b
+
+
+def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -> Plan:
+    """Split `budget` bytes; raise BudgetError (naming the minimum) if it cannot work."""
+    floor = minimum_budget(needs)
+    if budget < floor:
+        seg = f", a prefill segment of {_segment_floor(needs)} tokens" if needs.segment_token_bytes else ""
+        raise BudgetError(
+            f"--budget {budget / GB:.2f} GB is below the minimum of {gb_up(floor)}"
+            f" for this model (head {_gb(needs.head_bytes)}, overhead {_gb(needs.overhead_bytes)},"
+            f" state for --ctx {_gb(needs.state_bytes)}, two streamed layers, {2 * needs.experts_per_token}"
+            f" expert slots{seg}); raise --budget (or lower --ctx"
+            + (" or --prefill-segment)" if needs.segment is not None else ")")
+        )
+    min_slots = 2 * needs.experts_per_token
+    cap = needs.total_experts if max_expert_slots is None else max_expert_slots
+    seg_floor, stb = _segment_floor(needs), needs.segment_token_bytes
+    free = budget - needs.fixed_bytes - min_slots * needs.slot_bytes - seg_floor * stb
+    layers = needs.layer_bytes
+    ring_slot = max(layers, default=0)
+    pinned = 0
+    if sum(layers) <= free:
+        pinned, free = len(layers), free - sum(layers)
+        ring_slots = 0
+    else:
+        free -= 2 * ring_slot  # the ring is needed as soon as one layer streams
+        acc = 0
+        while pinned < len(layers) and acc + layers[pinned] <= free:
+            acc += layers[pinned]
+            pinned += 1
+        free -= acc
+        ring_slots = 2
+    free = max(0, free)
+    if not needs.slot_bytes:
+        slots = cap
+    else:  # slots up to the working set first, then the segment, then slots again
+        first = min(free // needs.slot_bytes, max(0, min(cap, needs.working_set) - min_slots))
+        slots, free = min_slots + first, free - first * needs.slot_bytes
+    segment = seg_floor
+    if needs.segment is None:
+        grow = (SEGMENT_CAP - seg_floor) if not stb else min(SEGMENT_CAP - seg_floor, free // stb)
+        segment = seg_floor + grow
+        if segment > seg_floor >= 1:
+            segment = max(seg_floor, segment // seg_floor * seg_floor)  # whole sub-chunks
+        free -= (segment - seg_floor) * stb
+    if needs.slot_bytes:
+        slots = min(cap, slots + free // needs.slot_bytes)
+    warnings = []
+    if slots < needs.working_set and slots < cap:
+        short = (needs.working_set - slots) * needs.slot_bytes
+        warnings.append(
+            f"the expert cache holds {slots} experts, fewer than the working set of {needs.working_set}"
+            f" one forward pass uses, so LRU evicts nearly every expert before its layer comes round again"
+            f" (hit rate near 0); add {_gb(short)} to --budget for the cache to start hitting"
+        )
+    return Plan(budget, needs, pinned, ring_slots, ring_slot if ring_slots else 0, slots, tuple(warnings), segment)
+
+
+def budget_for(needs: MemoryNeeds, slots: int, pinned: int | None = None) -> int:
+    """The smallest budget, to the byte, whose plan has at least `slots` expert slots with
+    `pinned` trunk layers (None: all)."""
+    want = len(needs.layer_bytes) if pinned is None else pinned
+
+    def enough(p: Plan) -> bool:
+        return p.pinned_layers > want or (p.pinned_layers == want and p.expert_slots >= slots)
+
+    return smallest_budget(needs, enough, step=1)
+
+
+def slot_bytes_for(expert_bytes: int, runs: int = 2) -> int:
+    """Slot size for an expert in `runs` byte runs read with O_DIRECT aligned windows."""
+    return (expert_bytes + runs * 2 * ALIGN + ALIGN - 1) // ALIGN * ALIGN
+
+
+def state_bytes_for(cfg: ModelConfig, ctx: int) -> int:
+    """float32 bytes of per-sequence state at `ctx` tokens: per layer the window ring (rows and
+    positions); per compressed layer the compressed rows as allocated (`row_capacity`: a
+    buffer grows ahead of its rows), the open window's kv and gate, the overlap's last Ca
+    half; the same for the indexer's compressor at ratio 4; plus one buffer's old copy while
+    it grows (layers grow one at a time)."""
+    hd, ihd, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
+    total = largest = 0
+    for layer in range(cfg.n_layers):
+        r = cfg.ratio(layer)
+        total += w * hd * 4 + w * 8
+        comps = [(hd, 2 if r == 4 else 1)] if r else []
+        if r == 4:
+            comps.append((ihd, 2))
+        for d, coff in comps:
+            rows = row_capacity(ctx // r + 1) * d * 4
+            largest = max(largest, rows)
+            total += rows + 2 * r * coff * d * 4 + (2 * r * d * 4 if coff == 2 else 0)
+    return total + largest
+
+
+def staging_bytes_for(cfg: ModelConfig, chunk: int, ctx: int = 4096) -> int:
+    """Scratch for one attention sub-chunk of `chunk` tokens at up to `ctx` positions: hc
+    streams, q/attention buffers, the scores over the window and the compressed rows a query
+    sees (a few live copies: scores, mask, softmax), the indexer's scores over every
+    compressed row, the bounded gather / score blocks, the head's logits."""
+    d, h, hd, w = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+    ratios = {cfg.ratio(i) for i in range(cfg.n_layers)} - {0}
+    seen = max([cfg.index_topk if r == 4 else ctx // r + 1 for r in ratios], default=0)
+    index_rows = ctx // 4 + 1 if 4 in ratios else 0
+    per_tok = 4 * (3 * cfg.hc_mult * d + 3 * h * hd + 4 * cfg.moe_intermediate_size + cfg.vocab_size)
+    per_tok += 4 * (4 * h * (w + chunk + seen + 1) + 4 * index_rows)
+    blocks = 4 * 2 * BLOCK_FLOATS if ratios else 0
+    return chunk * per_tok + 4 * cfg.vocab_size * 2 + blocks
+
+
+def segment_token_bytes(cfg: ModelConfig) -> int:
+    """float32 bytes per prefill segment token alive at the MoE's peak: the hc streams, the
+    normed input, the k weighted expert outputs kept for the fixed-order sum, the shared
+    and routed sums and the result, the router's scores, mHC mixing weights, ids."""
+    d, hc, k, e = cfg.hidden_size, cfg.hc_mult, cfg.num_experts_per_tok, cfg.n_routed_experts
+    return 4 * (hc * d + (k + 5) * d + 3 * e + hc + hc * hc) + 3 * 8
+
+
+def needs_from_config(
+    cfg: ModelConfig, ctx: int = 4096, chunk: int = SUB_CHUNK, segment: int | None = None
+) -> MemoryNeeds:
+    """Estimate from config.json alone, with the release dtypes."""
+    layer_bytes = tuple(
+        sum(released_nbytes(cfg, s) for s in block_specs(cfg, i, with_experts=False)) for i in range(cfg.n_layers)
+    )
+    d, v, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    head = v * d * 2 + d * 2 + hc * hc * d * 4 + 4 * hc + 4
+    head += cfg.tid2eid_bytes  # the hash layers' tables stay resident
+    return MemoryNeeds(
+        layer_bytes=layer_bytes,
+        head_bytes=head,
+        slot_bytes=slot_bytes_for(cfg.expert_bytes),
+        state_bytes=state_bytes_for(cfg, ctx),
+        staging_bytes=staging_bytes_for(cfg, chunk, ctx),
+        working_set=cfg.working_set_experts,
+        experts_per_token=cfg.num_experts_per_tok,
+        total_experts=cfg.n_layers * cfg.n_routed_experts,
+        segment_token_bytes=segment_token_bytes(cfg),
+        segment_min=chunk,
+        segment=segment,
+        unused=drafter_summary(cfg, drafter_nbytes(cfg)),
+    )

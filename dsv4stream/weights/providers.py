@@ -1,0 +1,103 @@
+"""Where the forward pass gets its weights: small provider interfaces and their defaults.
+
+Owns: the `Trunk` (embedding rows, dense per-layer weights, head) and `Experts` (routed
+experts by (layer, expert), with a prefetch hint) protocols and the in-memory defaults that
+read from the catalog. Streaming implementations (`dsv4stream.streaming`) plug in here
+without touching the model code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from ..checkpoint.catalog import Catalog
+from ..checkpoint.formats import bf16_to_f32
+from ..checkpoint.spec import MODEL
+from ..model.layer import HeadWeights, LayerWeights
+from ..model.moe import ExpertWeights
+from .loading import load_expert, load_head, load_layer
+
+ExpertKey = tuple[int, int]  # (layer, expert); MTP layers count from num_hidden_layers
+
+
+class Trunk(Protocol):
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        """token_ids (T,) -> (T, D) float32."""
+        ...
+
+    def layer(self, i: int) -> LayerWeights: ...
+
+    def head(self) -> HeadWeights: ...
+
+    def tid2eid(self, i: int) -> np.ndarray:
+        """(vocab, k) int64 expert table of hash layer i, available without loading layer i."""
+        ...
+
+
+class Experts(Protocol):
+    def get(self, layer: int, expert: int) -> ExpertWeights: ...
+
+    def get_many(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """Each of these distinct experts once, in any order (those in memory first); an
+        expert's weights stay valid until the iterator advances. Optional: the engine falls
+        back to `get` in id order."""
+        ...
+
+    def prefetch(self, keys: Sequence[ExpertKey]) -> None:
+        """A hint: these experts are about to be needed, in this order."""
+        ...
+
+
+class CatalogTrunk:
+    """All dense weights read from the checkpoint into memory, once, on first use."""
+
+    def __init__(self, cat: Catalog) -> None:
+        self.cat = cat
+        self._layers: dict[int, LayerWeights] = {}
+        self._head: HeadWeights | None = None
+        e = cat.entry(MODEL["embed"])
+        self._embed_bf16 = e.dtype == "BF16"
+
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        rows = self.cat.read_rows(MODEL["embed"], ids)
+        return bf16_to_f32(rows) if self._embed_bf16 else rows.astype(np.float32)
+
+    def layer(self, i: int) -> LayerWeights:
+        w = self._layers.get(i)
+        if w is None:
+            w = self._layers[i] = load_layer(self.cat, i)
+        return w
+
+    def tid2eid(self, i: int) -> np.ndarray:
+        return self.layer(i).moe.tid2eid
+
+    def head(self) -> HeadWeights:
+        if self._head is None:
+            self._head = load_head(self.cat)
+        return self._head
+
+
+class CatalogExperts:
+    """Routed experts read from the checkpoint on first use and kept in memory."""
+
+    def __init__(self, cat: Catalog) -> None:
+        self.cat = cat
+        self._cache: dict[ExpertKey, ExpertWeights] = {}
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        key = (layer, expert)
+        w = self._cache.get(key)
+        if w is None:
+            w = self._cache[key] = load_expert(self.cat, layer, expert)
+        return w
+
+    def get_many(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        for e in experts:
+            yield e, self.get(layer, e)
+
+    def prefetch(self, keys: Sequence[ExpertKey]) -> None:
+        pass
