@@ -44,11 +44,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv4stream.engine.session.session import Engine
-
 from dsv4stream import gpu, kernels
 from dsv4stream.checkpoint import formats, synth
 from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.engine.session import Engine
 from dsv4stream.gpu import affinity
 from dsv4stream.gpu.cuda import relative_error
 from dsv4stream.gpu.device import DeviceQWeight, dequant_gemm

@@ -76,9 +76,9 @@ def one_thread_engine(ckpt: Path):
     """An in-process Engine on one kernel thread, as the test servers run (fixture body; the
     thread count is global, so it is put back after)."""
     import numba
-    from dsv4stream.engine.session.session import Engine
 
     from dsv4stream import kernels
+    from dsv4stream.engine.session import Engine
 
     yield Engine.open(ckpt, threads=1)
     kernels.set_threads(numba.config.NUMBA_NUM_THREADS)

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from dsv4stream.engine.session.session import Engine
 
 from dsv4stream.checkpoint import synth
 from dsv4stream.cli import main
 from dsv4stream.cli.repl import ChatSettings, Conversation, Interrupt, answer, chat_loop
 from dsv4stream.cli.run import run as run_cmd
+from dsv4stream.engine.session import Engine
 from dsv4stream.run.report import PrefillBar, Reads, report_lines
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.runtime import Runtime

@@ -17,7 +17,6 @@ import stat
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from dsv4stream.engine.session.session import Engine
 from test_cli import ckpt, stats_of, tok  # noqa: F401  fixtures and helpers shared with the CLI tests
 
 from dsv4stream.checkpoint import synth
@@ -27,12 +26,14 @@ from dsv4stream.cli.bench import below_working_set, budget_slots, memory_needs, 
 from dsv4stream.cli.doctor import doctor
 from dsv4stream.cli.inspect import inspect
 from dsv4stream.cli.repl import Interrupt, Stopped, answer, no_echo, read_turn
+from dsv4stream.engine.session import Engine
 from dsv4stream.errors import BudgetError
 from dsv4stream.run import ticker
 from dsv4stream.run.planner import GB, plan
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.runtime import Runtime
 from dsv4stream.text import chat
+from dsv4stream.text import sampler as sampler_mod
 from dsv4stream.text.sampler import SamplingParams, banned_ids, make_pick
 from dsv4stream.text.tokenizer import real_tokenizer_files
 from dsv4stream.trunkpack.packdir import pack_hint
@@ -130,8 +131,8 @@ def test_special_ids_are_never_sampled_but_eos_and_chat_tokens_are(tok) -> None:
 def test_the_run_command_masks_what_it_samples(ckpt, tok, monkeypatch) -> None:
     special = {t["id"] for t in json.loads(real_tokenizer_files()[0].read_text())["added_tokens"] if t["special"]}
     seen: list[np.ndarray] = []
-    real = run_mod.sample
-    monkeypatch.setattr(run_mod, "sample", lambda x, p, rng: seen.append(x.copy()) or real(x, p, rng))
+    real = sampler_mod.sample
+    monkeypatch.setattr(sampler_mod, "sample", lambda x, p, rng: seen.append(x.copy()) or real(x, p, rng))
     run_cli(str(ckpt), "--chat", "--prompt", "Hi", "--gen", "2", "--budget", "1", "--seed", "1")
     banned = sorted(special - {tok.special.eos})
     assert seen and all(np.isneginf(x[banned]).all() and np.isfinite(x[tok.special.eos]) for x in seen)

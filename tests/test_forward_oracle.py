@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dsv4stream.engine.session.session import Engine
+
+from dsv4stream.engine.session import Engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "oracle.npz").exists())

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dsv4stream.engine.session.session import Engine
 
 from dsv4stream import gpu, kernels
 from dsv4stream.checkpoint import formats
+from dsv4stream.engine.session import Engine
 from dsv4stream.gpu import affinity, context, cuda, plan
 from dsv4stream.gpu.device import DeviceQWeight, HostOps
 from dsv4stream.kernels import QWeight

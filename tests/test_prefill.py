@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dsv4stream.engine.session.session import Engine, PrefillStep
 
 from dsv4stream.checkpoint import synth
 from dsv4stream.checkpoint.config import ModelConfig
+from dsv4stream.engine.session import Engine, PrefillStep
 from dsv4stream.errors import BudgetError, UsageError
 from dsv4stream.model.attention import ONE_THREAD_MACS, attend, attend_macs
 from dsv4stream.run import planner

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from dsv4stream.engine.session.session import Engine
 from store_files import o_direct_refusal
 
 from dsv4stream.checkpoint import synth
 from dsv4stream.cli.run import run as run_cmd
+from dsv4stream.engine.session import Engine
 from dsv4stream.run import planner
 from dsv4stream.run.memory import measure
 from dsv4stream.run.runinfo import RunOptions

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from dsv4stream.engine.session.session import Engine
 
 from dsv4stream.checkpoint import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.cli.run import run as run_cmd
+from dsv4stream.engine.session import Engine
 from dsv4stream.errors import ReadError
 from dsv4stream.run.memory import measure
 from dsv4stream.run.planner import minimum_budget

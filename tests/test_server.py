@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from dsv4stream.engine.session.session import Engine
 from server_proc import CODE, Server, free_port, one_thread_engine
 from test_dsml import EXPECTED_TOOLS_SECTION, WEATHER
 
 from dsv4stream.checkpoint import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.cli.serve import is_loopback
+from dsv4stream.engine.session import Engine
 from dsv4stream.server.cache import checkpoint_identity, prefix_names
 from dsv4stream.text import chat
 from dsv4stream.text.tokenizer import Tokenizer

@@ -8,11 +8,11 @@ import os
 
 import numpy as np
 import pytest
-from dsv4stream.engine.session.state import capture, to_bytes
 from server_proc import one_thread_engine
 
 from dsv4stream.checkpoint import synth
 from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.engine.state import capture, to_bytes
 from dsv4stream.server.cache import SUFFIX, DiskCache, StateCache, checkpoint_identity, prefix_names
 
 IDS = [int(i) for i in np.random.default_rng(1).integers(0, 512, size=40)]

@@ -360,10 +360,9 @@ def test_prefetch_hints_can_make_the_store_differ_from_plain_lru(files):
 def test_replay_reproduces_a_real_engine_run_exactly(tmp_path):
     """The engine's own calls (prefetch hints included) through the live provider and store, on a generated
     checkpoint with skewed routing: its route log replays to the store's hits at every size."""
-    from dsv4stream.engine.session.session import Engine
-
     from dsv4stream.checkpoint.catalog import Catalog
     from dsv4stream.checkpoint.synth import make_checkpoint
+    from dsv4stream.engine.session import Engine
     from dsv4stream.streaming.expert_layout import expert_layouts
     from dsv4stream.streaming.experts import StreamedExperts
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dsv4stream.engine.session.session import Engine
 
 from dsv4stream.checkpoint import synth
 from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.engine.session import Engine
 from dsv4stream.errors import BudgetError
 from dsv4stream.run import planner
 from dsv4stream.run.memory import measure
