@@ -41,6 +41,8 @@ SUFFIX = ".dsv4state"
 _TEMP = re.compile(r"^\.([0-9a-f]{40}" + re.escape(SUFFIX) + r")\.tmp([0-9]+)$")  # what put() writes first
 _SAMPLE = 1 << 16  # bytes read from three places of each shard for the identity
 
+SAMPLED_KEPT = 64  # sequences remembered for splice (ids only: a few KB each)
+
 Log = Callable[[str], None]
 Decode = Callable[[Sequence[int]], str]
 
@@ -69,6 +71,17 @@ class StateCache:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._items: OrderedDict[tuple[int, ...], SessionState] = OrderedDict()
+        # whole sequences the server fed and sampled (prompt + reply, the last token included,
+        # though no state holds it): splice needs them when a reply ended without EOS
+        self._sampled: OrderedDict[tuple[int, ...], None] = OrderedDict()
+
+    def remember(self, ids: Sequence[int]) -> None:
+        """Keep `ids` (a prompt and the reply sampled for it) for `splice`, most recent last."""
+        key = tuple(int(i) for i in ids)
+        self._sampled.pop(key, None)
+        self._sampled[key] = None
+        while len(self._sampled) > SAMPLED_KEPT:
+            self._sampled.popitem(last=False)
 
     @property
     def nbytes(self) -> int:
@@ -98,7 +111,7 @@ class StateCache:
         reads as text, is unchanged). The longest such key wins; `ids` unchanged when none."""
         best: tuple[int, ...] | None = None
         best_end = 0
-        for key in self._items:
+        for key in [*self._items, *self._sampled]:
             if best is not None and len(key) <= len(best):
                 continue
             c = _common(key, ids)
@@ -241,7 +254,8 @@ class DiskCache:
         """The longest usable file for a prefix of `ids` shorter than `ids` and longer than
         `shorter_than` tokens (a RAM hit of that length is as good and costs no read)."""
         names = prefix_names(self.identity, ids[:-1]) if len(ids) > 1 else []
-        present = {p.name for p in self._files()}
+        # every entry of our naming, not only regular files: one that is not gets named in the log
+        present = {p.name for p in self.root.iterdir() if p.name.endswith(SUFFIX)}
         for k in range(len(names), shorter_than, -1):
             name = names[k - 1]
             if name not in present or name in self._bad:

@@ -222,6 +222,8 @@ class Worker:
             raise InternalError(f"session at {session.pos} after {len(ids)} prompt + {len(got)} generated tokens")
         if len(got) > 1:
             kept.append((ids + got[:-1], session.snapshot()))
+        if got:
+            self.ram.remember(ids + got)
         if job.cancelled.is_set():
             self._keep(kept)
             raise Cancelled
