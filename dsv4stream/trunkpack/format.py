@@ -2,7 +2,7 @@
 
 Owns: the constants (format marker, file names, alignments, checksum), the placement of
 runs and tensors in trunk.bin (`plan_runs`), the manifest's fields (`manifest_dict`) and the
-run checksums (`word_sum`, `digest_range`). It writes nothing; `pack` does the packing.
+run checksums (`digest_run`, `fast_hash`). It writes nothing; `pack` does the packing.
 
 Layout of `OUT_DIR/trunk.bin` (OUT_DIR defaults to `CHECKPOINT_DIR/dsv4-trunk`):
 - One run per group, in model order: `embed` (embed.weight), `layers.L` for each packed
