@@ -98,3 +98,28 @@ def o_direct_refusal(directory: Path) -> str | None:
     finally:
         probe.unlink()
     return None
+
+
+def make_row_files(root: Path, rows: tuple[int, ...] = (3001, 1999), width: int = 256, scales: int = 8, seed: int = 0):
+    """Tables laid out like V4.1's Engram: per table one safetensors file holding the rows
+    ([rows, width] bytes), a filler, then the rows' scales ([rows, scales] bytes) far after
+    them; nothing 4096-aligned. Returns [(path, values name, scales name)] (written by the
+    safetensors library, which the tests also read them back with)."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for t, n in enumerate(rows):
+        path = root / f"table-{t}.safetensors"
+        names = (f"t{t}.a.values", f"t{t}.c.scales")
+        save_file(
+            {
+                names[0]: rng.integers(0, 256, (n, width), dtype=np.uint8),
+                f"t{t}.b.filler": rng.integers(0, 256, 300_003 + 1000 * t, dtype=np.uint8),
+                names[1]: rng.integers(0, 256, (n, scales), dtype=np.uint8),
+            },
+            str(path),
+            metadata={"pad": "x" * (37 + 11 * t)},
+        )
+        out.append((path, *names))
+    return out
