@@ -135,7 +135,10 @@ def field(d, name: str):
 
 
 def send(d, message: str) -> None:
-    d.find_element("id", "input").send_keys(message)
+    if len(message) > 200:  # typed key by key, a long prompt takes minutes on a loaded machine
+        js(d, "document.getElementById('input').value = arguments[0];", message)
+    else:
+        d.find_element("id", "input").send_keys(message)
     d.find_element("id", "send").click()
 
 
@@ -261,6 +264,8 @@ def test_an_answer_streams_with_its_figures_and_live_pictures(server, page, shot
     assert m and 0 < int(m[1]) <= int(m[2]) and int(m[3]) > 0, caption
     # the server-wide table too
     assert "tok/s" in text(d, "#stat-decode") and "GB" in text(d, "#stat-rss")
+    js(d, "document.getElementById('settings-box').open = false;")  # the pictures in view
+    time.sleep(0.2)
     assert d.save_screenshot(str(shots / "chat-page-desktop.png"))
 
 
@@ -325,8 +330,7 @@ def test_conversations_survive_a_reload_and_resume_on_the_prefix_cache(page, tmp
     # rename, search, delete (the first click only arms the button)
     js(d, "document.querySelector('#conv-list li.current .rename').click();")
     box = d.find_element("css selector", "#conv-list li input")
-    box.clear()
-    box.send_keys("Renamed\n")
+    box.send_keys("Renamed\n")  # the old title is selected: typing replaces it
     wait(lambda: "Renamed" in conversations(d))
     d.find_element("id", "conv-search").send_keys("second")
     wait(lambda: conversations(d) == ["The second conversation"])
@@ -446,7 +450,7 @@ def test_settings_belong_to_their_conversation(page) -> None:
     set_field(d, "system", "System of A")
     set_field(d, "thinking", True)
     efforts = js(d, "return [...document.querySelectorAll('#effort option')].map(o => o.value);")
-    assert efforts == ["low", "high", "max"]  # the 0731 chat format's own levels, its default first
+    assert efforts == ["high", "max"]  # the generated checkpoint's (the preview's) chat format, its default first
     set_field(d, "effort", "max")
     answer_and_wait(d, "Conversation A")
     d.find_element("id", "new-conv").click()
@@ -502,7 +506,7 @@ def test_a_dropped_text_file_lands_in_the_prompt_with_its_token_count(server, pa
     assert "blob.bin: not a text file" in text(d, "#composer-note")
     assert js(d, "return document.querySelectorAll('#attachments .chip').length;") == 1
     a = answer_and_wait(d, "Summarise the file")
-    assert text(d, ".msg.user .files") == f"📄 notes.txt · {n} tokens"
+    assert text(d, ".msg.user .files") == f"notes.txt · {n} tokens"
     prompt = int(re.search(r"prompt (\d+) tokens", a["stats"])[1])
     assert prompt > n  # the file went to the model with the message
     assert js(d, "return document.querySelectorAll('#attachments .chip').length;") == 0
@@ -515,7 +519,7 @@ def test_a_dropped_text_file_lands_in_the_prompt_with_its_token_count(server, pa
     )
     wait(lambda: "clip.txt" in (text(d, "#attachments") or ""))
     # Shift+Enter is a new line, not a send
-    d.find_element("id", "input").send_keys("line one", "\ue008\ue007", "line two")  # Shift+Enter
+    d.find_element("id", "input").send_keys("line one", "\ue008\ue007\ue000", "line two")  # Shift+Enter, release
     assert field(d, "input") == "line one\nline two" and not busy(d)
 
 
@@ -528,15 +532,15 @@ def test_the_page_is_usable_at_phone_width(page, shots) -> None:
     assert box > 0.6 * width, (box, width)
     assert js(d, "return document.documentElement.scrollWidth;") <= width  # nothing sticks out sideways
     for drawer, opener in (("convs", "open-convs"), ("panel", "open-panel")):
-        left = js(d, "return document.getElementById(arguments[0]).getBoundingClientRect();", drawer)
-        assert left["right"] <= 0 or left["left"] >= width, (drawer, left)  # folded away
+        rect = "return document.getElementById(arguments[0]).getBoundingClientRect();"
+        wait(lambda id=drawer: js(d, rect, id)["right"] <= 0 or js(d, rect, id)["left"] >= width)  # folded away
         d.find_element("id", opener).click()
         wait(
             lambda id=drawer: (
                 0 <= js(d, "return document.getElementById(arguments[0]).getBoundingClientRect().left;", id) < width
             )
         )
-        d.find_element("id", "scrim").click()
+        js(d, "document.getElementById('scrim').click();")  # the drawer covers the scrim's middle
     set_field(d, "max_tokens", "8")
     set_field(d, "temperature", "0")
     answer_and_wait(d, "Hello from a phone")
@@ -590,7 +594,7 @@ def test_the_page_shows_the_queue_and_the_loading_state(server, page) -> None:
             "waiting in the server's queue: 1 request ahead of this one" in (answers(d) or [{"note": ""}])[-1]["note"]
         )
     )
-    assert "The server is busy: 1 request(s) ahead of yours." in text(d, "#banner")
+    wait(lambda: "The server is busy: 1 request(s) ahead of yours." in text(d, "#banner"))
     wait(lambda: not busy(d))
     t.join()
     assert answers(d)[-1]["stats"]

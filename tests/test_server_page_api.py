@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from server_proc import Server
 
 from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.config import ModelConfig
 from dsv4stream.server.app import ServerState, create_app
 from dsv4stream.text import chat
 from dsv4stream.text.tokenizer import Tokenizer
@@ -81,18 +82,19 @@ def chat_body(text: str, n: int, **kw) -> dict:
 def test_page_info_names_the_checkpoint_and_its_reasoning_efforts(server, ckpt) -> None:
     status, info = get(server, "/v1/page/info")
     assert status == 200 and info["model"] == "tiny" and info["ctx"] == 4096 and info["ready"] is True
-    assert info["chat_format"] == chat.LATEST
-    assert info["reasoning_effort"] == {"kind": "levels", "values": ["low", "high", "max"], "default": "low"}
+    # the generated checkpoint has the preview's mtp layout: the preview's chat format, high/max
+    assert info["chat_format"] == chat.encoder_for(ModelConfig.from_json(ckpt / "config.json").layout) == "preview"
+    assert info["reasoning_effort"] == {"kind": "levels", "values": ["high", "max"], "default": "high"}
     cfg = json.loads((ckpt / "config.json").read_text())
     assert (info["layers"], info["experts"]) == (cfg["num_hidden_layers"], cfg["n_routed_experts"])
     assert info["experts_per_token"] == cfg["num_experts_per_tok"] and info["slots"] >= 1
 
 
-def test_preview_checkpoints_offer_their_own_efforts(tok) -> None:
-    srv = ServerState("tiny", tok, 512, lambda line: None, encoder="preview")
+def test_0731_checkpoints_offer_their_own_efforts(tok) -> None:
+    srv = ServerState("tiny", tok, 512, lambda line: None, encoder="0731")
     with TestClient(create_app(srv)) as client:
         info = client.get("/v1/page/info").json()
-    assert info["reasoning_effort"] == {"kind": "levels", "values": ["high", "max"], "default": "high"}
+    assert info["reasoning_effort"] == {"kind": "levels", "values": ["low", "high", "max"], "default": "low"}
     assert info["ready"] is False and "layers" not in info
 
 
@@ -159,7 +161,11 @@ def test_the_chat_stream_carries_the_answers_figures_as_comments(server) -> None
     prefill = [s for s in samples if s["phase"] == "prefill"]
     decode = [s for s in samples if s["phase"] == "decode"]
     usage = next(json.loads(x[6:])["usage"] for x in lines if x.startswith("data: {") and '"usage"' in x)
-    assert len(decode) == usage["completion_tokens"] - 1 and len(prefill) >= 2  # segments of 16, then the first token
+    # one per segment of 16 prompt tokens, one per token (the first token's is a prefill sample when
+    # prompt tokens were left after the last segment)
+    n_prompt = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    assert len(prefill) >= n_prompt // 16 >= 2 and len(prefill) + len(decode) >= n_prompt // 16 + n, (prefill, decode)
+    assert len(decode) in (usage["completion_tokens"] - 1, usage["completion_tokens"])
     assert [s["t"] for s in samples] == sorted(s["t"] for s in samples)
     assert all(s["tok_s"] > 0 and s["read_mb_s"] >= 0 and 0 <= s["hit_rate"] <= 1 for s in samples)
     (summary,) = [p for k, p in events if k == "summary"]

@@ -97,9 +97,11 @@ class LiveStats:
         return sample
 
     def token(self, first: bool, n_prompt: int = 0) -> dict[str, float | str]:
-        """After each generated token: one history sample (the first covers the prefill's end,
-        the prompt tokens up to `n_prompt` read since the last segment); returns the request's."""
-        mine, gbps, hit_rate = self._sample("prefill" if first else "decode", n_prompt - self._fed if first else 1)
+        """After each generated token: one history sample; returns the request's. The first token's
+        covers the prompt tokens up to `n_prompt` that no segment reported yet, if any (a prefill
+        sample), else it is the first decode sample."""
+        rest = n_prompt - self._fed if first else 0
+        mine, gbps, hit_rate = self._sample("prefill" if rest > 0 else "decode", rest if rest > 0 else 1)
         self._fed = max(self._fed, n_prompt)
         sample = {
             "t": round(self._mark_t - self._t0, 3),

@@ -111,7 +111,10 @@ function newConversation() {
   show(Store.create(settings));
 }
 
+let renaming = false; // a title being typed: the list is not redrawn under it
+
 function renderList() {
+  if (renaming) return;
   const q = $("conv-search").value;
   const list = [...convs.values()].filter((c) => Store.matches(c, q)).sort((a, b) => b.updated - a.updated);
   $("conv-list").replaceChildren(...list.map(listItem));
@@ -128,7 +131,7 @@ function listItem(c) {
   });
   li.append(
     button("✎", "rename", () => rename(li, c), "Rename"),
-    button("🗑", "delete", (e) => del(e.currentTarget, c), "Delete")
+    button("×", "delete", (e) => del(e.currentTarget, c), "Delete (click twice)")
   );
   return li;
 }
@@ -137,9 +140,12 @@ function rename(li, c) {
   const input = make("input");
   input.value = c.title;
   li.replaceChildren(input);
+  renaming = true;
   input.focus();
   input.select();
   const done = (keep) => {
+    if (!renaming) return;
+    renaming = false;
     if (keep && input.value.trim()) {
       c.title = input.value.trim();
       save(c);
@@ -160,7 +166,7 @@ async function del(btn, c) {
   if (!btn.classList.contains("confirm")) {
     btn.classList.add("confirm");
     btn.textContent = "Delete?";
-    setTimeout(() => btn.isConnected && (btn.classList.remove("confirm"), (btn.textContent = "🗑")), 3000);
+    setTimeout(() => btn.isConnected && (btn.classList.remove("confirm"), (btn.textContent = "×")), 3000);
     return;
   }
   if (active && active.conv === c) active.controller.abort();
@@ -245,6 +251,7 @@ function loadKey() {
   const remembered = localStorage.getItem(KEY);
   $("api_key").value = sessionStorage.getItem(KEY) || remembered || "";
   $("remember_key").checked = remembered !== null;
+  $("key-box").open = !!$("api_key").value;
 }
 
 function storeKey() {
@@ -324,7 +331,7 @@ function fill(box, node) {
   } else {
     body.textContent = node.content;
     box.querySelector(".files").replaceChildren(
-      ...(node.files || []).map((f) => make("span", "chip", `📄 ${f.name}${typeof f.tokens === "number" ? ` · ${f.tokens} tokens` : ""}`))
+      ...(node.files || []).map((f) => make("span", "chip", `${f.name}${typeof f.tokens === "number" ? ` · ${f.tokens} tokens` : ""}`))
     );
   }
 }
@@ -423,6 +430,7 @@ async function generate(c, parentId) {
         a.queued = n;
         node.note = n ? `waiting in the server's queue: ${n} request${n > 1 ? "s" : ""} ahead of this one` : "reading the prompt…";
         redraw();
+        banner($("status").textContent);
       },
       progress(done, total) {
         a.progress = [done, total];
@@ -531,10 +539,10 @@ async function poll() {
     status = "offline";
     server.ready = false;
   }
+  if (server.ready && (!info || !info.ready)) await loadInfo(); // before "connected": the settings need it
   $("status").textContent = status;
   banner(status);
   setBusy(!!active);
-  if (server.ready && (!info || !info.ready)) await loadInfo();
   if (active) pollExperts();
   setTimeout(poll, active ? 400 : 1000);
 }
@@ -542,7 +550,10 @@ async function poll() {
 function banner(status) {
   let text = "";
   if (status === "offline") text = "The server does not answer: is `dsv4 serve` still running?";
-  else if (status === "needs the API key") text = "This server needs an API key: set it under API key in the panel.";
+  else if (status === "needs the API key") {
+    text = "This server needs an API key: set it under API key in the panel.";
+    $("key-box").open = true;
+  }
   else if (server.phase === "loading") text = "The server is loading the model. Sending is possible once it is ready.";
   else if (active && active.queued) text = `The server is busy: ${active.queued} request(s) ahead of yours.`;
   else if (!active && server.queue > 0) text = `The server is busy with ${server.queue} request(s); a message sent now waits its turn.`;
@@ -607,7 +618,7 @@ function renderFiles() {
     ...Files.list.map((f, i) => {
       const chip = make("span", "chip");
       const n = f.tokens === null ? "counting tokens…" : f.tokens === "?" ? "tokens: unknown" : `${f.tokens} tokens`;
-      chip.append(make("span", "name", `📄 ${f.name} · ${n}`), button("×", "remove", () => Files.remove(i), "Remove"));
+      chip.append(make("span", "name", `${f.name} · ${n}`), button("×", "remove", () => Files.remove(i), "Remove"));
       chip.dataset.tokens = f.tokens === null ? "" : String(f.tokens);
       return chip;
     })

@@ -108,6 +108,8 @@ const Experts = {
   rows: [],
   // `data`: GET /v1/page/experts
   draw(canvas, data, caption) {
+    const rowH = Math.max(3, Math.min(14, Math.floor(220 / Math.max(1, data.layers))));
+    canvas.style.height = rowH * data.layers + 4 + "px";
     const { g, w } = fitCanvas(canvas);
     const rows = Array.from({ length: data.layers }, () => ({ hot: [], cold: [] }));
     data.resident.forEach(([layer, expert], rank) => {
@@ -115,12 +117,6 @@ const Experts = {
     });
     this.rows = rows;
     const widest = Math.max(1, ...rows.map((r) => r.hot.length + r.cold.length));
-    const rowH = Math.max(3, Math.min(14, Math.floor(220 / Math.max(1, data.layers))));
-    const height = rowH * data.layers + 4;
-    if (canvas.clientHeight !== height) {
-      canvas.style.height = height + "px";
-      return this.draw(canvas, data, caption); // resized: fit again
-    }
     const L = 24;
     const cw = (w - L - 4) / widest;
     const gap = cw >= 4 ? 1 : 0;
