@@ -531,8 +531,8 @@ def test_the_page_is_usable_at_phone_width(page, shots) -> None:
     box = js(d, "return document.getElementById('input').getBoundingClientRect().width;")
     assert box > 0.6 * width, (box, width)
     assert js(d, "return document.documentElement.scrollWidth;") <= width  # nothing sticks out sideways
+    rect = "return document.getElementById(arguments[0]).getBoundingClientRect();"
     for drawer, opener in (("convs", "open-convs"), ("panel", "open-panel")):
-        rect = "return document.getElementById(arguments[0]).getBoundingClientRect();"
         wait(lambda id=drawer: js(d, rect, id)["right"] <= 0 or js(d, rect, id)["left"] >= width)  # folded away
         d.find_element("id", opener).click()
         wait(
