@@ -543,7 +543,9 @@ def test_the_page_is_usable_at_phone_width(page, shots) -> None:
         js(d, "document.getElementById('scrim').click();")  # the drawer covers the scrim's middle
     set_field(d, "max_tokens", "8")
     set_field(d, "temperature", "0")
-    answer_and_wait(d, "Hello from a phone")
+    d.find_element("id", "input").send_keys("Hello from a phone\n")  # Enter sends
+    wait(lambda: answers(d))
+    wait(lambda: not busy(d))
     msg = js(d, "return document.querySelector('.msg.assistant').getBoundingClientRect().width;")
     assert msg > 0.8 * width
     assert d.save_screenshot(str(shots / "chat-page-phone.png"))
