@@ -110,6 +110,16 @@ def test_token_count_of_a_text_is_the_tokenizers(server, tok) -> None:
     assert status == 400 and err["error"]["code"] == "invalid_json"
 
 
+def test_a_numeric_effort_format_offers_its_range(tok) -> None:
+    # a chat format without named V4 levels (V4.1's) takes a number 1-100
+    srv = ServerState("tiny", tok, 512, lambda line: None, encoder="v41")
+    with TestClient(create_app(srv)) as client:
+        info = client.get("/v1/page/info").json()
+    assert info["reasoning_effort"] == {
+        "kind": "range", "min": 1, "max": 100, "default": 75, "named": {"low": 50, "high": 75, "max": 100}
+    }  # fmt: skip
+
+
 def test_page_routes_are_behind_the_api_key(tok) -> None:
     srv = ServerState("tiny", tok, 512, lambda line: None, api_key="sesame")
     with TestClient(create_app(srv)) as client:
