@@ -101,7 +101,9 @@ def test_relative_imports_resolve_against_the_package():
     assert imported_modules("from .moe import x\n", "dsv4stream.model", is_package=True) == {"dsv4stream.model.moe"}
 
 
-# Project packages each top-level package may import (besides itself and `errors`), in data-flow
+# Leaf modules every layer may import: they import nothing of the project but each other.
+LEAVES = ("errors", "jsonio")
+# Project packages each top-level package may import (besides itself and the leaves), in data-flow
 # order. A dotted entry allows one module only. Adding a package means adding its line here.
 MAY_IMPORT: dict[str, set[str]] = {
     "kernels": {"checkpoint.formats"},
@@ -141,7 +143,7 @@ def cross_layer_imports(top: str, module: str, path: Path) -> list[str]:
     bad = []
     for name in sorted(imported_modules(path.read_text(), module, path.name == "__init__.py")):
         parts = name.split(".")
-        if parts[0] != "dsv4stream" or len(parts) < 2 or parts[1] in (top, "errors"):
+        if parts[0] != "dsv4stream" or len(parts) < 2 or parts[1] in (top, *LEAVES):
             continue
         if name == "dsv4stream":
             continue
@@ -176,3 +178,15 @@ def test_the_layer_check_catches_an_upward_import(top, line, tmp_path):
     path = tmp_path / "m.py"
     path.write_text(line + "\n")
     assert cross_layer_imports(top, module, path)
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_leaf_modules_import_only_leaves(leaf):
+    path = PKG / f"{leaf}.py"
+    project = {n for n in imported_modules(path.read_text(), f"dsv4stream.{leaf}") if n.startswith("dsv4stream")}
+    assert project <= {f"dsv4stream.{x}" for x in LEAVES}, f"{leaf}.py imports {sorted(project)}: it must stay a leaf"
+
+
+def test_the_leaf_check_catches_a_project_import():
+    src = (PKG / "jsonio.py").read_text() + "\nfrom .checkpoint.config import ModelConfig\n"
+    assert "dsv4stream.checkpoint.config" in imported_modules(src, "dsv4stream.jsonio")

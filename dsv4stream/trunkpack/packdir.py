@@ -8,10 +8,10 @@ lock. `pack` does the packing.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 from pathlib import Path
 
+from .. import jsonio
 from ..errors import Dsv4Error, UsageError
 from .format import FORMAT_FAMILY, JOURNAL, MANIFEST, TRUNK_FILE
 
@@ -39,8 +39,8 @@ def lock_path(out_dir: Path) -> Path:
 def read_manifest(d: Path) -> dict | None:
     """The manifest of a pack in `d` if it carries our format marker; None otherwise."""
     try:
-        m = json.loads((d / MANIFEST).read_text())
-    except (OSError, ValueError):
+        m = jsonio.read_json(d / MANIFEST, "the pack manifest", max_bytes=jsonio.MANIFEST_MAX)
+    except Dsv4Error:
         return None
     ok = isinstance(m, dict) and isinstance(m.get("format"), str) and m["format"].startswith(FORMAT_FAMILY)
     return m if ok else None

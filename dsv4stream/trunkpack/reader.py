@@ -15,7 +15,6 @@ from the shards.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Self
 
 import numpy as np
 
+from .. import jsonio
 from ..checkpoint.catalog import NP_DTYPE, Catalog, pread_exact
 from ..errors import CheckpointError, ReadError
 from .format import ALIGN, FORMAT, MANIFEST, hash_range, word_sum
@@ -93,8 +93,8 @@ class TrunkFile:
                 + ("; an interrupted pack is in " + str(staging_dir(root)) if unfinished else "")
                 + f"); run `dsv4 pack-trunk {catalog.root} {root}`"
             )
+        m = jsonio.read_json(mpath, "the pack manifest", CheckpointError, jsonio.MANIFEST_MAX, fix=_restart(root))
         try:
-            m = json.loads(mpath.read_text())
             runs = {
                 d["key"]: TrunkRun(
                     d["key"],
