@@ -12,6 +12,8 @@ from ..errors import Dsv4Error
 from ..measure import doctor as d
 from ..run.memory import needs_of
 
+ENGRAM_DEPTHS = (8, 32)  # a token's ~96 Engram page reads are issued together
+
 
 @click.command("doctor")
 @click.argument("target", required=False, type=click.Path(path_type=Path), default=".")
@@ -52,6 +54,9 @@ def doctor(target: Path, seconds: float, depths: str, debug: bool) -> None:
                     click.echo(
                         f"read bandwidth: {f.gbps:.2f} GB/s at queue depth {f.depth}, {f.block:,}-byte reads, {mode}, {path.name}"
                     )
+                if cfg is not None and cfg.engram is not None:  # V4.1: its Engram rows are 4 KiB random reads
+                    line = d.engram_read_line(cfg, d.read_bandwidth(path, 4096, ENGRAM_DEPTHS, seconds))
+                    click.echo(line)
             finally:
                 if temp:
                     path.unlink(missing_ok=True)
