@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import safetensors.numpy
 
+from .. import jsonio
 from ..errors import UsageError
 from . import formats
 from .config import V41, ModelConfig
@@ -48,7 +49,7 @@ DSPARK_0731 = {
     "dspark_target_layer_ids": [40, 41, 42],
     "dspark_markov_rank": 256,
 }
-FLASH_RATIOS = json.loads(FLASH_CONFIG.read_text())["compress_ratios"]
+FLASH_RATIOS = jsonio.read_json(FLASH_CONFIG, "the packaged V4-Flash config")["compress_ratios"]
 
 # Shapes per preset (config keys as released).  "tiny" builds in milliseconds; "demo" has
 # experts of ~3.3 MB so a budget below the checkpoint matters; "flash-experts" has routed
@@ -149,7 +150,7 @@ def release_config(preset: str = "tiny", **overrides: Any) -> dict[str, Any]:
         return release_config_v41(preset, {k: v for k, v in overrides.items() if k not in GENERATOR_OPTIONS})
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    d = json.loads(FLASH_CONFIG.read_text())
+    d = jsonio.read_json(FLASH_CONFIG, "the packaged V4-Flash config")
     d.update(PRESETS[preset])
     for k, v in overrides.items():
         if k not in GENERATOR_OPTIONS:

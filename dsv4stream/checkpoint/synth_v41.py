@@ -27,10 +27,10 @@ then wkv, q_weight, k_weight) alone in its own.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from .. import jsonio
 from ..errors import UsageError
 from .config import ModelConfig
 from .engram_layout import table_rows
@@ -196,7 +196,7 @@ def release_config_v41(preset: str, overrides: dict[str, Any]) -> dict[str, Any]
     rows are derived from the bucket primes."""
     if preset not in PRESETS_V41:
         raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS_V41)}")
-    d = json.loads(V41_CONFIG.read_text())
+    d = jsonio.read_json(V41_CONFIG, "the packaged V4.1-Flash config")
     p = PRESETS_V41[preset]
     text = {**d["text_config"], **p["text"]}
     top = {**p["top"]}

@@ -32,7 +32,10 @@ from typing import Any
 
 import tokenizers
 
-from ..errors import ConfigError, TokenizerError, UsageError
+from .. import jsonio
+from ..errors import ConfigError, Dsv4Error, TokenizerError, UsageError
+
+TOKENIZER_JSON_MAX = 64 << 20  # tokenizer.json is 6.4 MB in the V4 and V4.1 releases
 
 FORMAT = "dsv4-tokenizer"
 VERSION = 1
@@ -294,8 +297,8 @@ def is_pack(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
             line = f.readline(1 << 16)
-        header = json.loads(line)
-    except (OSError, ValueError):
+        header = jsonio.parse_json(line, "a pack header")
+    except (OSError, Dsv4Error):
         return False
     return isinstance(header, dict) and header.get("format") == FORMAT
 
@@ -406,8 +409,8 @@ def _check_special(hf: tokenizers.Tokenizer, special: SpecialTokens, where: Path
 def _split_pack(path: Path, blob: bytes) -> tuple[dict[str, Any], bytes]:
     end = blob.find(b"\n")
     try:
-        header = json.loads(blob[:end]) if end > 0 else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = jsonio.parse_json(blob[:end], "a pack header") if end > 0 else None
+    except Dsv4Error:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TokenizerError(f"{path}: not a packed dsv4 tokenizer; make one with `dsv4 pack-tokenizer CHECKPOINT_DIR`")
@@ -440,12 +443,9 @@ def _hf_from_bytes(path: Path, payload: bytes) -> tokenizers.Tokenizer:
 
 
 def _read_json(path: Path, error: type[Exception]) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise error(f"{path}: missing") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{path}: unreadable JSON ({e})") from e
+    if not os.path.lexists(path):
+        raise error(f"{path}: missing")
+    data = jsonio.read_json(path, path.name, error, TOKENIZER_JSON_MAX, fix="use the checkpoint's own file")
     if not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object")
     return data
