@@ -1,11 +1,11 @@
 """The one way dsv4stream reads a JSON document from a file or from bytes it holds.
 
-Owns: the size limit (checked on the file's stat before a byte is read, and on bytes), the
+Owns: the size limit (checked on the open file before a byte is read, and on bytes), the
 depth limit (orjson refuses past 1024 levels itself; `max_depth` is checked on the parsed value
-without recursion), the refusal of anything but a regular file (a FIFO would block the read),
-and the one-line error. Numbers that JSON cannot hold in a float64 or int64, NaN and Infinity
-are not JSON and are refused by the parser. A leaf module: it imports nothing of the project
-but `errors`, so every layer can use it.
+without recursion) and the one-line error. Reading goes through `files.read_regular`, which
+refuses anything but a regular file without ever blocking on a FIFO. NaN, Infinity and numbers
+past a float64 are not JSON and are refused by the parser. A leaf module: it imports nothing of
+the project but the other leaves (`errors`, `files`), so every layer can use it.
 
 Callers pass the error class their layer reports (`ConfigError` for config.json,
 `CheckpointError` for the index and shard headers, ...) and say what the document is, so the
@@ -15,13 +15,12 @@ message names the file, what is wrong and what to do.
 from __future__ import annotations
 
 import os
-import stat
-from pathlib import Path
 from typing import Any
 
 import orjson
 
 from .errors import Dsv4Error
+from .files import read_regular
 
 MiB = 1 << 20
 # Sizes of the documents we read, with room: the largest released one is V4.1's index (7.5 MB).
@@ -43,23 +42,8 @@ def read_json(
     fix: str = "replace it with a valid copy",
 ) -> Any:
     """The parsed JSON document at `path`; `what` names it in errors ("config.json", "the index")."""
-    p = Path(path)
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        raise error(f"{p}: {what} not found") from None
-    except OSError as e:
-        raise error(f"{p}: cannot read {what} ({e.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise error(f"{p}: {what} is {_file_kind(st.st_mode)}, not a regular file; {fix}")
-    if st.st_size > max_bytes:
-        raise error(f"{p}: {what} is {st.st_size:,} bytes, more than the {max_bytes:,} it can be; {fix}")
-    try:
-        with open(p, "rb") as f:
-            data = f.read(max_bytes + 1)
-    except OSError as e:
-        raise error(f"{p}: cannot read {what} ({e.strerror})") from None
-    return parse_json(data, f"{p}: {what}", error, max_bytes, max_depth, fix)
+    data = read_regular(path, what, error, limit=max_bytes)
+    return parse_json(data, f"{path}: {what}", error, max_bytes, max_depth, fix)
 
 
 def parse_json(
@@ -107,18 +91,6 @@ def nesting_depth(value: Any, limit: int) -> int:
 def dumps(value: Any) -> bytes:
     """Compact JSON bytes (the writer's counterpart; keys in the order given)."""
     return orjson.dumps(value)
-
-
-def _file_kind(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a plain file"
 
 
 def _one_line(s: str) -> str:

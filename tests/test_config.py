@@ -150,7 +150,7 @@ def test_release_optional_fields():
 
 
 def test_from_json_errors(tmp_path):
-    with pytest.raises(ConfigError, match="config.json not found"):
+    with pytest.raises(ConfigError, match="config.json is missing"):
         ModelConfig.from_json(tmp_path / "config.json")
     p = tmp_path / "config.json"
     p.write_text("{not json")

@@ -69,8 +69,8 @@ def test_a_fifo_is_named_and_never_opened(tmp_path):
     t.start()
     t.join(10)
     assert done and "is a FIFO, not a regular file" in str(done[0].value)
-    assert "is a folder" in str(pytest.raises(Dsv4Error, jsonio.read_json, tmp_path, "x").value)
-    assert "not found" in str(pytest.raises(Dsv4Error, jsonio.read_json, tmp_path / "none.json", "x").value)
+    assert "is a directory" in str(pytest.raises(Dsv4Error, jsonio.read_json, tmp_path, "x").value)
+    assert "x is missing" in str(pytest.raises(Dsv4Error, jsonio.read_json, tmp_path / "none.json", "x").value)
 
 
 def test_checkpoint_readers_use_it(tiny_v41, tmp_path):
