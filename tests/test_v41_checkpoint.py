@@ -279,3 +279,17 @@ def test_too_many_implied_tensors_are_refused_before_listing_them(tiny_v41, tmp_
     msg = _problems_of(ck)
     assert time.perf_counter() - t0 < 5
     assert "config.json implies at least" in msg and "but the shards hold" in msg
+
+
+def test_tiny_v41_carries_a_small_tokenizer_whose_engram_classes_the_config_counts(tiny_v41):
+    import tokenizers
+
+    from dsv4stream.engram.vocab import token_classes
+
+    cfg = ModelConfig.from_json(tiny_v41 / "config.json")
+    tok = tokenizers.Tokenizer.from_file(str(tiny_v41 / "tokenizer.json"))
+    tc = token_classes(tok)
+    assert tok.get_vocab_size() == cfg.vocab_size and tc.n_classes == cfg.engram.compressed_vocab_size
+    assert 3 < tc.n_classes < cfg.vocab_size  # probes collapse: a real map, not an identity
+    the = [tok.token_to_id("".join(synth_v41._byte_chars()[b] for b in w.encode())) for w in ("the", "The", " the")]
+    assert len({int(tc.classes[i]) for i in the}) == 1

@@ -35,7 +35,14 @@ from . import formats
 from .config import V41, ModelConfig
 from .formats import fp4_scale_shape
 from .spec import ITEMSIZE, TensorSpec, model_specs
-from .synth_v41 import EXACT_PRESETS_V41, PRESETS_V41, release_config_v41, shard_groups
+from .synth_v41 import (
+    EXACT_PRESETS_V41,
+    PRESETS_V41,
+    engram_class_count,
+    release_config_v41,
+    shard_groups,
+    small_tokenizer_json,
+)
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "v4_flash_config.json"
 REAL_VOCAB = 129280
@@ -181,8 +188,15 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"{out}: already exists and is not empty; choose a new directory")
     cfg_dict = release_config(preset, **overrides)
-    if preset in PRESETS_V41 and "scale_fmt" in overrides:
-        cfg_dict["quantization_config"] = dict(cfg_dict["quantization_config"], scale_fmt=overrides["scale_fmt"])
+    small_tok = None
+    if preset in PRESETS_V41:
+        if "scale_fmt" in overrides:
+            cfg_dict["quantization_config"] = dict(cfg_dict["quantization_config"], scale_fmt=overrides["scale_fmt"])
+        text = cfg_dict["text_config"]
+        if text["vocab_size"] != REAL_VOCAB and overrides.get("tokenizer") is not False:
+            small_tok = small_tokenizer_json(text["vocab_size"], seed)
+            if text.get("engram_layer_ids") and "engram_compressed_vocab_size" not in overrides:
+                text["engram_compressed_vocab_size"] = engram_class_count(small_tok)
     cfg = ModelConfig.from_dict(cfg_dict, source=f"preset {preset}")
     opts = {k: overrides.get(k) for k in GENERATOR_OPTIONS}
     # Provenance for benches (which routing a hit rate was measured on); loaders ignore it.
@@ -222,7 +236,9 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
             del tensors
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
-        if tok:
+        if small_tok is not None:
+            (tmp / "tokenizer.json").write_text(small_tok, encoding="utf-8")
+        elif tok:
             _copy_tokenizer(tmp, cfg)
         if out.exists():
             out.rmdir()

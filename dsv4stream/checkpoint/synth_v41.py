@@ -19,6 +19,11 @@ Presets:
   510,286,023,000 bytes in 48 shards); routed experts and Engram tables as sparse-file holes,
   the dense trunk real (about 11.5 GB on disk).
 
+Tiny presets (vocabulary below the real one) carry a small tokenizer.json of their own
+(`small_tokenizer_json`: specials, texts whose Engram classes collapse, random words) and
+their `engram_compressed_vocab_size` is its class count, so the Engram class map is a real
+one, never an assumed identity.
+
 Shards as the release lays them out (48 for the real config): one per main layer and per
 DSpark stage, the embedding and the head (with the final norm) each alone, the vision tower
 in one, and each Engram layer's module (table rows, then the table's scales far after them,
@@ -29,6 +34,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .. import jsonio
 from ..errors import UsageError
@@ -217,6 +224,65 @@ def release_config_v41(preset: str, overrides: dict[str, Any]) -> dict[str, Any]
         )
     d["text_config"] = text
     return d
+
+
+SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")  # ids 0, 1, 2 as in the release
+# Token texts whose Engram classes merge (case, accents, compatibility forms, runs of spaces) or
+# that hold part of a UTF-8 character (keyed by their raw token, never merged).
+CLASS_PROBES: tuple[str | bytes, ...] = (
+    "the", " the", "The", " THE", "naïve", "naive", "NAÏVE", "u\u0308", "ü", "\ufb02", "fl", " ", "   ",
+    "\t", "\r\n", " \t ", "\uff42", "b", "B", "\u2163", "IV", b"\xc3", b"\xe2\x82", b"\xf0\x9f\x98", b"\xe2",
+)  # fmt: skip
+
+
+def small_tokenizer_json(vocab_size: int, seed: int) -> str:
+    """A byte-level word tokenizer with exactly `vocab_size` ids: SPECIALS, CLASS_PROBES, then
+    random short words of mixed case (some collide after normalisation, most do not)."""
+    import tokenizers
+    from tokenizers import AddedToken, decoders, models
+
+    byte_char = _byte_chars()
+    rng = np.random.default_rng(seed)
+    words = [w if isinstance(w, bytes) else w.encode() for w in CLASS_PROBES]
+    letters = list("xyzXYZ wW")
+    seen = set(words)
+    while len(words) < vocab_size - len(SPECIALS):
+        w = "".join(rng.choice(letters, size=int(rng.integers(1, 5)))).encode()
+        if w not in seen:
+            seen.add(w)
+            words.append(w)
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for w in words[: vocab_size - len(SPECIALS)]:
+        vocab.setdefault("".join(byte_char[b] for b in w), len(vocab))
+    if len(vocab) != vocab_size:
+        raise UsageError(f"a small tokenizer needs a vocabulary of at least {len(SPECIALS) + len(CLASS_PROBES)} ids")
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=SPECIALS[2]))
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    return tok.to_str()
+
+
+def _byte_chars() -> dict[int, str]:
+    """The byte-level tokenizers' printable stand-in for each byte (printable Latin-1 bytes stand
+    for themselves, the rest are moved past U+0100 in order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def engram_class_count(tokenizer_json: str) -> int:
+    """Classes of the Engram compressed vocabulary of a tokenizer.json (its config value)."""
+    import tokenizers
+
+    from ..engram.vocab import token_classes
+
+    return token_classes(tokenizers.Tokenizer.from_str(tokenizer_json)).n_classes
 
 
 def shard_groups(cfg: ModelConfig, ends_alone: bool) -> list[list[TensorSpec]]:
