@@ -207,6 +207,7 @@ def test_responses_text_streaming_and_previous_response_id(server) -> None:
     r = c.responses.create(model="tiny", input="Hello there", instructions="Be brief.", max_output_tokens=5,
                            temperature=0)  # fmt: skip
     assert r.status in ("completed", "incomplete") and r.output_text and r.usage.output_tokens <= 5
+    assert r.id.startswith("resp_")  # OpenAI's own form (clients and tests check it)
     events = list(c.responses.create(model="tiny", input="Hello there", instructions="Be brief.", max_output_tokens=5,
                                      temperature=0, stream=True))  # fmt: skip
     kinds = [e.type for e in events]
@@ -260,6 +261,7 @@ def test_anthropic_count_tokens_stop_sequence_and_text_only_tool_results(server,
         model="tiny", system="You are terse.", messages=msgs, max_tokens=8, extra_body={"temperature": 0}
     )
     assert counted.input_tokens == r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0)
+    assert r.id.startswith("msg_")
     text = "".join(b.text for b in r.content if b.type == "text")
     pieces = [tok.decode([t]) for t in tok.encode(text)]
     stop = next(p for p in pieces[1:] if p.strip())

@@ -403,7 +403,9 @@ class _Meta:
     created: int = 0
 
     def __post_init__(self) -> None:
-        self.id = f"{self.prefix}-{secrets.token_hex(12)}"
+        # OpenAI's chat and completion ids use a dash (chatcmpl-...), Responses and Anthropic ids an underscore
+        sep = "_" if self.prefix in ("resp", "msg") else "-"
+        self.id = f"{self.prefix}{sep}{secrets.token_hex(12)}"
         self.created = int(time.time())
 
     def call_id(self, i: int) -> str:
