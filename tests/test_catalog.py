@@ -356,5 +356,5 @@ def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(copy, victim):
             timeout=60,
             check=False,
         )
-        assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
+        assert r.returncode == 2 and "is a FIFO, not a regular file" in r.stderr, r.stderr
         assert r.stderr.count("\n") == 1

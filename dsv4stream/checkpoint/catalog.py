@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import jsonio
 from ..errors import CheckpointError, ReadError, ShortReadError
+from ..files import kind_of
 from ..kernels import QWeight
 from .config import DSPARK, DSPARK_V41, LAYOUTS, PREVIEW, ModelConfig
 from .spec import ITEMSIZE, MTP, MTP_EXTRAS, TensorSpec, is_drafter, linear_names, model_specs
@@ -61,7 +62,7 @@ def regular_file(path: Path, what: str) -> os.stat_result:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path}: {what} is not a regular file (a FIFO, device or folder); replace it")
+        raise CheckpointError(f"{path}: {what} is {kind_of(st.st_mode)}, not a regular file; replace it")
     return st
 
 

@@ -44,6 +44,7 @@ from .format import (
     JOURNAL,
     MANIFEST,
     TRUNK_FILE,
+    UPGRADABLE,
     PlannedRun,
     RunDigest,
     digest_run,
@@ -261,6 +262,12 @@ def pack_trunk(
             _say(f"{out}: run(s) {', '.join(bad)} fail their checksum; packing again", progress)
             replace = True  # a damaged copy of this very pack: replacing it loses nothing
         elif out.is_dir() and any(out.iterdir()) and not force:
+            old_format = (read_manifest(out) or {}).get("format")
+            if old_format in UPGRADABLE:
+                raise UsageError(
+                    f"{out}: holds a pack of the older format {old_format!r}; `dsv4 upgrade-trunk {out}` upgrades it"
+                    " in place (checks blake2b, then adds the new sums), or pass --force to pack it again"
+                )
             raise UsageError(
                 f"{out}: holds another pack (not this checkpoint with {n} layers);"
                 " remove it, choose another OUT_DIR, or pass --force to replace it"
