@@ -67,7 +67,7 @@ def add_routes(app: FastAPI, srv) -> None:
 
     @app.post("/v1/page/tokens")
     async def tokens(request: Request) -> dict[str, int]:
-        body, _ = await read_body(request, srv)
+        body = await read_body(request, srv)  # no model needed: the tokenizer is loaded first
         text = body.get("text")
         if not isinstance(text, str):
             raise ApiError(400, "text: give the text to count as a JSON string", code="invalid_field")
