@@ -20,6 +20,7 @@ from server_proc import Server
 from dsv4stream.checkpoint import synth
 from dsv4stream.checkpoint.config import ModelConfig
 from dsv4stream.server.app import ServerState, create_app
+from dsv4stream.server.security import Guard, Policy
 from dsv4stream.text import chat
 from dsv4stream.text.tokenizer import Tokenizer
 
@@ -121,8 +122,9 @@ def test_a_numeric_effort_format_offers_its_range(tok) -> None:
 
 
 def test_page_routes_are_behind_the_api_key(tok) -> None:
-    srv = ServerState("tiny", tok, 512, lambda line: None, api_key="sesame")
-    with TestClient(create_app(srv)) as client:
+    srv = ServerState("tiny", tok, 512, lambda line: None)
+    guarded = Guard(create_app(srv), Policy(api_key="sesame", allowed_hosts=("testserver",)))
+    with TestClient(guarded) as client:
         for path in ("/v1/page/info", "/v1/page/experts"):
             assert client.get(path).status_code == 401
         assert client.post("/v1/page/tokens", json={"text": "a"}).status_code == 401
