@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog, TensorSource
-from ..checkpoint.config import ModelConfig
+from ..checkpoint.config import SUPPORTED_MODEL_TYPES, V4, ModelConfig
 from ..checkpoint.spec import layer_prefix
 from ..errors import NumericsError, UsageError
 from ..model.block import Trace
@@ -114,6 +114,7 @@ class Engine:
         cat = Catalog.open(checkpoint_dir)
         if validate:
             cat.validate()
+        require_forward(cat.config, str(checkpoint_dir))
         if threads is not None:
             kernels.set_threads(threads)
         if trunk is None:
@@ -139,6 +140,15 @@ class Engine:
             on_route=on_route,
             record_requests=record_requests,
             trace=trace,
+        )
+
+
+def require_forward(cfg: ModelConfig, where: str) -> None:
+    """Refuse, in one line, a model family whose forward pass this build does not have."""
+    if cfg.family != V4:
+        raise UsageError(
+            f"{where}: a {SUPPORTED_MODEL_TYPES[cfg.model_type]} checkpoint validates and plans (`dsv4 inspect`,"
+            " `dsv4 pack-trunk`) but this build cannot run it yet; run a DeepSeek-V4 checkpoint"
         )
 
 

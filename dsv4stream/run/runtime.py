@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog
-from ..engine.session import Engine, LayerHook, PrefillStep, Session
+from ..engine.session import Engine, LayerHook, PrefillStep, Session, require_forward
 from ..errors import Dsv4Error, UsageError
 from ..store import ExpertStore
 from ..streaming.expert_layout import expert_label
@@ -145,6 +145,7 @@ class Runtime:
         cat = Catalog.open(checkpoint)
         cat.validate()
         cfg = cat.config
+        require_forward(cfg, str(checkpoint))
         once = _Once(warn)
         tf = open_trunk_file(cat, opts.trunk, verify=opts.verify)
         placed = gpu.place(cat) if gpu is not None and gpu.enabled else None
