@@ -208,11 +208,12 @@ def create_app(srv: ServerState) -> FastAPI:
         ]  # fmt: skip
         return meta.body("text_completion", choices, job.usage)
 
-    from . import anthropic, page, responses
+    from . import anthropic, responses
+    from .page import add_routes as add_page_routes
 
     anthropic.add_routes(app, srv)
     responses.add_routes(app, srv)
-    page.add_routes(app, srv)
+    add_page_routes(app, srv)
     return app
 
 
