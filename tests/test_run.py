@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,36 @@ def test_text_prompt_with_the_real_vocabulary(tmp_path) -> None:
     tok = Tokenizer.from_checkpoint(ck)
     assert s["prompt_tokens"] == 1 + len(tok.encode("Hello there"))
     assert res.stdout == tok.decode(s["generated_ids"]) + "\n"
+
+
+def test_decode_reads_per_token_leave_the_prefill_out(ckpt) -> None:
+    """The report's per-token bytes are the decode steps' reads only: a run that stops after its
+    first token read exactly the prefill's bytes, and the longer run's extra bytes are the steps'."""
+    from dsv4stream.run.report import report_lines
+    from dsv4stream.run.runtime import Runtime
+
+    opts = RunOptions(budget=int(float(gb(ckpt, 3)) * 1e9), io="buffered")
+    with Runtime.open(ckpt, opts) as rt:
+        list(rt.generate(rt.session(), [4, 5, 6], 1))
+        prefill = rt.stats()
+    assert prefill.decode_tokens == 0 and prefill.decode_expert_bytes_per_token == 0.0
+    with Runtime.open(ckpt, opts) as rt:
+        list(rt.generate(rt.session(), [4, 5, 6], 7))
+        s = rt.stats()
+    assert s.decode_tokens == 6 and s.bytes_read > prefill.bytes_read
+    assert s.decode_expert_bytes_per_token * 6 == pytest.approx(s.bytes_read - prefill.bytes_read)
+    assert s.decode_engram_bytes_per_token == 0.0 and s.engram_cache_rows == 0  # V4: no Engram
+    line = next(x for x in report_lines(s) if x.startswith("read per token"))
+    assert "of experts per decode step (over 6 steps)" in line and "Engram" not in line
+    engram = replace(
+        s, engram_cache_rows=100, engram_requests=48, engram_hits=12, engram_misses=36, engram_hit_rate=0.25,
+        engram_rows_read=36, engram_bytes_read=36 * 8192, engram_wait_seconds=0.5, decode_engram_bytes_per_token=49152.0,
+    )  # fmt: skip
+    lines = report_lines(engram)
+    assert next(x for x in lines if x.startswith("Engram hit rate")).endswith(
+        "25.0% (12 of 48 rows; cache 100 rows, 36 read)"
+    )
+    assert ", 49.2 kB of Engram per decode step" in next(x for x in lines if x.startswith("read per token"))
+    assert "Engram 0.50" in next(x for x in lines if x.startswith("I/O not hidden"))
+    assert any(x.startswith("engram: 48 rows asked, 12 hits (25.0%), 36 rows read") for x in engram.lines())
+    assert not any(x.startswith("engram") for x in s.lines())

@@ -19,6 +19,7 @@ from dsv4stream.run import planner
 from dsv4stream.run.memory import measure, needs_of
 from dsv4stream.run.planner import ENGRAM_SHARE, GB, needs_from_config, plan
 from dsv4stream.run.runinfo import RunOptions
+from dsv4stream.store.rowcache import ROW_INDEX_BYTES
 from dsv4stream.streaming.layout import trunk_layout
 from dsv4stream.trunkpack.reader import TrunkFile
 
@@ -72,7 +73,7 @@ def test_measured_needs_know_the_engram_and_the_unused_parts(tiny_v41):
     needs = measure(tiny_v41, RunOptions(budget=GB))
     cat = Catalog.open(tiny_v41)
     e = cat.config.engram
-    assert needs.engram_slot_bytes == e.row_bytes + 16 and needs.engram_rows_per_token == e.columns * 2
+    assert needs.engram_slot_bytes == e.row_bytes + ROW_INDEX_BYTES and needs.engram_rows_per_token == e.columns * 2
     assert needs.engram_table_bytes == sum(x.nbytes for n, x in cat.entries.items() if ".engram.embed." in n)
     assert "DSpark drafter (mtp.0-2, 3 stages): present, unused" in needs.unused
     assert "vision tower" in needs.unused

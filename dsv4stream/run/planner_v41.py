@@ -16,15 +16,16 @@ from __future__ import annotations
 
 from ..checkpoint.config import ModelConfig
 from ..model.compressor import row_capacity
+from ..store.rowcache import RowCache
 
-# One Engram row in the row cache: the row (FP8 + E8M0) plus an 8-byte id and an 8-byte slot in its index.
-ENGRAM_INDEX_BYTES = 16
-# Rows read per batch of aligned reads (two 4 KiB pages each: the row's and its scale's).
-ENGRAM_READ_BATCH = 4096
+# The Engram row cache's reads run on the expert store's reader threads, each holding one aligned
+# read window at a time; counted for this many (twice the default --io-threads).
+ENGRAM_READERS = 8
 
 
 def engram_slot_bytes(cfg: ModelConfig) -> int:
-    return cfg.engram.row_bytes + ENGRAM_INDEX_BYTES if cfg.engram else 0
+    """One row in the row cache (`store.rowcache`): its FP8 values and scales, and its bookkeeping."""
+    return RowCache.bytes_per_row_of(cfg.engram.row_bytes) if cfg.engram else 0
 
 
 def engram_rows_per_token(cfg: ModelConfig) -> int:
@@ -64,7 +65,7 @@ def staging_extra_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
         per_tok += e.columns * 8
     out = chunk * per_tok
     if cfg.engram:
-        out += ENGRAM_READ_BATCH * 2 * 4096  # aligned pages of one read batch
+        out += RowCache.staging_bytes(ENGRAM_READERS)  # the row cache's read windows in flight
     return out
 
 

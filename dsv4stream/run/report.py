@@ -183,7 +183,7 @@ def report_lines(s: RunStats) -> list[str]:
         counts = {r: reasons.count(r) for r in dict.fromkeys(reasons)}
         last = stop_text(reasons[-1], bool(s.stopped_in_think and s.stopped_in_think[-1]))
         stopped = f"last turn {last[len('stopped ') :]}; all turns: " + ", ".join(f"{r} {n}" for r, n in counts.items())
-    exposed = s.exposed_io_seconds + s.trunk_wait_seconds
+    exposed = s.exposed_io_seconds + s.trunk_wait_seconds + s.engram_wait_seconds
     pct = f" ({s.peak_rss_bytes / s.budget_bytes:.0%})" if s.budget_bytes else ""
     rows = [
         ("load", f"{s.load_seconds:.2f} s before the prefill (plan, trunk, kernels {s.kernel_warmup_seconds:.2f} s)"),
@@ -193,18 +193,36 @@ def report_lines(s: RunStats) -> list[str]:
         ("prefill", f"{s.prompt_tokens} tokens in {s.prefill_seconds:.2f} s{rate}"),
         ("decode", decode),
         ("expert hit rate", f"{s.hit_rate:.1%} ({s.expert_hits} of {s.expert_requests} requests)"),
+        *(
+            [
+                (
+                    "Engram hit rate",
+                    (
+                        f"{s.engram_hit_rate:.1%} ({s.engram_hits} of {s.engram_requests} rows; cache"
+                        f" {s.engram_cache_rows} rows, {s.engram_rows_read} read)"
+                    ),
+                )
+            ]
+            if s.engram_cache_rows
+            else []
+        ),
         (
             "read",
             f"{size(s.bytes_read + s.trunk_bytes_read)} (experts {size(s.bytes_read)} at {s.read_gbps:.2f} GB/s"
             + (f", trunk {size(s.trunk_bytes_read)}" if s.trunk_streamed_layers else "")
+            + (f", Engram {size(s.engram_bytes_read)}" if s.engram_cache_rows else "")
             + f"; {s.io_mode})",
         ),
+        *([("read per token", per_token)] if (per_token := _per_token(s)) else []),
         (
             "I/O not hidden",
             f"{exposed:.2f} s the forward pass waited on reads"
             + (
-                f" (experts {s.exposed_io_seconds:.2f}, trunk {s.trunk_wait_seconds:.2f})"
-                if s.trunk_streamed_layers
+                f" (experts {s.exposed_io_seconds:.2f}"
+                + (f", trunk {s.trunk_wait_seconds:.2f}" if s.trunk_streamed_layers else "")
+                + (f", Engram {s.engram_wait_seconds:.2f}" if s.engram_cache_rows else "")
+                + ")"
+                if s.trunk_streamed_layers or s.engram_cache_rows
                 else ""
             ),
         ),
@@ -214,3 +232,18 @@ def report_lines(s: RunStats) -> list[str]:
         rows.append(("not run", s.unused))
     width = max(len(k) for k, _ in rows)
     return [f"{k:<{width}}  {v}" for k, v in rows]
+
+
+def _per_token(s: RunStats) -> str:
+    """Bytes one decode step read from disk, experts and Engram ("" without a decode step)."""
+    if not s.decode_tokens:
+        return ""
+    out = f"{_fine(s.decode_expert_bytes_per_token)} of experts"
+    if s.engram_cache_rows:
+        out += f", {_fine(s.decode_engram_bytes_per_token)} of Engram"
+    return out + f" per decode step (over {s.decode_tokens} steps)"
+
+
+def _fine(n: float) -> str:
+    """`size`, with kB below 1 MB (one step's Engram rows are a few hundred kB)."""
+    return size(n) if n >= 1e6 else f"{n / 1e3:.1f} kB"

@@ -90,6 +90,18 @@ class RunStats:
     stop_reason: str = ""
     stopped_in_think: list[bool] = field(default_factory=list)  # the turn ended before </think>
     unused: str = ""  # what the checkpoint holds that is not run (the mtp.* blocks)
+    # V4.1's Engram row cache (all 0 when the model has no Engram): rows asked for, found, read
+    engram_cache_rows: int = 0
+    engram_requests: int = 0
+    engram_hits: int = 0
+    engram_misses: int = 0
+    engram_hit_rate: float = 0.0
+    engram_rows_read: int = 0
+    engram_bytes_read: int = 0  # aligned bytes: a row and its scales are two 4 KiB pages unless neighbours share
+    engram_wait_seconds: float = 0.0  # time the forward blocked on Engram reads
+    # bytes read from disk per decode step (the prefills' reads excluded)
+    decode_expert_bytes_per_token: float = 0.0
+    decode_engram_bytes_per_token: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -104,6 +116,7 @@ class RunStats:
                 f" {self.exposed_io_seconds:.2f} s waiting on reads; cache {self.cache_slots} slots"
                 f" (working set {self.working_set_experts})"
             ),
+            *self._engram_lines(),
             f"trunk: {self.trunk_pinned_layers} layers pinned, {self.trunk_streamed_layers} streamed"
             + (
                 f" ({self.trunk_reads} reads, {self.trunk_bytes_read / gb:.3f} GB, {self.trunk_wait_seconds:.2f} s waiting)"
@@ -124,6 +137,17 @@ class RunStats:
             ),
         ]
         return out + [f"warning: {w}" for w in self.warnings]
+
+    def _engram_lines(self) -> list[str]:
+        if not self.engram_cache_rows:
+            return []
+        return [
+            (
+                f"engram: {self.engram_requests} rows asked, {self.engram_hits} hits ({self.engram_hit_rate:.1%}),"
+                f" {self.engram_rows_read} rows read ({self.engram_bytes_read / 1e9:.3f} GB),"
+                f" {self.engram_wait_seconds:.2f} s waiting on reads; cache {self.engram_cache_rows} rows"
+            )
+        ]
 
     def _profile_lines(self) -> list[str]:
         p = self.decode_profile

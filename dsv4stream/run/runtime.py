@@ -23,6 +23,8 @@ from ..checkpoint.catalog import Catalog
 from ..engine.session import Engine, LayerHook, PrefillStep, Session, require_forward
 from ..errors import Dsv4Error, UsageError
 from ..store import ExpertStore
+from ..store.rowcache import RowStats
+from ..streaming.engram import DiskEngramRows
 from ..streaming.expert_layout import expert_label
 from ..streaming.experts import StreamedExperts
 from ..streaming.layout import trunk_layout
@@ -105,6 +107,7 @@ class Runtime:
         store: ExpertStore,
         trunk: StreamedTrunk,
         trunk_file: TrunkFile | None,
+        engram: DiskEngramRows | None = None,
     ) -> None:
         self.cat = cat
         self.cfg = cat.config
@@ -114,6 +117,7 @@ class Runtime:
         self.store = store
         self.trunk = trunk
         self.trunk_file = trunk_file
+        self.engram = engram  # V4.1's Engram rows from disk (None: the model has no Engram)
         self.experts: StreamedExperts = engine.experts  # type: ignore[assignment]
         self._generated: list[int] = []
         self._prompt_tokens = 0
@@ -128,6 +132,7 @@ class Runtime:
         self._stop_reasons: list[str] = []
         self._in_think: list[bool] = []
         self.load_seconds = 0.0
+        self._decode_bytes = [0, 0]  # read from disk during decode steps: experts, Engram
 
     @classmethod
     def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None) -> Runtime:
@@ -238,10 +243,13 @@ class Runtime:
         prefilled = False
         t_step = 0.0
 
+        decode_mark = (0, 0)
+
         def end_prefill() -> None:
-            nonlocal prefilled
+            nonlocal prefilled, decode_mark
             if not prefilled:
                 prefilled = True
+                decode_mark = self._read_bytes()
                 fed = session.pos - pos0
                 self._prefill_seconds += time.perf_counter() - t0
                 self._prompt_tokens += fed
@@ -290,6 +298,8 @@ class Runtime:
         finally:
             tokens.close()
             end_prefill()
+            for i, (now, mark) in enumerate(zip(self._read_bytes(), decode_mark, strict=True)):
+                self._decode_bytes[i] += now - mark
             self._stop_reasons.append(session.stop_reason)
 
     @property
@@ -304,9 +314,14 @@ class Runtime:
 
     # -- figures and lifetime ----------------------------------------------------------------
 
+    def _read_bytes(self) -> tuple[int, int]:
+        """Bytes read from disk so far: routed experts, Engram rows."""
+        return self.store.stats().bytes_read, self.engram.stats().bytes_read if self.engram is not None else 0
+
     def stats(self) -> RunStats:
         s = self.store.stats()
         r = self.trunk.stats()
+        g = self.engram.stats() if self.engram is not None else None
         peak = peak_rss_bytes()
         warnings = list(self.plan.warnings)
         if peak > self.opts.budget:
@@ -363,11 +378,16 @@ class Runtime:
             stop_reason=self._stop_reasons[-1] if self._stop_reasons else "",
             stopped_in_think=list(self._in_think),
             unused=self.plan.needs.unused or "",
+            **(_engram_figures(g) if g is not None else {}),
+            decode_expert_bytes_per_token=self._decode_bytes[0] / self._decode_tokens if self._decode_tokens else 0.0,
+            decode_engram_bytes_per_token=self._decode_bytes[1] / self._decode_tokens if self._decode_tokens else 0.0,
         )
 
     def close(self) -> None:
         self.experts.release()
         self.trunk.close()
+        if self.engram is not None:
+            self.engram.close()  # before the store: its reads run on the store's threads
         self.store.close()
         if self.trunk_file is not None:
             self.trunk_file.close()
@@ -377,3 +397,16 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _engram_figures(g: RowStats) -> dict:
+    return {
+        "engram_cache_rows": g.capacity,
+        "engram_requests": g.requests,
+        "engram_hits": g.hits,
+        "engram_misses": g.misses,
+        "engram_hit_rate": g.hit_rate,
+        "engram_rows_read": g.rows_read,
+        "engram_bytes_read": g.bytes_read,
+        "engram_wait_seconds": g.wait_seconds,
+    }

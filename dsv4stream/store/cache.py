@@ -168,6 +168,12 @@ class ExpertStore:
         """Bytes the slots occupy once all are used (what the budget must cover)."""
         return self.slots * self.slot_bytes
 
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The reader threads, for another reader of the same disks to share (e.g. the Engram
+        row cache): it must be closed before this store, which shuts them down."""
+        return self._pool
+
     @staticmethod
     def slot_nbytes(layouts: Mapping[Hashable, Layout]) -> int:
         """Bytes one slot needs for these layouts (for budget planning)."""

@@ -40,7 +40,7 @@ Budget
     ``nbytes`` = capacity x (row bytes + ``ROW_INDEX_BYTES``) is what the cache holds at most;
     a request for more distinct rows than the capacity is served in batches that reuse the
     slots (what came before is copied out first), so it never holds more. Reads in flight
-    add at most one ``max_window`` buffer per reader thread.
+    add at most one ``max_window`` buffer per reader thread (``staging_bytes``).
 
 Callers: one thread at a time calls ``prefetch``/``gather`` (the session's); the reader
 threads touch only slots the bookkeeping gave to their batch.
@@ -63,8 +63,9 @@ from . import directio
 from .verify import Part, Verifier
 
 # Bookkeeping per slot: key and stamp (int64 each), claim flag, owning batch (int32), the sorted
-# key index (int64 key + int32 slot), and the index's copy while it is rebuilt (12 B): 45, rounded.
-ROW_INDEX_BYTES = 48
+# key index (int64 key + int32 slot), the index's copy while it is rebuilt (12 B), and the row's
+# entry in a read batch (int64 key + int64 slot): 61, rounded.
+ROW_INDEX_BYTES = 64
 BATCH_ROWS = 4096  # rows per read batch
 INFLIGHT = 2  # prefetch batches on the reader pool at once
 MAX_WINDOW = 1 << 20  # largest coalesced read, bytes
@@ -229,8 +230,18 @@ class RowCache:
 
     @staticmethod
     def bytes_per_row(tables: Sequence[RowTable]) -> int:
-        """What one cached row costs (for budget planning)."""
-        return max(t.row_bytes for t in tables) + ROW_INDEX_BYTES
+        """What one cached row of these tables costs (for budget planning)."""
+        return RowCache.bytes_per_row_of(max(t.row_bytes for t in tables))
+
+    @staticmethod
+    def bytes_per_row_of(row_bytes: int) -> int:
+        """What one cached row of ``row_bytes`` costs: the row and its bookkeeping."""
+        return row_bytes + ROW_INDEX_BYTES
+
+    @staticmethod
+    def staging_bytes(threads: int, max_window: int = MAX_WINDOW) -> int:
+        """The aligned read buffers in flight at most: one window per reader thread."""
+        return threads * max_window
 
     @property
     def nbytes(self) -> int:
@@ -315,15 +326,16 @@ class RowCache:
             where = np.flatnonzero(present)
             self._copy_out(out, inv, where, p_slots)
             missing = np.flatnonzero(~present)
-            step = min(self.capacity, self._batch_rows)
-            for lo in range(0, missing.size, step):
-                part = missing[lo : lo + step]
+            # slots are chosen a cache-full at a time (never per read batch: the counters and
+            # contents must not depend on batch_rows); the reads go out in batches
+            for lo in range(0, missing.size, self.capacity):
+                part = missing[lo : lo + self.capacity]
                 start = self._clock
                 taken = self._take(part.size, start, demand=True)
                 if taken.size != part.size:
                     raise InternalError(f"row cache: {part.size} rows asked, {taken.size} slots found")
-                (batch,) = self._assign(uniq[part], taken, claimed=True, queue=False)
-                self._wait_batch(batch)
+                for batch in self._assign(uniq[part], taken, claimed=True, queue=False):
+                    self._wait_batch(batch)
                 self._copy_out(out, inv, part, taken)
         return out
 
