@@ -97,7 +97,7 @@ def test_released_config_plans_at_four_budgets():
         assert p.engram_rows == int(b * GB * ENGRAM_SHARE) // needs.engram_slot_bytes
         rows[b] = p.engram_rows
         text = "\n".join(p.lines())
-        assert f"engram: row cache {p.engram_rows:,} rows x 280 B" in text and "48 rows per token" in text
+        assert f"engram: row cache {p.engram_rows:,} rows x 328 B" in text and "48 rows per token" in text
     assert rows[12] < rows[16] < rows[24] < rows[32]
     assert plan(needs, 12 * GB).expert_slots < 240 <= plan(needs, 16 * GB).expert_slots
 
