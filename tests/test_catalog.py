@@ -230,7 +230,7 @@ def test_bad_config(copy):
     msg = str(pytest.raises(ConfigError, Catalog.open, copy).value)
     assert str(p) in msg and "missing 'hidden_size'" in msg and "missing 'index_topk'" in msg
     p.unlink()
-    assert "config.json not found" in str(pytest.raises(ConfigError, Catalog.open, copy).value)
+    assert "config.json is missing" in str(pytest.raises(ConfigError, Catalog.open, copy).value)
 
 
 def test_missing_dir_and_no_shards(tmp_path):

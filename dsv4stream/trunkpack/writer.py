@@ -33,6 +33,7 @@ from pathlib import Path
 
 import xxhash
 
+from .. import jsonio
 from ..checkpoint.catalog import Catalog
 from ..errors import BudgetError, Dsv4Error, InternalError, ReadError, ShortReadError, UsageError
 from ..files import read_regular
@@ -86,16 +87,16 @@ def _read_journal(path: Path, plan: str) -> dict[str, str] | None:
     except (Dsv4Error, OSError, UnicodeDecodeError):
         return None
     try:
-        if json.loads(lines[0]).get("plan") != plan:
+        if jsonio.parse_json(lines[0], "journal").get("plan") != plan:
             return None
-    except (IndexError, ValueError, AttributeError):
+    except (IndexError, Dsv4Error, AttributeError):
         return None
     done: dict[str, str] = {}
     for ln in lines[1:]:
         try:
-            d = json.loads(ln)
+            d = jsonio.parse_json(ln, "journal")
             done[str(d["key"])] = str(d["blake2b"])
-        except (ValueError, KeyError, TypeError):
+        except (Dsv4Error, KeyError, TypeError):
             continue  # a line cut short by the interruption
     return done
 
