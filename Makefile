@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= .demo
 
-.PHONY: demo test lint clean screenshots
+.PHONY: demo test test-all lint clean screenshots
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,11 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed
 	$(BIN)/python tools/demo.py $(DEMO_DIR)
 
+# `make test`: every test but the ones marked slow (a few minutes on 2 cores); `make test-all`: all of them.
 test: $(VENV)/.installed
+	$(BIN)/python -m pytest -m "not slow"
+
+test-all: $(VENV)/.installed
 	$(BIN)/python -m pytest
 
 # The chat page's screenshots in docs/ (desktop and phone widths), taken by its browser test;
