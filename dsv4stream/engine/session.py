@@ -29,8 +29,7 @@ from ..checkpoint.catalog import Catalog
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.spec import layer_prefix
 from ..errors import NumericsError, UsageError
-from ..kernels.blas import one_thread
-from ..model.attention import ONE_THREAD_MACS, AttnState, attend_macs, new_attn_state
+from ..model.attention import AttnState, new_attn_state
 from ..model.block import Trace, attention_half, ffn_half, head_forward
 from ..model.moe import ExpertWeights
 from ..model.rope import Rope, rope_tables
@@ -322,13 +321,9 @@ class Session:
 
                 try:
                     for a in range(0, t, c):
-                        n = min(c, t - a)
-                        # one query, or a product too small to split: BLAS threads only wait
-                        small = n == 1 or attend_macs(cfg, cfg.ratio(i), n, self.pos + a + n) < ONE_THREAD_MACS
-                        with one_thread(small):
-                            x[a : a + c] = attention_half(
-                                x[a : a + c], positions[a : a + c], w, self.state[i], cfg, rope, self.trace
-                            )
+                        x[a : a + c] = attention_half(
+                            x[a : a + c], positions[a : a + c], w, self.state[i], cfg, rope, self.trace
+                        )
                     x = ffn_half(x, ids, w, cfg, self._experts_of(i), routed, self.trace, rows=c)
                 except NumericsError as e:
                     bad = nonfinite_fields(w)
