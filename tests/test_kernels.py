@@ -399,27 +399,6 @@ def test_runs_never_take_the_blas_path_so_segment_size_cannot_change_bits():
     assert np.array_equal(y[0], fast.matvec(w, x[0]))
 
 
-def test_blas_one_thread_sets_and_restores_the_thread_count():
-    from dsv4stream.kernels import blas
-
-    fns = blas._entry_points()
-    if fns is None:
-        pytest.skip("numpy's BLAS has no OpenBLAS thread-count entry points")
-    before = blas.threads()
-    fns[1](2)  # from 2 threads, so that "restored" and "set to 1" differ
-    try:
-        with blas.one_thread():
-            assert blas.threads() == 1
-        assert blas.threads() == 2
-        with blas.one_thread(False):
-            assert blas.threads() == 2
-        with pytest.raises(RuntimeError), blas.one_thread():
-            raise RuntimeError("inside")
-        assert blas.threads() == 2
-    finally:
-        fns[1](before)
-
-
 def test_lane_sum_is_the_documented_pairwise_tree():
     """The vector-IR lane sum against the tree written out in numpy float32: level h adds lane k + h
     to lane k (h = 16, 8, 4, 2, 1). Values of mixed magnitude, so another order rounds differently."""
