@@ -22,6 +22,7 @@ second rule even when its size fits.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -32,6 +33,7 @@ from typing import Any
 
 import tokenizers
 
+from .. import jsonio
 from ..errors import ConfigError, Dsv4Error, TokenizerError, UsageError
 from ..files import describe, open_regular, read_regular
 
@@ -203,7 +205,9 @@ class Tokenizer:
         official encoder, which tokenizes the whole rendered prompt in one call.
         """
         try:
-            return self._hf.encode(text, add_special_tokens=False).ids
+            # encode_batch releases the GIL while it works (encode holds it: a server's event
+            # loop would stall for seconds on a long prompt tokenized in another thread)
+            return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError:
             try:
                 text.encode("utf-8")
@@ -218,6 +222,16 @@ class Tokenizer:
         ids = [int(i) for i in ids]  # numpy ints from a sampler are fine too
         self.check_ids(ids)
         return self._hf.decode(ids, skip_special_tokens=skip_special)
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """Characters of the longest token's text: a text of C characters has at least
+        C / longest_token_chars tokens (a bound found without tokenizing)."""
+        return max(len(t) for t in self._hf.get_vocab()) or 1
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (for libraries that build their own from it)."""
+        return self._hf.to_str()
 
     def stream(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special)
@@ -297,8 +311,8 @@ def is_pack(path: Path) -> bool:
     try:
         with os.fdopen(fd, "rb") as f:
             line = f.readline(1 << 16)
-        header = json.loads(line)
-    except (OSError, ValueError, RecursionError):
+        header = jsonio.parse_json(line, "a pack header")
+    except (OSError, Dsv4Error):
         return False
     return isinstance(header, dict) and header.get("format") == FORMAT
 
@@ -412,8 +426,8 @@ def _check_special(hf: tokenizers.Tokenizer, special: SpecialTokens, where: Path
 def _split_pack(path: Path, blob: bytes) -> tuple[dict[str, Any], bytes]:
     end = blob.find(b"\n")
     try:
-        header = json.loads(blob[:end]) if end > 0 else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = jsonio.parse_json(blob[:end], "a pack header") if end > 0 else None
+    except Dsv4Error:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TokenizerError(f"{path}: not a packed dsv4 tokenizer; make one with `dsv4 pack-tokenizer CHECKPOINT_DIR`")
@@ -446,10 +460,7 @@ def _hf_from_bytes(path: Path, payload: bytes) -> tokenizers.Tokenizer:
 
 
 def _read_json(path: Path, error: type[Exception]) -> dict[str, Any]:
-    try:
-        data = json.loads(read_regular(path, path.name, error, limit=JSON_LIMIT).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise error(f"{path}: unreadable JSON ({type(e).__name__}: {e})") from None
+    data = jsonio.parse_json(read_regular(path, path.name, error, limit=JSON_LIMIT), str(path), error, JSON_LIMIT)
     if not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object")
     return data
