@@ -23,8 +23,6 @@ import numpy as np
 
 from ..checkpoint.config import V41, ModelConfig
 from ..errors import CheckpointError, UsageError
-from ..kernels.blas import one_thread
-from ..model.attention import ONE_THREAD_MACS
 from ..model.engram import engram
 from ..model.quant import NUMERICS, Numerics
 from ..model.rope import Rope, rope_tables
@@ -190,10 +188,6 @@ class V41Stack:
             p.rows, p.history = got
         return p
 
-    def _attend_macs(self, layer: int, queries: int) -> int:
-        rows = self.cfg.sliding_window + queries + (self.cfg.index_topk if self.cfg.ratio(layer) else 0)
-        return 2 * queries * self.cfg.num_attention_heads * self.cfg.head_dim * rows
-
     def layer(self, ctx: PassContext, p: V41Pass, i: int, w, state: list) -> None:
         """Layer i: Engram (on its layers), attention in sub-chunks, then one MoE pass."""
         cfg, t = self.cfg, p.ids.size
@@ -210,19 +204,9 @@ class V41Stack:
         x = p.x
         for j, a in enumerate(range(0, t, c)):
             b = min(t, a + c)
-            with one_thread(b - a == 1 or self._attend_macs(i, b - a) < ONE_THREAD_MACS):
-                x[a:b], a_pre[a:b] = attention_half(
-                    x[a:b],
-                    p.pre[a:b],
-                    p.positions[a:b],
-                    w,
-                    layers,
-                    self.plan,
-                    p.published[j],
-                    carry.board,
-                    rope,
-                    self.hc,
-                )
+            x[a:b], a_pre[a:b] = attention_half(
+                x[a:b], p.pre[a:b], p.positions[a:b], w, layers, self.plan, p.published[j], carry.board, rope, self.hc
+            )
         hook = ctx.routed(i, p.positions)
         p.x, p.pre = ffn_half(x, a_pre, w, ctx.experts(i), self.moe, self.hc, hook, rows=c)
         if i == cfg.n_layers - 1:

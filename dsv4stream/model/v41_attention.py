@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InternalError
-from ..kernels import QWeight, matmul, matmul_grouped
-from .attention import WindowCache, attend
+from ..kernels import QWeight, attend, matmul, matmul_grouped
+from .attention import WindowCache
 from .ops import rms_norm
 from .quant import fp8_qdq
 from .rope import Rope, apply_rope

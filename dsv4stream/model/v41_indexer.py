@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels import QWeight, matmul
-from .indexer import index_scores
+from ..kernels import QWeight, index_scores, matmul
 from .ops import topk_lowest_index
 from .quant import fp4_qdq_e8m0
 from .rope import apply_rope
