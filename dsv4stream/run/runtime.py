@@ -186,17 +186,28 @@ class Runtime:
             warn=once,
             order=order,
         )
+        engram: DiskEngramRows | None = None
+        trunk: StreamedTrunk | None = None
         try:
+            if cfg.engram is not None:
+                # V4.1: the Engram rows from disk into the planned row cache, read on the store's
+                # threads; at least one token's rows of one layer fit (the plan's segment floor)
+                rows = max(plan.engram_rows, cfg.engram.columns)
+                engram = DiskEngramRows(cat, rows, io=opts.io, pool=store.pool, verify=opts.verify, warn=once)
             reader = GroupReader(opts.io, opts.verify, once)
             if tf is not None:
                 reader.check, reader.same_file = tf.check_window, tf.check_identity
             wrap = placed.source if placed is not None else None
             trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
+            engine = Engine(cfg, trunk, StreamedExperts(store, cfg), cat, engram_rows=engram)
         except BaseException:
+            if trunk is not None:
+                trunk.close()
+            if engram is not None:
+                engram.close()
             store.close()
             raise
-        engine = Engine(cfg, trunk, StreamedExperts(store, cfg), cat)
-        rt = cls(cat, opts, plan, engine, store, trunk, tf)
+        rt = cls(cat, opts, plan, engine, store, trunk, tf, engram)
         rt.kernel_warmup_seconds = warmup_seconds
         rt.load_seconds = time.perf_counter() - t_open
         return rt
