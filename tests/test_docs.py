@@ -226,7 +226,9 @@ def test_every_number_in_the_readme_is_computed(computed_release_rows):
 
 
 def test_the_number_check_sees_numbers_in_prose_and_tables_only():
-    text = "Runs at 42 tokens/s on V4.1 and V4-Flash-0731, `--budget 16`.\n```\ndsv4 x --gen 7\n```\n| 1,024 | 3.5 GB |\n"
+    text = (
+        "Runs at 42 tokens/s on V4.1 and V4-Flash-0731, `--budget 16`.\n```\ndsv4 x --gen 7\n```\n| 1,024 | 3.5 GB |\n"
+    )
     assert numbers(text) == ["42", "1,024", "3.5"]
 
 
