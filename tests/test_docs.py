@@ -245,3 +245,18 @@ def test_the_v4_flash_budget_table_is_the_planners():
             p.expert_slots,
             p.prefill_segment,
         ), budget
+
+
+# ---- file names in architecture.md --------------------------------------------------------
+def missing_paths(text: str) -> list[str]:
+    """`dir/file.py` names in inline code that exist neither in the package nor the repository."""
+    names = set(re.findall(r"`((?:\w+/)+\w+\.py)`", text))
+    return sorted(n for n in names if not (PKG / n).exists() and not (ROOT / n).exists())
+
+
+def test_the_files_architecture_md_names_exist():
+    assert missing_paths((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")) == []
+
+
+def test_the_path_check_catches_a_moved_file():
+    assert missing_paths("open `checkpoint/spec.py`, `tools/demo.py` and `store/layout.py`") == ["store/layout.py"]
