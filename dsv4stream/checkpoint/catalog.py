@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -312,26 +313,56 @@ class Catalog:
 
     def qweight(self, prefix: str) -> QWeight:
         """A linear weight `prefix.weight` (+ `prefix.scale`) in whatever dtype it ships."""
-        weight, scale = linear_names(prefix)
-        w = self.entry(weight)
-        data = self.read(w.name)
-        if w.dtype in ("F8_E4M3", "I8"):
-            s = self.entry(scale)
-            scale = self.read(s.name)
-            if w.dtype == "I8":
-                return QWeight("fp4", data, scale, w.shape[0], w.shape[1] * 2)
-            return QWeight("fp8", data, scale, w.shape[0], w.shape[1])
-        if w.dtype == "BF16":
-            return QWeight("bf16", data, None, w.shape[0], w.shape[1])
-        return QWeight("f32", data.astype(np.float32, copy=False), None, w.shape[0], w.shape[1])
+        return linear_of(self, prefix)
 
     def f32(self, name: str) -> np.ndarray:
         """A small tensor (norms, mHC, sinks, ape, bias) as float32."""
-        from .formats import bf16_to_f32
+        return vector_of(self, name)
 
-        e = self.entry(name)
-        a = self.read(name)
-        return bf16_to_f32(a) if e.dtype == "BF16" else a.astype(np.float32, copy=False)
+
+class TensorSource(Protocol):
+    """What building named weights reads (`weights.loading`): the catalog, the views into a
+    streamed trunk slot (`streaming.ring.ViewSource`) or a source that serves VRAM copies
+    (`gpu.trunk.PlacedSource`). `qweight` / `f32` translate stored tensors; the catalog and the
+    slot views do it with `linear_of` / `vector_of`."""
+
+    config: ModelConfig
+
+    def entry(self, name: str) -> TensorEntry: ...
+
+    def read(self, name: str) -> np.ndarray: ...
+
+    def has(self, name: str) -> bool: ...
+
+    def qweight(self, prefix: str) -> QWeight: ...
+
+    def f32(self, name: str) -> np.ndarray: ...
+
+
+def linear_of(src: TensorSource, prefix: str) -> QWeight:
+    """The linear `prefix.weight` (+ `prefix.scale`) of `src` as a QWeight: FP8 (with the config's
+    scale block), FP4 (I8 pairs), BF16 or float32, by its stored dtype."""
+    weight, scale = linear_names(prefix)
+    w = src.entry(weight)
+    data = src.read(w.name)
+    if w.dtype in ("F8_E4M3", "I8"):
+        s = src.entry(scale)
+        scale = src.read(s.name)
+        if w.dtype == "I8":
+            return QWeight("fp4", data, scale, w.shape[0], w.shape[1] * 2)
+        return QWeight("fp8", data, scale, w.shape[0], w.shape[1], block=src.config.fp8_block)
+    if w.dtype == "BF16":
+        return QWeight("bf16", data, None, w.shape[0], w.shape[1])
+    return QWeight("f32", data.astype(np.float32, copy=False), None, w.shape[0], w.shape[1])
+
+
+def vector_of(src: TensorSource, name: str) -> np.ndarray:
+    """A small tensor of `src` (norms, mHC, sinks, biases) as float32."""
+    from .formats import bf16_to_f32
+
+    e = src.entry(name)
+    a = src.read(name)
+    return bf16_to_f32(a) if e.dtype == "BF16" else a.astype(np.float32, copy=False)
 
 
 def implied_tensor_count(cfg: ModelConfig) -> int:
