@@ -52,12 +52,15 @@ from dsv4stream.errors import Dsv4Error
     help="Scale attn.wo_b, every w2 and engram.wkv by 2^K (exactly, through their scales); K < 0 damps.",
 )
 @click.option(
-    "--tokenizer/--no-tokenizer", default=None, help="Copy the real V4 tokenizer (default: when vocab is 129280)."
+    "--tokenizer/--no-tokenizer",
+    default=None,
+    help="Copy the real tokenizer (V4's for V4.1 until text.tokenizer writes V4.1's; default: when vocab is 129280).",
 )
 @click.option(
     "--sparse-experts/--dense-experts",
     default=None,
-    help="Routed experts as sparse-file holes (read as zeros, no disk). [default: for flash, flash-0731]",
+    help="Routed experts (and V4.1's Engram tables) as sparse-file holes (read as zeros, no disk). "
+    "[default: for flash, flash-0731, flash-v41]",
 )
 def main(
     out,
