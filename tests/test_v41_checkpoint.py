@@ -310,3 +310,30 @@ def test_output_gain_scales_exactly_the_residual_projections(tmp_path):
     assert "layers.3.attn.wo_b.scale" in moved and "layers.1.engram.wkv.scale" in moved
     assert "layers.9.ffn.shared_experts.w2.scale" in moved and "layers.0.ffn.experts.5.w2.scale" in moved
     assert not [n for n in moved if n.endswith(("w1.scale", "w3.scale", "wq_a.scale", "engram.embed.scale"))]
+
+
+def test_exact_structure_preset_writes_experts_and_engram_tables_as_holes(tmp_path):
+    # flash-v41's code path (FP8 codes for the dense trunk, sparse experts and tables, the
+    # release's 48-shard layout with embed and head alone) at tiny dims, so it runs in seconds.
+    text = {**synth_v41._TINY_TEXT, "moe_intermediate_size": 256, "engram_vocab_size": 400}
+    vision = synth_v41.PRESETS_V41["tiny-v41"]["top"]
+    p = synth.make_checkpoint(tmp_path / "ck", "flash-v41", seed=3, **text, **vision)
+    cat = Catalog.open(p)
+    cat.validate()
+    cfg = cat.config
+    holes: Counter[str] = Counter()
+    for name, e in cat.entries.items():
+        if ".experts." in name and "shared" not in name or ".engram.embed." in name:
+            assert not cat.read(name).view("uint8").any(), name
+            holes[e.path] += e.nbytes
+        elif name.endswith(".weight") and e.dtype == "F8_E4M3":
+            assert cat.read(name).view("uint8").any(), name  # the dense trunk is real
+    for path, nbytes in holes.items():
+        st = Path(path).stat()
+        assert st.st_blocks * 512 <= st.st_size - nbytes // 2, path  # most of the holes take no disk
+    shards = sorted({e.path for e in cat.entries.values()})
+    first = {n for n, e in cat.entries.items() if e.path == shards[0]}
+    assert first == {"embed.weight"}
+    head = {n for n, e in cat.entries.items() if e.path == cat.entry("head.weight").path}
+    assert head == {"head.weight", "norm.weight"}
+    assert len(shards) == 1 + cfg.n_layers + cfg.n_mtp + 1 + 1 + len(cfg.engram.layer_ids)
