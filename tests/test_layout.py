@@ -114,7 +114,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "trunkpack": {"checkpoint", "store"},
     "weights": {"checkpoint", "kernels", "model"},
     "streaming": {"checkpoint", "kernels", "model", "store", "trunkpack", "weights"},
-    "engram": set(),  # token classes and hash row ids: integer math only
+    "engram": {"checkpoint.engram_layout"},  # token classes and hash row ids: integer math only
     "text": {"checkpoint"},
     "engine": {"checkpoint", "kernels", "model", "text", "weights"},
     "gpu": {"checkpoint", "kernels"},
