@@ -260,3 +260,14 @@ def test_the_files_architecture_md_names_exist():
 
 def test_the_path_check_catches_a_moved_file():
     assert missing_paths("open `checkpoint/spec.py`, `tools/demo.py` and `store/layout.py`") == ["store/layout.py"]
+
+
+def test_the_layer_table_of_architecture_md_is_the_import_rule():
+    from test_layout import MAY_IMPORT
+
+    rows = table_rows((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"), "| package |")
+    table = {}
+    for package, _, may in rows:
+        name = package.strip("`/")
+        table[name] = None if may.startswith("anything") else set(re.findall(r"`([\w.]+)`", may))
+    assert table == MAY_IMPORT
