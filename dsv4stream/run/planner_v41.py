@@ -19,8 +19,8 @@ from ..model.compressor import row_capacity
 from ..store.rowcache import RowCache
 
 # The Engram row cache's reads run on the expert store's reader threads, each holding one aligned
-# read window at a time; counted for this many (twice the default --io-threads).
-ENGRAM_READERS = 8
+# read window (up to 1 MiB) at a time; counted for up to this many threads (--io-threads, default 4).
+ENGRAM_READERS = 32
 
 
 def engram_slot_bytes(cfg: ModelConfig) -> int:
