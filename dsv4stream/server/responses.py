@@ -393,7 +393,7 @@ def _final(
 
 
 async def _stream(job: Job, events: _Events, meta: _Meta, shell: dict[str, Any], keepalive: float, thinking: bool,
-                  keep, show: _Show) -> AsyncIterator[str]:  # fmt: skip
+                  keep, show: _Show = _Show()) -> AsyncIterator[str]:  # fmt: skip
     seq = 0
 
     def ev(name: str, **data: Any) -> str:
