@@ -162,7 +162,7 @@ def serve(
 
     sock = bind(host, port)
     srv = ServerState(
-        checkpoint.resolve().name, tokenizer, ctx, _say, api_key, chat.encoder_for(cfg.layout), keep_alive,
+        checkpoint.resolve().name, tokenizer, ctx, _say, api_key, chat.encoder_for(cfg.layout, getattr(cfg, "family", "v4")), keep_alive,
         int(max_body_mb * 1e6),
     )  # fmt: skip
     config = uvicorn.Config(

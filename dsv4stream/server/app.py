@@ -216,7 +216,9 @@ def make_job(srv: ServerState, prompt: Prompt, requested: int | None, req) -> tu
     except Dsv4Error as e:
         raise ApiError(400, str(e), code="context_length_exceeded") from None
     events = _Events()
-    reply = ReplyStream(srv.tok, thinking=prompt.thinking, tools=prompt.tools, stops=prompt.stops)
+    reply = ReplyStream(
+        srv.tok, thinking=prompt.thinking, tools=prompt.tools, stops=prompt.stops, grammar=prompt.grammar
+    )
     return Job(list(prompt.ids), n, sampling(req), reply, events.emit), events
 
 

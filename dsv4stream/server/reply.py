@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..text import dsml
 from ..text.chat import ToolCall
-from ..text.dsml import BLOCK_START, DsmlError, parse_block
+from ..text.dsml import DsmlError, parse_block
 from ..text.tokenizer import THINK_END, Tokenizer
 
 
@@ -52,9 +53,18 @@ class ReplyStream:
     """Feed ids with `push`; each returns the delta to send now; `finish` the rest."""
 
     def __init__(
-        self, tok: Tokenizer, *, thinking: bool, tools: bool, stops: Sequence[str] = (), eos: int | None = None
+        self,
+        tok: Tokenizer,
+        *,
+        thinking: bool,
+        tools: bool,
+        stops: Sequence[str] = (),
+        eos: int | None = None,
+        grammar: dsml.Grammar = dsml.V4,
     ) -> None:
         self.tok = tok
+        self.grammar = grammar  # the release's DSML tags (V4.1: `<｜DSML｜ calls>`)
+        self.block_start = grammar.block_start
         self.decoder = tok.stream()
         self.eos = tok.special.eos if eos is None else eos
         self.stops = [s for s in stops if s]
@@ -82,7 +92,7 @@ class ReplyStream:
         if self._block is not None:
             block, self._block = self._block, None
             try:
-                self.calls = parse_block(block[len(BLOCK_START) :])
+                self.calls = parse_block(block[len(self.block_start) :], self.grammar)
                 delta.tool_calls = self.calls
             except DsmlError:
                 delta.content += block
@@ -125,12 +135,12 @@ class ReplyStream:
                 d.reasoning += head[: len(head) - keep]
                 self._pending = head[len(head) - keep :]
                 break
-            at = self._pending.find(BLOCK_START) if self.tools else -1
+            at = self._pending.find(self.block_start) if self.tools else -1
             if at >= 0:
                 d.content += self._pending[:at]
                 self._block, self._pending = self._pending[at:], ""
                 break
-            keep = 0 if final or not self.tools else _held_prefix(self._pending, [BLOCK_START])
+            keep = 0 if final or not self.tools else _held_prefix(self._pending, [self.block_start])
             d.content += self._pending[: len(self._pending) - keep]
             self._pending = self._pending[len(self._pending) - keep :]
             break

@@ -1,0 +1,90 @@
+"""The server's side of V4.1's chat format: reasoning_effort mapped as the CLI maps it, tools on
+a system message, and tool calls read back from V4.1's DSML, streamed token by token through
+the real V4.1 tokenizer. (The model itself is not run: these are the prompt and the reply.)"""
+
+import json
+
+import pytest
+
+from dsv4stream.errors import UsageError
+from dsv4stream.server.prompt import chat_prompt
+from dsv4stream.server.reply import ReplyStream
+from dsv4stream.server.schemas import ChatRequest
+from dsv4stream.text import chat, dsml
+from dsv4stream.text.chat import Message, ToolCall
+from dsv4stream.text.tokenizer import Tokenizer
+from dsv4stream.text.vocab import write_tokenizer_files
+
+MSGS = [{"role": "user", "content": "Hi"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+BLOCK = (
+    '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+    '<｜DSML｜ parameter name="city" string="true">Hang zhou</｜DSML｜ parameter>\n'
+    '<｜DSML｜ parameter name="days" string="false">3</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("v41")
+    write_tokenizer_files(d, "v41")
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "text_config": {"vocab_size": 129280}}))
+    return Tokenizer.from_checkpoint(d)
+
+
+def prompt_of(tok, **body):
+    body = {"messages": MSGS, **body}
+    return chat_prompt(tok, ChatRequest.model_validate(body), body, "v41")
+
+
+@pytest.mark.parametrize(
+    ("asked", "level"),
+    [("low", 50), ("high", 75), ("max", 100), (1, 1), (60, 60), ("minimal", 75), ("medium", 75), ("xhigh", 100)],
+)
+def test_reasoning_effort_maps_to_v41_numbers(tok, asked, level):
+    p = prompt_of(tok, reasoning_effort=asked)
+    want = chat.encode(tok, [Message("user", "Hi")], "think", effort=level, encoder="v41")
+    assert p.thinking and p.ids == want
+    assert f"Reasoning Effort: {level} (range 1-100".encode() in tok.decode(p.ids).encode()
+
+
+def test_reasoning_effort_out_of_range_is_refused(tok):
+    for bad in (0, 101):
+        with pytest.raises(UsageError, match="1-100"):
+            prompt_of(tok, reasoning_effort=bad)
+    body = {"messages": MSGS, "reasoning_effort": 60}
+    with pytest.raises(UsageError, match="0731"):  # V4 names its levels
+        chat_prompt(tok, ChatRequest.model_validate(body), body, "0731")
+
+
+def test_thinking_off_means_no_effort_line(tok):
+    p = prompt_of(tok, reasoning_effort="none")
+    assert not p.thinking and p.ids == chat.encode(tok, [Message("user", "Hi")], "chat", encoder="v41")
+    p = prompt_of(tok, thinking={"type": "disabled"}, reasoning_effort=80)
+    assert "Reasoning Effort" not in tok.decode(p.ids)
+
+
+def test_tools_go_on_the_system_message_and_calls_parse_as_v41(tok):
+    p = prompt_of(tok, tools=[WEATHER])
+    want = chat.encode(tok, [Message("system", tools=(WEATHER,)), Message("user", "Hi")], "chat", encoder="v41")
+    assert p.tools and p.ids == want and p.grammar == dsml.V41
+    body = {"messages": [{"role": "system", "content": "S"}, *MSGS], "tools": [WEATHER]}
+    p2 = chat_prompt(tok, ChatRequest.model_validate(body), body, "v41")
+    assert tok.decode(p2.ids).startswith("<｜begin▁of▁sentence｜><｜System｜>S\n\n## Tools")
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_v41_tool_calls_are_read_from_the_stream(tok, thinking):
+    text = ("Let me check.</think>" if thinking else "") + "Looking it up." + BLOCK
+    r = ReplyStream(tok, thinking=thinking, tools=True, grammar=dsml.V41)
+    deltas = [r.push(t) for t in tok.encode(text)]
+    last, outcome = r.finish("length")
+    calls = (ToolCall("get_weather", '{"city": "Hang zhou", "days": 3}'),)
+    assert outcome.tool_calls == calls and outcome.finish_reason == "tool_calls"
+    assert "".join(d.content for d in [*deltas, last]) == "Looking it up."
+    assert not any("DSML" in d.content for d in [*deltas, last])
+    # a V4 stream reader sees V4.1's block as plain text
+    v4 = ReplyStream(tok, thinking=thinking, tools=True)
+    for t in tok.encode(text):
+        v4.push(t)
+    assert v4.finish("length")[1].tool_calls == ()
