@@ -1,14 +1,19 @@
-"""What the packed trunk's checks cost: the cheap one on every open, the full one of --verify.
+"""What the packed trunk's checks cost, against what the disk delivers in the same run.
 
 Builds (once, into OUT) a generated checkpoint with V4-Flash's embed and head (vocab 129280 x
 hidden 4096, BF16: 1.06 GB each; preset flash-experts with 8 routed experts) and packs its
-trunk. Then times, each in this process on the pack as the page cache holds it:
-- `TrunkFile.open` (manifest and size checks, one probe per run, the embedding's word sum);
-- the word sum (format.word_sum) of every run held in memory: what runs read the first time;
-- `TrunkFile.verify` (blake2b of every run: `--verify` and `dsv4 inspect`).
-Prints one line with GB, seconds and GB/s of each, and the machine state.
+trunk. Then, each in this process:
+- `TrunkFile.open` (manifest and size checks, one probe per run, the embedding's xxh3);
+- xxh3 (format.fast_hash) of every run already in memory: what every read of a run adds
+  (the timed window holds the hashing only, not the read);
+- `TrunkFile.verify` (blake2b of every run, read from the page cache: `--verify`, `inspect`,
+  `upgrade-trunk`);
+- the disk: O_DIRECT reads of trunk.bin at queue depth 2 for --seconds (the expert store's
+  FileSet, as `dsv4 doctor` measures), so the ratio xxh3 / disk says how far the check is
+  from ever being what limits a read.
+Prints one line with GB, seconds and GB/s of each, the ratio, and the machine state.
 
-Usage: bench/trunk_check.py OUT
+Usage: bench/trunk_check.py OUT [--seconds S]
 """
 
 from __future__ import annotations
@@ -18,11 +23,10 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
-
 from dsv4stream.checkpoint import synth
 from dsv4stream.checkpoint.catalog import Catalog
-from dsv4stream.trunkpack.format import word_sum
+from dsv4stream.measure.doctor import read_bandwidth
+from dsv4stream.trunkpack.format import TRUNK_FILE, fast_hash
 from dsv4stream.trunkpack.packdir import default_out_dir
 from dsv4stream.trunkpack.reader import TrunkFile
 from dsv4stream.trunkpack.writer import pack_trunk
@@ -31,6 +35,7 @@ from dsv4stream.trunkpack.writer import pack_trunk
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
+    ap.add_argument("--seconds", type=float, default=3.0, help="Disk read time.")
     a = ap.parse_args()
     ckpt = a.out / "ckpt"
     if not (ckpt / "config.json").exists():
@@ -42,22 +47,25 @@ def main() -> None:
     t_open = time.perf_counter() - t0
     embed = tf.run("embed").nbytes
     total = sum(r.nbytes for r in tf.runs.values())
-    t_sum = 0.0
+    t_fast = 0.0
     for key in tf.runs:
         buf = tf.read_run(key, verify=False)
         t0 = time.perf_counter()
-        word_sum(buf)
-        t_sum += time.perf_counter() - t0
+        fast_hash(buf)
+        t_fast += time.perf_counter() - t0
         del buf
     t0 = time.perf_counter()
     tf.verify()
     t_full = time.perf_counter() - t0
+    disk = read_bandwidth(default_out_dir(ckpt) / TRUNK_FILE, 13_369_344, (2,), a.seconds)[0]
     g = 1e9
+    fast = total / g / t_fast
     print(
-        f"trunk {total / g:.2f} GB (embed {embed / g:.2f} GB): open (cheap checks + embed word sum) {t_open:.2f} s;"
-        f" word sum of every run in memory {t_sum:.2f} s ({total / g / t_sum:.1f} GB/s);"
-        f" blake2b of every run (--verify, inspect) {t_full:.2f} s ({total / g / t_full:.2f} GB/s);"
-        f" load {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs; {np.__version__=}"
+        f"trunk {total / g:.2f} GB (embed {embed / g:.2f} GB): open (checks + embed xxh3) {t_open:.2f} s;"
+        f" xxh3 of every run in memory {t_fast:.2f} s ({fast:.1f} GB/s);"
+        f" blake2b of every run (--verify, inspect, upgrade-trunk) {t_full:.2f} s ({total / g / t_full:.2f} GB/s);"
+        f" disk {disk.gbps:.2f} GB/s ({'O_DIRECT' if disk.direct else 'buffered'}, queue depth 2, 13.4 MB reads);"
+        f" xxh3 / disk = {fast / disk.gbps:.1f}x; load {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs"
     )
 
 

@@ -273,7 +273,7 @@ def test_unexpected_scale_for_bf16_weight(copy):
     assert Catalog.open(copy).problems() == ["'layers.1.attn.compressor.wkv.scale': unexpected scale for a BF16 weight"]
 
 
-# ---- headers that point tensors at the wrong bytes (issue 12, items 5 and 15) --------------------
+# ---- headers that point tensors at the wrong bytes --------------------
 
 
 def rewrite_offsets(shard: Path, change) -> None:

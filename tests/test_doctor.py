@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from dsv4stream.checkpoint.config import ModelConfig
@@ -53,3 +59,61 @@ def test_doctor_command_exits_zero(tmp_path):
     assert "read bandwidth:" in r.output and "memory:" in r.output
     assert "advice below is for the released V4-Flash config" in r.output
     assert not list(tmp_path.iterdir())  # the probe file is removed
+
+
+# ---- bad options and a doctor stopped while it measures --------------------------------------
+
+
+def dsv4(*args: str) -> subprocess.Popen:
+    code = "from dsv4stream.cli import main; main()"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--seconds", "nan"], "--seconds nan"),
+        (["--seconds", "inf"], "--seconds inf"),
+        (["--seconds", "-1"], "--seconds -1"),
+        (["--seconds", "0"], "--seconds 0"),
+        (["--seconds", "soon"], "--seconds soon"),
+        (["--depths", "0"], "--depths 0"),
+        (["--depths", "1,,2"], "--depths 1,,2"),
+        (["--depths", "-3"], "--depths -3"),
+        (["--depths", "100000"], "--depths 100000"),
+    ],
+)
+def test_bad_seconds_and_depths_are_one_line_at_once(tmp_path, args, words):
+    p = dsv4("doctor", str(tmp_path), *args)
+    _, err = p.communicate(timeout=120)
+    last = err.strip().splitlines()[-1]
+    assert p.returncode == 2 and last.startswith("dsv4: ") and words in last and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _probe_exists(pid: int, folder: Path) -> bool:
+    """The probe file exists: by name in the folder, or open (and nameless) in the process."""
+    if list(folder.iterdir()):
+        return True
+    try:
+        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        return False
+    return any(link.startswith(str(folder)) for link in links)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_a_doctor_stopped_while_it_measures_leaves_no_file(tmp_path, sig):
+    folder = tmp_path / "drive"
+    folder.mkdir()
+    p = dsv4("doctor", str(folder), "--seconds", "30", "--depths", "1")
+    deadline = time.monotonic() + 120
+    while not _probe_exists(p.pid, folder):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.05)
+    time.sleep(0.5)
+    p.send_signal(sig)
+    p.communicate(timeout=60)
+    assert list(folder.iterdir()) == []

@@ -1,5 +1,5 @@
 # ruff: noqa: F811  (the fixtures imported from test_cli are parameters of the tests below)
-"""What a new user tripped over (issue 15), each checked where it happens: why generation
+"""What a new user tripped over in their first hour, each checked where it happens: why generation
 stopped, a full --ctx, Ctrl-C during a prefill, special ids never sampled, one plan from
 inspect / doctor / run / bench, chat input, command typos and short flags, doctor's advice,
 bench's summary, and small file-handling fixes. The tiny checkpoint carries the real V4

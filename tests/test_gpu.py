@@ -23,7 +23,6 @@ from dsv4stream.kernels import QWeight
 from dsv4stream.weights.providers import CatalogExperts, CatalogTrunk
 
 FIXTURES = Path(__file__).parent / "fixtures"
-WIRED = getattr(kernels.QWeight, "on_device", None) is False  # kernels/__init__.py dispatches device weights
 MIB = 1 << 20
 
 
@@ -356,7 +355,6 @@ def test_cpu_weights_still_go_to_the_cpu_backend(dev) -> None:
     assert dev.stats.calls == calls
 
 
-@pytest.mark.skipif(not WIRED, reason="kernels/__init__.py does not dispatch on QWeight.on_device yet")
 def test_kernels_dispatch_device_weights_to_their_device(dev) -> None:
     w = _weights(np.random.default_rng(4))[0]
     dw = dev.upload(w)

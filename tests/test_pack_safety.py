@@ -54,7 +54,7 @@ def copy(ckpt: Path, tmp: Path) -> Path:
     return c
 
 
-# ---- item 1: OUT_DIR must be new, empty, or a previous pack -------------------------------------
+# ---- OUT_DIR must be new, empty, or a previous pack -------------------------------------
 
 
 def test_force_never_replaces_the_checkpoint_or_its_folder(ckpt, tmp_path):
@@ -131,7 +131,7 @@ def test_a_staging_folder_that_vanishes_while_checked_is_not_in_the_way(ckpt, tm
         packdir.check_out_dir(ckpt, tmp_path / "other", force=False)
 
 
-# ---- item 4: the lock is never unlinked before the rename ----------------------------------------
+# ---- the lock is never unlinked before the rename ----------------------------------------
 
 
 def test_a_second_packer_during_the_final_rename_cannot_break_the_pack(ckpt, cat, good, tmp_path, monkeypatch):
@@ -182,7 +182,7 @@ def test_concurrent_packers_always_leave_a_complete_pack(ckpt, cat, good, tmp_pa
         assert not staging_dir(out).exists() and not lock_path(out).exists()
 
 
-# ---- item 3 (re-run) and 18: the packer recognises its own work ----------------------------------
+# ---- a re-run: the packer recognises its own work ----------------------------------
 
 
 def test_a_rerun_notices_a_corrupted_pack_and_repacks_it(ckpt, cat, good, keys, tmp_path):
@@ -221,7 +221,7 @@ def test_a_pack_killed_after_its_manifest_is_finished_not_discarded(ckpt, cat, g
     assert (out / TRUNK_FILE).read_bytes() == good
 
 
-# ---- item 17: a full disk -----------------------------------------------------------------------
+# ---- a full disk -----------------------------------------------------------------------
 
 
 def test_a_full_disk_names_the_space_and_the_resume_fits(ckpt, cat, good, tmp_path, monkeypatch):

@@ -81,7 +81,7 @@ def greedy(ckpt: Path, ids: list[int], n: int) -> list[int]:
     return list(Engine.open(ckpt).session().generate(ids, n))
 
 
-# ---- item 3: a byte flipped inside the packed trunk is caught at run time ---------------------
+# ---- a byte flipped inside the packed trunk is caught at run time ---------------------
 
 
 @pytest.mark.parametrize("key", ["layers.1", "head", "embed", "layers.3"])
@@ -120,7 +120,7 @@ def test_a_manifest_whose_tensors_overlap_is_refused(ckpt, tmp_path):
     one_line(r, "misplaced", ts[1]["name"])
 
 
-# ---- item 7: NaN weights stop the run with the layer and tensor -----------------------------
+# ---- NaN weights stop the run with the layer and tensor -----------------------------
 
 
 def test_a_nan_head_row_stops_greedy_decoding(ckpt, tmp_path):
@@ -156,7 +156,7 @@ def test_non_finite_config_values_are_one_line(ckpt, tmp_path, field, value):
     one_line(r, field)
 
 
-# ---- item 8: ids as they come, stats on every exit, EOS stops ---------------------------------
+# ---- ids as they come, stats on every exit, EOS stops ---------------------------------
 
 
 def test_ids_and_stats_survive_a_mid_run_error(ckpt, tmp_path, monkeypatch):
@@ -218,7 +218,7 @@ def test_prompt_ids_stop_at_eos(ckpt, tmp_path):
     assert res.stdout.strip() == ",".join(map(str, free[: at + 1]))
 
 
-# ---- items 11, 13, 16: values the run cannot honour ------------------------------------------
+# ---- values the run cannot honour ------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -249,7 +249,7 @@ def test_ids_with_spaces_are_fine(ckpt):
     assert r.exit_code == 0 and r.stdout.strip() == ",".join(map(str, greedy(ckpt, [1, 2, 3], 2)))
 
 
-# ---- item 12: bytes that are not UTF-8 ----------------------------------------------------------
+# ---- bytes that are not UTF-8 ----------------------------------------------------------
 
 
 def test_non_utf8_prompts_are_one_line(tok_ckpt, tmp_path):
@@ -275,7 +275,7 @@ def test_a_non_utf8_chat_line_is_refused_and_the_chat_goes_on(tok_ckpt, tmp_path
     assert len(json.loads(stats.read_text())["turn_prompt_tokens"]) == 2  # Hi and Ok, not the bad line
 
 
-# ---- item 17: OSErrors name the file and give advice that fits ---------------------------------
+# ---- OSErrors name the file and give advice that fits ---------------------------------
 
 
 def test_an_io_error_reading_a_shard_names_it(ckpt, monkeypatch, capsys):
@@ -310,7 +310,7 @@ def test_os_errors_without_a_file_say_so_and_a_full_disk_is_not_a_permission_pro
     assert line.startswith("/x/trunk.bin: Input/output error") and "did not say" not in line
 
 
-# ---- item 9: a cold numba cache is compiled outside the budgeted process -------------------------
+# ---- a cold numba cache is compiled outside the budgeted process -------------------------
 
 
 def test_a_cold_kernel_cache_is_compiled_in_a_child_process(ckpt, monkeypatch):

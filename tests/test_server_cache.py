@@ -4,7 +4,12 @@ log line), and the checkpoint identity (same shapes, other weights: another iden
 
 from __future__ import annotations
 
+import errno
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +18,14 @@ from server_proc import one_thread_engine
 from dsv4stream.checkpoint import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.engine.state import capture, to_bytes
-from dsv4stream.server.cache import SUFFIX, DiskCache, StateCache, checkpoint_identity, prefix_names
+from dsv4stream.server.cache import (
+    SUFFIX,
+    CacheUnwritable,
+    DiskCache,
+    StateCache,
+    checkpoint_identity,
+    prefix_names,
+)
 
 IDS = [int(i) for i in np.random.default_rng(1).integers(0, 512, size=40)]
 
@@ -115,3 +127,96 @@ def test_the_plan_counts_the_kept_states(ckpt) -> None:
 
     one, five = measure(ckpt, RunOptions(budget=1)), measure(ckpt, RunOptions(budget=1, kept_states=4))
     assert five.state_bytes == 5 * one.state_bytes > 0
+
+
+# ---- the disk cache's start-up and reads: stale temporaries, bogus files, read-only folders ----------
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_start_removes_only_our_temporaries_of_dead_servers(engine, ckpt, tmp_path) -> None:
+    name = prefix_names("x", IDS[:3])[-1]
+    dead = tmp_path / f".{name}.tmp{_dead_pid()}"
+    alive = tmp_path / f".{name}.tmp{os.getppid()}"
+    foreign = tmp_path / f".notes.txt.tmp{_dead_pid()}"
+    kept_state = tmp_path / name
+    for p in (dead, alive, foreign, kept_state):
+        p.write_bytes(b"partial")
+    logs: list[str] = []
+    d = DiskCache(tmp_path, 10**9, "x", engine.session().state, logs.append)
+    assert d.removed_stale == 1 and not dead.exists()
+    assert alive.exists() and foreign.exists() and kept_state.exists()
+    assert len(logs) == 1 and "removed 1 unfinished" in logs[0]
+
+
+def test_a_large_bogus_file_is_refused_by_its_header_and_size_before_it_is_read(engine, tmp_path, monkeypatch) -> None:
+    template = engine.session().state
+    logs: list[str] = []
+    d = DiskCache(tmp_path, 8 << 30, "x", template, logs.append)
+    reads: list[int] = []
+    real = os.pread
+    monkeypatch.setattr("dsv4stream.server.cache.os.pread", lambda fd, n, at: reads.append(n) or real(fd, n, at))
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} read whole"))
+    names = prefix_names("x", IDS)
+    big = tmp_path / names[9]  # a 3 GB sparse file: bad magic
+    with open(big, "wb") as f:
+        f.write(b"NOTSTATE" + bytes(100))
+        f.truncate(3 << 30)
+    good = to_bytes(_state(engine, 5), IDS[:5], "x", template)
+    lying = tmp_path / names[7]  # a real header, then 3 GB the header does not describe
+    with open(lying, "wb") as f:
+        f.write(good)
+        f.truncate(3 << 30)
+    huge = tmp_path / names[8]  # past the cache's cap: refused by its size alone
+    with open(huge, "wb") as f:
+        f.truncate(9 << 30)
+    t0 = time.monotonic()
+    assert d.lookup(IDS) is None
+    assert time.monotonic() - t0 < 10 and max(reads) < 1 << 20, reads
+    assert len(logs) == 3 and "bad magic" in logs[0] and "more than the cache's cap" in logs[1]
+    assert "its header describes" in logs[2]
+
+
+def test_a_fifo_in_the_cache_is_named_not_waited_on(engine, tmp_path) -> None:
+    logs: list[str] = []
+    d = DiskCache(tmp_path, 10**9, "x", engine.session().state, logs.append)
+    os.mkfifo(tmp_path / prefix_names("x", IDS)[4])
+    assert d.lookup(IDS) is None and "is a FIFO" in logs[0]
+
+
+def test_an_unwritable_cache_folder_is_refused_at_start(engine, tmp_path, monkeypatch) -> None:
+    real = os.open
+
+    def read_only(path, flags, *a):
+        if flags & os.O_CREAT:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, flags, *a)
+
+    monkeypatch.setattr("dsv4stream.server.cache.os.open", read_only)
+    with pytest.raises(CacheUnwritable, match="cannot write there"):
+        DiskCache(tmp_path, 10**9, "x", engine.session().state, print)
+
+
+# ---- splicing the sampled ids back ----------------------------------------------------------------
+
+
+def test_splice_puts_back_the_sampled_ids_of_a_reply_sent_back_as_text() -> None:
+    # a toy decode: each id is one or two letters, so one text has several spellings
+    spell = {1: "a", 2: "b", 3: "ab", 4: "<", 5: ">", 6: "c"}
+
+    def decode(ids):
+        return "".join(spell[int(i)] for i in ids)
+
+    c = StateCache(limit=10**9)
+    prompt, sampled = [4, 6, 5], [1, 2, 1]  # the model sampled a, b, a
+    c.remember(prompt + sampled)
+    resent = [4, 6, 5, 3, 1, 4, 6]  # the client sent "aba" back, re-tokenised as ab, a; then a new turn
+    assert c.splice(resent, decode) == [4, 6, 5, 1, 2, 1, 4, 6]
+    assert decode(c.splice(resent, decode)) == decode(resent)
+    assert c.splice([4, 6, 5, 3, 6, 4], decode) == [4, 6, 5, 3, 6, 4]  # "abc": another text, untouched
+    assert c.splice([4, 6, 5, 1, 2, 1, 4], decode) == [4, 6, 5, 1, 2, 1, 4]  # already the sampled ids
+    assert c.splice([4, 6, 5, 3, 1], decode) == [4, 6, 5, 3, 1]  # nothing after the reply: nothing to gain

@@ -8,7 +8,7 @@ import pytest
 from server_proc import one_thread_engine
 
 from dsv4stream.checkpoint import synth
-from dsv4stream.engine.session import state as st
+from dsv4stream.engine import state as st
 
 IDS = [int(i) for i in np.random.default_rng(3).integers(0, 512, size=45)]
 

@@ -347,3 +347,20 @@ def test_tool_script(ckpt, tmp_path, capsys):
     assert mod.main([str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dsv4: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("victim", ["tokenizer.json", "tokenizer_config.json", "config.json"])
+def test_a_fifo_in_place_of_a_tokenizer_file_is_named_not_waited_on(ckpt, tmp_path, victim):
+    c = tmp_path / "ck"
+    shutil.copytree(ckpt, c)
+    (c / victim).unlink()
+    os.mkfifo(c / victim)
+    with pytest.raises((TokenizerError, ConfigError), match="is a FIFO") as e:
+        pack_tokenizer(c, tmp_path / "t.pack")
+    one_line_error(e, victim)
+
+
+def test_a_fifo_in_place_of_a_tokenizer_pack_is_named_not_waited_on(ckpt, tmp_path):
+    os.mkfifo(tmp_path / "dsv4-tokenizer.pack")
+    with pytest.raises(TokenizerError, match="is a FIFO"):
+        Tokenizer.load(tmp_path)

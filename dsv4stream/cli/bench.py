@@ -17,8 +17,10 @@ import click
 
 from ..checkpoint.config import ModelConfig
 from ..errors import UsageError
+from ..files import AtomicFile, atomic_write
 from ..measure import simulate as sim
 from ..run.planner import GB, MemoryNeeds, plan, smallest_budget
+from .outputs import check_output, check_output_dir
 from .registry import check_not_a_typo
 
 
@@ -90,6 +92,7 @@ def run_sweep(
         text = prompt_file.read_text(encoding="utf-8") if prompt_file is not None else prompt or DEFAULT_PROMPT
         prompt_args = ["--prompt", text]
     gbs = parse_list(budgets, float, "--budgets")
+    check_output_dir(out_dir, "--out", ("bench.csv", "bench.json", "bench.png"))
     cfg = load_config(checkpoint)
     click.echo(f"{checkpoint}: {sw.routing_kind(cfg)}")
     records, meta = sw.sweep(
@@ -99,7 +102,7 @@ def run_sweep(
     meta["working_set_budget_gb"] = ws_budget / GB if ws_budget is not None else None
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(out_dir / "bench.csv", records)
-    (out_dir / "bench.json").write_text(json.dumps({**meta, "results": records}, indent=1) + "\n")
+    atomic_write(out_dir / "bench.json", json.dumps({**meta, "results": records}, indent=1) + "\n")
     from ..measure.benchplot import plot_sweep
 
     plot_sweep(records, out_dir / "bench.png", threshold=meta["working_set_budget_gb"], title=sweep_title(meta, gen))
@@ -247,6 +250,8 @@ def simulate_cmd(
 ) -> None:
     """Replay ROUTE_LOG (written by `dsv4 run --route-log`) through LRU, frequency-pinned and
     Belady's optimal cache at several sizes; print hit rates and the bytes each would read."""
+    for flag, p in (("--csv", csv_path), ("--json", json_path), ("--plot", plot_path)):
+        check_output(p, flag)
     if (cache_experts is None) == (budgets is None):
         raise UsageError("give the cache sizes with exactly one of --cache-experts N,N,... or --budgets GB,GB,...")
     cfg = load_config(config_path) if config_path is not None else None
@@ -313,7 +318,7 @@ def simulate_cmd(
     if csv_path is not None:
         write_csv(csv_path, records)
     if json_path is not None:
-        json_path.write_text(json.dumps({**meta, "results": records}, indent=1) + "\n")
+        atomic_write(json_path, json.dumps({**meta, "results": records}, indent=1) + "\n")
     if plot_path is not None:
         from ..measure.benchplot import plot_sweep
 
@@ -376,7 +381,7 @@ def format_table(records: Sequence[dict], bytes_known: bool = True) -> list[str]
 
 def write_csv(path: Path, records: Sequence[dict]) -> None:
     fields = list(dict.fromkeys(k for r in records for k in r))
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
+    with AtomicFile(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f.file, fieldnames=fields)
         w.writeheader()
         w.writerows(records)

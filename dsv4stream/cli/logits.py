@@ -16,6 +16,8 @@ import numpy as np
 
 from ..engine.session import Engine
 from ..errors import UsageError
+from ..files import AtomicFile
+from .outputs import check_output
 
 
 def parse_tokens(tokens: str | None, tokens_file: Path | None) -> np.ndarray:
@@ -77,11 +79,12 @@ def parse_mode(mode: str, n: int) -> int:
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def logits(checkpoint: Path, tokens, tokens_file, out: Path, mode: str, threads, debug: bool) -> None:
     """Write float32 logits [T, vocab] for every position of a token sequence."""
+    check_output(out, "--out")
     ids = parse_tokens(tokens, tokens_file)
     chunk = parse_mode(mode, ids.size)
     eng = Engine.open(checkpoint, threads=threads)
     session = eng.session(chunk_size=chunk)
     result = session.prefill(ids).astype(np.float32, copy=False)
-    with open(out, "wb") as f:  # keep the exact name (np.save would append .npy)
-        np.save(f, result)
+    with AtomicFile(out, "wb") as f:  # keep the exact name (np.save would append .npy)
+        np.save(f.file, result)
     click.echo(f"{out}: logits {result.shape[0]} x {result.shape[1]} float32 ({mode})")

@@ -1,4 +1,5 @@
-"""`dsv4 pack-trunk`: argument handling and the summary line; the work is in `dsv4stream.trunkpack.writer`."""
+"""`dsv4 pack-trunk` and `dsv4 upgrade-trunk`: argument handling and the summary line; the work is in
+`dsv4stream.trunkpack.writer` and `dsv4stream.trunkpack.upgrade`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from ..trunkpack.format import FORMAT, TRUNK_FILE
+from ..trunkpack.upgrade import upgrade_trunk
 from ..trunkpack.writer import pack_trunk
 
 
@@ -32,3 +35,34 @@ def pack_trunk_cmd(
         f"{r.path}: {r.runs} runs, wrote {len(r.written)} ({mb:,.1f} MB) and kept {len(r.skipped)} verified,"
         f" in {r.seconds:.1f} s ({mb / max(r.seconds, 1e-9):,.0f} MB/s)"
     )
+
+
+@click.command("upgrade-trunk")
+@click.argument("pack_dir", type=click.Path(path_type=Path))
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def upgrade_trunk_cmd(pack_dir: Path, no_progress: bool) -> None:
+    """Upgrade a trunk pack of an older format in place.
+
+    Every run is read once and checked with its blake2b; only when all match are the new
+    checksums (xxh3, checked on every read of every run) written into the manifest. The
+    data file is never rewritten. A run that fails leaves the pack unchanged.
+    """
+    from ..trunkpack.writer import tqdm_bar
+
+    with tqdm_bar(_pack_bytes(pack_dir), "upgrade-trunk", not no_progress) as bar:
+        r = upgrade_trunk(pack_dir, bar.update)
+    if r.up_to_date:
+        click.echo(f"{r.path}: already format {FORMAT}; nothing to do")
+        return
+    click.echo(
+        f"{r.path}: {r.runs} runs checked with blake2b ({r.bytes_checked / 1e6:,.1f} MB);"
+        f" upgraded from {r.old_format} to {FORMAT}"
+    )
+
+
+def _pack_bytes(pack_dir: Path) -> int:
+    """The data file's size for the progress bar (0 when it cannot be told yet: the upgrade says why)."""
+    try:
+        return (pack_dir / TRUNK_FILE).stat().st_size
+    except OSError:
+        return 0

@@ -16,7 +16,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "inspect": ("inspect",),
     "doctor": ("doctor",),
     "tokenizer": ("pack_tokenizer_cmd", "tokenize_cmd"),
-    "pack": ("pack_trunk_cmd",),
+    "pack": ("pack_trunk_cmd", "upgrade_trunk_cmd"),
     "logits": ("logits",),
     "bench": ("bench",),
     "serve": ("serve",),

@@ -35,6 +35,7 @@ import numpy as np
 from .. import gpu
 from ..checkpoint.config import ModelConfig
 from ..errors import BudgetError, Dsv4Error, InternalError, TokenizerError, UsageError
+from ..files import AtomicFile, atomic_write
 from ..run import planner
 from ..run.report import report_lines
 from ..run.runinfo import RunOptions, RunStats
@@ -45,6 +46,7 @@ from ..text.tokenizer import Tokenizer, default_pack_path
 from ..text.vocab import family_name
 from .budget import budget_bytes, budget_warning
 from .logits import parse_tokens
+from .outputs import check_output
 from .repl import ChatSettings, Conversation, Interrupt, Stopped, answer, chat_loop, is_utf8
 from .tokenizer import stdin_text, strip_final_newline
 
@@ -110,16 +112,6 @@ def check_trunk(trunk: Path | None) -> None:
         raise UsageError(f"--trunk {trunk}: no such directory; pass the directory `dsv4 pack-trunk CHECKPOINT` wrote")
     if not trunk.is_dir():
         raise UsageError(f"--trunk {trunk}: is a file; pass the directory `dsv4 pack-trunk CHECKPOINT` wrote")
-
-
-def check_output(path: Path | None, flag: str) -> None:
-    """Files written at the end of a run: a bad path must fail before the run, not after."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise UsageError(f"{flag} {path}: is a directory; give a file name")
-    if not path.parent.is_dir():
-        raise UsageError(f"{flag} {path}: directory {path.parent} does not exist; create it first")
 
 
 def prompt_text(prompt: str | None, prompt_file: Path | None) -> str | None:
@@ -424,10 +416,13 @@ def run(
     gctx = gpu.setup(use_gpu, vram, threads)
     for line in gctx.take_messages():
         say(line)
+    # the route log is written as the run goes, into a temporary file that replaces --route-log
+    # only when the run ends without an error
+    route_file = AtomicFile(route_log, "w", encoding="ascii") if route_log is not None else None
     try:
         opts = RunOptions(
             budget=budget_b, io=io, verify=verify, threads=gctx.threads,
-            io_threads=io_threads, trunk=trunk, route_log=route_log, ctx=ctx, prefill_segment=prefill_segment,
+            io_threads=io_threads, trunk=trunk, route_log=route_file, ctx=ctx, prefill_segment=prefill_segment,
         )  # fmt: skip
         extra = {"gpu": gctx} if gctx.enabled else {}
         with stats_out, Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}"), **extra) as rt:
@@ -464,7 +459,11 @@ def run(
             stats_out.stats = figures()
             if stopped:
                 stats_out.status = "interrupted"
+        if route_file is not None:
+            route_file.commit()
     finally:
+        if route_file is not None:
+            route_file.discard()  # a no-op after commit
         gctx.close()
     if stopped:
         sys.exit(130)
@@ -516,9 +515,7 @@ class StatsOut:
         if stats is not None:
             doc.update(stats.as_dict())
         doc.update(sampling=asdict(self.params), exit={"status": self.status, "message": message})
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        tmp.replace(self.path)
+        atomic_write(self.path, json.dumps(doc, indent=1) + "\n")
 
 
 def _one_shot(rt: Runtime, ids: list[int], gen: int, pick: Pick, tok: Tokenizer | None, mode: str | None, say) -> bool:

@@ -193,7 +193,7 @@ def serve(
             for line in [*gctx.take_messages(), *rt.plan.lines()]:
                 _say(line)
             srv.worker = _worker(
-                rt, tokenizer.n_tokens, banned_ids(tokenizer, allow_special), keep_states, ctx, kv_cache, kv_cache_gb
+                rt, tokenizer, banned_ids(tokenizer, allow_special), keep_states, ctx, kv_cache, kv_cache_gb
             )
             _say(f"listening on http://{host}:{port}")
         except BaseException as e:  # noqa: BLE001  re-raised by the main thread once the server has stopped
@@ -223,9 +223,9 @@ def serve(
 
 
 def _worker(
-    rt: Runtime, n_ids: int, banned: list[int], keep_states: int, ctx: int, kv_cache: Path | None, kv_cache_gb: float
+    rt: Runtime, tokenizer, banned: list[int], keep_states: int, ctx: int, kv_cache: Path | None, kv_cache_gb: float
 ):
-    from ..server.cache import DiskCache, StateCache, checkpoint_identity
+    from ..server.cache import CacheUnwritable, DiskCache, StateCache, checkpoint_identity
     from ..server.worker import Worker
 
     ram = StateCache(keep_states * planner.state_bytes_for(rt.cfg, ctx))
@@ -234,6 +234,10 @@ def _worker(
         template = rt.session().state
         try:
             disk = DiskCache(kv_cache, int(kv_cache_gb * planner.GB), checkpoint_identity(rt.cat), template, _say)
+        except CacheUnwritable as e:
+            _say(f"dsv4: warning: {e}; serving without the disk cache (states are kept in RAM only)")
         except OSError as e:
             raise UsageError(f"--kv-cache {kv_cache}: cannot use it ({e.strerror})") from None
-    return Worker(rt, n_ids, ram, disk, _say, banned)
+    return Worker(
+        rt, tokenizer.n_tokens, ram, disk, _say, banned, decode=tokenizer.decode, turn_id=tokenizer.special.user
+    )

@@ -200,22 +200,26 @@ class Session:
         last_only: bool = False,
         progress: Callable[[int], None] | None = None,
         on_layer: LayerHook | None = None,
+        boundaries: Collection[int] = (),
     ) -> np.ndarray:
         """Feed tokens in segments: logits (T, vocab) float32, or (vocab,) for the last with last_only.
 
         `progress(tokens_done)` runs after each segment, between forward passes: the place
-        where a caller may stop cleanly (the state then holds the segments fed so far).
-        `on_layer(PrefillStep)` runs after each layer of each segment; raising there stops
-        within one layer, and leaves the session torn."""
+        where a caller may stop cleanly (the state then holds the segments fed so far), or take
+        a snapshot. `boundaries`: token counts (0 < b < len) where a segment must also end, so
+        that `progress` sees the state there (a server keeps the state one token short of the
+        prompt). `on_layer(PrefillStep)` runs after each layer of each segment; raising there
+        stops within one layer, and leaves the session torn."""
         ids = self._check_ids(token_ids)
         if ids.size == 0:
             raise UsageError("prefill needs at least one token")
         out = []
         n, seg = ids.size, self.segment
-        segments = -(-n // seg)
-        for j, a in enumerate(range(0, n, seg)):
-            part = ids[a : a + seg]
-            want_logits = not last_only or a + seg >= n
+        cuts = sorted({*range(seg, n, seg), *(int(b) for b in boundaries if 0 < b < n), n})
+        segments = len(cuts)
+        for j, (a, b) in enumerate(zip([0, *cuts[:-1]], cuts, strict=True)):
+            part = ids[a:b]
+            want_logits = not last_only or b >= n
             hook = None
             if on_layer is not None:
                 hook = lambda i, j=j, a=a, t=part.size: on_layer(
@@ -240,6 +244,7 @@ class Session:
         max_pos: int | None = None,
         progress: Callable[[int], None] | None = None,
         on_layer: LayerHook | None = None,
+        boundaries: Collection[int] = (),
     ) -> Iterator[int]:
         """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick(logits)`
         (default: greedy, ties to the lower id); stop after a token in `stop_ids`, or when
@@ -250,10 +255,10 @@ class Session:
         says why it ended (STOP_REASONS; "interrupted" when the caller closed the generator or
         a forward pass raised). A token's hash-layer experts are prefetched as soon as it is
         picked, while the caller handles it, once per forward pass. `progress` and `on_layer`
-        go to `prefill`."""
+        and `boundaries` go to `prefill`."""
         pick = pick or greedy
         self.stop_reason = "interrupted"
-        logits = self.prefill(prompt_ids, last_only=True, progress=progress, on_layer=on_layer)
+        logits = self.prefill(prompt_ids, last_only=True, progress=progress, on_layer=on_layer, boundaries=boundaries)
         if max_new_tokens <= 0:
             self.stop_reason = "gen_limit"
             return

@@ -27,7 +27,7 @@ import copy
 import hashlib
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +115,37 @@ def read_header(blob: bytes) -> dict[str, Any]:
     if not isinstance(header, dict) or header.get("version") != VERSION:
         raise StateFileError(f"state format version {header.get('version') if isinstance(header, dict) else '?'}")
     header["_payload"] = len(MAGIC) + 8 + n
+    return header
+
+
+HEADER_LIMIT = 64 << 20  # bytes of a file's JSON header: token ids and the object tree, never near this
+
+
+def peek(read: Callable[[int, int], bytes], size: int) -> dict[str, Any]:
+    """The header of a state file of `size` bytes, read through `read(offset, n)` before the
+    payload: magic, header length, version, and that the array table accounts for exactly the
+    file's size. A bogus or foreign file is refused after reading at most its header, never
+    read whole (the caller then reads it all, and `from_bytes` checks the trailing hash)."""
+    lead = len(MAGIC) + 8
+    if size < lead + _DIGEST:
+        raise StateFileError("not a dsv4 state file (too short)")
+    first = read(0, lead)
+    if first[: len(MAGIC)] != MAGIC:
+        raise StateFileError("not a dsv4 state file (bad magic)")
+    (n,) = struct.unpack("<Q", first[len(MAGIC) :])
+    if n > HEADER_LIMIT or lead + n + _DIGEST > size:
+        raise StateFileError(f"header length {n} does not fit the file's {size} bytes")
+    try:
+        header = json.loads(read(lead, n))
+        if not isinstance(header, dict) or header.get("version") != VERSION:
+            raise StateFileError("state format version differs")
+        payload = sum(
+            int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for dtype, shape, _ in header["arrays"]
+        )
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise StateFileError(f"unreadable header ({type(e).__name__})") from None
+    if lead + n + payload + _DIGEST != size:
+        raise StateFileError(f"{size} bytes, its header describes {lead + n + payload + _DIGEST}")
     return header
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..errors import UsageError
+from ..files import AtomicFile
 
 X_LABELS = {"budget_gb": "--budget (GB)", "slots": "expert cache (experts)"}
 # One look per policy, so that lines that coincide (pinned and Belady often do) stay visible:
@@ -79,7 +80,8 @@ def plot_sweep(
         fig.suptitle(title, fontsize="medium")
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
+    with AtomicFile(out, "wb") as f:
+        fig.savefig(f.file, dpi=110, format=out.suffix.lstrip(".").lower() or "png")
     plt.close(fig)
     return out
 

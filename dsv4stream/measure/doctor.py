@@ -9,6 +9,7 @@ figure is the one the runner will see.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import random
@@ -17,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import psutil
 
@@ -70,22 +72,65 @@ def read_bandwidth(path: Path, block: int, depths: tuple[int, ...], seconds: flo
     return out
 
 
-def probe_file(target: Path, nbytes: int = 512 << 20) -> tuple[Path, bool]:
-    """The largest shard under `target`, or a temporary file written there (and True: delete it)."""
-    shards = (
-        sorted(target.glob("*.safetensors"), key=lambda p: p.stat().st_size, reverse=True) if target.is_dir() else []
-    )
-    if shards and shards[0].stat().st_size >= 64 << 20:
-        return shards[0], False
-    d = target if target.is_dir() else target.parent
-    fd, name = tempfile.mkstemp(prefix=".dsv4-doctor-", dir=d)
-    chunk = os.urandom(1 << 20)
-    with os.fdopen(fd, "wb") as f:
-        for _ in range(nbytes >> 20):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    return Path(name), True
+class ProbeFile:
+    """What `read_bandwidth` reads: the largest shard under `target`, or a temporary file of
+    `nbytes` written in `target` that has no name from the moment it exists.
+
+    Why nameless: a doctor killed (kill -9, Ctrl-C, a closed terminal) while it writes or
+    measures must not leave 512 MB behind. O_TMPFILE makes a file that never has a name;
+    where the file system refuses it, the file is unlinked right after it is created. Either
+    way it is read through /proc/self/fd/N (the same inode, opened again with O_DIRECT) and
+    the kernel frees it when the descriptor closes, however the process ends."""
+
+    def __init__(self, target: Path, nbytes: int = 512 << 20) -> None:
+        self.fd: int | None = None
+        shards = (
+            sorted(target.glob("*.safetensors"), key=lambda p: p.stat().st_size, reverse=True)
+            if target.is_dir()
+            else []
+        )
+        if shards and shards[0].stat().st_size >= 64 << 20:
+            self.path, self.label = shards[0], shards[0].name
+            return
+        d = target if target.is_dir() else target.parent
+        self.fd = _nameless_file(d)
+        self.path, self.label = Path(f"/proc/self/fd/{self.fd}"), f"a temporary file in {d}"
+        try:
+            chunk = os.urandom(1 << 20)
+            for _ in range(nbytes >> 20):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(self.fd, view) :]
+            os.fsync(self.fd)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def temporary(self) -> bool:
+        return self.fd is not None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _nameless_file(folder: Path) -> int:
+    try:
+        return os.open(folder, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except (AttributeError, IsADirectoryError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, None):
+            raise
+    fd, name = tempfile.mkstemp(prefix=".dsv4-doctor-", dir=folder)
+    os.unlink(name)
+    return fd
 
 
 def expected_hit_rate(cache_experts: int, working_set: int, total_experts: int) -> str:

@@ -85,23 +85,6 @@ def ffn_half(
     return x
 
 
-def layer_forward(
-    x: np.ndarray,
-    token_ids: np.ndarray,
-    positions: np.ndarray,
-    w: LayerWeights,
-    st: AttnState,
-    cfg: ModelConfig,
-    rope: Rope,
-    each: ExpertSource,
-    on_route: Callable[[np.ndarray], None] | None = None,
-    trace: Trace | None = None,
-) -> np.ndarray:
-    """Streams x (T, hc, D) of tokens token_ids (T,) at positions (T,) -> new streams (T, hc, D)."""
-    x = attention_half(x, positions, w, st, cfg, rope, trace)
-    return ffn_half(x, token_ids, w, cfg, each, on_route, trace)
-
-
 def head_forward(x: np.ndarray, w: HeadWeights, cfg: ModelConfig) -> np.ndarray:
     """Streams x (T, hc, D) -> logits (T, vocab)."""
     h = hc_head(x, w.hc, cfg.hc_eps, cfg.rms_norm_eps)

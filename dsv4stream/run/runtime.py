@@ -179,7 +179,8 @@ class Runtime:
         )
         try:
             reader = GroupReader(opts.io, opts.verify, once)
-            reader.check = tf.check_window if tf is not None else None
+            if tf is not None:
+                reader.check, reader.same_file = tf.check_window, tf.check_identity
             wrap = placed.source if placed is not None else None
             trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
         except BaseException:
@@ -206,6 +207,7 @@ class Runtime:
         stop_ids: Sequence[int] = (),
         progress: Callable[[int, int], None] | None = None,
         on_layer: LayerHook | None = None,
+        boundaries: Sequence[int] = (),
     ) -> Iterator[int]:
         """`session.generate` (the one generation loop) within this run: it also stops when
         the session holds `opts.ctx` positions (the context the plan covers is full), and its
@@ -213,7 +215,8 @@ class Runtime:
 
         As there, every yielded token but the last has been fed to the session; a later turn
         starts with the last one. `progress(done, total)` runs after each prefill segment,
-        `on_layer(PrefillStep)` after each layer of each segment; an exception either raises
+        `on_layer(PrefillStep)` after each layer of each segment (`boundaries`: where a segment
+        must also end, as `Session.prefill`); an exception either raises
         stops the prefill (within one layer from `on_layer`), and the tokens fully fed still
         count, with where it stopped (`prefill_stopped`). Timed: the prefill (to the first
         logits), the time to the first token, each decode step (the decode profile's window)
@@ -264,7 +267,7 @@ class Runtime:
         report = (lambda done: progress(done, n_prompt)) if progress is not None else None
         tokens = session.generate(
             prompt_ids, max_new_tokens, timed_pick, stop_ids=stop_ids, max_pos=self.opts.ctx,
-            progress=report, on_layer=layer_done,
+            progress=report, on_layer=layer_done, boundaries=boundaries,
         )  # fmt: skip
         self._in_think.append(False)
         try:

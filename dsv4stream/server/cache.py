@@ -1,33 +1,54 @@
 """Prefix reuse: session states kept by the token ids they have read, in RAM and on disk.
 
 Owns: `StateCache` (an LRU of `SessionState`s within a byte limit, the planner's share of
-`--budget` for kept states), `DiskCache` (`--kv-cache DIR`: one file per state, named by
-a hash of the checkpoint identity and the ids, written atomically, evicted oldest-used
-first beyond `--kv-cache-gb`; a file that fails any check is skipped with one log line),
-and `checkpoint_identity`. Lookup returns the longest kept prefix strictly shorter than the
-prompt: at least one token must be fed to get the next logits.
+`--budget` for kept states; `splice` puts back the ids the server itself sampled in place of
+a re-tokenised reply), `DiskCache` (`--kv-cache DIR`: one file per state, named by a hash of
+the checkpoint identity and the ids, written atomically, evicted oldest-used first beyond
+`--kv-cache-gb`; a file that fails any check is skipped with one log line), and
+`checkpoint_identity`. Lookup returns the longest kept prefix strictly shorter than the
+prompt: at least one token must be fed to get the next logits. Nothing here looks inside a
+state: any engine's state value is kept, written and read the same way.
 
 Why the file name is a hash of the ids: a lookup hashes every prefix of the prompt in one
 pass (a running SHA-256, copied at each length) and asks which of those names exist; no
 index file to keep consistent. The header holds the ids too, and they are compared.
+
+What the disk cache refuses before reading a file whole: anything but a regular file (a
+FIFO never blocks a request), a file larger than the cache's cap, and a file whose header
+(magic, length, version, array table) does not account for exactly its size. At start it
+removes the temporary files (`.NAME.tmpPID`) a server killed mid-write left behind, only
+those of our naming and only when that PID is no longer running; a folder it cannot write
+raises `CacheUnwritable` at start (the server then runs without the disk cache, saying so once).
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
+import re
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..checkpoint.catalog import Catalog
-from ..engine.state import SessionState, StateFileError, from_bytes, to_bytes
+from ..engine.state import SessionState, StateFileError, from_bytes, peek, to_bytes
+from ..errors import Dsv4Error
+from ..files import open_regular
 
 SUFFIX = ".dsv4state"
+_TEMP = re.compile(r"^\.([0-9a-f]{40}" + re.escape(SUFFIX) + r")\.tmp([0-9]+)$")  # what put() writes first
 _SAMPLE = 1 << 16  # bytes read from three places of each shard for the identity
 
+SAMPLED_KEPT = 64  # sequences remembered for splice (ids only: a few KB each)
+
 Log = Callable[[str], None]
+Decode = Callable[[Sequence[int]], str]
+
+
+class CacheUnwritable(Dsv4Error):
+    """The --kv-cache folder cannot take new files (read-only, not ours to write)."""
 
 
 def checkpoint_identity(cat: Catalog) -> str:
@@ -50,6 +71,17 @@ class StateCache:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._items: OrderedDict[tuple[int, ...], SessionState] = OrderedDict()
+        # whole sequences the server fed and sampled (prompt + reply, the last token included,
+        # though no state holds it): splice needs them when a reply ended without EOS
+        self._sampled: OrderedDict[tuple[int, ...], None] = OrderedDict()
+
+    def remember(self, ids: Sequence[int]) -> None:
+        """Keep `ids` (a prompt and the reply sampled for it) for `splice`, most recent last."""
+        key = tuple(int(i) for i in ids)
+        self._sampled.pop(key, None)
+        self._sampled[key] = None
+        while len(self._sampled) > SAMPLED_KEPT:
+            self._sampled.popitem(last=False)
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +100,28 @@ class StateCache:
             self._items.popitem(last=False)
         return True
 
+    def splice(self, ids: Sequence[int], decode: Decode) -> list[int]:
+        """`ids` with a leading part replaced by a kept key that spells the same text.
+
+        A client sends the server's reply back as text, and the prompt tokenizes it afresh:
+        the ids need not be the ones sampled (BPE has many spellings of one text), so the kept
+        state after the reply would never match. For each kept key that is not a prefix of
+        `ids`, past their common ids, the key's remaining ids and some run of `ids` must
+        decode to the same text; then the key replaces that run (the text, so what the model
+        reads as text, is unchanged). The longest such key wins; `ids` unchanged when none."""
+        best: tuple[int, ...] | None = None
+        best_end = 0
+        for key in [*self._items, *self._sampled]:
+            if best is not None and len(key) <= len(best):
+                continue
+            c = _common(key, ids)
+            if c == len(key) or c == len(ids):
+                continue
+            end = _same_text_end(key[c:], ids, c, decode)
+            if end is not None and end < len(ids):
+                best, best_end = key, end
+        return list(ids) if best is None else [*best, *ids[best_end:]]
+
     def lookup(self, ids: Sequence[int]) -> tuple[int, SessionState] | None:
         """(length, state) of the longest kept prefix of `ids` shorter than `ids`."""
         best: tuple[int, ...] | None = None
@@ -80,6 +134,41 @@ class StateCache:
             return None
         self._items.move_to_end(best)
         return len(best), self._items[best]
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _same_text_end(tail: Sequence[int], ids: Sequence[int], start: int, decode: Decode) -> int | None:
+    """The end e such that ids[start:e] decodes to exactly the text of `tail`, or None.
+    The decoded length grows with e, so the candidates are found by bisection (a few decodes)."""
+    want = decode(tail)
+    if not want:
+        return None
+    lengths = _Lengths(ids, start, decode)
+    e = bisect.bisect_right(lengths, len(want), lo=start + 1, hi=len(ids) + 1) - 1
+    for end in (e, e - 1, e + 1):  # a multi-byte character may straddle the bisection's guess
+        if start < end <= len(ids) and decode(ids[start:end]) == want:
+            return end
+    return None
+
+
+class _Lengths:
+    """len(decode(ids[start:e])) indexed by e, computed on demand (for bisect)."""
+
+    def __init__(self, ids: Sequence[int], start: int, decode: Decode) -> None:
+        self.ids, self.start, self.decode = ids, start, decode
+
+    def __getitem__(self, e: int) -> int:
+        return len(self.decode(self.ids[self.start : e]))
+
+    def __len__(self) -> int:
+        return len(self.ids) + 1
 
 
 def prefix_names(identity: str, ids: Sequence[int]) -> list[str]:
@@ -104,6 +193,33 @@ class DiskCache:
         self.log = log
         self.reads = self.writes = self.rejected = 0
         self._bad: set[str] = set()  # names already refused: one log line each, not one per request
+        self._check_writable()
+        self.removed_stale = self._remove_stale_temps()
+
+    def _check_writable(self) -> None:
+        probe = self.root / f".write-test.tmp{os.getpid()}"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise CacheUnwritable(f"--kv-cache {self.root}: cannot write there ({e.strerror})") from None
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+    def _remove_stale_temps(self) -> int:
+        """Temporary files of ours whose writer is no longer running (a server killed mid-write)."""
+        removed = 0
+        for p in self.root.iterdir():
+            m = _TEMP.match(p.name)
+            if m is None or _running(int(m.group(2))):
+                continue
+            try:
+                p.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+        if removed:
+            self.log(f"kv-cache: removed {removed} unfinished file(s) a stopped server left in {self.root}")
+        return removed
 
     def _files(self) -> list[Path]:
         return [p for p in self.root.iterdir() if p.name.endswith(SUFFIX) and p.is_file()]
@@ -138,14 +254,15 @@ class DiskCache:
         """The longest usable file for a prefix of `ids` shorter than `ids` and longer than
         `shorter_than` tokens (a RAM hit of that length is as good and costs no read)."""
         names = prefix_names(self.identity, ids[:-1]) if len(ids) > 1 else []
-        present = {p.name for p in self._files()}
+        # every entry of our naming, not only regular files: one that is not gets named in the log
+        present = {p.name for p in self.root.iterdir() if p.name.endswith(SUFFIX)}
         for k in range(len(names), shorter_than, -1):
             name = names[k - 1]
             if name not in present or name in self._bad:
                 continue
             path = self.root / name
             try:
-                state, got = from_bytes(path.read_bytes(), self.identity, self.template)
+                state, got = from_bytes(self._read(path), self.identity, self.template)
                 if got != [int(i) for i in ids[:k]]:
                     raise StateFileError("token ids differ from its name's")
             except (StateFileError, OSError) as e:
@@ -158,6 +275,21 @@ class DiskCache:
             return k, state
         return None
 
+    def _read(self, path: Path) -> bytes:
+        """A state file's bytes, refused by type, size and header before the payload is read."""
+        fd = open_regular(path, "a kv cache state", StateFileError)
+        try:
+            size = os.fstat(fd).st_size
+            if size > self.limit:
+                raise StateFileError(f"{size:,} bytes, more than the cache's cap of {self.limit:,}")
+            peek(lambda at, n: os.pread(fd, n, at), size)
+            blob = os.pread(fd, size, 0)
+            if len(blob) != size:
+                raise StateFileError("shorter than when it was opened")
+            return blob
+        finally:
+            os.close(fd)
+
     def _evict(self, keep: Path) -> None:
         files = sorted(self._files(), key=lambda p: p.stat().st_mtime)
         total = sum(p.stat().st_size for p in files)
@@ -168,3 +300,16 @@ class DiskCache:
                 continue
             total -= p.stat().st_size
             p.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process with this id exists (one of another user counts: it is not ours to judge)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -6,11 +6,14 @@ each token to the job's `ReplyStream`, stopping at the next token (or prefill ch
 the client has gone, keeping states after the request, and the figures of each request.
 Handlers never touch the runtime; they get events through the job's `emit`.
 
-States kept per request: at the last prefill-chunk boundary before the prompt's end (so a
-follow-up whose tail differs, e.g. a think-mode turn whose `<think>` became `</think>`,
-still reuses nearly all of it), at the prompt's end (the next turn of a chat extends it),
-and after the reply (when the client sends back exactly the tokens generated). Splitting
-the prefill at chunk boundaries keeps the chunks, so the logits, of an unsplit prefill.
+States kept per request, each one a segment boundary of the prefill (`boundaries`, so that
+taking them changes no logits beyond what any segmentation does): one token short of the
+prompt (a regenerate, or the next turn of a thinking chat, whose `<think>` became
+`</think>`, reuses all but that token), at the start of the prompt's last user turn (an
+edited last message reuses the conversation before it), at the prompt's end, and after the
+reply. Before the lookup, a reply the client sends back as text is given back the ids the
+server sampled for it (`StateCache.splice`): re-tokenising a reply's text need not give the
+same ids, and then the state after the reply would never match.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -78,8 +81,12 @@ class Worker:
         disk: DiskCache | None,
         log: Log,
         banned: list[int] | None = None,
+        decode: Callable[[Sequence[int]], str] | None = None,
+        turn_id: int | None = None,
     ) -> None:
         self.rt = rt
+        self.decode = decode  # the tokenizer's decode, for splicing sampled ids back (None: no splice)
+        self.turn_id = turn_id  # the id that opens a user turn (<｜User｜>): a state is kept before the last one
         self.banned = banned or []  # special ids never sampled, as in `dsv4 run` (text.sampler.banned_ids)
         self.stats = LiveStats(rt)
         self.n_ids = n_ids  # ids the tokenizer can print: the sampler's range
@@ -152,21 +159,32 @@ class Worker:
             if self.disk is not None:
                 self.disk.put(ids, state)
 
+    def keep_points(self, ids: Sequence[int], cached: int) -> list[int]:
+        """Positions past `cached` where the prefill keeps a state: the last user turn's start and
+        one token short of the prompt."""
+        points = {len(ids) - 1}
+        if self.turn_id is not None:
+            last = max((i for i in range(cached + 1, len(ids)) if ids[i] == self.turn_id), default=None)
+            if last is not None:
+                points.add(last)
+        return sorted(p for p in points if cached < p < len(ids))
+
     def _run(self, job: Job) -> None:
-        rt, ids, u = self.rt, job.ids, job.usage
+        rt, u = self.rt, job.usage
+        ids = self.ram.splice(job.ids, self.decode) if self.decode is not None else job.ids
         cached, state, u.cache_source = self._lookup(ids)
         self.stats.begin(len(ids), cached)
         session = rt.session(on_route=self.stats.on_route)  # the plan's prefill segment
         if state is not None:
             session.restore(state)
         new = ids[cached:]
-        chunk = session.segment  # progress comes after each segment
+        keep_at = self.keep_points(ids, cached)
         kept: list[tuple[list[int], SessionState]] = []
 
         def progress(done: int, total: int) -> None:
             if job.cancelled.is_set():
                 raise Cancelled
-            if done < total <= done + chunk:  # the last boundary inside the prompt
+            if cached + done in keep_at:
                 kept.append((ids[: cached + done], session.snapshot()))
             self.stats.prefilled(cached + done, len(ids))
             job.emit("progress", (cached + done, len(ids)))
@@ -181,7 +199,11 @@ class Worker:
             if job.cancelled.is_set():  # a client gone mid-prefill: stop within one layer
                 raise Cancelled
 
-        for tok in rt.generate(session, new, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done):
+        boundaries = [p - cached for p in keep_at]
+        steps = rt.generate(
+            session, new, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done, boundaries=boundaries
+        )
+        for tok in steps:
             if not got:
                 t_first = time.perf_counter()
                 kept.append((list(ids), session.snapshot()))
@@ -200,6 +222,8 @@ class Worker:
             raise InternalError(f"session at {session.pos} after {len(ids)} prompt + {len(got)} generated tokens")
         if len(got) > 1:
             kept.append((ids + got[:-1], session.snapshot()))
+        if got:
+            self.ram.remember(ids + got)
         if job.cancelled.is_set():
             self._keep(kept)
             raise Cancelled

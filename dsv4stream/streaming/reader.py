@@ -34,8 +34,10 @@ class GroupReader:
         self.bytes_read = 0
         self.read_seconds = 0.0
         self.verified_reads = 0
-        # check(path, file offset, bytes): the packed trunk's cheap checksum of whole runs read
+        # check(path, file offset, bytes): the packed trunk's xxh3 of the runs (or tensors) read
         self.check: Callable[[str, int, np.ndarray], None] | None = None
+        # same_file(path): the packed trunk's check that its file was not replaced since it was opened
+        self.same_file: Callable[[str], None] | None = None
 
     def read(self, group: Group, buf: np.ndarray) -> dict[str, np.ndarray]:
         """Fill `buf` (ALIGN-aligned, at least group.nbytes) and return name -> view."""

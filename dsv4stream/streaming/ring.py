@@ -105,7 +105,7 @@ class StreamedTrunk:
             else:
                 name = block_names(cfg, i)["moe.tid2eid"]
                 self._tid2eid[i] = np.ascontiguousarray(read_entry(layout.layers[i].entries[name]), dtype=np.int64)
-        self._embed = RowReader(layout.embed)
+        self._embed = RowReader(layout.embed, reader.same_file)
         self._opened_reads, self._opened_bytes = reader.reads, reader.bytes_read
         streamed = cfg.n_layers - self.pinned
         size = slot_bytes or max((g.nbytes for g in layout.layers[self.pinned :]), default=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -14,8 +15,11 @@ from ..errors import CheckpointError, ReadError, ShortReadError
 class RowReader:
     """Rows of a 2-D tensor (the embedding) read on demand with pread: (T,) ids -> (T, D) float32."""
 
-    def __init__(self, e: TensorEntry) -> None:
+    def __init__(self, e: TensorEntry, after_read: Callable[[str], None] | None = None) -> None:
         self.e = e
+        # after_read(path): the packed trunk's check that its file is still the one opened (a
+        # row is too small to carry a checksum; the whole embedding was checked at open)
+        self.after_read = after_read
         self.dtype = np.dtype(NP_DTYPE[e.dtype])
         self.row_bytes = int(np.prod(e.shape[1:], dtype=np.int64)) * self.dtype.itemsize
         self.fd = os.open(e.path, os.O_RDONLY)
@@ -43,6 +47,8 @@ class RowReader:
                 ) from None
             if n != self.row_bytes:
                 raise ShortReadError(f"{e.path}: short read of '{e.name}' row {int(uniq[j])}; the file is truncated")
+        if self.after_read is not None:
+            self.after_read(e.path)
         rows = bf16_to_f32(out) if e.dtype == "BF16" else out.astype(np.float32)
         return rows if len(uniq) == len(ids) and np.array_equal(uniq, ids) else rows[inv.reshape(-1)]
 

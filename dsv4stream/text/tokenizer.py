@@ -46,7 +46,8 @@ from typing import Any
 
 import tokenizers
 
-from ..errors import ConfigError, TokenizerError, UsageError
+from ..errors import ConfigError, Dsv4Error, TokenizerError, UsageError
+from ..files import describe, open_regular, read_regular
 from .vocab import (
     ASSISTANT,
     BOS,
@@ -88,6 +89,7 @@ FORMAT = "dsv4-tokenizer"
 VERSION = 2
 DEFAULT_PACK_NAME = "dsv4-tokenizer.pack"
 SPECIAL_TEXT = CONTROL_TEXT["v4"]  # the chat tokens every family has
+JSON_LIMIT = 64 << 20  # tokenizer_config.json and config.json are a few KB
 
 
 @dataclass(frozen=True)
@@ -185,16 +187,13 @@ class Tokenizer:
         path = Path(path)
         if path.is_dir():
             packed = default_pack_path(path)
-            if not packed.is_file():
+            if describe(packed) is None:
                 where = "" if os.access(path, os.W_OK) else " OUT.pack (this folder is read-only; OUT elsewhere)"
                 raise TokenizerError(
                     f"{path}: no {DEFAULT_PACK_NAME} in this directory; run `dsv4 pack-tokenizer {path}{where}` first"
                 )
             path = packed
-        try:
-            blob = path.read_bytes()
-        except OSError as e:
-            raise TokenizerError(f"{path}: cannot read packed tokenizer ({e.strerror})") from e
+        blob = read_regular(path, "the packed tokenizer", TokenizerError)
         header, payload = _split_pack(path, blob)
         hf = _hf_from_bytes(path, payload)
         special = SpecialTokens(**{k: v for k, v in header["special"].items() if v is not None})
@@ -380,10 +379,14 @@ def pack_tokenizer(checkpoint_dir: str | Path, out: str | Path | None = None) ->
 def is_pack(path: Path) -> bool:
     """A regular file whose first line is our pack header (whatever its version)."""
     try:
-        with open(path, "rb") as f:
+        fd = open_regular(path, "a tokenizer pack")
+    except Dsv4Error:
+        return False
+    try:
+        with os.fdopen(fd, "rb") as f:
             line = f.readline(1 << 16)
         header = json.loads(line)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(header, dict) and header.get("format") == FORMAT
 
@@ -419,13 +422,16 @@ def _read_checkpoint(ckpt: Path, tokenizer_json: str | Path | None = None) -> tu
         tcfg_path = ckpt / "tokenizer_config.json"
     cfg_path = ckpt / "config.json"
     for p in (tok_path, tcfg_path):
-        if not p.is_file():
+        kind = describe(p)
+        if kind is None:
             raise TokenizerError(f"{p}: missing; copy the release's tokenizer files into {ckpt}")
+        if kind != "a regular file":
+            raise TokenizerError(f"{p}: is {kind}, not a regular file; copy the release's tokenizer files into {ckpt}")
     cfg = _read_json(cfg_path, ConfigError)
     tcfg = _read_json(tcfg_path, TokenizerError)
     model = _model_facts(cfg, cfg_path)
     vocab_size = model["vocab_size"]
-    payload = tok_path.read_bytes()
+    payload = read_regular(tok_path, "tokenizer.json", TokenizerError)
     hf = _hf_from_bytes(tok_path, payload)
 
     family = family_of(hf)
@@ -571,11 +577,9 @@ def _hf_from_bytes(path: Path, payload: bytes) -> tokenizers.Tokenizer:
 
 def _read_json(path: Path, error: type[Exception]) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise error(f"{path}: missing") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{path}: unreadable JSON ({e})") from e
+        data = json.loads(read_regular(path, path.name, error, limit=JSON_LIMIT).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise error(f"{path}: unreadable JSON ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object")
     return data

@@ -2,7 +2,7 @@
 
 Owns: the constants (format marker, file names, alignments, checksum), the placement of
 runs and tensors in trunk.bin (`plan_runs`), the manifest's fields (`manifest_dict`) and the
-run checksums (`word_sum`, `digest_range`). It writes nothing; `pack` does the packing.
+run checksums (`digest_run`, `fast_hash`). It writes nothing; `pack` does the packing.
 
 Layout of `OUT_DIR/trunk.bin` (OUT_DIR defaults to `CHECKPOINT_DIR/dsv4-trunk`):
 - One run per group, in model order: `embed` (embed.weight), `layers.L` for each packed
@@ -17,11 +17,18 @@ Layout of `OUT_DIR/trunk.bin` (OUT_DIR defaults to `CHECKPOINT_DIR/dsv4-trunk`):
   pack is a relayout, never a conversion.
 
 `manifest.json`: format (the `dsv4-trunk/` marker that tells a pack of ours from anything
-else), the source checkpoint's fingerprint (`Catalog.fingerprint`), the plan id, and per
-run: key, layer (main index, n_layers + k for MTP block k, null for model-level runs),
-offset, nbytes (padded), blake2b-128 of all nbytes bytes, `sum64` (`word_sum`, the cheap
-check run on every open), and its tensors (name, dtype, shape, absolute offset in
-trunk.bin, nbytes).
+else), the source checkpoint's fingerprint (`Catalog.fingerprint`), the plan id, `file` (the
+plain name of the data file inside the pack folder, never a path), and per run: key, layer
+(main index, null for model-level runs), offset, nbytes (padded), `blake2b` (blake2b-128 of all
+nbytes bytes), `xxh3` (xxh3-64 of the same bytes), and its tensors (name, dtype, shape,
+absolute offset in trunk.bin, nbytes, `xxh3` of the tensor's own bytes).
+
+What each checksum is for (docs/security.md says what each proves): blake2b is cryptographic,
+run by packing, `--verify`, `dsv4 inspect` and `dsv4 upgrade-trunk`; xxh3 is position-sensitive
+and runs at memory speed, so every read of a run in every run is checked with it (a run read
+whole against the run's sum; a run read in part, when --gpu keeps some of its matrices in
+VRAM, against the sums of the tensors read). Format 1 had a plain sum of 64-bit words instead
+of xxh3, blind to reordered blocks: such a pack is refused with the upgrade command.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
+import xxhash
 
 from ..checkpoint.catalog import Catalog, TensorEntry
 from ..checkpoint.spec import TensorSpec, layer_prefix, model_specs
@@ -39,12 +46,14 @@ from ..errors import ReadError, ShortReadError
 from ..store.directio import ALIGN  # runs are read with O_DIRECT: its alignment, defined once
 
 FORMAT_FAMILY = "dsv4-trunk/"  # the marker that says a folder is a pack of ours, any version
-FORMAT = FORMAT_FAMILY + "1"
+FORMAT = FORMAT_FAMILY + "2"
+UPGRADABLE = (FORMAT_FAMILY + "1",)  # older formats `dsv4 upgrade-trunk` rewrites in place
 TRUNK_FILE = "trunk.bin"
 MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"  # the staging folder's record of verified runs (resume)
 TENSOR_ALIGN = 64
 CHECKSUM = "blake2b-128"
+FAST_CHECKSUM = "xxh3-64"
 CHUNK = 16 << 20  # read / copy granularity: bounds memory whatever the tensor size
 
 
@@ -105,6 +114,20 @@ def plan_runs(cat: Catalog, layers: int | None = None) -> list[PlannedRun]:
     return runs
 
 
+@dataclass(frozen=True)
+class RunDigest:
+    """The checksums of one run: blake2b-128 and xxh3-64 of all its bytes, xxh3-64 of each tensor."""
+
+    blake2b: str
+    xxh3: str
+    tensors: dict[str, str]
+
+
+def fast_hash(b) -> str:
+    """xxh3-64 of a buffer, as 16 hex digits: the check run on every read."""
+    return xxhash.xxh3_64_hexdigest(memoryview(b).cast("B"))
+
+
 def plan_id(cat: Catalog, runs: list[PlannedRun]) -> str:
     h = hashlib.sha256(f"{FORMAT}|{cat.fingerprint}".encode())
     for r in runs:
@@ -114,9 +137,7 @@ def plan_id(cat: Catalog, runs: list[PlannedRun]) -> str:
     return h.hexdigest()[:32]
 
 
-def manifest_dict(
-    cat: Catalog, runs: list[PlannedRun], sums: dict[str, str], layers: int, plan: str, words: dict[str, str]
-) -> dict:
+def manifest_dict(cat: Catalog, runs: list[PlannedRun], digests: dict[str, RunDigest], layers: int, plan: str) -> dict:
     cfg = cat.config
     return {
         "format": FORMAT,
@@ -128,6 +149,7 @@ def manifest_dict(
         "align": ALIGN,
         "tensor_align": TENSOR_ALIGN,
         "checksum": CHECKSUM,
+        "fast_checksum": FAST_CHECKSUM,
         "n_layers": cfg.n_layers,
         "n_mtp": cfg.n_mtp,
         "layers_packed": layers,
@@ -138,11 +160,11 @@ def manifest_dict(
                 "layer": r.layer,
                 "offset": r.offset,
                 "nbytes": r.nbytes,
-                "blake2b": sums[r.key],
-                "sum64": words[r.key],
+                "blake2b": digests[r.key].blake2b,
+                "xxh3": digests[r.key].xxh3,
                 "tensors": [
                     {"name": t.src.name, "dtype": t.src.dtype, "shape": list(t.src.shape), "offset": t.offset,
-                     "nbytes": t.src.nbytes}
+                     "nbytes": t.src.nbytes, "xxh3": digests[r.key].tensors[t.src.name]}
                     for t in r.tensors
                 ],
             }
@@ -151,32 +173,25 @@ def manifest_dict(
     }  # fmt: skip
 
 
-def word_sum(b) -> int:
-    """Sum of the little-endian uint64 words of `b` (zero-padded to 8 bytes), modulo 2**64.
-
-    The cheap check run on every open: any single changed byte changes it, and numpy does it
-    at memory speed (blake2b runs at a fraction of a GB/s per core)."""
-    view = memoryview(b).cast("B")
-    whole = len(view) // 8 * 8
-    total = int(np.add.reduce(np.frombuffer(view[:whole], dtype="<u8"), dtype=np.uint64)) if whole else 0
-    if whole < len(view):
-        total += int.from_bytes(bytes(view[whole:]).ljust(8, b"\0"), "little")
-    return total % (1 << 64)
-
-
 def hash_range(
     fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None] | None = None, path: str = "trunk file"
 ) -> str:
     """blake2b-128 of nbytes of an open file from offset; a short file is an error."""
-    return digest_range(fd, offset, nbytes, on_bytes, path)[0]
+    return digest_run(fd, offset, nbytes, (), on_bytes, path).blake2b
 
 
-def digest_range(
-    fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None] | None = None, path: str = "trunk file"
-) -> tuple[str, str]:
-    """(blake2b-128, word_sum as 16 hex digits) of nbytes from offset (a multiple of 8)."""
-    h = new_hash()
-    words = 0
+def digest_run(
+    fd: int,
+    offset: int,
+    nbytes: int,
+    tensors: tuple[tuple[str, int, int], ...],
+    on_bytes: Callable[[int], None] | None = None,
+    path: str = "trunk file",
+) -> RunDigest:
+    """The checksums of nbytes of an open file from offset, in one pass of bounded memory;
+    `tensors` are (name, absolute offset, nbytes) inside that range."""
+    h, x = new_hash(), xxhash.xxh3_64()
+    th = {name: xxhash.xxh3_64() for name, _, _ in tensors}
     done = 0
     while done < nbytes:
         try:
@@ -185,9 +200,26 @@ def digest_range(
             raise ReadError(f"{path}: {e.strerror} at byte {offset + done}; check the disk") from None
         if not b:
             raise ShortReadError(f"{path}: short read at byte {offset + done}: the file ends before the run does")
+        a, z = offset + done, offset + done + len(b)
         h.update(b)
-        words += word_sum(b)
+        x.update(b)
+        for name, t0, tn in tensors:
+            lo, hi = max(a, t0), min(z, t0 + tn)
+            if lo < hi:
+                th[name].update(memoryview(b)[lo - a : hi - a])
         done += len(b)
         if on_bytes:
             on_bytes(len(b))
-    return h.hexdigest(), f"{words % (1 << 64):016x}"
+    return RunDigest(h.hexdigest(), x.hexdigest(), {k: v.hexdigest() for k, v in th.items()})
+
+
+def valid_file_name(name: object) -> bool:
+    """The manifest's `file`: a plain file name (no folder part), so the data file is inside the pack."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and os.path.basename(name) == name
+    )

@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 
 from ..errors import Dsv4Error, UsageError
-from .format import FORMAT_FAMILY, JOURNAL, MANIFEST, TRUNK_FILE
+from ..files import kind_of, read_regular
+from .format import FORMAT_FAMILY, JOURNAL, MANIFEST, TRUNK_FILE, valid_file_name
 
 DEFAULT_DIRNAME = "dsv4-trunk"
 PACK_FILES = frozenset({MANIFEST, TRUNK_FILE})
@@ -36,14 +37,20 @@ def lock_path(out_dir: Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.lock"
 
 
+MANIFEST_LIMIT = 256 << 20  # a real manifest is well under 1 MB; bounds what a stray file costs
+
+
 def read_manifest(d: Path) -> dict | None:
-    """The manifest of a pack in `d` if it carries our format marker; None otherwise."""
+    """The manifest of a pack in `d` if it carries our format marker; None otherwise (a FIFO or
+    device named manifest.json is not a manifest, and is never opened in a way that can block)."""
     try:
-        m = json.loads((d / MANIFEST).read_text())
-    except (OSError, ValueError):
+        m = json.loads(read_regular(d / MANIFEST, "the manifest", limit=MANIFEST_LIMIT))
+    except (Dsv4Error, OSError, ValueError, RecursionError):
         return None
     ok = isinstance(m, dict) and isinstance(m.get("format"), str) and m["format"].startswith(FORMAT_FAMILY)
-    return m if ok else None
+    # a manifest whose data file is not a plain name inside the folder is not a pack of ours:
+    # nothing may read or replace a file elsewhere on its word
+    return m if ok and valid_file_name(m.get("file")) else None
 
 
 def is_pack(d: Path) -> bool:
@@ -69,6 +76,8 @@ def check_out_dir(ckpt: Path, out: Path, force: bool) -> None:
         )
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: is a file, not a pack; choose another OUT_DIR (nothing was changed)")
+    for d in (out, staging_dir(out), old_dir(out)):
+        _refuse_special(d)
     names = _names(out)
     if names and not is_pack(out):
         raise UsageError(
@@ -79,6 +88,21 @@ def check_out_dir(ckpt: Path, out: Path, force: bool) -> None:
         names = _names(side)
         if (names is None and side.exists()) or (names is not None and not names <= allowed):
             raise UsageError(f"{side}: in the way and not left by pack-trunk; move it away or choose another OUT_DIR")
+
+
+def _refuse_special(d: Path) -> None:
+    """Anything in a pack folder that is not a regular file (a FIFO named manifest.json, a
+    device, a link) is named before any file in it is opened: opening a FIFO would block."""
+    try:
+        entries = list(os.scandir(d))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for e in entries:
+        if not e.is_file(follow_symlinks=False):
+            kind = kind_of(e.stat(follow_symlinks=False).st_mode)
+            raise UsageError(
+                f"{e.path}: is {kind}, not a file a pack holds; remove it or choose another OUT_DIR (nothing was changed)"
+            )
 
 
 def _names(d: Path) -> set[str] | None:

@@ -2,9 +2,12 @@
 
 Owns: refusing a pack that does not belong to the checkpoint (fingerprint of the shard
 headers, plus a byte comparison of one small tensor per run against the shards, which
-also tells apart checkpoints with identical shapes such as a base and a chat model);
-checksums of runs (on every `read_run`, or all at once with `verify`); raw tensor arrays
-by name with the same dtypes as `Catalog.read` (uint8 for F8/I8, uint16 for BF16, ...).
+also tells apart checkpoints with identical shapes such as a base and a chat model); a
+pack of an older format (the upgrade command named); checksums: xxh3 on every read
+(`read_run`, `check_window` for the runtime's reads, `check_runs`), blake2b on `verify`;
+the data file's identity (device, inode, size, mtime) taken at open and compared on every
+read, so a trunk.bin replaced or rewritten during a run stops it with one line; raw tensor
+arrays by name with the same dtypes as `Catalog.read` (uint8 for F8/I8, uint16 for BF16, ...).
 
 It does not convert or place weights: the trunk owner turns these arrays into named
 weights, and the store may read a layer's run itself (path, offset, nbytes: all multiples
@@ -24,11 +27,12 @@ from typing import Self
 import numpy as np
 
 from ..checkpoint.catalog import NP_DTYPE, Catalog, pread_exact
-from ..errors import CheckpointError, ReadError
-from .format import ALIGN, FORMAT, MANIFEST, hash_range, word_sum
-from .packdir import default_out_dir, staging_dir
+from ..errors import CheckpointError, Dsv4Error, ReadError
+from ..files import describe, open_regular, read_regular
+from .format import ALIGN, FORMAT, MANIFEST, UPGRADABLE, fast_hash, hash_range, valid_file_name
+from .packdir import MANIFEST_LIMIT, default_out_dir, staging_dir
 
-CHECK_CHUNK = 16 << 20  # bytes read at a time by check_words: bounds its memory
+CHECK_CHUNK = 16 << 20  # bytes read at a time by check_runs: bounds its memory
 PROBE_BYTES = 32 << 10  # per run, compared with the shards at open: cheap, yet tells twins apart
 
 
@@ -39,6 +43,7 @@ class TrunkTensor:
     shape: tuple[int, ...]
     offset: int  # absolute, in the trunk file
     nbytes: int
+    xxh3: str = ""  # of the tensor's own bytes
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -54,7 +59,7 @@ class TrunkRun:
     nbytes: int  # multiple of 4096; the checksum covers all of it
     checksum: str  # blake2b-128 hex
     tensors: tuple[TrunkTensor, ...]
-    sum64: str | None = None  # format.word_sum as 16 hex digits; None in packs written before it
+    xxh3: str = ""  # of all nbytes bytes (padding included)
 
     @property
     def what(self) -> str:
@@ -63,6 +68,17 @@ class TrunkRun:
 
 def _restart(root: Path) -> str:
     return f"delete {root} and run `dsv4 pack-trunk` again"
+
+
+def upgrade_hint(root: Path) -> str:
+    return (
+        f"upgrade it in place with `dsv4 upgrade-trunk {root}` (checks every run with blake2b, then adds the new sums)"
+    )
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What says a file is still the one opened: a rename puts another inode, a rewrite moves mtime."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class TrunkFile:
@@ -78,23 +94,25 @@ class TrunkFile:
         self._tensors = {t.name: (t, r.key) for r in runs.values() for t in r.tensors}
         self._by_layer = {r.layer: r for r in runs.values() if r.layer is not None}
         self._mm: np.memmap | None = None
-        self._checked: set[str] = set()  # runs whose bytes passed a check in this process
+        self._identity: tuple[int, int, int, int] | None = None  # of the data file, taken at open
+        self.checked_reads = 0  # runs or tensors whose xxh3 was checked after a read
 
     # ---- opening ---------------------------------------------------------------------
     @classmethod
     def open(cls, out_dir: str | os.PathLike, catalog: Catalog, verify: bool = False) -> TrunkFile:
-        """Open OUT_DIR's pack for `catalog`; verify=True also checks every run's checksum now."""
+        """Open OUT_DIR's pack for `catalog`; verify=True also checks every run's blake2b now."""
         root = Path(out_dir)
         mpath = root / MANIFEST
-        if not mpath.is_file():
+        kind = describe(mpath)
+        if kind is None:
             unfinished = staging_dir(root).exists()
             raise CheckpointError(
                 f"{root}: no packed trunk here (manifest.json missing"
                 + ("; an interrupted pack is in " + str(staging_dir(root)) if unfinished else "")
                 + f"); run `dsv4 pack-trunk {catalog.root} {root}`"
             )
+        m = read_pack_manifest(root)
         try:
-            m = json.loads(mpath.read_text())
             runs = {
                 d["key"]: TrunkRun(
                     d["key"],
@@ -102,21 +120,19 @@ class TrunkFile:
                     str(root / m["file"]),
                     int(d["offset"]),
                     int(d["nbytes"]),
-                    d["blake2b"],
+                    str(d["blake2b"]),
                     tuple(
-                        TrunkTensor(t["name"], t["dtype"], tuple(t["shape"]), int(t["offset"]), int(t["nbytes"]))
+                        TrunkTensor(
+                            t["name"], t["dtype"], tuple(t["shape"]), int(t["offset"]), int(t["nbytes"]), str(t["xxh3"])
+                        )
                         for t in d["tensors"]
                     ),
-                    d.get("sum64"),
+                    str(d["xxh3"]),
                 )
                 for d in m["runs"]
             }
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{mpath}: unreadable manifest ({e}); {_restart(root)}") from None
-        if m.get("format") != FORMAT:
-            raise CheckpointError(
-                f"{mpath}: format {m.get('format')!r}, this dsv4stream reads {FORMAT!r}; {_restart(root)}"
-            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{mpath}: unreadable manifest ({type(e).__name__}: {e}); {_restart(root)}") from None
         if m.get("fingerprint") != catalog.fingerprint:
             raise CheckpointError(
                 f"{root}: trunk was packed from a different checkpoint (fingerprint {m.get('fingerprint')},"
@@ -130,14 +146,17 @@ class TrunkFile:
             tf.verify()
         else:
             # the embedding is only ever read row by row, so no later read can check it whole
-            tf.check_words([k for k in ("embed",) if k in tf.runs])
+            tf.check_runs([k for k in ("embed",) if k in tf.runs])
         return tf
 
     def _check_file(self) -> None:
+        fd = open_regular(self.path, "the packed trunk's data file", CheckpointError)
         try:
-            size = os.stat(self.path).st_size
-        except OSError:
-            raise CheckpointError(f"{self.path}: trunk file missing; {_restart(self.root)}") from None
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        self._identity = identity(st)
+        size = st.st_size
         if size != self.manifest.get("file_bytes"):
             raise CheckpointError(
                 f"{self.path}: {size} bytes, manifest says {self.manifest.get('file_bytes')} — the trunk is truncated"
@@ -160,6 +179,28 @@ class TrunkFile:
                         f" {_restart(self.root)}"
                     )
                 pos = t.offset + t.nbytes
+
+    def check_identity(self, path: str | None = None) -> None:
+        """Stop, with one line, when the data file is no longer the one opened (replaced by a
+        rename, rewritten, truncated); `path` other than the trunk's is ignored."""
+        if (path is not None and path != self.path) or self._identity is None:
+            return
+        try:
+            now = identity(os.stat(self.path))
+        except OSError as e:
+            now = None
+            why = f"it can no longer be found ({e.strerror})"
+        if now == self._identity:
+            return
+        if now is not None:
+            names = ("device", "inode", "size", "modification time")
+            why = (
+                "its " + ", ".join(n for n, a, b in zip(names, self._identity, now, strict=True) if a != b) + " changed"
+            )
+        raise CheckpointError(
+            f"{self.path}: the packed trunk was replaced or rewritten during this run ({why}); its bytes can no"
+            " longer be trusted — stop whatever rewrites it and start the run again"
+        )
 
     def _check_against(self, cat: Catalog) -> None:
         """Names, dtypes and shapes as in the shards; and one small tensor per run byte for byte."""
@@ -209,28 +250,28 @@ class TrunkFile:
 
     # ---- reads --------------------------------------------------------------------------
     def tensor(self, name: str) -> np.ndarray:
-        """Read-only memory-mapped view of one tensor (no checksum: use read_run/verify for that)."""
+        """Read-only memory-mapped view of one tensor, its xxh3 checked as it is handed out (the pages
+        stay the file's: the runtime reads runs into its own buffers instead, see check_window)."""
         t = self.entry(name)
         if self._mm is None:
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-        return self._mm[t.offset : t.offset + t.nbytes].view(t.np_dtype).reshape(t.shape)
+        view = self._mm[t.offset : t.offset + t.nbytes]
+        self._check_tensor(t, view)
+        return view.view(t.np_dtype).reshape(t.shape)
 
     def read_tensor(self, name: str) -> np.ndarray:
-        """One tensor read with pread into its own array (no checksum)."""
+        """One tensor read with pread into its own array, its xxh3 checked."""
         t = self.entry(name)
         buf = _pread(self.path, t.offset, t.nbytes)
+        self._check_tensor(t, buf)
         return buf.view(t.np_dtype).reshape(t.shape)
 
     def read_run(self, key: str, verify: bool = True) -> np.ndarray:
-        """A run's bytes in a 4096-aligned uint8 buffer (nbytes,), checksum checked unless verify=False."""
+        """A run's bytes in a 4096-aligned uint8 buffer (nbytes,), its xxh3 checked unless verify=False."""
         r = self.run(key)
         buf = _pread(self.path, r.offset, r.nbytes)
         if verify:
-            import hashlib
-
-            got = hashlib.blake2b(buf, digest_size=16).hexdigest()
-            if got != r.checksum:
-                raise self._corrupt(r, got)
+            self.check_window(self.path, r.offset, buf)
         return buf
 
     def arrays(self, key: str, verify: bool = True) -> dict[str, np.ndarray]:
@@ -250,47 +291,64 @@ class TrunkFile:
                 r = self.run(key)
                 got = hash_range(fd, r.offset, r.nbytes, path=self.path)
                 if got != r.checksum:
-                    raise self._corrupt(r, got)
-                self._checked.add(r.key)
+                    raise self._corrupt(r, f"blake2b {got}", f"blake2b {r.checksum}")
         finally:
             os.close(fd)
+        self.check_identity()
 
-    def check_words(self, keys: list[str]) -> None:
-        """The cheap check of these runs read from disk now (word sums, at memory speed)."""
+    def check_runs(self, keys: list[str]) -> None:
+        """The xxh3 of these runs read from disk now, in bounded memory."""
+        import xxhash
+
         fd = _open(self.path)
         try:
             for key in keys:
                 r = self.run(key)
-                if r.sum64 is None or r.key in self._checked:
-                    continue
-                got = 0
+                h = xxhash.xxh3_64()
                 for a in range(0, r.nbytes, CHECK_CHUNK):
-                    n = min(CHECK_CHUNK, r.nbytes - a)
-                    got += word_sum(_pread(self.path, r.offset + a, n, fd))
-                self._check_sum(r, got)
+                    h.update(_pread(self.path, r.offset + a, min(CHECK_CHUNK, r.nbytes - a), fd))
+                self._check_run(r, h.hexdigest())
         finally:
             os.close(fd)
+        self.check_identity()
 
     def check_window(self, path: str, offset: int, data: np.ndarray) -> None:
-        """The cheap check of every run that `data` (bytes of `path` from `offset`) holds whole,
-        the first time each is read in this process (a streamed layer is read again every pass)."""
+        """Check bytes just read (`data`, from `offset` of `path`): the xxh3 of every run they hold
+        whole, else of every tensor they hold whole; then that the file is still the one opened.
+        Every read is checked, not only the first: a streamed layer is read again every pass."""
         if path != self.path:
             return
+        end = offset + data.nbytes
         for r in self.runs.values():
-            if r.key in self._checked or r.sum64 is None:
+            if r.offset >= end or r.offset + r.nbytes <= offset:
                 continue
-            if offset <= r.offset and r.offset + r.nbytes <= offset + data.nbytes:
-                self._check_sum(r, word_sum(data[r.offset - offset : r.offset - offset + r.nbytes]))
+            if offset <= r.offset and r.offset + r.nbytes <= end:
+                self._check_run(r, fast_hash(data[r.offset - offset : r.offset - offset + r.nbytes]))
+                continue
+            for t in r.tensors:
+                if offset <= t.offset and t.offset + t.nbytes <= end:
+                    self._check_tensor(t, data[t.offset - offset : t.offset - offset + t.nbytes], r)
+        self.check_identity()
 
-    def _check_sum(self, r: TrunkRun, got: int) -> None:
-        if f"{got % (1 << 64):016x}" != r.sum64:
-            raise self._corrupt(r, f"word sum {got % (1 << 64):016x}", f"word sum {r.sum64}")
-        self._checked.add(r.key)
+    def _check_run(self, r: TrunkRun, got: str) -> None:
+        if got != r.xxh3:
+            raise self._corrupt(r, f"xxh3 {got}", f"xxh3 {r.xxh3}")
+        self.checked_reads += 1
 
-    def _corrupt(self, r: TrunkRun, got: str, want: str | None = None) -> CheckpointError:
+    def _check_tensor(self, t: TrunkTensor, data: np.ndarray, r: TrunkRun | None = None) -> None:
+        got = fast_hash(data)
+        if got != t.xxh3:
+            r = r or self.runs[self._tensors[t.name][1]]
+            raise CheckpointError(
+                f"{self.path}: tensor '{t.name}' of {r.what}, bytes {t.offset}..{t.offset + t.nbytes}, fails its"
+                f" checksum (xxh3 {got} != {t.xxh3}); the trunk is corrupted — {_restart(self.root)}"
+            )
+        self.checked_reads += 1
+
+    def _corrupt(self, r: TrunkRun, got: str, want: str) -> CheckpointError:
         return CheckpointError(
             f"{r.path}: {r.what}, bytes {r.offset}..{r.offset + r.nbytes}, fails its checksum"
-            f" ({got} != {want or r.checksum}); the trunk is corrupted — {_restart(self.root)}"
+            f" ({got} != {want}); the trunk is corrupted — {_restart(self.root)}"
         )
 
     def close(self) -> None:
@@ -305,9 +363,35 @@ class TrunkFile:
 
 def _open(path: str) -> int:
     try:
-        return os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise ReadError(f"{path}: cannot open the packed trunk ({e.strerror})") from None
+        return open_regular(path, "the packed trunk", ReadError)
+    except Dsv4Error as e:
+        raise ReadError(str(e)) from None
+
+
+def read_pack_manifest(root: Path) -> dict:
+    """The manifest of the pack in `root`, of this format, naming a data file inside `root`;
+    CheckpointError otherwise (an older format: with the command that upgrades it)."""
+    mpath = root / MANIFEST
+    try:
+        m = json.loads(read_regular(mpath, "the manifest", CheckpointError, limit=MANIFEST_LIMIT))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{mpath}: unreadable manifest ({type(e).__name__}); {_restart(root)}") from None
+    if not isinstance(m, dict):
+        raise CheckpointError(f"{mpath}: not a manifest (a JSON object is expected); {_restart(root)}")
+    fmt = m.get("format")
+    if fmt in UPGRADABLE:
+        raise CheckpointError(
+            f"{mpath}: format {fmt!r} has no position-sensitive checksums (this dsv4stream reads {FORMAT!r});"
+            f" {upgrade_hint(root)}"
+        )
+    if fmt != FORMAT:
+        raise CheckpointError(f"{mpath}: format {fmt!r}, this dsv4stream reads {FORMAT!r}; {_restart(root)}")
+    if not valid_file_name(m.get("file")):
+        raise CheckpointError(
+            f"{mpath}: its 'file' {m.get('file')!r} is not a plain file name inside {root}; the manifest is"
+            f" damaged or not ours — {_restart(root)}"
+        )
+    return m
 
 
 def _pread(path: str, offset: int, nbytes: int, fd: int | None = None) -> np.ndarray:
@@ -339,7 +423,7 @@ def open_trunk_file(cat: Catalog, trunk: str | os.PathLike | None, verify: bool 
         return None
     if trunk is None:
         default = default_out_dir(cat.root)
-        if not (default / MANIFEST).is_file():
+        if describe(default / MANIFEST) is None:
             return None
         trunk = default
     return TrunkFile.open(trunk, cat, verify=verify)

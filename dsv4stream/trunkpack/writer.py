@@ -23,7 +23,6 @@ the pack holds and reads every other trunk tensor straight from the shards.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -32,8 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import xxhash
+
 from ..checkpoint.catalog import Catalog
 from ..errors import BudgetError, Dsv4Error, InternalError, ReadError, ShortReadError, UsageError
+from ..files import read_regular
 from .format import (
     ALIGN,
     CHUNK,
@@ -42,16 +44,17 @@ from .format import (
     MANIFEST,
     TRUNK_FILE,
     PlannedRun,
-    digest_range,
+    RunDigest,
+    digest_run,
     hash_range,
     manifest_dict,
     new_hash,
     plan_id,
     plan_runs,
     round_up,
-    word_sum,
 )
 from .packdir import (
+    MANIFEST_LIMIT,
     check_out_dir,
     default_out_dir,
     drop_lock,
@@ -78,8 +81,8 @@ class PackResult:
 def _read_journal(path: Path, plan: str) -> dict[str, str] | None:
     """key -> checksum of the runs a previous attempt finished; None if it was another plan."""
     try:
-        lines = path.read_text().splitlines()
-    except OSError:
+        lines = read_regular(path, "the journal", limit=MANIFEST_LIMIT).decode().splitlines()
+    except (Dsv4Error, OSError, UnicodeDecodeError):
         return None
     try:
         if json.loads(lines[0]).get("plan") != plan:
@@ -174,17 +177,17 @@ class _Copier:
             os.close(fd)
         self.src.clear()
 
-    def _zeros(self, h: hashlib.blake2b, pos: int, n: int) -> None:
+    def _zeros(self, h: _Both, pos: int, n: int) -> None:
         if n:
             z = bytes(n)
             h.update(z)
             os.pwrite(self.out_fd, z, pos)
 
-    def write_run(self, run: PlannedRun) -> tuple[str, str]:
-        """(blake2b, word sum) of the run as written: tensors start at multiples of 64 and
-        zeros follow each one, so each tensor's zero-padded word sum is the file's."""
-        h = new_hash()
-        words = 0
+    def write_run(self, run: PlannedRun) -> RunDigest:
+        """The checksums of the run as written (every byte, padding included, hashed as it goes
+        to the file, so the sums describe what is on disk, not what was meant to be)."""
+        h = _Both(new_hash(), xxhash.xxh3_64())
+        tensor_sums: dict[str, str] = {}
         pos = run.offset
         for t in run.tensors:
             self._zeros(h, pos, t.offset - pos)  # padding is written too: it may hold old garbage
@@ -192,6 +195,7 @@ class _Copier:
             fd = self.src.get(e.path)
             if fd is None:
                 fd = self.src[e.path] = _open_read(e.path)
+            th = xxhash.xxh3_64()
             done = 0
             while done < e.nbytes:
                 try:
@@ -205,15 +209,16 @@ class _Copier:
                         f"{e.path}: short read of '{e.name}' at byte {e.offset + done}; the shard is truncated"
                     )
                 h.update(b)
-                words += word_sum(b)  # chunks start at multiples of CHUNK inside the tensor: word-aligned
+                th.update(b)
                 os.pwrite(self.out_fd, b, t.offset + done)
                 done += len(b)
                 self.on_bytes(len(b))
+            tensor_sums[e.name] = th.hexdigest()
             pos = t.offset + e.nbytes
         end = run.offset + run.nbytes
         self._zeros(h, pos, end - pos)
         self.on_bytes(run.nbytes - sum(t.src.nbytes for t in run.tensors))
-        return h.hexdigest(), f"{words % (1 << 64):016x}"
+        return RunDigest(h.a.hexdigest(), h.b.hexdigest(), tensor_sums)
 
 
 def pack_trunk(
@@ -278,7 +283,7 @@ def _stage_manifest_sums(stage: Path, plan: str) -> dict[str, str] | None:
 def _meta_bytes(cat: Catalog, runs: list[PlannedRun], n: int) -> int:
     """Disk the manifest (written last) and the journal take, in whole pages."""
     manifest = json.dumps(
-        manifest_dict(cat, runs, {r.key: "0" * 32 for r in runs}, n, "0" * 32, {r.key: "0" * 16 for r in runs}),
+        manifest_dict(cat, runs, {r.key: _placeholder(r) for r in runs}, n, "0" * 32),
         indent=1,
     )
     journal = 200 + 100 * len(runs)
@@ -326,8 +331,8 @@ def _pack_locked(cat, runs, plan, n, out, replace, progress, on_run, t0) -> Pack
     copier = _Copier(fd, str(data), lambda k: None)
     try:
         size = os.fstat(fd).st_size
-        sums, words, skipped = _keep_verified(fd, runs, done, size, progress)
-        todo = [r for r in runs if r.key not in sums]
+        digests, skipped = _keep_verified(fd, runs, done, size, progress)
+        todo = [r for r in runs if r.key not in digests]
         # blocks already on disk (kept runs, and whatever a run cut short by a full disk wrote)
         # are reused in place: only the rest, plus the manifest and journal, needs free space
         need = max(0, total - os.fstat(fd).st_blocks * 512) + meta
@@ -354,9 +359,9 @@ def _pack_locked(cat, runs, plan, n, out, replace, progress, on_run, t0) -> Pack
             copier.on_bytes = bar.update
             for r in todo:
                 try:
-                    sums[r.key], words[r.key] = copier.write_run(r)
+                    digests[r.key] = copier.write_run(r)
                     os.fdatasync(fd)
-                    jf.write(json.dumps({"key": r.key, "blake2b": sums[r.key], "sum64": words[r.key]}) + "\n")
+                    jf.write(json.dumps({"key": r.key, "blake2b": digests[r.key].blake2b}) + "\n")
                     jf.flush()
                     os.fsync(jf.fileno())
                 except OSError as e:
@@ -373,7 +378,7 @@ def _pack_locked(cat, runs, plan, n, out, replace, progress, on_run, t0) -> Pack
 
     tmp_manifest = stage / (MANIFEST + ".tmp")
     try:
-        tmp_manifest.write_text(json.dumps(manifest_dict(cat, runs, sums, n, plan, words), indent=1) + "\n")
+        tmp_manifest.write_text(json.dumps(manifest_dict(cat, runs, digests, n, plan), indent=1) + "\n")
         with open(tmp_manifest, "rb+") as f:
             os.fsync(f.fileno())
     except OSError as e:
@@ -407,17 +412,36 @@ def tqdm_bar(total: int, desc: str, progress: bool):
 
 
 def _keep_verified(fd: int, runs: list[PlannedRun], done: dict[str, str], size: int, progress: bool):
-    """Runs a previous attempt journaled: keep each one whose bytes still hash the same."""
-    sums: dict[str, str] = {}
-    words: dict[str, str] = {}
+    """Runs a previous attempt journaled: keep each one whose bytes still hash the same (blake2b),
+    with its checksums computed afresh from the bytes on disk."""
+    digests: dict[str, RunDigest] = {}
     skipped: list[str] = []
     to_check = [r for r in runs if r.key in done and r.offset + r.nbytes <= size]
     if to_check:
         with tqdm_bar(sum(r.nbytes for r in to_check), "verify", progress) as bar:
             for r in to_check:
-                blake, word = digest_range(fd, r.offset, r.nbytes, bar.update)
-                if blake == done[r.key]:
-                    sums[r.key], words[r.key] = blake, word
+                d = digest_run(fd, r.offset, r.nbytes, _tensor_ranges(r), bar.update)
+                if d.blake2b == done[r.key]:
+                    digests[r.key] = d
                     skipped.append(r.key)
         _say(f"resuming: {len(skipped)} of {len(runs)} runs already written and verified", progress)
-    return sums, words, skipped
+    return digests, skipped
+
+
+def _tensor_ranges(r: PlannedRun) -> tuple[tuple[str, int, int], ...]:
+    return tuple((t.src.name, t.offset, t.src.nbytes) for t in r.tensors)
+
+
+def _placeholder(r: PlannedRun) -> RunDigest:
+    return RunDigest("0" * 32, "0" * 16, {t.src.name: "0" * 16 for t in r.tensors})
+
+
+class _Both:
+    """Two hashes fed the same bytes."""
+
+    def __init__(self, a, b) -> None:
+        self.a, self.b = a, b
+
+    def update(self, data) -> None:
+        self.a.update(data)
+        self.b.update(data)
