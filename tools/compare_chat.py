@@ -134,13 +134,17 @@ def tool_def(r: random.Random, release: str) -> dict[str, Any]:
     if release == "v41" and r.random() < 0.05:
         name = "ns::" + name if r.random() < 0.8 else "a::b::c"
     fn: dict[str, Any] = {"name": name}
+    tool: dict[str, Any] = {"type": "function", "function": fn}
+    if release == "v41" and r.random() < 0.05:  # the encoder qualifies names with a namespace
+        where = tool if r.random() < 0.5 else fn
+        where["namespace"] = r.choice(["ns", "", {"name": "ns", "description": text(r, 2)}, {"name": "n2"}, {}, 5])
     if r.random() < 0.8:
         fn["description"] = text(r, 3)
     if r.random() < 0.8:
         props = {text(r, 1) or "p": {"type": r.choice(["string", "integer", "object", "array"]), "description": text(r, 2)}
                  for _ in range(r.randrange(3))}  # fmt: skip
         fn["parameters"] = {"type": "object", "properties": props, "required": list(props)[:1]}
-    return {"type": "function", "function": fn}
+    return tool
 
 
 def content(r: random.Random, release: str, role: str, image: bool) -> Any:

@@ -211,7 +211,9 @@ def _function(tool: Any) -> dict[str, Any]:
     if tool.get("namespace") is not None:
         function["namespace"] = tool["namespace"]
     namespace = function.pop("namespace", None)
-    ns_name = namespace.get("name") if isinstance(namespace, Mapping) else namespace
+    if isinstance(namespace, Mapping) and "name" not in namespace:
+        raise UsageError(f"tool {function['name']!r}: a namespace object needs a name")
+    ns_name = namespace["name"] if isinstance(namespace, Mapping) else namespace
     function["name"] = qualified_name(function["name"], ns_name)
     if isinstance(namespace, Mapping) and namespace.get("description"):
         function["description"] = namespace["description"] + "\n" + (function.get("description") or "")
@@ -220,12 +222,14 @@ def _function(tool: Any) -> dict[str, Any]:
 
 def qualified_name(name: str, namespace: Any = None) -> str:
     """A tool name as the encoder writes it: `ns::name`; at most one `::` (UsageError otherwise)."""
+    if namespace is not None and not isinstance(namespace, str):
+        raise UsageError(f"tool {name!r}: its namespace must be text, got {namespace!r}")
     prefix, sep, bare = name.partition("::")
     if sep:
         if namespace not in (None, prefix):
             raise UsageError(f"tool {name!r}: its namespace {prefix!r} differs from {namespace!r}")
         namespace, name = prefix, bare
-    if "::" in name or (isinstance(namespace, str) and "::" in namespace):
+    if "::" in name or (namespace is not None and "::" in namespace):
         raise UsageError(f"tool name {name!r}: a name or namespace may not contain '::'")
     return name if namespace is None else f"{namespace}::{name}"
 
