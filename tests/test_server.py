@@ -24,9 +24,9 @@ from test_dsml import EXPECTED_TOOLS_SECTION, WEATHER
 
 from dsv4stream.checkpoint import synth
 from dsv4stream.checkpoint.catalog import Catalog
-from dsv4stream.cli.serve import is_loopback
 from dsv4stream.engine.session import Engine
 from dsv4stream.server.cache import checkpoint_identity, prefix_names
+from dsv4stream.server.security import is_loopback
 from dsv4stream.text import chat
 from dsv4stream.text.tokenizer import Tokenizer
 
@@ -256,7 +256,7 @@ def test_client_going_away_stops_the_generation(server) -> None:
         ({"messages": MSGS, "max_tokens": "8"}, 400, "invalid_field"),
         ({"messages": MSGS, "temperature": "hot"}, 400, "invalid_field"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_field"),
-        ({"messages": MSGS, "n": 2}, 400, "invalid_field"),
+        ({"messages": MSGS, "n": 17}, 400, "invalid_field"),
         ({"messages": [{"role": "user", "content": "word " * 700}]}, 400, "context_length_exceeded"),
         ({"messages": [{"role": "user", "content": "x" * 300_000}]}, 413, "too_large"),
     ],

@@ -20,7 +20,7 @@ CALLS = (ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("now", "{}"))
 def test_non_streamed_tool_calls_parse_as_a_chat_completion() -> None:
     outcome = Outcome("tool_calls", "", reasoning="hm", content="Let me check.", tool_calls=CALLS)
     usage = Usage(prompt_tokens=30, cached_tokens=12, completion_tokens=9)
-    body = ChatCompletion.model_validate(chat_body(_Meta("chatcmpl", "m"), outcome, True, usage))
+    body = ChatCompletion.model_validate(chat_body(_Meta("chatcmpl", "m"), [outcome], True, usage))
     msg = body.choices[0].message
     assert body.choices[0].finish_reason == "tool_calls" and msg.content == "Let me check."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
@@ -40,7 +40,8 @@ def test_streamed_chunks_parse_and_carry_one_delta_per_call() -> None:
             ("delta", Delta(reasoning="why")),
             ("delta", Delta(content="Sure.")),
             ("delta", Delta(tool_calls=CALLS)),
-            ("done", Outcome("tool_calls", "", content="Sure.", tool_calls=CALLS)),
+            ("finish", Outcome("tool_calls", "", content="Sure.", tool_calls=CALLS)),
+            ("done", [Outcome("tool_calls", "", content="Sure.", tool_calls=CALLS)]),
         ):
             events.emit(*ev)
         return [s async for s in chat_chunks(job, events, _Meta("chatcmpl", "m", include_usage=True), 5.0)]

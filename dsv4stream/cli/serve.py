@@ -4,13 +4,14 @@ Owns: the options (checked before anything slow starts), binding the socket firs
 in use is one line, exit 2), loading the model in the background while `/health` answers
 "loading", the plan on stderr, then `listening on http://HOST:PORT`; the prefix caches'
 sizes (`--keep-states` states in RAM, counted in the plan; `--kv-cache DIR` on disk up to
-`--kv-cache-gb`), and shutting down cleanly on Ctrl-C / SIGTERM. The HTTP layer is
-`dsv4stream.server`.
+`--kv-cache-gb`), who may call (`--api-key`, `--cors-origin`, `--allowed-host`: see
+`server.security`), the limits on clients (`--max-queue`, `--max-connections`, header and
+body timeouts: `server.transport`), and shutting down cleanly on Ctrl-C / SIGTERM. The
+HTTP layer is `dsv4stream.server`.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import signal
 import socket
 import threading
@@ -24,6 +25,7 @@ from ..errors import UsageError
 from ..run import planner
 from ..run.runinfo import RunOptions
 from ..run.runtime import Runtime
+from ..server.security import is_loopback
 from ..text import chat
 from ..text.sampler import banned_ids
 from .budget import budget_bytes
@@ -55,20 +57,28 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 @click.command("serve")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port.")
-@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1/ endpoints.")
+@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1/ endpoints and /metrics.")
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    help="Let web pages of this origin (scheme://host[:port]; repeat, or comma-separated; * for any) call the API.",
+)
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="Also answer requests whose Host is this name (repeatable; * for any). On loopback only localhost,"
+    " 127.0.0.1 and [::1] are answered otherwise.",
+)
+@click.option("--max-queue", type=int, default=64, show_default=True, help="Requests waiting before 429.")
+@click.option("--max-connections", type=int, default=64, show_default=True, help="Open connections at most.")
+@click.option("--header-timeout", type=float, default=10.0, show_default=True, help="Seconds to send the headers.")
+@click.option("--body-timeout", type=float, default=60.0, show_default=True, help="Seconds to send the body.")
 @click.option("--budget", type=float, default=None, help="GB the whole process may hold. [default: 80% of available]")
 @click.option("--ctx", type=int, default=4096, show_default=True, help="Longest sequence (prompt + answer) served.")
 @click.option(
@@ -107,6 +117,12 @@ def serve(
     host: str,
     port: int,
     api_key: str | None,
+    cors_origins: tuple[str, ...],
+    allowed_hosts: tuple[str, ...],
+    max_queue: int,
+    max_connections: int,
+    header_timeout: float,
+    body_timeout: float,
     budget: float | None,
     ctx: int,
     keep_states: int,
@@ -131,6 +147,9 @@ def serve(
     import uvicorn
 
     from ..server.app import AccessLog, ServerState, create_app
+    from ..server.metrics import counting
+    from ..server.security import Guard, Policy, host_name, normalize_origins
+    from ..server.transport import Limits, guarded_protocol
 
     checks = (
         ("--ctx", ctx),
@@ -141,10 +160,27 @@ def serve(
     for name, value in checks:
         if value is not None and value < 1:
             raise UsageError(f"{name} {value}: give at least 1")
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key is empty: give a key (e.g. from `openssl rand -hex 24`), or leave the option out")
+    if api_key is not None and (api_key != api_key.strip() or not api_key.isprintable() or not api_key.isascii()):
+        raise UsageError("--api-key: use printable ASCII without leading or trailing spaces (it travels in a header)")
+    try:
+        origins = normalize_origins(cors_origins)
+    except ValueError as e:
+        raise UsageError(f"--cors-origin {e}") from None
+    hosts = tuple(h for h in (host_name(h) for value in allowed_hosts for h in value.split(",")) if h)
+    if max_queue < 0:
+        raise UsageError(f"--max-queue {max_queue}: give 0 (never wait) or more")
+    if max_connections < 1:
+        raise UsageError(f"--max-connections {max_connections}: give at least 1")
     if keep_states < 0:
         raise UsageError(f"--keep-states {keep_states}: give 0 (no reuse) or more")
-    for name, value in (("--kv-cache-gb", kv_cache_gb), ("--max-body-mb", max_body_mb), ("--keep-alive", keep_alive)):
-        if not value > 0:
+    positive = (
+        ("--kv-cache-gb", kv_cache_gb), ("--max-body-mb", max_body_mb), ("--keep-alive", keep_alive),
+        ("--header-timeout", header_timeout), ("--body-timeout", body_timeout),
+    )  # fmt: skip
+    for name, value in positive:
+        if not 0 < value < float("inf"):
             raise UsageError(f"{name} {value}: give a positive number")
     if not 0 < port < 65536:
         raise UsageError(f"--port {port}: give a port in 1..65535")
@@ -162,12 +198,15 @@ def serve(
 
     sock = bind(host, port)
     srv = ServerState(
-        checkpoint.resolve().name, tokenizer, ctx, _say, api_key, chat.encoder_for(cfg.layout, getattr(cfg, "family", "v4")), keep_alive,
-        int(max_body_mb * 1e6),
+        checkpoint.resolve().name, tokenizer, ctx, _say, chat.encoder_for(cfg.layout, getattr(cfg, "family", "v4")),
+        keep_alive, int(max_body_mb * 1e6), max_queue,
     )  # fmt: skip
+    policy = Policy(api_key, is_loopback(host), hosts, origins)
+    limits = Limits(header_timeout, body_timeout, max_connections)
+    app = create_app(srv)
     config = uvicorn.Config(
-        AccessLog(create_app(srv), _say), log_level="warning", access_log=False, lifespan="off",
-        timeout_graceful_shutdown=3,
+        AccessLog(counting(Guard(app, policy), srv.metrics), _say), log_level="warning", access_log=False, lifespan="off",
+        timeout_graceful_shutdown=3, http=guarded_protocol(limits, _say),
     )  # fmt: skip
     server = uvicorn.Server(config)
     failure: list[BaseException] = []

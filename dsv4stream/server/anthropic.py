@@ -5,12 +5,18 @@ text, `thinking`, `tool_use` and `tool_result` blocks; tools with `input_schema`
 `thinking: {"type": "enabled"}`; `stop_sequences`) into the OpenAI chat body `prompt`
 already renders, and the answer back: content blocks (thinking, text, tool_use),
 `stop_reason` (end_turn, max_tokens, stop_sequence, tool_use), usage with
-`cache_read_input_tokens`, and the streaming events (message_start, content_block_*,
-message_delta, message_stop; `ping` while waiting).
+`cache_read_input_tokens` (input_tokens counts only what was not read from the prefix
+cache, the same in message_start and message_delta: message_start waits for the engine to
+have looked the prompt up, with SSE comments meanwhile), the streaming events
+(message_start, content_block_*, message_delta, message_stop; `ping` while a prefill
+runs), `POST /v1/messages/count_tokens`, and errors in Anthropic's shape (`errors`).
+Content is text only: an image, a document or any other block, at the top level or inside
+a tool_result, is a 400.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,35 +29,44 @@ from .app import (
     _Events,
     _Meta,
     build,
+    check_length,
     job_events,
     make_job,
     read_body,
+    ready,
     sse_response,
     stream_error,
+    submit,
     validate,
     wait_done,
 )
 from .prompt import chat_prompt
 from .reply import Outcome
-from .schemas import AnthropicRequest, ChatRequest
+from .schemas import AnthropicRequest, ChatRequest, CountRequest
 from .worker import Job
 
 
 def add_routes(app: FastAPI, srv: ServerState) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request):
-        body, worker = await read_body(request, srv)
-        req = validate(AnthropicRequest, body)
-        chat_body = to_openai(req)
-        creq = validate(ChatRequest, chat_body)
-        prompt = build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
+        worker = ready(srv)
+        body = await read_body(request, srv)
+
+        def parse():
+            req = validate(AnthropicRequest, body)
+            check_length(srv, body["messages"], body.get("system"))
+            chat_body = to_openai(req)
+            creq = validate(ChatRequest, chat_body)
+            return req, creq, build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
+
+        req, creq, prompt = await asyncio.to_thread(parse)
         job, events = make_job(srv, prompt, req.max_tokens, creq)
         request.state.usage = job.usage
-        worker.submit(job)
+        submit(srv, worker, job)
         meta = _Meta("msg", srv.model)
         if req.stream:
             return sse_response(_stream(job, events, meta, srv.keepalive, len(prompt.ids)))
-        outcome = await wait_done(job, events, request)
+        outcome = (await wait_done(job, events, request))[0]
         blocks: list[dict[str, Any]] = []
         if prompt.thinking and outcome.reasoning:
             blocks.append({"type": "thinking", "thinking": outcome.reasoning, "signature": ""})
@@ -61,8 +76,23 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
             blocks.append({"type": "tool_use", "id": meta.call_id(i), "name": c.name, "input": json.loads(c.arguments)})
         return {
             "id": meta.id, "type": "message", "role": "assistant", "model": srv.model, "content": blocks,
-            "stop_reason": _stop_reason(outcome, job), "stop_sequence": None, "usage": _usage(job),
+            "stop_reason": _stop_reason(outcome, job), "stop_sequence": _stop_sequence(outcome, job),
+            "usage": _usage(job),
         }  # fmt: skip
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        body = await read_body(request, srv)
+
+        def count() -> int:
+            req = validate(CountRequest, body)
+            chat_body = to_openai(
+                AnthropicRequest.model_validate({**req.model_dump(exclude_none=True), "max_tokens": 1})
+            )
+            creq = validate(ChatRequest, chat_body)
+            return len(build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder)).ids)
+
+        return {"input_tokens": await asyncio.to_thread(count)}
 
 
 def to_openai(req: AnthropicRequest) -> dict[str, Any]:
@@ -87,7 +117,8 @@ def to_openai(req: AnthropicRequest) -> dict[str, Any]:
                 fn = {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}
                 calls.append({"id": b.get("id"), "type": "function", "function": fn})
             elif kind == "tool_result" and role == "user":
-                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": _text(b.get("content"))})
+                text = _text(b.get("content"), f"messages.{i}.content.tool_result")
+                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
             else:
                 raise ApiError(400, f"messages.{i}: content block {kind!r} is not supported", code="invalid_field")
         if role == "assistant":
@@ -116,12 +147,23 @@ def to_openai(req: AnthropicRequest) -> dict[str, Any]:
     return body
 
 
-def _text(content: Any) -> str:
+def _text(content: Any, where: str = "content") -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        return "\n\n".join(b.get("text") or "" for b in content if isinstance(b, dict) and b.get("type") == "text")
-    raise ApiError(400, "content must be text or a list of text blocks", code="invalid_field")
+        texts = []
+        for j, b in enumerate(content):
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind != "text":
+                raise ApiError(400, f"{where}.{j}: content block {kind!r} is not supported: this model reads text"
+                               " only", code="invalid_field")  # fmt: skip
+            texts.append(b.get("text") or "")
+        return "\n\n".join(texts)
+    raise ApiError(400, f"{where} must be text or a list of text blocks", code="invalid_field")
+
+
+def _stop_sequence(outcome: Outcome, job: Job) -> str | None:
+    return job.reply.stop_hit if _stop_reason(outcome, job) == "stop_sequence" else None
 
 
 def _stop_reason(outcome: Outcome, job: Job) -> str:
@@ -146,11 +188,14 @@ def _event(name: str, data: dict[str, Any]) -> str:
 
 
 async def _stream(job: Job, events: _Events, meta: _Meta, keepalive: float, n_prompt: int) -> AsyncIterator[str]:
-    message = {
-        "id": meta.id, "type": "message", "role": "assistant", "model": meta.model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": n_prompt, "output_tokens": 0},
-    }  # fmt: skip
-    yield _event("message_start", {"message": message})
+    def start() -> str:
+        message = {
+            "id": meta.id, "type": "message", "role": "assistant", "model": meta.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": {**_usage(job), "output_tokens": 0},
+        }  # fmt: skip
+        return _event("message_start", {"message": message})
+
+    started = False
     index, open_kind = -1, None
 
     def switch(kind: str, start: dict[str, Any]) -> list[str]:
@@ -160,7 +205,15 @@ async def _stream(job: Job, events: _Events, meta: _Meta, keepalive: float, n_pr
         return [*out, _event("content_block_start", {"index": index, "content_block": start})]
 
     async for kind, payload in job_events(job, events, keepalive):
-        if kind in ("comment", "progress"):
+        if not started and kind in ("started", "error"):
+            started = True
+            if kind == "started":
+                yield start()
+                continue
+        if not started:
+            if kind == "comment":
+                yield f": {payload}\n\n"
+        elif kind in ("comment", "progress"):
             yield _event("ping", {})
         elif kind == "delta":
             for text, block, delta in (
@@ -183,7 +236,7 @@ async def _stream(job: Job, events: _Events, meta: _Meta, keepalive: float, n_pr
         elif kind == "done":
             if open_kind is not None:
                 yield _event("content_block_stop", {"index": index})
-            delta = {"stop_reason": _stop_reason(payload, job), "stop_sequence": None}
+            delta = {"stop_reason": _stop_reason(payload[0], job), "stop_sequence": _stop_sequence(payload[0], job)}
             yield _event("message_delta", {"delta": delta, "usage": _usage(job)})
             yield _event("message_stop", {})
         elif kind == "error":

@@ -78,7 +78,7 @@ def completion_prompt(tok: Tokenizer, req: CompletionRequest) -> Prompt:
 
 def sampling(req: Sampling) -> SamplingParams:
     t = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
-    seed = req.seed if req.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
+    seed = req.seed if req.seed is not None and req.seed >= 0 else int(np.random.SeedSequence().entropy % 2**63)
     return SamplingParams(t, req.top_k or 0, 1.0 if req.top_p is None else req.top_p, req.min_p or 0.0, seed)
 
 

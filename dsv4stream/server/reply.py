@@ -24,9 +24,11 @@ class Delta:
     reasoning: str = ""
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+    index: int = 0  # the choice it belongs to (n > 1)
+    logprobs: list = field(default_factory=list)  # decoding.TokenLogprob of the tokens whose text this is
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
+        return bool(self.reasoning or self.content or self.tool_calls or self.logprobs)
 
 
 @dataclass
@@ -36,6 +38,8 @@ class Outcome:
     reasoning: str = ""
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = field(default_factory=tuple)
+    index: int = 0
+    logprobs: list = field(default_factory=list)  # every token's decoding.TokenLogprob, EOS excepted
 
 
 def _held_prefix(text: str, marks: Sequence[str]) -> int:
@@ -61,6 +65,7 @@ class ReplyStream:
         stops: Sequence[str] = (),
         eos: int | None = None,
         grammar: dsml.Grammar = dsml.V4,
+        parallel: bool = True,
     ) -> None:
         self.tok = tok
         self.grammar = grammar  # the release's DSML tags (V4.1: `<｜DSML｜ calls>`)
@@ -69,10 +74,12 @@ class ReplyStream:
         self.eos = tok.special.eos if eos is None else eos
         self.stops = [s for s in stops if s]
         self.tools = tools
+        self.parallel = parallel  # False: one tool call at most (parallel_tool_calls: false); later ones dropped
         self.in_reasoning = thinking
         self.text = ""  # decoded so far, before stop handling
         self.passed = 0  # end of the text past the stop check
         self.stopped = False  # a stop string was met
+        self.stop_hit: str | None = None  # which one
         self._pending = ""  # passed the stop check, not yet split
         self._block: str | None = None  # text of a DSML block being collected
         self.reasoning, self.content = "", ""
@@ -93,6 +100,8 @@ class ReplyStream:
             block, self._block = self._block, None
             try:
                 self.calls = parse_block(block[len(self.block_start) :], self.grammar)
+                if not self.parallel:
+                    self.calls = self.calls[:1]
                 delta.tool_calls = self.calls
             except DsmlError:
                 delta.content += block
@@ -108,8 +117,8 @@ class ReplyStream:
             new = ""
         for s in self.stops:
             at = new.find(s)
-            if at >= 0:
-                new, self.stopped = new[:at], True
+            if at >= 0:  # the earliest stop string wins: each cut leaves only text before it
+                new, self.stopped, self.stop_hit = new[:at], True, s
         if self.stopped or final:
             take = len(new)
         else:

@@ -37,6 +37,9 @@ class LiveStats:
         self._last: dict[str, Any] | None = None
         self._served = 0
         self._totals = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0}
+        # for /metrics: whole-run counters
+        self._counts = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "cache_hits_ram": 0,
+                        "cache_hits_disk": 0}  # fmt: skip
         self._mark = self._store_counts()
         self._mark_t = time.monotonic()
         trunk = rt.trunk.stats()
@@ -93,6 +96,12 @@ class LiveStats:
             t["prefill_seconds"] += usage.prefill_seconds
             t["decode_tokens"] += max(usage.completion_tokens - 1, 0)
             t["decode_seconds"] += usage.decode_seconds
+            c = self._counts
+            c["prompt_tokens"] += usage.prompt_tokens
+            c["cached_tokens"] += usage.cached_tokens
+            c["completion_tokens"] += usage.completion_tokens
+            if usage.cache_source:
+                c[f"cache_hits_{usage.cache_source}"] += 1
             self._trunk_bytes = trunk.bytes_read
             self._last = {
                 "prompt_tokens": usage.prompt_tokens,
@@ -105,6 +114,16 @@ class LiveStats:
             }
 
     # ---- any thread -------------------------------------------------------------------------------
+    def counters(self) -> dict[str, float]:
+        """Totals since the start, for /metrics (monotonic; reads no engine state but the store's counters)."""
+        s = self.rt.store.stats()
+        with self._lock:
+            return {
+                **self._counts, "requests_served": self._served, "prefill_seconds": self._totals["prefill_seconds"],
+                "decode_seconds": self._totals["decode_seconds"], "expert_requests": s.requests,
+                "expert_hits": s.hits, "expert_bytes_read": s.bytes_read, "trunk_bytes_read": self._trunk_bytes,
+            }  # fmt: skip
+
     def snapshot(self, queued: int) -> dict[str, Any]:
         s = self.rt.store.stats()  # its own lock; counters only
         with self._lock:

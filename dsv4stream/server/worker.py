@@ -14,6 +14,10 @@ edited last message reuses the conversation before it), at the prompt's end, and
 reply. Before the lookup, a reply the client sends back as text is given back the ids the
 server sampled for it (`StateCache.splice`): re-tokenising a reply's text need not give the
 same ids, and then the state after the reply would never match.
+
+`n` > 1 choices share the prompt: the first choice runs as a single one would; each other
+choice restores the state the first kept at the prompt's end and starts from the prompt's
+own logits (kept by the first choice's picker), so the prompt is read once.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,9 +35,11 @@ import numpy as np
 from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
 from ..run.runtime import Runtime
-from ..text.sampler import SamplingParams, make_pick
+from ..text.sampler import SamplingParams
 from .cache import DiskCache, StateCache
-from .reply import ReplyStream
+from .decoding import Controls, Picker
+from .grammar import Grammars
+from .reply import Outcome, ReplyStream
 from .stats import LiveStats
 
 Log = Callable[[str], None]
@@ -70,6 +77,17 @@ class Job:
     usage: Usage = field(default_factory=Usage)
     submitted: float = field(default_factory=time.perf_counter)
     counted: bool = False  # its figures went to the live stats
+    controls: Controls = field(default_factory=Controls)
+    more_replies: list[ReplyStream] = field(default_factory=list)  # choices 1.. when n > 1
+    grammars: Grammars | None = None  # with controls.grammar
+    thinking: bool = False  # the reply opens with reasoning (the grammar starts after it)
+    pickers: list[Picker] = field(default_factory=list)  # one per choice, once it has started
+    logprobs: dict[int, list] = field(default_factory=dict)  # per choice: the answer's tokens' entries
+    lp_unsent: dict[int, list] = field(default_factory=dict)  # per choice: entries not yet in a delta
+
+    @property
+    def replies(self) -> list[ReplyStream]:
+        return [self.reply, *self.more_replies]
 
 
 class Worker:
@@ -96,6 +114,7 @@ class Worker:
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.busy = False
         self.served = 0
+        self.recent_seconds: deque[float] = deque(maxlen=8)  # wall time of the last requests, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
         self._thread.start()
 
@@ -103,6 +122,21 @@ class Worker:
     def queued(self) -> int:
         """Requests submitted and not answered yet (waiting, or being generated)."""
         return self.jobs.qsize() + (1 if self.busy else 0)
+
+    @property
+    def waiting(self) -> int:
+        """Requests in the queue behind the one being generated."""
+        return self.jobs.qsize()
+
+    @property
+    def running(self) -> int:
+        return 1 if self.busy else 0
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has likely moved by one place: the mean time of the
+        recent requests times the requests ahead (at least 1)."""
+        recent = self.recent_seconds or [1.0]
+        return max(1, round(sum(recent) / len(recent) * max(self.queued, 1)))
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -135,6 +169,7 @@ class Worker:
                 self.log(traceback.format_exc().rstrip())
                 job.emit("error", e)
             finally:
+                self.recent_seconds.append(job.usage.seconds)
                 self.busy = False
                 self.served += 1
 
@@ -173,6 +208,8 @@ class Worker:
         rt, u = self.rt, job.usage
         ids = self.ram.splice(job.ids, self.decode) if self.decode is not None else job.ids
         cached, state, u.cache_source = self._lookup(ids)
+        u.prompt_tokens, u.cached_tokens = len(ids), cached
+        job.emit("started", (cached, len(ids)))
         self.stats.begin(len(ids), cached)
         session = rt.session(on_route=self.stats.on_route)  # the plan's prefill segment
         if state is not None:
@@ -189,7 +226,7 @@ class Worker:
             self.stats.prefilled(cached + done, len(ids))
             job.emit("progress", (cached + done, len(ids)))
 
-        pick = make_pick(job.params, self.n_ids, np.random.default_rng(job.params.seed), self.banned)
+        pick = self._picker(job, 0)
         eos = job.reply.eos
         got: list[int] = []
         t0 = time.perf_counter()
@@ -209,14 +246,10 @@ class Worker:
                 kept.append((list(ids), session.snapshot()))
             self.stats.token(first=not got)
             got.append(tok)
-            delta = job.reply.push(tok)
-            if delta:
-                job.emit("delta", delta)
+            self._push(job, 0, tok)
             if job.reply.stopped or job.cancelled.is_set():
                 break
-        t_end = time.perf_counter()
         u.prompt_tokens, u.cached_tokens, u.completion_tokens = len(ids), cached, len(got)
-        u.prefill_seconds, u.decode_seconds = t_first - t0, t_end - t_first
         # the last token yielded was never fed: the session has read ids + got[:-1]
         if session.pos != len(ids) + len(got) - 1:
             raise InternalError(f"session at {session.pos} after {len(ids)} prompt + {len(got)} generated tokens")
@@ -227,12 +260,68 @@ class Worker:
         if job.cancelled.is_set():
             self._keep(kept)
             raise Cancelled
-        reason = "stop" if got and got[-1] == eos else "length"
-        last, outcome = job.reply.finish(reason)
-        if last:
-            job.emit("delta", last)
+        outcomes = [self._finish(job, 0, "stop" if got and got[-1] == eos else "length")]
+        if job.more_replies:
+            at_prompt_end = next(st for k, st in kept if len(k) == len(ids))
+            for i in range(1, len(job.replies)):
+                outcomes.append(self._more(job, i, at_prompt_end, pick.first_logits))
+        u.prefill_seconds, u.decode_seconds = t_first - t0, time.perf_counter() - t_first
         # counted and out of the queue before "done": a client that asks /v1/stats next sees it
         self._count(job)
         self.busy = False  # answered, though the kept states are still to be written
-        job.emit("done", outcome)
+        job.emit("done", outcomes)
         self._keep(kept)  # after "done": the client does not wait for the disk
+
+    def _picker(self, job: Job, i: int) -> Picker:
+        seed = job.params.seed
+        rng = np.random.default_rng(seed if i == 0 or seed is None else [seed, i])
+        constraint = None
+        if job.controls.grammar is not None and job.grammars is not None:
+            constraint = job.grammars.constraint(job.controls.grammar, job.thinking)
+        p = Picker(job.controls, job.params, self.n_ids, rng, self.banned, job.max_tokens, constraint)
+        job.pickers.append(p)
+        return p
+
+    def _push(self, job: Job, i: int, tok: int) -> None:
+        reply = job.replies[i]
+        if job.controls.top_logprobs is not None and tok != reply.eos and not reply.in_reasoning:
+            entry = job.pickers[i].logprobs[-1]  # of the answer's text: reasoning has none (as DeepSeek's API)
+            job.logprobs.setdefault(i, []).append(entry)
+            job.lp_unsent.setdefault(i, []).append(entry)
+        delta = reply.push(tok)
+        if delta:
+            delta.index = i
+            delta.logprobs = job.lp_unsent.pop(i, [])
+            job.emit("delta", delta)
+
+    def _finish(self, job: Job, i: int, reason: str) -> Outcome:
+        last, outcome = job.replies[i].finish(reason)
+        outcome.index = i
+        outcome.logprobs = job.logprobs.get(i, [])
+        last.logprobs = job.lp_unsent.pop(i, [])
+        if last:
+            last.index = i
+            job.emit("delta", last)
+        job.emit("finish", outcome)
+        return outcome
+
+    def _more(self, job: Job, i: int, state: SessionState, logits: np.ndarray | None) -> Outcome:
+        """Choice i > 0 from the first choice's state at the prompt's end and its logits there."""
+        if logits is None:
+            raise InternalError("the first choice kept no logits of the prompt's end")
+        session = self.rt.session(on_route=self.stats.on_route)
+        session.restore(state)
+        pick, reply = self._picker(job, i), job.replies[i]
+        got: list[int] = []
+        while True:
+            if job.cancelled.is_set():
+                raise Cancelled
+            tok = pick(logits)
+            got.append(tok)
+            self.stats.token(first=False)
+            self._push(job, i, tok)
+            if tok == reply.eos or reply.stopped or len(got) == job.max_tokens or session.pos >= self.rt.opts.ctx:
+                break
+            logits = session.step(tok)
+        job.usage.completion_tokens += len(got)
+        return self._finish(job, i, "stop" if tok == reply.eos else "length")

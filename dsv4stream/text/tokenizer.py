@@ -36,6 +36,7 @@ and pieces are split at exactly the same places here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -284,7 +285,9 @@ class Tokenizer:
     @staticmethod
     def _encode(hf: tokenizers.Tokenizer, text: str) -> list[int]:
         try:
-            return hf.encode(text, add_special_tokens=False).ids
+            # encode_batch releases the GIL while it works (encode holds it: a server's event
+            # loop would stall for seconds on a long prompt tokenized in another thread)
+            return hf.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError:
             try:
                 text.encode("utf-8")
@@ -299,6 +302,16 @@ class Tokenizer:
         ids = [int(i) for i in ids]  # numpy ints from a sampler are fine too
         self.check_ids(ids)
         return self._hf.decode(ids, skip_special_tokens=skip_special)
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """Characters of the longest token's text: a text of C characters has at least
+        C / longest_token_chars tokens (a bound found without tokenizing)."""
+        return max(len(t) for t in self._hf.get_vocab()) or 1
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (for libraries that build their own from it)."""
+        return self._hf.to_str()
 
     def stream(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special)

@@ -1,0 +1,184 @@
+"""Structured output: grammar-constrained decoding with llguidance on the checkpoint's tokenizer.
+
+Owns: compiling a request's `response_format` (`json_object`, `json_schema`) into an
+llguidance grammar (`Grammars.compile`, checked at request time: a schema it cannot use is
+a 400), and `Constraint`, one per generated choice: the token mask before each pick, the
+tokens consumed after it, and the budget rule that makes the answer parse *whatever the
+weights*:
+
+- Each pick is restricted to the tokens the grammar allows (EOS only once the value is
+  complete; JSON is written compactly, `", "` and `": "` between items, no free whitespace,
+  so a complete value ends the answer).
+- A model that never closes its string (a random one picks `"` about once in 10^5 tokens)
+  would run out of `max_tokens` mid-value. So near the end of the budget the constraint
+  computes a short completion from where the output stands (fast-forced tokens, then
+  closing characters `"`, `}`, `]` and the shortest values `0`, `""`, `[]`, `{}`, `true`,
+  `null`, then the shortest allowed token) and, once that completion plus EOS just fits in
+  what is left, forces it token by token. The answer is then a complete value, ending with
+  EOS, within `max_tokens`, unless the grammar's shortest value is itself longer than that.
+- With thinking on, the grammar starts after `</think>`; the reasoning is forced to end
+  when only the completion's reserve is left.
+
+The llguidance tokenizer is built once per server from the checkpoint's own tokenizer.json
+(about 5 s for V4's 129k entries), on the first request that needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..errors import UsageError
+from ..text.tokenizer import THINK_END, Tokenizer
+
+# tokens tried first when completing a value: closers, then the shortest values
+_CLOSERS = ('"', "}", "]", ",", "0", "[]", "{}", '""', "true", "null", ":")
+_MAX_CLOSING = 512  # a completion longer than this is not searched for
+# JSON as OpenAI's models write it in structured output: ", " and ": ", no free whitespace
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(UsageError):
+    """A response_format or tool schema the grammar compiler refuses."""
+
+
+class Grammars:
+    """The llguidance tokenizer of one checkpoint (built lazily) and grammar compilation."""
+
+    def __init__(self, tok: Tokenizer, n_vocab: int) -> None:
+        self.tok = tok
+        self.n_vocab = n_vocab
+        self._lock = threading.Lock()
+        self._ll = None
+        self._closers: list[int] = []
+        self._short: list[int] = []  # ids of one-byte tokens, ascending: the last resort of a completion
+        self.think_end = tok.token_id(THINK_END)
+
+    @property
+    def ll_tokenizer(self):
+        with self._lock:
+            if self._ll is None:
+                import llguidance
+
+                self._ll = llguidance.LLTokenizer(
+                    self.tok.to_json(), n_vocab=self.n_vocab, eos_token=self.tok.special.eos
+                )
+                for text in _CLOSERS:
+                    ids = self.tok.encode(text)
+                    if len(ids) == 1:
+                        self._closers.append(ids[0])
+                ll = self._ll
+                self._short = [
+                    i for i in range(self.tok.n_tokens) if len(ll.decode_bytes([i])) == 1 and not ll.is_special_token(i)
+                ]
+            return self._ll
+
+    def compile(self, response_format: dict[str, Any] | None) -> str | None:
+        """The grammar of a request's response_format (None: free text)."""
+        if response_format is None or response_format.get("type") == "text":
+            return None
+        if response_format["type"] == "json_object":
+            schema: dict[str, Any] = {"type": "object"}
+        else:
+            spec = response_format["json_schema"]
+            schema = spec.get("schema") or {}
+            if not isinstance(schema, dict):
+                raise GrammarError("response_format.json_schema.schema must be a JSON object")
+        return self.compile_schema(schema, "response_format.json_schema.schema")
+
+    def compile_schema(self, schema: dict[str, Any], where: str) -> str:
+        import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"{where}: not a usable JSON schema ({e})") from None
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if failed:
+            raise GrammarError(f"{where}: not a usable JSON schema ({messages[0] if messages else 'refused'})")
+        return grammar
+
+    def constraint(self, grammar: str, thinking: bool) -> Constraint:
+        return Constraint(self, grammar, thinking)
+
+
+class Constraint:
+    """One choice's grammar state; `allowed` before each pick, `advance` after it."""
+
+    def __init__(self, grammars: Grammars, grammar: str, thinking: bool) -> None:
+        import llguidance
+
+        self.g = grammars
+        self.matcher = llguidance.LLMatcher(grammars.ll_tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise GrammarError(f"the grammar was refused: {self.matcher.get_error()}")
+        self.thinking = thinking  # the reply is still in its reasoning: not constrained yet
+        self.eos = grammars.tok.special.eos
+        self._bits = np.full((grammars.n_vocab + 31) // 32, -1, dtype=np.int32)
+        self._reserve = len(self._closing(self.matcher) or ()) + 1  # the shortest whole answer, EOS included
+        self._forced: list[int] = []
+
+    def restrict(self, logits: np.ndarray, left: int) -> np.ndarray:
+        """`logits` (vocab,) with what the grammar refuses at -inf; `left`: tokens this choice may
+        still generate, this one included."""
+        force = self._force(left)
+        out = np.full_like(logits, -np.inf)
+        if force is not None:
+            out[force] = 0.0 if not np.isfinite(logits[force]) else logits[force]
+            return out
+        if self.thinking:
+            return logits
+        import llguidance.numpy as lnp
+
+        lnp.fill_next_token_bitmask(self.matcher, self._bits.reshape(1, -1))
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: logits.size].astype(bool)
+        out[allowed] = logits[allowed]
+        return out
+
+    def advance(self, token: int) -> None:
+        if self._forced and self._forced[0] == token:
+            self._forced.pop(0)
+        else:
+            self._forced.clear()
+        if self.thinking:
+            if token == self.g.think_end:
+                self.thinking = False
+            return
+        if token != self.eos or not self.matcher.is_stopped():
+            self.matcher.consume_token(token)
+
+    def _force(self, left: int) -> int | None:
+        if self._forced:
+            return self._forced[0]
+        if self.thinking:
+            # the reasoning ends while the answer still fits: </think>, then the completion
+            return self.g.think_end if left <= self._reserve + 1 else None
+        if left > 2 * self._reserve + 64 or self.matcher.is_error():
+            return None
+        path = self._closing(self.matcher)
+        if path is None or len(path) + 1 < left:  # + 1: EOS after the value
+            return None
+        self._forced = [*path, self.eos]
+        return self._forced[0]
+
+    def _closing(self, matcher) -> list[int] | None:
+        """A short token path from `matcher`'s state to a complete value (None: none found)."""
+        m = matcher.deep_copy()
+        path: list[int] = []
+        while not m.is_accepting():
+            if len(path) > _MAX_CLOSING or m.is_error():
+                return None
+            ff = m.compute_ff_tokens()
+            if ff and m.consume_tokens(ff):
+                path += ff
+                continue
+            for t in (*self.g._closers, *self.g._short):
+                if m.try_consume_tokens([t]) == 1:
+                    path.append(t)
+                    break
+            else:
+                return None
+        return path

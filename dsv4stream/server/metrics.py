@@ -1,0 +1,98 @@
+"""`GET /metrics`: the server's figures in Prometheus' text format (`prometheus-client`).
+
+Owns: the request counter (by route and status, counted as each response starts) and a
+collector that reads the live figures at scrape time: tokens (prompt, cached, generated),
+prefill and decode seconds, prefix-cache hits by source, the queue (waiting, running),
+expert-store requests / hits / bytes read and trunk bytes read from disk, and the
+process's resident memory (now and peak). One registry per app, so two servers in one
+process (the tests) do not share counters. Names start with `dsv4_`; counters end in
+`_total` as Prometheus expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..run.memory import peak_rss_bytes
+
+ROUTES = (
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/models", "/v1/stats", "/health", "/metrics",
+)  # fmt: skip
+
+_COUNTERS = (
+    ("requests_served", "requests_served", "Requests answered by the engine"),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens of answered requests"),
+    ("cached_tokens", "cached_prompt_tokens", "Prompt tokens read from the prefix cache instead of prefilled"),
+    ("completion_tokens", "completion_tokens", "Tokens generated"),
+    ("prefill_seconds", "prefill_seconds", "Seconds spent prefilling (to the first token)"),
+    ("decode_seconds", "decode_seconds", "Seconds spent generating after the first token"),
+    ("expert_requests", "expert_requests", "Routed experts asked of the expert store"),
+    ("expert_hits", "expert_hits", "Routed experts found in the expert cache"),
+    ("expert_bytes_read", "expert_disk_read_bytes", "Bytes of routed experts read from disk"),
+    ("trunk_bytes_read", "trunk_disk_read_bytes", "Bytes of streamed trunk layers read from disk"),
+)
+
+
+class _Live:
+    def __init__(self, srv: Any) -> None:
+        self.srv = srv
+
+    def collect(self):
+        w = self.srv.worker
+        if w is not None:
+            c = w.stats.counters()
+            for key, name, doc in _COUNTERS:
+                yield CounterMetricFamily(f"dsv4_{name}", doc, value=c[key])
+            hits = CounterMetricFamily("dsv4_prefix_cache_hits", "Requests that reused a kept state", labels=["source"])
+            hits.add_metric(["ram"], c["cache_hits_ram"])
+            hits.add_metric(["disk"], c["cache_hits_disk"])
+            yield hits
+        queue = GaugeMetricFamily("dsv4_queue_requests", "Requests waiting or running", labels=["state"])
+        queue.add_metric(["waiting"], w.waiting if w is not None else 0)
+        queue.add_metric(["running"], w.running if w is not None else 0)
+        yield queue
+        yield GaugeMetricFamily("dsv4_model_loaded", "1 once the model is loaded", value=1 if w is not None else 0)
+        yield GaugeMetricFamily(
+            "dsv4_resident_memory_bytes", "Resident set size now", value=psutil.Process().memory_info().rss
+        )
+        yield GaugeMetricFamily("dsv4_peak_resident_memory_bytes", "Peak resident set size", value=peak_rss_bytes())
+
+
+class Metrics:
+    def __init__(self, srv: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter(
+            "dsv4_http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.registry.register(_Live(srv))
+
+    def count(self, path: str, status: int) -> None:
+        route = path if path in ROUTES else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        self.requests.labels(route, str(status)).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def counting(app, metrics: Metrics) -> Callable:
+    """ASGI middleware: count each response by route and status as it starts."""
+
+    async def wrapped(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+
+        async def send_(msg) -> None:
+            if msg["type"] == "http.response.start":
+                metrics.count(scope["path"], msg["status"])
+            await send(msg)
+
+        await app(scope, receive, send_)
+
+    return wrapped

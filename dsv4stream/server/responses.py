@@ -1,0 +1,392 @@
+"""`POST /v1/responses`: OpenAI's Responses API over the same prompt and engine path.
+
+Owns: translating a Responses request (`input` as text or items: messages with
+input_text/output_text parts, function_call, function_call_output, reasoning;
+`instructions`; function `tools`; `tool_choice`; `reasoning.effort`; `text.format`;
+`max_output_tokens`; `previous_response_id`) into the chat body `prompt` renders, and the
+answer back: output items (reasoning, message, function_call), `status` / `incomplete_details`,
+usage with cached and reasoning tokens, and the streaming events (response.created,
+response.in_progress, output_item.added/done, content_part.added/done,
+output_text.delta/done, reasoning_text.delta/done, function_call_arguments.delta/done,
+response.completed or response.incomplete), each with its `sequence_number`.
+
+`previous_response_id`: each answered response (unless `store: false`) is kept in memory
+(the last MAX_KEPT) as the chat messages that produced it plus its answer; a request that
+names it continues that conversation. Its prompt then extends the previous one token for
+token, so the prefix cache reads it back instead of prefilling it again. Instructions are
+not carried over (OpenAI's rule): each request gives its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from pydantic import Field
+
+from .app import (
+    ApiError,
+    ServerState,
+    _Events,
+    _Meta,
+    build,
+    check_length,
+    job_events,
+    make_job,
+    read_body,
+    ready,
+    sse_response,
+    stream_error,
+    submit,
+    validate,
+    wait_done,
+)
+from .prompt import chat_prompt
+from .reply import Outcome
+from .schemas import ChatRequest, Seed, _Body
+from .worker import Job
+
+MAX_KEPT = 256  # responses kept for previous_response_id
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    seed: Seed | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+
+
+class Kept:
+    """Answered responses by id, least recently used dropped beyond MAX_KEPT."""
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, rid: str) -> list[dict[str, Any]] | None:
+        with self._lock:
+            got = self._items.get(rid)
+            if got is not None:
+                self._items.move_to_end(rid)
+            return got
+
+    def put(self, rid: str, messages: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._items[rid] = messages
+            while len(self._items) > MAX_KEPT:
+                self._items.popitem(last=False)
+
+
+def add_routes(app: FastAPI, srv: ServerState) -> None:
+    kept = Kept()
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        worker = ready(srv)
+        body = await read_body(request, srv)
+
+        def parse():
+            req = validate(ResponsesRequest, body)
+            check_length(srv, body["input"], body.get("instructions"))
+            history = []
+            if req.previous_response_id is not None:
+                history = kept.get(req.previous_response_id)
+                if history is None:
+                    raise ApiError(404, f"no response {req.previous_response_id!r} is kept here (the server keeps the"
+                                   f" last {MAX_KEPT}, in memory)", code="previous_response_not_found",
+                                   param="previous_response_id")  # fmt: skip
+            conversation = [*history, *input_messages(req.input)]
+            chat_body = to_chat(req, conversation)
+            creq = validate(ChatRequest, chat_body)
+            prompt = build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
+            grammar = build(lambda: srv.grammars.compile(chat_body.get("response_format")))
+            return req, creq, conversation, prompt, grammar
+
+        req, creq, conversation, prompt, grammar = await asyncio.to_thread(parse)
+        job, events = make_job(srv, prompt, req.max_output_tokens, creq, None, grammar)
+        request.state.usage = job.usage
+        submit(srv, worker, job)
+        meta = _Meta("resp", srv.model)
+        shell = _shell(req, meta)
+
+        def keep(outcome: Outcome) -> None:
+            if req.store:
+                kept.put(meta.id, [*conversation, _assistant(outcome, meta)])
+
+        if req.stream:
+            return sse_response(_stream(job, events, meta, shell, srv.keepalive, prompt.thinking, keep))
+        outcome = (await wait_done(job, events, request))[0]
+        keep(outcome)
+        return _final(shell, job, outcome, meta, prompt.thinking)
+
+
+def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses input items -> chat messages (OpenAI chat JSON)."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    out: list[dict[str, Any]] = []
+    reasoning = ""
+    for i, item in enumerate(given):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise ApiError(400, f"input.{i}.role: must be user, assistant, system or developer", param="input")
+            msg: dict[str, Any] = {"role": role, "content": _parts_text(item.get("content"), f"input.{i}.content")}
+            if role == "assistant" and reasoning:
+                msg["reasoning_content"], reasoning = reasoning, ""
+            out.append(msg)
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}  # fmt: skip
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
+                if reasoning:
+                    last["reasoning_content"], reasoning = reasoning, ""
+                out.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _parts_text(output, f"input.{i}.output")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        elif kind == "reasoning":
+            parts = [*(item.get("content") or []), *(item.get("summary") or [])]
+            reasoning += "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
+        else:
+            raise ApiError(400, f"input.{i}: item type {kind!r} is not supported (message, function_call,"
+                           " function_call_output, reasoning)", param="input")  # fmt: skip
+    return out
+
+
+def _parts_text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: text or a list of text parts", param="input")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise ApiError(
+                400, f"{where}.{j}: part {kind!r} is not supported: this model reads text only", param="input"
+            )
+        texts.append(part.get("text") or "")
+    return "".join(texts)
+
+
+def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    body: dict[str, Any] = {"messages": [*messages, *conversation]}
+    for key, value in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
+                       ("top_p", req.top_p), ("seed", req.seed), ("parallel_tool_calls", req.parallel_tool_calls)):  # fmt: skip
+        if value is not None:
+            body[key] = value
+    if req.tools:
+        tools = []
+        for i, t in enumerate(req.tools):
+            if t.get("type") != "function":
+                raise ApiError(400, f"tools.{i}: only function tools are served here, not {t.get('type')!r}",
+                               param="tools")  # fmt: skip
+            fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+            tools.append({"type": "function", "function": fn})
+        body["tools"] = tools
+    if req.tool_choice is not None:
+        choice = req.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        body["tool_choice"] = choice
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None:
+        body["reasoning_effort"] = effort
+    fmt = (req.text or {}).get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise ApiError(400, "text.format.type: text, json_object or json_schema", param="text.format")
+        if fmt["type"] == "json_schema":
+            spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+            body["response_format"] = {"type": "json_schema", "json_schema": spec}
+        else:
+            body["response_format"] = {"type": fmt["type"]}
+    return body
+
+
+def _assistant(outcome: Outcome, meta: _Meta) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": outcome.content}
+    if outcome.reasoning:
+        msg["reasoning_content"] = outcome.reasoning
+    if outcome.tool_calls:
+        msg["tool_calls"] = [
+            {"id": meta.call_id(i), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(outcome.tool_calls)
+        ]
+    return msg
+
+
+def _shell(req: ResponsesRequest, meta: _Meta) -> dict[str, Any]:
+    """The response object's fields that do not depend on the answer."""
+    return {
+        "id": meta.id, "object": "response", "created_at": meta.created, "model": meta.model,
+        "status": "in_progress", "error": None, "incomplete_details": None, "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "output": [],
+        "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
+        "previous_response_id": req.previous_response_id, "reasoning": req.reasoning or {"effort": None},
+        "store": req.store, "temperature": req.temperature if req.temperature is not None else 1.0,
+        "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [], "top_p": req.top_p if req.top_p is not None else 1.0,
+        "truncation": req.truncation or "disabled", "user": req.user, "usage": None,
+    }  # fmt: skip
+
+
+def _items(outcome: Outcome, meta: _Meta, thinking: bool) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    if thinking and outcome.reasoning:
+        items.append({"type": "reasoning", "id": f"rs_{meta.id[5:]}", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": outcome.reasoning}]})  # fmt: skip
+    if outcome.content or not outcome.tool_calls:
+        items.append(_message(meta, outcome.content, "completed"))
+    for i, c in enumerate(outcome.tool_calls):
+        items.append({"type": "function_call", "id": f"fc_{meta.id[5:]}_{i}", "call_id": meta.call_id(i),
+                      "name": c.name, "arguments": c.arguments, "status": "completed"})  # fmt: skip
+    return items
+
+
+def _message(meta: _Meta, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    return {"type": "message", "id": f"msg_{meta.id[5:]}", "status": status, "role": "assistant", "content": content}
+
+
+def _usage(job: Job, outcome: Outcome, thinking: bool) -> dict[str, Any]:
+    u = job.usage
+    reasoning = 0
+    if thinking and outcome.reasoning:
+        reasoning = len(job.reply.tok.encode(outcome.reasoning))
+    return {
+        "input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": min(reasoning, u.completion_tokens)},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }  # fmt: skip
+
+
+def _final(shell: dict[str, Any], job: Job, outcome: Outcome, meta: _Meta, thinking: bool) -> dict[str, Any]:
+    done = outcome.finish_reason != "length"
+    return {
+        **shell, "status": "completed" if done else "incomplete",
+        "incomplete_details": None if done else {"reason": "max_output_tokens"},
+        "output": _items(outcome, meta, thinking), "usage": _usage(job, outcome, thinking),
+    }  # fmt: skip
+
+
+async def _stream(job: Job, events: _Events, meta: _Meta, shell: dict[str, Any], keepalive: float, thinking: bool,
+                  keep) -> AsyncIterator[str]:  # fmt: skip
+    seq = 0
+
+    def ev(name: str, **data: Any) -> str:
+        nonlocal seq
+        seq += 1
+        return f"event: {name}\ndata: {json.dumps({'type': name, 'sequence_number': seq - 1, **data}, ensure_ascii=False)}\n\n"
+
+    yield ev("response.created", response=shell)
+    yield ev("response.in_progress", response=shell)
+    out_index = -1
+    open_kind: str | None = None  # "reasoning" or "message"
+    text = ""
+    rs_id, msg_id = f"rs_{meta.id[5:]}", f"msg_{meta.id[5:]}"
+
+    def close() -> list[str]:
+        nonlocal open_kind, text
+        if open_kind == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            item = {"type": "reasoning", "id": rs_id, "summary": [], "content": [part]}
+            out = [ev("response.reasoning_text.done", item_id=rs_id, output_index=out_index, content_index=0, text=text),
+                   ev("response.output_item.done", output_index=out_index, item=item)]  # fmt: skip
+        elif open_kind == "message":
+            part = {"type": "output_text", "text": text, "annotations": []}
+            out = [ev("response.output_text.done", item_id=msg_id, output_index=out_index, content_index=0, text=text,
+                      logprobs=[]),
+                   ev("response.content_part.done", item_id=msg_id, output_index=out_index, content_index=0, part=part),
+                   ev("response.output_item.done", output_index=out_index, item={**_message(meta, text, "completed")})]  # fmt: skip
+        else:
+            out = []
+        open_kind, text = None, ""
+        return out
+
+    def open_(kind: str) -> list[str]:
+        nonlocal open_kind, out_index
+        out = close()
+        out_index += 1
+        open_kind = kind
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": rs_id, "summary": [], "content": []}
+            return [*out, ev("response.output_item.added", output_index=out_index, item=item)]
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [*out, ev("response.output_item.added", output_index=out_index, item=_message(meta, "", "in_progress")),
+                ev("response.content_part.added", item_id=msg_id, output_index=out_index, content_index=0, part=part)]  # fmt: skip
+
+    calls = 0
+    async for kind, payload in job_events(job, events, keepalive):
+        if kind in ("comment", "progress"):
+            yield ": keep-alive\n\n"
+        elif kind == "delta":
+            if payload.reasoning:
+                if open_kind != "reasoning":
+                    for s in open_("reasoning"):
+                        yield s
+                text += payload.reasoning
+                yield ev("response.reasoning_text.delta", item_id=rs_id, output_index=out_index, content_index=0,
+                         delta=payload.reasoning)  # fmt: skip
+            if payload.content:
+                if open_kind != "message":
+                    for s in open_("message"):
+                        yield s
+                text += payload.content
+                yield ev("response.output_text.delta", item_id=msg_id, output_index=out_index, content_index=0,
+                         delta=payload.content, logprobs=[])  # fmt: skip
+            for c in payload.tool_calls:
+                for s in close():
+                    yield s
+                out_index += 1
+                item = {"type": "function_call", "id": f"fc_{meta.id[5:]}_{calls}", "call_id": meta.call_id(calls),
+                        "name": c.name, "arguments": "", "status": "in_progress"}  # fmt: skip
+                yield ev("response.output_item.added", output_index=out_index, item=item)
+                yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=out_index,
+                         delta=c.arguments)  # fmt: skip
+                yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=out_index,
+                         name=c.name, arguments=c.arguments)  # fmt: skip
+                yield ev("response.output_item.done", output_index=out_index,
+                         item={**item, "arguments": c.arguments, "status": "completed"})  # fmt: skip
+                calls += 1
+        elif kind == "done":
+            outcome = payload[0]
+            if open_kind is None and not outcome.tool_calls and out_index < 0:
+                for s in open_("message"):
+                    yield s
+            for s in close():
+                yield s
+            keep(outcome)
+            final = _final(shell, job, outcome, meta, thinking)
+            yield ev("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
+        elif kind == "error":
+            failed = {**shell, "status": "failed", "error": {"code": "server_error", "message": str(payload)}}
+            yield stream_error(payload).replace("data: ", "event: error\ndata: ", 1)
+            yield ev("response.failed", response=failed)

@@ -1,0 +1,77 @@
+"""Slow and many clients: uvicorn's HTTP/1.1 protocol (h11) with read deadlines and a cap.
+
+Owns: `GuardedH11`, the connection class `dsv4 serve` gives uvicorn. uvicorn times out only
+idle keep-alive connections: a client that sends its headers (or its body) a byte at a
+time holds a connection for ever, and enough of them hold them all. Here:
+
+- a request's headers must be complete within `header_timeout` seconds of the connection
+  opening (later requests on a kept-alive connection: uvicorn's keep-alive timeout);
+- its body within `body_timeout` seconds of its headers;
+- at most `max_connections` connections are open at once: one more is closed at once.
+
+A deadline missed closes the connection (a route waiting for the body sees the client
+gone). Time spent generating an answer is not limited: a request counts as read once its
+body has arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+@dataclass(frozen=True)
+class Limits:
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    max_connections: int = 64
+
+
+def guarded_protocol(limits: Limits, log=None) -> type[H11Protocol]:
+    """An H11Protocol subclass bound to `limits` (uvicorn builds one instance per connection)."""
+
+    class GuardedH11(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+        _seen_cycle: object = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                if log is not None:
+                    log(f"dsv4: refused a connection: {limits.max_connections} already open (--max-connections)")
+                transport.close()
+                return
+            self._arm(limits.header_timeout)
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            cycle = self.cycle
+            if cycle is not None and cycle is not self._seen_cycle:  # headers of a new request are in
+                self._seen_cycle = cycle
+                self._arm(limits.body_timeout)
+            if cycle is not None and not cycle.more_body:
+                self._disarm()
+
+        def _arm(self, seconds: float) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            cycle = self.cycle
+            unread = cycle is None or (cycle.more_body and not cycle.response_started)
+            if unread and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11
