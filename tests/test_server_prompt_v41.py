@@ -88,3 +88,22 @@ def test_v41_tool_calls_are_read_from_the_stream(tok, thinking):
     for t in tok.encode(text):
         v4.push(t)
     assert v4.finish("length")[1].tool_calls == ()
+
+
+@pytest.mark.parametrize("encoder", ["v41", "0731"])
+def test_a_json_schema_is_shown_to_the_model_as_the_encoders_do(tok, tmp_path, encoder):
+    if encoder != "v41":
+        write_tokenizer_files(tmp_path, "v4")
+        (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 129280}))
+        tok = Tokenizer.from_checkpoint(tmp_path)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "Pet", "schema": schema, "strict": True}}
+    body = {"messages": [{"role": "system", "content": "S"}, *MSGS], "response_format": fmt, "tools": [WEATHER]}
+    p = chat_prompt(tok, ChatRequest.model_validate(body), body, encoder)
+    want = [Message("system", "S", tools=(WEATHER,), response_format=schema), Message("user", "Hi")]
+    assert p.ids == chat.encode(tok, want, "chat", encoder=encoder)
+    assert "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n" in tok.decode(p.ids)
+    for other in ({"type": "json_object"}, {"type": "text"}):
+        body = {"messages": MSGS, "response_format": other}
+        plain = chat_prompt(tok, ChatRequest.model_validate(body), body, encoder)
+        assert plain.ids == chat.encode(tok, [Message("user", "Hi")], "chat", encoder=encoder)

@@ -1,8 +1,10 @@
 """Token ids of a request: chat messages in the checkpoint's official format, or a raw completion.
 
 Owns: OpenAI chat JSON -> `chat.Message`s (through `chat.from_openai`), where the tool
-schemas go (on the first system message, as the official encoders render a system message
-that carries `tools`; one with empty text is added when there is none), thinking on or off,
+schemas and a `json_schema` response format's schema go (on the first system message, as the
+official encoders render a system message that carries `tools` and `response_format`; one
+with empty text is added when there is none; the grammar that enforces the format is
+`server/grammar.py`'s), thinking on or off,
 the reasoning effort, the sampling parameters, and the `max_tokens` left within `--ctx`.
 Chat prompts are encoded by `chat.encode`: message content is only ever text, whatever
 control tokens it spells. Raw completions are BOS + text parsed as the tokenizer does
@@ -52,12 +54,17 @@ def chat_prompt(tok: Tokenizer, req: ChatRequest, body: Mapping[str, Any], encod
     thinking = _thinking(req)
     messages = chat.from_openai(body["messages"])
     tools_on = bool(req.tools) and req.tool_choice != "none"
+    declared: dict[str, Any] = {}
     if tools_on:
-        tools = tuple(body["tools"])
+        declared["tools"] = tuple(body["tools"])
+    schema = _response_schema(body.get("response_format"))
+    if schema is not None:
+        declared["response_format"] = schema
+    if declared:
         if messages[0].role == "system":
-            messages[0] = replace(messages[0], tools=tools)
+            messages[0] = replace(messages[0], **declared)
         else:
-            messages.insert(0, Message("system", tools=tools))
+            messages.insert(0, Message("system", **declared))
     effort = _effort(req.reasoning_effort, encoder) if thinking else None
     ids = chat.encode(tok, messages, "think" if thinking else "chat", effort=effort, encoder=encoder)
     return Prompt(ids, thinking, tools_on, _stops(req.stop), chat.grammar(encoder))
@@ -114,6 +121,15 @@ def _effort(asked: str | int | None, encoder: str) -> str | int | None:
         return asked
     alias = _EFFORT_ALIASES.get(asked)
     return alias if alias in chat.effort_choices(encoder)["names"] else None
+
+
+def _response_schema(response_format: Any) -> Any:
+    """The JSON schema of a `json_schema` response format (what the encoders' "## Response
+    Format" section shows the model), else None: `text` and `json_object` name no schema."""
+    if not isinstance(response_format, Mapping) or response_format.get("type") != "json_schema":
+        return None
+    spec = response_format.get("json_schema")
+    return spec.get("schema") if isinstance(spec, Mapping) else None
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
