@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= .demo
 
-.PHONY: demo test lint clean browser
+.PHONY: demo test test-all lint clean screenshots
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,18 +17,17 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed
 	$(BIN)/python tools/demo.py $(DEMO_DIR)
 
-# The chat page's test drives Debian's chromium through chromedriver; installed here when
-# apt-get can be used (root, or sudo without a password), else that one test skips.
-browser:
-	@command -v chromedriver >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
-	  if [ "$$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then \
-	    ($$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
-	      || echo "make: could not install chromium; the browser test will skip"; \
-	  else echo "make: no chromium/chromedriver and no apt-get as root; the browser test will skip"; fi; }
+# `make test`: every test but the ones marked slow (a few minutes on 2 cores); `make test-all`: all of them.
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -m "not slow"
 
-test: $(VENV)/.installed browser
+test-all: $(VENV)/.installed
 	$(BIN)/python -m pytest
+
+# The chat page's screenshots in docs/ (desktop and phone widths), taken by its browser test;
+# needs chromium and chromedriver (Debian: sudo apt-get install chromium chromium-driver).
+screenshots: $(VENV)/.installed
+	DSV4_SCREENSHOT_DIR=docs $(BIN)/python -m pytest -q tests/test_server_page.py
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

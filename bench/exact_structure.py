@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.checkpoint.synth import EXACT_PRESETS, make_checkpoint
+from dsv4stream.checkpoint.synth_v41 import EXACT_PRESETS_V41
 
 
 def validate(ckpt: Path) -> str:
@@ -83,7 +84,9 @@ def machine() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
-    ap.add_argument("--make", choices=EXACT_PRESETS, help="generate the checkpoint first with this preset")
+    ap.add_argument(
+        "--make", choices=(*EXACT_PRESETS, *EXACT_PRESETS_V41), help="generate the checkpoint first with this preset"
+    )
     ap.add_argument("--budget", type=float, default=3.0)
     ap.add_argument("--gen", type=int, default=3)
     ap.add_argument("--prompt-ids", default="0,100,2000,30000")

@@ -27,8 +27,13 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+from dsv4stream.cli.outputs import check_output
+from dsv4stream.errors import UsageError
+from dsv4stream.files import atomic_write
 
 
 def child(ckpt: str, budget: float, length: int, gen: int, seed: int, segment: int | None) -> dict:
@@ -154,6 +159,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the records here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    refuse_bad_output(a.json)
     budgets = [float(b) for b in a.budgets.split(",")]
     lengths = [int(n) for n in a.lengths.split(",")]
     if a.child:
@@ -168,8 +174,15 @@ def main() -> None:
             print(show(recs[-1]), flush=True)
     print(machine())
     if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(recs, f, indent=1)
+        atomic_write(a.json, json.dumps(recs, indent=1) + "\n")
+
+
+def refuse_bad_output(path) -> None:
+    """--json goes through the one output guard of the CLI: never over a checkpoint or pack file."""
+    try:
+        check_output(Path(path) if path else None, "--json")
+    except UsageError as e:
+        raise SystemExit(f"dsv4: {e}") from None
 
 
 if __name__ == "__main__":

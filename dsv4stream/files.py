@@ -132,6 +132,10 @@ class AtomicFile:
         self.path = _target(Path(path))
         self.tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
         fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:  # a file replaced keeps its permission bits
+            os.fchmod(fd, stat.S_IMODE(os.stat(self.path).st_mode))
+        except FileNotFoundError:
+            pass
         self.file: IO = os.fdopen(fd, mode, **kw)
         self.done = False
 

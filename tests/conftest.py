@@ -15,3 +15,11 @@ from dsv4stream import kernels
 def _warm_kernel_cache():
     if kernels.backend_name() == "fast":
         kernels.warmup()
+
+
+@pytest.fixture(scope="session")
+def tiny_v41(tmp_path_factory):
+    """A generated DeepSeek-V4.1 checkpoint (synth preset tiny-v41, seed 1), read-only for tests."""
+    from dsv4stream.checkpoint.synth import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("v41") / "tiny-v41", "tiny-v41", seed=1)

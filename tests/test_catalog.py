@@ -230,7 +230,7 @@ def test_bad_config(copy):
     msg = str(pytest.raises(ConfigError, Catalog.open, copy).value)
     assert str(p) in msg and "missing 'hidden_size'" in msg and "missing 'index_topk'" in msg
     p.unlink()
-    assert "config.json not found" in str(pytest.raises(ConfigError, Catalog.open, copy).value)
+    assert "config.json is missing" in str(pytest.raises(ConfigError, Catalog.open, copy).value)
 
 
 def test_missing_dir_and_no_shards(tmp_path):
@@ -356,5 +356,5 @@ def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(copy, victim):
             timeout=60,
             check=False,
         )
-        assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
+        assert r.returncode == 2 and "is a FIFO, not a regular file" in r.stderr, r.stderr
         assert r.stderr.count("\n") == 1

@@ -101,10 +101,11 @@ def test_invalid_fields_all_reported():
     d.update(hidden_size="4096", num_hidden_layers=-1, swiglu_limit=True, expert_dtype="int4")
     d["quantization_config"] = dict(d["quantization_config"], weight_block_size=[128])
     msg = str(pytest.raises(ConfigError, ModelConfig.from_dict, d).value)
-    assert "'hidden_size' should be int, found str" in msg
-    assert "'num_hidden_layers' must not be negative" in msg
-    assert "'swiglu_limit' should be float, found bool" in msg
-    assert "'expert_dtype'" in msg and "weight_block_size" in msg
+    assert "'hidden_size': input should be a valid integer, found '4096'" in msg
+    assert "'num_hidden_layers' must be at least 1, found -1" in msg
+    assert "'swiglu_limit': input should be a valid number, found True" in msg
+    assert "'expert_dtype' must be 'fp4' or 'fp8', found 'int4'" in msg and "weight_block_size" in msg
+    assert "\n" not in msg
 
 
 @pytest.mark.parametrize(
@@ -112,12 +113,14 @@ def test_invalid_fields_all_reported():
     [
         ({"compress_ratios": [0] * 43}, "'compress_ratios' has 43 entries, expected num_hidden_layers + num_nextn_predict_layers = 44"),
         ({"num_nextn_predict_layers": 0}, "expected num_hidden_layers + num_nextn_predict_layers = 43"),
-        ({"compress_ratios": [0, -4] + [0] * 42}, "'compress_ratios' must be non-negative integers"),
+        ({"compress_ratios": [0, -4] + [0] * 42}, "'compress_ratios.1' must be at least 0, found -4"),
         ({"scoring_func": "softmax"}, "'scoring_func' must be 'sqrtsoftplus'"),
-        ({"num_experts_per_tok": 300}, "'num_experts_per_tok' must be between 1"),
+        ({"num_experts_per_tok": 300}, "'num_experts_per_tok' must be at most 64"),
+        ({"num_experts_per_tok": 60, "n_routed_experts": 32}, "'num_experts_per_tok' must be between 1 and 'n_routed_experts'"),
         ({"o_groups": 7}, "multiple of 'o_groups'"),
         ({"moe_intermediate_size": 2050}, "'moe_intermediate_size' must be a multiple of 32"),
         ({"qk_rope_head_dim": 63}, "'qk_rope_head_dim' must be even"),
+        ({"num_hash_layers": 44}, "'num_hash_layers' 44 is more than num_hidden_layers"),
     ],
 )  # fmt: skip
 def test_inconsistent_fields(change, words):
@@ -135,21 +138,23 @@ def test_small_ratios_are_heavily_compressed():
 
 def test_release_optional_fields():
     d = flash_dict()
-    d["eos_token_id"] = [1, 2]
+    d["eos_token_id"] = [1]
     d["quantization_config"] = dict(d["quantization_config"], scale_fmt=None)
     cfg = ModelConfig.from_dict(d)
-    assert cfg.eos_token_id == 1 and cfg.scale_fmt == "float"
+    assert cfg.eos_token_id == 1 and cfg.eos_token_ids == (1,) and cfg.scale_fmt == "float"
     d = flash_dict()
     d["rope_theta"] = 10000  # ints are accepted for float fields
     assert ModelConfig.from_dict(d).rope_theta == 10000.0
+    d["eos_token_id"] = [1, 2]  # generation stops on one EOS id: a second one would be ignored
+    assert "'eos_token_id'" in str(pytest.raises(ConfigError, ModelConfig.from_dict, d).value)
 
 
 def test_from_json_errors(tmp_path):
-    with pytest.raises(ConfigError, match="config.json not found"):
+    with pytest.raises(ConfigError, match="config.json is missing"):
         ModelConfig.from_json(tmp_path / "config.json")
     p = tmp_path / "config.json"
     p.write_text("{not json")
-    with pytest.raises(ConfigError, match=r"config\.json: not valid JSON"):
+    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
         ModelConfig.from_json(p)
     p.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
@@ -159,29 +164,44 @@ def test_from_json_errors(tmp_path):
 @pytest.mark.parametrize(
     "change, words",
     [
-        ({"quantization_config": "fp8"}, "'quantization_config' should be an object"),
-        ({"eos_token_id": []}, "'eos_token_id' must be a token id"),
-        ({"eos_token_id": "x"}, "'eos_token_id' must be a token id"),
-        ({"eos_token_id": [True]}, "'eos_token_id' must be a token id"),
-        ({"bos_token_id": -5}, "'bos_token_id' must be a token id"),
-        ({"bos_token_id": 10**9}, "'bos_token_id' must be a token id"),
-        ({"o_groups": 0}, "'o_groups' must be above 0"),
-        ({"sliding_window": 0}, "'sliding_window' must be above 0"),
-        ({"index_topk": 0}, "'index_topk' must be above 0"),
-        ({"compress_rope_theta": -1}, "'compress_rope_theta' must not be negative"),
+        ({"quantization_config": "fp8"}, "'quantization_config': input should be a valid dictionary"),
+        ({"quantization_config": None}, "'quantization_config'"),
+        ({"quantization_config": []}, "'quantization_config'"),
+        ({"eos_token_id": []}, "'eos_token_id'"),
+        ({"eos_token_id": "x"}, "'eos_token_id'"),
+        ({"eos_token_id": [True]}, "'eos_token_id'"),
+        ({"eos_token_id": [1, "x"]}, "'eos_token_id'"),
+        ({"bos_token_id": -5}, "'bos_token_id' must be at least 0"),
+        ({"bos_token_id": 10**9}, "'bos_token_id' must be at most"),
+        ({"bos_token_id": 200000}, "'bos_token_id' 200000 is outside the vocabulary"),
+        ({"o_groups": 0}, "'o_groups' must be at least 1"),
+        ({"sliding_window": 0}, "'sliding_window' must be at least 1"),
+        ({"index_topk": 0}, "'index_topk' must be at least 1"),
+        ({"compress_rope_theta": -1}, "'compress_rope_theta' must be above 0"),
         ({"rope_theta": 0}, "'rope_theta' must be above 0"),
         ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' must be a finite number"),
         ({"rms_norm_eps": 0}, "'rms_norm_eps' must be above 0"),
+        ({"rms_norm_eps": 1e300}, "'rms_norm_eps' must be at most 0.01"),
         ({"routed_scaling_factor": float("inf")}, "'routed_scaling_factor' must be a finite number"),
         ({"hc_eps": float("-inf")}, "'hc_eps' must be a finite number"),
-        ({"swiglu_limit": -1}, "'swiglu_limit' must not be negative"),
-        ({"scale_fmt": "weird"}, "'quantization_config.scale_fmt' must be 'ue8m0' or null"),
-        ({"max_position_embeddings": "big"}, "'max_position_embeddings' must be a positive int"),
-        ({"max_position_embeddings": 0}, "'max_position_embeddings' must be a positive int"),
-        ({"num_nextn_predict_layers": True}, "'num_nextn_predict_layers' should be a non-negative int"),
-        ({"weight_block_size": [True, 128]}, "weight_block_size' must be two positive ints"),
-        ({"rope_scaling": {"factor": float("nan"), "original_max_position_embeddings": 65536}}, "'rope_scaling'"),
-        ({"norm_topk_prob": "yes"}, "'norm_topk_prob' must be true or false"),
+        ({"hc_sinkhorn_iters": 10**9}, "'hc_sinkhorn_iters' must be at most 1000"),
+        ({"n_routed_experts": 10**9}, "'n_routed_experts' must be at most 4096"),
+        ({"swiglu_limit": -1}, "'swiglu_limit' must be above 0"),
+        ({"scale_fmt": "weird"}, "'quantization_config.scale_fmt' must be 'ue8m0' or 'float'"),
+        ({"max_position_embeddings": "big"}, "'max_position_embeddings': input should be a valid integer"),
+        ({"max_position_embeddings": 0}, "'max_position_embeddings' must be at least 1"),
+        ({"num_nextn_predict_layers": True}, "'num_nextn_predict_layers': input should be a valid integer"),
+        ({"weight_block_size": [True, 128]}, "'quantization_config.weight_block_size.0'"),
+        ({"rope_scaling": {"factor": float("nan"), "original_max_position_embeddings": 65536, "type": "yarn"}}, "'rope_scaling.factor' must be a finite number"),
+        ({"rope_scaling": {"factor": 16, "original_max_position_embeddings": 65536}}, "'rope_scaling' needs"),
+        ({"norm_topk_prob": "yes"}, "'norm_topk_prob' must be True"),
+        ({"norm_topk_prob": False}, "'norm_topk_prob' must be True"),
+        ({"topk_method": "greedy"}, "'topk_method' must be 'noaux_tc'"),
+        ({"hidden_act": "gelu"}, "'hidden_act' must be 'silu'"),
+        ({"tie_word_embeddings": True}, "'tie_word_embeddings' must be False"),
+        ({"num_key_value_heads": 8}, "'num_key_value_heads' must be 1"),
+        ({"surprise_key": 1}, "unknown key 'surprise_key'"),
+        ({"model_type": "deepseek_v3"}, "DeepSeek-V3 (model_type 'deepseek_v3') is not supported"),
     ],
 )  # fmt: skip
 def test_bad_values_are_one_config_error(change, words):
@@ -199,9 +219,26 @@ def test_nan_and_infinity_in_the_json_file(tmp_path):
     p = tmp_path / "config.json"
     p.write_text(json.dumps(flash_dict()).replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": NaN'))
     assert '"rms_norm_eps": NaN' in p.read_text()
-    with pytest.raises(ConfigError, match="'rms_norm_eps' must be a finite number"):
+    with pytest.raises(ConfigError, match="config.json is not valid JSON"):
         ModelConfig.from_json(p)
     p.unlink()
     os.mkfifo(p)
-    with pytest.raises(ConfigError, match="not a regular file"):
+    with pytest.raises(ConfigError, match="config.json is a FIFO, not a regular file"):
         ModelConfig.from_json(p)
+
+
+def test_missing_model_type_is_refused():
+    d = flash_dict()
+    del d["model_type"]
+    assert "no 'model_type'" in str(pytest.raises(ConfigError, ModelConfig.from_dict, d).value)
+
+
+def test_deeply_nested_and_oversized_config_json(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text('{"model_type": "deepseek_v4", "x": ' + "[" * 5000 + "]" * 5000 + "}")
+    msg = str(pytest.raises(ConfigError, ModelConfig.from_json, p).value)
+    assert "config.json is not valid JSON" in msg and "\n" not in msg
+    p.write_text('{"model_type": "deepseek_v4", "x": ' + "[" * 100 + "]" * 100 + "}")
+    assert "nests deeper than 64 levels" in str(pytest.raises(ConfigError, ModelConfig.from_json, p).value)
+    p.write_text(json.dumps(flash_dict()) + " " * (2 << 20))
+    assert "bytes, more than the" in str(pytest.raises(ConfigError, ModelConfig.from_json, p).value)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -475,7 +476,7 @@ def test_runtime_with_gpu_gives_the_same_ids(monkeypatch, mixed, budget_mb: int)
     ctx = gpu.setup(True, None, None, min_bytes=0)
     try:
         ctx.vram_budget = budget_mb * 10**6  # 1 MB: only some matrices fit
-        with Runtime.open(FIXTURES / "mixed", cpu_opts, gpu=ctx) as rt:
+        with Runtime.open(FIXTURES / "mixed", replace(cpu_opts, gpu=ctx)) as rt:
             got = list(rt.generate(rt.session(), ids, 6))
             placed = ctx.placed
             assert placed is not None and placed.weights

@@ -80,6 +80,9 @@ def test_bad_config_raises(tmp_path):
     p = tmp_path / "config.json"
     p.write_text(json.dumps({"hidden_size": 64}))
     r = CliRunner().invoke(inspect, [str(p)])
+    assert isinstance(r.exception, ConfigError) and "no 'model_type'" in str(r.exception)
+    p.write_text(json.dumps({"model_type": "deepseek_v4", "hidden_size": 64}))
+    r = CliRunner().invoke(inspect, [str(p)])
     assert isinstance(r.exception, ConfigError) and "missing 'vocab_size'" in str(r.exception)
 
 

@@ -33,7 +33,8 @@ def dense64(w: QWeight) -> np.ndarray:
     if w.kind == "fp8":
         vals = formats.e4m3_to_f32(w.data).astype(np.float64)
         s = formats.scale_to_f32(w.scale).astype(np.float64)
-        return vals * np.repeat(np.repeat(s, 128, axis=0), 128, axis=1)[: w.rows, : w.cols]
+        br, bc = w.block
+        return vals * np.repeat(np.repeat(s, br, axis=0), bc, axis=1)[: w.rows, : w.cols]
     if w.kind == "bf16":
         return formats.bf16_to_f32(w.data).astype(np.float64)
     return w.data.astype(np.float64)
@@ -48,7 +49,11 @@ def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 def weight(kind: str, rows: int, cols: int, rng, scale_kind: str = "e8m0", exps=(118, 131)) -> QWeight:
-    """Random codes (no NaN codes) and random block scales 2^e for e in exps (or a range)."""
+    """Random codes (no NaN codes) and random block scales 2^e for e in exps (or a range).
+
+    kind "fp8/32" is FP8 with DeepSeek-V4.1's 32x32 scale blocks ("fp8": V4's 128x128)."""
+    block = 32 if kind == "fp8/32" else 128
+    kind = "fp8" if kind == "fp8/32" else kind
     if kind == "bf16":
         return QWeight(kind, formats.f32_to_bf16(rng.standard_normal((rows, cols))), None, rows, cols)
     if kind == "f32":
@@ -59,14 +64,14 @@ def weight(kind: str, rows: int, cols: int, rng, scale_kind: str = "e8m0", exps=
     else:
         data = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
         data[(data & 0x7F) == 0x7F] = 0x38
-        shape = (-(-rows // 128), -(-cols // 128))
+        shape = (-(-rows // block), -(-cols // block))
     if isinstance(exps, tuple):
         scale = rng.integers(exps[0], exps[1], shape).astype(np.uint8)
     else:
         scale = rng.choice(np.asarray(exps, np.uint8), shape)
     if scale_kind == "f32":
         scale = formats.e8m0_to_f32(scale) * rng.uniform(0.5, 1.0, shape).astype(np.float32)
-    return QWeight(kind, data, scale, rows, cols)
+    return QWeight(kind, data, scale, rows, cols, block=(block, block))
 
 
 SHAPES = [
@@ -76,6 +81,8 @@ SHAPES = [
     ("fp8", 130, 200),  # rows and cols not multiples of 128
     ("fp8", 3, 1),
     ("fp8", 64, 1100),  # several column chunks of the matmul tile, ragged end
+    ("fp8/32", 70, 200),  # V4.1's 32x32 blocks: rows and cols not multiples of 32
+    ("fp8/32", 96, 1100),
     ("bf16", 33, 45),
     ("f32", 7, 70),
 ]
@@ -104,20 +111,20 @@ def test_fp4_at_the_real_flash_expert_shapes(rows, cols):
     assert rel_error(fast.matvec(w, x[0]), ref[:1]) <= TOL
 
 
-@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+@pytest.mark.parametrize("kind", ["fp4", "fp8", "fp8/32"])
 @pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
 def test_edge_scales(kind, scale_kind):
     """E8M0 byte 0 (2^-127, a float32 subnormal) next to 2^+20, whole rows of each, and mixes."""
     rng = np.random.default_rng(7)
-    rows, cols = (384, 640) if kind == "fp8" else (12, 256)
+    rows, cols = (384, 640) if kind.startswith("fp8") else (12, 256)
     w = weight(kind, rows, cols, rng, scale_kind, exps=[0, 1, 2, 127, 147])
     tiny, big = (np.float32(2.0**-127), np.float32(2.0**20)) if scale_kind == "f32" else (0, 147)
-    w.scale[0] = tiny  # FP4: row 0; FP8: rows 0..127
+    w.scale[0] = tiny  # FP4: row 0; FP8: rows 0..127 (0..31 with 32x32 blocks)
     w.scale[1] = big
     x = rng.standard_normal((16, cols)).astype(np.float32)
     got, ref = fast.matmul(w, x), reference(x, w)
     assert np.isfinite(got).all()
-    block = 1 if kind == "fp4" else 128
+    block = 1 if kind == "fp4" else w.block[0]
     for rows_ in (slice(0, block), slice(block, 2 * block), slice(2 * block, None)):
         assert rel_error(got[:, rows_], ref[:, rows_]) <= TOL
     assert 0 < np.abs(got[:, :block]).max() < 1e-30  # 2^-127 rows really computed, not flushed
@@ -156,7 +163,7 @@ def test_matvec_equals_matmul_rows_bit_for_bit():
             assert np.array_equal(fast.matmul(w, x[3:6]), y[3:6])
 
 
-@pytest.mark.parametrize("kind,cols", [("fp4", 1056), ("fp8", 1152), ("bf16", 1040)])
+@pytest.mark.parametrize("kind,cols", [("fp4", 1056), ("fp8", 1152), ("fp8/32", 1120), ("bf16", 1040)])
 def test_a_token_has_the_same_bits_at_every_count_and_place_in_a_register_block(kind, cols):
     """Tokens go through the matmul kernels in blocks of TOKS (padded with zero rows) and columns
     in chunks of CHUNK: a row's result may depend on neither, since prefill segments (sized from
@@ -218,7 +225,7 @@ def test_blas_path_edge_and_nan_scales(kind, monkeypatch):
 
 def test_pair_and_grouped_equal_the_separate_products():
     rng = np.random.default_rng(5)
-    for kind, rows, cols in (("fp4", 64, 128), ("fp8", 256, 384)):
+    for kind, rows, cols in (("fp4", 64, 128), ("fp8", 256, 384), ("fp8/32", 96, 160)):
         w1, w3 = weight(kind, rows, cols, rng), weight(kind, rows, cols, rng)
         x = rng.standard_normal((1, cols)).astype(np.float32)
         g, u = fast.matmul_pair(w1, w3, x)
@@ -229,7 +236,12 @@ def test_pair_and_grouped_equal_the_separate_products():
     # the grouped output projection: row blocks of one tensor, each meeting its own input
     from dsv4stream.weights.loading import split_rows
 
-    for kind, rows, cols, groups in (("fp8", 1024, 256, 4), ("f32", 96, 64, 3), ("bf16", 40, 48, 2)):
+    for kind, rows, cols, groups in (
+        ("fp8", 1024, 256, 4),
+        ("fp8/32", 256, 96, 8),
+        ("f32", 96, 64, 3),
+        ("bf16", 40, 48, 2),
+    ):
         parts = split_rows(weight(kind, rows, cols, rng), groups)
         x = rng.standard_normal((1, groups, cols)).astype(np.float32)
         want = np.concatenate([fast.matvec(p, x[0, i]) for i, p in enumerate(parts)])
@@ -257,10 +269,11 @@ def test_serial_and_parallel_matvec_agree(monkeypatch):
 
 @pytest.mark.parametrize("rows,cols", [(130, 200), (3, 1), (64, 1100), (258, 8192), (512, 8192)])
 @pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
-def test_wide_fp8_matvec_takes_rows_together_with_the_same_bits(rows, cols, scale_kind, monkeypatch):
+@pytest.mark.parametrize("kind", ["fp8", "fp8/32"])
+def test_wide_fp8_matvec_takes_rows_together_with_the_same_bits(rows, cols, scale_kind, kind, monkeypatch):
     """Rows of >= WIDE_COLS columns go MV_ROWS at a time (ragged row counts end row by row)."""
     rng = np.random.default_rng(rows + cols)
-    w = weight("fp8", rows, cols, rng, scale_kind)
+    w = weight(kind, rows, cols, rng, scale_kind)
     x = rng.standard_normal((3, cols)).astype(np.float32)
     monkeypatch.setattr(fast, "PARALLEL_MIN_BYTES", 0)
     narrow = [fast.matvec(w, x[t]) for t in range(3)]

@@ -169,8 +169,9 @@ def test_an_atomic_file_appears_whole_or_not_at_all(tmp_path):
         f.write("half")
         raise RuntimeError("stopped")
     assert p.read_text() == "old" and [q.name for q in tmp_path.iterdir()] == ["out.txt"]
+    p.chmod(0o600)
     atomic_write(p, "new")
-    assert p.read_text() == "new"
+    assert p.read_text() == "new" and p.stat().st_mode & 0o777 == 0o600
     link = tmp_path / "link.txt"
     link.symlink_to(p)
     atomic_write(link, "through the link")

@@ -211,7 +211,7 @@ def test_refuses_corrupted_run(packed, cat, tmp_path):
     with pytest.raises(CheckpointError, match="truncated"):
         TrunkFile.open(bad, cat)
     (bad / MANIFEST).write_text("{")
-    with pytest.raises(CheckpointError, match="unreadable manifest"):
+    with pytest.raises(CheckpointError, match="the manifest is not valid JSON"):
         TrunkFile.open(bad, cat)
 
 

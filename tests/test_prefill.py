@@ -245,7 +245,7 @@ def test_a_segment_reads_its_embedding_rows_before_asking_for_its_hash_layer_exp
 def test_the_engine_runs_small_attention_sub_chunks_on_one_blas_thread(ckpt, monkeypatch) -> None:
     """The tiny checkpoint's sub-chunks are all below ONE_THREAD_MACS; with the threshold at 0
     only one-query sub-chunks (the 7-token prompt's last one of 3) stay on one thread."""
-    from dsv4stream.engine.session import session as engine
+    from dsv4stream.engine import v4 as engine
 
     seen: list[bool] = []
     real = engine.one_thread

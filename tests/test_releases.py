@@ -67,8 +67,9 @@ def test_0731_config_is_recognised():
 @pytest.mark.parametrize(
     "patch, message",
     [
-        ({"dspark_target_layer_ids": [40, 43]}, "'dspark_target_layer_ids' should list main layers 0..42"),
-        ({"dspark_markov_rank": "256"}, "'dspark_markov_rank' should be a non-negative int"),
+        ({"dspark_target_layer_ids": [40, 43]}, "'dspark_target_layer_ids' should list distinct main layers 0..42"),
+        ({"dspark_markov_rank": "256"}, "'dspark_markov_rank': input should be a valid integer"),
+        ({"dspark_markov_rank": None}, "the dspark_\\* keys come together"),
         ({"compress_ratios": FLASH["compress_ratios"][:43]}, "need one more entry per drafter stage"),
         ({"dspark_noise_token_id": 129280}, "'dspark_noise_token_id' 129280 is outside the vocabulary"),
     ],
@@ -78,12 +79,12 @@ def test_bad_dspark_keys_are_named(patch, message):
         ModelConfig.from_dict({**FLASH_0731, **patch})
 
 
-def test_v41_is_not_supported():
+def test_v41_keys_in_a_flat_config_are_refused_as_such():
     v41 = {**FLASH_0731, "model_type": "deepseek_v41", "num_hidden_layers": 40, "compress_ratios": [0] * 43}
     with pytest.raises(ConfigError) as e:
         ModelConfig.from_dict(v41, source="x/config.json")
     msg = str(e.value)
-    assert "DeepSeek-V4.1 (model_type 'deepseek_v41') is not supported" in msg and "\n" not in msg
+    assert "a DeepSeek-V4.1 config.json nests the text model under 'text_config'" in msg and "\n" not in msg
     assert "shape" not in msg and "compress_ratios" not in msg  # refused before any field is read
     with pytest.raises(ConfigError, match="model_type 'llama' is not supported"):
         ModelConfig.from_dict({**FLASH, "model_type": "llama"})
@@ -328,4 +329,4 @@ def test_inspect_says_the_drafter_is_unused(tiny0731, tmp_path):
     assert "layers: 4 main + 3 DSpark stages;" in r.stdout and f"  {unused}" in r.stdout  # and in the plan
     (tmp_path / "config.json").write_text(json.dumps({**FLASH_0731, "model_type": "deepseek_v41"}))
     r = CliRunner().invoke(inspect, ["--config-only", str(tmp_path / "config.json")])
-    assert isinstance(r.exception, ConfigError) and "is not supported" in str(r.exception)
+    assert isinstance(r.exception, ConfigError) and "nests the text model under 'text_config'" in str(r.exception)

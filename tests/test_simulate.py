@@ -324,13 +324,12 @@ def test_bench_simulate_budgets_use_the_planner(tmp_path):
 
 
 def test_bench_group_sends_a_checkpoint_path_to_the_live_sweep(tmp_path, monkeypatch):
+    from dsv4stream.checkpoint.synth import release_config
     from dsv4stream.measure import sweep
 
     seen = {}
     monkeypatch.setattr(sweep, "sweep", lambda ckpt, gbs, *a, **k: seen.update(ckpt=ckpt, gbs=gbs) or 1 / 0)
-    (tmp_path / "config.json").write_text(
-        json.dumps(__import__("dsv4stream.checkpoint.synth").tools.synth.release_config("tiny"))
-    )
+    (tmp_path / "config.json").write_text(json.dumps(release_config("tiny")))
     res = CliRunner().invoke(bench, [str(tmp_path), "--budgets", "1,2"])
     assert isinstance(res.exception, ZeroDivisionError) and seen == {"ckpt": tmp_path, "gbs": [1.0, 2.0]}
 

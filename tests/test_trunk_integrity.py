@@ -265,6 +265,14 @@ def test_upgrade_of_a_corrupted_older_pack_changes_nothing(pack, cat):
     assert (pack / MANIFEST).read_bytes() == before
 
 
+def test_pack_trunk_over_an_older_pack_names_the_upgrade(ckpt, tmp_path):
+    out = tmp_path / "old"
+    shutil.copytree(ckpt / "dsv4-trunk", out)
+    make_format_1(out)
+    with pytest.raises(UsageError, match=rf"older format 'dsv4-trunk/1'; `dsv4 upgrade-trunk {out}`"):
+        pack_trunk(ckpt, out, progress=False)
+
+
 def test_upgrade_refuses_what_is_not_a_pack(tmp_path):
     with pytest.raises(UsageError, match="no manifest.json here"):
         upgrade_trunk(tmp_path)

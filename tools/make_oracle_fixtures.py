@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dsv4stream import jsonio
 from dsv4stream.checkpoint.synth import make_checkpoint
 
 RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention"}
@@ -175,7 +176,7 @@ def load_reference(ckpt: Path):
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     from transformers.utils.quantization_config import FineGrainedFP8Config
 
-    d = json.loads((ckpt / "config.json").read_text())
+    d = jsonio.read_json(ckpt / "config.json", "config.json")
     n = d["num_hidden_layers"]
     ratios = d["compress_ratios"][:n]
     hca = sorted({r for r in ratios if r not in RATIO_TO_TYPE})
@@ -319,7 +320,7 @@ def build(spec: FixtureSpec, out_root: Path, max_tries: int = 20) -> dict:
         for attempt in range(max_tries):
             seed = spec.seed + attempt
             ckpt = make_checkpoint(tmp / f"{spec.name}-{seed}", preset=spec.preset, seed=seed, **spec.overrides)
-            cfg = json.loads((ckpt / "config.json").read_text())
+            cfg = jsonio.read_json(ckpt / "config.json", "config.json")
             ids = np.random.default_rng(1000 + seed).integers(0, cfg["vocab_size"], spec.n_tokens).astype(np.int64)
             cap = run_reference(load_reference(ckpt), ids, cfg["swiglu_limit"])
             try:

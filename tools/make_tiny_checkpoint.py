@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Generate a checkpoint in the official DeepSeek-V4 release format (random weights).
 
-Usage: tools/make_tiny_checkpoint.py OUT [--preset tiny|tiny-0731|demo|flash-experts|flash|flash-0731]
+Usage: tools/make_tiny_checkpoint.py OUT [--preset tiny|tiny-0731|demo|flash-experts|flash|flash-0731|
+       tiny-v41|tiny-v41-long|demo-v41|flash-v41] [--layers N]
        [--seed N] [--set key=json_value ...] [--scale-fmt ue8m0|float] [--dense-dtype fp8|bf16|f32]
        [--compressor-dtype bf16|fp8] [--route-skew A] [--expert-gain G] [--tokenizer/--no-tokenizer]
        [--sparse-experts/--dense-experts]
 
-`flash` and `flash-0731` write every tensor of the release at its real shape, routed experts
-as sparse-file holes (see dsv4stream/checkpoint/synth.py).
+`flash`, `flash-0731` and `flash-v41` write every tensor of the release at its real shape, routed
+experts (and V4.1's Engram tables) as sparse-file holes (see dsv4stream/checkpoint/synth.py).
+`--layers N` (V4.1 presets) gives another depth with a consistent layer plan
+(dsv4stream/checkpoint/synth_v41.py: layer_plan).
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv4stream.checkpoint.synth import PRESETS, make_checkpoint
+from dsv4stream.checkpoint.synth import all_presets, make_checkpoint
+from dsv4stream.checkpoint.synth_v41 import PRESETS_V41, layer_plan
 from dsv4stream.errors import Dsv4Error
 
 
 @click.command()
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
+@click.option("--preset", type=click.Choice(all_presets()), default="tiny", show_default=True)
+@click.option("--layers", type=int, default=None, help="V4.1 presets: main layers, with synth_v41.layer_plan's plan.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--set",
@@ -51,6 +56,7 @@ from dsv4stream.errors import Dsv4Error
 def main(
     out,
     preset,
+    layers,
     seed,
     sets,
     scale_fmt,
@@ -62,6 +68,13 @@ def main(
     sparse_experts,
 ):
     overrides = {}
+    if layers is not None:
+        if preset not in PRESETS_V41:
+            raise SystemExit("make_tiny_checkpoint: --layers is for the V4.1 presets; use --set for V4")
+        try:
+            overrides.update(layer_plan(layers))
+        except Dsv4Error as e:
+            raise SystemExit(f"make_tiny_checkpoint: {e}") from None
     for s in sets:
         k, _, v = s.partition("=")
         try:

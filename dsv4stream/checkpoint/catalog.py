@@ -9,7 +9,6 @@ expert store reads its own byte runs.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import struct
@@ -17,12 +16,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
+from .. import jsonio
 from ..errors import CheckpointError, ReadError, ShortReadError
+from ..files import kind_of
 from ..kernels import QWeight
-from .config import DSPARK, LAYOUTS, PREVIEW, ModelConfig
+from .config import DSPARK, DSPARK_V41, LAYOUTS, PREVIEW, ModelConfig
 from .spec import ITEMSIZE, MTP, MTP_EXTRAS, TensorSpec, is_drafter, linear_names, model_specs
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -37,7 +39,7 @@ NP_DTYPE = {
     "I32": np.int32,
     "I64": np.int64,
 }
-_MAX_HEADER = 100 << 20
+_MAX_HEADER = jsonio.HEADER_MAX
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ def regular_file(path: Path, what: str) -> os.stat_result:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path}: {what} is not a regular file (a FIFO, device or folder); replace it")
+        raise CheckpointError(f"{path}: {what} is {kind_of(st.st_mode)}, not a regular file; replace it")
     return st
 
 
@@ -87,10 +89,9 @@ def read_header(path: Path) -> list[TensorEntry]:
             raise CheckpointError(
                 f"{path}: header length {n} does not fit a {size}-byte file; the shard is truncated or not safetensors"
             )
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise CheckpointError(f"{path}: header is not valid JSON ({e}); re-download this shard") from None
+        header = jsonio.parse_json(
+            f.read(n), f"{path}: the safetensors header", CheckpointError, _MAX_HEADER, fix="re-download this shard"
+        )
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object; the file is not safetensors — re-download it")
     base = 8 + n
@@ -182,9 +183,14 @@ class Catalog:
         """Every mismatch between the checkpoint and what the config implies."""
         cfg = self.config
         whole = specs is None
+        if whole:
+            too_many = self._count_problem()
+            if too_many:  # listing that many expected names would itself be the runaway
+                return [too_many]
         specs = list(model_specs(cfg)) if specs is None else list(specs)
         by_name = {s.name: s for s in specs}
         out: list[str] = self._layout_problems(by_name) if whole else []
+        scale_dtype = "F8_E8M0" if cfg.scale_fmt == "ue8m0" else "F32"  # quantization_config.scale_fmt
         for s in specs:
             if s.kind == "scale":
                 w = self.entries.get(s.of or "")
@@ -197,8 +203,11 @@ class Catalog:
                     continue
                 if e is None:
                     out.append(f"'{s.name}': missing (needed by {w.dtype} '{s.of}')")
-                elif e.dtype not in s.dtypes:
-                    out.append(f"'{s.name}': dtype {e.dtype}, expected one of {'/'.join(s.dtypes)}")
+                elif e.dtype != scale_dtype:
+                    out.append(
+                        f"'{s.name}': dtype {e.dtype}, expected {scale_dtype}"
+                        f" (quantization_config.scale_fmt {cfg.scale_fmt if cfg.scale_fmt == 'ue8m0' else 'null'})"
+                    )
                 elif e.shape != want:
                     out.append(f"'{s.name}': shape {list(e.shape)}, expected {list(want)}")
                 continue
@@ -210,6 +219,18 @@ class Catalog:
             elif e.shape != s.stored_shape(e.dtype):
                 out.append(f"'{s.name}': shape {list(e.shape)}, expected {list(s.stored_shape(e.dtype))}")
         return out
+
+    def _count_problem(self) -> str | None:
+        """Refuse, before listing a single expected name, a config that implies far more tensors
+        than the shards hold (e.g. n_routed_experts 4096 against a 256-expert checkpoint)."""
+        cfg = self.config
+        want = implied_tensor_count(cfg)
+        if want <= len(self.entries):
+            return None
+        return (
+            f"config.json implies at least {want:,} tensors ({cfg.n_layers} layers, {cfg.n_routed_experts} routed"
+            f" experts each) but the shards hold {len(self.entries):,}"
+        )
 
     def _layout_problems(self, expected: dict[str, TensorSpec]) -> list[str]:
         """The mtp.* layout the shards show against the config's, and tensors nobody expects."""
@@ -292,40 +313,88 @@ class Catalog:
 
     def qweight(self, prefix: str) -> QWeight:
         """A linear weight `prefix.weight` (+ `prefix.scale`) in whatever dtype it ships."""
-        weight, scale = linear_names(prefix)
-        w = self.entry(weight)
-        data = self.read(w.name)
-        if w.dtype in ("F8_E4M3", "I8"):
-            s = self.entry(scale)
-            scale = self.read(s.name)
-            if w.dtype == "I8":
-                return QWeight("fp4", data, scale, w.shape[0], w.shape[1] * 2)
-            return QWeight("fp8", data, scale, w.shape[0], w.shape[1])
-        if w.dtype == "BF16":
-            return QWeight("bf16", data, None, w.shape[0], w.shape[1])
-        return QWeight("f32", data.astype(np.float32, copy=False), None, w.shape[0], w.shape[1])
+        return linear_of(self, prefix)
 
     def f32(self, name: str) -> np.ndarray:
         """A small tensor (norms, mHC, sinks, ape, bias) as float32."""
-        from .formats import bf16_to_f32
-
-        e = self.entry(name)
-        a = self.read(name)
-        return bf16_to_f32(a) if e.dtype == "BF16" else a.astype(np.float32, copy=False)
+        return vector_of(self, name)
 
 
-# One tensor that only each layout's mtp.0 block holds (see spec.MTP_EXTRAS).
+class TensorSource(Protocol):
+    """What building named weights reads (`weights.loading`): the catalog, the views into a
+    streamed trunk slot (`streaming.ring.ViewSource`) or a source that serves VRAM copies
+    (`gpu.trunk.PlacedSource`). `qweight` / `f32` translate stored tensors; the catalog and the
+    slot views do it with `linear_of` / `vector_of`."""
+
+    config: ModelConfig
+
+    def entry(self, name: str) -> TensorEntry: ...
+
+    def read(self, name: str) -> np.ndarray: ...
+
+    def has(self, name: str) -> bool: ...
+
+    def qweight(self, prefix: str) -> QWeight: ...
+
+    def f32(self, name: str) -> np.ndarray: ...
+
+
+def linear_of(src: TensorSource, prefix: str) -> QWeight:
+    """The linear `prefix.weight` (+ `prefix.scale`) of `src` as a QWeight: FP8 (with the config's
+    scale block), FP4 (I8 pairs), BF16 or float32, by its stored dtype."""
+    weight, scale = linear_names(prefix)
+    w = src.entry(weight)
+    data = src.read(w.name)
+    if w.dtype in ("F8_E4M3", "I8"):
+        s = src.entry(scale)
+        scale = src.read(s.name)
+        if w.dtype == "I8":
+            return QWeight("fp4", data, scale, w.shape[0], w.shape[1] * 2)
+        return QWeight("fp8", data, scale, w.shape[0], w.shape[1], block=src.config.fp8_block)
+    if w.dtype == "BF16":
+        return QWeight("bf16", data, None, w.shape[0], w.shape[1])
+    return QWeight("f32", data.astype(np.float32, copy=False), None, w.shape[0], w.shape[1])
+
+
+def vector_of(src: TensorSource, name: str) -> np.ndarray:
+    """A small tensor of `src` (norms, mHC, sinks, biases) as float32."""
+    from .formats import bf16_to_f32
+
+    e = src.entry(name)
+    a = src.read(name)
+    return bf16_to_f32(a) if e.dtype == "BF16" else a.astype(np.float32, copy=False)
+
+
+def implied_tensor_count(cfg: ModelConfig) -> int:
+    """A lower bound of the tensors config.json implies, counted without listing the routed
+    experts (a bounded listing of the rest, plus six tensors per expert)."""
+    n = 0
+    for s in model_specs(cfg, with_experts=False):
+        n += s.kind != "scale"
+    for layer in range(cfg.n_layers + cfg.n_mtp):
+        n += 6 * cfg.experts_of(layer)[0]
+    if cfg.engram is not None:
+        n += 2 * len(cfg.engram.layer_ids)
+    return n
+
+
+# One tensor that only each layout's mtp.* blocks hold (see spec.MTP_EXTRAS, spec_v41.MTP_EXTRAS_V41):
+# V4.1's Markov head is `markov_head.embed`/`head` (0731's is `markov_w1`/`markov_w2`), in its last stage.
 _LAYOUT_MARKERS = {layout: linear_names(f"{MTP}.0.{MTP_EXTRAS[layout][0][1]}")[0] for layout in (PREVIEW, DSPARK)}
+_V41_MARKER = ".markov_head.embed.weight"
 
 
 def tensor_layout(entries: Iterable[str]) -> str | None:
-    """The mtp.* layout the shards themselves show: PREVIEW, DSPARK, None (no mtp.* tensor),
-    or "unrecognised mtp.* tensors" when they hold neither."""
+    """The mtp.* layout the shards themselves show: PREVIEW, DSPARK, DSPARK_V41, None (no mtp.*
+    tensor), or "unrecognised mtp.* tensors" when they hold none of them."""
     names = set(entries)
+    drafter = [n for n in names if is_drafter(n)]
+    if any(n.endswith(_V41_MARKER) for n in drafter):
+        return DSPARK_V41
     for layout, marker in _LAYOUT_MARKERS.items():
         if marker in names:
             return layout
-    return "unrecognised mtp.* tensors" if any(is_drafter(n) for n in names) else None
+    return "unrecognised mtp.* tensors" if drafter else None
 
 
 def pread_exact(path: str, offset: int, buf, what: str) -> None:
@@ -361,12 +430,14 @@ def _read_index(root: Path) -> dict[str, str] | None:
     p = root / INDEX_NAME
     if not p.exists() and not p.is_symlink():
         return None
-    regular_file(p, "the index")
-    try:
-        wm = json.loads(p.read_text())["weight_map"]
-        return {str(k): str(v) for k, v in wm.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{p}: not a valid index file ({e}); re-download it or delete it") from None
+    d = jsonio.read_json(p, "the index", CheckpointError, jsonio.INDEX_MAX, fix="re-download it or delete it")
+    wm = d.get("weight_map") if isinstance(d, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise CheckpointError(
+            f'{p}: not a valid index file (no "weight_map" object of tensor name -> shard file name);'
+            " re-download it or delete it"
+        )
+    return dict(wm)
 
 
 def _check_index(root: Path, index: dict[str, str], entries: dict[str, TensorEntry]) -> None:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .config import CSA, DSPARK, PREVIEW, ModelConfig
+from .config import CSA, DSPARK, DSPARK_V41, PREVIEW, V41, ModelConfig
 from .formats import fp4_scale_shape, fp8_scale_shape
 
 LINEAR_DTYPES = ("F8_E4M3", "BF16", "F32")
@@ -40,9 +40,11 @@ class TensorSpec:
     """One expected tensor.
 
     kind: "linear" (a .weight whose companion .scale is required iff it is quantized),
-    "scale" (companion of `of`), "expert" (routed expert weight), "plain" (fixed shape).
+    "scale" (companion of `of`), "expert" (routed expert weight), "table" (an Engram table:
+    FP8 rows with one E8M0 scale per 32 columns), "plain" (fixed shape).
     shape: the logical (rows, cols) for linear/expert weights, else the stored shape.
-    role: "embed" | "head" | "trunk" | "expert".  layer: main layer index, n_layers + k for
+    role: "embed" | "head" | "trunk" | "expert" | "engram" (table rows, read by row) |
+    "vision" (V4.1's tower: validated, not run).  layer: main layer index, n_layers + k for
     MTP block k, or None for model-level tensors.
     """
 
@@ -61,11 +63,12 @@ class TensorSpec:
         return self.shape
 
     def scale_shape(self, weight_dtype: str, block: tuple[int, int]) -> tuple[int, int] | None:
-        """Shape of the companion scale for a weight stored as `weight_dtype`."""
+        """Shape of the companion scale for a weight stored as `weight_dtype`: FP8 linears per
+        `block` (the config's weight_block_size), FP4 and Engram table rows per 32 columns."""
+        if weight_dtype == "I8" or self.kind == "table" and weight_dtype == "F8_E4M3":
+            return fp4_scale_shape(self.shape[0], self.shape[1])
         if weight_dtype == "F8_E4M3":
             return fp8_scale_shape(self.shape[0], self.shape[1], block)
-        if weight_dtype == "I8":
-            return fp4_scale_shape(self.shape[0], self.shape[1])
         return None
 
 
@@ -171,7 +174,13 @@ def _compressor(cfg, prefix: str, layer: int, ratio: int, dim: int) -> Iterator[
 
 
 def block_specs(cfg: ModelConfig, layer: int, with_experts: bool = True) -> Iterator[TensorSpec]:
-    """Tensors of one transformer block (main layer or MTP block), experts included."""
+    """Tensors of one transformer block (main layer or MTP block). with_experts=False: the
+    dense trunk only, without what is read by pieces (routed experts, Engram table rows)."""
+    if cfg.family == V41:
+        from .spec_v41 import block_specs_v41
+
+        yield from block_specs_v41(cfg, layer, with_experts)
+        return
     n = block_names(cfg, layer)
     d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     ratio = cfg.ratio(layer)
@@ -205,11 +214,13 @@ def block_specs(cfg: ModelConfig, layer: int, with_experts: bool = True) -> Iter
         yield from _linear(n["moe.shared"] + w, r, c, "trunk", layer)
     if with_experts:
         for x in range(e):
-            yield from expert_specs(cfg, layer, x)
+            yield from expert_specs(cfg, layer, x, n["moe.experts"])
 
 
-def expert_specs(cfg: ModelConfig, layer: int, expert: int) -> Iterator[TensorSpec]:
-    p = expert_prefix(cfg, layer, expert)
+def expert_specs(cfg: ModelConfig, layer: int, expert: int, experts_prefix: str | None = None) -> Iterator[TensorSpec]:
+    """One routed expert's tensors; `experts_prefix` (block_names(...)['moe.experts']) saves
+    rebuilding the block's names for each of hundreds of experts."""
+    p = f"{experts_prefix}{expert}." if experts_prefix is not None else expert_prefix(cfg, layer, expert)
     d, m = cfg.hidden_size, cfg.moe_intermediate_size
     wdt = ("I8",) if cfg.expert_dtype == "fp4" else ("F8_E4M3",)
     for w, (r, c) in zip(EXPERT_LINEARS, ((m, d), (d, m), (m, d)), strict=True):
@@ -275,7 +286,13 @@ def mtp_extra_specs(cfg: ModelConfig, k: int) -> Iterator[TensorSpec]:
 
 
 def model_specs(cfg: ModelConfig, with_experts: bool = True) -> Iterator[TensorSpec]:
-    """Every tensor of the checkpoint, in model order."""
+    """Every tensor of the checkpoint, in model order (with_experts=False: without the routed
+    experts and Engram tables)."""
+    if cfg.family == V41:
+        from .spec_v41 import model_specs_v41
+
+        yield from model_specs_v41(cfg, with_experts)
+        return
     d, v, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     yield from _plain(MODEL["embed"], (v, d), VECTOR_DTYPES, "embed", None)
     for layer in range(cfg.n_layers):
@@ -300,7 +317,7 @@ def released_nbytes(cfg: ModelConfig, s: TensorSpec) -> int:
     for x in s.stored_shape(dt):
         n *= x
     total = n * ITEMSIZE[dt]
-    sshape = s.scale_shape(dt, cfg.fp8_block) if s.kind in ("linear", "expert") else None
+    sshape = s.scale_shape(dt, cfg.fp8_block) if s.kind in ("linear", "expert", "table") else None
     if sshape:
         total += sshape[0] * sshape[1] * (1 if cfg.scale_fmt == "ue8m0" else 4)
     return total
@@ -316,13 +333,27 @@ def drafter_summary(cfg: ModelConfig, nbytes: int) -> str | None:
     if not cfg.n_mtp:
         return None
     blocks = "mtp.0" if cfg.n_mtp == 1 else f"mtp.0-{cfg.n_mtp - 1}"
-    what = f"DSpark drafter ({blocks}, {cfg.n_mtp} stages)" if cfg.layout == DSPARK else f"MTP block ({blocks})"
+    drafter = cfg.layout in (DSPARK, DSPARK_V41)
+    what = f"DSpark drafter ({blocks}, {cfg.n_mtp} stages)" if drafter else f"MTP block ({blocks})"
     return f"{what}: present, unused (not read, not budgeted), {nbytes / 1e9:.2f} GB"
 
 
+def unused_summary(cfg: ModelConfig, drafter_bytes: int, vision_bytes: int = 0) -> str | None:
+    """One line: every part the checkpoint holds that is validated and not run (mtp.*, V4.1's vision)."""
+    parts = [drafter_summary(cfg, drafter_bytes)]
+    if cfg.vision is not None:
+        v = cfg.vision
+        parts.append(
+            f"vision tower (vision.*, {v.num_hidden_layers} blocks; aligner.*, image_*): present, unused"
+            f" (text only: not read, not budgeted), {vision_bytes / 1e9:.2f} GB"
+        )
+    return "; ".join(p for p in parts if p) or None
+
+
 def trunk_nbytes(cfg: ModelConfig, include_mtp: bool = False) -> dict[str, int]:
-    """Release-dtype bytes by role: {'embed', 'head', 'trunk'} (main layers + model level)."""
-    out = {"embed": 0, "head": 0, "trunk": 0, "mtp": 0}
+    """Release-dtype bytes by role: {'embed', 'head', 'trunk'} (main layers + model level);
+    include_mtp adds what is present and not run: 'mtp' (mtp.* without experts) and 'vision'."""
+    out = {"embed": 0, "head": 0, "trunk": 0, "mtp": 0, "vision": 0}
     for s in model_specs(cfg, with_experts=False):
         b = released_nbytes(cfg, s)
         if s.layer is not None and s.layer >= cfg.n_layers:
@@ -331,4 +362,5 @@ def trunk_nbytes(cfg: ModelConfig, include_mtp: bool = False) -> dict[str, int]:
             out[s.role] += b
     if not include_mtp:
         out.pop("mtp")
+        out.pop("vision")
     return out

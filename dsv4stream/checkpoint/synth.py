@@ -29,11 +29,20 @@ from typing import Any
 import numpy as np
 import safetensors.numpy
 
+from .. import jsonio
 from ..errors import UsageError
 from . import formats
-from .config import ModelConfig
+from .config import V41, ModelConfig
 from .formats import fp4_scale_shape
 from .spec import ITEMSIZE, TensorSpec, model_specs
+from .synth_v41 import (
+    EXACT_PRESETS_V41,
+    PRESETS_V41,
+    engram_class_count,
+    release_config_v41,
+    shard_groups,
+    small_tokenizer_json,
+)
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "v4_flash_config.json"
 REAL_VOCAB = 129280
@@ -47,7 +56,7 @@ DSPARK_0731 = {
     "dspark_target_layer_ids": [40, 41, 42],
     "dspark_markov_rank": 256,
 }
-FLASH_RATIOS = json.loads(FLASH_CONFIG.read_text())["compress_ratios"]
+FLASH_RATIOS = jsonio.read_json(FLASH_CONFIG, "the packaged V4-Flash config")["compress_ratios"]
 
 # Shapes per preset (config keys as released).  "tiny" builds in milliseconds; "demo" has
 # experts of ~3.3 MB so a budget below the checkpoint matters; "flash-experts" has routed
@@ -142,10 +151,13 @@ GENERATOR_OPTIONS = (
 
 
 def release_config(preset: str = "tiny", **overrides: Any) -> dict[str, Any]:
-    """A config.json dict in the release schema: V4-Flash's fields with a preset's shapes."""
+    """A config.json dict in the release schema: V4-Flash's fields with a preset's shapes (a
+    V4.1 preset: V4.1-Flash's, see `synth_v41.release_config_v41`)."""
+    if preset in PRESETS_V41:
+        return release_config_v41(preset, {k: v for k, v in overrides.items() if k not in GENERATOR_OPTIONS})
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    d = json.loads(FLASH_CONFIG.read_text())
+    d = jsonio.read_json(FLASH_CONFIG, "the packaged V4-Flash config")
     d.update(PRESETS[preset])
     for k, v in overrides.items():
         if k not in GENERATOR_OPTIONS:
@@ -153,6 +165,11 @@ def release_config(preset: str = "tiny", **overrides: Any) -> dict[str, Any]:
     if "scale_fmt" in overrides:
         d["quantization_config"] = dict(d["quantization_config"], scale_fmt=overrides["scale_fmt"])
     return d
+
+
+def all_presets() -> list[str]:
+    """Every preset name, V4 then V4.1."""
+    return [*PRESETS, *PRESETS_V41]
 
 
 def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0, **overrides: Any) -> Path:
@@ -171,6 +188,15 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"{out}: already exists and is not empty; choose a new directory")
     cfg_dict = release_config(preset, **overrides)
+    small_tok = None
+    if preset in PRESETS_V41:
+        if "scale_fmt" in overrides:
+            cfg_dict["quantization_config"] = dict(cfg_dict["quantization_config"], scale_fmt=overrides["scale_fmt"])
+        text = cfg_dict["text_config"]
+        if text["vocab_size"] != REAL_VOCAB and overrides.get("tokenizer") is not False:
+            small_tok = small_tokenizer_json(text["vocab_size"], seed)
+            if text.get("engram_layer_ids") and "engram_compressed_vocab_size" not in overrides:
+                text["engram_compressed_vocab_size"] = engram_class_count(small_tok)
     cfg = ModelConfig.from_dict(cfg_dict, source=f"preset {preset}")
     opts = {k: overrides.get(k) for k in GENERATOR_OPTIONS}
     # Provenance for benches (which routing a hit rate was measured on); loaders ignore it.
@@ -180,18 +206,18 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
         **{k: v for k, v in opts.items() if v is not None},
     }
     tok = opts["tokenizer"] if opts["tokenizer"] is not None else cfg.vocab_size == REAL_VOCAB
-    exact = preset in EXACT_PRESETS
+    exact = preset in EXACT_PRESETS or preset in EXACT_PRESETS_V41
     if opts["sparse_experts"] is None:
         opts["sparse_experts"] = exact
     rng = np.random.default_rng(seed)
-    gen = _Gen(cfg, rng, opts)
+    gen = _Gen(cfg, rng, opts, codes=preset in EXACT_PRESETS_V41)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is ordinary shared data
     try:
         (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
-        groups = _shard_groups(cfg, ends_alone=exact)
+        groups = shard_groups(cfg, ends_alone=exact) if cfg.family == V41 else _shard_groups(cfg, ends_alone=exact)
         n = len(groups)
         weight_map: dict[str, str] = {}
         total = 0
@@ -199,8 +225,8 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
             fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             tensors = {s.name: gen.tensor(s) for s in names}
             tensors = {k: v for k, v in tensors.items() if v is not None}
-            if any(isinstance(v, Hole) for v in tensors.values()):
-                save_sparse(tensors, tmp / fname)
+            if any(isinstance(v, Hole) for v in tensors.values()) or any(".engram." in k for k in tensors):
+                save_sparse(tensors, tmp / fname, keep_order=any(".engram." in k for k in tensors))
             else:
                 safetensors.numpy.save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             (tmp / fname).chmod(0o644)  # safetensors creates it 0600; the other files are 0644
@@ -210,7 +236,9 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
             del tensors
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
-        if tok:
+        if small_tok is not None:
+            (tmp / "tokenizer.json").write_text(small_tok, encoding="utf-8")
+        elif tok:
             _copy_tokenizer(tmp, cfg)
         if out.exists():
             out.rmdir()
@@ -264,13 +292,14 @@ _ST_DTYPE = {
 }
 
 
-def save_sparse(tensors: dict[str, np.ndarray | Hole], path: Path) -> None:
-    """A safetensors file whose Hole tensors are left unwritten (sparse), the rest as the library would."""
+def save_sparse(tensors: dict[str, np.ndarray | Hole], path: Path, keep_order: bool = False) -> None:
+    """A safetensors file whose Hole tensors are left unwritten (sparse), the rest as the library
+    would (by dtype, then name), or in the order given (keep_order)."""
     meta = {
         k: (v.dtype if isinstance(v, Hole) else _ST_DTYPE[v.dtype], tuple(v.shape), v.nbytes)
         for k, v in tensors.items()
     }
-    order = sorted(meta, key=lambda k: (_ST_ORDER.index(meta[k][0]), k))
+    order = list(meta) if keep_order else sorted(meta, key=lambda k: (_ST_ORDER.index(meta[k][0]), k))
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for k in order:
@@ -291,18 +320,26 @@ def save_sparse(tensors: dict[str, np.ndarray | Hole], path: Path) -> None:
 
 
 def _copy_tokenizer(dst: Path, cfg: ModelConfig) -> None:
-    from ..text.tokenizer import real_tokenizer_files
+    from ..text import tokenizer
 
-    for src in real_tokenizer_files():
+    # V4.1's tokenizer.json is V4's with 9 added tokens changed; text.tokenizer writes it once it
+    # can (write_tokenizer_files), until then generated V4.1 checkpoints carry V4's files.
+    if cfg.family == V41 and hasattr(tokenizer, "write_tokenizer_files"):
+        tokenizer.write_tokenizer_files(dst, family="v41")
+        return
+    for src in tokenizer.real_tokenizer_files():
         shutil.copyfile(src, dst / src.name)
 
 
 class _Gen:
     """Random values for each spec, stored with the release dtype (or the chosen override)."""
 
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, opts: dict[str, Any]):
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, opts: dict[str, Any], codes: bool = False):
         self.cfg = cfg
         self.rng = rng
+        # codes: large FP8 and BF16 tensors drawn as codes of a normal's quantiles (one byte of
+        # randomness per value, no float pass): what makes a 10 GB dense trunk quick to write.
+        self.codes = codes
         self.scale_fmt = opts["scale_fmt"] or "ue8m0"
         self.dense = opts["dense_dtype"] or "fp8"
         self.comp = opts["compressor_dtype"] or "bf16"
@@ -313,15 +350,55 @@ class _Gen:
         e = cfg.n_routed_experts
         # Expert popularity ranks, fixed per checkpoint so every layer has its favourites.
         self.popularity = -self.skew * np.log1p(rng.permutation(e)).astype(np.float32)
+        self._popularity = {e: self.popularity}
 
-    def tensor(self, s: TensorSpec) -> np.ndarray | None:
+    def tensor(self, s: TensorSpec) -> np.ndarray | Hole | None:
         if s.kind == "scale":
             return self._pending_scale.pop(s.of, None)
         if s.kind == "expert":
             return self._expert(s)
         if s.kind == "linear":
-            return self._linear(s)
+            return (
+                self._codes_fp8(s) if self.codes and self.dense == "fp8" and s.dtypes[0] != "BF16" else self._linear(s)
+            )
+        if s.kind == "table":
+            return self._table(s)
         return self._plain(s)
+
+    def popularity_of(self, n: int) -> np.ndarray:
+        """Popularity of `n` experts (the DSpark stages of V4.1 have their own count)."""
+        if n not in self._popularity:
+            self._popularity[n] = -self.skew * np.log1p(self.rng.permutation(n)).astype(np.float32)
+        return self._popularity[n]
+
+    def _table(self, s: TensorSpec) -> np.ndarray | Hole:
+        """An Engram table: FP8 rows with an E8M0 (or F32) scale per 32 columns."""
+        rows, cols = s.shape
+        sdt = "F8_E8M0" if self.scale_fmt == "ue8m0" else "F32"
+        if self.sparse:
+            self._pending_scale[s.name] = Hole(sdt, fp4_scale_shape(rows, cols))  # type: ignore[assignment]
+            return Hole("F8_E4M3", (rows, cols))
+        w = self.rng.standard_normal((rows, cols), dtype=np.float32)
+        q, sc = formats.quantize_fp8(w.reshape(rows * cols // 32, 32), self.scale_fmt, (1, 32))
+        self._pending_scale[s.name] = _as_scale(sc.reshape(rows, cols // 32))
+        return q.reshape(rows, cols).view(formats.E4M3)
+
+    def _codes_fp8(self, s: TensorSpec) -> np.ndarray:
+        """FP8 codes of N(0, 1) quantiles x 16 with 32x32 power-of-two scales near std / 16."""
+        rows, cols = s.shape
+        out = np.empty((rows, cols), np.uint8)
+        for a in range(0, rows, 4096):
+            b = min(rows, a + 4096)
+            out[a:b] = _E4M3_NORMAL[self.rng.integers(0, 256, size=(b - a, cols), dtype=np.uint8)]
+        br, bc = self.cfg.fp8_block
+        shape = (-(-rows // br), -(-cols // bc))
+        e = np.round(np.log2(self._std(cols) / 16)) + self.rng.integers(-1, 2, size=shape)
+        if self.scale_fmt == "ue8m0":
+            sc = (np.clip(e, -127, 127) + 127).astype(np.uint8).view(formats.E8M0)
+        else:
+            sc = np.exp2(e).astype(np.float32)
+        self._pending_scale[s.name] = sc
+        return out.view(formats.E4M3)
 
     def _std(self, cols: int) -> float:
         return 1.0 / math.sqrt(cols)
@@ -370,9 +447,9 @@ class _Gen:
         name, shape, rng = s.name, s.shape, self.rng
         if name.endswith("tid2eid"):
             return self._tid2eid(shape)
-        if name.endswith("gate.bias"):
-            v = self.popularity + rng.standard_normal(shape, dtype=np.float32) * 0.01
-        elif name.endswith("norm.weight"):
+        if name.endswith(("gate.bias", "gate.bias_vl")):
+            v = self.popularity_of(shape[0]) + rng.standard_normal(shape, dtype=np.float32) * 0.01
+        elif name.endswith(("norm.weight", "engram.q_weight", "engram.k_weight")):
             v = 1.0 + rng.standard_normal(shape, dtype=np.float32) * 0.1
         elif "hc_" in name and name.endswith("_fn"):
             v = rng.standard_normal(shape, dtype=np.float32) * (0.5 / math.sqrt(shape[1]))
@@ -386,12 +463,16 @@ class _Gen:
             v = rng.standard_normal(shape, dtype=np.float32) * 0.5
         elif name.endswith("gate.weight"):
             v = rng.standard_normal(shape, dtype=np.float32) * self._std(shape[1]) * 2.0
-        else:  # embed, head, Markov head: row blocks bound the float32 temporary at full size
-            std = 1.0 if "embed" in name else self._std(shape[-1])
+        else:  # embed, head, Markov head, vision: row blocks bound the float32 temporary at full size
+            std = 1.0 if name == "embed.weight" else self._std(shape[-1])
             out = np.empty(shape, formats.BF16 if s.dtypes[0] == "BF16" else np.float32)
             for a in range(0, shape[0], 8192):
                 b = min(shape[0], a + 8192)
-                out[a:b] = rng.standard_normal((b - a, *shape[1:]), dtype=np.float32) * std
+                if self.codes and out.dtype == formats.BF16:
+                    idx = rng.integers(0, 256, size=(b - a, *shape[1:]), dtype=np.uint8)
+                    out[a:b] = (_NORMAL_QUANTILES * std).astype(formats.BF16)[idx]
+                else:
+                    out[a:b] = rng.standard_normal((b - a, *shape[1:]), dtype=np.float32) * std
             return out
         return v.astype(formats.BF16) if s.dtypes[0] == "BF16" else v.astype(np.float32)
 
@@ -406,6 +487,11 @@ class _Gen:
             keys = self.popularity[None, :] + self.rng.gumbel(size=(b - a, e)).astype(np.float32)
             out[a:b] = np.argsort(-keys, axis=1, kind="stable")[:, :k]
         return out
+
+
+# 256 quantiles of N(0, 1) (midpoints of 256 equal-probability bins), and their E4M3 codes at x16.
+_NORMAL_QUANTILES = np.sort(np.random.default_rng(0).standard_normal(1 << 16, dtype=np.float32))[128::256]
+_E4M3_NORMAL = (_NORMAL_QUANTILES * 16).astype(formats.E4M3).view(np.uint8)
 
 
 def _as_scale(sc: np.ndarray) -> np.ndarray:

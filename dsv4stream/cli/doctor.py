@@ -13,6 +13,8 @@ from ..errors import Dsv4Error, UsageError
 from ..measure import doctor as d
 from ..run.memory import needs_of
 
+ENGRAM_DEPTHS = (8, 32)  # a token's ~96 Engram page reads are issued together
+
 
 @click.command("doctor")
 @click.argument("target", required=False, type=click.Path(path_type=Path), default=".")
@@ -54,6 +56,9 @@ def doctor(target: Path, seconds: str, depths: str, debug: bool) -> None:
                         f"read bandwidth: {f.gbps:.2f} GB/s at queue depth {f.depth}, {f.block:,}-byte reads,"
                         f" {mode}, {probe.label}"
                     )
+                if cfg is not None and cfg.engram is not None:  # V4.1: its Engram rows are 4 KiB random reads
+                    line = d.engram_read_line(cfg, d.read_bandwidth(probe.path, 4096, ENGRAM_DEPTHS, secs))
+                    click.echo(line)
     else:
         click.echo(f"read bandwidth: {target} does not exist; pass the checkpoint directory")
     if cfg is None:

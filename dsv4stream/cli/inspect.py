@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from ..checkpoint.catalog import Catalog
-from ..checkpoint.config import DSPARK, LAYOUTS, ModelConfig
-from ..checkpoint.spec import drafter_nbytes, drafter_summary, is_drafter, trunk_nbytes
+from ..checkpoint.config import DSPARK, DSPARK_V41, LAYOUTS, SUPPORTED_MODEL_TYPES, ModelConfig
+from ..checkpoint.spec import drafter_nbytes, is_drafter, trunk_nbytes, unused_summary
+from ..checkpoint.spec_v41 import is_vision, vision_nbytes
 from ..errors import CheckpointError, UsageError
 from ..run.memory import needs_of
 from ..run.planner import GB, gb_up, minimum_budget, plan
@@ -30,19 +31,46 @@ def _gib(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def config_summary(cfg: ModelConfig, drafter_bytes: int | None = None) -> list[str]:
-    """What config.json implies; `drafter_bytes`: the mtp.* bytes measured on the shards (else
-    the release dtypes' estimate)."""
+def config_summary(cfg: ModelConfig, drafter_bytes: int | None = None, vision_bytes: int | None = None) -> list[str]:
+    """What config.json implies; `drafter_bytes` / `vision_bytes`: the mtp.* and vision bytes
+    measured on the shards (else the release dtypes' estimate)."""
     kinds = Counter(cfg.layer_kinds)
     t = trunk_nbytes(cfg, include_mtp=True)
     ratios = ",".join(str(r) for r in cfg.compress_ratios[: cfg.n_layers])
-    unused = drafter_summary(cfg, drafter_nbytes(cfg) if drafter_bytes is None else drafter_bytes)
-    return [
+    unused = unused_summary(
+        cfg,
+        drafter_nbytes(cfg) if drafter_bytes is None else drafter_bytes,
+        vision_nbytes(cfg) if vision_bytes is None else vision_bytes,
+    )
+    drafter = cfg.layout in (DSPARK, DSPARK_V41)
+    out = [
+        f"model: {SUPPORTED_MODEL_TYPES[cfg.model_type]} (model_type {cfg.model_type})",
         f"layout: {LAYOUTS[cfg.layout]}" + (f"; {unused}" if unused else ""),
-        f"layers: {cfg.n_layers} main + {cfg.n_mtp} {'DSpark stages' if cfg.layout == DSPARK else 'MTP'}; kinds: "
+        f"layers: {cfg.n_layers} main + {cfg.n_mtp} {'DSpark stages' if drafter else 'MTP'}; kinds: "
         + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items()))
         + f"; hash layers: {min(cfg.num_hash_layers, cfg.n_layers)}",
         f"compress ratios (main): {ratios}",
+    ]
+    if cfg.shared is not None:
+        sh = cfg.shared
+        out.append(
+            f"shared attention: kv sources {list(sh.kv_sources)} (own a compressor), index sources"
+            f" {list(sh.index_sources)} (own an indexer)"
+            + (
+                f", candidate source {sh.candidate_source} ({sh.candidate_topk_blocks} blocks of"
+                f" {sh.candidate_block_size})"
+                if sh.candidate_source >= 0
+                else ""
+            )
+        )
+    if cfg.engram is not None:
+        e = cfg.engram
+        out.append(
+            f"engram: layers {list(e.layer_ids)}, tables of {', '.join(f'{r:,}' for r in e.rows)} rows x"
+            f" {e.head_dim} (FP8 + E8M0 per 32 = {e.row_bytes} bytes a row), {_gib(e.table_bytes)} on disk,"
+            f" never resident; {e.columns} rows per token per layer ({e.columns * e.row_bytes:,} bytes)"
+        )
+    return out + [
         (
             f"dims: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} x {cfg.head_dim} (rope {cfg.qk_rope_head_dim}),"
             f" q_lora {cfg.q_lora_rank}, o {cfg.o_groups}x{cfg.o_lora_rank}, window {cfg.sliding_window}, vocab {cfg.vocab_size}"
@@ -54,7 +82,8 @@ def config_summary(cfg: ModelConfig, drafter_bytes: int | None = None) -> list[s
         f"expert bytes: {cfg.expert_bytes:,} bytes per expert",
         f"working set per pass: {cfg.working_set_experts} experts = {_gib(cfg.working_set_bytes)}",
         f"all routed experts: {_gib(cfg.total_expert_bytes)}",
-        f"trunk: {_gib(t['trunk'])}; embed {_gib(t['embed'])}; head {_gib(t['head'])}; mtp.* without experts {_gib(t['mtp'])}",
+        f"trunk: {_gib(t['trunk'])}; embed {_gib(t['embed'])}; head {_gib(t['head'])}; mtp.* without experts {_gib(t['mtp'])}"
+        + (f"; vision {_gib(t['vision'])}" if cfg.vision is not None else ""),
     ]
 
 
@@ -86,7 +115,8 @@ def inspect(
         return
     cat = Catalog.open(path)
     mtp_bytes = sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n))
-    for line in config_summary(cat.config, mtp_bytes):
+    vision_bytes = sum(e.nbytes for n, e in cat.entries.items() if is_vision(n))
+    for line in config_summary(cat.config, mtp_bytes, vision_bytes):
         click.echo(line)
     shards = len({e.path for e in cat.entries.values()})
     click.echo(f"checkpoint: {len(cat.entries)} tensors in {shards} shards, {_gib(cat.nbytes)} on disk")

@@ -423,9 +423,9 @@ def run(
         opts = RunOptions(
             budget=budget_b, io=io, verify=verify, threads=gctx.threads,
             io_threads=io_threads, trunk=trunk, route_log=route_file, ctx=ctx, prefill_segment=prefill_segment,
+            gpu=gctx if gctx.enabled else None,
         )  # fmt: skip
-        extra = {"gpu": gctx} if gctx.enabled else {}
-        with stats_out, Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}"), **extra) as rt:
+        with stats_out, Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}")) as rt:
             stats_out.rt = rt
             for line in gctx.take_messages():
                 say(line)

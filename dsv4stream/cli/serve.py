@@ -224,10 +224,10 @@ def serve(
             opts = RunOptions(
                 budget=budget_b, io=io, verify=verify, threads=gctx.threads, io_threads=io_threads,
                 trunk=trunk, ctx=ctx, kept_states=keep_states, prefill_segment=prefill_segment,
+                gpu=gctx if gctx.enabled else None,
                 overhead=planner.DEFAULT_OVERHEAD + SERVER_OVERHEAD + disk_io,
             )  # fmt: skip
-            extra = {"gpu": gctx} if gctx.enabled else {}
-            rt = Runtime.open(checkpoint, opts, warn=lambda m: _say(f"dsv4: {m}"), **extra)
+            rt = Runtime.open(checkpoint, opts, warn=lambda m: _say(f"dsv4: {m}"))
             held["rt"] = rt
             for line in [*gctx.take_messages(), *rt.plan.lines()]:
                 _say(line)

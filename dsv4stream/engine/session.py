@@ -21,23 +21,23 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from .. import kernels
-from ..checkpoint.catalog import Catalog
-from ..checkpoint.config import ModelConfig
+from ..checkpoint.catalog import Catalog, TensorSource
+from ..checkpoint.config import SUPPORTED_MODEL_TYPES, V4, ModelConfig
 from ..checkpoint.spec import layer_prefix
 from ..errors import NumericsError, UsageError
-from ..kernels.blas import one_thread
-from ..model.attention import ONE_THREAD_MACS, AttnState, attend_macs, new_attn_state
-from ..model.block import Trace, attention_half, ffn_half, head_forward
+from ..model.block import Trace
 from ..model.moe import ExpertWeights
-from ..model.rope import Rope, rope_tables
 from ..model.scan import nonfinite_fields
 from ..text.sampler import greedy
 from ..weights.providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
 from .state import SessionState, capture, thaw
+from .steps import Pass, PassContext, Stack
+from .v4 import V4Stack
 
 # on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched
 RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
@@ -73,15 +73,26 @@ class PrefillStep:
 LayerHook = Callable[[PrefillStep], None]
 
 
+class DevicePlacement(Protocol):
+    """What `Engine.open` needs of a GPU context (`dsv4stream.gpu.GpuContext`): whether it is on,
+    placing the trunk's matrices, and a source that serves the placed copies."""
+
+    enabled: bool
+
+    def place(self, cat: Catalog) -> object: ...
+
+    def source(self, cat: Catalog) -> TensorSource: ...
+
+
 class Engine:
-    """A loaded model: config, weight providers, rope tables. Shared by sessions, never mutated."""
+    """A loaded model: config, weight providers, the family's stack. Shared by sessions, never mutated."""
 
     def __init__(self, cfg: ModelConfig, trunk: Trunk, experts: Experts, catalog: Catalog | None = None) -> None:
         self.cfg = cfg
         self.trunk = trunk
         self.experts = experts
         self.catalog = catalog
-        self.rope_main, self.rope_comp = rope_tables(cfg)
+        self.stack: Stack = V4Stack(cfg, trunk, experts)
 
     @classmethod
     def open(
@@ -92,27 +103,26 @@ class Engine:
         trunk: Trunk | None = None,
         threads: int | None = None,
         validate: bool = True,
-        gpu=None,
+        gpu: DevicePlacement | None = None,
     ) -> Engine:
         """Open a checkpoint directory in the release format (read-only).
 
         experts / trunk replace the in-memory defaults (e.g. a streaming expert store);
-        threads sets the kernel thread count; gpu (a `dsv4stream.gpu.GpuContext`) places
-        trunk matrices in VRAM for the default in-memory trunk.
+        threads sets the kernel thread count; gpu places trunk matrices in VRAM for the
+        default in-memory trunk.
         """
         cat = Catalog.open(checkpoint_dir)
         if validate:
             cat.validate()
+        require_forward(cat.config, str(checkpoint_dir))
         if threads is not None:
             kernels.set_threads(threads)
         if trunk is None:
-            if gpu is not None and gpu.enabled:
+            on_gpu = gpu is not None and gpu.enabled
+            if on_gpu:
                 gpu.place(cat)
-            trunk = CatalogTrunk(gpu.source(cat) if gpu is not None and gpu.enabled else cat)
+            trunk = CatalogTrunk(gpu.source(cat) if on_gpu else cat)
         return cls(cat.config, trunk, experts or CatalogExperts(cat), cat)
-
-    def rope_for(self, layer: int) -> Rope:
-        return self.rope_comp if self.cfg.ratio(layer) else self.rope_main
 
     def session(
         self,
@@ -130,6 +140,15 @@ class Engine:
             on_route=on_route,
             record_requests=record_requests,
             trace=trace,
+        )
+
+
+def require_forward(cfg: ModelConfig, where: str) -> None:
+    """Refuse, in one line, a model family whose forward pass this build does not have."""
+    if cfg.family != V4:
+        raise UsageError(
+            f"{where}: a {SUPPORTED_MODEL_TYPES[cfg.model_type]} checkpoint validates and plans (`dsv4 inspect`,"
+            " `dsv4 pack-trunk`) but this build cannot run it yet; run a DeepSeek-V4 checkpoint"
         )
 
 
@@ -189,8 +208,9 @@ class Session:
         self.requests: list[ExpertKey] | None = [] if record_requests else None
         self.pos = 0
         self.stop_reason = ""  # why the last generate() ended (STOP_REASONS)
-        self._hash_prefetched: np.ndarray | None = None  # ids whose hash-layer experts were asked for
-        self.state: list[AttnState] = [new_attn_state(self.cfg, self.cfg.ratio(i)) for i in range(self.cfg.n_layers)]
+        self.stack = engine.stack
+        self._ahead: _ReadAhead | None = None  # reads started for the next pass (`read_ahead`)
+        self.state: list = self.stack.new_state()
 
     # ---- public ----------------------------------------------------------------
     def prefill(
@@ -253,9 +273,9 @@ class Session:
         Every yielded token but the last has been fed; the last one has not (no forward pass
         is spent on logits nobody reads): a later turn starts by feeding it. `stop_reason` then
         says why it ended (STOP_REASONS; "interrupted" when the caller closed the generator or
-        a forward pass raised). A token's hash-layer experts are prefetched as soon as it is
-        picked, while the caller handles it, once per forward pass. `progress` and `on_layer`
-        and `boundaries` go to `prefill`."""
+        a forward pass raised). A token's reads that depend on it alone start as soon as it is
+        picked, while the caller handles it (`read_ahead`). `progress`, `on_layer` and
+        `boundaries` go to `prefill`."""
         pick = pick or greedy
         self.stop_reason = "interrupted"
         logits = self.prefill(prompt_ids, last_only=True, progress=progress, on_layer=on_layer, boundaries=boundaries)
@@ -269,7 +289,7 @@ class Session:
                 self.stop_reason = stop
                 yield tok
                 return
-            self._prefetch_hash_layers(np.array([tok], dtype=np.int64))
+            self.read_ahead([tok])
             yield tok
             logits = self.step(tok)
 
@@ -279,9 +299,18 @@ class Session:
 
     def restore(self, snap: SessionState) -> None:
         """Continue from `snap`: the next logits equal those of the session it was taken from."""
-        if len(snap.layers) != self.cfg.n_layers:
-            raise UsageError(f"a state of {len(snap.layers)} layers cannot restore a {self.cfg.n_layers}-layer session")
+        if len(snap.layers) != len(self.state):
+            raise UsageError(f"a state of {len(snap.layers)} layers cannot restore a {len(self.state)}-layer session")
         self.state, self.pos = thaw(snap), snap.pos
+        self._ahead = None
+
+    def read_ahead(self, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Start the reads that the next forward pass's token ids alone decide (V4's hash-layer
+        experts; V4.1's Engram rows) while the caller still holds them: `generate` calls it as
+        soon as a token is picked. The next `prefill` / `step` of exactly these ids, at this
+        position, uses what was started instead of asking again."""
+        ids = self._check_ids(token_ids)
+        self._ahead = _ReadAhead(self.pos, ids, self.stack.read_ahead(ids, self.state))
 
     # ---- internals -------------------------------------------------------------
     def _check_ids(self, token_ids) -> np.ndarray:
@@ -302,66 +331,70 @@ class Session:
         last_only: bool,
         after_layer: Callable[[int], None] | None = None,
     ) -> np.ndarray | None:
-        """One segment through every layer: attention in sub-chunks, then one MoE pass."""
-        cfg, eng = self.cfg, self.engine
-        t, c = ids.size, min(self.chunk_size, ids.size)
-        positions = np.arange(self.pos, self.pos + t, dtype=np.int64)
-        # the embedding rows first: asked for after the hash layers' experts, their reads queued
-        # behind ~0.9 GB of expert reads (flash-experts, 1024 tokens: 0.32 s against 0.1-0.2 s)
-        emb = eng.trunk.embed(ids)
-        if self._hash_prefetched is None or not np.array_equal(self._hash_prefetched, ids):
-            self._prefetch_hash_layers(ids)
-        self._hash_prefetched = None
-        x = np.repeat(emb[:, None, :], cfg.hc_mult, axis=1)  # (T, hc, D)
-        del emb
+        """One segment through every layer: begin (reads ahead, embedding), each layer (attention
+        in sub-chunks, then one MoE pass), then the logits. A failure on the way leaves the
+        session torn: its layers' states are out of step with one another."""
+        p = self._begin(ids)  # nothing of the state has changed yet: a failure here leaves it whole
         try:
-            for i in range(cfg.n_layers):
-                w = eng.trunk.layer(i)
-                rope = eng.rope_for(i)
-
-                def routed(experts: np.ndarray, layer: int = i) -> None:
-                    if self.on_route is not None:
-                        self.on_route(layer, positions, experts)
-                    if not cfg.is_hash_layer(layer):
-                        eng.experts.prefetch([(layer, int(e)) for e in np.unique(experts)])
-
-                try:
-                    for a in range(0, t, c):
-                        n = min(c, t - a)
-                        # one query, or a product too small to split: BLAS threads only wait
-                        small = n == 1 or attend_macs(cfg, cfg.ratio(i), n, self.pos + a + n) < ONE_THREAD_MACS
-                        with one_thread(small):
-                            x[a : a + c] = attention_half(
-                                x[a : a + c], positions[a : a + c], w, self.state[i], cfg, rope, self.trace
-                            )
-                    x = ffn_half(x, ids, w, cfg, self._experts_of(i), routed, self.trace, rows=c)
-                except NumericsError as e:
-                    bad = nonfinite_fields(w)
-                    where = (
-                        f" (non-finite values in {', '.join(layer_prefix(cfg, i) + b for b in bad[:4])})" if bad else ""
-                    )
-                    raise NumericsError(f"layer {i}: {e}{where}; {_NAN_ADVICE}") from None
+            for i in range(self.cfg.n_layers):
+                self._layer(p, i)
                 if after_layer is not None:
                     after_layer(i)
         except BaseException:
             self.torn = True
             raise
-        self.pos += t
-        if not logits:
-            return None
-        if last_only:
-            x = x[-1:]
-        out = head_forward(x, eng.trunk.head(), cfg)
+        self.pos += ids.size
+        return self._logits(p, last_only) if logits else None
+
+    def _begin(self, ids: np.ndarray) -> Pass:
+        """The pass's positions and streams; the reads ahead started by `read_ahead` for exactly
+        these ids at this position are used, else started now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.pos == self.pos and np.array_equal(ahead.ids, ids):
+            got = lambda: ahead.payload
+        else:
+            got = lambda: self.stack.read_ahead(ids, self.state)
+        positions = np.arange(self.pos, self.pos + ids.size, dtype=np.int64)
+        return self.stack.begin(ids, positions, self.state, got)
+
+    def _layer(self, p: Pass, i: int) -> None:
+        """Layer i on the pass; a NumericsError names the layer's weights that hold NaN/inf."""
+        w = self.engine.trunk.layer(i)
+        ctx = PassContext(self.chunk_size, self.trace, self._experts_of, self._routed)
+        try:
+            self.stack.layer(ctx, p, i, w, self.state)
+        except NumericsError as e:
+            bad = nonfinite_fields(w)
+            where = (
+                f" (non-finite values in {', '.join(layer_prefix(self.cfg, i) + b for b in bad[:4])})" if bad else ""
+            )
+            raise NumericsError(f"layer {i}: {e}{where}; {_NAN_ADVICE}") from None
+
+    def _logits(self, p: Pass, last_only: bool) -> np.ndarray:
+        """The head on the pass's streams; NaN/inf logits are an error naming what holds them."""
+        out = self.stack.logits(p, last_only)
         if not np.isfinite(out).all():  # (T, vocab): a few µs per token next to the head's matvec
-            bad = nonfinite_fields(eng.trunk.head())
+            bad = nonfinite_fields(self.stack.head_weights())
             if bad:
                 raise NumericsError(
                     f"the logits are NaN or infinite: the head's {', '.join(bad[:4])} hold NaN/inf; {_NAN_ADVICE}"
                 )
             raise NumericsError(
-                f"the logits (head.weight, after layer {cfg.n_layers - 1}) are NaN or infinite; {_NAN_ADVICE}"
+                f"the logits (head.weight, after layer {self.cfg.n_layers - 1}) are NaN or infinite; {_NAN_ADVICE}"
             )
         return out
+
+    def _routed(self, layer: int, positions: np.ndarray, prefetch: bool = True) -> Callable[[np.ndarray], None]:
+        """The MoE's hook once a layer has routed: `on_route`, then the expert reads (skipped where
+        `read_ahead` asked for them already: V4's hash layers)."""
+
+        def hook(experts: np.ndarray) -> None:
+            if self.on_route is not None:
+                self.on_route(layer, positions, experts)
+            if prefetch:
+                self.engine.experts.prefetch([(layer, int(e)) for e in np.unique(experts)])
+
+        return hook
 
     def _experts_of(self, layer: int) -> Callable[[np.ndarray], Iterator[tuple[int, ExpertWeights]]]:
         """The MoE's expert source for one layer: the provider's `get_many` (in memory first,
@@ -380,13 +413,11 @@ class Session:
 
         return each
 
-    def _prefetch_hash_layers(self, ids: np.ndarray) -> None:
-        """Hash layers' experts are known from the tokens alone: ask for the whole segment's up
-        front, once (the next forward pass of exactly `ids` does not ask again)."""
-        self._hash_prefetched = ids
-        keys: list[ExpertKey] = []
-        for i in range(min(self.cfg.num_hash_layers, self.cfg.n_layers)):
-            tid2eid = self.engine.trunk.tid2eid(i)  # not layer(i): a streamed trunk reads layers in order
-            keys += [(i, int(e)) for e in np.unique(tid2eid[ids])]
-        if keys:
-            self.engine.experts.prefetch(keys)
+
+@dataclass(frozen=True)
+class _ReadAhead:
+    """Reads `Session.read_ahead` started for the pass that feeds `ids` at position `pos`."""
+
+    pos: int
+    ids: np.ndarray
+    payload: object

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import jsonio
 from ..errors import Dsv4Error
 
 MAGIC = b"DSV4STAT"
@@ -109,8 +110,8 @@ def read_header(blob: bytes) -> dict[str, Any]:
         raise StateFileError("checksum mismatch (truncated or corrupt)")
     (n,) = struct.unpack("<Q", blob[len(MAGIC) : len(MAGIC) + 8])
     try:
-        header = json.loads(body[len(MAGIC) + 8 : len(MAGIC) + 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = jsonio.parse_json(body[len(MAGIC) + 8 : len(MAGIC) + 8 + n], "header")
+    except Dsv4Error as e:
         raise StateFileError(f"unreadable header ({e})") from None
     if not isinstance(header, dict) or header.get("version") != VERSION:
         raise StateFileError(f"state format version {header.get('version') if isinstance(header, dict) else '?'}")

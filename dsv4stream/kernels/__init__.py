@@ -28,7 +28,8 @@ class QWeight:
     """y = W @ x with W logically (rows, cols) float.
 
     data: fp8 uint8 (R, C); fp4 uint8 (R, C//2); bf16 uint16 (R, C); f32 float32 (R, C).
-    scale: fp8 (ceil(R/128), ceil(C/128)); fp4 (R, C//32); uint8 E8M0 bytes or float32; else None.
+    scale: fp8 (ceil(R/br), ceil(C/bc)) for `block` (br, bc): (128, 128) in V4, (32, 32) in V4.1;
+    fp4 (R, C//32); uint8 E8M0 bytes or float32; else None.
     """
 
     kind: str
@@ -37,6 +38,7 @@ class QWeight:
     rows: int
     cols: int
     role: str = "trunk"  # whose time `kernel_seconds` counts it as: "experts", "head" or "trunk"
+    block: tuple[int, int] = (128, 128)  # FP8 scale block (rows, cols); unused by the other kinds
 
     # A subclass whose arrays live on a device (dsv4stream.gpu.DeviceQWeight) sets this and
     # multiplies itself there: matvec / matmul / dense hand it over instead of a CPU backend.

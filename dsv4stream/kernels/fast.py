@@ -54,7 +54,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 LANES = 32
 FP4_LANES = 32  # lane h*16 + k: even * scale * x_even, then odd * scale * x_odd; 32-blocks of parity h
 MAX_BLOCKS = 1024  # stack room for one row's relative scales: FP4 cols <= 32768, FP8 cols <= 131072
-# FP8 rows a wide matvec takes per pass over x (divides 128, so they share one scale block). A
+# FP8 rows a wide matvec takes per pass over x (divides the row block, so they share one scale). A
 # row of >= WIDE_COLS columns has an x of >= 32 KiB, which does not stay in L1 beside the weight
 # stream: each row then reads x from L2. One thread, CPU time, Zen 4: wo_b 4096x8192 6.8 -> 8.4
 # GB/s with 4 rows per pass; narrow rows lose (wq_b 32768x1024 7.3 -> 4.6), so they keep one.
@@ -469,16 +469,16 @@ def _fp4_row(w, s, r, xe, xo, rel, acc):
 
 
 @njit(**_INLINE)
-def _fp8_row(w, s, r, x, rel, acc):
-    """Row r of E4M3 (R, C) with 128x128 block scales, dot x (C,)."""
-    fac = _row_rel(s[r // 128], 8, rel)
+def _fp8_row(w, s, br, bc, r, x, rel, acc):
+    """Row r of E4M3 (R, C) with (br, bc) block scales, dot x (C,)."""
+    fac = _row_rel(s[r // br], 8, rel)
     cols = w.shape[1]
     for k in range(LANES):
         acc[k] = 0
     for cb in range(s.shape[1]):
         sr = rel[cb]
-        j0 = cb * 128
-        j1 = min(cols, j0 + 128)
+        j0 = cb * bc
+        j1 = min(cols, j0 + bc)
         while j0 + LANES <= j1:
             for k in range(LANES):
                 acc[k] = _fma(_e4m3(w[r, j0 + k]) * sr, x[j0 + k], acc[k])
@@ -489,17 +489,17 @@ def _fp8_row(w, s, r, x, rel, acc):
 
 
 @njit(**_INLINE)
-def _fp8_rows(w, s, r, x, rel, acc, out):
-    """Rows r .. r + MV_ROWS of E4M3 (one 128-row scale block) dot x into out: each x element is
+def _fp8_rows(w, s, br, bc, r, x, rel, acc, out):
+    """Rows r .. r + MV_ROWS of E4M3 (one br-row scale block) dot x into out: each x element is
     loaded once for all of them (a wide row's x does not stay in L1), each row's lanes as `_fp8_row`."""
-    fac = _row_rel(s[r // 128], 8, rel)
+    fac = _row_rel(s[r // br], 8, rel)
     cols = w.shape[1]
     for k in range(MV_ROWS * LANES):
         acc[k] = 0
     for cb in range(s.shape[1]):
         sr = rel[cb]
-        j0 = cb * 128
-        j1 = min(cols, j0 + 128)
+        j0 = cb * bc
+        j1 = min(cols, j0 + bc)
         while j0 + LANES <= j1:
             for q in range(MV_ROWS):
                 for k in range(LANES):
@@ -563,34 +563,35 @@ def _fp4_mv_serial(w, s, xe, xo, rpg, out):
 
 
 @njit(parallel=True, **_JIT)
-def _fp8_mv(w, s, x, rpg, out):
+def _fp8_mv(w, s, br, bc, x, rpg, out):
     for r in prange(w.shape[0]):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
         acc = carray(_stack_f32(LANES), (LANES,))
-        out[r] = _fp8_row(w, s, r, x[r // rpg], rel, acc)
+        out[r] = _fp8_row(w, s, br, bc, r, x[r // rpg], rel, acc)
 
 
 @njit(**_JIT)
-def _fp8_mv_serial(w, s, x, rpg, out):
+def _fp8_mv_serial(w, s, br, bc, x, rpg, out):
     rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
     acc = carray(_stack_f32(LANES), (LANES,))
     for r in range(w.shape[0]):
-        out[r] = _fp8_row(w, s, r, x[r // rpg], rel, acc)
+        out[r] = _fp8_row(w, s, br, bc, r, x[r // rpg], rel, acc)
 
 
 @njit(parallel=True, **_JIT)
-def _fp8_mv_wide(w, s, x, rpg, out):
-    """`_fp8_mv` by MV_ROWS rows at a time (the same bits: each row's lanes are its own)."""
+def _fp8_mv_wide(w, s, br, bc, x, rpg, out):
+    """`_fp8_mv` by MV_ROWS rows at a time (the same bits: each row's lanes are its own); the
+    caller makes sure MV_ROWS divides br."""
     n = w.shape[0] // MV_ROWS if rpg % MV_ROWS == 0 else 0
     for g in prange(n):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
         acc = carray(_stack_f32(MV_LANES), (MV_LANES,))
         r = g * MV_ROWS
-        _fp8_rows(w, s, r, x[r // rpg], rel, acc, out)
+        _fp8_rows(w, s, br, bc, r, x[r // rpg], rel, acc, out)
     rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
     acc = carray(_stack_f32(LANES), (LANES,))
     for r in range(n * MV_ROWS, w.shape[0]):
-        out[r] = _fp8_row(w, s, r, x[r // rpg], rel, acc)
+        out[r] = _fp8_row(w, s, br, bc, r, x[r // rpg], rel, acc)
 
 
 @njit(parallel=True, **_JIT)
@@ -618,12 +619,12 @@ def _fp4_mv2(w1, s1, w3, s3, xe, xo, out1, out3):
 
 
 @njit(parallel=True, **_JIT)
-def _fp8_mv2(w1, s1, w3, s3, x, out1, out3):
+def _fp8_mv2(w1, s1, w3, s3, br, bc, x, out1, out3):
     for r in prange(w1.shape[0]):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
         acc = carray(_stack_f32(LANES), (LANES,))
-        out1[r] = _fp8_row(w1, s1, r, x, rel, acc)
-        out3[r] = _fp8_row(w3, s3, r, x, rel, acc)
+        out1[r] = _fp8_row(w1, s1, br, bc, r, x, rel, acc)
+        out3[r] = _fp8_row(w3, s3, br, bc, r, x, rel, acc)
 
 
 # ---- rows dequantised to float32 for BLAS (prefill-sized token counts) ----------------------------
@@ -649,15 +650,15 @@ def _fp4_dequant(w, s, r0, tile, fac):
 
 
 @njit(parallel=True, **_JIT)
-def _fp8_dequant(w, s, r0, tile, fac):
+def _fp8_dequant(w, s, br, bc, r0, tile, fac):
     cols = w.shape[1]
     for q in prange(tile.shape[0]):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
         r = r0 + q
-        fac[q] = _row_rel(s[r // 128], 8, rel)
+        fac[q] = _row_rel(s[r // br], 8, rel)
         for cb in range(s.shape[1]):
             sr = rel[cb]
-            for j in range(cb * 128, min(cols, cb * 128 + 128)):
+            for j in range(cb * bc, min(cols, cb * bc + bc)):
                 tile[q, j] = _e4m3(w[r, j]) * sr
 
 
@@ -731,12 +732,12 @@ def _fp4_chunk_times_tokens(tile, xe, xo, c0, cw, acc, last, fac, out, r0, nr):
 
 
 @njit(**_INLINE)
-def _fp8_decode(w, r, rel, c0, cw, tile, q):
-    """Same loop shape as `_fp8_row`; c0 is a multiple of 128."""
-    for cb in range((cw + 127) // 128):
-        sr = rel[c0 // 128 + cb]
-        j0 = cb * 128
-        j1 = min(cw, j0 + 128)
+def _fp8_decode(w, r, rel, bc, c0, cw, tile, q):
+    """Same loop shape as `_fp8_row`; c0 is a multiple of bc (bc divides CHUNK)."""
+    for cb in range((cw + bc - 1) // bc):
+        sr = rel[c0 // bc + cb]
+        j0 = cb * bc
+        j1 = min(cw, j0 + bc)
         while j0 + LANES <= j1:
             for k in range(LANES):
                 tile[q * CHUNK + j0 + k] = _e4m3(w[r, c0 + j0 + k]) * sr
@@ -831,7 +832,7 @@ def _fp4_mm(w, s, xe, xo, out):
 
 
 @njit(parallel=True, **_JIT)
-def _fp8_mm(w, s, xs, out):
+def _fp8_mm(w, s, br, bc, xs, out):
     rows, cols = w.shape[0], xs.shape[1]
     for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
         rel = carray(_stack_f32(REL_LANES), (REL_LANES,))
@@ -841,7 +842,7 @@ def _fp8_mm(w, s, xs, out):
         r0 = ti * ROW_TILE
         nr = min(ROW_TILE, rows - r0)
         for q in range(nr):
-            fac[q] = _row_rel(s[(r0 + q) // 128], 8, rel[q * MAX_BLOCKS :])
+            fac[q] = _row_rel(s[(r0 + q) // br], 8, rel[q * MAX_BLOCKS :])
         if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
             tile[:] = 0
         nc = (cols + CHUNK - 1) // CHUNK
@@ -849,7 +850,7 @@ def _fp8_mm(w, s, xs, out):
             c0 = ci * CHUNK
             cw = min(CHUNK, cols - c0)
             for q in range(nr):
-                _fp8_decode(w, r0 + q, rel[q * MAX_BLOCKS :], c0, cw, tile, q)
+                _fp8_decode(w, r0 + q, rel[q * MAX_BLOCKS :], bc, c0, cw, tile, q)
             _prefetch_next_chunk(w, r0, nr, ci, nc, CHUNK)
             _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
 
@@ -923,7 +924,10 @@ def _check(w, cols: int) -> None:
             raise ValueError(f"FP4 weight needs columns in multiples of 32, found {w.cols}")
         want_d, want_s = (w.rows, w.cols // 2), (w.rows, w.cols // 32)
     elif w.kind == "fp8":
-        want_d, want_s = (w.rows, w.cols), (-(-w.rows // 128), -(-w.cols // 128))
+        br, bc = w.block
+        if br < 1 or bc < 1 or CHUNK % bc:
+            raise ValueError(f"FP8 scale blocks ({br}, {bc}): the kernels take column blocks dividing {CHUNK}")
+        want_d, want_s = (w.rows, w.cols), (-(-w.rows // br), -(-w.cols // bc))
     elif w.kind in ("bf16", "f32"):
         want_d, want_s = (w.rows, w.cols), None
     else:
@@ -992,8 +996,10 @@ def _matvec_rows(w, x: np.ndarray, out: np.ndarray, rpg: int | None = None) -> N
         xe, xo = _halves(xg, xg.shape[0])
         (_fp4_mv if par else _fp4_mv_serial)(_u8(w.data), _scale(w), xe, xo, rpg, out)
     elif w.kind == "fp8":
-        kernel = (_fp8_mv_wide if w.cols >= WIDE_COLS else _fp8_mv) if par else _fp8_mv_serial
-        kernel(_u8(w.data), _scale(w), _aligned_copy(xg), rpg, out)
+        br, bc = w.block
+        wide = w.cols >= WIDE_COLS and br % MV_ROWS == 0
+        kernel = (_fp8_mv_wide if wide else _fp8_mv) if par else _fp8_mv_serial
+        kernel(_u8(w.data), _scale(w), br, bc, _aligned_copy(xg), rpg, out)
     else:
         (_plain_mv if par else _plain_mv_serial)(_plain(w), _aligned_copy(xg), rpg, out)
 
@@ -1045,7 +1051,7 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
         xs = _aligned_zeros((n - n % -TOKS, w.cols))
         xs[:n] = x[t0 : t0 + n]
         if w.kind == "fp8":
-            _fp8_mm(_u8(w.data), _scale(w), xs, part)
+            _fp8_mm(_u8(w.data), _scale(w), *w.block, xs, part)
         else:
             _plain_mm(_plain(w), xs, part)
     return out
@@ -1065,7 +1071,7 @@ def _blas_matmul(w, x: np.ndarray, out: np.ndarray) -> None:
         if w.kind == "fp4":
             _fp4_dequant(_u8(w.data), _scale(w), a, tile[:n], fac[:n])
         elif w.kind == "fp8":
-            _fp8_dequant(_u8(w.data), _scale(w), a, tile[:n], fac[:n])
+            _fp8_dequant(_u8(w.data), _scale(w), *w.block, a, tile[:n], fac[:n])
         else:
             _plain_dequant(_plain(w), a, tile[:n], fac[:n])
         p = np.matmul(x, tile[:n].T, out=prod[:, :n])
@@ -1076,6 +1082,7 @@ def matmul_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(X @ W1.T, X @ W3.T) for two weights of one kind and shape; at one token one parallel pass."""
     x = _tokens(x)
     same = w1.kind == w3.kind and w1.rows == w3.rows and w1.cols == w3.cols and w1.kind in ("fp4", "fp8")
+    same = same and (w1.kind != "fp8" or w1.block == w3.block)
     if x.shape[0] != 1 or not same or not _parallel(w1):
         return matmul(w1, x), matmul(w3, x)
     _check(w1, x.shape[1])
@@ -1087,7 +1094,7 @@ def matmul_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         xe, xo = _halves(x[:1], 1)
         _fp4_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe[0], xo[0], y1[0], y3[0])
     else:
-        _fp8_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), x[0], y1[0], y3[0])
+        _fp8_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), *w1.block, x[0], y1[0], y3[0])
     return y1, y3
 
 
@@ -1109,9 +1116,9 @@ def _consecutive(parts: list[np.ndarray]) -> np.ndarray | None:
 def _joined(ws) -> object | None:
     """Row blocks of one weight (the grouped output projection) as that one weight, or None."""
     w0 = ws[0]
-    if any(w.kind != w0.kind or w.rows != w0.rows or w.cols != w0.cols for w in ws):
+    if any(w.kind != w0.kind or w.rows != w0.rows or w.cols != w0.cols or w.block != w0.block for w in ws):
         return None
-    if w0.kind == "fp8" and w0.rows % 128:
+    if w0.kind == "fp8" and w0.rows % w0.block[0]:
         return None
     data = _consecutive([np.ascontiguousarray(w.data) for w in ws])
     scale = None if w0.scale is None else _consecutive([np.ascontiguousarray(w.scale) for w in ws])

@@ -1,7 +1,7 @@
 """Readable numpy definition of the quantized linears: dequantise, then float32 GEMM.
 
 Large weights are dequantised a block of rows at a time (at most ``BLOCK_ELEMS`` float32
-values, a multiple of the 128-row FP8 scale block), so the scratch a product needs is
+values, a multiple of 128 rows and of the FP8 scale block), so the scratch a product needs is
 bounded whatever the weight's size: a whole V4-Flash head would otherwise need a 2 GB
 float32 copy, and `--budget` has to cover every byte the process holds. The blocking
 depends only on the weight's shape, so results do not depend on anything else.
@@ -9,6 +9,7 @@ depends only on the weight's shape, so results do not depend on anything else.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -22,7 +23,7 @@ BLOCK_ELEMS = 1 << 22  # float32 values dequantised at once (16 MB)
 def dequant(w) -> np.ndarray:
     """QWeight -> (R, C) float32."""
     if w.kind == "fp8":
-        return formats.dequant_fp8(w.data, w.scale)
+        return formats.dequant_fp8(w.data, w.scale, w.block)
     if w.kind == "fp4":
         return formats.dequant_fp4(w.data, w.scale)
     if w.kind == "bf16":
@@ -44,11 +45,13 @@ def _row_blocks(w) -> Iterator[tuple[int, int, object]]:
     if w.rows * w.cols <= BLOCK_ELEMS:
         yield 0, w.rows, w
         return
-    step = max(128, BLOCK_ELEMS // w.cols // 128 * 128)
+    unit = math.lcm(128, w.block[0]) if w.kind == "fp8" else 128
+    step = max(unit, BLOCK_ELEMS // w.cols // unit * unit)
     for a in range(0, w.rows, step):
         b = min(w.rows, a + step)
         if w.kind == "fp8":
-            scale = w.scale[a // 128 : -(-b // 128)]
+            br = w.block[0]
+            scale = w.scale[a // br : -(-b // br)]
         elif w.kind == "fp4":
             scale = w.scale[a:b]
         else:

@@ -22,8 +22,8 @@ from typing import Self
 
 import psutil
 
-from ..checkpoint.config import ModelConfig
-from ..run.planner import GB, MemoryNeeds, Plan, gb_up, minimum_budget, plan, smallest_budget
+from ..checkpoint.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from ..run.planner import ENGRAM_SHARE, GB, MemoryNeeds, Plan, gb_up, minimum_budget, plan, smallest_budget
 from ..store.directio import ALIGN, FileSet, Window, aligned_buffer
 
 # LRU hit rates another engine reported publicly on the real V4-Flash: about 0 / 40 / 53% at
@@ -178,13 +178,21 @@ def advice_lines(cfg: ModelConfig, needs: MemoryNeeds, available: int) -> list[s
     floor = minimum_budget(needs)
     want = min(needs.working_set, needs.total_experts)
     useful = smallest_budget(needs, lambda p: p.expert_slots >= want)
+    name = SUPPORTED_MODEL_TYPES.get(cfg.model_type, cfg.model_type)
     lines = [
         (
-            f"model: {cfg.n_layers} layers, {cfg.working_set_experts} experts per pass x {cfg.expert_bytes:,} bytes"
-            f" = working set {cfg.working_set_bytes / GB:.2f} GB"
+            f"model: {name}, {cfg.n_layers} layers, {cfg.working_set_experts} experts per pass x"
+            f" {cfg.expert_bytes:,} bytes = working set {cfg.working_set_bytes / GB:.2f} GB"
         ),
         f"smallest budget that runs: {gb_up(floor)} (trunk streamed, cache below the working set: hit rate near 0)",
     ]
+    if cfg.engram is not None:
+        e = cfg.engram
+        lines.append(
+            f"engram: {needs.engram_rows_per_token} rows per token ({e.row_bytes} bytes each, row and scales in two"
+            f" 4 KiB pages far apart) from {needs.engram_table_bytes / GB:.2f} GB of tables left on disk; the row"
+            f" cache is {ENGRAM_SHARE:.0%} of the budget"
+        )
     if useful is not None:
         lines.append(f"smallest budget whose cache holds the working set: {gb_up(useful)}")
     # Leave 15% of available memory (at least 1 GB) for the OS and the page cache.
@@ -213,6 +221,20 @@ def advice_lines(cfg: ModelConfig, needs: MemoryNeeds, available: int) -> list[s
         f" {p.expert_slots} expert slots; expected LRU hit rate {hits}{source}"
     )
     return lines
+
+
+def engram_read_line(cfg: ModelConfig, figures: list[ReadFigure]) -> str | None:
+    """What 4 KiB random reads (`figures`, measured) mean for a token's Engram rows read cold:
+    two pages a row (the row's, and its scales' about a table away), every row a miss."""
+    if cfg.engram is None or not figures:
+        return None
+    best = max(figures, key=lambda f: f.gbps)
+    per_s = best.gbps * 1e9 / best.block
+    reads = 2 * cfg.engram.columns * len(cfg.engram.layer_ids)
+    return (
+        f"engram rows: {per_s:,.0f} random 4 KiB reads/s at queue depth {best.depth}: a token's {reads} page reads"
+        f" take {reads / per_s * 1e3:.1f} ms when none is cached"
+    )
 
 
 def _covers(p: Plan, best: Plan) -> bool:

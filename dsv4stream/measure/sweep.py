@@ -13,7 +13,6 @@ checkpoint, planning) and are reported separately.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import jsonio
 from ..checkpoint.config import ModelConfig
 from ..errors import Dsv4Error, UsageError
 from . import simulate as sim
@@ -92,7 +92,7 @@ def run_budget(
             f"dsv4 run at --budget {budget_gb:g} failed (exit {proc.returncode}): {tail[0] if tail else 'no output'}"
             f" — see {log_path}"
         )
-    stats = json.loads(stats_path.read_text())
+    stats = jsonio.read_json(stats_path, "the run's --stats-json", Dsv4Error, fix="run the sweep again")
     # The child's own high-water mark (VmHWM), which it reports: wait4's ru_maxrss would keep
     # this (parent) process's peak across the child's fork + exec.
     return BudgetRun(budget_gb, stats, route_path, int(stats.get("peak_rss_bytes") or 0), wall)

@@ -12,6 +12,7 @@ passes; the streams are mixed by comb transposed: new[k] = post[k]*y + sum_j com
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,12 +42,12 @@ def _flat_norm(x: np.ndarray, eps: float) -> np.ndarray:
     return rms_norm(x.reshape(t, -1), None, eps)
 
 
-def hc_pre(
-    x: np.ndarray, w: HcWeights, sinkhorn_iters: int, hc_eps: float, norm_eps: float
+def split_mixes(
+    mixes: np.ndarray, w: HcWeights, sinkhorn_iters: int, hc_eps: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x (T, hc, D) -> (block input (T, D), post (T, hc), comb (T, hc, hc))."""
-    t, hc, _ = x.shape
-    mixes = matmul(w.fn, _flat_norm(x, norm_eps))  # (T, (2+hc)*hc)
+    """mixes (T, (2+hc)*hc) -> (pre (T, hc), post (T, hc), comb (T, hc, hc) after Sinkhorn)."""
+    t = mixes.shape[0]
+    hc = math.isqrt(w.base.shape[0] + 1) - 1  # (2 + hc) * hc mixes = (hc + 1)^2 - 1
     pre = sigmoid(mixes[:, :hc] * w.scale[0] + w.base[:hc]) + F32(hc_eps)
     post = F32(2.0) * sigmoid(mixes[:, hc : 2 * hc] * w.scale[1] + w.base[hc : 2 * hc])
     logits = (mixes[:, 2 * hc :] * w.scale[2] + w.base[2 * hc :]).reshape(t, hc, hc)
@@ -55,8 +56,21 @@ def hc_pre(
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(axis=-1, keepdims=True) + F32(hc_eps))
         comb = comb / (comb.sum(axis=-2, keepdims=True) + F32(hc_eps))
-    collapsed = np.einsum("th,thd->td", pre, x, dtype=F32)
-    return collapsed, post, comb
+    return pre, post, comb
+
+
+def collapse(x: np.ndarray, pre: np.ndarray) -> np.ndarray:
+    """Streams x (T, hc, D) weighted by pre (T, hc) -> one block input (T, D)."""
+    return np.einsum("th,thd->td", pre, x, dtype=F32)
+
+
+def hc_pre(
+    x: np.ndarray, w: HcWeights, sinkhorn_iters: int, hc_eps: float, norm_eps: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (T, hc, D) -> (block input (T, D), post (T, hc), comb (T, hc, hc))."""
+    mixes = matmul(w.fn, _flat_norm(x, norm_eps))  # (T, (2+hc)*hc)
+    pre, post, comb = split_mixes(mixes, w, sinkhorn_iters, hc_eps)
+    return collapse(x, pre), post, comb
 
 
 def hc_post(x: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:

@@ -14,13 +14,14 @@ from pathlib import Path
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog
-from ..checkpoint.spec import drafter_summary, is_drafter
+from ..checkpoint.spec import is_drafter, unused_summary
+from ..checkpoint.spec_v41 import is_vision
 from ..kernels import reference
 from ..store import ExpertStore
 from ..streaming.expert_layout import expert_layouts
 from ..streaming.layout import TrunkLayout, trunk_layout
 from ..trunkpack.reader import open_trunk_file
-from . import planner
+from . import planner, planner_v41
 from .planner import MemoryNeeds
 from .runinfo import RunOptions
 
@@ -60,7 +61,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
     cfg = cat.config
     return MemoryNeeds(
         layer_bytes=layout.layer_bytes,
-        head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,
+        head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,  # V4.1: head and final norm only (no hc_head)
         slot_bytes=slot_bytes,
         state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (1 + opts.kept_states),
         staging_bytes=planner.staging_bytes_for(cfg, opts.chunk, opts.ctx) + kernel_scratch_bytes(cat),
@@ -71,7 +72,14 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         segment_token_bytes=planner.segment_token_bytes(cfg),
         segment_min=opts.chunk,
         segment=opts.prefill_segment,
-        unused=drafter_summary(cfg, sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n))),
+        unused=unused_summary(
+            cfg,
+            sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n)),
+            sum(e.nbytes for n, e in cat.entries.items() if is_vision(n)),
+        ),
+        engram_slot_bytes=planner_v41.engram_slot_bytes(cfg),
+        engram_rows_per_token=planner_v41.engram_rows_per_token(cfg),
+        engram_table_bytes=sum(e.nbytes for n, e in cat.entries.items() if ".engram.embed." in n),
     )
 
 

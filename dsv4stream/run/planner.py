@@ -27,11 +27,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..checkpoint.config import ModelConfig
-from ..checkpoint.spec import block_specs, drafter_nbytes, drafter_summary, released_nbytes
+from ..checkpoint.config import V41, ModelConfig
+from ..checkpoint.spec import block_specs, drafter_nbytes, released_nbytes, unused_summary
+from ..checkpoint.spec_v41 import engram_nbytes, vision_nbytes
 from ..errors import BudgetError
 from ..model.compressor import row_capacity
 from ..store.directio import ALIGN
+from . import planner_v41
 
 GB = 1_000_000_000
 # Interpreter, numpy/numba/tokenizers code and heaps, thread stacks, allocator slack:
@@ -42,6 +44,8 @@ DEFAULT_CHUNK = 64  # attention sub-chunk of a prefill segment (RunOptions.chunk
 SUB_CHUNK = DEFAULT_CHUNK
 SEGMENT_CAP = 4096  # longest prefill segment the planner gives
 BLOCK_FLOATS = 4 << 20  # attention gather / indexer score blocks (model.attention, model.indexer)
+# The Engram row cache's share of the budget (V4.1): 1% is 160 MB, ~570k rows, at --budget 16.
+ENGRAM_SHARE = 0.01
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,12 @@ class MemoryNeeds:
     segment_token_bytes: int = 0  # activations per prefill segment token (0: not counted)
     segment_min: int = SUB_CHUNK
     segment: int | None = None  # --prefill-segment: fixed S instead of the planner's choice
-    unused: str | None = None  # what the checkpoint holds that is not run (the mtp.* blocks), for the plan
+    unused: str | None = None  # what the checkpoint holds that is not run (mtp.*, V4.1's vision), for the plan
+    # V4.1's Engram tables stay on disk; their rows are read into a row cache (0: no Engram).
+    engram_slot_bytes: int = 0  # one cached row: its FP8 values and E8M0 scales, plus its index entry
+    engram_rows_per_token: int = 0  # rows one token reads over all Engram layers (48 in the release)
+    engram_table_bytes: int = 0  # the tables on disk (for the plan's line)
+    engram_rows: int | None = None  # a fixed row-cache size instead of the planner's share
 
     @property
     def fixed_bytes(self) -> int:
@@ -83,6 +92,11 @@ class Plan:
     expert_slots: int
     warnings: tuple[str, ...] = field(default=())
     prefill_segment: int = SEGMENT_CAP
+    engram_rows: int = 0  # Engram row-cache rows (beyond the rows of the segment being read)
+
+    @property
+    def engram_bytes(self) -> int:
+        return self.engram_rows * self.needs.engram_slot_bytes
 
     @property
     def segment_bytes(self) -> int:
@@ -108,6 +122,7 @@ class Plan:
             + self.ring_slots * self.ring_slot_bytes
             + self.expert_bytes
             + self.segment_bytes
+            + self.engram_bytes
         )
 
     def lines(self) -> list[str]:
@@ -132,8 +147,13 @@ class Plan:
                 f"  prefill: segments of {self.prefill_segment} tokens ({_gb(self.segment_bytes)} of activations),"
                 f" attention in sub-chunks of {min(n.segment_min, self.prefill_segment)}"
             ),
-            f"  planned total {_gb(self.planned_bytes)} of {_gb(self.budget)}",
         ]
+        if n.engram_slot_bytes:
+            out.append(
+                f"  engram: row cache {self.engram_rows:,} rows x {n.engram_slot_bytes} B = {_gb(self.engram_bytes)}"
+                f" ({n.engram_rows_per_token} rows per token; the tables' {_gb(n.engram_table_bytes)} stay on disk)"
+            )
+        out.append(f"  planned total {_gb(self.planned_bytes)} of {_gb(self.budget)}")
         if n.unused:
             out.append(f"  {n.unused}")
         return out + [f"warning: {w}" for w in self.warnings]
@@ -211,6 +231,15 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
         free -= acc
         ring_slots = 2
     free = max(0, free)
+    # Engram rows before expert slots: a cached row saves two 4 KiB reads for ~280 bytes, and slots
+    # short of the working set hardly ever hit.
+    engram_rows = 0
+    if needs.engram_slot_bytes:
+        want = needs.engram_rows
+        if want is None:
+            want = int(budget * ENGRAM_SHARE) // needs.engram_slot_bytes
+        engram_rows = max(0, min(want, free // needs.engram_slot_bytes))
+        free -= engram_rows * needs.engram_slot_bytes
     if not needs.slot_bytes:
         slots = cap
     else:  # slots up to the working set first, then the segment, then slots again
@@ -233,7 +262,14 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
             f" one forward pass uses, so LRU evicts nearly every expert before its layer comes round again"
             f" (hit rate near 0); add {_gb(short)} to --budget for the cache to start hitting"
         )
-    return Plan(budget, needs, pinned, ring_slots, ring_slot if ring_slots else 0, slots, tuple(warnings), segment)
+    if needs.engram_rows is not None and engram_rows < needs.engram_rows:
+        warnings.append(
+            f"the Engram row cache holds {engram_rows:,} of the {needs.engram_rows:,} rows asked for;"
+            f" add {_gb((needs.engram_rows - engram_rows) * needs.engram_slot_bytes)} to --budget"
+        )
+    return Plan(
+        budget, needs, pinned, ring_slots, ring_slot if ring_slots else 0, slots, tuple(warnings), segment, engram_rows
+    )
 
 
 def budget_for(needs: MemoryNeeds, slots: int, pinned: int | None = None) -> int:
@@ -257,7 +293,9 @@ def state_bytes_for(cfg: ModelConfig, ctx: int) -> int:
     positions); per compressed layer the compressed rows as allocated (`row_capacity`: a
     buffer grows ahead of its rows), the open window's kv and gate, the overlap's last Ca
     half; the same for the indexer's compressor at ratio 4; plus one buffer's old copy while
-    it grows (layers grow one at a time)."""
+    it grows (layers grow one at a time). V4.1: `planner_v41.state_bytes`."""
+    if cfg.family == V41:
+        return planner_v41.state_bytes(cfg, ctx)
     hd, ihd, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
     total = largest = 0
     for layer in range(cfg.n_layers):
@@ -284,8 +322,12 @@ def staging_bytes_for(cfg: ModelConfig, chunk: int, ctx: int = 4096) -> int:
     index_rows = ctx // 4 + 1 if 4 in ratios else 0
     per_tok = 4 * (3 * cfg.hc_mult * d + 3 * h * hd + 4 * cfg.moe_intermediate_size + cfg.vocab_size)
     per_tok += 4 * (4 * h * (w + chunk + seen + 1) + 4 * index_rows)
+    if cfg.family == V41:  # every compressed layer sees the window and index_topk rows
+        per_tok = 4 * (3 * cfg.hc_mult * d + 3 * h * hd + 4 * cfg.moe_intermediate_size + cfg.vocab_size)
+        per_tok += 4 * (4 * h * (w + chunk + cfg.index_topk + 1))
     blocks = 4 * 2 * BLOCK_FLOATS if ratios else 0
-    return chunk * per_tok + 4 * cfg.vocab_size * 2 + blocks
+    extra = planner_v41.staging_extra_bytes(cfg, chunk, ctx) if cfg.family == V41 else 0
+    return chunk * per_tok + 4 * cfg.vocab_size * 2 + blocks + extra
 
 
 def segment_token_bytes(cfg: ModelConfig) -> int:
@@ -293,7 +335,8 @@ def segment_token_bytes(cfg: ModelConfig) -> int:
     normed input, the k weighted expert outputs kept for the fixed-order sum, the shared
     and routed sums and the result, the router's scores, mHC mixing weights, ids."""
     d, hc, k, e = cfg.hidden_size, cfg.hc_mult, cfg.num_experts_per_tok, cfg.n_routed_experts
-    return 4 * (hc * d + (k + 5) * d + 3 * e + hc + hc * hc) + 3 * 8
+    extra = planner_v41.segment_extra_bytes(cfg) if cfg.family == V41 else 0
+    return 4 * (hc * d + (k + 5) * d + 3 * e + hc + hc * hc) + 3 * 8 + extra
 
 
 def needs_from_config(
@@ -304,7 +347,7 @@ def needs_from_config(
         sum(released_nbytes(cfg, s) for s in block_specs(cfg, i, with_experts=False)) for i in range(cfg.n_layers)
     )
     d, v, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
-    head = v * d * 2 + d * 2 + hc * hc * d * 4 + 4 * hc + 4
+    head = v * d * 2 + d * 2 + (0 if cfg.family == V41 else hc * hc * d * 4 + 4 * hc + 4)  # V4.1: no hc_head
     head += cfg.tid2eid_bytes  # the hash layers' tables stay resident
     return MemoryNeeds(
         layer_bytes=layer_bytes,
@@ -318,5 +361,8 @@ def needs_from_config(
         segment_token_bytes=segment_token_bytes(cfg),
         segment_min=chunk,
         segment=segment,
-        unused=drafter_summary(cfg, drafter_nbytes(cfg)),
+        unused=unused_summary(cfg, drafter_nbytes(cfg), vision_nbytes(cfg)),
+        engram_slot_bytes=planner_v41.engram_slot_bytes(cfg),
+        engram_rows_per_token=planner_v41.engram_rows_per_token(cfg),
+        engram_table_bytes=engram_nbytes(cfg),
     )

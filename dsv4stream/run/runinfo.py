@@ -9,6 +9,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
+from ..gpu.context import GpuContext
 from . import planner
 from .profile import PROFILE_LABELS
 
@@ -30,6 +31,7 @@ class RunOptions:
     overhead: int = planner.DEFAULT_OVERHEAD
     kept_states: int = 0  # session states a server keeps besides the live one (prefix reuse)
     prefill_segment: int | None = None  # tokens per prefill segment (None: the planner's choice)
+    gpu: GpuContext | None = None  # --gpu: trunk matrices in VRAM (None, or one not enabled: all on the CPU)
 
 
 @dataclass(frozen=True)

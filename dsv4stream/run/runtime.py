@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog
-from ..engine.session import Engine, LayerHook, PrefillStep, Session
+from ..engine.session import Engine, LayerHook, PrefillStep, Session, require_forward
 from ..errors import Dsv4Error, UsageError
 from ..store import ExpertStore
 from ..streaming.expert_layout import expert_label
@@ -130,10 +130,10 @@ class Runtime:
         self.load_seconds = 0.0
 
     @classmethod
-    def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None, gpu=None) -> Runtime:
+    def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None) -> Runtime:
         """Plan `opts.budget` on this checkpoint (BudgetError if it cannot work) and load what
-        the plan keeps resident. `warn` receives one-time notices (O_DIRECT refused); `gpu`
-        (a `dsv4stream.gpu.GpuContext`) moves trunk matrices to VRAM, out of the budget."""
+        the plan keeps resident. `warn` receives one-time notices (O_DIRECT refused); `opts.gpu`
+        moves trunk matrices to VRAM, out of the budget."""
         if opts.io not in ("direct", "buffered"):
             raise UsageError(f"--io {opts.io!r}: use direct or buffered")
         if opts.chunk < 1 or opts.ctx < 1:
@@ -141,9 +141,11 @@ class Runtime:
         if opts.prefill_segment is not None and opts.prefill_segment < 1:
             raise UsageError(f"--prefill-segment {opts.prefill_segment}: give at least 1 token")
         t_open = time.perf_counter()
+        gpu = opts.gpu
         cat = Catalog.open(checkpoint)
         cat.validate()
         cfg = cat.config
+        require_forward(cfg, str(checkpoint))
         once = _Once(warn)
         tf = open_trunk_file(cat, opts.trunk, verify=opts.verify)
         placed = gpu.place(cat) if gpu is not None and gpu.enabled else None

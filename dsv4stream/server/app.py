@@ -39,6 +39,7 @@ from .decoding import Controls, logprob_json
 from .errors import error_json, openai_error
 from .grammar import Grammars
 from .metrics import Metrics
+from .page import PAGE_EVENTS, page_comment
 from .prompt import Prompt, chat_prompt, completion_prompt, max_new_tokens, sampling
 from .reply import Delta, Outcome, ReplyStream
 from .schemas import ChatRequest, CompletionRequest
@@ -208,9 +209,11 @@ def create_app(srv: ServerState) -> FastAPI:
         return meta.body("text_completion", choices, job.usage)
 
     from . import anthropic, responses
+    from .page import add_routes as add_page_routes
 
     anthropic.add_routes(app, srv)
     responses.add_routes(app, srv)
+    add_page_routes(app, srv)
     return app
 
 
@@ -519,6 +522,8 @@ async def chat_chunks(job: Job, events: _Events, meta: _Meta, keepalive: float) 
             yield f": {payload}\n\n"
         elif kind == "progress":
             yield f": prefill {payload[0]}/{payload[1]}\n\n"
+        elif kind in PAGE_EVENTS:
+            yield page_comment(kind, payload)
         elif kind == "delta":
             d: Delta = payload
             if d.reasoning:
@@ -598,8 +603,8 @@ class AccessLog:
 
 
 def _quiet(path: str) -> bool:
-    """Polled or static: the chat page asks for /v1/stats every second."""
-    return path in ("/", "/health", "/v1/stats") or path.startswith("/static/")
+    """Polled or static: the chat page asks for /v1/stats every second, its picture while it answers."""
+    return path in ("/", "/health", "/v1/stats", "/v1/page/info", "/v1/page/experts") or path.startswith("/static/")
 
 
 def access_line(scope, status: int, seconds: float, usage: Usage | None) -> str:

@@ -8,6 +8,13 @@ touch engine state.
 
 Per-token figures: hit rate = expert hits / requests of that token's forward pass; read
 rate = routed-expert bytes read during it / its wall time (GB/s, 10^9 bytes).
+
+Per request (for the chat page, through the job's events): one sample per prefill segment
+and per generated token (`t` seconds since the request was taken from the queue, tokens/s,
+expert-read MB/s, hit rate; the first token's sample covers the end of the prefill), and a
+summary at the end: prefill and decode tokens/s, tokens reused from a kept state, the
+request's expert hit rate and the MB it read from disk (routed experts plus streamed trunk
+layers; 10^6 bytes).
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ class LiveStats:
         trunk = rt.trunk.stats()
         self._trunk = {"pinned_layers": trunk.pinned_layers, "streamed_layers": trunk.streamed_layers}
         self._trunk_bytes = trunk.bytes_read
+        # this request: (start time, store counts, trunk bytes) and the prompt position at the last sample
+        self._req: tuple[float, tuple[int, int, int], int] = (self._mark_t, self._mark, self._trunk_bytes)
+        self._fed = 0
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _store_counts(self) -> tuple[int, int, int]:
@@ -57,36 +67,63 @@ class LiveStats:
             self._progress = {"done": cached, "total": n_prompt, "cached": cached}
             self._layer = -1
         self._mark, self._mark_t = self._store_counts(), time.monotonic()
+        self._req = (self._mark_t, self._mark, self.rt.trunk.stats().bytes_read)
+        self._fed = cached
+
+    def _sample(self, phase: str, tokens: int) -> tuple[dict[str, float | str], float, float]:
+        """Figures since the last sample: (the request's sample, read GB/s, hit rate); moves the mark."""
+        now, counts = time.monotonic(), self._store_counts()
+        req, hits, nbytes = (c - m for c, m in zip(counts, self._mark, strict=True))
+        dt = max(now - self._mark_t, 1e-9)
+        self._mark, self._mark_t = counts, now
+        hit_rate = hits / req if req else 1.0
+        sample = {
+            "t": round(now - self._req[0], 4),
+            "phase": phase,
+            "tok_s": round(tokens / dt, 3),
+            "read_mb_s": round(nbytes / dt / 1e6, 3),
+            "hit_rate": round(hit_rate, 4),
+        }
+        return sample, nbytes / dt / 1e9, hit_rate
 
     def on_route(self, layer: int, positions: np.ndarray, experts: np.ndarray) -> None:
         """Session hook, before each layer's experts are fetched: where the forward pass is."""
         self._layer = layer
 
-    def prefilled(self, done: int, total: int) -> None:
+    def prefilled(self, done: int, total: int) -> dict[str, float | str]:
+        """After each prefill segment (`done` prompt tokens read in all): the request's sample."""
         with self._lock:
             if self._progress is not None:
                 self._progress["done"] = done
+        sample, _, _ = self._sample("prefill", done - self._fed)
+        self._fed = done
+        return sample
 
-    def token(self, first: bool) -> None:
-        """After each generated token: one history sample (the first covers the prefill)."""
-        now, counts = time.monotonic(), self._store_counts()
-        req, hits, nbytes = (c - m for c, m in zip(counts, self._mark, strict=True))
-        dt = max(now - self._mark_t, 1e-9)
-        self._mark, self._mark_t = counts, now
+    def token(self, first: bool, n_prompt: int = 0) -> dict[str, float | str]:
+        """After each generated token: one history sample; returns the request's. The first token's
+        covers the prompt tokens up to `n_prompt` that no segment reported yet, if any (a prefill
+        sample), else it is the first decode sample."""
+        rest = n_prompt - self._fed if first else 0
+        mine, gbps, hit_rate = self._sample("prefill" if rest > 0 else "decode", rest if rest > 0 else 1)
+        self._fed = max(self._fed, n_prompt)
         sample = {
-            "t": round(now - self._t0, 3),
+            "t": round(self._mark_t - self._t0, 3),
             "kind": "prefill" if first else "decode",
-            "hit_rate": hits / req if req else 1.0,
-            "read_gbps": nbytes / dt / 1e9,
+            "hit_rate": hit_rate,
+            "read_gbps": gbps,
         }
         with self._lock:
             self._phase = "decode"
             self._history.append(sample)
             while self._history and sample["t"] - self._history[0]["t"] > HISTORY_SECONDS:
                 self._history.popleft()
+        return mine
 
-    def end(self, usage) -> None:
+    def end(self, usage) -> dict[str, Any]:
+        """The request is over (answered or stopped): totals, and its summary (returned)."""
         trunk = self.rt.trunk.stats()
+        t0, store0, trunk0 = self._req
+        req, hits, nbytes = (c - m for c, m in zip(self._store_counts(), store0, strict=True))
         with self._lock:
             self._phase, self._progress, self._layer = "idle", None, -1
             self._served += 1
@@ -103,14 +140,24 @@ class LiveStats:
             if usage.cache_source:
                 c[f"cache_hits_{usage.cache_source}"] += 1
             self._trunk_bytes = trunk.bytes_read
+            # a request stopped before its first token has no time to first token (None, not 0)
+            first = round(usage.prefill_seconds, 4) if usage.completion_tokens else None
             self._last = {
                 "prompt_tokens": usage.prompt_tokens,
                 "cached_tokens": usage.cached_tokens,
                 "completion_tokens": usage.completion_tokens,
-                "time_to_first_token_s": round(usage.prefill_seconds, 4),
+                "time_to_first_token_s": first,
                 "prefill_tokens_per_s": _rate(fed, usage.prefill_seconds),
                 "decode_tokens_per_s": _rate(usage.completion_tokens - 1, usage.decode_seconds),
                 "cache_source": usage.cache_source,
+            }
+            return {
+                **self._last,
+                "seconds": round(time.monotonic() - t0, 4),
+                "expert_requests": req,
+                "expert_hits": hits,
+                "expert_hit_rate": round(hits / req, 4) if req else None,
+                "disk_mb": round((nbytes + trunk.bytes_read - trunk0) / 1e6, 3),
             }
 
     # ---- any thread -------------------------------------------------------------------------------

@@ -70,9 +70,9 @@ class Job:
     max_tokens: int
     params: SamplingParams
     reply: ReplyStream
-    emit: Callable[
-        [str, object], None
-    ]  # ("progress", (done, total)) / ("delta", Delta) / ("done", Outcome) / ("error", e)
+    # ("progress", (done, total)) / ("delta", Delta) / ("done", Outcome) / ("error", e), and for the
+    # chat page: ("queued", requests ahead) / ("sample", per segment or token) / ("summary", at the end)
+    emit: Callable[[str, object], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     usage: Usage = field(default_factory=Usage)
     submitted: float = field(default_factory=time.perf_counter)
@@ -139,7 +139,17 @@ class Worker:
         return max(1, round(sum(recent) / len(recent) * max(self.queued, 1)))
 
     def submit(self, job: Job) -> None:
+        ahead = self.jobs.qsize() + (1 if self.busy else 0)  # shown to the user; the next take corrects it
         self.jobs.put(job)
+        if ahead:
+            job.emit("queued", ahead)
+
+    def _tell_positions(self) -> None:
+        """A job was taken: each one still waiting moves up."""
+        with self.jobs.mutex:
+            waiting = [j for j in self.jobs.queue if j is not None]
+        for i, j in enumerate(waiting):
+            j.emit("queued", i + 1)
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -152,9 +162,11 @@ class Worker:
             if job is None:
                 return
             self.busy = True
+            self._tell_positions()
             try:
                 if job.cancelled.is_set():
                     continue
+                job.emit("queued", 0)
                 job.usage.queued_seconds = time.perf_counter() - job.submitted
                 try:
                     self._run(job)
@@ -173,10 +185,12 @@ class Worker:
                 self.busy = False
                 self.served += 1
 
-    def _count(self, job: Job) -> None:
-        if not job.counted:
-            job.counted = True
-            self.stats.end(job.usage)
+    def _count(self, job: Job) -> dict | None:
+        """The job's figures to the live stats, once; returns its summary the first time."""
+        if job.counted:
+            return None
+        job.counted = True
+        return self.stats.end(job.usage)
 
     def _lookup(self, ids: list[int]) -> tuple[int, SessionState | None, str]:
         hit = self.ram.lookup(ids)
@@ -223,7 +237,7 @@ class Worker:
                 raise Cancelled
             if cached + done in keep_at:
                 kept.append((ids[: cached + done], session.snapshot()))
-            self.stats.prefilled(cached + done, len(ids))
+            job.emit("sample", self.stats.prefilled(cached + done, len(ids)))
             job.emit("progress", (cached + done, len(ids)))
 
         pick = self._picker(job, 0)
@@ -244,7 +258,7 @@ class Worker:
             if not got:
                 t_first = time.perf_counter()
                 kept.append((list(ids), session.snapshot()))
-            self.stats.token(first=not got)
+            job.emit("sample", self.stats.token(first=not got, n_prompt=len(ids)))
             got.append(tok)
             self._push(job, 0, tok)
             if job.reply.stopped or job.cancelled.is_set():
@@ -267,7 +281,9 @@ class Worker:
                 outcomes.append(self._more(job, i, at_prompt_end, pick.first_logits))
         u.prefill_seconds, u.decode_seconds = t_first - t0, time.perf_counter() - t_first
         # counted and out of the queue before "done": a client that asks /v1/stats next sees it
-        self._count(job)
+        summary = self._count(job)
+        if summary is not None:
+            job.emit("summary", summary)
         self.busy = False  # answered, though the kept states are still to be written
         job.emit("done", outcomes)
         self._keep(kept)  # after "done": the client does not wait for the disk

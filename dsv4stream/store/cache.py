@@ -296,6 +296,12 @@ class ExpertStore:
         """Time callers have blocked on reads so far (cheap: for per-token profiles)."""
         return self._wait_seconds
 
+    def resident(self) -> list[Hashable]:
+        """Keys that hold a slot now (present or being read), least recently used first: a
+        copy taken under the lock, for displays."""
+        with self._lock:
+            return list(self._lru.entries)
+
     def stats(self) -> StoreStats:
         with self._lock, self._stat_lock:
             n = {**asdict(self._lru.n), **asdict(self._n)}

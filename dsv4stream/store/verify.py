@@ -19,7 +19,6 @@ file changed during the run, failing storage or memory).
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import threading
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import jsonio
 from ..errors import ReadError, VerifyError
 
 _ITEM = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8}
@@ -62,7 +62,9 @@ def _safetensors_index(path: str) -> dict[str, _Where]:
         size = os.fstat(f.fileno()).st_size
         if 8 + n > size:
             raise VerifyError(f"verify: {path}: header length {n} runs past the end of the file")
-        header = json.loads(f.read(n))
+        header = jsonio.parse_json(
+            f.read(n), f"verify: {path}: the safetensors header", VerifyError, jsonio.HEADER_MAX, fix="re-download it"
+        )
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -74,8 +76,7 @@ def _safetensors_index(path: str) -> dict[str, _Where]:
 
 def _manifest_index(path: str) -> dict[str, _Where]:
     manifest = os.path.join(os.path.dirname(path), "manifest.json")
-    with open(manifest, encoding="utf-8") as f:
-        m = json.load(f)
+    m = jsonio.read_json(manifest, "the pack manifest", VerifyError, jsonio.MANIFEST_MAX, fix="re-pack the trunk")
     if os.path.basename(path) != m.get("file"):
         raise VerifyError(f"verify: {manifest} describes {m.get('file')!r}, not {os.path.basename(path)}")
     return {
@@ -110,7 +111,7 @@ class Verifier:
             if idx is None:
                 try:
                     idx = _safetensors_index(path) if path.endswith(".safetensors") else _manifest_index(path)
-                except (OSError, ValueError, KeyError, TypeError) as e:
+                except (OSError, ValueError, KeyError, TypeError, VerifyError) as e:
                     raise VerifyError(f"verify: cannot find the tensors of {path} on its own ({e})") from None
                 self._index[path] = idx
         w = idx.get(name)

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checkpoint.catalog import Catalog, TensorEntry, read_entry
+from ..checkpoint.catalog import Catalog, TensorEntry, linear_of, read_entry, vector_of
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.spec import block_names
 from ..errors import CheckpointError, InternalError
+from ..kernels import QWeight
 from ..model.layer import HeadWeights, LayerWeights
 from ..store.directio import aligned_buffer
 from ..weights.lifetime import expire
@@ -35,13 +36,8 @@ from .rows import RowReader
 
 
 class ViewSource:
-    """What `load_layer` / `load_head` call on a catalog (config, entry, read, qweight, f32),
-    answered with views into one slot's bytes: building named weights copies nothing
-    (BF16 norms become float32, a few KB)."""
-
-    # The catalog's own translation from (dtype, shape) to QWeight / float32: one place only.
-    qweight = Catalog.qweight
-    f32 = Catalog.f32
+    """A `TensorSource` answered with views into one slot's bytes: building named weights copies
+    nothing (BF16 norms become float32, a few KB)."""
 
     def __init__(self, config: ModelConfig, entries: Mapping[str, TensorEntry], arrays: Mapping[str, np.ndarray]):
         self.config = config
@@ -59,6 +55,15 @@ class ViewSource:
     def read(self, name: str) -> np.ndarray:
         self.entry(name)
         return self._arrays[name]
+
+    def has(self, name: str) -> bool:
+        return name in self._entries
+
+    def qweight(self, prefix: str) -> QWeight:
+        return linear_of(self, prefix)
+
+    def f32(self, name: str) -> np.ndarray:
+        return vector_of(self, name)
 
 
 @dataclass(frozen=True)

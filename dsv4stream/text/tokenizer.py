@@ -47,6 +47,7 @@ from typing import Any
 
 import tokenizers
 
+from .. import jsonio
 from ..errors import ConfigError, Dsv4Error, TokenizerError, UsageError
 from ..files import describe, open_regular, read_regular
 from .vocab import (
@@ -398,8 +399,8 @@ def is_pack(path: Path) -> bool:
     try:
         with os.fdopen(fd, "rb") as f:
             line = f.readline(1 << 16)
-        header = json.loads(line)
-    except (OSError, ValueError, RecursionError):
+        header = jsonio.parse_json(line, "a pack header")
+    except (OSError, Dsv4Error):
         return False
     return isinstance(header, dict) and header.get("format") == FORMAT
 
@@ -552,8 +553,8 @@ def _check_special(hf: tokenizers.Tokenizer, special: SpecialTokens, where: Path
 def _split_pack(path: Path, blob: bytes) -> tuple[dict[str, Any], bytes]:
     end = blob.find(b"\n")
     try:
-        header = json.loads(blob[:end]) if end > 0 else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = jsonio.parse_json(blob[:end], "a pack header") if end > 0 else None
+    except Dsv4Error:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TokenizerError(f"{path}: not a packed dsv4 tokenizer; make one with `dsv4 pack-tokenizer CHECKPOINT_DIR`")
@@ -589,10 +590,7 @@ def _hf_from_bytes(path: Path, payload: bytes) -> tokenizers.Tokenizer:
 
 
 def _read_json(path: Path, error: type[Exception]) -> dict[str, Any]:
-    try:
-        data = json.loads(read_regular(path, path.name, error, limit=JSON_LIMIT).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise error(f"{path}: unreadable JSON ({type(e).__name__}: {e})") from None
+    data = jsonio.parse_json(read_regular(path, path.name, error, limit=JSON_LIMIT), str(path), error, JSON_LIMIT)
     if not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object")
     return data

@@ -7,8 +7,10 @@ run checksums (`digest_run`, `fast_hash`). It writes nothing; `pack` does the pa
 Layout of `OUT_DIR/trunk.bin` (OUT_DIR defaults to `CHECKPOINT_DIR/dsv4-trunk`):
 - One run per group, in model order: `embed` (embed.weight), `layers.L` for each packed
   main layer (all its dense tensors: norms, mHC, attention, compressor, indexer, gate,
-  shared expert), `model` (norm, hc_head_*), `head` (head.weight). The mtp.* blocks (the
-  preview's MTP block, 0731's DSpark drafter) are not packed: nothing runs them yet.
+  shared expert; V4.1's Engram wkv and q/k weights), `model` (norm, hc_head_* in V4), `head`
+  (head.weight). Not packed, because nothing runs them: the mtp.* blocks (the preview's MTP
+  block, the DSpark drafters of 0731 and V4.1) and V4.1's vision tower. Not packed because
+  they are read by pieces: routed experts and V4.1's Engram tables (rows).
 - Every run starts at a multiple of 4096 and its length is padded with zeros to a multiple
   of 4096, so one O_DIRECT read of (offset, nbytes) fetches it into an aligned buffer.
 - Tensors inside a run start at multiples of 64 (zero padding between), so views into an
@@ -95,6 +97,8 @@ def plan_runs(cat: Catalog, layers: int | None = None) -> list[PlannedRun]:
     for s in model_specs(cfg, with_experts=False):
         if s.layer is not None and s.layer >= min(n, cfg.n_layers):
             continue  # past the packed depth, or an mtp.* block (not run)
+        if s.role == "vision":
+            continue  # V4.1's vision tower: not run
         if s.name not in cat.entries:
             continue  # a scale that this weight's dtype does not have (validated before)
         k = _run_key(cat, s)

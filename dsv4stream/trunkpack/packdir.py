@@ -8,12 +8,12 @@ lock. `pack` does the packing.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 from pathlib import Path
 
+from .. import jsonio
 from ..errors import Dsv4Error, UsageError
-from ..files import kind_of, read_regular
+from ..files import kind_of
 from .format import FORMAT_FAMILY, JOURNAL, MANIFEST, TRUNK_FILE, valid_file_name
 
 DEFAULT_DIRNAME = "dsv4-trunk"
@@ -44,8 +44,8 @@ def read_manifest(d: Path) -> dict | None:
     """The manifest of a pack in `d` if it carries our format marker; None otherwise (a FIFO or
     device named manifest.json is not a manifest, and is never opened in a way that can block)."""
     try:
-        m = json.loads(read_regular(d / MANIFEST, "the manifest", limit=MANIFEST_LIMIT))
-    except (Dsv4Error, OSError, ValueError, RecursionError):
+        m = jsonio.read_json(d / MANIFEST, "the manifest", max_bytes=MANIFEST_LIMIT)
+    except (Dsv4Error, OSError):
         return None
     ok = isinstance(m, dict) and isinstance(m.get("format"), str) and m["format"].startswith(FORMAT_FAMILY)
     # a manifest whose data file is not a plain name inside the folder is not a pack of ours:

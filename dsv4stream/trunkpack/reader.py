@@ -18,7 +18,6 @@ from the shards.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +25,10 @@ from typing import Self
 
 import numpy as np
 
+from .. import jsonio
 from ..checkpoint.catalog import NP_DTYPE, Catalog, pread_exact
 from ..errors import CheckpointError, Dsv4Error, ReadError
-from ..files import describe, open_regular, read_regular
+from ..files import describe, open_regular
 from .format import ALIGN, FORMAT, MANIFEST, UPGRADABLE, fast_hash, hash_range, valid_file_name
 from .packdir import MANIFEST_LIMIT, default_out_dir, staging_dir
 
@@ -372,10 +372,7 @@ def read_pack_manifest(root: Path) -> dict:
     """The manifest of the pack in `root`, of this format, naming a data file inside `root`;
     CheckpointError otherwise (an older format: with the command that upgrades it)."""
     mpath = root / MANIFEST
-    try:
-        m = json.loads(read_regular(mpath, "the manifest", CheckpointError, limit=MANIFEST_LIMIT))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{mpath}: unreadable manifest ({type(e).__name__}); {_restart(root)}") from None
+    m = jsonio.read_json(mpath, "the manifest", CheckpointError, MANIFEST_LIMIT, fix=_restart(root))
     if not isinstance(m, dict):
         raise CheckpointError(f"{mpath}: not a manifest (a JSON object is expected); {_restart(root)}")
     fmt = m.get("format")

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import xxhash
 
+from .. import jsonio
 from ..checkpoint.catalog import Catalog
 from ..errors import BudgetError, Dsv4Error, InternalError, ReadError, ShortReadError, UsageError
 from ..files import read_regular
@@ -43,6 +44,7 @@ from .format import (
     JOURNAL,
     MANIFEST,
     TRUNK_FILE,
+    UPGRADABLE,
     PlannedRun,
     RunDigest,
     digest_run,
@@ -85,16 +87,16 @@ def _read_journal(path: Path, plan: str) -> dict[str, str] | None:
     except (Dsv4Error, OSError, UnicodeDecodeError):
         return None
     try:
-        if json.loads(lines[0]).get("plan") != plan:
+        if jsonio.parse_json(lines[0], "journal").get("plan") != plan:
             return None
-    except (IndexError, ValueError, AttributeError):
+    except (IndexError, Dsv4Error, AttributeError):
         return None
     done: dict[str, str] = {}
     for ln in lines[1:]:
         try:
-            d = json.loads(ln)
+            d = jsonio.parse_json(ln, "journal")
             done[str(d["key"])] = str(d["blake2b"])
-        except (ValueError, KeyError, TypeError):
+        except (Dsv4Error, KeyError, TypeError):
             continue  # a line cut short by the interruption
     return done
 
@@ -260,6 +262,12 @@ def pack_trunk(
             _say(f"{out}: run(s) {', '.join(bad)} fail their checksum; packing again", progress)
             replace = True  # a damaged copy of this very pack: replacing it loses nothing
         elif out.is_dir() and any(out.iterdir()) and not force:
+            old_format = (read_manifest(out) or {}).get("format")
+            if old_format in UPGRADABLE:
+                raise UsageError(
+                    f"{out}: holds a pack of the older format {old_format!r}; `dsv4 upgrade-trunk {out}` upgrades it"
+                    " in place (checks blake2b, then adds the new sums), or pass --force to pack it again"
+                )
             raise UsageError(
                 f"{out}: holds another pack (not this checkpoint with {n} layers);"
                 " remove it, choose another OUT_DIR, or pass --force to replace it"

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..checkpoint.catalog import Catalog
+from ..checkpoint.catalog import TensorSource
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.formats import fp4_scale_shape, fp8_scale_shape
 from ..checkpoint.spec import COMPRESSOR, EXPERT_LINEARS, MODEL, block_names, expert_prefix, hc_names
@@ -27,7 +27,7 @@ from ..model.mhc import HcHeadWeights, HcWeights
 from ..model.moe import ExpertWeights, MoeWeights
 
 
-def _f32_qweight(a: np.ndarray) -> QWeight:
+def f32_qweight(a: np.ndarray) -> QWeight:
     a = np.ascontiguousarray(a, dtype=np.float32)
     return QWeight("f32", a, None, a.shape[0], a.shape[1])
 
@@ -35,28 +35,29 @@ def _f32_qweight(a: np.ndarray) -> QWeight:
 def split_rows(w: QWeight, parts: int) -> tuple[QWeight, ...]:
     """Split a linear into `parts` equal row blocks (the grouped output projection).
 
-    FP8 blocks whose row count is not a multiple of the 128-row scale block are
+    FP8 blocks whose row count is not a multiple of the scale block's rows are
     dequantised to float32 first (exact; only tiny test models hit this).
     """
     r = w.rows // parts
-    if w.kind == "fp8" and r % 128:
-        w = _f32_qweight(dense(w))
+    br = w.block[0]
+    if w.kind == "fp8" and r % br:
+        w = f32_qweight(dense(w))
     out = []
     for i in range(parts):
         data = w.data[i * r : (i + 1) * r]
         scale = w.scale
         if w.kind == "fp8":
-            scale = w.scale[i * r // 128 : (i + 1) * r // 128]
+            scale = w.scale[i * r // br : (i + 1) * r // br]
         out.append(replace(w, data=data, scale=scale, rows=r))
     return tuple(out)
 
 
-def _hc(cat: Catalog, stem: str, kind=HcWeights):
+def _hc(cat: TensorSource, stem: str, kind=HcWeights):
     fn, base, scale = hc_names(stem)
-    return kind(fn=_f32_qweight(cat.f32(fn)), base=cat.f32(base), scale=cat.f32(scale))
+    return kind(fn=f32_qweight(cat.f32(fn)), base=cat.f32(base), scale=cat.f32(scale))
 
 
-def _compressor(cat: Catalog, p: str) -> CompressorWeights:
+def _compressor(cat: TensorSource, p: str) -> CompressorWeights:
     c = {k: p + v for k, v in COMPRESSOR.items()}
     return CompressorWeights(
         wkv=cat.qweight(c["wkv"]),
@@ -66,7 +67,7 @@ def _compressor(cat: Catalog, p: str) -> CompressorWeights:
     )
 
 
-def load_layer(cat: Catalog, layer: int) -> LayerWeights:
+def load_layer(cat: TensorSource, layer: int) -> LayerWeights:
     """All dense weights of main layer `layer` (routed experts excluded)."""
     cfg = cat.config
     n = block_names(cfg, layer)
@@ -109,7 +110,7 @@ def load_layer(cat: Catalog, layer: int) -> LayerWeights:
     )
 
 
-def load_head(cat: Catalog) -> HeadWeights:
+def load_head(cat: TensorSource) -> HeadWeights:
     return HeadWeights(
         hc=_hc(cat, MODEL["hc_head"], HcHeadWeights),
         norm=cat.f32(MODEL["norm"]),
@@ -117,7 +118,7 @@ def load_head(cat: Catalog) -> HeadWeights:
     )
 
 
-def load_expert(cat: Catalog, layer: int, expert: int) -> ExpertWeights:
+def load_expert(cat: TensorSource, layer: int, expert: int) -> ExpertWeights:
     p = expert_prefix(cat.config, layer, expert)
     return ExpertWeights(**{w: replace(cat.qweight(p + w), role="experts") for w in EXPERT_LINEARS})
 

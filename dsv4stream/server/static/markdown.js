@@ -1,7 +1,10 @@
-// A small Markdown renderer that builds DOM nodes: text only ever enters the page through
-// createTextNode / textContent, so model output can never inject HTML or script.
-// Blocks: fenced code, headings, lists, block quotes, paragraphs. Inline: `code`, **bold**,
-// *italic*, [links](http...) (http and https only).
+// A small Markdown renderer that builds DOM nodes: text enters the page through
+// createTextNode / textContent, so model output can never inject HTML or script. The one
+// exception is a code block's highlighting: highlight.js (vendored, static/vendor/highlight)
+// returns markup in which it has escaped every character of the code itself.
+// Blocks: fenced code (a header with its language and a copy button), headings, lists,
+// block quotes, paragraphs. Inline: `code`, **bold**, *italic*, [links](http...) (http and
+// https only).
 "use strict";
 
 const Markdown = (() => {
@@ -46,6 +49,38 @@ const Markdown = (() => {
     }
   }
 
+  // Longer blocks are not auto-detected: re-rendered at every streamed chunk, that would cost.
+  const AUTO_LIMIT = 20000;
+
+  function codeBlock(text, lang) {
+    const box = el("div", "code");
+    const head = el("div", "code-head");
+    const name = el("span", "lang");
+    const copy = el("button", "copy-code");
+    copy.type = "button";
+    copy.textContent = "Copy code";
+    head.append(name, copy);
+    const pre = el("pre");
+    const code = el("code");
+    pre.appendChild(code);
+    box.append(head, pre);
+    const hl = window.hljs;
+    if (hl && lang && hl.getLanguage(lang)) {
+      code.innerHTML = hl.highlight(text, { language: lang, ignoreIllegals: true }).value;
+      code.dataset.lang = lang;
+    } else if (hl && !lang && text.length <= AUTO_LIMIT && text.trim()) {
+      const got = hl.highlightAuto(text);
+      code.innerHTML = got.value;
+      if (got.language) code.dataset.lang = got.language;
+    } else {
+      code.textContent = text;
+      if (lang) code.dataset.lang = lang;
+    }
+    name.textContent = lang || code.dataset.lang || "text";
+    code.classList.add("hljs");
+    return box;
+  }
+
   function render(text) {
     const root = document.createDocumentFragment();
     const lines = text.split("\n");
@@ -58,12 +93,7 @@ const Markdown = (() => {
         i++;
         while (i < lines.length && !/^\s*```\s*$/.test(lines[i])) body.push(lines[i++]);
         i++; // the closing fence (or the end of an unfinished block)
-        const pre = el("pre");
-        const code = el("code");
-        if (fence[1].trim()) code.dataset.lang = fence[1].trim();
-        code.textContent = body.join("\n");
-        pre.appendChild(code);
-        root.appendChild(pre);
+        root.appendChild(codeBlock(body.join("\n"), fence[1].trim().split(/\s+/)[0]));
         continue;
       }
       const h = /^(#{1,6})\s+(.*)$/.exec(line);

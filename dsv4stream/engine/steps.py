@@ -1,0 +1,71 @@
+"""The pieces a forward pass is made of, shared by the session and the model families' stacks.
+
+Owns: `Pass` (one forward pass in flight: its tokens, positions and residual streams; a
+family adds what it carries from layer to layer), `PassContext` (what the session lends a
+stack for one pass: the attention sub-chunk, the trace, the expert source and the routing
+hook of a layer) and the `Stack` protocol each family (`engine.v4`, `engine.v41`) implements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..model.block import Trace
+from ..model.moe import ExpertSource
+
+# routed(layer, positions, prefetch=...) -> the MoE's on_route hook for that layer: calls the
+# session's on_route, then (prefetch=True) asks the expert provider for the chosen experts
+RoutedHook = Callable[..., Callable[[np.ndarray], None]]
+
+
+@dataclass
+class Pass:
+    """One forward pass: tokens ids (T,) at positions (T,), streams x (T, hc, D) between layers."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    x: np.ndarray
+
+
+@dataclass(frozen=True)
+class PassContext:
+    chunk: int  # attention sub-chunk (tokens)
+    trace: Trace | None
+    experts: Callable[[int], ExpertSource]  # layer -> the MoE's expert source
+    routed: RoutedHook
+
+
+class Stack(Protocol):
+    """A model family's part of the forward pass; the session owns the loop around it."""
+
+    family: str
+
+    def new_state(self) -> list:
+        """A fresh sequence's state: what `Session.state` holds and snapshots copy."""
+        ...
+
+    def read_ahead(self, ids: np.ndarray, state: list) -> object:
+        """Start the reads that the token ids alone decide, for the pass that feeds `ids` next;
+        returns what that pass needs from it (handed to `begin`)."""
+        ...
+
+    def begin(self, ids: np.ndarray, positions: np.ndarray, state: list, ahead: Callable[[], object]) -> Pass:
+        """The pass's streams from the embedding; `ahead()` gives `read_ahead`'s result (started now
+        if the session has not already), at the point in the reads the family wants it."""
+        ...
+
+    def layer(self, ctx: PassContext, p: Pass, i: int, w, state: list) -> None:
+        """Layer i (weights w) on the pass's streams, updating `state`."""
+        ...
+
+    def logits(self, p: Pass, last_only: bool) -> np.ndarray:
+        """(T, vocab), or (1, vocab) for the last position."""
+        ...
+
+    def head_weights(self) -> object:
+        """The head's named weights (read when the logits are not finite, for the message)."""
+        ...

@@ -1,0 +1,89 @@
+// Text files added to the next message (attach button, drop, paste): each is read in the
+// browser, refused when it is an image (the model reads text only) or not text, and its
+// token count is asked from this server (POST /v1/page/tokens) before anything is sent.
+// A message's files go before its text, each as a fenced block under its name.
+"use strict";
+
+const Files = (() => {
+  const list = []; // {name, text, tokens: number | null | "?"}
+  let onChange = () => {};
+  let headers = () => ({ "Content-Type": "application/json" });
+  let maxBytes = 8e6;
+
+  function setup(opts) {
+    onChange = opts.onChange;
+    headers = opts.headers;
+  }
+
+  const setLimit = (n) => (maxBytes = n || maxBytes);
+
+  function isImage(f) {
+    return (f.type || "").startsWith("image/") || /\.(png|jpe?g|gif|webp|bmp|tiff?|heic|avif|svgz)$/i.test(f.name || "");
+  }
+
+  // Decoded as UTF-8; a NUL byte or a run of undecodable bytes means it is not text.
+  function looksBinary(text) {
+    if (text.includes("\u0000")) return true;
+    const bad = (text.match(/\uFFFD/g) || []).length;
+    return bad > 8 && bad > text.length / 200;
+  }
+
+  // Adds the files it can; returns the messages for the ones it refused.
+  async function add(files) {
+    const refused = [];
+    for (const f of files) {
+      if (isImage(f)) {
+        refused.push(`${f.name}: images cannot be sent, this model reads text only (no vision support yet)`);
+        continue;
+      }
+      if (f.size > maxBytes / 2) {
+        refused.push(`${f.name}: ${(f.size / 1e6).toFixed(1)} MB is more than this server takes in one request`);
+        continue;
+      }
+      const text = await f.text();
+      if (looksBinary(text)) {
+        refused.push(`${f.name}: not a text file`);
+        continue;
+      }
+      const item = { name: f.name || "pasted.txt", text, tokens: null };
+      list.push(item);
+      onChange();
+      count(item);
+    }
+    return refused;
+  }
+
+  async function count(item) {
+    try {
+      const r = await fetch("/v1/page/tokens", { method: "POST", headers: headers(), body: JSON.stringify({ text: item.text }) });
+      item.tokens = r.ok ? (await r.json()).tokens : "?";
+    } catch (e) {
+      item.tokens = "?";
+    }
+    onChange();
+  }
+
+  function remove(i) {
+    list.splice(i, 1);
+    onChange();
+  }
+
+  function take() {
+    const out = list.map(({ name, text, tokens }) => ({ name, text, tokens }));
+    list.length = 0;
+    onChange();
+    return out;
+  }
+
+  // What the model reads for a user turn with files.
+  function messageText(files, text) {
+    const blocks = (files || []).map((f) => {
+      const runs = f.text.match(/`{3,}/g) || [];
+      const fence = "`".repeat(Math.max(3, ...runs.map((r) => r.length + 1))); // longer than any inside
+      return `${f.name}:\n${fence}\n${f.text.replace(/\n$/, "")}\n${fence}`;
+    });
+    return [...blocks, text].filter((s) => s).join("\n\n");
+  }
+
+  return { setup, setLimit, add, remove, take, list, messageText, isImage };
+})();
