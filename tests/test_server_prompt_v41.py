@@ -107,3 +107,52 @@ def test_a_json_schema_is_shown_to_the_model_as_the_encoders_do(tok, tmp_path, e
         body = {"messages": MSGS, "response_format": other}
         plain = chat_prompt(tok, ChatRequest.model_validate(body), body, encoder)
         assert plain.ids == chat.encode(tok, [Message("user", "Hi")], "chat", encoder=encoder)
+
+
+class Scripted:
+    """A worker that answers every job with the same text (the model is not run): what the
+    HTTP layer sends the engine and makes of its tokens, end to end."""
+
+    queued = waiting = 0
+
+    def __init__(self, tok, text):
+        self.ids = [*tok.encode(text), tok.special.eos]
+        self.jobs = []
+
+    def submit(self, job):
+        self.jobs.append(job)
+        for t in self.ids:
+            job.reply.push(t)
+            if job.reply.stopped:
+                break
+        outcome = job.reply.finish("stop")[1]
+        job.usage.prompt_tokens = len(job.ids)
+        job.emit("done", [outcome])
+
+
+def test_chat_completions_over_http_take_v41_efforts_and_answer_v41_tool_calls(tok):
+    from fastapi.testclient import TestClient
+
+    from dsv4stream.server.app import ServerState, create_app
+
+    srv = ServerState("tiny-v41", tok, 4096, lambda line: None, encoder="v41")
+    srv.worker = worker = Scripted(tok, "Checking.</think>Looking it up." + BLOCK)
+    with TestClient(create_app(srv)) as client:
+        for asked, level in ((30, 30), ("max", 100), (None, 75)):
+            body = {"messages": MSGS, "tools": [WEATHER], "thinking": {"type": "enabled"}}
+            if asked is not None:
+                body["reasoning_effort"] = asked
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            want = [Message("system", tools=(WEATHER,)), Message("user", "Hi")]
+            assert worker.jobs[-1].ids == chat.encode(tok, want, "think", effort=level, encoder="v41")
+            msg = r.json()["choices"][0]["message"]
+            assert msg["reasoning_content"] == "Checking." and msg["content"] == "Looking it up."
+            call = msg["tool_calls"][0]["function"]
+            assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Hang zhou", "days": 3}
+            assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+        n = len(worker.jobs)
+        for bad in (0, 101, "7x", 2.5):
+            r = client.post("/v1/chat/completions", json={"messages": MSGS, "reasoning_effort": bad})
+            assert r.status_code == 400 and "reasoning_effort" in r.text + str(bad), (bad, r.text)
+        assert len(worker.jobs) == n  # refused before the engine

@@ -69,7 +69,7 @@ def checkpoint_dir(path: Path) -> Path:
 def check_tokenizer(tok: Tokenizer, cfg: ModelConfig) -> Tokenizer:
     """The tokenizer must be this model's: same family (V4 or V4.1), embedding rows and BOS/EOS ids."""
     where = tok.path or "tokenizer"
-    family = getattr(cfg, "family", "v4")
+    family = cfg.family
     if tok.family != family:
         raise TokenizerError(
             f"{where}: a {family_name(tok.family)} tokenizer, this checkpoint is {family_name(family)}; pass this"
@@ -381,7 +381,7 @@ def run(
         params = replace(params, seed=int(np.random.SeedSequence().entropy % 2**31))  # reported, so reproducible
     checkpoint = checkpoint_dir(checkpoint)
     cfg = ModelConfig.from_json(checkpoint / "config.json")
-    encoder = chat.encoder_for(cfg.layout, getattr(cfg, "family", "v4"))
+    encoder = chat.encoder_for(cfg.layout, cfg.family)
     try:
         effort = chat.parse_effort(reasoning_effort, encoder)
     except UsageError:
