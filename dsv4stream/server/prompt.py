@@ -116,7 +116,12 @@ def _effort(asked: str | int | None, encoder: str) -> str | int | None:
     if asked is None or asked == "none":
         return None
     if isinstance(asked, int) or asked.strip().isdigit():
-        return chat.parse_effort(asked, encoder)
+        try:
+            return chat.parse_effort(asked, encoder)
+        except UsageError:
+            raise UsageError(
+                f"reasoning_effort {asked!r}: this checkpoint's chat format ({encoder}) takes {chat.effort_help(encoder)}"
+            ) from None
     if asked in chat.effort_choices(encoder)["names"]:
         return asked
     alias = _EFFORT_ALIASES.get(asked)
