@@ -15,6 +15,7 @@ message names the file, what is wrong and what to do.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import orjson
@@ -60,11 +61,23 @@ def parse_json(
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError as e:
-        raise error(f"{what} is not valid JSON ({_one_line(str(e))}); {fix}") from None
+        raise error(f"{what} is not valid JSON{_where(data, e.pos)} ({_one_line(str(e))}); {fix}") from None
     depth = nesting_depth(value, max_depth)
     if depth > max_depth:
         raise error(f"{what} nests deeper than {max_depth} levels; {fix}")
     return value
+
+
+def _where(data: bytes | bytearray | memoryview | str, pos: int) -> str:
+    """` at "key"` when the parser stopped on an object member's value (a NaN or Infinity written
+    by a non-JSON encoder is the common case), so the line names the field to fix."""
+    text = (
+        bytes(data[max(0, pos - 200) : pos]).decode("utf-8", "replace")
+        if not isinstance(data, str)
+        else data[max(0, pos - 200) : pos]
+    )
+    m = re.search(r'"([^"\\]{1,80})"\s*:\s*-?$', text)
+    return f' at "{m.group(1)}"' if m else ""
 
 
 def nesting_depth(value: Any, limit: int) -> int:

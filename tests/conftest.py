@@ -4,11 +4,30 @@ On a fresh clone numba's cache is cold and the first `dsv4` subprocess would spe
 two compiling (in a child, outside its budget) inside whichever test came first, past that
 test's subprocess timeout on a loaded machine. Compiling here, without a timeout, leaves every
 later process a warm cache; the tests of the cold-cache path point NUMBA_CACHE_DIR elsewhere.
+
+Also marks the tests listed in tests/slow.txt `slow` (`make test` deselects them).
 """
+
+from pathlib import Path
 
 import pytest
 
 from dsv4stream import kernels
+
+SLOW_LIST = Path(__file__).with_name("slow.txt")
+
+
+def slow_ids() -> set[str]:
+    """The test ids in tests/slow.txt (whole functions or single parameters)."""
+    lines = (line.strip() for line in SLOW_LIST.read_text().splitlines())
+    return {line for line in lines if line and not line.startswith("#")}
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = slow_ids()
+    for item in items:
+        if item.nodeid in slow or item.nodeid.split("[")[0] in slow:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -24,9 +24,10 @@ def test_reads_a_document(tmp_path):
     [
         ("[" * 2000 + "]" * 2000, "is not valid JSON"),  # past orjson's own limit: no RecursionError
         ("[" * 65 + "]" * 65, "nests deeper than 64 levels"),
-        ('{"a": NaN}', "is not valid JSON"),
-        ('{"a": Infinity}', "is not valid JSON"),
-        ('{"a": 1e999}', "is not valid JSON"),
+        ('{"a": 1, "rms_norm_eps": NaN}', 'is not valid JSON at "rms_norm_eps"'),
+        ('{"b": {"a" : -Infinity}}', 'is not valid JSON at "a"'),
+        ('{"a": 1e999}', 'is not valid JSON at "a"'),
+        ('{"a": [1, NaN]}', "is not valid JSON ("),
         ("{bad", "is not valid JSON"),
         ("", "is not valid JSON"),
     ],

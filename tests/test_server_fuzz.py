@@ -58,7 +58,10 @@ def mutated(draw):
     path = draw(st.sampled_from(sorted(VALID)))
     body = json.loads(json.dumps(VALID[path]))
     for _ in range(draw(st.integers(1, 3))):
-        where = draw(st.sampled_from(list(_paths(body))[1:]))
+        paths = list(_paths(body))[1:]
+        if not paths:  # an earlier mutation emptied the body: that is a case of its own
+            break
+        where = draw(st.sampled_from(paths))
         parent = body
         for key in where[:-1]:
             parent = parent[key]

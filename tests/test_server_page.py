@@ -345,11 +345,15 @@ def test_conversations_survive_a_reload_and_resume_on_the_prefix_cache(page, tmp
     wait(lambda: exported.stat().st_size > 0 and json.loads(exported.read_text()))
     data = json.loads(exported.read_text())
     assert data["format"] == "dsv4stream-conversations" and len(data["conversations"]) == 2
-    for _ in range(2):
-        js(d, "document.querySelector('#conv-list li .delete').click();")
-        assert conversations(d) and js(d, "return !!document.querySelector('#conv-list li .delete.confirm');")
-        js(d, "document.querySelector('#conv-list li .delete.confirm').click();")
-        time.sleep(0.2)
+    # Both clicks in one script: the list re-renders when a delete lands, which would disarm a button
+    # armed by a separate round trip on a slow machine.
+    arm_then_delete = (
+        "const b = document.querySelector('#conv-list li .delete'); b.click();"
+        "const armed = b.isConnected && b.classList.contains('confirm'); b.click(); return armed;"
+    )
+    for left in (1, 0):
+        assert js(d, arm_then_delete)
+        wait(lambda left=left: len([t for t in conversations(d) if t != "untitled"]) == left)
     wait(lambda: not [t for t in conversations(d) if t != "untitled"])
     d.find_element("id", "import-file").send_keys(str(exported))
     wait(lambda: sorted(conversations(d)) == ["Renamed", "The second conversation"])

@@ -265,6 +265,7 @@ class Session:
         progress: Callable[[int], None] | None = None,
         on_layer: LayerHook | None = None,
         boundaries: Collection[int] = (),
+        logits: np.ndarray | None = None,
     ) -> Iterator[int]:
         """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick(logits)`
         (default: greedy, ties to the lower id); stop after a token in `stop_ids`, or when
@@ -275,10 +276,19 @@ class Session:
         says why it ended (STOP_REASONS; "interrupted" when the caller closed the generator or
         a forward pass raised). A token's reads that depend on it alone start as soon as it is
         picked, while the caller handles it (`read_ahead`). `progress`, `on_layer` and
-        `boundaries` go to `prefill`."""
+        `boundaries` go to `prefill`.
+
+        `logits`: continue without a prefill from the logits of this session's last position
+        (kept from the session a restored state was taken from; `prompt_ids` then empty): one
+        prompt, several replies (a server's `n` choices) each read it once."""
         pick = pick or greedy
         self.stop_reason = "interrupted"
-        logits = self.prefill(prompt_ids, last_only=True, progress=progress, on_layer=on_layer, boundaries=boundaries)
+        if logits is None:
+            logits = self.prefill(
+                prompt_ids, last_only=True, progress=progress, on_layer=on_layer, boundaries=boundaries
+            )
+        elif len(prompt_ids):
+            raise UsageError("generate: give the prompt ids or the logits to continue from, not both")
         if max_new_tokens <= 0:
             self.stop_reason = "gen_limit"
             return

@@ -210,6 +210,7 @@ class Runtime:
         progress: Callable[[int, int], None] | None = None,
         on_layer: LayerHook | None = None,
         boundaries: Sequence[int] = (),
+        logits: np.ndarray | None = None,
     ) -> Iterator[int]:
         """`session.generate` (the one generation loop) within this run: it also stops when
         the session holds `opts.ctx` positions (the context the plan covers is full), and its
@@ -222,7 +223,11 @@ class Runtime:
         stops the prefill (within one layer from `on_layer`), and the tokens fully fed still
         count, with where it stopped (`prefill_stopped`). Timed: the prefill (to the first
         logits), the time to the first token, each decode step (the decode profile's window)
-        and the sampler; why it ended goes to `stop_reasons` (`engine.STOP_REASONS`)."""
+        and the sampler; why it ended goes to `stop_reasons` (`engine.STOP_REASONS`).
+
+        With `logits` (a reply continued from a restored state's logits, no prompt: the
+        server's `n` > 1 choices) nothing is prefilled: no turn, no prefill time and no first
+        token time are counted; its decode steps and picks are counted as any other's."""
         pick = pick or greedy
         n_prompt = len(prompt_ids)
         last: list[PrefillStep] = []
@@ -235,7 +240,8 @@ class Runtime:
         t0 = time.perf_counter()
         pos0 = session.pos
         picks = 0
-        prefilled = False
+        continued = logits is not None
+        prefilled = continued  # there is no prefill to count
         t_step = 0.0
 
         def end_prefill() -> None:
@@ -253,14 +259,15 @@ class Runtime:
             nonlocal picks
             t_pick = time.perf_counter()
             if picks == 0:
-                end_prefill()
+                end_prefill()  # nothing when continued: the first pick reads logits given
             else:
                 self._decode_seconds += t_pick - t_step
                 self._profile.end(self.store, self.trunk)
                 self._decode_tokens += 1
             tok = pick(logits)
             if picks == 0:
-                self._first_token_seconds.append(time.perf_counter() - t0)
+                if not continued:
+                    self._first_token_seconds.append(time.perf_counter() - t0)
             else:
                 self._profile.seconds["sampler"] += time.perf_counter() - t_pick
             picks += 1
@@ -269,7 +276,7 @@ class Runtime:
         report = (lambda done: progress(done, n_prompt)) if progress is not None else None
         tokens = session.generate(
             prompt_ids, max_new_tokens, timed_pick, stop_ids=stop_ids, max_pos=self.opts.ctx,
-            progress=report, on_layer=layer_done, boundaries=boundaries,
+            progress=report, on_layer=layer_done, boundaries=boundaries, logits=logits,
         )  # fmt: skip
         self._in_think.append(False)
         try:

@@ -30,16 +30,17 @@ from .app import (
     _Meta,
     build,
     check_length,
+    engine_error,
     job_events,
     make_job,
     read_body,
     ready,
     sse_response,
-    stream_error,
     submit,
     validate,
     wait_done,
 )
+from .errors import anthropic_error
 from .prompt import chat_prompt
 from .reply import Outcome
 from .schemas import AnthropicRequest, ChatRequest, CountRequest
@@ -240,4 +241,5 @@ async def _stream(job: Job, events: _Events, meta: _Meta, keepalive: float, n_pr
             yield _event("message_delta", {"delta": delta, "usage": _usage(job)})
             yield _event("message_stop", {})
         elif kind == "error":
-            yield stream_error(payload).replace("data: ", "event: error\ndata: ", 1)
+            a = engine_error(payload)
+            yield _event("error", {"error": anthropic_error(a.status, a.message)["error"]})

@@ -385,16 +385,17 @@ async def wait_done(job: Job, events: _Events, request: Request) -> list[Outcome
             if kind == "done":
                 return payload
             if kind == "error":
-                _raise(payload)
+                raise engine_error(payload)
     finally:
         job.cancelled.set()
 
 
-def _raise(e: BaseException):
-    # requests were checked before they were queued: what fails in the engine is the server's
+def engine_error(e: BaseException) -> ApiError:
+    """What the client is told of a failure in the engine thread: requests were checked before
+    they were queued, so it is the server's (500); a programming error's traceback stays in the log."""
     if isinstance(e, Dsv4Error):
-        raise ApiError(500, str(e), "server_error", code="engine_error")
-    raise ApiError(500, f"internal error ({type(e).__name__}); see the server log", "server_error")
+        return ApiError(500, str(e), "server_error", code="engine_error")
+    return ApiError(500, f"internal error ({type(e).__name__}); see the server log", "server_error")
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -498,11 +499,10 @@ async def job_events(job: Job, events: _Events, keepalive: float) -> AsyncIterat
 
 
 def stream_error(e: BaseException) -> str:
-    try:
-        _raise(e)
-    except ApiError as a:
-        return _data(error_body(a.message, a.kind, a.code))
-    return ""
+    """An engine failure in the middle of an OpenAI chat or completion stream: a `data:` line
+    holding OpenAI's error body (the client raises it), then the stream's end."""
+    a = engine_error(e)
+    return _data(error_body(a.message, a.kind, a.code))
 
 
 async def chat_chunks(job: Job, events: _Events, meta: _Meta, keepalive: float) -> AsyncIterator[str]:

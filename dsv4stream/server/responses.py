@@ -36,12 +36,12 @@ from .app import (
     _Meta,
     build,
     check_length,
+    engine_error,
     job_events,
     make_job,
     read_body,
     ready,
     sse_response,
-    stream_error,
     submit,
     validate,
     wait_done,
@@ -387,6 +387,7 @@ async def _stream(job: Job, events: _Events, meta: _Meta, shell: dict[str, Any],
             final = _final(shell, job, outcome, meta, thinking)
             yield ev("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
         elif kind == "error":
-            failed = {**shell, "status": "failed", "error": {"code": "server_error", "message": str(payload)}}
-            yield stream_error(payload).replace("data: ", "event: error\ndata: ", 1)
+            a = engine_error(payload)
+            yield ev("error", code=a.code or a.kind, message=a.message, param=None)
+            failed = {**shell, "status": "failed", "error": {"code": "server_error", "message": a.message}}
             yield ev("response.failed", response=failed)

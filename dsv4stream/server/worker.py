@@ -17,7 +17,9 @@ same ids, and then the state after the reply would never match.
 
 `n` > 1 choices share the prompt: the first choice runs as a single one would; each other
 choice restores the state the first kept at the prompt's end and starts from the prompt's
-own logits (kept by the first choice's picker), so the prompt is read once.
+own logits (kept by the first choice's picker), so the prompt is read once. Every choice
+goes through `Runtime.generate` (its steps in the run's figures, the hash layers' experts
+prefetched as soon as a token is picked), and its sampled ids are remembered for the splice.
 """
 
 from __future__ import annotations
@@ -278,7 +280,7 @@ class Worker:
         if job.more_replies:
             at_prompt_end = next(st for k, st in kept if len(k) == len(ids))
             for i in range(1, len(job.replies)):
-                outcomes.append(self._more(job, i, at_prompt_end, pick.first_logits))
+                outcomes.append(self._more(job, i, ids, at_prompt_end, pick.first_logits))
         u.prefill_seconds, u.decode_seconds = t_first - t0, time.perf_counter() - t_first
         # counted and out of the queue before "done": a client that asks /v1/stats next sees it
         summary = self._count(job)
@@ -321,23 +323,29 @@ class Worker:
         job.emit("finish", outcome)
         return outcome
 
-    def _more(self, job: Job, i: int, state: SessionState, logits: np.ndarray | None) -> Outcome:
-        """Choice i > 0 from the first choice's state at the prompt's end and its logits there."""
+    def _more(self, job: Job, i: int, ids: list[int], state: SessionState, logits: np.ndarray | None) -> Outcome:
+        """Choice i > 0 from the first choice's state at the end of the prompt `ids` and its logits there,
+        through `Runtime.generate` as the first: timed in the run's figures, each picked token's
+        hash-layer experts asked for before the reply handles it, stopped at --ctx."""
         if logits is None:
             raise InternalError("the first choice kept no logits of the prompt's end")
         session = self.rt.session(on_route=self.stats.on_route)
         session.restore(state)
         pick, reply = self._picker(job, i), job.replies[i]
         got: list[int] = []
-        while True:
-            if job.cancelled.is_set():
-                raise Cancelled
-            tok = pick(logits)
-            got.append(tok)
-            self.stats.token(first=False)
-            self._push(job, i, tok)
-            if tok == reply.eos or reply.stopped or len(got) == job.max_tokens or session.pos >= self.rt.opts.ctx:
-                break
-            logits = session.step(tok)
+        steps = self.rt.generate(session, [], job.max_tokens, pick, (reply.eos,), logits=logits)
+        try:
+            for tok in steps:
+                got.append(tok)
+                self.stats.token(first=False)
+                self._push(job, i, tok)
+                if reply.stopped or job.cancelled.is_set():
+                    break
+        finally:
+            steps.close()
         job.usage.completion_tokens += len(got)
-        return self._finish(job, i, "stop" if tok == reply.eos else "length")
+        if got:
+            self.ram.remember(ids + got)
+        if job.cancelled.is_set():
+            raise Cancelled
+        return self._finish(job, i, "stop" if got and got[-1] == reply.eos else "length")
