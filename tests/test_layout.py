@@ -114,9 +114,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "trunkpack": {"checkpoint", "store"},
     "weights": {"checkpoint", "kernels", "model"},
     "streaming": {"checkpoint", "kernels", "model", "store", "trunkpack", "weights"},
-    "engram": set(),  # token classes and hash row ids: integer math only
+    "engram": {"checkpoint.engram_layout"},  # token classes and hash row ids: integer math only
     "text": {"checkpoint"},
-    "engine": {"checkpoint", "kernels", "model", "text", "weights"},
+    "engine": {"checkpoint", "engram", "kernels", "model", "text", "weights"},
     "gpu": {"checkpoint", "kernels"},
     "run": {"checkpoint", "engine", "gpu", "kernels", "model", "store", "streaming", "text", "trunkpack", "weights"},
     "measure": {"checkpoint", "run", "store"},

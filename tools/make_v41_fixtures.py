@@ -2,7 +2,8 @@
 """Golden numbers for DeepSeek-V4.1 from DeepSeek's own reference, run on CPU (see v41_reference.py).
 
 For each fixture: generate a V4.1 checkpoint (`dsv4stream.checkpoint.synth`, preset tiny-v41
-with the fixture's shapes and layer plan) with a small generated tokenizer, run random
+with the fixture's shapes and layer plan, and its small generated tokenizer), damp what each
+sublayer adds to the residual streams (`damp_outputs`), run random
 prompts through the reference six ways, and write under tests/fixtures/v41/<name>/ the
 checkpoint plus:
 
@@ -65,6 +66,9 @@ from v41_reference import (
     top2_gap,
 )
 
+from dsv4stream.checkpoint.synth import make_checkpoint
+from dsv4stream.checkpoint.synth_v41 import layer_plan, small_tokenizer_json
+
 TIE_GAP = 1e-5
 # fp32 first: their top-k boundaries decide whether a seed is kept
 RUNS = (
@@ -83,50 +87,6 @@ def run_key(mode: str, numerics: str, index_keys: str) -> str:
     return f"{mode}_{numerics}{keys}"
 
 
-# ---- a small tokenizer for generated checkpoints -----------------------------------------------
-def _byte_alphabet() -> dict[int, str]:
-    """The byte-level BPE alphabet: each byte as one printable character."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
-
-SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")
-# Texts whose Engram classes collapse (case, accents, compatibility forms, whitespace runs) or
-# that hold part of a UTF-8 character (keyed by their raw token).
-TRICKY_TEXTS = (
-    " the", "the", "The", " The", "THE", "café", "cafe", "CAFÉ", "e\u0301", "é", "\ufb01", "fi", " ", "  ", "\t",
-    "\n", " \n ", "\uff21", "a", "A", "\u00bd", b"\xc3", b"\xe2\x80", b"\xf0\x9f", b"\xe2",
-)  # fmt: skip
-
-
-def tiny_tokenizer_json(vocab_size: int, seed: int) -> str:
-    """A byte-level word tokenizer with exactly `vocab_size` ids: the three specials, the tricky
-    texts above, then random short words in mixed case."""
-    import tokenizers
-    from tokenizers import AddedToken, decoders, models
-
-    alphabet = _byte_alphabet()
-    rng = np.random.default_rng(seed)
-    words: list[bytes] = [t if isinstance(t, bytes) else t.encode() for t in TRICKY_TEXTS]
-    letters = "aAbBcCdDeE "
-    while len(words) < vocab_size - len(SPECIAL_TOKENS):
-        w = "".join(rng.choice(list(letters), size=int(rng.integers(1, 4)))).encode()
-        if w not in words:
-            words.append(w)
-    vocab = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
-    for w in words[: vocab_size - len(SPECIAL_TOKENS)]:
-        vocab["".join(alphabet[b] for b in w)] = len(vocab)
-    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[2]))
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
-    return tok.to_str()
-
-
 # ---- fixtures ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FixtureSpec:
@@ -137,6 +97,7 @@ class FixtureSpec:
     what: str = ""
     vocab: int = 64
     out_gain_log2: int = -4
+    need_clamp: bool = False
 
 
 # Small shapes shared by the fixtures: FP8 dims multiples of 32, 16 indexer heads (with 8, rows
@@ -167,8 +128,6 @@ _BASE = {
 
 
 def _plan(n_layers: int, **kw) -> dict:
-    from dsv4stream.checkpoint.synth_v41 import layer_plan
-
     return layer_plan(n_layers, mtp=1, targets=1, **kw)
 
 
@@ -176,7 +135,7 @@ def specs() -> tuple[FixtureSpec, ...]:
     return (
         FixtureSpec(
             "plan",
-            seed=1,
+            seed=4,
             n_tokens=256,
             overrides={
                 **_BASE,
@@ -192,7 +151,7 @@ def specs() -> tuple[FixtureSpec, ...]:
         ),
         FixtureSpec(
             "wide",
-            seed=20,
+            seed=21,
             n_tokens=160,
             vocab=96,
             overrides={
@@ -222,6 +181,8 @@ def specs() -> tuple[FixtureSpec, ...]:
             "clamp",
             seed=40,
             n_tokens=200,
+            out_gain_log2=-6,
+            need_clamp=True,
             overrides={
                 **_BASE,
                 **_plan(8, window=2, encoder=3, kv_group=3, index_every=2),
@@ -233,27 +194,21 @@ def specs() -> tuple[FixtureSpec, ...]:
                 "expert_gain": 3.0,
                 "num_experts_per_tok": 3,
             },
-            what="SwiGLU clamp biting (limit 1.5, experts x3), top-3 of 8; window-only 0-1, ratio-2 source 2 and"
+            what="SwiGLU clamp biting (limit 1.5, experts x3, outputs damped x1/64), top-3 of 8; window-only 0-1, ratio-2 source 2 and"
             " readers 3-4, ratio-1 source 5 (candidates: 5 blocks of 2), reader 6, index-only source 7",
         ),
     )
 
 
 def make_v41_checkpoint(dst: Path, spec: FixtureSpec, seed: int) -> Path:
-    """A generated V4.1 checkpoint with a small tokenizer whose class count is in config.json."""
-    import tokenizers
-
-    from dsv4stream.checkpoint.synth import make_checkpoint
-    from dsv4stream.engram import token_classes
-
-    tok_json = tiny_tokenizer_json(spec.vocab, seed)
-    n_classes = token_classes(tokenizers.Tokenizer.from_str(tok_json)).n_classes
-    overrides = {**spec.overrides, "vocab_size": spec.vocab, "engram_compressed_vocab_size": n_classes}
+    """A generated V4.1 checkpoint; synth writes its small tokenizer.json and sets
+    engram_compressed_vocab_size to that tokenizer's class count."""
+    overrides = {**spec.overrides, "vocab_size": spec.vocab}
     overrides.setdefault("dspark_noise_token_id", spec.vocab - 1)
     overrides.setdefault("image_token_id", spec.vocab - 2)
-    ckpt = make_checkpoint(dst, preset="tiny-v41", seed=seed, tokenizer=False, **overrides)
-    (ckpt / "tokenizer.json").write_text(tok_json)
-    (ckpt / "tokenizer.json").chmod(0o644)
+    ckpt = make_checkpoint(dst, preset="tiny-v41", seed=seed, **overrides)
+    if not (ckpt / "tokenizer.json").is_file():
+        raise click.ClickException(f"{ckpt}: the generator wrote no tokenizer.json (the Engram class map needs one)")
     return ckpt
 
 
@@ -301,14 +256,16 @@ def build(reference: Path, spec: FixtureSpec, out_root: Path, max_tries: int = 1
             if spec.out_gain_log2:
                 damp_outputs(ckpt, spec.out_gain_log2)
             ids = np.random.default_rng(1000 + seed).integers(0, spec.vocab, spec.n_tokens).astype(np.int64)
-            logits, gaps, bad = {}, {"route": np.inf, "index": np.inf, "candidates": np.inf}, []
+            logits, gaps, bad, clamp = {}, {"route": np.inf, "index": np.inf, "candidates": np.inf}, [], {}
             for mode, numerics, keys in RUNS:
-                out, g = reference_run(reference, ckpt, ids, mode, numerics, keys)
+                out, g = reference_run(reference, ckpt, ids, mode, numerics, keys, clamp if not clamp else None)
                 logits[run_key(mode, numerics, keys)] = out
                 print(f"  {spec.name} seed {seed}: {run_key(mode, numerics, keys)} done", flush=True)
                 if numerics == "fp32":
                     gaps = {k: min(gaps[k], g[k]) for k in gaps}
                     bad = [k for k, v in gaps.items() if v < TIE_GAP]
+                    if spec.need_clamp and not (clamp["gate_over"] and clamp["up_over"]):
+                        bad.append("the SwiGLU clamp does not bite")
                     if bad:
                         break
             if bad:
@@ -355,6 +312,7 @@ def build(reference: Path, spec: FixtureSpec, out_root: Path, max_tries: int = 1
             "torch": torch.__version__,
             "reference": reference_digests(reference),
             "fp32_min_boundary_gaps": {k: float(v) for k, v in gaps.items()},
+            "swiglu_clamp_fp32_prefill": clamp,
             "reference_self_differences": diffs,
             "selection": selection_facts(cfg, spec.n_tokens),
         }
@@ -417,7 +375,7 @@ def build_engram(reference: Path, out_root: Path, real_tokenizer: Path) -> dict:
 
     dst = out_root / "engram"
     dst.mkdir(parents=True, exist_ok=True)
-    tiny_json = tiny_tokenizer_json(300, seed=7)
+    tiny_json = small_tokenizer_json(300, seed=7)
     tiny_path = dst / "tokenizer.json"
     tiny_path.write_text(tiny_json)
     toks = {"real": HFTokenizer(real_tokenizer), "tiny": HFTokenizer(tiny_path)}
@@ -501,7 +459,8 @@ def quant_inputs(seed: int = 5) -> np.ndarray:
     rows.append(np.resize(np.concatenate([ties, -ties]), 256))
     rows.append(np.resize(np.concatenate([ties * 64, [448.0, -448.0, 464.0, 480.0]]), 256))
     rows.append(np.resize([1.0625, 1.1875, 17.0, 19.0, 0.0009765625, 1e-4, 9.9e-5], 256))  # FP8 RNE ties, the floor
-    x = torch.tensor(np.stack(rows), dtype=torch.float32).to(torch.bfloat16)
+    big = float(torch.finfo(torch.bfloat16).max)
+    x = torch.tensor(np.clip(np.stack(rows), -big, big), dtype=torch.float32).to(torch.bfloat16)
     return x.float().numpy()
 
 

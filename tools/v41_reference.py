@@ -98,69 +98,77 @@ def reference_digests(path: str | Path) -> dict[str, str]:
     return {f: hashlib.sha256((path / f).read_bytes()).hexdigest() for f in REFERENCE_FILES}
 
 
-def reference_args(ref, config: dict, max_seq_len: int):
-    """The reference's ModelArgs (its inference/config.json names) from a release config.json.
-
-    Vision and the DSpark drafter are left out: neither runs in a text forward.
-    """
+def reference_config(config: dict) -> dict:
+    """A release config.json (HF names, text model under text_config) in the reference's
+    inference/config.json names, for the keys a text forward reads."""
     t = config["text_config"]
     rs = t.get("rope_scaling") or {}
     q = config.get("quantization_config") or {}
+    return {
+        "vocab_size": t["vocab_size"],
+        "dim": t["hidden_size"],
+        "moe_inter_dim": t["moe_intermediate_size"],
+        "n_layers": t["num_hidden_layers"],
+        "n_mtp_layers": t.get("num_nextn_predict_layers", 0),
+        "n_heads": t["num_attention_heads"],
+        "n_routed_experts": t["n_routed_experts"],
+        "n_shared_experts": t.get("n_shared_experts", 1),
+        "n_activated_experts": t["num_experts_per_tok"],
+        "score_func": t.get("scoring_func", "sqrtsoftplus"),
+        "route_scale": t["routed_scaling_factor"],
+        "swiglu_limit": t["swiglu_limit"],
+        "q_lora_rank": t["q_lora_rank"],
+        "head_dim": t["head_dim"],
+        "rope_head_dim": t["qk_rope_head_dim"],
+        "norm_eps": t["rms_norm_eps"],
+        "o_groups": t["o_groups"],
+        "o_lora_rank": t["o_lora_rank"],
+        "window_size": t["sliding_window"],
+        "compress_ratios": list(t["compress_ratios"]),
+        "kv_source_layers": list(t["kv_source_layer_ids"]),
+        "index_source_layers": list(t["index_source_layer_ids"]),
+        "compress_rope_theta": t["compress_rope_theta"],
+        "original_seq_len": rs.get("original_max_position_embeddings", 0),
+        "rope_theta": t["rope_theta"],
+        "rope_factor": rs.get("factor", 1),
+        "beta_fast": rs.get("beta_fast", 32),
+        "beta_slow": rs.get("beta_slow", 1),
+        "index_n_heads": t["index_n_heads"],
+        "index_head_dim": t["index_head_dim"],
+        "index_topk": t["index_topk"],
+        "candidate_source_layer": t.get("candidate_source_layer_id", -1),
+        "candidate_topk_blocks": t.get("candidate_topk_blocks", 0),
+        "candidate_block_size": t.get("candidate_block_size", 0),
+        "hc_mult": t["hc_mult"],
+        "hc_sinkhorn_iters": t["hc_sinkhorn_iters"],
+        "hc_eps": t["hc_eps"],
+        "engram_layer_ids": list(t.get("engram_layer_ids", ())),
+        "engram_num_embeddings": list(t.get("engram_num_embeddings", ())),
+        "engram_max_ngram_size": t.get("engram_max_ngram_size", 1),
+        "engram_vocab_size": t.get("engram_vocab_size", 0),
+        "engram_n_heads": t.get("engram_n_heads", 0),
+        "engram_head_dim": t.get("engram_head_dim", 0),
+        "engram_pad_id": t.get("engram_pad_token_id", 2),
+        "engram_compressed_vocab_size": t.get("engram_compressed_vocab_size", 0),
+        "dtype": "fp8",
+        "expert_dtype": q.get("expert_dtype", "fp4"),
+        "image_token_id": config.get("image_token_id", 129264),
+    }
+
+
+def reference_args(ref, config: dict, max_seq_len: int):
+    """The reference's ModelArgs for a release config.json, for one sequence of up to max_seq_len.
+
+    Vision and the DSpark drafter are left out: neither runs in a text forward. norm_topk_prob
+    is the reference's default (True): the release states it in config.json, inference/config.json
+    does not."""
+    d = reference_config(config)
+    tuples = ("compress_ratios", "kv_source_layers", "index_source_layers", "engram_layer_ids", "engram_num_embeddings")
+    d.update({k: tuple(d[k]) for k in tuples})
+    if not config["text_config"].get("norm_topk_prob", True):
+        d["norm_topk_prob"] = False
     return ref.ModelArgs(
-        max_batch_size=1,
-        max_seq_len=max_seq_len,
-        temperature=0.0,
-        dtype="fp8",
-        expert_dtype=q.get("expert_dtype", "fp4"),
-        vocab_size=t["vocab_size"],
-        dim=t["hidden_size"],
-        moe_inter_dim=t["moe_intermediate_size"],
-        n_layers=t["num_hidden_layers"],
-        n_mtp_layers=t.get("num_nextn_predict_layers", 0),
-        n_heads=t["num_attention_heads"],
-        n_routed_experts=t["n_routed_experts"],
-        n_shared_experts=t.get("n_shared_experts", 1),
-        n_activated_experts=t["num_experts_per_tok"],
-        score_func=t.get("scoring_func", "sqrtsoftplus"),
-        norm_topk_prob=t.get("norm_topk_prob", True),
-        route_scale=t["routed_scaling_factor"],
-        swiglu_limit=t["swiglu_limit"],
-        q_lora_rank=t["q_lora_rank"],
-        head_dim=t["head_dim"],
-        rope_head_dim=t["qk_rope_head_dim"],
-        norm_eps=t["rms_norm_eps"],
-        o_groups=t["o_groups"],
-        o_lora_rank=t["o_lora_rank"],
-        window_size=t["sliding_window"],
-        compress_ratios=tuple(t["compress_ratios"]),
-        kv_source_layers=tuple(t["kv_source_layer_ids"]),
-        index_source_layers=tuple(t["index_source_layer_ids"]),
-        compress_rope_theta=t["compress_rope_theta"],
-        original_seq_len=rs.get("original_max_position_embeddings", 0),
-        rope_theta=t["rope_theta"],
-        rope_factor=rs.get("factor", 1),
-        beta_fast=rs.get("beta_fast", 32),
-        beta_slow=rs.get("beta_slow", 1),
-        index_n_heads=t["index_n_heads"],
-        index_head_dim=t["index_head_dim"],
-        index_topk=t["index_topk"],
-        candidate_source_layer=t.get("candidate_source_layer_id", -1),
-        candidate_topk_blocks=t.get("candidate_topk_blocks", 0),
-        candidate_block_size=t.get("candidate_block_size", 0),
-        hc_mult=t["hc_mult"],
-        hc_sinkhorn_iters=t["hc_sinkhorn_iters"],
-        hc_eps=t["hc_eps"],
-        engram_layer_ids=tuple(t.get("engram_layer_ids", ())),
-        engram_num_embeddings=tuple(t.get("engram_num_embeddings", ())),
-        engram_max_ngram_size=t.get("engram_max_ngram_size", 1),
-        engram_vocab_size=t.get("engram_vocab_size", 0),
-        engram_n_heads=t.get("engram_n_heads", 0),
-        engram_head_dim=t.get("engram_head_dim", 0),
-        engram_pad_id=t.get("engram_pad_token_id", 2),
-        engram_compressed_vocab_size=t.get("engram_compressed_vocab_size", 0),
-        vision_n_layers=0,
-        image_token_id=config.get("image_token_id", 129264),
-        dspark_block_size=0,
+        max_batch_size=1, max_seq_len=max_seq_len, temperature=0.0, vision_n_layers=0, dspark_block_size=0, **d
     )
 
 
@@ -469,6 +477,34 @@ class Boundaries:
             ref.select_candidate_blocks = orig["cand"]
 
 
+class ClampCount:
+    """Counts SwiGLU inputs past the clamp in every expert (routed and shared): gate values above
+    swiglu_limit and up values beyond +-swiglu_limit, out of all gate values."""
+
+    def __init__(self, ref):
+        self.counts = {"gate_over": 0, "up_over": 0, "values": 0}
+        self._ref = ref
+
+    @contextlib.contextmanager
+    def watching(self):
+        ref, counts = self._ref, self.counts
+        orig = ref.Expert.forward
+
+        def forward(mod, x, weights=None):
+            if mod.swiglu_limit > 0:
+                gate, up = mod.w1(x).float(), mod.w3(x).float()
+                counts["gate_over"] += int((gate > mod.swiglu_limit).sum())
+                counts["up_over"] += int((up.abs() > mod.swiglu_limit).sum())
+                counts["values"] += gate.numel()
+            return orig(mod, x, weights)
+
+        ref.Expert.forward = forward
+        try:
+            yield self
+        finally:
+            ref.Expert.forward = orig
+
+
 def run(model, ids: np.ndarray, mode: str) -> np.ndarray:
     """Logits (T, vocab) float32 at every position of a prefill, or of token-by-token decode."""
     import torch
@@ -484,11 +520,16 @@ def run(model, ids: np.ndarray, mode: str) -> np.ndarray:
     return np.stack(rows)
 
 
-def reference_run(reference: Path, ckpt: Path, ids: np.ndarray, mode: str, numerics: str, index_keys: str):
-    """(logits, boundary gaps) of one run on a freshly loaded reference."""
+def reference_run(
+    reference: Path, ckpt: Path, ids: np.ndarray, mode: str, numerics: str, index_keys: str, clamp: dict | None = None
+):
+    """(logits, boundary gaps) of one run on a freshly loaded reference; `clamp`, if given, receives
+    the SwiGLU clamp counts (ClampCount)."""
     model, ref = build_model(reference, ckpt, numerics, index_keys, max_seq_len=_seq_room(len(ids)))
-    with Boundaries(ref).watching() as b:
+    with Boundaries(ref).watching() as b, ClampCount(ref).watching() as c:
         logits = run(model, ids, mode)
+    if clamp is not None:
+        clamp.update(c.counts)
     return logits, b.gaps
 
 

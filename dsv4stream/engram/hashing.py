@@ -13,9 +13,10 @@ multipliers m[0..N-1] (N = engram_max_ngram_size) at position p:
 so a position yields (N-1) n-gram sizes x n_heads row ids per layer (24 for 2-,3-,4-grams x 8
 heads), each inside its own prime-sized range of the layer's table.
 
-Primes: successive primes >= engram_vocab_size, never reused, taken n_heads at a time for each
-n-gram size of each layer in turn; a layer's table has exactly the sum of its primes as rows, and
-`offset` is the running sum within the layer (flattened n-gram-major, head-minor).
+Primes (`checkpoint.engram_layout`, which config validation shares): successive primes >=
+engram_vocab_size, never reused, taken n_heads at a time for each n-gram size of each layer in
+turn; a layer's table has exactly the sum of its primes as rows, and `offset` is the running sum
+within the layer (flattened n-gram-major, head-minor).
 
 Multipliers: per layer, `numpy.random.default_rng(10007 * layer_id).integers(0, B, size=N,
 dtype=int64) * 2 + 1` with B = (2**63 - 1) // n_classes // 2, so a product stays below 2**63.
@@ -33,6 +34,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..checkpoint.engram_layout import column_primes
 from ..errors import CheckpointError, ConfigError, InternalError
 
 INT64_MAX = (1 << 63) - 1
@@ -44,41 +46,6 @@ PINNED_MULTIPLIERS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (1, 4, 99092): (76632096046245, 4839876093313, 35959672319349, 73987337458391),
     (14, 4, 99092): (67716810739261, 51510806800915, 30921347202721, 82619226485591),
 }
-
-_MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # deterministic below 3.3e24
-
-
-def is_prime(n: int) -> bool:
-    """Exact primality (Miller-Rabin with the bases that make it deterministic for 64-bit n)."""
-    if n < 2:
-        return False
-    for p in _MR_BASES:
-        if n % p == 0:
-            return n == p
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d, s = d // 2, s + 1
-    for a in _MR_BASES:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
-def primes_from(start: int, count: int) -> tuple[int, ...]:
-    """The `count` smallest primes >= start."""
-    out, n = [], start
-    while len(out) < count:
-        if is_prime(n):
-            out.append(n)
-        n += 1
-    return tuple(out)
 
 
 @lru_cache(maxsize=64)
@@ -142,9 +109,7 @@ class HashLayout:
             )
         if not 0 <= pad_class < n_classes:
             raise ConfigError(f"engram hash: pad class {pad_class} is outside the {n_classes} classes")
-        width = (max_ngram_size - 1) * n_heads
-        flat = np.array(primes_from(engram_vocab_size, len(layer_ids) * width), dtype=np.int64)
-        primes = flat.reshape(len(layer_ids), width)
+        primes = np.array(column_primes(engram_vocab_size, len(layer_ids), max_ngram_size, n_heads), dtype=np.int64)
         offsets = np.zeros_like(primes)
         offsets[:, 1:] = np.cumsum(primes[:, :-1], axis=1)
         mult = np.array([hash_multipliers(i, max_ngram_size, n_classes) for i in layer_ids], dtype=np.int64)
