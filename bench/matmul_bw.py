@@ -42,7 +42,6 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 import argparse
 import math
-import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,6 +49,7 @@ import numpy as np
 
 from dsv4stream import kernels
 from dsv4stream.kernels import QWeight
+from dsv4stream.measure.machine import cpu_description
 
 CASES = (
     ("expert.w1", "fp4", 2048, 4096),
@@ -136,23 +136,6 @@ def time_blas(rows: int, cols: int, x: np.ndarray, repeat: int) -> float:
             n += 1
         best = min(best, (clock() - t0) / n)
     return best
-
-
-def cpu_description() -> str:
-    """CPU model and the SIMD features the kernels can use (x86 flags or the ARM equivalents)."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                info.setdefault(k.strip(), v.strip())
-    except OSError:
-        pass
-    model = info.get("model name") or info.get("Model") or platform.processor() or platform.machine()
-    flags = set((info.get("flags") or info.get("Features") or "").split())
-    simd = [f for f in ("sse4_2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16",
-                        "asimd", "asimdhp", "sve", "bf16") if f in flags]  # fmt: skip
-    return f"cpu={model!r} simd={','.join(simd) or 'unknown'}"
 
 
 def main() -> None:

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import subprocess
 import sys
@@ -136,16 +134,9 @@ HEADER = (
 
 
 def machine() -> str:
-    model, flags = platform.processor() or "?", ""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            text = f.read()
-        model = re.search(r"model name\s*: (.*)", text).group(1)  # type: ignore[union-attr]
-        have = set(re.search(r"flags\s*: (.*)", text).group(1).split())  # type: ignore[union-attr]
-        flags = " ".join(sorted(f for f in have if f.startswith("avx")))
-    except (OSError, AttributeError):
-        pass
-    return f"machine: {model}, {os.cpu_count()} cpus, {flags or 'no avx'}; load {os.getloadavg()}"
+    from dsv4stream.measure.machine import machine_line
+
+    return f"machine: {machine_line()}"
 
 
 def main() -> None:

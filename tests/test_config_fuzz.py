@@ -136,7 +136,7 @@ def _check(rc: int, out: str, err: str, seconds: float, listing: bool = False) -
     assert seconds < SECONDS, f"took {seconds:.1f} s"
     assert rc in (0, 2), f"exit {rc}: {err[-2000:]}"
     if rc == 2:
-        lines = err.strip().splitlines()
+        lines = [line for line in err.splitlines() if line.strip()]  # not err.strip(): it eats the indent
         if listing:  # `inspect` lists each tensor problem it found before its one `dsv4:` line
             lines = [line for line in lines if not line.startswith("  problem: ")]
         assert len(lines) == 1 and lines[0].startswith("dsv4: "), err[-2000:]

@@ -412,53 +412,6 @@ def test_runs_never_take_the_blas_path_so_segment_size_cannot_change_bits():
     assert np.array_equal(y[0], fast.matvec(w, x[0]))
 
 
-def test_blas_one_thread_sets_and_restores_the_thread_count():
-    from dsv4stream.kernels import blas
-
-    fns = blas._entry_points()
-    if fns is None:
-        pytest.skip("numpy's BLAS has no OpenBLAS thread-count entry points")
-    before = blas.threads()
-    fns[1](2)  # from 2 threads, so that "restored" and "set to 1" differ
-    try:
-        with blas.one_thread():
-            assert blas.threads() == 1
-        assert blas.threads() == 2
-        with blas.one_thread(False):
-            assert blas.threads() == 2
-        with pytest.raises(RuntimeError), blas.one_thread():
-            raise RuntimeError("inside")
-        assert blas.threads() == 2
-    finally:
-        fns[1](before)
-
-
-def test_one_query_attention_has_the_same_bits_on_one_blas_thread():
-    """Decode's attention runs BLAS on one thread, prefill's on all: a one-query product must not
-    change with that (V4-Flash's 64 heads x 512, a full window, indexed rows: a threaded size)."""
-    from dsv4stream.kernels import blas
-    from dsv4stream.model.attention import attend
-
-    fns = blas._entry_points()
-    if fns is None:
-        pytest.skip("numpy's BLAS has no OpenBLAS thread-count entry points")
-    rng = np.random.default_rng(17)
-    q = rng.standard_normal((1, 64, 512)).astype(np.float32)
-    keys = rng.standard_normal((128, 512)).astype(np.float32)
-    comp = rng.standard_normal((80, 512)).astype(np.float32)
-    idx = rng.permutation(80)[None, :64]
-    sink = rng.standard_normal(64).astype(np.float32)
-    before = blas.threads()
-    fns[1](2)
-    try:
-        threaded = attend(q, keys, np.ones((1, 128), bool), comp, None, idx, sink)
-        with blas.one_thread():
-            single = attend(q, keys, np.ones((1, 128), bool), comp, None, idx, sink)
-    finally:
-        fns[1](before)
-    assert threaded.tobytes() == single.tobytes()
-
-
 def test_lane_sum_is_the_documented_pairwise_tree():
     """The vector-IR lane sum against the tree written out in numpy float32: level h adds lane k + h
     to lane k (h = 16, 8, 4, 2, 1). Values of mixed magnitude, so another order rounds differently."""

@@ -116,7 +116,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "streaming": {"checkpoint", "kernels", "model", "store", "trunkpack", "weights"},
     "engram": {"checkpoint.engram_layout"},  # token classes and hash row ids: integer math only
     "text": {"checkpoint"},
-    "engine": {"checkpoint", "kernels", "model", "text", "weights"},
+    "engine": {"checkpoint", "engram", "kernels", "model", "text", "weights"},
     "gpu": {"checkpoint", "kernels"},
     "run": {"checkpoint", "engine", "gpu", "kernels", "model", "store", "streaming", "text", "trunkpack", "weights"},
     "measure": {"checkpoint", "run", "store"},

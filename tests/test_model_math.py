@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from dsv4stream.checkpoint import formats
-from dsv4stream.kernels import QWeight, dense, matmul
-from dsv4stream.model.attention import WindowCache, attend
+from dsv4stream.kernels import QWeight, attend, dense, matmul
+from dsv4stream.model.attention import WindowCache
 from dsv4stream.model.compressor import CompressorState, CompressorWeights, compress
 from dsv4stream.model.mhc import HcWeights, hc_post, hc_pre
 from dsv4stream.model.moe import ExpertWeights, MoeWeights, route, routed_experts, swiglu

@@ -5,17 +5,14 @@ planner's segment and its override, and a stop within one layer."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dsv4stream.checkpoint import synth
-from dsv4stream.checkpoint.config import ModelConfig
 from dsv4stream.engine.session import Engine, PrefillStep
 from dsv4stream.errors import BudgetError, UsageError
-from dsv4stream.model.attention import ONE_THREAD_MACS, attend, attend_macs
 from dsv4stream.run import planner
 from dsv4stream.run.memory import measure
 from dsv4stream.run.runinfo import RunOptions
@@ -181,47 +178,6 @@ def test_a_sessions_state_stays_within_what_the_planner_counts(ckpt) -> None:
     assert held <= planned < 1.5 * held
 
 
-def test_prefill_attention_goes_to_one_blas_thread_below_the_threshold_only() -> None:
-    """A 64-query sub-chunk of the flash-experts bench checkpoint's attention (4 heads x 128, top-64 rows) runs
-    BLAS on one thread; V4-Flash's (64 x 512) keeps its threads, at ratio 4 and window-only."""
-    flash = ModelConfig.from_json(Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json")
-    small = replace(flash, num_attention_heads=4, head_dim=128, index_topk=64)
-    for ratio in (0, 4, 128):
-        assert attend_macs(small, ratio, 64, 1024) < ONE_THREAD_MACS < attend_macs(flash, ratio, 64, 1024)
-    # the dense rows of a heavily compressed layer grow with the position
-    assert attend_macs(small, 128, 64, 1 << 20) > attend_macs(small, 128, 64, 1024) + 2 * 64 * 4 * 128 * 8000
-
-
-@pytest.mark.parametrize("dense", [False, True])
-def test_multi_query_attention_has_the_same_bits_on_one_blas_thread(dense) -> None:
-    """Prefill sub-chunks below ONE_THREAD_MACS run BLAS on one thread and larger ones on all: a
-    64-query product must not change with that (OpenBLAS splits output blocks, never the sum)."""
-    from dsv4stream.kernels import blas
-
-    fns = blas._entry_points()
-    if fns is None:
-        pytest.skip("numpy's BLAS has no OpenBLAS thread-count entry points")
-    rng = np.random.default_rng(5)
-    t, h, hd, s, n = 64, 16, 256, 192, 300
-    q = rng.standard_normal((t, h, hd)).astype(np.float32)
-    keys = rng.standard_normal((s, hd)).astype(np.float32)
-    comp = rng.standard_normal((n, hd)).astype(np.float32)
-    mask = rng.random((t, s)) < 0.8
-    mask[:, 0] = True
-    comp_mask = rng.random((t, n)) < 0.5 if dense else None
-    idx = None if dense else np.sort(rng.permutation(n)[:128])[None, :].repeat(t, axis=0)
-    sink = rng.standard_normal(h).astype(np.float32)
-    before = blas.threads()
-    fns[1](2)
-    try:
-        threaded = attend(q, keys, mask, comp, comp_mask, idx, sink)
-        with blas.one_thread():
-            single = attend(q, keys, mask, comp, comp_mask, idx, sink)
-    finally:
-        fns[1](before)
-    assert threaded.tobytes() == single.tobytes()
-
-
 def test_a_segment_reads_its_embedding_rows_before_asking_for_its_hash_layer_experts(ckpt, monkeypatch) -> None:
     """Rows asked for after the hash layers' experts wait behind those reads (the reader
     threads hold the disk and take the GIL at every row's pread)."""
@@ -240,20 +196,3 @@ def test_a_segment_reads_its_embedding_rows_before_asking_for_its_hash_layer_exp
     segments = [calls[i : i + 2] for i, c in enumerate(calls) if c == "embed"]
     assert len(segments) == 3 and all(s == ["embed", "hash"] for s in segments)
     assert calls[0] == "embed"
-
-
-def test_the_engine_runs_small_attention_sub_chunks_on_one_blas_thread(ckpt, monkeypatch) -> None:
-    """The tiny checkpoint's sub-chunks are all below ONE_THREAD_MACS; with the threshold at 0
-    only one-query sub-chunks (the 7-token prompt's last one of 3) stay on one thread."""
-    from dsv4stream.engine import v4 as engine
-
-    seen: list[bool] = []
-    real = engine.one_thread
-    monkeypatch.setattr(engine, "one_thread", lambda on: seen.append(on) or real(on))
-    eng = Engine.open(ckpt)
-    eng.session(chunk_size=3, segment=7).prefill(PROMPT[:7])
-    assert len(seen) == 3 * eng.cfg.n_layers and all(seen)
-    seen.clear()
-    monkeypatch.setattr(engine, "ONE_THREAD_MACS", 0)
-    eng.session(chunk_size=3, segment=7).prefill(PROMPT[:7])
-    assert seen == [False, False, True] * eng.cfg.n_layers

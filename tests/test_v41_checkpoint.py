@@ -243,6 +243,7 @@ def test_refuses_scales_of_the_other_format(tiny_v41, tmp_path):
         (lambda d: d["text_config"].update(kv_source_layer_ids=[8, 14, 20]), "no kv source of ratio 2"),
         (lambda d: d["text_config"].update(index_source_layer_ids=[8, 14, 20]), "kv source layer 2 is not in"),
         (lambda d: d["text_config"].update(candidate_source_layer_id=21), "is not an index source"),
+        (lambda d: d["text_config"].update(index_topk=20000), "the candidate pool ((candidate_topk_blocks - 1)"),
         (lambda d: d["text_config"].update(engram_num_embeddings=[384006168, 384016683]), "bucket primes"),
         (lambda d: d["text_config"].update(engram_layer_ids=[14, 1]), "in order"),
         (lambda d: d["text_config"].update(num_nextn_predict_layers=2), "expected num_hidden_layers"),
@@ -293,3 +294,46 @@ def test_tiny_v41_carries_a_small_tokenizer_whose_engram_classes_the_config_coun
     assert 3 < tc.n_classes < cfg.vocab_size  # probes collapse: a real map, not an identity
     the = [tok.token_to_id("".join(synth_v41._byte_chars()[b] for b in w.encode())) for w in ("the", "The", " the")]
     assert len({int(tc.classes[i]) for i in the}) == 1
+
+
+def test_output_gain_scales_exactly_the_residual_projections(tmp_path):
+    a = Catalog.open(synth.make_checkpoint(tmp_path / "a", "tiny-v41", seed=5, tokenizer=False))
+    b = Catalog.open(synth.make_checkpoint(tmp_path / "b", "tiny-v41", seed=5, tokenizer=False, output_gain_log2=-4))
+    moved = set()
+    for name in a.entries:
+        x, y = a.read(name), b.read(name)
+        if (x == y).all():
+            continue
+        assert name.endswith(".scale"), name
+        assert (x.astype(int) - y.astype(int) == 4).all(), name  # E8M0 exponents, 2^-4 exactly
+        moved.add(name)
+    assert "layers.3.attn.wo_b.scale" in moved and "layers.1.engram.wkv.scale" in moved
+    assert "layers.9.ffn.shared_experts.w2.scale" in moved and "layers.0.ffn.experts.5.w2.scale" in moved
+    assert not [n for n in moved if n.endswith(("w1.scale", "w3.scale", "wq_a.scale", "engram.embed.scale"))]
+
+
+def test_exact_structure_preset_writes_experts_and_engram_tables_as_holes(tmp_path):
+    # flash-v41's code path (FP8 codes for the dense trunk, sparse experts and tables, the
+    # release's 48-shard layout with embed and head alone) at tiny dims, so it runs in seconds.
+    text = {**synth_v41._TINY_TEXT, "moe_intermediate_size": 256, "engram_vocab_size": 400}
+    vision = synth_v41.PRESETS_V41["tiny-v41"]["top"]
+    p = synth.make_checkpoint(tmp_path / "ck", "flash-v41", seed=3, **text, **vision)
+    cat = Catalog.open(p)
+    cat.validate()
+    cfg = cat.config
+    holes: Counter[str] = Counter()
+    for name, e in cat.entries.items():
+        if ".experts." in name and "shared" not in name or ".engram.embed." in name:
+            assert not cat.read(name).view("uint8").any(), name
+            holes[e.path] += e.nbytes
+        elif name.endswith(".weight") and e.dtype == "F8_E4M3":
+            assert cat.read(name).view("uint8").any(), name  # the dense trunk is real
+    for path, nbytes in holes.items():
+        st = Path(path).stat()
+        assert st.st_blocks * 512 <= st.st_size - nbytes // 2, path  # most of the holes take no disk
+    shards = sorted({e.path for e in cat.entries.values()})
+    first = {n for n, e in cat.entries.items() if e.path == shards[0]}
+    assert first == {"embed.weight"}
+    head = {n for n, e in cat.entries.items() if e.path == cat.entry("head.weight").path}
+    assert head == {"head.weight", "norm.weight"}
+    assert len(shards) == 1 + cfg.n_layers + cfg.n_mtp + 1 + 1 + len(cfg.engram.layer_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -14,7 +15,6 @@ from dsv4stream.checkpoint.spec_v41 import is_vision
 from dsv4stream.cli.doctor import doctor
 from dsv4stream.cli.inspect import inspect
 from dsv4stream.cli.pack import pack_trunk_cmd as pack_trunk
-from dsv4stream.errors import UsageError
 from dsv4stream.run import planner
 from dsv4stream.run.memory import measure, needs_of
 from dsv4stream.run.planner import ENGRAM_SHARE, GB, needs_from_config, plan
@@ -110,11 +110,12 @@ def test_engram_rows_come_before_expert_slots_short_of_the_working_set():
     assert any("Engram row cache holds" in w for w in q.warnings)
 
 
-def test_run_refuses_v41_in_one_line_until_its_forward_lands(tiny_v41):
+def test_a_v41_checkpoint_opens_and_runs(tiny_v41):
     from dsv4stream.engine.session import Engine
 
-    with pytest.raises(UsageError, match="checkpoint validates and plans"):
-        Engine.open(tiny_v41)
+    eng = Engine.open(tiny_v41)
+    out = eng.session().prefill(np.arange(1, 9))
+    assert out.shape == (8, eng.cfg.vocab_size) and np.isfinite(out).all()
 
 
 def test_doctor_on_a_v41_checkpoint_measures_engram_reads(tiny_v41):

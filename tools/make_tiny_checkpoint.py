@@ -46,12 +46,21 @@ from dsv4stream.errors import Dsv4Error
 @click.option("--route-skew", type=float, default=None, help="Power-law expert popularity (0 = uniform).")
 @click.option("--expert-gain", type=float, default=None)
 @click.option(
-    "--tokenizer/--no-tokenizer", default=None, help="Copy the real V4 tokenizer (default: when vocab is 129280)."
+    "--output-gain-log2",
+    type=int,
+    default=None,
+    help="Scale attn.wo_b, every w2 and engram.wkv by 2^K (exactly, through their scales); K < 0 damps.",
+)
+@click.option(
+    "--tokenizer/--no-tokenizer",
+    default=None,
+    help="Copy the real tokenizer (V4's for V4.1 until text.tokenizer writes V4.1's; default: when vocab is 129280).",
 )
 @click.option(
     "--sparse-experts/--dense-experts",
     default=None,
-    help="Routed experts as sparse-file holes (read as zeros, no disk). [default: for flash, flash-0731]",
+    help="Routed experts (and V4.1's Engram tables) as sparse-file holes (read as zeros, no disk). "
+    "[default: for flash, flash-0731, flash-v41]",
 )
 def main(
     out,
@@ -64,6 +73,7 @@ def main(
     compressor_dtype,
     route_skew,
     expert_gain,
+    output_gain_log2,
     tokenizer,
     sparse_experts,
 ):
@@ -87,6 +97,7 @@ def main(
         "compressor_dtype": compressor_dtype,
         "route_skew": route_skew,
         "expert_gain": expert_gain,
+        "output_gain_log2": output_gain_log2,
         "tokenizer": tokenizer,
         "sparse_experts": sparse_experts,
     }.items():

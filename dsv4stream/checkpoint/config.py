@@ -562,6 +562,7 @@ def _shared(t, ratios: list[int], problems: list[str]) -> SharedAttention | None
                 " ('kv_source_layer_ids')"
             )
             break
+        # with kv sources among the index sources, the latest index source then has this ratio too
         if not [s for s in ix if s <= layer]:
             problems.append(f"layer {layer} has no index source at or before it ('index_source_layer_ids')")
             break
@@ -571,6 +572,14 @@ def _shared(t, ratios: list[int], problems: list[str]) -> SharedAttention | None
             problems.append(f"'candidate_source_layer_id' {cand} is not an index source")
         if t.candidate_topk_blocks < 1 or t.candidate_block_size < 1:
             problems.append("a candidate source needs 'candidate_topk_blocks' and 'candidate_block_size' of at least 1")
+        elif (t.candidate_topk_blocks - 1) * t.candidate_block_size + 1 < t.index_topk:
+            # the newest block may hold one row: a smaller pool makes the later layers' top-k pick
+            # masked rows among ties, which no implementation can reproduce
+            problems.append(
+                f"the candidate pool ((candidate_topk_blocks - 1) x candidate_block_size + 1 ="
+                f" {(t.candidate_topk_blocks - 1) * t.candidate_block_size + 1} rows) is smaller than index_topk"
+                f" {t.index_topk}"
+            )
     if len(problems) > before:
         return None
     return SharedAttention(kv, ix, cand, t.candidate_topk_blocks, t.candidate_block_size)

@@ -147,7 +147,10 @@ GENERATOR_OPTIONS = (
     "tokenizer",
     "expert_gain",
     "sparse_experts",
+    "output_gain_log2",
 )
+# The projections whose outputs are added to the residual streams (`output_gain_log2` scales them).
+OUTPUT_PROJECTIONS = (".attn.wo_b.weight", ".w2.weight", ".engram.wkv.weight")
 
 
 def release_config(preset: str = "tiny", **overrides: Any) -> dict[str, Any]:
@@ -182,7 +185,10 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     table, 0 = uniform); tokenizer (copy the real V4 tokenizer; default when vocab is the
     real one); expert_gain (multiplies expert weights, to make the SwiGLU clamp bite);
     sparse_experts (routed experts as sparse-file holes that read as zeros; default for the
-    exact-structure presets, which also shard as the release does: embed and head alone).
+    exact-structure presets, which also shard as the release does: embed and head alone);
+    output_gain_log2 (an integer k: the projections whose outputs join the residual streams,
+    attn.wo_b, every w2 and V4.1's engram.wkv, get their scales times 2^k, exactly; k < 0 damps
+    what each sublayer adds, so random weights stay in the range trained weights keep).
     """
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -346,6 +352,7 @@ class _Gen:
         self.skew = float(opts["route_skew"] or 0.0)
         self.expert_gain = float(opts["expert_gain"] or 1.0)
         self.sparse = bool(opts["sparse_experts"])
+        self.output_shift = int(opts["output_gain_log2"] or 0)
         self._pending_scale: dict[str, np.ndarray] = {}
         e = cfg.n_routed_experts
         # Expert popularity ranks, fixed per checkpoint so every layer has its favourites.
@@ -354,7 +361,10 @@ class _Gen:
 
     def tensor(self, s: TensorSpec) -> np.ndarray | Hole | None:
         if s.kind == "scale":
-            return self._pending_scale.pop(s.of, None)
+            sc = self._pending_scale.pop(s.of, None)
+            if self.output_shift and sc is not None and not isinstance(sc, Hole) and s.of.endswith(OUTPUT_PROJECTIONS):
+                sc = _times_pow2(sc, self.output_shift)
+            return sc
         if s.kind == "expert":
             return self._expert(s)
         if s.kind == "linear":
@@ -492,6 +502,14 @@ class _Gen:
 # 256 quantiles of N(0, 1) (midpoints of 256 equal-probability bins), and their E4M3 codes at x16.
 _NORMAL_QUANTILES = np.sort(np.random.default_rng(0).standard_normal(1 << 16, dtype=np.float32))[128::256]
 _E4M3_NORMAL = (_NORMAL_QUANTILES * 16).astype(formats.E4M3).view(np.uint8)
+
+
+def _times_pow2(sc: np.ndarray, k: int) -> np.ndarray:
+    """A scale array times 2^k, exactly: E8M0 exponents moved by k (kept finite), F32 multiplied."""
+    if sc.dtype == formats.E8M0:
+        e = sc.view(np.uint8).astype(np.int32) + k
+        return np.clip(e, 0, 254).astype(np.uint8).view(formats.E8M0)
+    return (sc * np.float32(2.0**k)).astype(np.float32)
 
 
 def _as_scale(sc: np.ndarray) -> np.ndarray:

@@ -121,7 +121,7 @@ _TINY_TEXT = {
     "index_n_heads": 2,
     "index_head_dim": 32,
     "index_topk": 4,
-    "candidate_topk_blocks": 2,
+    "candidate_topk_blocks": 3,  # the pool holds at least (3 - 1) x 2 + 1 = 5 >= index_topk rows
     "candidate_block_size": 2,
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,

@@ -2,8 +2,10 @@
 
 Writes float32 [T, vocab] to a .npy file. Useful for checking the forward pass against
 another implementation and for scoring text. `--mode` picks how the tokens are fed:
-one prefill chunk, one token at a time, or chunks of N; all give the same numbers up to
-float rounding.
+one prefill chunk, one token at a time (a decode step per token), or chunks of N; all give
+the same numbers up to float rounding (for V4.1 with `--index-keys owner`, the default).
+DeepSeek-V4.1 checkpoints also take `--numerics official|fp32` and `--index-keys
+owner|as-shipped` (`engine.v41.V41Options`); V4 runs float32 activations only.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import click
 import numpy as np
 
 from ..engine.session import Engine
+from ..engine.v41 import V41Options
 from ..errors import UsageError
 from ..files import AtomicFile
 from .outputs import check_output
@@ -51,19 +54,21 @@ def parse_tokens(tokens: str | None, tokens_file: Path | None) -> np.ndarray:
     return ids
 
 
-def parse_mode(mode: str, n: int) -> int:
-    """prefill | step | chunk:N -> chunk size."""
+def parse_mode(mode: str, n: int) -> tuple[int, int | None]:
+    """prefill | step | chunk:N -> (attention chunk, prefill segment or None for the default).
+
+    step is a decode step per token: segments of one."""
     if mode == "prefill":
-        return max(n, 1)
+        return max(n, 1), None
     if mode == "step":
-        return 1
+        return 1, 1
     if mode.startswith("chunk:"):
         try:
             size = int(mode.split(":", 1)[1])
         except ValueError:
             size = 0
         if size >= 1:
-            return size
+            return size, None
     raise UsageError(f"--mode {mode!r}: use prefill, step or chunk:N with N >= 1")
 
 
@@ -75,15 +80,33 @@ def parse_mode(mode: str, n: int) -> int:
 )
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path, dir_okay=False), help="Output .npy file.")
 @click.option("--mode", default="prefill", show_default=True, help="prefill | step | chunk:N")
+@click.option(
+    "--numerics",
+    type=click.Choice(["official", "fp32"]),
+    default=None,
+    help="V4.1: official (the release's activation and KV grids; the default) or fp32 (none). V4: fp32 only.",
+)
+@click.option(
+    "--index-keys",
+    type=click.Choice(["owner", "as-shipped"]),
+    default=None,
+    help="V4.1: owner (each source's own index keys, prefill = decode; the default) or as-shipped"
+    " (DeepSeek's decode: stale keys on ratio-2 sources every other step).",
+)
 @click.option("--threads", type=int, default=None, help="Kernel threads (results do not depend on it).")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def logits(checkpoint: Path, tokens, tokens_file, out: Path, mode: str, threads, debug: bool) -> None:
+def logits(
+    checkpoint: Path, tokens, tokens_file, out: Path, mode: str, numerics, index_keys, threads, debug: bool
+) -> None:
     """Write float32 logits [T, vocab] for every position of a token sequence."""
     check_output(out, "--out")
     ids = parse_tokens(tokens, tokens_file)
-    chunk = parse_mode(mode, ids.size)
-    eng = Engine.open(checkpoint, threads=threads)
-    session = eng.session(chunk_size=chunk)
+    chunk, segment = parse_mode(mode, ids.size)
+    opts = None
+    if numerics is not None or index_keys is not None:
+        opts = V41Options(numerics=numerics or "official", index_keys=index_keys or "owner")
+    eng = Engine.open(checkpoint, threads=threads, v41=opts)
+    session = eng.session(chunk_size=chunk, segment=segment)
     result = session.prefill(ids).astype(np.float32, copy=False)
     with AtomicFile(out, "wb") as f:  # keep the exact name (np.save would append .npy)
         np.save(f.file, result)

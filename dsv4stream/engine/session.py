@@ -27,17 +27,18 @@ import numpy as np
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog, TensorSource
-from ..checkpoint.config import SUPPORTED_MODEL_TYPES, V4, ModelConfig
+from ..checkpoint.config import V41, ModelConfig
 from ..checkpoint.spec import layer_prefix
 from ..errors import NumericsError, UsageError
 from ..model.block import Trace
 from ..model.moe import ExpertWeights
 from ..model.scan import nonfinite_fields
 from ..text.sampler import greedy
-from ..weights.providers import CatalogExperts, CatalogTrunk, ExpertKey, Experts, Trunk
+from ..weights.providers import CatalogEngramRows, CatalogExperts, CatalogTrunk, EngramRows, ExpertKey, Experts, Trunk
 from .state import SessionState, capture, thaw
 from .steps import Pass, PassContext, Stack
 from .v4 import V4Stack
+from .v41 import EngramIds, V41Options, V41Stack, checkpoint_engram_ids, refuse_gpu
 
 # on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched
 RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
@@ -85,14 +86,39 @@ class DevicePlacement(Protocol):
 
 
 class Engine:
-    """A loaded model: config, weight providers, the family's stack. Shared by sessions, never mutated."""
+    """A loaded model: config, weight providers, the family's stack. Shared by sessions, never mutated.
 
-    def __init__(self, cfg: ModelConfig, trunk: Trunk, experts: Experts, catalog: Catalog | None = None) -> None:
+    DeepSeek-V4.1 also takes its Engram rows (`engram_rows`: default, read from the catalog on
+    demand), the Engram hash (`engram_ids`: default, from the checkpoint's tokenizer.json) and
+    `v41` (numerics and index keys, `V41Options`)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        trunk: Trunk,
+        experts: Experts,
+        catalog: Catalog | None = None,
+        *,
+        engram_rows: EngramRows | None = None,
+        engram_ids: EngramIds | None = None,
+        v41: V41Options | None = None,
+    ) -> None:
         self.cfg = cfg
         self.trunk = trunk
         self.experts = experts
         self.catalog = catalog
-        self.stack: Stack = V4Stack(cfg, trunk, experts)
+        if cfg.family == V41:
+            if cfg.engram is not None and catalog is not None:
+                engram_rows = engram_rows or CatalogEngramRows(catalog)
+                engram_ids = engram_ids or checkpoint_engram_ids(catalog)
+            self.stack: Stack = V41Stack(cfg, trunk, experts, engram_rows, engram_ids, v41 or V41Options())
+        else:
+            if v41 is not None and v41 != V41Options(numerics="fp32"):
+                raise UsageError(
+                    "--numerics / --index-keys are DeepSeek-V4.1 options: a V4 checkpoint runs float32"
+                    " activations only (--numerics fp32, or leave both out)"
+                )
+            self.stack = V4Stack(cfg, trunk, experts)
 
     @classmethod
     def open(
@@ -104,25 +130,26 @@ class Engine:
         threads: int | None = None,
         validate: bool = True,
         gpu: DevicePlacement | None = None,
+        v41: V41Options | None = None,
     ) -> Engine:
         """Open a checkpoint directory in the release format (read-only).
 
         experts / trunk replace the in-memory defaults (e.g. a streaming expert store);
         threads sets the kernel thread count; gpu places trunk matrices in VRAM for the
-        default in-memory trunk.
+        default in-memory trunk (V4 only); v41: a V4.1 checkpoint's numerics and index keys.
         """
         cat = Catalog.open(checkpoint_dir)
         if validate:
             cat.validate()
-        require_forward(cat.config, str(checkpoint_dir))
         if threads is not None:
             kernels.set_threads(threads)
         if trunk is None:
             on_gpu = gpu is not None and gpu.enabled
             if on_gpu:
+                refuse_gpu(cat.config)
                 gpu.place(cat)
             trunk = CatalogTrunk(gpu.source(cat) if on_gpu else cat)
-        return cls(cat.config, trunk, experts or CatalogExperts(cat), cat)
+        return cls(cat.config, trunk, experts or CatalogExperts(cat), cat, v41=v41)
 
     def session(
         self,
@@ -140,15 +167,6 @@ class Engine:
             on_route=on_route,
             record_requests=record_requests,
             trace=trace,
-        )
-
-
-def require_forward(cfg: ModelConfig, where: str) -> None:
-    """Refuse, in one line, a model family whose forward pass this build does not have."""
-    if cfg.family != V4:
-        raise UsageError(
-            f"{where}: a {SUPPORTED_MODEL_TYPES[cfg.model_type]} checkpoint validates and plans (`dsv4 inspect`,"
-            " `dsv4 pack-trunk`) but this build cannot run it yet; run a DeepSeek-V4 checkpoint"
         )
 
 

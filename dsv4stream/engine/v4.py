@@ -1,9 +1,9 @@
 """DeepSeek-V4's layer stack, as a `Session` runs it: state, reads ahead, one layer, the head.
 
 Owns: what is V4's in a forward pass (the per-layer `AttnState`s, the hash layers' experts
-prefetched from the token ids alone, attention in sub-chunks with numpy's BLAS on one thread
-for small products, the MoE half, the hc_head collapse). The segment loop, hooks, error
-handling and the public API are the session's (`engine.session`); the math is `model`'s.
+prefetched from the token ids alone, attention in sub-chunks, the MoE half, the hc_head
+collapse). The segment loop, hooks, error handling and the public API are the session's
+(`engine.session`); the math is `model`'s.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..checkpoint.config import ModelConfig
-from ..kernels.blas import one_thread
-from ..model.attention import ONE_THREAD_MACS, AttnState, attend_macs, new_attn_state
+from ..model.attention import AttnState, new_attn_state
 from ..model.block import attention_half, ffn_half, head_forward
 from ..model.rope import rope_tables
 from ..weights.providers import ExpertKey, Experts, Trunk
@@ -59,13 +58,8 @@ class V4Stack:
         """Layer i on the pass's streams: attention in sub-chunks, then one MoE pass."""
         cfg, x, t = self.cfg, p.x, p.ids.size
         c, rope = min(ctx.chunk, t), self.rope_for(i)
-        start = int(p.positions[0])
         for a in range(0, t, c):
-            n = min(c, t - a)
-            # one query, or a product too small to split: BLAS threads only wait
-            small = n == 1 or attend_macs(cfg, cfg.ratio(i), n, start + a + n) < ONE_THREAD_MACS
-            with one_thread(small):
-                x[a : a + c] = attention_half(x[a : a + c], p.positions[a : a + c], w, state[i], cfg, rope, ctx.trace)
+            x[a : a + c] = attention_half(x[a : a + c], p.positions[a : a + c], w, state[i], cfg, rope, ctx.trace)
         hook = ctx.routed(i, p.positions, prefetch=not cfg.is_hash_layer(i))
         p.x = ffn_half(x, p.ids, w, cfg, ctx.experts(i), hook, ctx.trace, rows=c)
 

@@ -3,10 +3,12 @@
 Owns: `QWeight` (a linear weight as stored: FP8, FP4, BF16 or F32 plus its scales) and the
 dispatch of `matvec` / `matmul` (and the two grouped forms the model uses per token:
 `matmul_pair`, one input times two weights; `matmul_grouped`, g inputs times g row blocks)
-to a backend, and the time spent in them per weight role (`kernel_seconds`: the per-token
-profile of `--stats`). The numpy reference (`reference.py`) is the readable definition; a
-fused numba backend replaces it when available. Backends must give results that do not
-depend on the thread count.
+and of attention's two products (`attend`, `index_scores`) to a backend, and the time spent
+in the linears per weight role (`kernel_seconds`: the per-token profile of `--stats`). The
+numpy reference (`reference.py`) is the readable definition; the numba backend (`fast.py`,
+`attn.py`) replaces it when available. The numba kernels sum in a fixed order: their results
+do not depend on the thread count, nor on which other tokens share a call (numpy's BLAS,
+which the reference uses, guarantees neither).
 """
 
 from __future__ import annotations
@@ -91,9 +93,13 @@ def warmup() -> float:
     backend = _active()
     if not hasattr(backend, "warmup"):
         return 0.0
-    seconds = backend.warmup()
+    t0 = time.perf_counter()
+    backend.warmup()
+    from . import attn
+
+    attn.warmup()
     _mark_cache_complete()
-    return seconds
+    return time.perf_counter() - t0
 
 
 def _cache_dir():
@@ -126,7 +132,7 @@ def cache_stamp(source: bytes | None = None) -> str:
     import numba
 
     if source is None:
-        source = Path(__file__).with_name("fast.py").read_bytes()
+        source = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("fast.py", "attn.py"))
     h = hashlib.sha256(source)
     cpu = (llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten())
     env = (os.environ.get("NUMBA_CPU_NAME", ""), os.environ.get("NUMBA_CPU_FEATURES", ""))
@@ -218,6 +224,39 @@ def matmul_grouped(ws: Sequence[QWeight], x: np.ndarray) -> np.ndarray:
     y = backend.matmul_grouped(ws, x)
     _count(ws[0].role, t0)
     return y
+
+
+def _attention_backend():
+    if _active() is reference:
+        return reference
+    from . import attn  # numba, like fast
+
+    return attn
+
+
+def attend(
+    q: np.ndarray,
+    keys: np.ndarray,
+    key_mask: np.ndarray,
+    comp: np.ndarray | None,
+    comp_mask: np.ndarray | None,
+    comp_idx: np.ndarray | None,
+    sink: np.ndarray,
+) -> np.ndarray:
+    """Softmax attention with a sink; one KV vector is both key and value.
+
+    q (T, H, hd); keys (S, hd) with key_mask (T, S) True = visible; compressed rows comp
+    (n, hd) seen either densely through comp_mask (T, n) or per query through comp_idx
+    (T, K) (-1 = none); sink (H,), which joins the softmax denominator only. Scores are
+    scaled by hd^-0.5. Returns (T, H, hd) float32.
+    """
+    return _attention_backend().attend(q, keys, key_mask, comp, comp_mask, comp_idx, sink)
+
+
+def index_scores(q: np.ndarray, w: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """The lightning indexer's scores: q (T, h, c), head weights w (T, h), keys (n, c) -> (T, n),
+    score[t, j] = sum_h w[t, h] * relu(q[t, h] . keys[j]) * c^-0.5."""
+    return _attention_backend().index_scores(q, w, keys)
 
 
 def dense(w: QWeight) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Readable numpy definition of the quantized linears: dequantise, then float32 GEMM.
+"""Readable numpy definitions: the quantized linears (dequantise, then float32 GEMM) and
+attention's two products (softmax attention with a sink, the indexer's scores).
 
 Large weights are dequantised a block of rows at a time (at most ``BLOCK_ELEMS`` float32
 values, a multiple of 128 rows and of the FP8 scale block), so the scratch a product needs is
@@ -18,6 +19,7 @@ import numpy as np
 from ..checkpoint import formats
 
 BLOCK_ELEMS = 1 << 22  # float32 values dequantised at once (16 MB)
+GATHER_FLOATS = 4 << 20  # compressed rows gathered / indexer scores per block of queries (16 MB)
 
 
 def dequant(w) -> np.ndarray:
@@ -76,4 +78,60 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], w.rows), dtype=np.float32)
     for a, b, part in _row_blocks(w):
         out[:, a:b] = x @ dequant(part).T
+    return out
+
+
+def attend(q, keys, key_mask, comp, comp_mask, comp_idx, sink) -> np.ndarray:
+    """Softmax attention with a sink (see `kernels.attend`); numpy's BLAS sums in its own order."""
+    t, h, hd = q.shape
+    if comp is not None and comp_idx is not None and t > 1 and t * comp_idx.shape[1] * hd > GATHER_FLOATS:
+        # queries are independent: gather each block's rows alone, so the (T, K, hd) copy
+        # stays near GATHER_FLOATS (64 queries x 512 rows x 512 would be 64 MiB)
+        step = max(1, GATHER_FLOATS // max(1, comp_idx.shape[1] * hd))
+        return np.concatenate(
+            [
+                attend(q[a : a + step], keys, key_mask[a : a + step], comp, None, comp_idx[a : a + step], sink)
+                for a in range(0, t, step)
+            ]
+        )
+    scale = np.float32(hd**-0.5)
+    qf = q.reshape(t * h, hd)
+    parts = [np.where(key_mask[:, None, :], (qf @ keys.T).reshape(t, h, -1) * scale, -np.inf)]
+    gathered = None
+    if comp is not None and comp_mask is not None:
+        parts.append(np.where(comp_mask[:, None, :], (qf @ comp.T).reshape(t, h, -1) * scale, -np.inf))
+    elif comp is not None and comp_idx is not None and comp_idx.shape[1]:
+        gathered = comp[np.maximum(comp_idx, 0)]  # (T, K, hd)
+        sc = np.matmul(q, gathered.transpose(0, 2, 1)) * scale
+        parts.append(np.where(comp_idx[:, None, :] >= 0, sc, -np.inf))
+    parts.append(np.broadcast_to(sink[None, :, None], (t, h, 1)))
+    logits = np.concatenate(parts, axis=-1).astype(np.float32, copy=False)
+    m = np.max(logits, axis=-1, keepdims=True)
+    e = np.exp(logits - m)
+    p = e / np.sum(e, axis=-1, keepdims=True)
+    s = keys.shape[0]
+    out = (p[:, :, :s].reshape(t * h, s) @ keys).reshape(t, h, hd)
+    if comp is not None and comp_mask is not None:
+        n = comp.shape[0]
+        out += (p[:, :, s : s + n].reshape(t * h, n) @ comp).reshape(t, h, hd)
+    elif gathered is not None:
+        k = gathered.shape[1]
+        out += np.matmul(p[:, :, s : s + k], gathered)
+    return out
+
+
+def index_scores(q: np.ndarray, w: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """The indexer's scores (see `kernels.index_scores`), queries in blocks so the (block, h, n)
+    intermediate stays near GATHER_FLOATS even when a long context has hundreds of thousands
+    of rows."""
+    t, h, c = q.shape
+    n = keys.shape[0]
+    out = np.empty((t, n), dtype=np.float32)
+    step = max(1, GATHER_FLOATS // max(1, h * n))
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        s = (q[a:b].reshape((b - a) * h, c) @ keys.T).reshape(b - a, h, n)
+        np.maximum(s, 0, out=s)
+        s *= np.float32(c**-0.5)
+        out[a:b] = np.einsum("thn,th->tn", s, w[a:b], dtype=np.float32)
     return out

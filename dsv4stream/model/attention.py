@@ -23,21 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checkpoint.config import ModelConfig
-from ..kernels import QWeight, matmul, matmul_grouped
+from ..kernels import QWeight, attend, matmul, matmul_grouped
 from .compressor import CompressorState, CompressorWeights, compress
 from .indexer import IndexerWeights, select_rows
 from .ops import rms_norm
 from .rope import Rope, apply_rope
 
 F32 = np.float32
-GATHER_FLOATS = 4 << 20  # compressed rows gathered per block of queries (planner.BLOCK_FLOATS)
-# Below this many multiply-adds `attend` runs numpy's BLAS on one thread (`attend_macs`). OpenBLAS
-# threads a product from a few hundred thousand; on 2 AMD EPYC cores with one busy (load 1.6-2.2,
-# `attend`, 64 queries, 7 runs) 4 heads x 128 over 192 keys + 64 rows (16.8 M) took 11.9 ms on
-# two threads and 0.64 ms on one. The second thread waits for a core numba's workers or another
-# program hold, and spins after the call against the kernels that follow. One thread costs at
-# most the split, under a millisecond at this size; V4-Flash's 64 x 512 (2.95 G) keeps its threads.
-ONE_THREAD_MACS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -87,70 +79,6 @@ def new_attn_state(cfg: ModelConfig, ratio: int) -> AttnState:
     comp = CompressorState(hd, overlap=ratio == 4) if ratio else None
     index_comp = CompressorState(cfg.index_head_dim, overlap=True) if ratio == 4 else None
     return AttnState(WindowCache(cfg.sliding_window, hd), comp, index_comp)
-
-
-def attend_macs(cfg: ModelConfig, ratio: int, queries: int, end: int) -> int:
-    """Multiply-adds of `attend` (scores and weighted sum) for `queries` queries ending at
-    position `end` (exclusive): the window and the chunk's keys, plus index_topk rows at ratio 4
-    or every closed row at other ratios."""
-    rows = cfg.sliding_window + queries
-    if ratio == 4:
-        rows += cfg.index_topk
-    elif ratio:
-        rows += end // ratio
-    return 2 * queries * cfg.num_attention_heads * cfg.head_dim * rows
-
-
-def attend(
-    q: np.ndarray,
-    keys: np.ndarray,
-    key_mask: np.ndarray,
-    comp: np.ndarray | None,
-    comp_mask: np.ndarray | None,
-    comp_idx: np.ndarray | None,
-    sink: np.ndarray,
-) -> np.ndarray:
-    """Softmax attention with a sink; one KV vector is both key and value.
-
-    q (T, H, hd); keys (S, hd) with key_mask (T, S) True = visible; compressed rows comp
-    (n, hd) seen either densely through comp_mask (T, n) or per query through comp_idx
-    (T, K) (-1 = none); sink (H,). Returns (T, H, hd).
-    """
-    t, h, hd = q.shape
-    if comp is not None and comp_idx is not None and t > 1 and t * comp_idx.shape[1] * hd > GATHER_FLOATS:
-        # queries are independent: gather each block's rows alone, so the (T, K, hd) copy
-        # stays near GATHER_FLOATS (64 queries x 512 rows x 512 would be 64 MiB)
-        step = max(1, GATHER_FLOATS // max(1, comp_idx.shape[1] * hd))
-        return np.concatenate(
-            [
-                attend(q[a : a + step], keys, key_mask[a : a + step], comp, None, comp_idx[a : a + step], sink)
-                for a in range(0, t, step)
-            ]
-        )
-    scale = F32(hd**-0.5)
-    qf = q.reshape(t * h, hd)
-    parts = [np.where(key_mask[:, None, :], (qf @ keys.T).reshape(t, h, -1) * scale, -np.inf)]
-    gathered = None
-    if comp is not None and comp_mask is not None:
-        parts.append(np.where(comp_mask[:, None, :], (qf @ comp.T).reshape(t, h, -1) * scale, -np.inf))
-    elif comp is not None and comp_idx is not None and comp_idx.shape[1]:
-        gathered = comp[np.maximum(comp_idx, 0)]  # (T, K, hd)
-        sc = np.matmul(q, gathered.transpose(0, 2, 1)) * scale
-        parts.append(np.where(comp_idx[:, None, :] >= 0, sc, -np.inf))
-    parts.append(np.broadcast_to(sink[None, :, None], (t, h, 1)))
-    logits = np.concatenate(parts, axis=-1).astype(F32, copy=False)
-    m = np.max(logits, axis=-1, keepdims=True)
-    e = np.exp(logits - m)
-    p = e / np.sum(e, axis=-1, keepdims=True)
-    s = keys.shape[0]
-    out = (p[:, :, :s].reshape(t * h, s) @ keys).reshape(t, h, hd)
-    if comp is not None and comp_mask is not None:
-        n = comp.shape[0]
-        out += (p[:, :, s : s + n].reshape(t * h, n) @ comp).reshape(t, h, hd)
-    elif gathered is not None:
-        k = gathered.shape[1]
-        out += np.matmul(p[:, :, s : s + k], gathered)
-    return out
 
 
 def attention(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels import QWeight, matmul
+from ..kernels import QWeight, index_scores, matmul
 from .compressor import CompressorWeights
 from .ops import topk_lowest_index
 from .rope import apply_rope
@@ -29,25 +29,6 @@ class IndexerWeights:
     wq_b: QWeight  # (index_n_heads * index_head_dim, q_lora_rank)
     weights_proj: QWeight  # (index_n_heads, D)
     compressor: CompressorWeights  # at index_head_dim, with overlap
-
-
-def index_scores(q: np.ndarray, w: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """q (T, h, c), head weights w (T, h), keys (n, c) -> scores (T, n).
-
-    Queries go in blocks so the (block, h, n) intermediate stays near 16 MB even when a
-    long context has hundreds of thousands of rows (planner.BLOCK_FLOATS).
-    """
-    t, h, c = q.shape
-    n = keys.shape[0]
-    out = np.empty((t, n), dtype=F32)
-    step = max(1, (4 << 20) // max(1, h * n))
-    for a in range(0, t, step):
-        b = min(t, a + step)
-        s = (q[a:b].reshape((b - a) * h, c) @ keys.T).reshape(b - a, h, n)
-        np.maximum(s, 0, out=s)
-        s *= F32(c**-0.5)
-        out[a:b] = np.einsum("thn,th->tn", s, w[a:b], dtype=F32)
-    return out
 
 
 def select_rows(

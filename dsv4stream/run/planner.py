@@ -43,7 +43,7 @@ DEFAULT_OVERHEAD = 240 * 1000 * 1000
 DEFAULT_CHUNK = 64  # attention sub-chunk of a prefill segment (RunOptions.chunk); also the shortest segment
 SUB_CHUNK = DEFAULT_CHUNK
 SEGMENT_CAP = 4096  # longest prefill segment the planner gives
-BLOCK_FLOATS = 4 << 20  # attention gather / indexer score blocks (model.attention, model.indexer)
+BLOCK_FLOATS = 4 << 20  # the numpy reference's attention gather / indexer score blocks (kernels.reference)
 # The Engram row cache's share of the budget (V4.1): 1% is 160 MB, ~570k rows, at --budget 16.
 ENGRAM_SHARE = 0.01
 

@@ -20,7 +20,8 @@ import numpy as np
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog
-from ..engine.session import Engine, LayerHook, PrefillStep, Session, require_forward
+from ..engine.session import Engine, LayerHook, PrefillStep, Session
+from ..engine.v41 import refuse_gpu
 from ..errors import Dsv4Error, UsageError
 from ..store import ExpertStore
 from ..streaming.expert_layout import expert_label
@@ -145,7 +146,8 @@ class Runtime:
         cat = Catalog.open(checkpoint)
         cat.validate()
         cfg = cat.config
-        require_forward(cfg, str(checkpoint))
+        if gpu is not None and gpu.enabled:
+            refuse_gpu(cfg)
         once = _Once(warn)
         tf = open_trunk_file(cat, opts.trunk, verify=opts.verify)
         placed = gpu.place(cat) if gpu is not None and gpu.enabled else None

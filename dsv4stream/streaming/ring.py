@@ -1,7 +1,7 @@
 """`StreamedTrunk`: the `Trunk` provider that keeps layers 0..p-1 and the head resident and
 streams the other layers through two layer slots in their fixed order.
 
-Owns: the ring and `ViewSource`, the catalog look-alike that lets `loading.load_layer`
+Owns: the ring and `ViewSource`, the `TensorSource` that lets `weights.family.load_block`
 build a layer's named weights as views into a slot's bytes.
 
 Ring contract with the engine: layers are asked for in the order 0..n-1, again and again
@@ -28,8 +28,8 @@ from ..errors import CheckpointError, InternalError
 from ..kernels import QWeight
 from ..model.layer import HeadWeights, LayerWeights
 from ..store.directio import aligned_buffer
+from ..weights.family import load_block, load_top
 from ..weights.lifetime import expire
-from ..weights.loading import load_head, load_layer
 from .layout import TrunkLayout
 from .reader import GroupReader
 from .rows import RowReader
@@ -102,7 +102,7 @@ class StreamedTrunk:
             g = layout.layers[i]
             self._pinned.append(self._build(i, reader.read(g, aligned_buffer(g.nbytes))))
         g = layout.head
-        self._head = load_head(self._wrap(ViewSource(cfg, g.entries, reader.read(g, aligned_buffer(g.nbytes)))))
+        self._head = load_top(self._wrap(ViewSource(cfg, g.entries, reader.read(g, aligned_buffer(g.nbytes)))))
         self._tid2eid = {}
         for i in range(min(cfg.num_hash_layers, cfg.n_layers)):
             if i < self.pinned:
@@ -222,4 +222,4 @@ class StreamedTrunk:
         self._built[s] = self._build(i, arrays)
 
     def _build(self, i: int, arrays: Mapping[str, np.ndarray]) -> LayerWeights:
-        return load_layer(self._wrap(ViewSource(self.cfg, self.layout.layers[i].entries, arrays)), i)
+        return load_block(self._wrap(ViewSource(self.cfg, self.layout.layers[i].entries, arrays)), i)

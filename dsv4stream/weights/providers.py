@@ -14,11 +14,13 @@ from typing import Protocol
 import numpy as np
 
 from ..checkpoint.catalog import Catalog
-from ..checkpoint.formats import bf16_to_f32
-from ..checkpoint.spec import MODEL
+from ..checkpoint.formats import bf16_to_f32, e4m3_to_f32, scale_to_f32
+from ..checkpoint.spec import MODEL, linear_names
+from ..checkpoint.spec_v41 import engram_names
 from ..model.layer import HeadWeights, LayerWeights
 from ..model.moe import ExpertWeights
-from .loading import load_expert, load_head, load_layer
+from .family import load_block, load_top
+from .loading import load_expert
 
 ExpertKey = tuple[int, int]  # (layer, expert); MTP layers count from num_hidden_layers
 
@@ -51,6 +53,42 @@ class Experts(Protocol):
         ...
 
 
+class EngramRows(Protocol):
+    """DeepSeek-V4.1's Engram table rows by id, dequantised. The ids of a pass are known from its
+    token ids before layer 0 (`Session.read_ahead`), so `prefetch` comes first, well ahead of
+    the Engram layer's `rows` call."""
+
+    def prefetch(self, layer: int, ids: np.ndarray) -> None:
+        """A hint: the rows ids (T, columns) of Engram layer `layer` are about to be needed."""
+        ...
+
+    def rows(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """ids (T, columns) int64 -> (T, columns, head_dim) float32: E4M3 values times their
+        E8M0 scale (one per 32 columns)."""
+        ...
+
+
+class CatalogEngramRows:
+    """Engram rows read from the checkpoint on demand, each distinct row once per call; nothing
+    kept between calls. For tests and small tables: the released tables (~100 GB each) are
+    streamed by a dedicated provider."""
+
+    def __init__(self, cat: Catalog) -> None:
+        self.cat = cat
+
+    def prefetch(self, layer: int, ids: np.ndarray) -> None:
+        pass
+
+    def rows(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        weight, scale = linear_names(engram_names(self.cat.config, layer)["table"])
+        uniq, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
+        vals = e4m3_to_f32(self.cat.read_rows(weight, uniq))  # (n, head_dim)
+        s = scale_to_f32(self.cat.read_rows(scale, uniq))  # (n, head_dim / 32)
+        n, hd = vals.shape
+        deq = (vals.reshape(n, -1, 32) * s[:, :, None]).reshape(n, hd)
+        return deq[inverse.reshape(np.shape(ids))]
+
+
 class CatalogTrunk:
     """All dense weights read from the checkpoint into memory, once, on first use."""
 
@@ -69,7 +107,7 @@ class CatalogTrunk:
     def layer(self, i: int) -> LayerWeights:
         w = self._layers.get(i)
         if w is None:
-            w = self._layers[i] = load_layer(self.cat, i)
+            w = self._layers[i] = load_block(self.cat, i)
         return w
 
     def tid2eid(self, i: int) -> np.ndarray:
@@ -77,7 +115,7 @@ class CatalogTrunk:
 
     def head(self) -> HeadWeights:
         if self._head is None:
-            self._head = load_head(self.cat)
+            self._head = load_top(self.cat)
         return self._head
 
 

@@ -1,0 +1,220 @@
+"""DeepSeek-V4.1's layer stack, as a `Session` runs it: state, reads ahead, one layer, the head.
+
+Owns: what is V4.1's in a forward pass: the state (per layer a window; per KV source its open
+group, compressed rows and index keys; the index-key board; the Engram n-gram history), the
+Engram rows asked for as soon as the token ids are known, the hyper-connection pre carried from
+sublayer to sublayer, the row choices published per attention sub-chunk, and the options that
+make V4.1 runs differ (`V41Options`: numerics, index keys). The segment loop, hooks and errors
+are the session's; the math is `model`'s; where rows and weights come from is the providers'.
+
+Prefill is layer-major in segments as for V4, and exact whatever the segment and sub-chunk:
+an index source publishes its choice per sub-chunk, so the layers after it read the choice made
+for the same queries; a KV source keeps its open group (ratio 2) between passes; the Engram
+history (the last n-gram size - 1 token classes) carries the hash across passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoint.config import V41, ModelConfig
+from ..errors import CheckpointError, UsageError
+from ..model.engram import engram
+from ..model.quant import NUMERICS, Numerics
+from ..model.rope import Rope, rope_tables
+from ..model.v41_attention import KeyBoard, Published, V41Plan, new_layer_state
+from ..model.v41_block import HcParams, attention_half, ffn_half, head_forward, identity_pre
+from ..model.v41_moe import V41MoeParams
+from ..weights.providers import EngramRows, Experts, Trunk
+from .steps import Pass, PassContext
+
+INDEX_KEYS = ("owner", "as-shipped")
+
+
+@dataclass(frozen=True)
+class V41Options:
+    """How a V4.1 engine computes: `numerics` "official" (the activation and KV grids of the
+    release) or "fp32"; `index_keys` "owner" (each index source scores its own KV source's keys,
+    so prefill and decode agree) or "as-shipped" (DeepSeek's decode: see `model.v41_attention`)."""
+
+    numerics: str = "official"
+    index_keys: str = "owner"
+
+    def __post_init__(self) -> None:
+        if self.numerics not in NUMERICS:
+            raise UsageError(f"--numerics {self.numerics!r}: use {' or '.join(NUMERICS)}")
+        if self.index_keys not in INDEX_KEYS:
+            raise UsageError(f"--index-keys {self.index_keys!r}: use {' or '.join(INDEX_KEYS)}")
+
+    @property
+    def grid(self) -> Numerics:
+        return NUMERICS[self.numerics]
+
+
+class EngramIds:
+    """Token ids -> Engram table row ids, through the tokenizer's class map and the hash layout
+    (`dsv4stream.engram`). `rows(history, ids)` -> ((T, n_engram_layers, columns) int64, the
+    history after the ids)."""
+
+    def __init__(self, layout, classes) -> None:
+        self.layout = layout  # engram.HashLayout
+        self.classes = classes  # engram.TokenClasses
+
+    def rows(self, history: tuple[int, ...], ids: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+        from ..engram import row_ids
+
+        return row_ids(self.layout, self.classes.of(ids), tuple(history))
+
+
+def checkpoint_engram_ids(cat) -> EngramIds:
+    """The Engram hash of a checkpoint: its own tokenizer.json's class map, the config's layout
+    (checked against the tables' row counts and the class count)."""
+    import tokenizers
+
+    from ..engram import HashLayout, check_class_count, token_classes
+
+    e = cat.config.engram
+    path = Path(cat.root) / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(
+            f"{cat.root}: no tokenizer.json; a DeepSeek-V4.1 checkpoint hashes its tokens with its own"
+            " tokenizer (Engram): put the release's tokenizer.json there"
+        )
+    classes = token_classes(tokenizers.Tokenizer.from_file(str(path)))
+    check_class_count(classes, e.compressed_vocab_size, str(path))
+    pad = int(classes.of(np.array([e.pad_token_id]))[0])
+    layout = HashLayout.build(e.layer_ids, e.max_ngram_size, e.n_heads, e.vocab_size, classes.n_classes, pad)
+    layout.check_table_rows(e.rows)
+    return EngramIds(layout, classes)
+
+
+def refuse_gpu(cfg: ModelConfig) -> None:
+    """--gpu runs V4's trunk (128x128 FP8 blocks, no activation grid) on the device; V4.1 is CPU only."""
+    if cfg.family == V41:
+        raise UsageError("--gpu is not supported for DeepSeek-V4.1 checkpoints yet; run without --gpu (CPU)")
+
+
+@dataclass
+class Carry:
+    """Session state beside the layers': the index-key board and the Engram n-gram history."""
+
+    board: KeyBoard = field(default_factory=KeyBoard)
+    history: tuple[int, ...] = ()  # the last classes the Engram hash looks back on
+
+
+@dataclass
+class V41Pass(Pass):
+    pre: np.ndarray = None  # (T, hc): the pre the next sublayer collapses the streams with
+    rows: np.ndarray | None = None  # (T, n_engram_layers, columns) Engram row ids
+    history: tuple[int, ...] = ()  # the Engram history after this pass
+    published: list[Published] = field(default_factory=list)  # per attention sub-chunk
+
+
+class V41Stack:
+    """V4.1's part of a forward pass (see the module docstring)."""
+
+    family = "v41"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        trunk: Trunk,
+        experts: Experts,
+        engram_rows: EngramRows | None,
+        engram_ids: EngramIds | None,
+        options: V41Options,
+    ) -> None:
+        self.cfg = cfg
+        self.trunk = trunk
+        self.experts = experts
+        self.engram_rows = engram_rows
+        self.engram_ids = engram_ids
+        self.options = options
+        sh = cfg.shared
+        n = cfg.n_layers
+        quantise = options.grid.quantise
+        self.plan = V41Plan.build(
+            cfg.compress_ratios[:n],
+            sh.kv_sources,
+            sh.index_sources,
+            sh.candidate_source,
+            candidate_block=sh.candidate_block_size,
+            candidate_topk_blocks=sh.candidate_topk_blocks,
+            n_heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
+            window=cfg.sliding_window,
+            index_n_heads=cfg.index_n_heads,
+            index_topk=cfg.index_topk,
+            eps=cfg.rms_norm_eps,
+            quantise=quantise,
+            stale_keys=options.index_keys == "as-shipped",
+        )
+        self.hc = HcParams(cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.moe = V41MoeParams(
+            cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.norm_topk_prob, quantise
+        )
+        self.rope_main, self.rope_comp = rope_tables(cfg)
+        self.engram_layers = cfg.engram.layer_ids if cfg.engram is not None else ()
+        if self.engram_layers and (engram_rows is None or engram_ids is None):
+            raise UsageError("a DeepSeek-V4.1 engine needs its Engram rows and hash (the checkpoint's tokenizer)")
+
+    def rope_for(self, layer: int) -> Rope:
+        return self.rope_comp if self.cfg.ratio(layer) else self.rope_main
+
+    def new_state(self) -> list:
+        layers = [new_layer_state(self.plan, i, self.cfg.index_head_dim) for i in range(self.cfg.n_layers)]
+        return [*layers, Carry()]
+
+    def read_ahead(self, ids: np.ndarray, state: list) -> tuple[np.ndarray, tuple[int, ...]] | None:
+        """The Engram row ids of `ids` (from the history in `state`), with their reads started."""
+        if not self.engram_layers:
+            return None
+        carry: Carry = state[-1]
+        rows, history = self.engram_ids.rows(carry.history, ids)
+        for k, layer in enumerate(self.engram_layers):
+            self.engram_rows.prefetch(layer, rows[:, k])
+        return rows, history
+
+    def begin(self, ids: np.ndarray, positions: np.ndarray, state: list, ahead: Callable[[], object]) -> V41Pass:
+        got = ahead()  # the Engram reads first: layer 1 needs them after one layer
+        emb = self.trunk.embed(ids)
+        x = np.repeat(emb[:, None, :], self.cfg.hc_mult, axis=1)
+        p = V41Pass(ids, positions, x, pre=identity_pre(ids.size, self.cfg.hc_mult))
+        if got is not None:
+            p.rows, p.history = got
+        return p
+
+    def layer(self, ctx: PassContext, p: V41Pass, i: int, w, state: list) -> None:
+        """Layer i: Engram (on its layers), attention in sub-chunks, then one MoE pass."""
+        cfg, t = self.cfg, p.ids.size
+        carry: Carry = state[-1]
+        layers = state[:-1]
+        if w.engram is not None:
+            k = self.engram_layers.index(i)
+            rows = self.engram_rows.rows(i, p.rows[:, k])
+            p.x = engram(p.x, rows, w.engram, cfg.rms_norm_eps, self.plan.quantise)
+        c, rope = min(ctx.chunk, t), self.rope_for(i)
+        if not p.published:
+            p.published = [Published() for _ in range(0, t, c)]
+        a_pre = np.empty_like(p.pre)
+        x = p.x
+        for j, a in enumerate(range(0, t, c)):
+            b = min(t, a + c)
+            x[a:b], a_pre[a:b] = attention_half(
+                x[a:b], p.pre[a:b], p.positions[a:b], w, layers, self.plan, p.published[j], carry.board, rope, self.hc
+            )
+        hook = ctx.routed(i, p.positions)
+        p.x, p.pre = ffn_half(x, a_pre, w, ctx.experts(i), self.moe, self.hc, hook, rows=c)
+        if i == cfg.n_layers - 1:
+            carry.history = tuple(p.history)
+
+    def logits(self, p: V41Pass, last_only: bool) -> np.ndarray:
+        x, pre = (p.x[-1:], p.pre[-1:]) if last_only else (p.x, p.pre)
+        return head_forward(x, pre, self.trunk.head(), self.cfg.rms_norm_eps)
+
+    def head_weights(self):
+        return self.trunk.head()

@@ -1,0 +1,247 @@
+"""DeepSeek-V4.1 attention: a sliding window plus compressed rows shared between layers.
+
+Owns: one layer's attention for a chunk of queries (q low-rank path, the window KV, the
+shared compressed rows and the published row choice, attention with sink, de-rotation,
+grouped output projection), which layer plays which part (`V41Plan`), and the state of a
+layer (its window; at a KV source, the `SourceState`). The compressor and the index keys are
+`model.v41_kv`; scores and top-k are `model.v41_indexer`.
+
+Facts this follows (DeepSeek's V4.1 inference code), against V4 (`model.attention`):
+- q = wq_b(q_norm(wq_a x)) with no per-head RMS rescale; kv = kv_norm(wkv x); both rotated on
+  the last rd channels (ratio 0: rope_theta; ratio > 0: compress_rope_theta with YaRN); the
+  window KV is FP8-QDQ'd per 32 (official numerics) before it is cached or used.
+- A layer with ratio > 0 reads the compressed rows of the latest KV source at or before it;
+  only sources compress. It attends to the rows chosen by the latest index source at or
+  before it (for this same chunk of queries): index sources choose, the others reuse.
+- The output's rope channels are rotated back; wo_a (FP8 in the checkpoint) is applied per
+  group as a plain dequantised product (no activation grid: DeepSeek's converter stores it as
+  BF16); wo_b is an FP8 linear.
+- Every FP8 linear's input goes through the activation grid (`model.quant.fp8_qdq`) under the
+  official numerics; the BF16 linears (weights_proj) do not.
+
+Index keys, two ways (`V41Plan.stale_keys`): DeepSeek's code keeps one published key table;
+a source publishes its keys only in a pass where it emits a row. So in a decode step where a
+ratio-2 group is still open, layers 2, 8 and 14 score against the table the last emitting
+source left (layer 20's, from the step before), cut to their own row count. "owner" (the
+default) always scores against the layer's own KV source's keys, which is what a prefill
+computes; "as-shipped" (stale_keys=True) reproduces the official decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InternalError
+from ..kernels import QWeight, attend, matmul, matmul_grouped
+from .attention import WindowCache
+from .ops import rms_norm
+from .quant import fp8_qdq
+from .rope import Rope, apply_rope
+from .v41_indexer import (
+    V41IndexerWeights,
+    candidate_blocks,
+    index_query,
+    restrict_to,
+    top_rows,
+    visible_scores,
+)
+from .v41_kv import IndexKeyWeights, SourceState, V41CompressorWeights, append_rows, latents
+
+F32 = np.float32
+
+
+@dataclass(frozen=True)
+class V41AttnWeights:
+    wq_a: QWeight  # (q_lora_rank, D)
+    q_norm: np.ndarray  # (q_lora_rank,)
+    wq_b: QWeight  # (H * hd, q_lora_rank)
+    wkv: QWeight  # (hd, D)
+    kv_norm: np.ndarray  # (hd,)
+    wo_a: tuple[QWeight, ...]  # o_groups x (o_lora_rank, H * hd / o_groups)
+    wo_b: QWeight  # (D, o_groups * o_lora_rank)
+    sink: np.ndarray  # (H,)
+    compressor: V41CompressorWeights | None  # KV sources
+    keys: IndexKeyWeights | None  # KV sources that are index sources
+    indexer: V41IndexerWeights | None  # index sources
+
+
+@dataclass(frozen=True)
+class V41Plan:
+    """Which layer plays which part, and the attention's fixed numbers.
+
+    kv_source[i] / index_source[i]: the layer whose compressed rows / row choice layer i uses
+    (i itself for a source; -1 at window-only layers)."""
+
+    ratios: tuple[int, ...]
+    kv_source: tuple[int, ...]
+    index_source: tuple[int, ...]
+    candidate_source: int  # -1: no level one
+    candidate_block: int
+    candidate_topk_blocks: int
+    n_heads: int
+    head_dim: int
+    window: int
+    index_n_heads: int
+    index_topk: int
+    eps: float
+    quantise: bool  # official numerics
+    stale_keys: bool  # index keys as shipped
+
+    @classmethod
+    def build(
+        cls,
+        ratios: Sequence[int],
+        kv_sources: Sequence[int],
+        index_sources: Sequence[int],
+        candidate_source: int,
+        **fixed,
+    ) -> V41Plan:
+        """From the config's lists; InternalError where a compressed layer has no source before it
+        (the config's validation refuses such a layer plan first)."""
+        kv, ix = [], []
+        for i, r in enumerate(ratios):
+            if r == 0:
+                kv.append(-1)
+                ix.append(-1)
+                continue
+            ks = [s for s in kv_sources if s <= i]
+            js = [s for s in index_sources if s <= i]
+            if not ks or not js:
+                raise InternalError(f"layer {i} (ratio {r}) has no KV source or index source at or before it")
+            kv.append(max(ks))
+            ix.append(max(js))
+        return cls(tuple(ratios), tuple(kv), tuple(ix), candidate_source, **fixed)
+
+
+@dataclass
+class V41LayerState:
+    window: WindowCache
+    source: SourceState | None  # at KV sources
+
+
+@dataclass
+class KeyBoard:
+    """Session state for index keys as shipped: the KV source that published its keys last."""
+
+    publisher: int = -1
+
+
+@dataclass
+class Published:
+    """What the layers of one forward pass hand down for one chunk of queries."""
+
+    rows: np.ndarray | None = None  # (T, K) the latest index source's choice, -1 = none
+    blocks: np.ndarray | None = None  # (T, nb) the candidate source's kept blocks
+
+
+def new_layer_state(plan: V41Plan, layer: int, index_head_dim: int) -> V41LayerState:
+    src = SourceState(plan.head_dim, index_head_dim) if plan.kv_source[layer] == layer else None
+    return V41LayerState(WindowCache(plan.window, plan.head_dim), src)
+
+
+def _aq(x: np.ndarray, plan: V41Plan) -> np.ndarray:
+    return fp8_qdq(x, 32) if plan.quantise else x
+
+
+def _compressed(
+    x: np.ndarray,
+    qr: np.ndarray,
+    positions: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    w: V41AttnWeights,
+    layer: int,
+    states: Sequence[V41LayerState],
+    plan: V41Plan,
+    pub: Published,
+    board: KeyBoard,
+    rope: Rope,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(rows (n, hd) of this layer's KV source, chosen rows (T, K)) after this chunk's compression."""
+    ratio = plan.ratios[layer]
+    src = states[plan.kv_source[layer]].source
+    if src is None:
+        raise InternalError(f"layer {layer} reads KV source {plan.kv_source[layer]}, which holds no rows")
+    emitted = 0
+    if w.compressor is not None:
+        lat = latents(src, x, w.compressor, plan.eps)
+        emitted = lat.shape[0]
+        append_rows(src, lat, ratio, rope, w.keys, plan.eps, plan.quantise)
+        if emitted and w.keys is not None:
+            board.publisher = layer
+    if w.indexer is not None:
+        end = int(positions[-1]) + 1
+        visible = end // ratio
+        if visible == 0:
+            pub.rows = np.zeros((x.shape[0], 0), dtype=np.int64)
+        else:
+            keys = _index_keys(src, states, plan, board)[:visible]
+            q, hw = index_query(qr, x, cos, sin, w.indexer, plan.index_n_heads, plan.quantise)
+            scores = visible_scores(q, hw, keys, positions, ratio)
+            if layer == plan.candidate_source:
+                pub.blocks = candidate_blocks(
+                    scores, positions, ratio, plan.candidate_block, plan.candidate_topk_blocks
+                )
+            elif 0 <= plan.candidate_source < layer:
+                if pub.blocks is None:
+                    raise InternalError(f"layer {layer}: no candidate blocks from layer {plan.candidate_source}")
+                scores = restrict_to(scores, pub.blocks, plan.candidate_block)
+            pub.rows = top_rows(scores, end, ratio, plan.index_topk)
+    if pub.rows is None:
+        raise InternalError(f"layer {layer}: no row choice from index source {plan.index_source[layer]}")
+    return src.rows.rows, pub.rows
+
+
+def _index_keys(src: SourceState, states: Sequence[V41LayerState], plan: V41Plan, board: KeyBoard) -> np.ndarray:
+    """The key table an index source scores against: its KV source's, or as shipped, the table of
+    the source that published last (this layer, if it just emitted; see the module docstring)."""
+    if plan.stale_keys and board.publisher >= 0:
+        held = states[board.publisher].source
+        if held is not None:
+            return held.keys.rows
+    return src.keys.rows
+
+
+def attention(
+    x: np.ndarray,
+    positions: np.ndarray,
+    w: V41AttnWeights,
+    layer: int,
+    states: Sequence[V41LayerState],
+    plan: V41Plan,
+    pub: Published,
+    board: KeyBoard,
+    rope: Rope,
+) -> np.ndarray:
+    """One layer's attention for a chunk: x (T, D) normed block input at positions (T,) -> (T, D).
+
+    Updates the layer's window, its KV source's rows and keys (at a source), `pub` (at an index
+    source) and `board` (a source that published keys)."""
+    t = x.shape[0]
+    h, hd, eps = plan.n_heads, plan.head_dim, plan.eps
+    cos, sin = rope.cos_sin(positions)
+    xq = _aq(x, plan)
+    qr = rms_norm(matmul(w.wq_a, xq), w.q_norm, eps)
+    qrq = _aq(qr, plan)
+    q = apply_rope(matmul(w.wq_b, qrq).reshape(t, h, hd), cos, sin, in_place=True)
+    kv = apply_rope(rms_norm(matmul(w.wkv, xq), w.kv_norm, eps), cos, sin, in_place=True)
+    kv = _aq(kv, plan)
+
+    st = states[layer]
+    keys, kpos = st.window.with_new(kv, positions)
+    dist = positions[:, None] - kpos[None, :]
+    key_mask = (dist >= 0) & (dist < plan.window)
+    st.window.push(kv, positions)
+
+    comp = comp_idx = None
+    if plan.ratios[layer]:
+        comp, comp_idx = _compressed(x, qrq, positions, cos, sin, w, layer, states, plan, pub, board, rope)
+        if comp_idx.shape[1] == 0:
+            comp = comp_idx = None
+    o = attend(q, keys, key_mask, comp, None, comp_idx, w.sink)
+    o = apply_rope(o, cos, sin, inverse=True, in_place=True)
+    mid = matmul_grouped(w.wo_a, o.reshape(t, len(w.wo_a), -1))  # (T, g * o_lora_rank)
+    return matmul(w.wo_b, _aq(mid, plan))

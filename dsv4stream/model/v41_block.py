@@ -1,0 +1,134 @@
+"""One DeepSeek-V4.1 block and the head, on the hc_mult residual streams.
+
+Owns: the order of operations inside a V4.1 layer and the head, with hyper-connections
+computed one sublayer ahead. Weights, state and the published row choice come in; nothing
+is looked up by name. As in V4 (`model.block`), the two halves are separate calls so that a
+prefill segment can run attention in sub-chunks and the MoE over the whole segment.
+
+Facts this follows (DeepSeek's V4.1 `Block.forward`), against V4:
+- a sublayer's `hc_mixes(streams)` gives (pre, post, comb); post and comb fold that sublayer's
+  own output back, but its pre collapses the streams for the *next* sublayer: attention uses
+  the pre the previous layer's FFN half produced, the FFN uses the pre its attention half
+  produced. Before layer 0 the pre is one-hot on stream 0.
+- mixes = (fn @ streams_flat) * rsqrt(mean(streams_flat^2) + eps) (the flat vector normed after
+  the product), then the same split and Sinkhorn as V4 (`model.mhc.split_mixes`).
+- the head collapses the streams with the last FFN half's pre (no hc_head), RMS-norms and
+  multiplies by head.weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..kernels import QWeight, matmul
+from .engram import EngramWeights
+from .mhc import HcWeights, collapse, split_mixes
+from .moe import ExpertSource
+from .ops import rms_norm
+from .rope import Rope
+from .v41_attention import KeyBoard, Published, V41AttnWeights, V41LayerState, V41Plan, attention
+from .v41_moe import V41MoeParams, V41MoeWeights, moe
+
+F32 = np.float32
+
+
+@dataclass(frozen=True)
+class V41LayerWeights:
+    index: int
+    attn_norm: np.ndarray  # (D,)
+    ffn_norm: np.ndarray  # (D,)
+    hc_attn: HcWeights
+    hc_ffn: HcWeights
+    attn: V41AttnWeights
+    moe: V41MoeWeights
+    engram: EngramWeights | None  # layers listed in engram_layer_ids
+
+
+@dataclass(frozen=True)
+class V41HeadWeights:
+    norm: np.ndarray  # (D,)
+    head: QWeight  # (vocab, D)
+
+
+@dataclass(frozen=True)
+class HcParams:
+    sinkhorn_iters: int
+    hc_eps: float
+    norm_eps: float
+
+
+def identity_pre(t: int, hc: int) -> np.ndarray:
+    """The pre before layer 0: (T, hc), one-hot on stream 0."""
+    pre = np.zeros((t, hc), dtype=F32)
+    pre[:, 0] = 1.0
+    return pre
+
+
+def hc_mixes(x: np.ndarray, w: HcWeights, p: HcParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Streams x (T, hc, D) -> (pre (T, hc), post (T, hc), comb (T, hc, hc))."""
+    flat = x.reshape(x.shape[0], -1)
+    r = F32(1.0) / np.sqrt(np.mean(np.square(flat), axis=-1, keepdims=True, dtype=F32) + F32(p.norm_eps))
+    return split_mixes(matmul(w.fn, flat) * r, w, p.sinkhorn_iters, p.hc_eps)
+
+
+def hc_post(x: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    """Streams x (T, hc, D), sublayer output y (T, D) -> new streams: new_j = post_j y + sum_i comb[i, j] x_i."""
+    return post[:, :, None] * y[:, None, :] + np.matmul(comb.transpose(0, 2, 1), x)
+
+
+def attention_half(
+    x: np.ndarray,
+    pre: np.ndarray,
+    positions: np.ndarray,
+    w: V41LayerWeights,
+    states: list[V41LayerState],
+    plan: V41Plan,
+    pub: Published,
+    board: KeyBoard,
+    rope: Rope,
+    hp: HcParams,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Streams x (T, hc, D) and the pre they arrive with -> (streams after attention, the FFN's pre)."""
+    a_pre, post, comb = hc_mixes(x, w.hc_attn, hp)
+    h = rms_norm(collapse(x, pre), w.attn_norm, hp.norm_eps)
+    y = attention(h, positions, w.attn, w.index, states, plan, pub, board, rope)
+    return hc_post(x, y, post, comb), a_pre
+
+
+def ffn_half(
+    x: np.ndarray,
+    pre: np.ndarray,
+    w: V41LayerWeights,
+    each: ExpertSource,
+    mp: V41MoeParams,
+    hp: HcParams,
+    on_route: Callable[[np.ndarray], None] | None = None,
+    rows: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Streams x (T, hc, D) and the attention half's pre (T, hc) -> (streams after the MoE, written
+    into x; the next attention's pre (T, hc)). One MoE pass over all T tokens; the mixing runs `rows`
+    tokens at a time to bound its temporaries."""
+    t, hc, d = x.shape
+    rows = rows or t
+    h = np.empty((t, d), dtype=F32)
+    f_pre = np.empty((t, hc), dtype=F32)
+    post = np.empty((t, hc), dtype=F32)
+    comb = np.empty((t, hc, hc), dtype=F32)
+    for a in range(0, t, rows):
+        b = min(t, a + rows)
+        f_pre[a:b], post[a:b], comb[a:b] = hc_mixes(x[a:b], w.hc_ffn, hp)
+        h[a:b] = rms_norm(collapse(x[a:b], pre[a:b]), w.ffn_norm, hp.norm_eps)
+    y = moe(h, w.moe, each, mp, on_route)
+    del h
+    for a in range(0, t, rows):
+        b = min(t, a + rows)
+        x[a:b] = hc_post(x[a:b], y[a:b], post[a:b], comb[a:b])
+    return x, f_pre
+
+
+def head_forward(x: np.ndarray, pre: np.ndarray, w: V41HeadWeights, norm_eps: float) -> np.ndarray:
+    """Streams x (T, hc, D) and the last FFN half's pre (T, hc) -> logits (T, vocab)."""
+    return matmul(w.head, rms_norm(collapse(x, pre), w.norm, norm_eps))

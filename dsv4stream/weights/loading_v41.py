@@ -1,0 +1,100 @@
+"""Named weights of a DeepSeek-V4.1 model, built once from checkpoint tensors.
+
+Owns: filling V4.1's frozen dataclasses (`model.v41_block.V41LayerWeights`, its attention,
+compressor, indexer, MoE and Engram parts, `V41HeadWeights`) from a `TensorSource` (the
+catalog, a packed-trunk slot, a VRAM placement), by the names in `checkpoint.spec_v41`.
+Routed experts load as in V4 (`loading.load_expert`: the same FP4 per-32 format). The
+Engram tables are not here: their rows stream through an `EngramRows` provider.
+
+Float32 for the small vectors; linears stay as stored (`QWeight`). The compressor's BF16
+linears keep their dtype: DeepSeek promotes them to float32 for the ratio-2 pooling, which
+changes no value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ..checkpoint.catalog import TensorSource
+from ..checkpoint.spec import EXPERT_LINEARS, block_names, hc_names, layer_prefix
+from ..checkpoint.spec_v41 import BLOCK_V41, COMPRESSOR_V41, MODEL_V41, engram_names
+from ..model.engram import EngramWeights
+from ..model.mhc import HcWeights
+from ..model.moe import ExpertWeights
+from ..model.v41_attention import V41AttnWeights
+from ..model.v41_block import V41HeadWeights, V41LayerWeights
+from ..model.v41_indexer import V41IndexerWeights
+from ..model.v41_kv import IndexKeyWeights, V41CompressorWeights
+from ..model.v41_moe import V41MoeWeights
+from .loading import f32_qweight, split_rows
+
+
+def _hc(src: TensorSource, stem: str) -> HcWeights:
+    fn, base, scale = hc_names(stem)
+    return HcWeights(fn=f32_qweight(src.f32(fn)), base=src.f32(base), scale=src.f32(scale))
+
+
+def load_layer_v41(src: TensorSource, layer: int) -> V41LayerWeights:
+    """All dense weights of main layer `layer` (routed experts and the Engram table excluded)."""
+    cfg = src.config
+    sh = cfg.shared
+    n = block_names(cfg, layer)
+    extra = {k: layer_prefix(cfg, layer) + v for k, v in BLOCK_V41.items()}
+    compressor = keys = indexer = None
+    if sh.is_kv_source(layer):
+        c = {k: n["attn.compressor"] + v for k, v in COMPRESSOR_V41.items()}
+        ratio = cfg.ratio(layer)
+        compressor = V41CompressorWeights(
+            wkv=src.qweight(c["wkv"]),
+            wgate=src.qweight(c["wgate"]) if ratio > 1 else None,
+            norm=src.f32(c["norm"]),
+            ratio=ratio,
+        )
+        if sh.is_index_source(layer):
+            keys = IndexKeyWeights(
+                wk=src.qweight(extra["attn.indexer.wk"]), k_norm=src.f32(extra["attn.indexer.k_norm"])
+            )
+    if sh.is_index_source(layer):
+        indexer = V41IndexerWeights(
+            wq_b=src.qweight(n["attn.indexer.wq_b"]), weights_proj=src.qweight(n["attn.indexer.weights_proj"])
+        )
+    attn = V41AttnWeights(
+        wq_a=src.qweight(n["attn.wq_a"]),
+        q_norm=src.f32(n["attn.q_norm"]),
+        wq_b=src.qweight(n["attn.wq_b"]),
+        wkv=src.qweight(n["attn.wkv"]),
+        kv_norm=src.f32(n["attn.kv_norm"]),
+        wo_a=split_rows(src.qweight(n["attn.wo_a"]), cfg.o_groups),
+        wo_b=src.qweight(n["attn.wo_b"]),
+        sink=src.f32(n["attn.sink"]),
+        compressor=compressor,
+        keys=keys,
+        indexer=indexer,
+    )
+    moe = V41MoeWeights(
+        gate=src.qweight(n["moe.gate"]),
+        bias=src.f32(n["moe.bias"]),
+        bias_vl=src.f32(extra["moe.bias_vl"]) if src.has(extra["moe.bias_vl"]) else None,
+        shared=ExpertWeights(**{w: src.qweight(n["moe.shared"] + w) for w in EXPERT_LINEARS}),
+    )
+    engram = None
+    if cfg.is_engram_layer(layer):
+        e = engram_names(cfg, layer)
+        qk = src.f32(e["q_weight"]) * src.f32(e["k_weight"])
+        engram = EngramWeights(wkv=src.qweight(e["wkv"]), qk=np.ascontiguousarray(qk, dtype=np.float32))
+    return V41LayerWeights(
+        index=layer,
+        attn_norm=src.f32(n["attn_norm"]),
+        ffn_norm=src.f32(n["ffn_norm"]),
+        hc_attn=_hc(src, n["hc_attn"]),
+        hc_ffn=_hc(src, n["hc_ffn"]),
+        attn=attn,
+        moe=moe,
+        engram=engram,
+    )
+
+
+def load_head_v41(src: TensorSource) -> V41HeadWeights:
+    return V41HeadWeights(norm=src.f32(MODEL_V41["norm"]), head=replace(src.qweight(MODEL_V41["head"]), role="head"))
