@@ -135,7 +135,7 @@ def next_steps(ckpt: Path, budget: int, floor: int) -> list[str]:
         "",
         f"next (dsv4 is {dsv4}; or `source {exe.parent}/activate` once, then plain `dsv4`):",
         *(f"  {c:<{width}}  # {why}" for c, why in todo),
-        'then README.md, "Running the real V4-Flash", for the real 160 GB model.',
+        "then docs/real-models.md for the real models (V4-Flash is about 160 GB on disk).",
     ]
 
 

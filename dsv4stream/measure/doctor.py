@@ -27,7 +27,7 @@ from ..run.planner import ENGRAM_SHARE, GB, MemoryNeeds, Plan, gb_up, minimum_bu
 from ..store.directio import ALIGN, FileSet, Window, aligned_buffer
 
 # LRU hit rates another engine reported publicly on the real V4-Flash: about 0 / 40 / 53% at
-# 1.6 / 5.6 / 9.6 GB of expert cache (README, "Running the real V4-Flash", speed to expect),
+# 1.6 / 5.6 / 9.6 GB of expert cache (docs/real-models.md, "Speed to expect"),
 # as (expert cache / 3.45 GB working set, low %, high %). Below one working set LRU never hits.
 _HIT_POINTS = ((1.0, 0, 5), (1.63, 35, 45), (2.79, 48, 58))
 
