@@ -1,5 +1,8 @@
 """Quantized matmul kernels on V4-Flash shapes against this machine's memory read bandwidth and BLAS.
 
+`--family v41`: the same cases on V4.1-Flash shapes (hidden 5120, experts 2304 wide), FP8 with 32x32 scale
+blocks.
+
 Cases (random weights in the release formats, E8M0 scales): routed expert w1 2048x4096 and w2
 4096x2048 (FP4); attention wq_b 32768x1024 and wo_b 4096x8192, shared-expert w1 2048x4096 (FP8);
 head 129280x4096 (BF16); each at 1 token and at 16, 48, 96, 192 and 384 tokens (what prefill
@@ -59,6 +62,16 @@ CASES = (
     ("shared.w1", "fp8", 2048, 4096),
     ("head", "bf16", 129280, 4096),
 )
+# V4.1-Flash (--family v41): hidden 5120, experts 2304 wide, FP8 scales per 32x32 block
+CASES_V41 = (
+    ("expert.w1", "fp4", 2304, 5120),
+    ("expert.w2", "fp4", 5120, 2304),
+    ("attn.wq_b", "fp8", 32768, 1280),
+    ("attn.wo_b", "fp8", 5120, 8192),
+    ("shared.w1", "fp8", 2304, 5120),
+    ("head", "bf16", 129280, 5120),
+)
+FP8_BLOCK = {"v4": (128, 128), "v41": (32, 32)}
 WORKING_SET = 256 << 20
 
 
@@ -81,18 +94,20 @@ def read_bandwidth(threads: int) -> tuple[float, float]:
     return one, many
 
 
-def make_weight(kind: str, rows: int, cols: int, rng: np.random.Generator) -> QWeight:
+def make_weight(
+    kind: str, rows: int, cols: int, rng: np.random.Generator, block: tuple[int, int] = (128, 128)
+) -> QWeight:
     if kind == "fp4":
         data = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
         scale = rng.integers(118, 128, (rows, cols // 32), dtype=np.uint8)
     elif kind == "fp8":
         data = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
         data[(data & 0x7F) == 0x7F] = 0x38  # no NaN codes
-        scale = rng.integers(118, 128, (math.ceil(rows / 128), math.ceil(cols / 128)), dtype=np.uint8)
+        scale = rng.integers(118, 128, (math.ceil(rows / block[0]), math.ceil(cols / block[1])), dtype=np.uint8)
     else:  # bf16 with exponents 2^-7 .. 2^0 (no subnormals)
         data = (rng.integers(0, 1 << 16, (rows, cols), dtype=np.uint16) & 0x83FF) | 0x3C00
         scale = None
-    return QWeight(kind, data, scale, rows, cols)
+    return QWeight(kind, data, scale, rows, cols, block=block)
 
 
 def copies(w: QWeight) -> list[QWeight]:
@@ -100,7 +115,7 @@ def copies(w: QWeight) -> list[QWeight]:
     out = [w]
     for _ in range(n - 1):
         scale = None if w.scale is None else w.scale.copy()
-        out.append(QWeight(w.kind, w.data.copy(), scale, w.rows, w.cols))
+        out.append(QWeight(w.kind, w.data.copy(), scale, w.rows, w.cols, block=w.block))
     return out
 
 
@@ -143,6 +158,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 48, 96, 192, 384])
     ap.add_argument("--cases", nargs="+", default=[c[0] for c in CASES], help="subset of case names")
+    ap.add_argument("--family", choices=("v4", "v41"), default="v4", help="v41: V4.1-Flash shapes, 32x32 FP8 blocks")
     ap.add_argument("--seconds", type=float, default=0.3, help="minimum length of one timed window")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--blas-path", action="store_true", help="turn on dequantise-then-BLAS (off in runs)")
@@ -165,14 +181,15 @@ def main() -> None:
         f"# machine: {cpu_description()} cores={os.cpu_count()} threads={threads}"
         f" load_avg={load[0]:.2f},{load[1]:.2f},{load[2]:.2f} mem_read_gbps={mem:.1f}"
         f" (1 thread {one:.1f}, {threads} threads {many:.1f}) backend={kernels.backend_name()}"
-        f" warmup_s={warm:.2f} numpy={np.__version__} clock={args.clock}"
+        f" warmup_s={warm:.2f} numpy={np.__version__} clock={args.clock} family={args.family}"
         f" OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
     )
     rng = np.random.default_rng(0)
-    for name, kind, rows, cols in CASES:
+    block = FP8_BLOCK[args.family]
+    for name, kind, rows, cols in CASES_V41 if args.family == "v41" else CASES:
         if name not in args.cases:
             continue
-        ws = copies(make_weight(kind, rows, cols, rng))
+        ws = copies(make_weight(kind, rows, cols, rng, block))
         for t in args.tokens:
             x = rng.standard_normal((t, cols)).astype(np.float32)
             sec = time_ours(ws, x, args.seconds, args.repeat)

@@ -23,6 +23,7 @@ from server_proc import Server
 from dsv4stream.checkpoint import synth
 from dsv4stream.server.decoding import Controls, adjust
 from dsv4stream.server.reply import ReplyStream
+from dsv4stream.server.responses import input_messages
 from dsv4stream.text.tokenizer import Tokenizer
 
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
@@ -246,6 +247,23 @@ def test_responses_tools_reasoning_and_format(server) -> None:
         c.responses.create(model="t", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
 
 
+def test_responses_logprobs_and_encrypted_reasoning_when_included(server) -> None:
+    c = client(server)
+    include = ["message.output_text.logprobs", "reasoning.encrypted_content"]
+    kw = {"model": "t", "input": "Hi.", "max_output_tokens": 5, "temperature": 0, "include": include, "top_logprobs": 2}
+    r = c.responses.create(**kw)
+    part = r.output[-1].content[0]
+    assert len(part.logprobs) >= 1 and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert b"".join(bytes(lp.bytes) for lp in part.logprobs).decode(errors="replace") == part.text
+    deltas = [e for e in c.responses.create(**kw, stream=True) if e.type == "response.output_text.delta"]
+    assert [lp.token for e in deltas for lp in e.logprobs] == [lp.token for lp in part.logprobs]
+    thought = c.responses.create(**{**kw, "input": "Think.", "reasoning": {"effort": "high", "summary": "auto"}})
+    item = thought.output[0]
+    assert item.type == "reasoning" and item.encrypted_content
+    back = input_messages([item.model_dump(exclude_none=True), {"role": "assistant", "content": "ok"}])
+    assert back == [{"role": "assistant", "content": "ok", "reasoning_content": item.content[0].text}]
+
+
 # ---- Anthropic ------------------------------------------------------------------------------------------
 
 
@@ -295,6 +313,30 @@ def test_anthropic_stream_usage_is_the_same_at_open_and_close(server) -> None:
         said = "".join(d["delta"].get("text", "") for d in data if d["type"] == "content_block_delta")
         msgs = [*msgs, {"role": "assistant", "content": said}, {"role": "user", "content": "Go on."}]
     assert end["cache_read_input_tokens"] > 0
+
+
+def test_anthropic_thinking_budget_output_format_and_effort(server) -> None:
+    a = anthropic_client(server)
+    msgs = [{"role": "user", "content": "Think, then answer."}]
+    free = a.messages.create(model="tiny", messages=msgs, max_tokens=12, thinking={"type": "adaptive"},
+                             output_config={"effort": "high"}, extra_body={"temperature": 0})  # fmt: skip
+    r = a.messages.create(model="tiny", messages=msgs, max_tokens=12, thinking={"type": "enabled", "budget_tokens": 3},
+                          output_config={"effort": "high"}, extra_body={"temperature": 0})  # fmt: skip
+    # greedy: the same first three reasoning tokens, then </think> where the free reply went on reasoning
+    assert [b.type for b in free.content] == ["thinking"] and r.content[0].type == "thinking"
+    assert free.content[0].thinking.startswith(r.content[0].thinking)
+    assert len(r.content[0].thinking) < len(free.content[0].thinking)
+    assert r.usage.output_tokens > 4  # the answer went on after the reasoning
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    shaped = a.messages.create(
+        model="tiny", messages=msgs, max_tokens=16, output_config={"format": {"type": "json_schema", "schema": schema}}
+    )
+    assert isinstance(json.loads(shaped.content[0].text)["n"], int)
 
 
 # ---- /metrics -------------------------------------------------------------------------------------------

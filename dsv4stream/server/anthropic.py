@@ -58,10 +58,11 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
             check_length(srv, body["messages"], body.get("system"))
             chat_body = to_openai(req)
             creq = validate(ChatRequest, chat_body)
-            return req, creq, build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
+            prompt = build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
+            return req, creq, prompt, build(lambda: srv.grammars.compile(chat_body.get("response_format")))
 
-        req, creq, prompt = await asyncio.to_thread(parse)
-        job, events = make_job(srv, prompt, req.max_tokens, creq)
+        req, creq, prompt, grammar = await asyncio.to_thread(parse)
+        job, events = make_job(srv, prompt, req.max_tokens, creq, None, grammar)
         request.state.usage = job.usage
         submit(srv, worker, job)
         meta = _Meta("msg", srv.model)
@@ -88,7 +89,7 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
         def count() -> int:
             req = validate(CountRequest, body)
             chat_body = to_openai(
-                AnthropicRequest.model_validate({**req.model_dump(exclude_none=True), "max_tokens": 1})
+                AnthropicRequest.model_validate({**req.model_dump(exclude_none=True, by_alias=True), "max_tokens": 1})
             )
             creq = validate(ChatRequest, chat_body)
             return len(build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder)).ids)
@@ -137,14 +138,34 @@ def to_openai(req: AnthropicRequest) -> dict[str, Any]:
             body[key] = getattr(req, key)
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
+    thinking = req.thinking is not None and req.thinking.type != "disabled"
     if req.thinking is not None:
-        body["thinking"] = {"type": "enabled" if req.thinking.get("type") == "enabled" else "disabled"}
+        body["thinking"] = {"type": "enabled" if thinking else "disabled"}
+        if req.thinking.budget_tokens is not None:
+            body["thinking"]["budget_tokens"] = req.thinking.budget_tokens
     if req.tools:
         body["tools"] = [
-            {"type": "function", "function": {k: v for k, v in (("name", t.get("name")), ("description",
-             t.get("description")), ("parameters", t.get("input_schema"))) if v is not None}}
+            {"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
+             ("parameters", t.input_schema), ("strict", t.strict)) if v is not None}}
             for t in req.tools
         ]  # fmt: skip
+    choice = req.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            body["parallel_tool_calls"] = False
+    out_cfg = req.output_config
+    if out_cfg is not None and out_cfg.effort is not None:
+        if not thinking:
+            raise ApiError(400, "output_config.effort: the effort is that of the reasoning; turn thinking on",
+                           code="invalid_field")  # fmt: skip
+        body["reasoning_effort"] = out_cfg.effort
+    if out_cfg is not None and out_cfg.format is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
+                                   "schema": out_cfg.format.schema_}}  # fmt: skip
     return body
 
 

@@ -42,7 +42,7 @@ from .metrics import Metrics
 from .page import PAGE_EVENTS, page_comment
 from .prompt import Prompt, chat_prompt, completion_prompt, max_new_tokens, sampling
 from .reply import Delta, Outcome, ReplyStream
-from .schemas import ChatRequest, CompletionRequest
+from .schemas import REFUSED, ChatRequest, CompletionRequest
 from .worker import Job, Usage, Worker
 
 Log = Callable[[str], None]
@@ -301,13 +301,23 @@ def depth(obj: Any) -> int:
 
 
 def validate(model: type[M], body: dict[str, Any]) -> M:
+    """`body` checked against `model`; the first problem as a 400 that names the field (a field
+    this server does not read included: nothing is ignored)."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
+        errors = e.errors()
+        # a field we do not read says more than the type errors pydantic found beside it
+        first = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
         where = ".".join(str(p) for p in first["loc"]) or "body"
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise ApiError(400, f"{where}: {first['msg']}{more}", code="invalid_field") from None
+        if first["type"] == "extra_forbidden":
+            name = str(first["loc"][-1])
+            why = REFUSED.get(name, "not a field this server reads")
+            message = f"{where}: not supported here ({why}); docs/serving.md lists the fields of each endpoint"
+            raise ApiError(400, message, code="unsupported_field", param=where) from None
+        msg = first["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{where}: {msg}{more}", code="invalid_field", param=where) from None
 
 
 def build(make: Callable[[], Prompt]) -> Prompt:
@@ -345,9 +355,10 @@ def make_job(
         budget = max_new_tokens(requested, len(prompt.ids), srv.ctx)
     except Dsv4Error as e:
         raise ApiError(400, str(e), code="context_length_exceeded") from None
+    thinking = getattr(req, "thinking", None)
     controls = Controls(
         logit_bias(srv, req.logit_bias), req.frequency_penalty or 0.0, req.presence_penalty or 0.0, top_logprobs,
-        grammar,
+        grammar, thinking.budget_tokens if thinking is not None else None,
     )  # fmt: skip
     events = _Events()
 

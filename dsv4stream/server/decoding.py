@@ -34,6 +34,7 @@ class Controls:
     presence: float = 0.0
     top_logprobs: int | None = None  # None: no logprobs; else the alternatives per token (0..20)
     grammar: str | None = None  # llguidance grammar of the answer (structured output)
+    think_budget: int | None = None  # reasoning tokens at most: then </think> is forced
 
 
 @dataclass
@@ -55,8 +56,13 @@ class Picker:
         banned: list[int],
         budget: int,
         constraint: Constraint | None = None,
+        thinking: bool = False,
+        think_end: int | None = None,
     ) -> None:
         self.c = controls
+        self.reasoning = thinking and think_end is not None  # still in the reasoning the prompt opened
+        self.reasoned = 0
+        self.think_end = think_end
         self.n_ids = n_ids
         self._pick = make_pick(params, n_ids, rng, banned)
         self._ban = np.asarray([i for i in banned if i < n_ids], dtype=np.int64)
@@ -72,11 +78,18 @@ class Picker:
         x = adjust(logits, self.c, self.counts)
         if self.constraint is not None:
             x = self.constraint.restrict(x, self.left)
+        if self.reasoning and self.c.think_budget is not None and self.reasoned >= self.c.think_budget:
+            forced = np.full_like(x, -np.inf)
+            forced[self.think_end] = 0.0
+            x = forced
         tok = self._pick(x)
         if self.c.top_logprobs is not None:
             self.logprobs.append(logprob_entry(x[: self.n_ids], self._ban, tok, self.c.top_logprobs))
         self.counts[tok] += 1
         self.left -= 1
+        if self.reasoning:
+            self.reasoning = tok != self.think_end
+            self.reasoned += 1
         if self.constraint is not None:
             self.constraint.advance(tok)
         return tok

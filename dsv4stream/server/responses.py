@@ -20,15 +20,19 @@ not carried over (OpenAI's rule): each request gives its own.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from pydantic import Field
+from pydantic import BaseModel, Field, model_validator
 
+from ..text.tokenizer import Tokenizer
 from .app import (
     ApiError,
     ServerState,
@@ -46,12 +50,45 @@ from .app import (
     validate,
     wait_done,
 )
+from .decoding import logprob_json
 from .prompt import chat_prompt
 from .reply import Outcome
 from .schemas import ChatRequest, Seed, _Body
 from .worker import Job
 
 MAX_KEPT = 256  # responses kept for previous_response_id
+
+
+LOGPROBS = "message.output_text.logprobs"
+ENCRYPTED = "reasoning.encrypted_content"
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # true: the call's arguments are grammar-constrained to `parameters`
+
+
+class NamedTool(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class Reasoning(_Body):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto"] | None = None  # the server's choice: the reasoning whole, no summary
+    generate_summary: Literal["auto"] | None = None  # the old name of summary
+
+
+class TextConfig(_Body):
+    format: dict[str, Any] | None = None
+    verbosity: Literal["medium"] | None = None  # the default, the only one
+
+
+class ResponseStreamOptions(_Body):
+    include_obfuscation: Literal[False] = False
 
 
 class ResponsesRequest(_Body):
@@ -63,16 +100,28 @@ class ResponsesRequest(_Body):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stream: bool = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    stream_options: ResponseStreamOptions | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
     parallel_tool_calls: bool | None = None
-    reasoning: dict[str, Any] | None = None
-    text: dict[str, Any] | None = None
+    reasoning: Reasoning | None = None
+    text: TextConfig | None = None
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # the prefix cache matches the tokens themselves
+    service_tier: Literal["auto", "default"] | None = None
     seed: Seed | None = None
-    truncation: Literal["disabled", "auto"] | None = None
+    truncation: Literal["disabled"] | None = None  # "auto" would drop turns: a prompt over --ctx is a 400 instead
+    include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_include(self):
+        if self.top_logprobs is not None and LOGPROBS not in (self.include or ()):
+            raise ValueError(f"top_logprobs needs include: [{LOGPROBS!r}]")
+        return self
 
 
 class Kept:
@@ -122,21 +171,23 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
             return req, creq, conversation, prompt, grammar
 
         req, creq, conversation, prompt, grammar = await asyncio.to_thread(parse)
-        job, events = make_job(srv, prompt, req.max_output_tokens, creq, None, grammar)
+        top = (req.top_logprobs or 0) if LOGPROBS in (req.include or ()) else None
+        job, events = make_job(srv, prompt, req.max_output_tokens, creq, top, grammar)
         request.state.usage = job.usage
         submit(srv, worker, job)
         meta = _Meta("resp", srv.model)
         shell = _shell(req, meta)
+        show = _Show(srv.tok if top is not None else None, ENCRYPTED in (req.include or ()))
 
         def keep(outcome: Outcome) -> None:
             if req.store:
                 kept.put(meta.id, [*conversation, _assistant(outcome, meta)])
 
         if req.stream:
-            return sse_response(_stream(job, events, meta, shell, srv.keepalive, prompt.thinking, keep))
+            return sse_response(_stream(job, events, meta, shell, srv.keepalive, prompt.thinking, keep, show))
         outcome = (await wait_done(job, events, request))[0]
         keep(outcome)
-        return _final(shell, job, outcome, meta, prompt.thinking)
+        return _final(shell, job, outcome, meta, prompt.thinking, show)
 
 
 def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -171,7 +222,10 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         elif kind == "reasoning":
             parts = [*(item.get("content") or []), *(item.get("summary") or [])]
-            reasoning += "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
+            text = "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
+            if not text and item.get("encrypted_content") is not None:
+                text = decrypt(item["encrypted_content"], f"input.{i}.encrypted_content")
+            reasoning += text
         else:
             raise ApiError(400, f"input.{i}: item type {kind!r} is not supported (message, function_call,"
                            " function_call_output, reasoning)", param="input")  # fmt: skip
@@ -202,26 +256,23 @@ def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[s
         if value is not None:
             body[key] = value
     if req.tools:
-        tools = []
-        for i, t in enumerate(req.tools):
-            if t.get("type") != "function":
-                raise ApiError(400, f"tools.{i}: only function tools are served here, not {t.get('type')!r}",
-                               param="tools")  # fmt: skip
-            fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
-            tools.append({"type": "function", "function": fn})
-        body["tools"] = tools
-    if req.tool_choice is not None:
-        choice = req.tool_choice
-        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
-            choice = {"type": "function", "function": {"name": choice["name"]}}
-        body["tool_choice"] = choice
-    effort = (req.reasoning or {}).get("effort")
-    if effort is not None:
-        body["reasoning_effort"] = effort
-    fmt = (req.text or {}).get("format")
+        body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                         for t in req.tools]  # fmt: skip
+    choice = req.tool_choice
+    if choice is not None:
+        body["tool_choice"] = (
+            choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice.name}}
+        )
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        body["reasoning_effort"] = req.reasoning.effort
+    fmt = req.text.format if req.text is not None else None
     if fmt is not None:
-        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        if fmt.get("type") not in ("text", "json_object", "json_schema"):
             raise ApiError(400, "text.format.type: text, json_object or json_schema", param="text.format")
+        known = {"type", "name", "schema", "strict", "description"} if fmt["type"] == "json_schema" else {"type"}
+        extra = sorted(set(fmt) - known)
+        if extra:
+            raise ApiError(400, f"text.format.{extra[0]}: not a field of a {fmt['type']} format", param="text.format")
         if fmt["type"] == "json_schema":
             spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
             body["response_format"] = {"type": "json_schema", "json_schema": spec}
@@ -249,29 +300,71 @@ def _shell(req: ResponsesRequest, meta: _Meta) -> dict[str, Any]:
         "status": "in_progress", "error": None, "incomplete_details": None, "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "output": [],
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-        "previous_response_id": req.previous_response_id, "reasoning": req.reasoning or {"effort": None},
+        "previous_response_id": req.previous_response_id,
+        "reasoning": req.reasoning.model_dump(exclude_none=True) if req.reasoning else {"effort": None},
         "store": req.store, "temperature": req.temperature if req.temperature is not None else 1.0,
-        "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
-        "tools": req.tools or [], "top_p": req.top_p if req.top_p is not None else 1.0,
+        "text": {"format": {"type": "text"}, **(req.text.model_dump(exclude_none=True) if req.text else {})},
+        "tool_choice": _dump(req.tool_choice) if req.tool_choice is not None else "auto",
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()], "top_p": req.top_p if req.top_p is not None else 1.0,
         "truncation": req.truncation or "disabled", "user": req.user, "usage": None,
     }  # fmt: skip
 
 
-def _items(outcome: Outcome, meta: _Meta, thinking: bool) -> list[dict[str, Any]]:
+def _dump(value: Any) -> Any:
+    return value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
+
+
+@dataclass(frozen=True)
+class _Show:
+    """What `include` asked for: the tokenizer when logprobs are wanted, and the reasoning as
+    `encrypted_content` (for clients that keep no state: store false)."""
+
+    lp_tok: Tokenizer | None = None
+    encrypted: bool = False
+
+    def logprobs(self, entries: list) -> list[dict[str, Any]] | None:
+        return logprob_json(self.lp_tok, entries) if self.lp_tok is not None else None
+
+    def reasoning_item(self, rs_id: str, text: str) -> dict[str, Any]:
+        item = {"type": "reasoning", "id": rs_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+        if self.encrypted:
+            item["encrypted_content"] = encrypt(text)
+        return item
+
+
+_SEALED = "dsv4r1:"  # encrypted_content here is the reasoning's UTF-8, base64, behind this mark (nothing secret)
+
+
+def encrypt(reasoning: str) -> str:
+    return _SEALED + base64.b64encode(reasoning.encode()).decode()
+
+
+def decrypt(blob: Any, where: str) -> str:
+    if not isinstance(blob, str) or not blob.startswith(_SEALED):
+        raise ApiError(400, f"{where}: not an encrypted_content this server wrote", param="input")
+    try:
+        return base64.b64decode(blob[len(_SEALED) :], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        raise ApiError(400, f"{where}: damaged encrypted_content", param="input") from None
+
+
+def _items(outcome: Outcome, meta: _Meta, thinking: bool, show: _Show) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if thinking and outcome.reasoning:
-        items.append({"type": "reasoning", "id": f"rs_{meta.id[5:]}", "summary": [],
-                      "content": [{"type": "reasoning_text", "text": outcome.reasoning}]})  # fmt: skip
+        items.append(show.reasoning_item(f"rs_{meta.id[5:]}", outcome.reasoning))
     if outcome.content or not outcome.tool_calls:
-        items.append(_message(meta, outcome.content, "completed"))
+        items.append(_message(meta, outcome.content, "completed", show.logprobs(outcome.logprobs)))
     for i, c in enumerate(outcome.tool_calls):
         items.append({"type": "function_call", "id": f"fc_{meta.id[5:]}_{i}", "call_id": meta.call_id(i),
                       "name": c.name, "arguments": c.arguments, "status": "completed"})  # fmt: skip
     return items
 
 
-def _message(meta: _Meta, text: str, status: str) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+def _message(meta: _Meta, text: str, status: str, logprobs: list | None = None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    content = [part] if status == "completed" else []
     return {"type": "message", "id": f"msg_{meta.id[5:]}", "status": status, "role": "assistant", "content": content}
 
 
@@ -288,17 +381,19 @@ def _usage(job: Job, outcome: Outcome, thinking: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _final(shell: dict[str, Any], job: Job, outcome: Outcome, meta: _Meta, thinking: bool) -> dict[str, Any]:
+def _final(
+    shell: dict[str, Any], job: Job, outcome: Outcome, meta: _Meta, thinking: bool, show: _Show
+) -> dict[str, Any]:
     done = outcome.finish_reason != "length"
     return {
         **shell, "status": "completed" if done else "incomplete",
         "incomplete_details": None if done else {"reason": "max_output_tokens"},
-        "output": _items(outcome, meta, thinking), "usage": _usage(job, outcome, thinking),
+        "output": _items(outcome, meta, thinking, show), "usage": _usage(job, outcome, thinking),
     }  # fmt: skip
 
 
 async def _stream(job: Job, events: _Events, meta: _Meta, shell: dict[str, Any], keepalive: float, thinking: bool,
-                  keep) -> AsyncIterator[str]:  # fmt: skip
+                  keep, show: _Show = _Show()) -> AsyncIterator[str]:  # fmt: skip
     seq = 0
 
     def ev(name: str, **data: Any) -> str:
@@ -311,24 +406,25 @@ async def _stream(job: Job, events: _Events, meta: _Meta, shell: dict[str, Any],
     out_index = -1
     open_kind: str | None = None  # "reasoning" or "message"
     text = ""
+    lps: list = []  # the open message's tokens' logprobs (include: message.output_text.logprobs)
     rs_id, msg_id = f"rs_{meta.id[5:]}", f"msg_{meta.id[5:]}"
 
     def close() -> list[str]:
-        nonlocal open_kind, text
+        nonlocal open_kind, text, lps
         if open_kind == "reasoning":
-            part = {"type": "reasoning_text", "text": text}
-            item = {"type": "reasoning", "id": rs_id, "summary": [], "content": [part]}
+            item = show.reasoning_item(rs_id, text)
             out = [ev("response.reasoning_text.done", item_id=rs_id, output_index=out_index, content_index=0, text=text),
                    ev("response.output_item.done", output_index=out_index, item=item)]  # fmt: skip
         elif open_kind == "message":
-            part = {"type": "output_text", "text": text, "annotations": []}
+            item = _message(meta, text, "completed", show.logprobs(lps))
+            part = item["content"][0]
             out = [ev("response.output_text.done", item_id=msg_id, output_index=out_index, content_index=0, text=text,
-                      logprobs=[]),
+                      logprobs=part.get("logprobs", [])),
                    ev("response.content_part.done", item_id=msg_id, output_index=out_index, content_index=0, part=part),
-                   ev("response.output_item.done", output_index=out_index, item={**_message(meta, text, "completed")})]  # fmt: skip
+                   ev("response.output_item.done", output_index=out_index, item=item)]  # fmt: skip
         else:
             out = []
-        open_kind, text = None, ""
+        open_kind, text, lps = None, "", []
         return out
 
     def open_(kind: str) -> list[str]:
@@ -355,13 +451,14 @@ async def _stream(job: Job, events: _Events, meta: _Meta, shell: dict[str, Any],
                 text += payload.reasoning
                 yield ev("response.reasoning_text.delta", item_id=rs_id, output_index=out_index, content_index=0,
                          delta=payload.reasoning)  # fmt: skip
-            if payload.content:
+            if payload.content or (payload.logprobs and not payload.reasoning):
                 if open_kind != "message":
                     for s in open_("message"):
                         yield s
                 text += payload.content
+                lps += payload.logprobs
                 yield ev("response.output_text.delta", item_id=msg_id, output_index=out_index, content_index=0,
-                         delta=payload.content, logprobs=[])  # fmt: skip
+                         delta=payload.content, logprobs=show.logprobs(payload.logprobs) or [])  # fmt: skip
             for c in payload.tool_calls:
                 for s in close():
                     yield s
@@ -384,7 +481,7 @@ async def _stream(job: Job, events: _Events, meta: _Meta, shell: dict[str, Any],
             for s in close():
                 yield s
             keep(outcome)
-            final = _final(shell, job, outcome, meta, thinking)
+            final = _final(shell, job, outcome, meta, thinking, show)
             yield ev("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
         elif kind == "error":
             a = engine_error(payload)

@@ -2,8 +2,11 @@
 
 Owns: the fields each endpoint reads, their types and ranges (a wrong type is a 400, not a
 silent conversion: "12" is not a number), and the rules between fields (`stream_options`
-needs `stream`, `top_logprobs` needs `logprobs`). Unknown fields are ignored, as clients
-send many (docs/serving.md lists what each endpoint reads).
+needs `stream`, `top_logprobs` needs `logprobs`). Nothing is silently ignored: a field no
+model here declares is a 400 naming it (`REFUSED` says why for the fields the official
+clients know); a field whose only meaningful values here are the defaults (`store`,
+`modalities`, `service_tier`, ...) takes only those. docs/serving.md lists every field of
+every endpoint, and a test checks that table against these models and the clients' own.
 Message lists are kept as the client's own JSON as well, so tool schemas reach the prompt
 with their keys in the client's order.
 """
@@ -16,7 +19,52 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# Fields the official clients send that no endpoint here serves, and why (the 400's message).
+REFUSED = {
+    "audio": "audio output: this model writes text",
+    "functions": "the deprecated function-calling fields: use tools",
+    "function_call": "the deprecated function-calling fields: use tools and tool_choice",
+    "prediction": "predicted outputs are not served",
+    "web_search_options": "web search is not a tool of this server",
+    "metadata": "completions are not stored here (store), so there is nothing to tag",
+    "moderation": "no moderation runs here",
+    "prompt_cache_options": "the prefix cache is the server's own (--kv-cache)",
+    "prompt_cache_retention": "the prefix cache is the server's own (--kv-cache)",
+    "best_of": "use n",
+    "conversation": "conversations are not stored here: use previous_response_id",
+    "prompt": "stored prompt templates are not served",
+    "context_management": "context management is not served",
+    "background": "background responses are not served",
+    "background_options": "background responses are not served",
+    "image": "this model writes text",
+    "access_programs": "not served",
+    "max_tool_calls": "use parallel_tool_calls",
+    "container": "no code-execution container here",
+    "mcp_servers": "no MCP connector here",
+    "inference_geo": "the model runs on this machine",
+    "speed": "there is one speed here",
+    "diagnostics": "not served",
+    "user_profile_id": "not served",
+    "workspace_id": "not served",
+    "refusal": "assistant refusals are not part of the DeepSeek chat format",
+    "name": "the DeepSeek chat format has no participant names",
+    "allowed_callers": "tools are called by the client here",
+    "defer_loading": "every tool is in the prompt",
+    "input_examples": "the DeepSeek tool prompt has no examples",
+    "eager_input_streaming": "tool input is sent whole, once the call is complete",
+    "output_schema": "the DeepSeek tool prompt has no output schemas",
+    "async": "tools are called by the client here",
+    "include_obfuscation": "the stream is not padded",
+    "display": "the reasoning is shown whole",
+    "context": "the chat format decides which turns keep their reasoning",
+    "mode": "one reasoning mode here",
+    "generate_summary": "reasoning is given whole, not summarised",
+    "summary": "reasoning is given whole, not summarised",
+    "verbosity": "not a setting of this model",
+}
 
 
 Prob = Annotated[float, Field(ge=0, le=1)]
@@ -39,6 +87,9 @@ class Sampling(_Body):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     user: str | None = None  # an end-user id for the provider's records: a local server keeps none
+    safety_identifier: str | None = None  # the same
+    service_tier: Literal["auto", "default"] | None = None  # one tier here
+    prompt_cache_key: str | None = None  # the prefix cache matches the tokens themselves
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -64,13 +115,20 @@ class ChatMessage(_Body):
     reasoning_content: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
-    name: str | None = None
+    name: str | None = None  # a tool result's function name (its call id already says which); 400 on other roles
+
+    @model_validator(mode="after")
+    def _name_only_on_tool_results(self):
+        if self.name is not None and self.role != "tool":
+            raise ValueError(f"name: {REFUSED['name']} (a {self.role} message cannot carry one)")
+        return self
 
 
 class FunctionDef(_Body):
-    name: str
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # true: the call's arguments are grammar-constrained to `parameters`
 
 
 class ToolDef(_Body):
@@ -78,12 +136,23 @@ class ToolDef(_Body):
     function: FunctionDef
 
 
+class NamedFunction(_Body):
+    name: str
+
+
+class ToolChoiceFunction(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class Thinking(_Body):
     type: Literal["enabled", "disabled"]
+    budget_tokens: Annotated[int, Field(ge=1)] | None = None  # the reasoning is ended (</think>) at this many tokens
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: Literal[False] = False
 
 
 class JsonSchemaFormat(_Body):
@@ -109,7 +178,7 @@ class ChatRequest(Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     thinking: Thinking | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     stream_options: StreamOptions | None = None
@@ -117,6 +186,9 @@ class ChatRequest(Sampling):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     parallel_tool_calls: bool | None = None
+    store: Literal[False] | None = None  # nothing is stored here
+    modalities: list[Literal["text"]] | None = None
+    verbosity: Literal["medium"] | None = None  # the default, the only one
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -131,21 +203,63 @@ class CompletionRequest(Sampling):
     stream_options: StreamOptions | None = None
     echo: Literal[False] = False
     suffix: None = None
+    best_of: Literal[1] | None = None
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # legacy: the alternatives per token
 
 
-class AnthropicRequest(_Body):
-    model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)]
-    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
-    system: str | list[dict[str, Any]] | None = None
-    stream: bool = False
-    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
-    stop_sequences: list[str] | None = None
-    thinking: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+class CacheControl(_Body):
+    """Anthropic's cache breakpoint: the prefix cache here keeps every prompt's prefix anyway."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class AnthropicThinking(_Body):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, Field(ge=1)] | None = None  # the reasoning is ended (</think>) at this many tokens
+
+    @model_validator(mode="after")
+    def _budget_with_enabled(self):
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("thinking of type enabled needs budget_tokens")
+        if self.type != "enabled" and self.budget_tokens is not None:
+            raise ValueError(f"budget_tokens goes with thinking of type enabled, not {self.type}")
+        return self
+
+
+class AnthropicTool(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    strict: bool | None = None  # true: the call's input is grammar-constrained to input_schema
+    cache_control: CacheControl | None = None
+
+
+class AnthropicToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _name_with_tool(self):
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("tool_choice of type tool needs a name, and only it takes one")
+        return self
+
+
+class AnthropicMetadata(_Body):
+    user_id: str | None = None  # an end-user id for the provider's records: a local server keeps none
+
+
+class JsonOutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # with thinking on
+    format: JsonOutputFormat | None = None
 
 
 class CountRequest(_Body):
@@ -154,5 +268,19 @@ class CountRequest(_Body):
     model: str | None = None
     messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
     system: str | list[dict[str, Any]] | None = None
-    thinking: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    thinking: AnthropicThinking | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl | None = None
+
+
+class AnthropicRequest(CountRequest):
+    max_tokens: Annotated[int, Field(ge=1)]
+    stream: bool = False
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    stop_sequences: list[str] | None = None
+    metadata: AnthropicMetadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here

@@ -296,7 +296,9 @@ class Worker:
         constraint = None
         if job.controls.grammar is not None and job.grammars is not None:
             constraint = job.grammars.constraint(job.controls.grammar, job.thinking)
-        p = Picker(job.controls, job.params, self.n_ids, rng, self.banned, job.max_tokens, constraint)
+        think_end = job.grammars.think_end if job.grammars is not None else None
+        p = Picker(job.controls, job.params, self.n_ids, rng, self.banned, job.max_tokens, constraint, job.thinking,
+                   think_end)  # fmt: skip
         job.pickers.append(p)
         return p
 
