@@ -17,7 +17,7 @@ from dsv4stream.checkpoint import synth
 from dsv4stream.server.grammar import GrammarError, Grammars
 from dsv4stream.server.schemas import ChatRequest
 from dsv4stream.server.toolgrammar import V4, ToolSpec, answer_grammar, request_shape
-from dsv4stream.text import chat
+from dsv4stream.text import chat, dsml
 from dsv4stream.text.chat import Message, ToolCall
 from dsv4stream.text.dsml import BLOCK_START, parse_reply
 from dsv4stream.text.tokenizer import EOS, Tokenizer
@@ -162,3 +162,20 @@ def test_a_named_choice_must_be_one_of_the_tools() -> None:
 def test_unconstrained_requests_keep_no_grammar(grammars) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}]}
     assert request_shape(grammars, ChatRequest.model_validate(body), body, tools_on=False) is None
+
+
+def test_v41_tools_are_constrained_in_v41s_tags(grammars, tok) -> None:
+    # a V4.1 checkpoint's prompt names dsml.V41: its strict calls are written and read in ` calls`...
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools_body(), "tool_choice": "required"}
+    shape = request_shape(grammars, ChatRequest.model_validate(body), body, True, dsml.V41)
+    text = generate(grammars, shape, 5, 400)
+    assert text.startswith("\n\n<｜DSML｜ calls>") and "<｜DSML｜tool_calls>" not in text, text
+    calls = parse_reply(text, thinking=False, grammar=dsml.V41).tool_calls
+    assert calls and all(isinstance(json.loads(c.arguments), dict) for c in calls)
+    args = {"city": "Paris", "days": 3, "unit": "c", "tags": ["ü"]}
+    rendered = chat.render([Message("user", "hi"), Message("assistant", "", tool_calls=(
+        ToolCall("get_weather", json.dumps(args)),))], "chat", encoder="v41")  # fmt: skip
+    block = rendered[rendered.index(dsml.V41.block_start) :].removesuffix(EOS)
+    ids = tok.encode(block)
+    c = grammars.constraint(shape, thinking=False)
+    assert c.matcher.try_consume_tokens(ids) == len(ids) and c.matcher.is_accepting()

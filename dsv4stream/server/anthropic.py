@@ -60,7 +60,12 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
             chat_body = to_openai(req)
             creq = validate(ChatRequest, chat_body)
             prompt = build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
-            return req, creq, prompt, build(lambda: request_shape(srv.grammars, creq, chat_body, prompt.tools))
+            return (
+                req,
+                creq,
+                prompt,
+                build(lambda: request_shape(srv.grammars, creq, chat_body, prompt.tools, prompt.grammar)),
+            )
 
         req, creq, prompt, grammar = await asyncio.to_thread(parse)
         job, events = make_job(srv, prompt, req.max_tokens, creq, None, grammar)

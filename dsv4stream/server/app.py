@@ -170,7 +170,7 @@ def create_app(srv: ServerState) -> FastAPI:
             req = validate(ChatRequest, body)
             check_length(srv, body["messages"])
             prompt = build(lambda: chat_prompt(srv.tok, req, body, srv.encoder))
-            return req, prompt, build(lambda: request_shape(srv.grammars, req, body, prompt.tools))
+            return req, prompt, build(lambda: request_shape(srv.grammars, req, body, prompt.tools, prompt.grammar))
 
         req, prompt, grammar = await asyncio.to_thread(parse)
         top = (req.top_logprobs or 0) if req.logprobs else None

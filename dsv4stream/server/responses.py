@@ -168,7 +168,7 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
             chat_body = to_chat(req, conversation)
             creq = validate(ChatRequest, chat_body)
             prompt = build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
-            grammar = build(lambda: request_shape(srv.grammars, creq, chat_body, prompt.tools))
+            grammar = build(lambda: request_shape(srv.grammars, creq, chat_body, prompt.tools, prompt.grammar))
             return req, creq, conversation, prompt, grammar
 
         req, creq, conversation, prompt, grammar = await asyncio.to_thread(parse)

@@ -44,15 +44,22 @@ _OBJECT_KEYS = frozenset({"type", "properties", "required", "additionalPropertie
 class Markup:
     """The DSML tags a call block is written with: `dsml`'s own strings, which `parse_block` reads."""
 
-    block_start: str = dsml.BLOCK_START
-    block_end: str = dsml.BLOCK_END
-    invoke_head: str = dsml._INVOKE
-    invoke_close: str = dsml._INVOKE_END
-    param_head: str = dsml._PARAM
-    param_close: str = dsml._PARAM_END
+    block_start: str
+    block_end: str
+    invoke_head: str
+    invoke_close: str
+    param_head: str
+    param_close: str
+
+    @classmethod
+    def of(cls, release: dsml.Grammar) -> Markup:
+        """The tags of one release's DSML (V4's `tool_calls`..., V4.1's ` calls`...)."""
+        g = release
+        return cls(g.block_start, g.block_end, g.invoke_head, g.invoke_close, g.param_head, g.param_close)
 
 
-V4 = Markup()
+V4 = Markup.of(dsml.V4)
+V41 = Markup.of(dsml.V41)
 
 
 @dataclass(frozen=True)
@@ -203,10 +210,12 @@ def _regex_literal(s: str) -> str:
 
 
 def request_shape(grammars: Grammars, req: ChatRequest, body: Mapping[str, Any], tools_on: bool,
-                  markup: Markup = V4) -> Shape | None:  # fmt: skip
+                  markup: Markup | dsml.Grammar = V4) -> Shape | None:  # fmt: skip
     """What a chat request's answer must follow: the tool grammar when tools constrain it (a
     forcing `tool_choice`, or a strict tool), else its response_format (None: nothing)."""
     schema = answer_schema(body.get("response_format"))
+    if isinstance(markup, dsml.Grammar):
+        markup = Markup.of(markup)
     if tools_on and req.tools:
         specs = [
             ToolSpec(t.function.name, raw["function"].get("parameters"), bool(t.function.strict))
