@@ -19,9 +19,8 @@ Where each expected vector comes from:
   turn is removed, developer turns there are dropped), `render_message` (per-role layout,
   DSML tool calls, and the <｜Assistant｜> + <think>/</think> transition after a user turn
   that is last or followed by an assistant or latest_reminder turn).
-During development `chat.render` was also compared with the official `encode_messages` on
-80,000 random conversations (all roles, tool calls, both modes, drop_thinking on/off, no
-tool schemas): no difference. The official code is not vendored, so that check is not here.
+tests/test_chat_official.py checks 2,000 conversations against the official preview encoder's
+own output (tools/compare_chat.py made them, and compares any number given the official file).
 """
 
 import shutil
@@ -198,9 +197,20 @@ def test_unfinished_assistant_has_no_eos():
     assert chat.render(msgs) == B + U + "Q" + A + "</think>Par"
 
 
-def test_special_token_text_in_messages_is_one_token(tok):
+def test_control_token_text_in_messages_stays_text(tok):
+    # The rendered text is the official encoder's, but "<think>" typed by the user is only
+    # characters: the sole <think>-family id is the renderer's closing </think>.
     ids = chat.encode(tok, chat.one_turn("say <think> now"), "chat")
-    assert ids.count(tok.special.think) == 1 and ids[-1] == tok.special.think_end
+    assert tok.special.think not in ids and ids.count(tok.special.think_end) == 1 and ids[-1] == tok.special.think_end
+    assert tok.decode(ids) == chat.render(chat.one_turn("say <think> now"))
+    assert tok.encode("say <think> now").count(tok.special.think) == 1  # raw text still parses it
+
+
+def test_parsed_arguments_follow_the_v4_encoder():
+    # encoding_dsv4.py json.loads the arguments; a value that is already parsed (not text)
+    # fails that and becomes one "arguments" parameter holding its JSON.
+    msgs = [Message("user", "q"), Message("assistant", tool_calls=(ToolCall("f", {"a": 1}),))]
+    assert '<｜DSML｜parameter name="arguments" string="false">{"a": 1}</｜DSML｜parameter>' in chat.render(msgs)
 
 
 def test_non_json_arguments_become_one_string_parameter():
@@ -217,7 +227,7 @@ def test_from_openai_matches_direct_messages():
             "content": None,
             "reasoning_content": "Need weather.",
             "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}},
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}},
                 {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
             ],
         },

@@ -68,9 +68,11 @@ def reply_of(ids: list[int], eos: int) -> list[int]:
 
 
 def text_ids(tok: Tokenizer) -> np.ndarray:
-    """Ids a run may sample: the tokenizer's, less those tokenizer.json marks special (but EOS)."""
+    """Ids a run may sample: the tokenizer's, less every added token of tokenizer.json but those a
+    reply is made of (EOS, <think>, </think>, ｜DSML｜)."""
     added = json.loads((tok.path.parent / "tokenizer.json").read_text())["added_tokens"] if tok.path else []
-    banned = [t["id"] for t in added if t["special"] and t["id"] != tok.special.eos]
+    reply = {tok.special.eos, tok.special.think, tok.special.think_end, tok.special.dsml}
+    banned = [t["id"] for t in added if t["id"] not in reply]
     keep = np.ones(tok.n_tokens, bool)
     keep[banned] = False
     return keep
@@ -339,6 +341,8 @@ def errors(ckpt: Path, small_vocab: Path, tmp: Path) -> list[tuple[list[str], st
         ([c, *p, "--gen", "0"], "--gen 0: give at least 1"),
         ([c, *p, "--chat", "--top-p", "1.5"], "--top-p 1.5: give a probability in (0, 1]"),
         ([c, *p, "--temperature", "-1"], "--temperature -1.0: give 0 (greedy) or more"),
+        ([c, *p, "--temperature", "inf"], "--temperature inf: give 0 (greedy) or more, a finite number"),
+        ([c, *p, "--temperature", "nan"], "--temperature nan: give 0 (greedy) or more"),
         ([c, "--prompt-ids", "1,x"], "--prompt-ids: token list: 'x' is not an integer id"),
         ([c, "--prompt-ids", "1,999999"], "--prompt-ids: id 999999 is outside the vocabulary 0..129279"),
         ([c, "--prompt-file", "/no/such.txt"], "--prompt-file /no/such.txt: no such file"),

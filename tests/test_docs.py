@@ -99,11 +99,11 @@ def test_the_link_check_catches_a_missing_file_and_a_missing_anchor(tmp_path):
 
 
 # ---- quoted commands --------------------------------------------------------------------
-def quoted_commands(path: Path) -> list[tuple[str, list[str]]]:
-    """(command, quoted output lines) of every block marked `<!-- doc-test -->` in `path`."""
+def quoted_commands(path: Path, marker: str = "doc-test") -> list[tuple[str, list[str]]]:
+    """(command, quoted output lines) of every block marked `<!-- MARKER -->` in `path`."""
     text = path.read_text(encoding="utf-8")
     out = []
-    for m in re.finditer(r"^<!-- doc-test -->\n```[^\n]*\n(.*?)^```", text, re.DOTALL | re.MULTILINE):
+    for m in re.finditer(rf"^<!-- {marker} -->\n```[^\n]*\n(.*?)^```", text, re.DOTALL | re.MULTILINE):
         lines = m.group(1).rstrip("\n").split("\n")
         assert lines[0].startswith("$ dsv4 "), f"{path.name}: a doc-test block starts with `$ dsv4 ...`"
         out.append((lines[0][2:], lines[1:]))
@@ -151,8 +151,30 @@ def test_quoted_commands_print_the_lines_the_docs_quote(path, command, quoted, c
     assert missing_lines(quoted, run_dsv4(command, capsys, monkeypatch)) == []
 
 
+# Blocks marked `<!-- doc-test: demo -->` quote a command on the `make demo` checkpoint
+# (`.demo/checkpoint`); the test builds one of the same shapes with its routed experts as
+# sparse-file holes (headers and plans are the same; the text would not be).
+DEMO_QUOTED = [(p, c, q) for p in DOCS for c, q in quoted_commands(p, "doc-test: demo")]
+
+
+@pytest.fixture(scope="module")
+def demo_checkpoint(tmp_path_factory) -> Path:
+    from dsv4stream.checkpoint.synth import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint", "demo", seed=0, sparse_experts=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path,command,quoted", DEMO_QUOTED, ids=[f"{p.name}: {c}" for p, c, _ in DEMO_QUOTED])
+def test_quoted_demo_commands_print_the_lines_the_docs_quote(
+    path, command, quoted, demo_checkpoint, capsys, monkeypatch
+):
+    command = command.replace(".demo/checkpoint", str(demo_checkpoint))
+    assert missing_lines(quoted, run_dsv4(command, capsys, monkeypatch)) == []
+
+
 def test_docs_quote_commands_for_the_test_to_run():
-    assert len(QUOTED) >= 3
+    assert len(QUOTED) >= 3 and len(DEMO_QUOTED) >= 1
 
 
 def test_the_quote_check_catches_a_changed_line():

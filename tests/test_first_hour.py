@@ -113,11 +113,12 @@ def test_a_think_answer_cut_by_gen_says_so(ckpt, tok) -> None:
 # -- special ids ---------------------------------------------------------------------------
 
 
-def test_special_ids_are_never_sampled_but_eos_and_chat_tokens_are(tok) -> None:
+def test_control_ids_are_never_sampled_but_eos_and_reply_tokens_are(tok) -> None:
     data = json.loads(real_tokenizer_files()[0].read_text(encoding="utf-8"))
-    special = {t["id"] for t in data["added_tokens"] if t["special"]}
+    added = {t["id"] for t in data["added_tokens"]}
+    reply = {tok.special.eos, tok.special.think, tok.special.think_end, tok.special.dsml}
     banned = set(banned_ids(tok))
-    assert banned == special - {tok.special.eos} and PLACEHOLDER in banned and len(banned) > 1000
+    assert banned == added - reply and PLACEHOLDER in banned and tok.special.user in banned and len(banned) > 1000
     assert not {tok.special.eos, tok.special.think_end, tok.special.think, tok.special.dsml} & banned
     logits = np.zeros(tok.vocab_size, np.float32)
     logits[PLACEHOLDER], logits[tok.special.think_end] = 50.0, 10.0

@@ -339,6 +339,36 @@ def test_anthropic_thinking_budget_output_format_and_effort(server) -> None:
     assert isinstance(json.loads(shaped.content[0].text)["n"], int)
 
 
+class Lookup(BaseModel):
+    city: str
+    days: int
+
+
+def test_strict_tool_calls_validate_with_the_official_clients_streamed_and_not(server) -> None:
+    c = client(server)
+    tool = openai.pydantic_function_tool(Lookup)
+    kw = {"model": "t", "messages": [{"role": "user", "content": "Weather?"}], "tools": [tool], "max_tokens": 150,
+          "tool_choice": "required"}  # fmt: skip
+    got = c.chat.completions.parse(**kw).choices[0]
+    assert got.finish_reason == "tool_calls" and got.message.tool_calls[0].function.name == "Lookup"
+    assert isinstance(got.message.tool_calls[0].function.parsed_arguments, Lookup)
+    with c.chat.completions.stream(**kw, parallel_tool_calls=False) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert [isinstance(t.function.parsed_arguments, Lookup) for t in final.message.tool_calls] == [True]
+    schema = tool["function"]["parameters"]
+    rt = {"type": "function", "name": "lookup", "parameters": schema, "strict": True}
+    resp = c.responses.create(model="t", input="Weather?", tools=[rt], tool_choice={"type": "function", "name": "lookup"},
+                              max_output_tokens=150)  # fmt: skip
+    (call,) = [o for o in resp.output if o.type == "function_call"]
+    assert call.name == "lookup" and Lookup.model_validate_json(call.arguments)
+    msg = anthropic_client(server).messages.create(
+        model="tiny", max_tokens=150, messages=[{"role": "user", "content": "Weather?"}],
+        tools=[{"name": "lookup", "input_schema": schema, "strict": True}], tool_choice={"type": "any"},
+    )  # fmt: skip
+    (use,) = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and Lookup.model_validate(use.input)
+
+
 # ---- /metrics -------------------------------------------------------------------------------------------
 
 

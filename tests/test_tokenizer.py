@@ -121,7 +121,7 @@ def test_known_ids(tok):
 def test_pack_file_layout_and_no_temp_left(packed):
     blob = packed.read_bytes()
     header = json.loads(blob[: blob.index(b"\n")])
-    assert header["format"] == "dsv4-tokenizer" and header["version"] == 1
+    assert header["format"] == "dsv4-tokenizer" and header["version"] == 2 and header["family"] == "v4"
     assert header["special"]["latest_reminder"] == 128828
     assert blob[blob.index(b"\n") + 1 :] == real_tokenizer_files()[0].read_bytes()
     assert [p.name for p in packed.parent.iterdir() if p.name.startswith(".")] == []

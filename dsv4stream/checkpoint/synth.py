@@ -328,9 +328,8 @@ def save_sparse(tensors: dict[str, np.ndarray | Hole], path: Path, keep_order: b
 def _copy_tokenizer(dst: Path, cfg: ModelConfig) -> None:
     from ..text import tokenizer
 
-    # V4.1's tokenizer.json is V4's with 9 added tokens changed; text.tokenizer writes it once it
-    # can (write_tokenizer_files), until then generated V4.1 checkpoints carry V4's files.
-    if cfg.family == V41 and hasattr(tokenizer, "write_tokenizer_files"):
+    # V4.1's tokenizer.json is V4's with 9 added tokens changed (text.vocab derives it)
+    if cfg.family == V41:
         tokenizer.write_tokenizer_files(dst, family="v41")
         return
     for src in tokenizer.real_tokenizer_files():

@@ -13,6 +13,8 @@ token). The next turn renders the whole history; when that text extends `fed_tex
 `pending` and the new suffix are fed. Generated ids are never re-encoded: the session
 keeps the model's own tokens. When the text does not extend it (think mode drops earlier
 reasoning, /system or the mode changed) a fresh session reads the whole conversation.
+Prompts are encoded by `Tokenizer.encode_prompt` (message text never becomes a control
+token); the new suffix starts after the EOS that closed the last reply, a piece boundary.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ from ..run.report import PrefillBar, Reads, stop_text
 from ..run.runtime import Pick, Runtime
 from ..text import chat
 from ..text.chat import Message
+from ..text.messages import Pieces
 from ..text.tokenizer import EOS, THINK_END, Tokenizer
 
 Say = Callable[[str], None]
 
 HELP = (
-    "/think [low|high|max]  thinking on (at that effort)    /nothink  thinking off\n"
+    "/think [EFFORT]  thinking on (at that effort: low|high|max, or 1-100 on V4.1)    /nothink  thinking off\n"
     "/system TEXT  set the system prompt (/system alone clears it)\n"
     "/reset  forget the conversation    /stats  figures so far    /quit  leave (also Ctrl-D)\n"
     'Several lines: end a line with \\ to go on, or put them between two lines of """.\n'
@@ -231,7 +234,7 @@ class Conversation:
         tok: Tokenizer,
         mode: str = "chat",
         system: str | None = None,
-        effort: str | None = None,
+        effort: str | int | None = None,
         encoder: str = chat.LATEST,
     ) -> None:
         self.tok = tok
@@ -244,16 +247,19 @@ class Conversation:
         self.fed_text = ""
         self.pending: list[int] = []
 
-    def render(self, messages: Sequence[Message]) -> str:
+    def render(self, messages: Sequence[Message]) -> Pieces:
         head = [Message("system", self.system)] if self.system else []
-        return chat.render([*head, *messages], self.mode, effort=self.effort, encoder=self.encoder)
+        return chat.pieces([*head, *messages], self.mode, effort=self.effort, encoder=self.encoder)
 
     def prepare(self, user: str) -> Turn:
         messages = [*self.messages, Message("user", user)]
-        text = self.render(messages)
+        pieces = self.render(messages)
+        text = pieces.text
         if self.session is not None and text.startswith(self.fed_text):
-            return Turn(messages, text, self.pending + self.tok.encode(text[len(self.fed_text) :]), fresh=False)
-        return Turn(messages, text, self.tok.encode(text), fresh=True)
+            rest = pieces.after(len(self.fed_text))
+            if rest is not None:
+                return Turn(messages, text, self.pending + self.tok.encode_prompt(rest), fresh=False)
+        return Turn(messages, text, self.tok.encode_prompt(pieces.items), fresh=True)
 
     def commit(self, turn: Turn, session: Session, reply: Sequence[int]) -> None:
         """`session` has read `turn.ids` and every id of `reply` but the last."""
@@ -365,7 +371,7 @@ def chat_loop(
                 effort = arg.strip() or conv.effort
                 if cmd == "/think" and effort != conv.effort:
                     try:
-                        chat.effort_prefix(effort, conv.encoder)
+                        effort = chat.parse_effort(effort, conv.encoder)
                     except UsageError as e:
                         say(f"dsv4: {e}")
                         continue
@@ -424,7 +430,7 @@ def _turn(rt: Runtime, conv: Conversation, settings: ChatSettings, user: str, sa
 
 def context_refusal(conv: Conversation, user: str, held: int, new: int, ctx: int) -> str:
     """Why a turn cannot start, and the remedy that would actually help."""
-    alone = len(conv.tok.encode(conv.render([Message("user", user)])))
+    alone = len(conv.tok.encode_prompt(conv.render([Message("user", user)]).items))
     what = f"this turn needs {new} tokens" + (f" after the {held} the conversation holds" if held else "")
     if alone < ctx and (held or conv.messages):
         return f"dsv4: {what}, leaving no room to answer within --ctx {ctx}; /reset to start over, or restart with a larger --ctx"

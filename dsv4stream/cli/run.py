@@ -12,9 +12,13 @@ recommendation for V4, with top-p 1.0) and an answer runs to EOS or until --ctx 
 raw --prompt or --prompt-ids is greedy with --gen 32 (fewer when --ctx is reached first), so
 completions and benchmarks give the same ids at every budget.
 
-Ids the tokenizer marks special (BOS, padding, the reserved placeholders) are never sampled
-unless --allow-special: they are control tokens, not text. EOS and the chat tokens the
-model writes itself (</think>, DSML) are not marked special and stay.
+Control ids are never sampled unless --allow-special: every added token of the tokenizer
+(BOS, padding, the reserved placeholders, <｜User｜>, V4.1's <｜System｜> and image token...)
+except those a reply is made of: EOS, <think>, </think> and ｜DSML｜ (`Tokenizer.control_ids`).
+
+--chat/--think prompts are encoded by `chat.encode`: the prompt and system text are only
+ever text (`<｜User｜>` typed in them stays characters). A raw --prompt is parsed as the
+tokenizer does, so it may spell the chat format itself.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ..run.runtime import Pick, Runtime
 from ..text import chat
 from ..text.sampler import SamplingParams, banned_ids, make_pick
 from ..text.tokenizer import Tokenizer, default_pack_path
+from ..text.vocab import family_name
 from .budget import budget_bytes, budget_warning
 from .logits import parse_tokens
 from .outputs import check_output
@@ -62,8 +67,14 @@ def checkpoint_dir(path: Path) -> Path:
 
 
 def check_tokenizer(tok: Tokenizer, cfg: ModelConfig) -> Tokenizer:
-    """The tokenizer must be this model's: same embedding rows and BOS/EOS ids."""
+    """The tokenizer must be this model's: same family (V4 or V4.1), embedding rows and BOS/EOS ids."""
     where = tok.path or "tokenizer"
+    family = cfg.family
+    if tok.family != family:
+        raise TokenizerError(
+            f"{where}: a {family_name(tok.family)} tokenizer, this checkpoint is {family_name(family)}; pass this"
+            " checkpoint's own tokenizer (`dsv4 pack-tokenizer CHECKPOINT`, then --tok)"
+        )
     if tok.vocab_size != cfg.vocab_size or tok.n_tokens > cfg.vocab_size:
         raise TokenizerError(
             f"{where}: tokenizer of a model with {tok.vocab_size} embedding rows, this checkpoint has"
@@ -135,15 +146,16 @@ def text_prompt(
     text: str,
     mode: str | None,
     system: str | None,
-    effort: str | None = None,
+    effort: str | int | None = None,
     encoder: str = chat.LATEST,
 ) -> list[int]:
-    """Raw completion (mode None): BOS + text. Chat: the one-turn conversation as rendered."""
+    """Raw completion (mode None): BOS + text, control-token text parsed as such. Chat: the
+    one-turn conversation as rendered, its text never read as control tokens."""
     if not text:
         raise UsageError("the prompt is empty; give some text")
     if mode is None:
         return [tok.special.bos, *tok.encode(text)]
-    return tok.encode(chat.render(chat.one_turn(text, system), mode, effort=effort, encoder=encoder))
+    return chat.encode(tok, chat.one_turn(text, system), mode, effort=effort, encoder=encoder)
 
 
 def sampling_params(
@@ -156,8 +168,8 @@ def sampling_params(
     chatting: bool,
 ) -> SamplingParams:
     """Check the sampling options together; temperature 0 is greedy, exactly as --greedy."""
-    if temperature is not None and not temperature >= 0:
-        raise UsageError(f"--temperature {temperature}: give 0 (greedy) or more")
+    if temperature is not None and not 0 <= temperature < float("inf"):
+        raise UsageError(f"--temperature {temperature}: give 0 (greedy) or more, a finite number")
     if top_p is not None and not 0 < top_p <= 1:
         raise UsageError(f"--top-p {top_p}: give a probability in (0, 1]; 1 turns it off")
     if top_k is not None and top_k < 0:
@@ -199,10 +211,10 @@ def sampling_params(
 @click.option("--system", help="System prompt (--chat/--think).")
 @click.option(
     "--reasoning-effort",
-    type=click.Choice(["low", "high", "max"]),
     default=None,
-    help="Thinking effort, as the checkpoint's chat format spells it (0731: low [default], high, max;"
-    " preview: high [default], max). Takes effect with --think (or /think in a chat).",
+    help="Thinking effort, as the checkpoint's chat format spells it (V4.1: 1-100, or low/high/max ="
+    " 50/75/100, default high; V4-0731: low [default], high, max; preview: high [default], max)."
+    " Takes effect with --think (or /think in a chat).",
 )
 @click.option(
     "-n",
@@ -369,13 +381,13 @@ def run(
         params = replace(params, seed=int(np.random.SeedSequence().entropy % 2**31))  # reported, so reproducible
     checkpoint = checkpoint_dir(checkpoint)
     cfg = ModelConfig.from_json(checkpoint / "config.json")
-    encoder = chat.encoder_for(cfg.layout)
+    encoder = chat.encoder_for(cfg.layout, cfg.family)
     try:
-        chat.effort_prefix(reasoning_effort, encoder)
+        effort = chat.parse_effort(reasoning_effort, encoder)
     except UsageError:
-        efforts = ", ".join(chat.EFFORT_PREFIXES[encoder])
         raise UsageError(
-            f"--reasoning-effort {reasoning_effort}: this checkpoint's chat format ({encoder}) has {efforts}"
+            f"--reasoning-effort {reasoning_effort}: this checkpoint's chat format ({encoder}) has"
+            f" {chat.effort_help(encoder)}"
         ) from None
     check_trunk(trunk)
     check_output(stats_json, "--stats-json")
@@ -388,7 +400,7 @@ def run(
         tokenizer, ids = None, id_prompt(prompt_ids, cfg)
     else:
         tokenizer = load_tokenizer(checkpoint, tok, cfg)
-        ids = None if text is None else text_prompt(tokenizer, text, mode, system, reasoning_effort, encoder)
+        ids = None if text is None else text_prompt(tokenizer, text, mode, system, effort, encoder)
     if ids is not None and len(ids) >= ctx:
         raise UsageError(
             f"the prompt ({len(ids)} tokens) leaves no room to answer within --ctx {ctx}; raise --ctx above {len(ids)}"
@@ -440,7 +452,7 @@ def run(
             if ids is None:
                 if tokenizer is None or mode is None:
                     raise InternalError("a chat without a tokenizer or chat mode")
-                conv = Conversation(tokenizer, mode, system, effort=reasoning_effort, encoder=encoder)
+                conv = Conversation(tokenizer, mode, system, effort=effort, encoder=encoder)
                 chat_loop(rt, conv, ChatSettings(gen, ctx, pick), say, figures)
             else:
                 stopped = _one_shot(rt, ids, gen if gen is not None else ctx, pick, tokenizer, mode, say)

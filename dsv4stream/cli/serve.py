@@ -198,8 +198,8 @@ def serve(
 
     sock = bind(host, port)
     srv = ServerState(
-        checkpoint.resolve().name, tokenizer, ctx, _say, chat.encoder_for(cfg.layout), keep_alive,
-        int(max_body_mb * 1e6), max_queue,
+        checkpoint.resolve().name, tokenizer, ctx, _say, chat.encoder_for(cfg.layout, cfg.family),
+        keep_alive, int(max_body_mb * 1e6), max_queue,
     )  # fmt: skip
     policy = Policy(api_key, is_loopback(host), hosts, origins)
     limits = Limits(header_timeout, body_timeout, max_connections)

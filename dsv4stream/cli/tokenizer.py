@@ -14,6 +14,7 @@ import click
 from ..errors import UsageError
 from ..text import chat
 from ..text.tokenizer import Tokenizer, pack_tokenizer
+from ..text.vocab import family_name
 
 
 def strip_final_newline(text: str) -> str:
@@ -38,9 +39,10 @@ def stdin_text(what: str) -> str:
 def describe(tok: Tokenizer) -> str:
     """One line saying what a packed tokenizer holds."""
     s = tok.special
+    v41 = f" System {s.system} image {s.image}" if s.system is not None else ""
     return (
-        f"{tok.path}: {tok.n_tokens} token ids for {tok.vocab_size} embedding rows, "
-        f"BOS {s.bos} EOS {s.eos} User {s.user} Assistant {s.assistant} "
+        f"{tok.path}: {family_name(tok.family)} tokenizer, {tok.n_tokens} token ids for {tok.vocab_size} embedding rows, "
+        f"BOS {s.bos} EOS {s.eos} User {s.user} Assistant {s.assistant}{v41} "
         f"<think> {s.think} </think> {s.think_end}, {tok.fingerprint[:19]}"
     )
 
@@ -86,5 +88,5 @@ def tokenize_cmd(tok_path: Path, mode: str | None, system: str | None, count: bo
     if mode is None:
         ids = tok.encode(body)
     else:
-        ids = chat.encode(tok, chat.one_turn(body, system), mode)
+        ids = chat.encode(tok, chat.one_turn(body, system), mode)  # the tokenizer's family picks the format
     click.echo(str(len(ids)) if count else " ".join(map(str, ids)))

@@ -44,6 +44,7 @@ from .errors import anthropic_error
 from .prompt import chat_prompt
 from .reply import Outcome
 from .schemas import AnthropicRequest, ChatRequest, CountRequest
+from .toolgrammar import request_shape
 from .worker import Job
 
 
@@ -59,7 +60,12 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
             chat_body = to_openai(req)
             creq = validate(ChatRequest, chat_body)
             prompt = build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
-            return req, creq, prompt, build(lambda: srv.grammars.compile(chat_body.get("response_format")))
+            return (
+                req,
+                creq,
+                prompt,
+                build(lambda: request_shape(srv.grammars, creq, chat_body, prompt.tools, prompt.grammar)),
+            )
 
         req, creq, prompt, grammar = await asyncio.to_thread(parse)
         job, events = make_job(srv, prompt, req.max_tokens, creq, None, grammar)

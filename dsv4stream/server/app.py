@@ -37,12 +37,13 @@ from ..text.chat import ToolCall
 from ..text.tokenizer import Tokenizer
 from .decoding import Controls, logprob_json
 from .errors import error_json, openai_error
-from .grammar import Grammars
+from .grammar import Grammars, Shape
 from .metrics import Metrics
 from .page import PAGE_EVENTS, page_comment
 from .prompt import Prompt, chat_prompt, completion_prompt, max_new_tokens, sampling
 from .reply import Delta, Outcome, ReplyStream
 from .schemas import REFUSED, ChatRequest, CompletionRequest
+from .toolgrammar import request_shape
 from .worker import Job, Usage, Worker
 
 Log = Callable[[str], None]
@@ -165,11 +166,11 @@ def create_app(srv: ServerState) -> FastAPI:
         worker = ready(srv)
         body = await read_body(request, srv)
 
-        def parse() -> tuple[ChatRequest, Prompt, str | None]:
+        def parse() -> tuple[ChatRequest, Prompt, Shape | None]:
             req = validate(ChatRequest, body)
             check_length(srv, body["messages"])
             prompt = build(lambda: chat_prompt(srv.tok, req, body, srv.encoder))
-            return req, prompt, build(lambda: srv.grammars.compile(body.get("response_format")))
+            return req, prompt, build(lambda: request_shape(srv.grammars, req, body, prompt.tools, prompt.grammar))
 
         req, prompt, grammar = await asyncio.to_thread(parse)
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -349,7 +350,7 @@ class _Events:
 
 def make_job(
     srv: ServerState, prompt: Prompt, requested: int | None, req, top_logprobs: int | None = None,
-    grammar: str | None = None,
+    grammar: Shape | None = None,
 ) -> tuple[Job, _Events]:  # fmt: skip
     try:
         budget = max_new_tokens(requested, len(prompt.ids), srv.ctx)
@@ -364,7 +365,10 @@ def make_job(
 
     def reply() -> ReplyStream:
         parallel = getattr(req, "parallel_tool_calls", None) is not False
-        return ReplyStream(srv.tok, thinking=prompt.thinking, tools=prompt.tools, stops=prompt.stops, parallel=parallel)
+        return ReplyStream(
+            srv.tok, thinking=prompt.thinking, tools=prompt.tools, stops=prompt.stops, parallel=parallel,
+            grammar=prompt.grammar,
+        )  # fmt: skip
 
     job = Job(list(prompt.ids), budget, sampling(req), reply(), events.emit, controls=controls,
               more_replies=[reply() for _ in range(req.n - 1)], grammars=srv.grammars, thinking=prompt.thinking)  # fmt: skip

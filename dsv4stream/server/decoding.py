@@ -24,7 +24,7 @@ import numpy as np
 
 from ..text.sampler import SamplingParams, make_pick, top_ids
 from ..text.tokenizer import Tokenizer
-from .grammar import Constraint
+from .grammar import Constraint, Shape
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Controls:
     frequency: float = 0.0
     presence: float = 0.0
     top_logprobs: int | None = None  # None: no logprobs; else the alternatives per token (0..20)
-    grammar: str | None = None  # llguidance grammar of the answer (structured output)
+    grammar: Shape | None = None  # what the answer must follow (structured output, tool calls)
     think_budget: int | None = None  # reasoning tokens at most: then </think> is forced
 
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,11 +40,22 @@ from ..text.tokenizer import THINK_END, Tokenizer
 _CLOSERS = ('"', "}", "]", ",", "0", "[]", "{}", '""', "true", "null", ":")
 _MAX_CLOSING = 512  # a completion longer than this is not searched for
 # JSON as OpenAI's models write it in structured output: ", " and ": ", no free whitespace
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(UsageError):
     """A response_format or tool schema the grammar compiler refuses."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a request's answer must follow: a compiled llguidance grammar, the multi-token
+    closers tried first when completing it (a tool call's closing tags), and the ids that open
+    a tool-call block when free text may come first."""
+
+    grammar: str
+    phrases: tuple[tuple[int, ...], ...] = ()
+    opening: tuple[int, ...] = ()
 
 
 class Grammars:
@@ -76,39 +89,68 @@ class Grammars:
                 ]
             return self._ll
 
-    def compile(self, response_format: dict[str, Any] | None) -> str | None:
-        """The grammar of a request's response_format (None: free text)."""
-        if response_format is None or response_format.get("type") == "text":
-            return None
-        if response_format["type"] == "json_object":
-            schema: dict[str, Any] = {"type": "object"}
-        else:
-            spec = response_format["json_schema"]
-            schema = spec.get("schema") or {}
-            if not isinstance(schema, dict):
-                raise GrammarError("response_format.json_schema.schema must be a JSON object")
-        return self.compile_schema(schema, "response_format.json_schema.schema")
+    def compile(self, response_format: dict[str, Any] | None) -> Shape | None:
+        """The shape of a request's response_format (None: free text)."""
+        schema = answer_schema(response_format)
+        return None if schema is None else Shape(self.compile_schema(schema, "response_format.json_schema.schema"))
 
     def compile_schema(self, schema: dict[str, Any], where: str) -> str:
         import llguidance
 
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
         except (ValueError, TypeError) as e:
             raise GrammarError(f"{where}: not a usable JSON schema ({e})") from None
+        return self._checked(grammar, f"{where}: not a usable JSON schema")
+
+    def compile_lark(self, lark: str, where: str) -> str:
+        """A Lark grammar (`toolgrammar`'s), checked against this tokenizer."""
+        import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"{where}: cannot be enforced ({e})") from None
+        return self._checked(grammar, f"{where}: cannot be enforced")
+
+    def _checked(self, grammar: str, what: str) -> str:
+        import llguidance
+
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
         if failed:
-            raise GrammarError(f"{where}: not a usable JSON schema ({messages[0] if messages else 'refused'})")
+            raise GrammarError(f"{what} ({messages[0] if messages else 'refused'})")
         return grammar
 
-    def constraint(self, grammar: str, thinking: bool) -> Constraint:
-        return Constraint(self, grammar, thinking)
+    def constraint(self, shape: Shape, thinking: bool) -> Constraint:
+        return Constraint(self, shape.grammar, thinking, shape.phrases, shape.opening)
+
+
+def answer_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON schema a response_format asks for (None: free text)."""
+    if response_format is None or response_format.get("type") == "text":
+        return None
+    if response_format["type"] == "json_object":
+        return {"type": "object"}
+    schema = response_format["json_schema"].get("schema") or {}
+    if not isinstance(schema, dict):
+        raise GrammarError("response_format.json_schema.schema must be a JSON object")
+    return schema
 
 
 class Constraint:
     """One choice's grammar state; `allowed` before each pick, `advance` after it."""
 
-    def __init__(self, grammars: Grammars, grammar: str, thinking: bool) -> None:
+    def __init__(
+        self,
+        grammars: Grammars,
+        grammar: str,
+        thinking: bool,
+        phrases: Sequence[Sequence[int]] = (),
+        opening: Sequence[int] = (),
+    ) -> None:
+        """`phrases`: multi-token closers (a tool call's closing tags); `opening`: the ids that
+        open a tool-call block where free text may come first (its shortest completion then
+        sizes the window in which the answer is completed)."""
         import llguidance
 
         self.g = grammars
@@ -118,7 +160,14 @@ class Constraint:
         self.thinking = thinking  # the reply is still in its reasoning: not constrained yet
         self.eos = grammars.tok.special.eos
         self._bits = np.full((grammars.n_vocab + 31) // 32, -1, dtype=np.int32)
+        self._phrases = [list(p) for p in phrases if p]
         self._reserve = len(self._closing(self.matcher) or ()) + 1  # the shortest whole answer, EOS included
+        longest = self._reserve
+        if opening:
+            m = self.matcher.deep_copy()
+            if m.try_consume_tokens(list(opening)) == len(opening):
+                longest = max(longest, len(opening) + len(self._closing(m) or ()) + 1)
+        self._window = 2 * longest + 64  # tokens before the budget's end from which a completion is looked for
         self._forced: list[int] = []
 
     def restrict(self, logits: np.ndarray, left: int) -> np.ndarray:
@@ -156,7 +205,7 @@ class Constraint:
         if self.thinking:
             # the reasoning ends while the answer still fits: </think>, then the completion
             return self.g.think_end if left <= self._reserve + 1 else None
-        if left > 2 * self._reserve + 64 or self.matcher.is_error():
+        if left > self._window or self.matcher.is_error():
             return None
         path = self._closing(self.matcher)
         if path is None or len(path) + 1 < left:  # + 1: EOS after the value
@@ -174,6 +223,18 @@ class Constraint:
             ff = m.compute_ff_tokens()
             if ff and m.consume_tokens(ff):
                 path += ff
+                continue
+            # a closing tag that ends the span it closes: free text (a raw value, a JSON string)
+            # takes the tag as more text, and then could take it again right after
+            for phrase in self._phrases:
+                c, n = m.deep_copy(), len(phrase)
+                if c.try_consume_tokens(phrase) == n and c.deep_copy().try_consume_tokens(phrase) < n:
+                    m = c
+                    path += phrase
+                    break
+            else:
+                phrase = None
+            if phrase is not None:
                 continue
             for t in (*self.g._closers, *self.g._short):
                 if m.try_consume_tokens([t]) == 1:

@@ -31,18 +31,16 @@ def page_comment(kind: str, payload: object) -> str:
     return f": dsv4 {json.dumps({kind: payload}, separators=(',', ':'))}\n\n"
 
 
-# V4.1's chat format takes a number (shared/V41.md): 1-100, low/high/max = 50/75/100, default 75
-NUMERIC_EFFORT = {"kind": "range", "min": 1, "max": 100, "default": 75, "named": {"low": 50, "high": 75, "max": 100}}
-
-
 def effort_range(encoder: str) -> dict[str, Any]:
-    """The reasoning efforts of the checkpoint's chat format: V4's named levels (its default
-    first), as the server's `reasoning_effort` accepts them, or V4.1's numeric range."""
-    table = chat.EFFORT_PREFIXES.get(encoder)
-    if table is None:
-        return dict(NUMERIC_EFFORT)
-    names = list(table)
-    return {"kind": "levels", "values": names, "default": names[0]}
+    """The reasoning efforts of the checkpoint's chat format, as the server's `reasoning_effort`
+    accepts them: V4's named levels (its default first), or V4.1's numeric range with the
+    number each name stands for (`chat.effort_choices`)."""
+    choices = chat.effort_choices(encoder)
+    if choices["range"] is None:
+        return {"kind": "levels", "values": choices["names"], "default": choices["default"]}
+    low, high = choices["range"]
+    named = choices["values"]
+    return {"kind": "range", "min": low, "max": high, "default": named[choices["default"]], "named": dict(named)}
 
 
 def add_routes(app: FastAPI, srv) -> None:

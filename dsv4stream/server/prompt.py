@@ -1,16 +1,21 @@
-"""Token ids of a request: chat messages in the official V4 format, or a raw completion.
+"""Token ids of a request: chat messages in the checkpoint's official format, or a raw completion.
 
 Owns: OpenAI chat JSON -> `chat.Message`s (through `chat.from_openai`), where the tool
-schemas go (appended to the first system message, as the official encoder does with a
-system message that carries `tools`; one with empty text is added when there is none),
-thinking on or off, the reasoning-effort preamble, the sampling parameters, and the
-`max_tokens` left within `--ctx`. Raw completions are BOS + text, as `dsv4 run --prompt`.
+schemas and a `json_schema` response format's schema go (on the first system message, as the
+official encoders render a system message that carries `tools` and `response_format`; one
+with empty text is added when there is none; the grammar that enforces the format is
+`server/grammar.py`'s), thinking on or off,
+the reasoning effort, the sampling parameters, and the `max_tokens` left within `--ctx`.
+Chat prompts are encoded by `chat.encode`: message content is only ever text, whatever
+control tokens it spells. Raw completions are BOS + text parsed as the tokenizer does
+(control-token text becomes those tokens), as `dsv4 run --prompt`.
 
 Thinking: DeepSeek's `thinking: {"type": "enabled"}` turns it on; without `thinking`, a
 `reasoning_effort` other than "none" turns it on too; the default is off. The effort is
-the checkpoint's chat format's own (`chat.EFFORT_PREFIXES`: 0731 low/high/max, the
-preview high/max); "minimal" and "medium", and levels the format lacks, give its default,
-"xhigh" its "max". With tools declared the official encoder keeps every turn's reasoning.
+the checkpoint's chat format's own (`chat.parse_effort`): V4.1 takes an integer 1-100 or
+low/high/max (50/75/100); V4 its release's names (0731 low/high/max, the preview
+high/max). "minimal" and "medium", and names the format lacks, give its default, "xhigh"
+its "max". With tools declared the official encoders keep every turn's reasoning.
 """
 
 from __future__ import annotations
@@ -22,9 +27,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
-from ..text import chat
+from ..text import chat, dsml
 from ..text.chat import Message
-from ..text.dsml import with_tools
 from ..text.sampler import SamplingParams
 from ..text.tokenizer import Tokenizer
 from .schemas import ChatRequest, CompletionRequest, Sampling
@@ -40,6 +44,7 @@ class Prompt:
     thinking: bool  # the prompt opened <think>: the reply starts with reasoning
     tools: bool  # tool schemas were declared: parse DSML blocks into tool calls
     stops: tuple[str, ...]
+    grammar: dsml.Grammar = dsml.V4  # the release's DSML tags, to read the reply's calls
 
 
 def chat_prompt(tok: Tokenizer, req: ChatRequest, body: Mapping[str, Any], encoder: str = chat.LATEST) -> Prompt:
@@ -49,16 +54,20 @@ def chat_prompt(tok: Tokenizer, req: ChatRequest, body: Mapping[str, Any], encod
     thinking = _thinking(req)
     messages = chat.from_openai(body["messages"])
     tools_on = bool(req.tools) and req.tool_choice != "none"
-    head = messages[0] if messages[0].role == "system" else None
+    declared: dict[str, Any] = {}
     if tools_on:
-        functions = [t["function"] for t in body["tools"]]
-        head = replace(head or Message("system"), content=with_tools(head.content if head else "", functions))
-    if head is not None:
-        messages = [head, *(messages[1:] if messages[0].role == "system" else messages)]
+        declared["tools"] = tuple(body["tools"])
+    schema = _response_schema(body.get("response_format"))
+    if schema is not None:
+        declared["response_format"] = schema
+    if declared:
+        if messages[0].role == "system":
+            messages[0] = replace(messages[0], **declared)
+        else:
+            messages.insert(0, Message("system", **declared))
     effort = _effort(req.reasoning_effort, encoder) if thinking else None
-    text = chat.render(messages, "think" if thinking else "chat", drop_thinking=not tools_on, effort=effort,
-                       encoder=encoder)  # fmt: skip
-    return Prompt(tok.encode(text), thinking, tools_on, _stops(req.stop))
+    ids = chat.encode(tok, messages, "think" if thinking else "chat", effort=effort, encoder=encoder)
+    return Prompt(ids, thinking, tools_on, _stops(req.stop), chat.grammar(encoder))
 
 
 def completion_prompt(tok: Tokenizer, req: CompletionRequest) -> Prompt:
@@ -101,14 +110,31 @@ def _thinking(req: ChatRequest) -> bool:
     return req.reasoning_effort is not None and req.reasoning_effort != "none"
 
 
-def _effort(asked: str | None, encoder: str) -> str | None:
-    """The chat format's own effort name for an OpenAI `reasoning_effort` (None: its default)."""
+def _effort(asked: str | int | None, encoder: str) -> str | int | None:
+    """The chat format's own effort for an OpenAI `reasoning_effort` (None: its default).
+    A number (or digits) is V4.1's 1-100, refused on V4; a name the format lacks is aliased."""
     if asked is None or asked == "none":
         return None
-    if asked in chat.EFFORT_PREFIXES[encoder]:
+    if isinstance(asked, int) or asked.strip().isdigit():
+        try:
+            return chat.parse_effort(asked, encoder)
+        except UsageError:
+            raise UsageError(
+                f"reasoning_effort {asked!r}: this checkpoint's chat format ({encoder}) takes {chat.effort_help(encoder)}"
+            ) from None
+    if asked in chat.effort_choices(encoder)["names"]:
         return asked
     alias = _EFFORT_ALIASES.get(asked)
-    return alias if alias in chat.EFFORT_PREFIXES[encoder] else None
+    return alias if alias in chat.effort_choices(encoder)["names"] else None
+
+
+def _response_schema(response_format: Any) -> Any:
+    """The JSON schema of a `json_schema` response format (what the encoders' "## Response
+    Format" section shows the model), else None: `text` and `json_object` name no schema."""
+    if not isinstance(response_format, Mapping) or response_format.get("type") != "json_schema":
+        return None
+    spec = response_format.get("json_schema")
+    return spec.get("schema") if isinstance(spec, Mapping) else None
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..text import dsml
 from ..text.chat import ToolCall
-from ..text.dsml import BLOCK_START, DsmlError, parse_block
+from ..text.dsml import DsmlError, parse_block
 from ..text.tokenizer import THINK_END, Tokenizer
 
 
@@ -63,9 +64,12 @@ class ReplyStream:
         tools: bool,
         stops: Sequence[str] = (),
         eos: int | None = None,
+        grammar: dsml.Grammar = dsml.V4,
         parallel: bool = True,
     ) -> None:
         self.tok = tok
+        self.grammar = grammar  # the release's DSML tags (V4.1: `<｜DSML｜ calls>`)
+        self.block_start = grammar.block_start
         self.decoder = tok.stream()
         self.eos = tok.special.eos if eos is None else eos
         self.stops = [s for s in stops if s]
@@ -95,7 +99,7 @@ class ReplyStream:
         if self._block is not None:
             block, self._block = self._block, None
             try:
-                self.calls = parse_block(block[len(BLOCK_START) :])
+                self.calls = parse_block(block[len(self.block_start) :], self.grammar)
                 if not self.parallel:
                     self.calls = self.calls[:1]
                 delta.tool_calls = self.calls
@@ -140,12 +144,12 @@ class ReplyStream:
                 d.reasoning += head[: len(head) - keep]
                 self._pending = head[len(head) - keep :]
                 break
-            at = self._pending.find(BLOCK_START) if self.tools else -1
+            at = self._pending.find(self.block_start) if self.tools else -1
             if at >= 0:
                 d.content += self._pending[:at]
                 self._block, self._pending = self._pending[at:], ""
                 break
-            keep = 0 if final or not self.tools else _held_prefix(self._pending, [BLOCK_START])
+            keep = 0 if final or not self.tools else _held_prefix(self._pending, [self.block_start])
             d.content += self._pending[: len(self._pending) - keep]
             self._pending = self._pending[len(self._pending) - keep :]
             break

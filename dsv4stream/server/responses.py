@@ -54,6 +54,7 @@ from .decoding import logprob_json
 from .prompt import chat_prompt
 from .reply import Outcome
 from .schemas import ChatRequest, Seed, _Body
+from .toolgrammar import request_shape
 from .worker import Job
 
 MAX_KEPT = 256  # responses kept for previous_response_id
@@ -167,7 +168,7 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
             chat_body = to_chat(req, conversation)
             creq = validate(ChatRequest, chat_body)
             prompt = build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
-            grammar = build(lambda: srv.grammars.compile(chat_body.get("response_format")))
+            grammar = build(lambda: request_shape(srv.grammars, creq, chat_body, prompt.tools, prompt.grammar))
             return req, creq, conversation, prompt, grammar
 
         req, creq, conversation, prompt, grammar = await asyncio.to_thread(parse)

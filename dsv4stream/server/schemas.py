@@ -180,7 +180,8 @@ class ChatRequest(Sampling):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     thinking: Thinking | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # V4.1 also takes 1-100 (checked against the checkpoint's chat format in server/prompt.py)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | int | None = None
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None

@@ -1,6 +1,10 @@
-"""Tokens in and out: the tokenizer, the chat format, tool-call markup and the sampler.
+"""Tokens in and out: the tokenizer, the chat formats, tool-call markup and the sampler.
 
-`tokenizer` (the checkpoint's tokenizer, packed once, encode/decode), `chat` (conversations
-rendered exactly as DeepSeek's official encoder does), `dsml` (tool schemas and the model's
-calls), `sampler` (logits -> the next id: a ladder of small pure functions).
+`vocab` (what each release's tokenizer holds: V4's and V4.1's control tokens, V4.1's file
+made from V4's), `tokenizer` (the checkpoint's tokenizer, packed once; raw encode, chat-prompt
+encode where content stays text, decode), `messages` (conversations as data), `chat` (the
+entry point: which encoder a checkpoint uses, efforts, render and encode), `chat_v4` and
+`chat_v41` (each release's official encoder, rule for rule), `dsml` (tool schemas and the
+model's calls in each release's tags), `sampler` (logits -> the next id: a ladder of small
+pure functions).
 """

@@ -1,12 +1,14 @@
-"""DSML, V4's tool-call markup: the tool-schema prompt, and parsing the model's calls.
+"""DSML, the tool-call markup of V4 and V4.1: the tool-schema prompt, and parsing the model's calls.
 
-Owns: the "## Tools" text DeepSeek's official `encoding_dsv4.py` appends to the system (or
-developer) message when tools are declared (`tools_prompt`), and the inverse of the call
-block `chat.py` renders: `parse_reply` splits a reply into reasoning, content and calls;
-`parse_block` reads one `<｜DSML｜tool_calls>` block. A block that does not follow the
-grammar is a `DsmlError`; callers then return the text unchanged, never a partial call.
+Owns: the tag names of each release (`V4`, `V41`: V4.1 gave every tag name a leading space
+and renamed the block `tool_calls` -> ` calls`), the "## Tools" text the official encoders
+append to a system message that declares tools (`tools_prompt`), and the inverse of the call
+block the renderers write: `parse_reply` splits a reply into reasoning, content and calls;
+`parse_block` reads one block. A block that does not follow the grammar is a `DsmlError`;
+callers then return the text unchanged, never a partial call.
 
-The block, as the encoder writes it (and the model is trained to answer):
+The block, as the encoders write it (and the model is trained to answer), with V4's names
+(V4.1: `<｜DSML｜ calls>`, `<｜DSML｜ invoke name=...>`, `<｜DSML｜ parameter name=...>`):
   "\\n\\n<｜DSML｜tool_calls>\\n" + invokes joined by "\\n" + "\\n</｜DSML｜tool_calls>"
   invoke: '<｜DSML｜invoke name="N">\\n' + params joined by "\\n" + '\\n</｜DSML｜invoke>'
   param:  '<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>'
@@ -21,40 +23,74 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .chat import ToolCall
-from .tokenizer import DSML, THINK, THINK_END
+from .messages import ToolCall
+from .vocab import DSML, THINK, THINK_END
 
-BLOCK_START = f"\n\n<{DSML}tool_calls>"
-BLOCK_END = f"</{DSML}tool_calls>"
-_INVOKE = f'<{DSML}invoke name="'
-_INVOKE_END = f"</{DSML}invoke>"
-_PARAM = f'<{DSML}parameter name="'
-_PARAM_END = f"</{DSML}parameter>"
 
-# The official encoder's tool prompt, byte for byte (the model was trained on this text);
-# {d} is the DSML marker, {schemas} one JSON object per line.
+@dataclass(frozen=True)
+class Grammar:
+    """The tag names of one release's tool-call markup (what follows `<｜DSML｜`)."""
+
+    calls: str
+    invoke: str
+    parameter: str
+
+    @property
+    def block_start(self) -> str:
+        """What a reply's call block starts with (a blank line, then the opening tag)."""
+        return f"\n\n<{DSML}{self.calls}>"
+
+    @property
+    def block_end(self) -> str:
+        return f"</{DSML}{self.calls}>"
+
+    @property
+    def invoke_head(self) -> str:
+        """An invoke tag up to its name: the tag is this, the name, then '">'."""
+        return f'<{DSML}{self.invoke} name="'
+
+    @property
+    def invoke_close(self) -> str:
+        return f"</{DSML}{self.invoke}>"
+
+    @property
+    def param_head(self) -> str:
+        """A parameter tag up to its key: then the key, '" string="true|false">', the value."""
+        return f'<{DSML}{self.parameter} name="'
+
+    @property
+    def param_close(self) -> str:
+        return f"</{DSML}{self.parameter}>"
+
+
+V4 = Grammar("tool_calls", "invoke", "parameter")
+V41 = Grammar(" calls", " invoke", " parameter")
+BLOCK_START = V4.block_start
+BLOCK_END = V4.block_end
+
+# The official encoders' tool prompt, byte for byte (the model was trained on this text);
+# {calls}/{invoke}/{param} are the release's tags after <｜DSML｜, {schemas} one JSON object per line.
 _TOOLS_TEMPLATE = (
     "## Tools\n\n"
     "You have access to a set of tools to help answer the user's question. You can invoke tools by writing a"
-    ' "<{d}tool_calls>" block like the following:\n\n'
-    "<{d}tool_calls>\n"
-    '<{d}invoke name="$TOOL_NAME">\n'
-    '<{d}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{d}parameter>\n'
+    ' "<{d}{calls}>" block like the following:\n\n'
+    "<{d}{calls}>\n"
+    '<{d}{invoke} name="$TOOL_NAME">\n'
+    '<{d}{param} name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{d}{param}>\n'
     "...\n"
-    "</{d}invoke>\n"
-    '<{d}invoke name="$TOOL_NAME2">\n'
+    "</{d}{invoke}>\n"
+    '<{d}{invoke} name="$TOOL_NAME2">\n'
     "...\n"
-    "</{d}invoke>\n"
-    "</{d}tool_calls>\n\n"
+    "</{d}{invoke}>\n"
+    "</{d}{calls}>\n\n"
     'String parameters should be specified as is and set `string="true"`. For all other types (numbers,'
     ' booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
     "If thinking_mode is enabled (triggered by {think}), you MUST output your complete reasoning inside"
     " {think}...{think_end} BEFORE any tool calls or final response.\n\n"
     "Otherwise, output directly after {think_end} with tool calls or final response.\n\n"
     "### Available Tool Schemas\n\n"
-    "{schemas}\n\n"
-    "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
 )
+_TOOLS_END = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
 
 
 class DsmlError(ValueError):
@@ -68,18 +104,33 @@ class ParsedReply:
     tool_calls: tuple[ToolCall, ...]
 
 
-def tools_prompt(functions: Sequence[Mapping[str, Any]]) -> str:
-    """The tools section for these function definitions ({"name", "description", "parameters"})."""
-    schemas = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
-    return _TOOLS_TEMPLATE.format(d=DSML, think=THINK, think_end=THINK_END, schemas=schemas)
+def tools_prompt_parts(functions: Sequence[Mapping[str, Any]], grammar: Grammar = V4) -> tuple[str, str, str]:
+    """The tools section for these function definitions ({"name", "description", "parameters"})
+    as (template head, the schemas, template tail): the schemas are the client's text."""
+    head = _TOOLS_TEMPLATE.format(
+        d=DSML, calls=grammar.calls, invoke=grammar.invoke, param=grammar.parameter, think=THINK, think_end=THINK_END
+    )
+    return head, "\n".join(to_json(f) for f in functions), _TOOLS_END
 
 
-def with_tools(system: str, functions: Sequence[Mapping[str, Any]]) -> str:
+def tools_prompt(functions: Sequence[Mapping[str, Any]], grammar: Grammar = V4) -> str:
+    return "".join(tools_prompt_parts(functions, grammar))
+
+
+def with_tools(system: str, functions: Sequence[Mapping[str, Any]], grammar: Grammar = V4) -> str:
     """A system message's text once tools are declared on it."""
-    return system + "\n\n" + tools_prompt(functions)
+    return system + "\n\n" + tools_prompt(functions, grammar)
 
 
-def parse_reply(text: str, thinking: bool, tools: bool = True) -> ParsedReply:
+def to_json(value: Any) -> str:
+    """JSON as the official encoders write it: non-ASCII kept, `, ` and `: ` separators."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return json.dumps(value, ensure_ascii=True)
+
+
+def parse_reply(text: str, thinking: bool, tools: bool = True, grammar: Grammar = V4) -> ParsedReply:
     """Reasoning (thinking: up to the first </think>, all of it when there is none), content,
     and the calls of a well-formed block; a malformed block stays in the content as text."""
     reasoning = ""
@@ -87,33 +138,34 @@ def parse_reply(text: str, thinking: bool, tools: bool = True) -> ParsedReply:
         reasoning, sep, text = text.partition(THINK_END)
         if not sep:
             return ParsedReply(reasoning, "", ())
-    at = text.find(BLOCK_START) if tools else -1
+    at = text.find(grammar.block_start) if tools else -1
     if at < 0:
         return ParsedReply(reasoning, text, ())
     try:
-        calls = parse_block(text[at + len(BLOCK_START) :])
+        calls = parse_block(text[at + len(grammar.block_start) :], grammar)
     except DsmlError:
         return ParsedReply(reasoning, text, ())
     return ParsedReply(reasoning, text[:at], calls)
 
 
-def parse_block(rest: str) -> tuple[ToolCall, ...]:
-    """The calls of a block given the text after "\\n\\n<｜DSML｜tool_calls>"; nothing may follow its end."""
+def parse_block(rest: str, grammar: Grammar = V4) -> tuple[ToolCall, ...]:
+    """The calls of a block given the text after its `block_start`; nothing may follow its end."""
+    g = grammar
     p = _Cursor(rest)
     p.expect("\n")
     calls = []
-    while not p.take(BLOCK_END):
-        p.expect(_INVOKE)
+    while not p.take(g.block_end):
+        p.expect(g.invoke_head)
         name = p.until('">')
         p.expect("\n")
         args: dict[str, Any] = {}
-        if p.peek("\n" + _INVOKE_END):
+        if p.peek("\n" + g.invoke_close):
             p.expect("\n")
-        while not p.take(_INVOKE_END):
-            p.expect(_PARAM)
+        while not p.take(g.invoke_close):
+            p.expect(g.param_head)
             key = p.until('" string="')
             flag = p.until('">')
-            value = p.until(_PARAM_END)
+            value = p.until(g.param_close)
             p.expect("\n")
             if key in args:
                 raise DsmlError(f"parameter {key!r} given twice")

@@ -3,6 +3,21 @@
 Order of the ladder: temperature -> top-k -> top-p (nucleus) -> min-p -> draw. Temperature
 0 (or `greedy`) is argmax with ties broken toward the lower id, so greedy decoding is
 identical across runs, thread counts and budgets.
+
+Extremes, defined (the CLI and the server use this same code):
+- The parameters are checked when made: a temperature that is not a finite number >= 0,
+  top-k < 0, top-p outside (0, 1] or min-p outside [0, 1] is a UsageError.
+- A temperature too small for the logits' float32 precision (below its smallest normal,
+  about 1.2e-38, e.g. 1e-320) rounds to nothing: greedy. Any larger one samples; the
+  scaled logits are taken relative to the top one, so nothing overflows, and a tiny
+  temperature puts all the mass on the top logit (shared by exact ties).
+- Logits that hold NaN or +inf at an id that may be picked are a NumericsError: no id is
+  ever picked from a distribution that is not finite. -inf is a masked id. When every id
+  that may be picked is -inf there is nothing to pick: NumericsError too.
+- The draw only ever returns an id of nonzero probability (an id the ladder or the ban
+  masked has none), whatever rounding does to the running sum.
+- `make_pick` bans ids (the tokenizer's control tokens unless --allow-special, and the
+  embedding rows past the tokenizer) before the ladder: greedy skips them too.
 """
 
 from __future__ import annotations
@@ -13,8 +28,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..errors import NumericsError, UsageError
+
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
+
+
+# Temperatures below this round to nothing against float32 logits: greedy.
+GREEDY_BELOW = float(np.finfo(np.float32).tiny)
 
 
 @dataclass(frozen=True)
@@ -25,9 +46,37 @@ class SamplingParams:
     min_p: float = 0.0  # 0 = off
     seed: int | None = None
 
+    def __post_init__(self) -> None:
+        t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
+        if not _real(t) or not (0.0 <= t < np.inf):
+            raise UsageError(f"temperature {t!r}: give a finite number, 0 (greedy) or more")
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
+            raise UsageError(f"top-k {k!r}: give 0 (off) or a positive count")
+        if not _real(p) or not (0.0 < p <= 1.0):
+            raise UsageError(f"top-p {p!r}: give a probability in (0, 1]; 1 turns it off")
+        if not _real(m) or not (0.0 <= m <= 1.0):
+            raise UsageError(f"min-p {m!r}: give a fraction in [0, 1]; 0 turns it off")
+
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_BELOW
+
+
+def _real(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int | float | np.integer | np.floating)
+
+
+def check_finite(logits: np.ndarray) -> None:
+    """NumericsError unless every logit is finite or -inf and at least one is finite."""
+    bad = np.isnan(logits) | np.isposinf(logits)
+    if bad.any():
+        where = np.flatnonzero(bad)
+        raise NumericsError(
+            f"the logits hold NaN or +inf at {where.size} ids (first {int(where[0])}); no id is picked from "
+            "them: the weights or the forward pass are broken (try --verify)"
+        )
+    if not np.isfinite(logits).any():
+        raise NumericsError("every id that may be picked has logit -inf: there is nothing to sample")
 
 
 def greedy(logits: np.ndarray) -> int:
@@ -42,7 +91,9 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def apply_temperature(logits: np.ndarray, t: float) -> np.ndarray:
-    return logits.astype(np.float64) / t
+    """Logits / t, taken relative to the top logit (all <= 0, so no overflow at any t > 0)."""
+    x = logits.astype(np.float64)
+    return (x - np.max(x)) / t
 
 
 def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
@@ -102,17 +153,24 @@ def min_p_mask(logits: np.ndarray, min_p: float) -> np.ndarray:
 
 
 def draw(logits: np.ndarray, rng: np.random.Generator) -> int:
-    """One draw from softmax(logits) by inverse CDF over ids in ascending order."""
+    """One draw from softmax(logits) by inverse CDF over ids in ascending order; only an id of
+    nonzero probability (the running sum's last step may round past u: then the last such id)."""
     probs = softmax(logits)
-    u = rng.random()
-    return int(min(np.searchsorted(np.cumsum(probs), u, side="right"), probs.size - 1))
+    csum = np.cumsum(probs)
+    i = int(np.searchsorted(csum, rng.random() * csum[-1], side="right"))
+    if i >= probs.size or not probs[i] > 0:
+        i = int(np.flatnonzero(probs > 0)[-1])
+    return i
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """The whole ladder; `rng` is only consumed when not greedy."""
+    """The whole ladder; `rng` is only consumed when not greedy. NumericsError for logits that
+    are not finite (see the module docstring)."""
+    logits = np.asarray(logits)
+    check_finite(logits)
     if params.greedy:
         return greedy(logits)
-    x = apply_temperature(np.asarray(logits), params.temperature)
+    x = apply_temperature(logits, params.temperature)
     x = top_k_mask(x, params.top_k)
     x = top_p_mask(x, params.top_p)
     x = min_p_mask(x, params.min_p)
@@ -120,11 +178,13 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
 
 
 def banned_ids(tok: Tokenizer | None, allow_special: bool = False) -> list[int]:
-    """Ids never to sample: those the tokenizer marks special, except EOS (which ends the
-    answer). None without a tokenizer (--prompt-ids) or with --allow-special."""
+    """Ids never to sample: the tokenizer's control tokens (`Tokenizer.control_ids`: every
+    added token but EOS, <think>, </think> and ｜DSML｜, whether marked special or not, so
+    V4.1's <｜System｜>, its image token and placeholders too). None without a tokenizer
+    (--prompt-ids) or with --allow-special."""
     if tok is None or allow_special:
         return []
-    return [i for i in tok.special_ids() if i != tok.special.eos]
+    return tok.control_ids()
 
 
 def make_pick(

