@@ -142,6 +142,18 @@ def test_the_api_key_and_error_shapes(server) -> None:
     assert e.value.body["error"]["type"] == "invalid_request_error"
 
 
+def test_the_api_paths_answer_without_v1_behind_the_same_key(server) -> None:
+    root = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)
+    name = root.models.list().data[0].id
+    assert root.models.retrieve(name).id == name
+    assert root.chat.completions.create(model=name, messages=MSGS, max_tokens=2, temperature=0).choices[0].message
+    assert root.completions.create(model=name, prompt="Hi", max_tokens=2, temperature=0).choices[0].text is not None
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url, api_key="nope", max_retries=0).models.list()
+    assert request(server, "POST", "/chat/completions", CHAT, {"Content-Type": "text/plain"})[0] == 415
+    assert request(server, "GET", "/stats")[0] == 404  # only the API routes are aliased
+
+
 def test_models_retrieve(server) -> None:
     c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     name = c.models.list().data[0].id

@@ -105,6 +105,18 @@ def normalize_origins(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+# Clients configured with the server's root as their base URL (llama.cpp's server answers there too)
+# call these without /v1; they are the /v1 routes, nothing else is aliased.
+UNPREFIXED = ("/models", "/chat/completions", "/completions", "/responses", "/messages", "/messages/count_tokens")
+
+
+def v1_alias(path: str) -> str | None:
+    """The /v1 path an un-prefixed API path stands for, or None."""
+    if path in UNPREFIXED or path.startswith("/models/"):
+        return "/v1" + path
+    return None
+
+
 class Guard:
     """ASGI middleware applying `Policy` to every HTTP request (see the module docstring)."""
 
@@ -115,6 +127,8 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if (alias := v1_alias(scope["path"])) is not None:  # before the checks: the key guards it like /v1/*
+            scope = {**scope, "path": alias, "raw_path": alias.encode("latin-1")}
         headers = _headers(scope)
         path, method = scope["path"], scope["method"]
         p = self.policy
