@@ -1,10 +1,10 @@
 """Fused numba kernels: FP4 / FP8 / BF16 / F32 weights times a vector or a few tokens.
 
 Owns the fast CPU backend of `kernels` (`matvec`, `matmul`, `matmul_pair`, `matmul_grouped`,
-`set_threads`, `warmup`). Up to a few dozen tokens no dequantised matrix is built: a row is
-decoded in registers (matvec) or into a small per-tile buffer reused by every token (matmul);
-from `BLAS_MIN_TOKENS` on (prefill-sized token counts) row tiles of a few MB are dequantised
-to float32 and multiplied by numpy's BLAS, which is faster there. Does not own the
+`set_threads`, `warmup`). No dequantised matrix is built: a row is decoded in registers
+(matvec) or into a small per-tile buffer reused by every token (matmul). An optional BLAS path
+(`BLAS_PATH`, off by default) dequantises row tiles of a few MB to float32 from
+`BLAS_MIN_TOKENS` on and multiplies them with numpy's sgemm. Does not own the
 weight formats (`formats.py`) or the dispatch (`kernels/__init__.py`). One file on purpose:
 numba's on-disk cache is invalidated by this file's timestamp only, so the bit-level helpers
 must live next to the kernels that inline them.
@@ -26,10 +26,12 @@ Arithmetic, identical in every path so that results do not depend on the thread 
   AVX-512 has one, else through float16 bit patterns; same bits): one FMA per product, so the
   matmul multiplies a pre-scaled tile (the products by rel are exact: rel is a power of two
   and the decoded values stay above 2^-149). Parallel over output rows only.
-- BLAS path: the tile holds decode * rel (exact for E8M0 scales), sgemm sums it in its own
-  order, the row factor is applied in float64. OpenBLAS splits sgemm over output blocks, never
-  over the summed dimension, so results do not depend on its thread count either
-  (tests/test_kernels.py checks both thread counts).
+- BLAS path (off by default): the tile holds decode * rel (exact for E8M0 scales), sgemm sums
+  it in its own order, the row factor is applied in float64. Its bits are NOT independent of
+  the BLAS thread count: OpenBLAS 0.3.31's Haswell kernels on a Zen 3 give different sums with
+  1 and 2 threads and for different row splits, so it agrees with the fused kernels only to
+  float32 rounding (tests/test_kernels.py checks that bound at both thread counts), and the
+  attention products moved to fixed-order numba kernels (kernels/attn.py).
 """
 
 from __future__ import annotations
