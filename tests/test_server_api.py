@@ -339,6 +339,35 @@ def test_anthropic_thinking_budget_output_format_and_effort(server) -> None:
     assert isinstance(json.loads(shaped.content[0].text)["n"], int)
 
 
+def test_a_chat_stream_opens_with_the_role_and_null_content(server) -> None:
+    """llama.cpp's tests (and its stream helper) read the opening chunk's content as null, as
+    OpenAI sends it before a tool call; every later content delta is non-empty text."""
+    c = client(server)
+    chunks = list(c.chat.completions.create(model="t", messages=MSGS, max_tokens=4, stream=True, n=2))
+    for i in (0, 1):
+        first = next(ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i)
+        assert first.delta.role == "assistant" and first.delta.content is None
+    later = [ch.choices[0].delta for ch in chunks if ch.choices and ch.choices[0].delta.role is None]
+    assert all(d.content is None or d.content != "" for d in later)
+
+
+def test_an_anthropic_thinking_block_streams_its_signature_before_it_closes(server) -> None:
+    """Anthropic's stream ends a thinking block with a `signature_delta` (llama.cpp's
+    test_compat_anthropic checks it; clients replaying thinking blocks read it)."""
+    a = anthropic_client(server)
+    msgs = [{"role": "user", "content": "Think, then answer."}]
+    events = list(a.messages.create(model="tiny", messages=msgs, max_tokens=8, stream=True, extra_body={"temperature": 0},
+                                    thinking={"type": "enabled", "budget_tokens": 2}))  # fmt: skip
+    kinds = [(e.type, getattr(e, "index", None), getattr(getattr(e, "delta", None), "type", None)) for e in events]
+    start = next(e for e in events if e.type == "content_block_start" and e.content_block.type == "thinking")
+    mine = [k for k in kinds if k[1] == start.index]
+    assert mine[-2:] == [
+        ("content_block_delta", start.index, "signature_delta"),
+        ("content_block_stop", start.index, None),
+    ]
+    assert [k[2] for k in mine].count("signature_delta") == 1
+
+
 class Lookup(BaseModel):
     city: str
     days: int

@@ -226,9 +226,22 @@ async def _stream(job: Job, events: _Events, meta: _Meta, keepalive: float, n_pr
     started = False
     index, open_kind = -1, None
 
+    def close() -> list[str]:
+        """The open block's end; a thinking block's carries its `signature_delta` first, as
+        Anthropic's stream does (the signature is "", as in the non-streamed block)."""
+        if open_kind is None:
+            return []
+        out = [_event("content_block_stop", {"index": index})]
+        if open_kind == "thinking":
+            out.insert(
+                0,
+                _event("content_block_delta", {"index": index, "delta": {"type": "signature_delta", "signature": ""}}),
+            )
+        return out
+
     def switch(kind: str, start: dict[str, Any]) -> list[str]:
         nonlocal index, open_kind
-        out = [_event("content_block_stop", {"index": index})] if open_kind is not None else []
+        out = close()
         index, open_kind = index + 1, kind
         return [*out, _event("content_block_start", {"index": index, "content_block": start})]
 
@@ -262,8 +275,8 @@ async def _stream(job: Job, events: _Events, meta: _Meta, keepalive: float, n_pr
                 delta = {"type": "input_json_delta", "partial_json": c.arguments}
                 yield _event("content_block_delta", {"index": index, "delta": delta})
         elif kind == "done":
-            if open_kind is not None:
-                yield _event("content_block_stop", {"index": index})
+            for s in close():
+                yield s
             delta = {"stop_reason": _stop_reason(payload[0], job), "stop_sequence": _stop_sequence(payload[0], job)}
             yield _event("message_delta", {"delta": delta, "usage": _usage(job)})
             yield _event("message_stop", {})

@@ -526,8 +526,8 @@ async def chat_chunks(job: Job, events: _Events, meta: _Meta, keepalive: float) 
             choice["logprobs"] = {"content": logprob_json(lp_tok, lp or []), "refusal": None} if lp else None
         return _data(meta.body("chat.completion.chunk", [choice]))
 
-    for i in range(len(job.replies)):
-        yield chunk({"role": "assistant", "content": ""}, index=i)
+    for i in range(len(job.replies)):  # content null, as llama.cpp and OpenAI (before a tool call) send it
+        yield chunk({"role": "assistant", "content": None}, index=i)
     calls = 0
     async for kind, payload in job_events(job, events, keepalive):
         if kind == "comment":

@@ -12,7 +12,8 @@ checks every HTTP request before any route runs, in this order:
    any other origin needs `--cors-origin` (a list, or `*`), else 403. Clients that are not
    browsers send no Origin and pass.
 3. CORS preflight (`OPTIONS` with `Access-Control-Request-Method`) from an allowed origin:
-   204 with the allowed methods and headers, without the API key (browsers never send it
+   200 (as llama.cpp's server and Starlette's CORS middleware answer; any 2xx will do for a
+   browser) with the allowed methods and headers, without the API key (browsers never send it
    on a preflight). Answers to allowed cross-origin requests carry the CORS headers.
 4. `POST` bodies must say `Content-Type: application/json` (415): the content types a page
    may send cross-site without a preflight (text/plain, forms) never reach a route.
@@ -192,7 +193,7 @@ async def _preflight(send, origin: str, asked_headers: str) -> None:
     ]
     if asked_headers:
         headers.append((b"access-control-allow-headers", asked_headers.encode("latin-1")))
-    await send({"type": "http.response.start", "status": 204, "headers": headers})
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": b""})
 
 
