@@ -85,3 +85,16 @@ def test_every_rule_compiles_and_gives_a_reason() -> None:
         re.compile(msg_re)
     # a module-wide rule never hides an OpenAI-route test of the chat module
     assert h.classify("test_chat_completion.py::test_brand_new", "failed", "x").category == "ours?"
+
+
+def test_the_table_groups_the_failures_by_rule() -> None:
+    got = [
+        h.classify("test_tokenize.py::test_a", "failed", "x"),
+        h.classify("test_tokenize.py::test_b", "failed", "x"),
+        h.classify("test_basic.py::test_server_props", "failed", "x"),
+        h.classify("test_basic.py::test_ok", "passed", ""),
+    ]
+    assert h.table(got).splitlines() == [
+        "| llama-only route | 2 (tokenize) | /tokenize, /detokenize |",
+        "| llama-only route | 1 (basic) | /props |",
+    ]
