@@ -25,6 +25,11 @@ Sections, and what each timed window holds:
    decode on the CPU, then with the trunk placed in VRAM: token ids and per-step argmax must
    be identical; s/token = median decode step (the first step, which reads the experts from
    disk, excluded).
+ 6 DeepSeek-V4.1 end to end: a generated V4.1 checkpoint (preset demo-v41: FP8 with E8M0
+   scales per 32x32 block, Engram, shared KV; --small: tiny-v41), the same comparison under
+   both numerics (official: the FP8 activation grid before every FP8 matmul, applied on the
+   host before the device multiplies; fp32). Section 2 also checks V4.1-Flash-shaped FP8
+   matrices with 32x32 blocks on activations put on that grid.
 """
 
 from __future__ import annotations
@@ -48,10 +53,12 @@ from dsv4stream import gpu, kernels
 from dsv4stream.checkpoint import formats, synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.engine.session import Engine
+from dsv4stream.engine.v41 import V41Options
 from dsv4stream.gpu import affinity
 from dsv4stream.gpu.cuda import relative_error
 from dsv4stream.gpu.device import DeviceQWeight, dequant_gemm
 from dsv4stream.kernels import QWeight, reference
+from dsv4stream.model.quant import fp8_qdq
 from dsv4stream.weights.providers import CatalogExperts, CatalogTrunk
 
 TOL = 1e-5
@@ -86,15 +93,15 @@ def section(clock: Clock, title: str, need: float, fn, *args) -> None:
 # ---- helpers ---------------------------------------------------------------------------------
 
 
-def fp8_weight(rng, rows: int, cols: int, scale_fmt: str) -> QWeight:
+def fp8_weight(rng, rows: int, cols: int, scale_fmt: str, block: tuple[int, int] = (128, 128)) -> QWeight:
     data = rng.integers(0, 256, size=(rows, cols), dtype=np.uint8)
     data[(data & 0x7F) == 0x7F] -= 1  # no NaN codes: a checkpoint has none
-    shape = formats.fp8_scale_shape(rows, cols)
+    shape = formats.fp8_scale_shape(rows, cols, block)
     if scale_fmt == "ue8m0":
         scale = rng.integers(118, 122, size=shape, dtype=np.uint8)  # 2^-9 .. 2^-6
     else:
         scale = rng.uniform(0.002, 0.01, size=shape).astype(np.float32)
-    return QWeight("fp8", data, scale, rows, cols)
+    return QWeight("fp8", data, scale, rows, cols, block=block)
 
 
 def bf16_weight(rng, rows: int, cols: int) -> QWeight:
@@ -255,6 +262,16 @@ def s2_accuracy(st: State, args) -> None:
         for fmt in ("ue8m0", "float"):
             w = fp8_weight(rng, rows, cols, fmt)
             _check_paths(st, call, up, f"FP8 {name} ({rows}x{cols}, {fmt} scales)", w, x, tokens)
+    # V4.1-Flash: 32x32 scale blocks, inputs on the FP8 activation grid (per 32, UE8M0 scales)
+    v41 = [("v41 attn.wq_b", 32768, 1280), ("v41 attn.wo_a", 8192, 4096), ("v41 engram.wkv", 25600, 6144)]
+    if args.quick:
+        v41 = v41[:1]
+    if args.small:
+        v41 = [("v41 small", 416, 320)]
+    for name, rows, cols in v41:
+        x = fp8_qdq(rng.standard_normal((max(tokens), cols), dtype=np.float32), 32)
+        w = fp8_weight(rng, rows, cols, "ue8m0", (32, 32))
+        _check_paths(st, call, up, f"FP8 {name} ({rows}x{cols}, 32x32 blocks, QDQ'd input)", w, x, tokens)
     if not args.quick:
         rows = 1024 if args.small else 129280
         w = bf16_weight(rng, rows, 4096)
@@ -271,7 +288,7 @@ def _check_paths(st, call, up, label: str, w: QWeight, x: np.ndarray, tokens, ex
         ex = {t: x[:t].astype(np.float64) @ d64.T for t in tokens if t <= 8}
         del d64
     del dense
-    dw = DeviceQWeight(*call(up.upload, w), w.rows, w.cols, device=st.ctx.device)
+    dw = DeviceQWeight(*call(up.upload, w), w.rows, w.cols, block=w.block, device=st.ctx.device)
     cpu_ex = max((relative_error(refs[t], ex[t]) for t in ex), default=None)
     say(f"  {label}: CPU float32 vs float64 " + ("-" if cpu_ex is None else f"{cpu_ex:.1e}"))
     for path, ops in st.ops.items():
@@ -470,38 +487,61 @@ def s5_end_to_end(st: State, args, clock: Clock) -> None:
         path = synth.make_checkpoint(Path(tmp) / "ckpt", "flash-experts", seed=0, **over)
         size = sum(f.stat().st_size for f in path.iterdir())
         say(f"  generated {size / 1e9:.2f} GB checkpoint in {time.perf_counter() - t0:.0f}s ({over})")
+        _cpu_vs_gpu(st, Catalog.open(path), 4 if clock.left() < 90 else 8, "end-to-end")
+
+
+def s6_v41(st: State, args, clock: Clock) -> None:
+    if st.ctx is None or not st.ctx.enabled:
+        say("  no device: skipped")
+        return
+    preset = "tiny-v41" if args.small else "demo-v41"
+    with tempfile.TemporaryDirectory(prefix="dsv4-gpucheck-v41-") as tmp:
+        t0 = time.perf_counter()
+        path = synth.make_checkpoint(Path(tmp) / "ckpt", preset, seed=0)
+        size = sum(f.stat().st_size for f in path.iterdir())
+        say(f"  generated {size / 1e9:.2f} GB V4.1 checkpoint (preset {preset}) in {time.perf_counter() - t0:.0f}s")
         cat = Catalog.open(path)
-        cfg = cat.config
-        ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 16)
-        steps = 4 if clock.left() < 90 else 8
+        placed = None
+        for numerics in ("official", "fp32"):
+            placed = _cpu_vs_gpu(
+                st, cat, 4 if clock.left() < 60 else 8, f"V4.1 {numerics}", V41Options(numerics), placed
+            )
 
-        if st.cp is not None:
-            st.ctx.reserve_core(False)
-        kernels.set_threads(st.n_cpu)
-        cpu = _decode(Engine(cfg, CatalogTrunk(cat), CatalogExperts(cat), cat), ids, steps)
-        say(
-            f"  CPU ({st.n_cpu} threads): {cpu['s_token']:.3f} s/token (prefill of {len(ids)} tokens, first reads included, {cpu['prefill']:.2f}s)"
-        )
 
-        if st.cp is not None:
-            st.ctx.reserve_core(True)
-        kernels.set_threads(st.ctx.threads or st.n_cpu)
+def _cpu_vs_gpu(st: State, cat, steps: int, label: str, v41: V41Options | None = None, placed=None):
+    """Greedy decode on the CPU, then with the trunk in VRAM (placed once per checkpoint): ids,
+    per-step argmax and logits compared; s/token of each."""
+    cfg = cat.config
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 16)
+    if st.cp is not None:
+        st.ctx.reserve_core(False)
+    kernels.set_threads(st.n_cpu)
+    cpu = _decode(Engine(cfg, CatalogTrunk(cat), CatalogExperts(cat), cat, v41=v41), ids, steps)
+    say(
+        f"  {label}: CPU ({st.n_cpu} threads): {cpu['s_token']:.3f} s/token (prefill of {len(ids)} tokens,"
+        f" first reads included, {cpu['prefill']:.2f}s)"
+    )
+    if st.cp is not None:
+        st.ctx.reserve_core(True)
+    kernels.set_threads(st.ctx.threads or st.n_cpu)
+    if placed is None:
         t0 = time.perf_counter()
         placed = st.ctx.place(cat)
         say(f"  placed in {time.perf_counter() - t0:.1f}s: " + " ".join(st.ctx.take_messages()))
-        eng = Engine(cfg, CatalogTrunk(placed.source(cat)), CatalogExperts(cat), cat)
-        dev = _decode(eng, ids, steps)
-        say(
-            f"  --gpu ({st.ctx.threads} CPU threads): {dev['s_token']:.3f} s/token (prefill {dev['prefill']:.2f}s);"
-            f" speed-up {cpu['s_token'] / dev['s_token']:.2f}x; {st.ctx.stats_line()}"
-        )
-        same_ids = cpu["ids"] == dev["ids"]
-        same_arg = cpu["argmax"] == dev["argmax"]
-        worst = max(relative_error(a, b) for a, b in zip(dev["logits"], cpu["logits"], strict=True))
-        say(f"  ids identical: {same_ids}; per-step argmax identical: {same_arg}; logits max rel diff {worst:.1e}")
-        say(f"  ids CPU {cpu['ids']}\n  ids GPU {dev['ids']}")
-        if not (same_ids and same_arg):
-            FAILED.append("end-to-end ids/argmax")
+    eng = Engine(cfg, CatalogTrunk(placed.source(cat)), CatalogExperts(cat), cat, v41=v41)
+    dev = _decode(eng, ids, steps)
+    say(
+        f"  {label}: --gpu ({st.ctx.threads} CPU threads): {dev['s_token']:.3f} s/token (prefill {dev['prefill']:.2f}s);"
+        f" speed-up {cpu['s_token'] / dev['s_token']:.2f}x; {st.ctx.stats_line()}"
+    )
+    same_ids = cpu["ids"] == dev["ids"]
+    same_arg = cpu["argmax"] == dev["argmax"]
+    worst = max(relative_error(a, b) for a, b in zip(dev["logits"], cpu["logits"], strict=True))
+    say(f"  ids identical: {same_ids}; per-step argmax identical: {same_arg}; logits max rel diff {worst:.1e}")
+    say(f"  ids CPU {cpu['ids']}\n  ids GPU {dev['ids']}")
+    if not (same_ids and same_arg):
+        FAILED.append(f"{label} ids/argmax")
+    return placed
 
 
 def _decode(engine: Engine, ids: np.ndarray, steps: int) -> dict:
@@ -538,6 +578,9 @@ def main() -> int:
     section(clock, "3 bandwidth and call cost", 30, s3_bandwidth, st, args)
     section(clock, "4 CPU FP4 throughput, busy GPU, reserved core", 15, s4_fp4, st, args)
     section(clock, "5 end to end: CPU vs --gpu", 60, s5_end_to_end, st, args, clock)
+    if st.ctx is not None and st.ctx.enabled:
+        st.ctx.placed = None  # section 5's checkpoint is gone; its matrices are dropped with it
+    section(clock, "6 DeepSeek-V4.1 end to end: CPU vs --gpu", 40, s6_v41, st, args, clock)
     if st.ctx is not None:
         st.ctx.close()
     say(f"\n== done in {time.monotonic() - clock.t0:.0f}s; " + (f"FAILED: {FAILED}" if FAILED else "all checks passed"))

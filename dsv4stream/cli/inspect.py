@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -13,6 +14,8 @@ from ..checkpoint.config import DSPARK, DSPARK_V41, LAYOUTS, SUPPORTED_MODEL_TYP
 from ..checkpoint.spec import drafter_nbytes, is_drafter, trunk_nbytes, unused_summary
 from ..checkpoint.spec_v41 import is_vision, vision_nbytes
 from ..errors import CheckpointError, UsageError
+from ..gpu.plan import Matrix, moved_bytes, plan_placement
+from ..gpu.trunk import HEAD, candidates, candidates_from_config
 from ..run.memory import needs_of
 from ..run.planner import GB, gb_up, minimum_budget, plan
 from ..trunkpack.format import MANIFEST
@@ -102,16 +105,33 @@ def config_summary(cfg: ModelConfig, drafter_bytes: int | None = None, vision_by
     type=click.Path(path_type=Path),
     help="Packed trunk to check in full (every checksum). [default: CHECKPOINT/dsv4-trunk if packed]",
 )
+@click.option(
+    "--gpu", "use_gpu", is_flag=True, help="Also plan which trunk matrices `--gpu` puts in VRAM (no GPU needed)."
+)
+@click.option("--vram", type=float, default=None, help="GB of VRAM for weights in the --gpu plan. [default: 8, 16, 24]")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def inspect(
-    path: Path, config_only: bool, budget: tuple[float, ...], ctx: int, trunk: Path | None, debug: bool
+    path: Path,
+    config_only: bool,
+    budget: tuple[float, ...],
+    ctx: int,
+    trunk: Path | None,
+    use_gpu: bool,
+    vram: float | None,
+    debug: bool,
 ) -> None:
     """Summarise a checkpoint, validate every tensor against its config, and check its packed trunk."""
+    if vram is not None and not use_gpu:
+        raise UsageError("--vram applies to --gpu; add --gpu or drop --vram")
+    if vram is not None and not vram >= 0:
+        raise UsageError(f"--vram {vram}: give a number of GB, at least 0")
     if config_only or path.suffix == ".json":
         cfg_path = path if path.suffix == ".json" else path / "config.json"
-        for line in config_summary(ModelConfig.from_json(cfg_path)):
+        cfg = ModelConfig.from_json(cfg_path)
+        for line in config_summary(cfg):
             click.echo(line)
-        _plans(cfg_path, budget, ctx)  # a config.json: estimated, even beside the shards
+        mats = _gpu_plans(candidates_from_config(cfg), vram, "release dtypes, from config.json") if use_gpu else None
+        _plans(cfg_path, budget, ctx, mats, vram)  # a config.json: estimated, even beside the shards
         return
     cat = Catalog.open(path)
     mtp_bytes = sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n))
@@ -129,7 +149,8 @@ def inspect(
         )
     click.echo("all tensors present with the expected dtype and shape")
     _check_trunk(cat, trunk)
-    _plans(path, budget, ctx)
+    mats = _gpu_plans(candidates(cat), vram, "measured on the shards") if use_gpu else None
+    _plans(path, budget, ctx, mats, vram)
 
 
 def _check_trunk(cat: Catalog, trunk: Path | None) -> None:
@@ -147,12 +168,42 @@ def _check_trunk(cat: Catalog, trunk: Path | None) -> None:
     )
 
 
-def _plans(path: Path, budgets: tuple[float, ...], ctx: int) -> None:
+def _gpu_plans(mats: list[Matrix], vram: float | None, source: str) -> list[Matrix]:
+    """What `--gpu` could place (every candidate trunk matrix, by kind) and its plan at `vram`
+    GB (default: a few common sizes). No GPU is needed: the plan is arithmetic on sizes."""
+    by_kind: Counter = Counter()
+    for m in mats:
+        by_kind[m.kind] += m.device_bytes
+    head = sum(m.device_bytes for m in mats if m.key == (None, HEAD))
+    kinds = ", ".join(f"{k.upper()} {by_kind[k] / 1e9:.2f} GB" for k in ("fp8", "bf16", "f32") if by_kind[k])
+    click.echo(
+        f"gpu: {len(mats)} trunk matrices could go to VRAM: {sum(by_kind.values()) / 1e9:.2f} GB there ({kinds};"
+        f" the BF16 head {head / 1e9:.2f} GB), {sum(m.host_bytes for m in mats) / 1e9:.2f} GB in RAM ({source});"
+        f" FP8 scales widen to float32 in VRAM; routed experts and Engram rows stay on the CPU"
+    )
+    for gb in (vram,) if vram is not None else (8.0, 16.0, 24.0):
+        click.echo(f"gpu: --vram {gb:g}: {plan_placement(mats, int(gb * GB)).summary()}")
+    return mats
+
+
+def _plans(
+    path: Path, budgets: tuple[float, ...], ctx: int, mats: list[Matrix] | None = None, vram: float | None = None
+) -> None:
     """The planner's split of each budget: measured on a checkpoint exactly as `dsv4 run`
-    plans it (the same lines it prints), estimated from a bare config.json."""
+    plans it (the same lines it prints), estimated from a bare config.json. With `mats` and
+    `vram` (--gpu --vram), the matrices placed in VRAM leave the host plan, as in `dsv4 run --gpu`
+    (the CUDA context's own host memory is measured at start-up there, not counted here)."""
     if not budgets:
         return
     needs, source = needs_of(path, ctx=ctx)
+    if mats is not None and vram is not None:
+        per_layer, head = moved_bytes(mats, plan_placement(mats, int(vram * GB)))
+        needs = replace(
+            needs,
+            layer_bytes=tuple(b - per_layer.get(i, 0) for i, b in enumerate(needs.layer_bytes)),
+            head_bytes=needs.head_bytes - head,
+        )
+        source += f"; with --gpu --vram {vram:g}"
     click.echo(f"smallest budget that runs: {gb_up(minimum_budget(needs))} ({source})")
     for b in budgets:
         if not b > 0:

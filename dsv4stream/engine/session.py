@@ -38,7 +38,7 @@ from ..weights.providers import CatalogEngramRows, CatalogExperts, CatalogTrunk,
 from .state import SessionState, capture, thaw
 from .steps import Pass, PassContext, Stack
 from .v4 import V4Stack
-from .v41 import EngramIds, V41Options, V41Stack, checkpoint_engram_ids, refuse_gpu
+from .v41 import EngramIds, V41Options, V41Stack, checkpoint_engram_ids
 
 # on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched
 RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
@@ -136,7 +136,7 @@ class Engine:
 
         experts / trunk replace the in-memory defaults (e.g. a streaming expert store);
         threads sets the kernel thread count; gpu places trunk matrices in VRAM for the
-        default in-memory trunk (V4 only); v41: a V4.1 checkpoint's numerics and index keys.
+        default in-memory trunk; v41: a V4.1 checkpoint's numerics and index keys.
         """
         cat = Catalog.open(checkpoint_dir)
         if validate:
@@ -146,7 +146,6 @@ class Engine:
         if trunk is None:
             on_gpu = gpu is not None and gpu.enabled
             if on_gpu:
-                refuse_gpu(cat.config)
                 gpu.place(cat)
             trunk = CatalogTrunk(gpu.source(cat) if on_gpu else cat)
         return cls(cat.config, trunk, experts or CatalogExperts(cat), cat, v41=v41)

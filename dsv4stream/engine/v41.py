@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.config import V41, ModelConfig
+from ..checkpoint.config import ModelConfig
 from ..errors import CheckpointError, UsageError
 from ..model.engram import engram
 from ..model.quant import NUMERICS, Numerics
@@ -90,12 +90,6 @@ def checkpoint_engram_ids(cat) -> EngramIds:
     layout = HashLayout.build(e.layer_ids, e.max_ngram_size, e.n_heads, e.vocab_size, classes.n_classes, pad)
     layout.check_table_rows(e.rows)
     return EngramIds(layout, classes)
-
-
-def refuse_gpu(cfg: ModelConfig) -> None:
-    """--gpu runs V4's trunk (128x128 FP8 blocks, no activation grid) on the device; V4.1 is CPU only."""
-    if cfg.family == V41:
-        raise UsageError("--gpu is not supported for DeepSeek-V4.1 checkpoints yet; run without --gpu (CPU)")
 
 
 @dataclass

@@ -25,7 +25,7 @@ from .affinity import AffinitySplit, split_affinity
 from .context import GpuContext, available, fallback_line, setup
 from .device import Device, DeviceQWeight, DeviceThread, host_device
 from .plan import Matrix, Placement, plan_placement, vram_budget
-from .trunk import Placed, PlacedSource, candidates, place
+from .trunk import Placed, PlacedSource, candidates, candidates_from_config, place
 
 __all__ = [
     "AffinitySplit",
@@ -39,6 +39,7 @@ __all__ = [
     "Placement",
     "available",
     "candidates",
+    "candidates_from_config",
     "fallback_line",
     "host_device",
     "place",

@@ -75,10 +75,12 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// y (T, R) = x (T, C) @ W^T; W (R, C) E4M3 bytes, scale (ceil(R/128), SC) float32. C %% 16 == 0.
+// y (T, R) = x (T, C) @ W^T; W (R, C) E4M3 bytes, scale (ceil(R/BR), SC) float32 with one scale
+// per BR x BC block, BR = 1 << BRS, BC = 1 << BCS (128x128 in V4, 32x32 in V4.1). C %% 16 == 0
+// and BC >= 16: a lane's 16 weights share one scale.
 extern "C" __global__ void __launch_bounds__(THREADS, 3) fp8_gemv(const uint4* __restrict__ w, const float* __restrict__ scale,
                                     const float* __restrict__ x, float* __restrict__ y,
-                                    int R, int C, int T, int SC) {
+                                    int R, int C, int T, int SC, int BRS, int BCS) {
     const int lane = threadIdx.x & 31;
     const int r0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * RPW;
     if (r0 >= R) return;
@@ -89,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3) fp8_gemv(const uint4* _
     for (int k = 0; k < RPW; ++k) {
         int r = min(r0 + k, R - 1);
         wr[k] = w + (size_t)r * nvec;
-        sr[k] = scale + (size_t)(r >> 7) * SC;
+        sr[k] = scale + (size_t)(r >> BRS) * SC;
     }
     float acc[RPW][MAXT];
     #pragma unroll
@@ -107,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3) fp8_gemv(const uint4* _
             e4m3x4(q.y, wf[k] + 4);
             e4m3x4(q.z, wf[k] + 8);
             e4m3x4(q.w, wf[k] + 12);
-            s[k] = __ldg(sr[k] + (v >> 3));
+            s[k] = __ldg(sr[k] + ((v << 4) >> BCS));
         }
         const int c0 = v << 4;
         #pragma unroll
@@ -201,6 +203,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3) bf16_gemv(const uint4* 
 """
 
 
+# (rows, cols, scale format, FP8 scale block) of the self-test's matrices: V4's 128x128 blocks
+# with edge rows, both scale types, a one-row matrix, and V4.1's 32x32 blocks with edge rows.
+SELFTEST_SHAPES = (
+    (259, 384, "ue8m0", (128, 128)),
+    (128, 256, "float", (128, 128)),
+    (1, 16, "ue8m0", (128, 128)),
+    (77, 96, "ue8m0", (32, 32)),
+)
+
+
+def fused_block(block: tuple[int, int]) -> bool:
+    """Whether the fused FP8 kernel handles this scale block: powers of two, at least 16
+    columns wide (a lane's 16 consecutive weights must share one scale)."""
+    br, bc = block
+    return br > 0 and bc >= 16 and br & (br - 1) == 0 and bc & (bc - 1) == 0
+
+
 def kernel_source(hw_fp8: bool) -> str:
     return f"#define DSV4_HW_FP8 {int(hw_fp8)}\n" + KERNEL_SOURCE % {
         "maxt": MAXT,
@@ -282,17 +301,17 @@ class CudaOps:
         rng = np.random.default_rng(seed)
         worst = 0.0
         finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.uint8)
-        for rows, cols, scale_fmt in ((259, 384, "ue8m0"), (128, 256, "float"), (1, 16, "ue8m0")):
+        for rows, cols, scale_fmt, blk in SELFTEST_SHAPES:
             data = rng.choice(finite, size=(rows, cols)).astype(np.uint8)
             data.ravel()[: min(data.size, finite.size)] = finite[: min(data.size, finite.size)]
-            shape = formats.fp8_scale_shape(rows, cols)
+            shape = formats.fp8_scale_shape(rows, cols, blk)
             if scale_fmt == "ue8m0":
                 scale = rng.integers(110, 135, size=shape, dtype=np.uint8)
             else:
                 scale = rng.uniform(0.001, 0.1, size=shape).astype(np.float32)
             bits = formats.f32_to_bf16(rng.standard_normal((rows, cols), dtype=np.float32))
-            for w in (QWeight("fp8", data, scale, rows, cols), QWeight("bf16", bits, None, rows, cols)):
-                dw = DeviceQWeight(*self.upload(w), rows, cols)
+            for w in (QWeight("fp8", data, scale, rows, cols, block=blk), QWeight("bf16", bits, None, rows, cols)):
+                dw = DeviceQWeight(*self.upload(w), rows, cols, block=w.block)
                 for t in tokens:
                     x = rng.standard_normal((t, cols), dtype=np.float32)
                     ref = reference.matmul(w, x)
@@ -345,7 +364,7 @@ class CudaOps:
     def _fusable(self, w: QWeight, t: int) -> bool:
         if not self.kernels or t > self.fused_max_t or w.kind not in self.kernels:
             return False
-        return w.cols % (16 if w.kind == "fp8" else 8) == 0
+        return w.cols % (16 if w.kind == "fp8" else 8) == 0 and (w.kind != "fp8" or fused_block(w.block))
 
     def _fused(self, w: QWeight, xd):
         """Fused kernel over chunks of up to MAXT tokens; xd (T, C) device -> (T, R) device."""
@@ -361,7 +380,8 @@ class CudaOps:
             n = np.int32(xs.shape[0])
             if w.kind == "fp8":
                 sc = np.int32(w.scale.shape[1])
-                self.kernels["fp8"](grid, block, (w.data, w.scale, xs, ys, r, c, n, sc))
+                brs, bcs = (np.int32(b.bit_length() - 1) for b in w.block)
+                self.kernels["fp8"](grid, block, (w.data, w.scale, xs, ys, r, c, n, sc, brs, bcs))
             else:
                 self.kernels["bf16"](grid, block, (w.data, xs, ys, r, c, n))
         return yd

@@ -19,6 +19,7 @@ bench/gpu_check.py measures it.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Callable
@@ -117,7 +118,7 @@ class Device:
 
     def upload(self, w: QWeight) -> DeviceQWeight:
         kind, data, scale = self.thread.call(self.ops.upload, w)
-        return DeviceQWeight(kind, data, scale, w.rows, w.cols, device=self)
+        return DeviceQWeight(kind, data, scale, w.rows, w.cols, role=w.role, block=w.block, device=self)
 
     def matmul(self, w: DeviceQWeight, x: np.ndarray) -> np.ndarray:
         """X (T, C) float32 -> (T, R) float32, computed on the device."""
@@ -139,7 +140,8 @@ class DeviceQWeight(QWeight):
     """A QWeight whose data (and float32 scale) live on a device.
 
     `kernels.matvec` / `matmul` see `on_device` and call the methods below instead of a CPU
-    backend. FP8 scales are float32 here whatever the checkpoint stored (E8M0 widens exactly).
+    backend. FP8 scales are float32 here whatever the checkpoint stored (E8M0 widens exactly),
+    one per `block` (128x128 in V4, 32x32 in V4.1) as on the host.
     """
 
     device: Device | None = field(default=None, compare=False, repr=False)
@@ -174,17 +176,24 @@ def upload_arrays(xp, w: QWeight) -> tuple[str, Any, Any]:
     return w.kind, data, scale
 
 
+def row_unit(w: QWeight) -> int:
+    """Row blocks dequantised at once start at multiples of this: 128, and of the FP8 scale block."""
+    return math.lcm(128, w.block[0]) if w.kind == "fp8" else 128
+
+
 def dequant_rows(xp, w: QWeight, r0: int, r1: int, lut) -> Any:
-    """Rows r0:r1 of a device weight as float32 (r1 - r0, C); r0 is a multiple of 128.
+    """Rows r0:r1 of a device weight as float32 (r1 - r0, C); r0 is a multiple of the scale
+    block's rows (`w.block`: 128x128 in V4, 32x32 in V4.1).
 
     Products of an E4M3 value and its scale are exact in float32 (for E8M0 scales), so
     this equals the CPU reference's dequantisation bit for bit.
     """
     if w.kind == "fp8":
-        if r0 % 128:
-            raise InternalError(f"FP8 rows from {r0}: a row block starts at a multiple of 128")
-        s = w.scale[r0 // 128 : -(-r1 // 128)]
-        full = xp.repeat(xp.repeat(s, 128, axis=0), 128, axis=1)[: r1 - r0, : w.cols]
+        br, bc = w.block
+        if r0 % br:
+            raise InternalError(f"FP8 rows from {r0}: a row block starts at a multiple of {br}")
+        s = w.scale[r0 // br : -(-r1 // br)]
+        full = xp.repeat(xp.repeat(s, br, axis=0), bc, axis=1)[: r1 - r0, : w.cols]
         return xp.take(lut, w.data[r0:r1]) * full
     if w.kind == "bf16":
         return (w.data[r0:r1].astype(xp.uint32) << 16).view(xp.float32)
@@ -195,7 +204,8 @@ def dequant_gemm(xp, w: QWeight, x, lut, block_bytes: int = DEQUANT_BLOCK_BYTES)
     """x (T, C) device float32 -> (T, R): dequantise row blocks, then float32 GEMM each."""
     t = x.shape[0]
     y = xp.empty((t, w.rows), dtype=xp.float32)
-    step = max(128, (block_bytes // (4 * w.cols)) // 128 * 128)
+    unit = row_unit(w)
+    step = max(unit, (block_bytes // (4 * w.cols)) // unit * unit)
     for r0 in range(0, w.rows, step):
         r1 = min(w.rows, r0 + step)
         y[:, r0:r1] = x @ dequant_rows(xp, w, r0, r1, lut).T

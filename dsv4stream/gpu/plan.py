@@ -67,10 +67,11 @@ class Placement:
         )
 
 
-def device_bytes_of(kind: str, rows: int, cols: int) -> int:
-    """VRAM a matrix takes once uploaded: FP8 scales are widened to float32 on upload."""
+def device_bytes_of(kind: str, rows: int, cols: int, block: tuple[int, int] = (128, 128)) -> int:
+    """VRAM a matrix takes once uploaded: FP8 scales (one per `block`: 128x128 in V4, 32x32 in
+    V4.1) are widened to float32 on upload."""
     if kind == "fp8":
-        return rows * cols + 4 * math.ceil(rows / 128) * math.ceil(cols / 128)
+        return rows * cols + 4 * math.ceil(rows / block[0]) * math.ceil(cols / block[1])
     if kind == "bf16":
         return 2 * rows * cols
     if kind == "f32":
@@ -82,7 +83,7 @@ def matrix_of(key: Key, w: QWeight) -> Matrix | None:
     """A placement candidate for one weight, or None for kinds that stay on the CPU."""
     if w.kind not in PARAMS_PER_BYTE:
         return None
-    return Matrix(key, w.kind, w.rows, w.cols, w.nbytes, device_bytes_of(w.kind, w.rows, w.cols))
+    return Matrix(key, w.kind, w.rows, w.cols, w.nbytes, device_bytes_of(w.kind, w.rows, w.cols, w.block))
 
 
 def plan_placement(mats: Sequence[Matrix], budget: int, min_bytes: int = MIN_BYTES) -> Placement:
@@ -99,6 +100,21 @@ def plan_placement(mats: Sequence[Matrix], budget: int, min_bytes: int = MIN_BYT
         moved += m.host_bytes
     total_host = sum(m.host_bytes for m in mats)
     return Placement(frozenset(chosen), used, moved, total_host - moved, len(chosen), len(mats), budget)
+
+
+def moved_bytes(mats: Sequence[Matrix], placement: Placement) -> tuple[dict[int, int], int]:
+    """RAM the placement frees: host bytes per main layer, and the head's."""
+    per_layer: dict[int, int] = {}
+    head = 0
+    for m in mats:
+        if m.key not in placement.on_device:
+            continue
+        layer = m.key[0]
+        if layer is None:
+            head += m.host_bytes
+        else:
+            per_layer[layer] = per_layer.get(layer, 0) + m.host_bytes
+    return per_layer, head
 
 
 def _sort_key(key: Key) -> tuple[int, str]:

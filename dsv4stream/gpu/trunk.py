@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..checkpoint.spec import MODEL, block_specs, linear_names
+from ..checkpoint.spec import MODEL, TensorSpec, block_specs, linear_names, released_nbytes
 from ..kernels import QWeight
 from .device import Device, DeviceQWeight
 from .plan import MIN_BYTES, PARAMS_PER_BYTE, Key, Matrix, Placement, device_bytes_of, plan_placement
@@ -25,18 +25,23 @@ KINDS = {"F8_E4M3": "fp8", "BF16": "bf16", "F32": "f32"}
 HEAD = MODEL["head"]
 
 
-def candidates(cat) -> list[Matrix]:
-    """Matrices that may go to VRAM, keyed (layer, tensor prefix); the head is (None, "head")."""
-    cfg = cat.config
-    found: list[tuple[int | None, str]] = [
-        (i, s.name.rpartition(".")[0])
+def _linear_specs(cfg) -> list[tuple[int | None, str, TensorSpec | None]]:
+    """(layer, tensor prefix, spec) of every 2-D linear weight of the main layers, then the head."""
+    found: list[tuple[int | None, str, TensorSpec | None]] = [
+        (i, s.name.rpartition(".")[0], s)
         for i in range(cfg.n_layers)
         for s in block_specs(cfg, i, with_experts=False)
         if len(s.shape) == 2 and s.name == linear_names(s.name.rpartition(".")[0])[0]
     ]
-    found.append((None, HEAD))
+    found.append((None, HEAD, None))
+    return found
+
+
+def candidates(cat) -> list[Matrix]:
+    """Matrices that may go to VRAM, keyed (layer, tensor prefix); the head is (None, "head")."""
+    cfg = cat.config
     out = []
-    for layer, prefix in found:
+    for layer, prefix, _ in _linear_specs(cfg):
         weight, scale = linear_names(prefix)
         w = cat.entries.get(weight)
         kind = KINDS.get(w.dtype) if w is not None and len(w.shape) == 2 else None
@@ -45,7 +50,21 @@ def candidates(cat) -> list[Matrix]:
         s = cat.entries.get(scale)
         host = w.nbytes + (s.nbytes if s is not None and kind == "fp8" else 0)
         rows, cols = w.shape
-        out.append(Matrix((layer, prefix), kind, rows, cols, host, device_bytes_of(kind, rows, cols)))
+        out.append(Matrix((layer, prefix), kind, rows, cols, host, device_bytes_of(kind, rows, cols, cfg.fp8_block)))
+    return out
+
+
+def candidates_from_config(cfg) -> list[Matrix]:
+    """The same candidates estimated from config.json alone, with the release dtypes (`dsv4
+    inspect --gpu` on a bare config): FP8 with E8M0 scales per `cfg.fp8_block`, BF16 head."""
+    out = []
+    for layer, prefix, spec in _linear_specs(cfg):
+        if spec is None:  # the head: BF16 in every release
+            rows, cols, kind, host = cfg.vocab_size, cfg.hidden_size, "bf16", 2 * cfg.vocab_size * cfg.hidden_size
+        else:
+            kind = KINDS[spec.dtypes[0]]
+            (rows, cols), host = spec.shape, released_nbytes(cfg, spec)
+        out.append(Matrix((layer, prefix), kind, rows, cols, host, device_bytes_of(kind, rows, cols, cfg.fp8_block)))
     return out
 
 
@@ -108,4 +127,4 @@ def place(
     return Placed(weights, placement, tuple(kept))
 
 
-__all__ = ["HEAD", "Key", "Placed", "PlacedSource", "candidates", "place"]
+__all__ = ["HEAD", "Key", "Placed", "PlacedSource", "candidates", "candidates_from_config", "place"]

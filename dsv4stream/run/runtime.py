@@ -21,7 +21,6 @@ import numpy as np
 from .. import kernels
 from ..checkpoint.catalog import Catalog
 from ..engine.session import Engine, LayerHook, PrefillStep, Session
-from ..engine.v41 import refuse_gpu
 from ..errors import Dsv4Error, UsageError
 from ..store import ExpertStore
 from ..store.rowcache import RowStats
@@ -151,8 +150,6 @@ class Runtime:
         cat = Catalog.open(checkpoint)
         cat.validate()
         cfg = cat.config
-        if gpu is not None and gpu.enabled:
-            refuse_gpu(cfg)
         once = _Once(warn)
         tf = open_trunk_file(cat, opts.trunk, verify=opts.verify)
         placed = gpu.place(cat) if gpu is not None and gpu.enabled else None
