@@ -187,11 +187,16 @@ class V41Stack:
         cfg, t = self.cfg, p.ids.size
         carry: Carry = state[-1]
         layers = state[:-1]
-        if w.engram is not None:
-            k = self.engram_layers.index(i)
-            rows = self.engram_rows.rows(i, p.rows[:, k])
-            p.x = engram(p.x, rows, w.engram, cfg.rms_norm_eps, self.plan.quantise)
         c, rope = min(ctx.chunk, t), self.rope_for(i)
+        if w.engram is not None:
+            # per sub-chunk: a whole segment's rows at once would be S x columns x head_dim floats
+            # and their projection S x (hc + 1) x D (~0.5 GB at S = 4096 on the release), which
+            # the plan does not hold; each token's gate reads only its own rows and streams
+            k = self.engram_layers.index(i)
+            for a in range(0, t, c):
+                b = min(t, a + c)
+                rows = self.engram_rows.rows(i, p.rows[a:b, k])
+                p.x[a:b] = engram(p.x[a:b], rows, w.engram, cfg.rms_norm_eps, self.plan.quantise)
         if not p.published:
             p.published = [Published() for _ in range(0, t, c)]
         a_pre = np.empty_like(p.pre)

@@ -7,7 +7,8 @@ Engram row cache's unit. `planner` places them; the numbers follow the reference
   token), a ratio-2 source's open group (kv and gate of `ratio` tokens), the Engram n-gram history.
 - staging: V4's terms, plus the indexer's per-head scores over every visible compressed row
   (ratio 1: every position) before the heads are summed, the candidate mask, and an Engram
-  layer's rows and projection for the chunk.
+  layer's rows, projection and gate for the chunk (the Engram runs per sub-chunk, so its
+  temporaries never scale with the segment).
 - segment tokens: V4's terms, plus the Engram rows of the segment's tokens at one Engram layer
   (read before that layer, dropped after it).
 """
@@ -21,6 +22,9 @@ from ..store.rowcache import RowCache
 # The Engram row cache's reads run on the expert store's reader threads, each holding one aligned
 # read window (up to 1 MiB) at a time; counted for up to this many threads (--io-threads, default 4).
 ENGRAM_READERS = 32
+# Bytes per gathered Engram row beyond its own: the row cache's int64 keys, unique ids, inverse,
+# slots and masks for the call (measured: ~140 bytes a row with tracemalloc; counted with margin).
+ROW_INDEX_BYTES = 192
 
 
 def engram_slot_bytes(cfg: ModelConfig) -> int:
@@ -60,13 +64,25 @@ def staging_extra_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
     index_rows = ctx // min(ratios) + 1
     per_tok = 4 * (cfg.index_n_heads + 2) * index_rows  # per-head scores, their sum, the candidate mask
     if cfg.engram:
-        e = cfg.engram
-        per_tok += 4 * (e.columns * e.head_dim + (cfg.hc_mult + 1) * cfg.hidden_size)
-        per_tok += e.columns * 8
+        per_tok += engram_token_bytes(cfg)
     out = chunk * per_tok
     if cfg.engram:
         out += RowCache.staging_bytes(ENGRAM_READERS)  # the row cache's read windows in flight
     return out
+
+
+def engram_token_bytes(cfg: ModelConfig) -> int:
+    """Peak bytes per token of an Engram layer's sub-chunk (`engine.v41`: the rows are gathered,
+    dequantised and gated one attention sub-chunk at a time, never a whole segment): the gathered
+    row bytes and the row cache's index arrays (keys, unique, inverse, slots: ~192 bytes a row),
+    the dequantised rows, then either the FP8 grid's temporaries of the rows (two more copies) or
+    the gate's over the streams (hc x D), beside the projection (hc + 1) x D. Measured with
+    tracemalloc at D 512, 2048 and 5120 (24 rows of 256): 85, 116 and 209 kB a token, against
+    95, 126 and 220 kB here (tests/test_v41_engram_budget.py measures it on generated checkpoints)."""
+    e = cfg.engram
+    rows = e.columns * e.head_dim
+    streams = cfg.hc_mult * cfg.hidden_size
+    return 4 * (rows + streams + cfg.hidden_size + max(2 * rows, streams)) + e.columns * (e.row_bytes + ROW_INDEX_BYTES)
 
 
 def segment_extra_bytes(cfg: ModelConfig) -> int:
