@@ -79,6 +79,28 @@ def test_the_staging_counts_an_engram_sub_chunk(tmp_path, over) -> None:
     assert planner_v41.staging_extra_bytes(cfg, t, 256) >= t * per_token
 
 
+def test_disk_rows_in_pieces_read_and_count_as_one_call(tmp_path) -> None:
+    """rows_chunks: the pieces are rows() of each piece, bit for bit, and with a cache smaller
+    than the segment's rows, a row repeated across pieces is still read once (as in one call)."""
+    ck = make_checkpoint(tmp_path / "ck", "tiny-v41", seed=4)
+    e = Engine.open(ck)
+    x = np.random.default_rng(2).integers(0, 40, 200)  # few token ids: n-grams repeat
+    rows, _ = e.stack.engram_ids.rows((), x)
+    layer, ids = e.cfg.engram.layer_ids[0], rows[:, 0]
+    cat = Catalog.open(ck)
+    with DiskEngramRows(cat, 64, io="buffered") as one, DiskEngramRows(cat, 64, io="buffered") as parts:
+        whole = one.rows(layer, ids)
+        got = list(parts.rows_chunks(layer, ids, 16))
+        assert [g.shape[0] for g in got] == [16] * 12 + [8]
+        np.testing.assert_array_equal(np.concatenate(got), whole)
+        a, b = one.stats(), parts.stats()
+        assert (a.requests, a.hits, a.misses) == (b.requests, b.hits, b.misses)
+        assert a.hits > 0 and a.misses > 64  # repeats, and more distinct rows than the cache holds
+    assert planner_v41.segment_extra_bytes(e.cfg) == e.cfg.engram.columns * (
+        planner_v41.engram_slot_bytes(e.cfg) + e.cfg.engram.row_bytes + planner_v41.ROW_INDEX_BYTES
+    )
+
+
 def test_the_release_engram_sub_chunk_by_hand() -> None:
     cfg = ModelConfig.from_json(V41_CONFIG)
     e = cfg.engram

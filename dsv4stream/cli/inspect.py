@@ -178,7 +178,7 @@ def _gpu_plans(mats: list[Matrix], vram: float | None, source: str) -> list[Matr
     kinds = ", ".join(f"{k.upper()} {by_kind[k] / 1e9:.2f} GB" for k in ("fp8", "bf16", "f32") if by_kind[k])
     click.echo(
         f"gpu: {len(mats)} trunk matrices could go to VRAM: {sum(by_kind.values()) / 1e9:.2f} GB there ({kinds};"
-        f" the BF16 head {head / 1e9:.2f} GB), {sum(m.host_bytes for m in mats) / 1e9:.2f} GB in RAM ({source});"
+        f" the head {head / 1e9:.2f} GB), {sum(m.host_bytes for m in mats) / 1e9:.2f} GB in RAM ({source});"
         f" FP8 scales widen to float32 in VRAM; routed experts and Engram rows stay on the CPU"
     )
     for gb in (vram,) if vram is not None else (8.0, 16.0, 24.0):

@@ -15,7 +15,7 @@ history (the last n-gram size - 1 token classes) carries the hash across passes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +90,18 @@ def checkpoint_engram_ids(cat) -> EngramIds:
     layout = HashLayout.build(e.layer_ids, e.max_ngram_size, e.n_heads, e.vocab_size, classes.n_classes, pad)
     layout.check_table_rows(e.rows)
     return EngramIds(layout, classes)
+
+
+def engram_pieces(provider: EngramRows, layer: int, ids: np.ndarray, chunk: int) -> Iterator[np.ndarray]:
+    """The rows of ids (T, columns) in pieces of `chunk` tokens: through the provider's
+    `rows_chunks` where it has one (one read of the segment's rows, dequantised per piece),
+    else one `rows` call per piece."""
+    pieces = getattr(provider, "rows_chunks", None)
+    if pieces is not None:
+        yield from pieces(layer, ids, chunk)
+        return
+    for a in range(0, ids.shape[0], chunk):
+        yield provider.rows(layer, ids[a : a + chunk])
 
 
 @dataclass
@@ -193,9 +205,8 @@ class V41Stack:
             # and their projection S x (hc + 1) x D (~0.5 GB at S = 4096 on the release), which
             # the plan does not hold; each token's gate reads only its own rows and streams
             k = self.engram_layers.index(i)
-            for a in range(0, t, c):
+            for a, rows in zip(range(0, t, c), engram_pieces(self.engram_rows, i, p.rows[:, k], c), strict=True):
                 b = min(t, a + c)
-                rows = self.engram_rows.rows(i, p.rows[a:b, k])
                 p.x[a:b] = engram(p.x[a:b], rows, w.engram, cfg.rms_norm_eps, self.plan.quantise)
         if not p.published:
             p.published = [Published() for _ in range(0, t, c)]

@@ -10,7 +10,7 @@ Engram row cache's unit. `planner` places them; the numbers follow the reference
   layer's rows, projection and gate for the chunk (the Engram runs per sub-chunk, so its
   temporaries never scale with the segment).
 - segment tokens: V4's terms, plus the Engram rows of the segment's tokens at one Engram layer
-  (read before that layer, dropped after it).
+  (read before that layer, dropped after it): in the cache, and as the one gather's row bytes.
 """
 
 from __future__ import annotations
@@ -86,5 +86,10 @@ def engram_token_bytes(cfg: ModelConfig) -> int:
 
 
 def segment_extra_bytes(cfg: ModelConfig) -> int:
-    """Per segment token: its Engram rows at one Engram layer (the cache's floor)."""
-    return cfg.engram.columns * engram_slot_bytes(cfg) if cfg.engram else 0
+    """Per segment token: its Engram rows at one Engram layer (the cache's floor), and their bytes
+    as one gather hands them over with its index arrays (`DiskEngramRows.rows_chunks` reads a
+    segment's rows at once, then dequantises them one sub-chunk at a time)."""
+    if not cfg.engram:
+        return 0
+    e = cfg.engram
+    return e.columns * (engram_slot_bytes(cfg) + e.row_bytes + ROW_INDEX_BYTES)

@@ -10,7 +10,7 @@ and kept in the cache's LRU (its size is the planner's Engram line).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Self
 
@@ -92,13 +92,27 @@ class DiskEngramRows:
     def rows(self, layer: int, ids: np.ndarray) -> np.ndarray:
         t = self._table(layer)
         ids = np.asarray(ids, dtype=np.int64)
-        raw = self.cache.gather(t, ids.reshape(-1))
+        return self._dequant(t, self.cache.gather(t, ids.reshape(-1))).reshape(ids.shape + (self.head_dim,))
+
+    def rows_chunks(self, layer: int, ids: np.ndarray, chunk: int) -> Iterator[np.ndarray]:
+        """`rows(layer, ids)` in pieces of `chunk` tokens (ids (T, columns)): one gather of the row
+        bytes for all T (a row repeated anywhere in them is read and counted once, as in one
+        `rows` call, whatever the cache's size), dequantised one piece at a time so the float32
+        rows never exist for all T at once (a prefill segment's: S x columns x head_dim)."""
+        t = self._table(layer)
+        ids = np.asarray(ids, dtype=np.int64)
+        raw = self.cache.gather(t, ids.reshape(-1)).reshape(ids.shape[0], -1)
+        for a in range(0, ids.shape[0], chunk):
+            part = raw[a : a + chunk].reshape(-1, self.cache.tables[t].row_bytes)
+            yield self._dequant(t, part).reshape(ids[a : a + chunk].shape + (self.head_dim,))
+
+    def _dequant(self, t: int, raw: np.ndarray) -> np.ndarray:
+        """Row bytes (n, values + scales) -> (n, head_dim) float32: E4M3 values times their scale."""
         vb = self.cache.tables[t].parts[0].row_bytes
         vals = e4m3_to_f32(raw[:, :vb])
         s = scale_to_f32(np.ascontiguousarray(raw[:, vb:]).view(self._scale_dtype[t]))
         n, hd = vals.shape
-        deq = (vals.reshape(n, s.shape[1], hd // s.shape[1]) * s[:, :, None]).reshape(n, hd)
-        return deq.reshape(ids.shape + (hd,))
+        return (vals.reshape(n, s.shape[1], hd // s.shape[1]) * s[:, :, None]).reshape(n, hd)
 
     def stats(self) -> RowStats:
         return self.cache.stats()

@@ -67,6 +67,11 @@ class EngramRows(Protocol):
         E8M0 scale (one per 32 columns)."""
         ...
 
+    def rows_chunks(self, layer: int, ids: np.ndarray, chunk: int) -> Iterator[np.ndarray]:
+        """`rows(layer, ids)` in pieces of `chunk` tokens, read as one call. Optional: the engine
+        falls back to one `rows` call per piece."""
+        ...
+
 
 class CatalogEngramRows:
     """Engram rows read from the checkpoint on demand, each distinct row once per call; nothing
