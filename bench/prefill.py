@@ -11,7 +11,7 @@ Printed per run: budget, tokens, segment size S and segments run, expert bytes r
 (layer, expert) pairs summed over segments x expert bytes (what a read-once prefill must read at
 most), their ratio, trunk bytes read / streamed-trunk bytes (trunk passes), prefill seconds and
 tokens/s, decode tokens/s of the same run, the prefill/decode speed ratio, peak RSS; below it
-where the prefill's seconds went (`profile.DecodeProfile` around the prefill: products by weight
+where the prefill's seconds went (`phases.StepClock` around the prefill: products by weight
 role, waits on expert and trunk reads, the rest). Then the machine: CPU model, SIMD flags, load.
 
     python bench/prefill.py /work/ckpt/i19-flash --budgets 2.2,5 --lengths 64,256,1024,4096
@@ -35,7 +35,7 @@ from dsv4stream.files import atomic_write
 
 
 def child(ckpt: str, budget: float, length: int, gen: int, seed: int, segment: int | None) -> dict:
-    from dsv4stream.run.profile import DecodeProfile
+    from dsv4stream.engine.phases import StepClock
     from dsv4stream.run.runinfo import RunOptions
     from dsv4stream.run.runtime import Runtime
 
@@ -62,12 +62,12 @@ def child(ckpt: str, budget: float, length: int, gen: int, seed: int, segment: i
 
         ids = np.random.default_rng(seed).integers(2, cfg.vocab_size, size=length)
         s0, r0 = rt.store.stats(), rt.trunk.stats()
-        prof = DecodeProfile()
-        prof.begin(rt.store, rt.trunk)
+        clock = StepClock(rt.counters)
+        clock.begin()
         t0 = time.perf_counter()
         logits = session.prefill(ids, last_only=True, on_layer=on_layer)
         prefill_s = time.perf_counter() - t0
-        prof.end(rt.store, rt.trunk)
+        _, spent = clock.end()
         s1, r1 = rt.store.stats(), rt.trunk.stats()
         t0 = time.perf_counter()
         for _ in range(gen):
@@ -89,7 +89,7 @@ def child(ckpt: str, budget: float, length: int, gen: int, seed: int, segment: i
             "trunk_bytes_read": r1.bytes_read - r0.bytes_read,
             "streamed_trunk_bytes": streamed,
             "prefill_s": prefill_s,
-            "prefill_profile": {k: round(v, 3) for k, v in prof.per_token(1).items()},
+            "prefill_profile": {k: round(v, 3) for k, v in spent.items()},
             "decode_tok_s": gen / decode_s if gen else 0.0,
         }
 

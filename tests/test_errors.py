@@ -12,9 +12,9 @@ import pytest
 from dsv4stream import cli
 from dsv4stream.checkpoint import synth
 from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.engine.phases import StepClock, no_reads
 from dsv4stream.errors import CheckpointError, Dsv4Error, InternalError, ReadError, ShortReadError
 from dsv4stream.model.ops import topk_lowest_index
-from dsv4stream.run.profile import DecodeProfile
 from dsv4stream.store.directio import FileSet, aligned_buffer, plan_slot
 from dsv4stream.streaming.expert_layout import expert_layouts
 from dsv4stream.streaming.rows import RowReader
@@ -99,4 +99,4 @@ def test_invariants_are_checked_even_without_asserts():
     with pytest.raises(InternalError, match="need 1 <= k"):
         topk_lowest_index(np.zeros((2, 3), np.float32), 4)
     with pytest.raises(InternalError, match=r"end\(\) without begin\(\)"):
-        DecodeProfile().end(None, None)
+        StepClock(no_reads).end()

@@ -71,7 +71,7 @@ def test_stats_json_route_log_and_verify(ckpt, tmp_path) -> None:
 def test_decode_profile_in_stats_and_json(ckpt, tmp_path) -> None:
     """--stats shows where decode time went; --stats-json has the same phases, which add up to
     the decode step time (the sampler is outside the step)."""
-    from dsv4stream.run.profile import PROFILE_PHASES
+    from dsv4stream.engine.phases import PROFILE_PHASES
 
     stats = tmp_path / "stats.json"
     res = invoke(
@@ -130,6 +130,7 @@ def test_decode_reads_per_token_leave_the_prefill_out(ckpt) -> None:
     first token read exactly the prefill's bytes, and the longer run's extra bytes are the steps'."""
     from dsv4stream.run.report import report_lines
     from dsv4stream.run.runtime import Runtime
+    from dsv4stream.store.rowcache import RowStats
 
     opts = RunOptions(budget=int(float(gb(ckpt, 3)) * 1e9), io="buffered")
     with Runtime.open(ckpt, opts) as rt:
@@ -144,10 +145,13 @@ def test_decode_reads_per_token_leave_the_prefill_out(ckpt) -> None:
     assert s.decode_engram_bytes_per_token == 0.0 and s.engram_cache_rows == 0  # V4: no Engram
     line = next(x for x in report_lines(s) if x.startswith("read per token"))
     assert "of experts per decode step (over 6 steps)" in line and "Engram" not in line
-    engram = replace(
-        s, engram_cache_rows=100, engram_requests=48, engram_hits=12, engram_misses=36, engram_hit_rate=0.25,
-        engram_rows_read=36, engram_bytes_read=36 * 8192, engram_wait_seconds=0.5, decode_engram_bytes_per_token=49152.0,
+    rows = RowStats(
+        requests=48, hits=12, misses=36, evictions=0, prefetches=0, prefetch_used=0, prefetch_unused=0, rows_read=36,
+        reads=36, bytes_read=36 * 8192, read_seconds=0.1, wait_seconds=0.5, verified_rows=0, verify_mismatches=0,
+        capacity=100, resident=36, row_bytes=8192, io="buffered", fallback_files=0,
     )  # fmt: skip
+    engram = replace(s, engram=rows, phases=replace(s.phases, decode_engram_bytes=6 * 49152))
+    assert engram.engram_hit_rate == 0.25 and engram.decode_engram_bytes_per_token == 49152.0
     lines = report_lines(engram)
     assert next(x for x in lines if x.startswith("Engram hit rate")).endswith(
         "25.0% (12 of 48 rows; cache 100 rows, 36 read)"
@@ -156,3 +160,39 @@ def test_decode_reads_per_token_leave_the_prefill_out(ckpt) -> None:
     assert "Engram 0.50" in next(x for x in lines if x.startswith("I/O not hidden"))
     assert any(x.startswith("engram: 48 rows asked, 12 hits (25.0%), 36 rows read") for x in engram.lines())
     assert not any(x.startswith("engram") for x in s.lines())
+
+
+STATS_JSON_KEYS = (
+    "generated_ids", "prompt_tokens", "expert_requests", "expert_hits", "expert_misses", "expert_evictions",
+    "expert_prefetches", "prefetch_used", "hit_rate", "bytes_read", "read_seconds", "read_gbps",
+    "exposed_io_seconds", "verified_reads", "verify_mismatches", "cache_slots", "slot_bytes",
+    "working_set_experts", "trunk_pinned_layers", "trunk_streamed_layers", "trunk_reads", "trunk_bytes_read",
+    "trunk_wait_seconds", "trunk_out_of_order", "trunk_verified_reads", "peak_rss_bytes", "budget_bytes",
+    "planned_bytes", "io_mode", "io_fallback_files", "kernel_backend", "prefill_seconds", "decode_tokens",
+    "decode_seconds_per_token", "prefill_tokens_per_second", "turn_prompt_tokens", "first_token_seconds",
+    "warnings", "kernel_warmup_seconds", "prefill_segment", "prefill_stopped", "decode_profile", "load_seconds",
+    "decode_tokens_per_second", "stop_reasons", "stop_reason", "stopped_in_think", "unused", "engram_cache_rows",
+    "engram_requests", "engram_hits", "engram_misses", "engram_hit_rate", "engram_rows_read", "engram_bytes_read",
+    "engram_wait_seconds", "decode_expert_bytes_per_token", "decode_engram_bytes_per_token",
+)  # fmt: skip
+
+
+def test_stats_json_keeps_its_flat_keys_while_the_records_nest(ckpt) -> None:
+    """The run's figures nest the store's, ring's and phases' own records; --stats-json still
+    writes the flat document it always did, each value read from the record that owns it."""
+    from dsv4stream.run.runtime import Runtime
+
+    opts = RunOptions(budget=int(float(gb(ckpt, 3)) * 1e9), io="buffered")
+    with Runtime.open(ckpt, opts) as rt:
+        ids = list(rt.generate(rt.session(), [4, 5, 6], 5))
+        s = rt.stats()
+        assert s.store == rt.store.stats() and s.trunk == rt.trunk.stats()
+    d = s.as_dict()
+    assert tuple(d) == STATS_JSON_KEYS and json.loads(json.dumps(d)) == d
+    assert (d["expert_hits"], d["expert_misses"], d["bytes_read"]) == (s.store.hits, s.store.misses, s.store.bytes_read)
+    assert (d["cache_slots"], d["exposed_io_seconds"]) == (s.store.slots, s.store.wait_seconds)
+    assert (d["trunk_reads"], d["trunk_bytes_read"]) == (s.trunk.reads, s.trunk.bytes_read)
+    assert d["generated_ids"] == ids and d["turn_prompt_tokens"] == [3] and d["decode_tokens"] == 4
+    assert d["io_mode"] == "buffered" and d["engram_cache_rows"] == 0 and d["stop_reason"] == "gen_limit"
+    d["generated_ids"].append(-1)  # the document is a copy
+    assert s.generated_ids == ids

@@ -223,3 +223,44 @@ def test_weights_kept_past_their_lifetime_fail_loudly(ckpt) -> None:
         items.close()
         # the engine keeps to both contracts: a whole generation at this budget still runs
         assert len(list(rt.generate(rt.session(), PROMPT, 3))) == 3
+
+
+def test_live_counters_never_wait_for_a_trunk_read_in_flight(ckpt, monkeypatch) -> None:
+    """The prefill bar, /v1/stats and /metrics read `Runtime.counters()` while the engine works:
+    it must answer while a streamed layer's read is still in flight (the ring's stats() waits
+    for it, so that the run's final figures do not depend on timing)."""
+    import threading
+
+    from dsv4stream.cli.repl import reads_of
+    from dsv4stream.server.stats import LiveStats
+
+    gate, plain = threading.Event(), GroupReader.read
+
+    def held(self, group, buf):
+        if threading.current_thread().name.startswith("dsv4-ring"):
+            gate.wait(30)  # the ring's read of the first streamed layer, held until the test lets go
+        return plain(self, group, buf)
+
+    monkeypatch.setattr(GroupReader, "read", held)
+    with Runtime.open(ckpt, RunOptions(budget=budget_for(ckpt, 8, pinned=1), overhead=0, chunk=4)) as rt:
+        try:
+            got: dict = {}
+            calls = {
+                "counters": rt.counters,
+                "bar": reads_of(rt),
+                "snapshot": lambda: LiveStats(rt).snapshot(0),
+                "metrics": lambda: LiveStats(rt).counters(),
+            }
+            for name, call in calls.items():
+                t = threading.Thread(target=lambda n=name, c=call: got.__setitem__(n, c()), daemon=True)
+                t.start()
+                t.join(5)
+                assert not t.is_alive(), f"{name} waited for the read in flight"
+            assert got["counters"].trunk_bytes_read == 0 and got["snapshot"]["trunk"]["streamed_layers"] > 0
+            blocked = threading.Thread(target=rt.trunk.stats, daemon=True)
+            blocked.start()
+            blocked.join(0.3)
+            assert blocked.is_alive()  # the final figures do wait: the test holds a read in flight
+        finally:
+            gate.set()
+        assert rt.trunk.stats().bytes_read > 0  # the held read landed once let go, and counts

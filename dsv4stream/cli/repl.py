@@ -104,9 +104,12 @@ class Reply:
 
 
 def reads_of(rt: Runtime) -> Callable[[], Reads]:
+    """The prefill bar's figures: the run's live counters (from the bar's ticker thread too:
+    they wait for no read in flight)."""
+
     def reads() -> Reads:
-        s, r = rt.store.stats(), rt.trunk.stats()
-        return Reads(s.requests, s.hits, s.bytes_read + r.bytes_read)
+        c = rt.counters()
+        return Reads(c.expert_requests, c.expert_hits, c.expert_bytes_read + c.trunk_bytes_read)
 
     return reads
 

@@ -19,6 +19,7 @@ is a segment of one. Any segment or chunk size gives the same logits up to float
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,6 +36,7 @@ from ..model.moe import ExpertWeights
 from ..model.scan import nonfinite_fields
 from ..text.sampler import greedy
 from ..weights.providers import CatalogEngramRows, CatalogExperts, CatalogTrunk, EngramRows, ExpertKey, Experts, Trunk
+from .phases import Meter, PhaseLog, StepClock, Turn, no_reads
 from .state import SessionState, capture, thaw
 from .steps import Pass, PassContext, Stack
 from .v4 import V4Stack
@@ -86,7 +88,9 @@ class DevicePlacement(Protocol):
 
 
 class Engine:
-    """A loaded model: config, weight providers, the family's stack. Shared by sessions, never mutated.
+    """A loaded model: config, weight providers, the family's stack. Shared by sessions; its weights
+    never change. `phases` collects every session's generate calls as each session timed them;
+    `meter` reads the providers' counters (streaming providers: read waits and bytes) for them.
 
     DeepSeek-V4.1 also takes its Engram rows (`engram_rows`: default, read from the catalog on
     demand), the Engram hash (`engram_ids`: default, from the checkpoint's tokenizer.json) and
@@ -102,11 +106,14 @@ class Engine:
         engram_rows: EngramRows | None = None,
         engram_ids: EngramIds | None = None,
         v41: V41Options | None = None,
+        meter: Meter = no_reads,
     ) -> None:
         self.cfg = cfg
         self.trunk = trunk
         self.experts = experts
         self.catalog = catalog
+        self.meter = meter
+        self.phases = PhaseLog()
         if cfg.family == V41:
             if cfg.engram is not None and catalog is not None:
                 engram_rows = engram_rows or CatalogEngramRows(catalog)
@@ -225,6 +232,8 @@ class Session:
         self.requests: list[ExpertKey] | None = [] if record_requests else None
         self.pos = 0
         self.stop_reason = ""  # why the last generate() ended (STOP_REASONS)
+        self.turn: Turn | None = None  # the last generate() call's phases (also in engine.phases)
+        self._last_step: PrefillStep | None = None  # the last layer a prefill finished
         self.stack = engine.stack
         self._ahead: _ReadAhead | None = None  # reads started for the next pass (`read_ahead`)
         self.state: list = self.stack.new_state()
@@ -254,14 +263,18 @@ class Session:
         n, seg = ids.size, self.segment
         cuts = sorted({*range(seg, n, seg), *(int(b) for b in boundaries if 0 < b < n), n})
         segments = len(cuts)
+
+        def layer_done(step: PrefillStep) -> None:
+            self._last_step = step
+            if on_layer is not None:
+                on_layer(step)
+
         for j, (a, b) in enumerate(zip([0, *cuts[:-1]], cuts, strict=True)):
             part = ids[a:b]
             want_logits = not last_only or b >= n
-            hook = None
-            if on_layer is not None:
-                hook = lambda i, j=j, a=a, t=part.size: on_layer(
-                    PrefillStep(i + 1, self.cfg.n_layers, j + 1, segments, a, t, n)
-                )
+            hook = lambda i, j=j, a=a, t=part.size: layer_done(
+                PrefillStep(i + 1, self.cfg.n_layers, j + 1, segments, a, t, n)
+            )
             out.append(self._forward(part, logits=want_logits, last_only=last_only, after_layer=hook))
             if progress is not None:
                 progress(a + part.size)
@@ -297,28 +310,56 @@ class Session:
 
         `logits`: continue without a prefill from the logits of this session's last position
         (kept from the session a restored state was taken from; `prompt_ids` then empty): one
-        prompt, several replies (a server's `n` choices) each read it once."""
+        prompt, several replies (a server's `n` choices) each read it once.
+
+        The call's phases go to `turn` (and `engine.phases`) as they happen: the prefill (to the
+        first logits; where it stopped if it raised), the time to the first token, each decode
+        step's forward pass split by phase, each later pick (the sampler), the reads from the
+        end of the prefill on, why it ended."""
         pick = pick or greedy
-        self.stop_reason = "interrupted"
-        if logits is None:
-            logits = self.prefill(
-                prompt_ids, last_only=True, progress=progress, on_layer=on_layer, boundaries=boundaries
-            )
-        elif len(prompt_ids):
+        if logits is not None and len(prompt_ids):
             raise UsageError("generate: give the prompt ids or the logits to continue from, not both")
-        if max_new_tokens <= 0:
-            self.stop_reason = "gen_limit"
-            return
-        for n in range(max_new_tokens):
-            tok = pick(logits)
-            stop = _stop_reason(tok in stop_ids, max_pos is not None and self.pos >= max_pos, n + 1 == max_new_tokens)
-            if stop is not None:
-                self.stop_reason = stop
-                yield tok
+        t0 = time.perf_counter()
+        turn = self.turn = Turn()
+        self.engine.phases.turns.append(turn)
+        meter, clock = self.engine.meter, StepClock(self.engine.meter)
+        self.stop_reason = "interrupted"
+        mark = meter() if logits is not None else None
+        try:
+            if logits is None:
+                logits = self._timed_prefill(turn, t0, prompt_ids, progress, on_layer, boundaries)
+                mark = meter()  # the decode's reads start here
+            if max_new_tokens <= 0:
+                self.stop_reason = "gen_limit"
                 return
-            self.read_ahead([tok])
-            yield tok
-            logits = self.step(tok)
+            for n in range(max_new_tokens):
+                if n:
+                    turn.add_step(*clock.end())  # the step that fed the previous token
+                t_pick = time.perf_counter()
+                tok = pick(logits)
+                if n:
+                    turn.profile["sampler"] += time.perf_counter() - t_pick
+                elif turn.prompt_tokens is not None:
+                    turn.first_token_seconds = time.perf_counter() - t0
+                turn.tokens.append(tok)
+                stop = _stop_reason(
+                    tok in stop_ids, max_pos is not None and self.pos >= max_pos, n + 1 == max_new_tokens
+                )
+                if stop is not None:
+                    self.stop_reason = stop
+                    yield tok
+                    return
+                self.read_ahead([tok])
+                yield tok
+                clock.begin()
+                logits = self.step(tok)
+        finally:
+            turn.stop_reason = self.stop_reason
+            turn.seconds = time.perf_counter() - t0
+            if mark is not None:
+                now = meter()
+                turn.decode_expert_bytes = now.expert_bytes_read - mark.expert_bytes_read
+                turn.decode_engram_bytes = now.engram_bytes_read - mark.engram_bytes_read
 
     def snapshot(self) -> SessionState:
         """An immutable copy of this session's state (position, rings, compressed rows)."""
@@ -340,6 +381,20 @@ class Session:
         self._ahead = _ReadAhead(self.pos, ids, self.stack.read_ahead(ids, self.state))
 
     # ---- internals -------------------------------------------------------------
+    def _timed_prefill(self, turn: Turn, t0: float, prompt_ids, progress, on_layer, boundaries) -> np.ndarray:
+        """`generate`'s prefill: its seconds since `t0` and the tokens it fed go to `turn`, and
+        where it stopped when it raised."""
+        pos0, self._last_step = self.pos, None
+        try:
+            return self.prefill(prompt_ids, last_only=True, progress=progress, on_layer=on_layer, boundaries=boundaries)
+        except BaseException:
+            if self._last_step is not None:
+                where = self._last_step.where()
+                turn.prefill_stopped = f"{self.pos - pos0} of {len(prompt_ids)} tokens fed; stopped after {where}"
+            raise
+        finally:
+            turn.prefill_seconds, turn.prompt_tokens = time.perf_counter() - t0, self.pos - pos0
+
     def _check_ids(self, token_ids) -> np.ndarray:
         if self.torn:
             raise UsageError("this session was stopped in the middle of a forward pass; start a new session")

@@ -2,7 +2,8 @@
 
 `planner` (pure: a `--budget` split into pinned layers, ring, head, expert slots, prefill
 segment), `memory` (what the checkpoint needs, peak RSS), `runinfo` (`RunOptions`,
-`RunStats`), `runtime` (`Runtime`: open under a budget, compile kernels apart, wire streaming
-into an `Engine`, generate), `profile` (the per-token decode profile), `report` and `ticker`
-(what a person sees while and after it runs).
+`RunStats`: the store's, ring's and Engram cache's stats and the sessions' phases, nested),
+`runtime` (`Runtime`: open under a budget, compile kernels apart, wire streaming into an
+`Engine`, generate, the live counters), `report` and `ticker` (what a person sees while and
+after it runs).
 """

@@ -1,17 +1,22 @@
 """What a run may use (`RunOptions`) and what it reports (`RunStats`, with its short summary).
 
 Plain records: `runtime.Runtime` fills them, `report`, the REPL, the server and the CLI read them.
+`RunStats` nests the providers' own stats and the sessions' phases; the flat names that
+`--stats-json` has always written are read through to them.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import IO
 
+from ..engine.phases import PROFILE_LABELS, Phases
 from ..gpu.context import GpuContext
+from ..store.cache import StoreStats
+from ..store.rowcache import RowStats
+from ..streaming.ring import RingStats
 from . import planner
-from .profile import PROFILE_LABELS
 
 
 @dataclass(frozen=True)
@@ -34,77 +39,107 @@ class RunOptions:
     gpu: GpuContext | None = None  # --gpu: trunk matrices in VRAM (None, or one not enabled: all on the CPU)
 
 
+class _Figure:
+    """A figure of one of `RunStats`' nested records under the flat name `--stats-json` (and
+    callers) have always used: `bytes_read` is `store.bytes_read`. `missing`: its value when
+    the record is absent (no Engram)."""
+
+    def __init__(self, record: str, attr: str, missing: object = None) -> None:
+        self.record, self.attr, self.missing = record, attr, missing
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, owner: type | None = None):
+        if obj is None:
+            return self
+        rec = getattr(obj, self.record)
+        return self.missing if rec is None else getattr(rec, self.attr)
+
+
 @dataclass(frozen=True)
 class RunStats:
-    """Figures of a run so far (JSON-ready through `as_dict`). Bytes are as read from disk."""
+    """Figures of a run so far: the expert store's, the trunk ring's and the Engram cache's own
+    stats and the sessions' phases, nested as they come, beside the run's own figures. Bytes are
+    as read from disk. `as_dict` is the `--stats-json` document: one flat object (`FLAT`)."""
 
-    generated_ids: list[int]
-    prompt_tokens: int
-    expert_requests: int
-    expert_hits: int
-    expert_misses: int
-    expert_evictions: int
-    expert_prefetches: int
-    prefetch_used: int
-    hit_rate: float
-    bytes_read: int  # routed experts
-    read_seconds: float  # wall time with an expert read in flight
-    read_gbps: float
-    exposed_io_seconds: float  # time the forward blocked on expert reads: I/O not hidden
-    verified_reads: int
-    verify_mismatches: int
-    cache_slots: int
-    slot_bytes: int
+    store: StoreStats
+    trunk: RingStats
+    engram: RowStats | None  # V4.1's Engram row cache (None: the model has no Engram)
+    phases: Phases
     working_set_experts: int
-    trunk_pinned_layers: int
-    trunk_streamed_layers: int
-    trunk_reads: int
-    trunk_bytes_read: int
-    trunk_wait_seconds: float
-    trunk_out_of_order: int  # layer requests that broke the fixed order (read without overlap)
-    trunk_verified_reads: int
     peak_rss_bytes: int
     budget_bytes: int
     planned_bytes: int
-    io_mode: str
-    io_fallback_files: int
     kernel_backend: str
-    prefill_seconds: float
-    decode_tokens: int
-    decode_seconds_per_token: float  # decode only: prefill excluded
-    prefill_tokens_per_second: float
-    # one entry per `generate` call (a chat turn): tokens prefilled, seconds to its first token
-    turn_prompt_tokens: list[int] = field(default_factory=list)
-    first_token_seconds: list[float] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
     kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
+    warnings: list[str] = field(default_factory=list)
     prefill_segment: int = 0  # tokens per prefill segment the run used
-    prefill_stopped: str = ""  # where an interrupted prefill stopped ("" when none was)
-    # seconds per decode step by phase (PROFILE_PHASES): the products of routed-expert, trunk and
-    # head weights, blocked on expert / trunk reads, choosing the token, and the rest
-    decode_profile: dict[str, float] = field(default_factory=dict)
     load_seconds: float = 0.0  # Runtime.open: catalog, plan, kernels, pinned trunk; before any prefill
-    decode_tokens_per_second: float = 0.0
-    # why each generate call (chat turn) ended: one of engine.STOP_REASONS; the last one on its own
-    stop_reasons: list[str] = field(default_factory=list)
-    stop_reason: str = ""
-    stopped_in_think: list[bool] = field(default_factory=list)  # the turn ended before </think>
     unused: str = ""  # what the checkpoint holds that is not run (the mtp.* blocks)
-    # V4.1's Engram row cache (all 0 when the model has no Engram): rows asked for, found, read
-    engram_cache_rows: int = 0
-    engram_requests: int = 0
-    engram_hits: int = 0
-    engram_misses: int = 0
-    engram_hit_rate: float = 0.0
-    engram_rows_read: int = 0
-    engram_bytes_read: int = 0  # aligned bytes: a row and its scales are two 4 KiB pages unless neighbours share
-    engram_wait_seconds: float = 0.0  # time the forward blocked on Engram reads
-    # bytes read from disk per decode step (the prefills' reads excluded)
-    decode_expert_bytes_per_token: float = 0.0
-    decode_engram_bytes_per_token: float = 0.0
+
+    # the routed experts (`StoreStats`)
+    expert_requests = _Figure("store", "requests")
+    expert_hits = _Figure("store", "hits")
+    expert_misses = _Figure("store", "misses")
+    expert_evictions = _Figure("store", "evictions")
+    expert_prefetches = _Figure("store", "prefetches")
+    prefetch_used = _Figure("store", "prefetch_used")
+    hit_rate = _Figure("store", "hit_rate")
+    bytes_read = _Figure("store", "bytes_read")
+    read_seconds = _Figure("store", "read_seconds")  # wall time with an expert read in flight
+    read_gbps = _Figure("store", "read_gbps")
+    exposed_io_seconds = _Figure("store", "wait_seconds")  # the forward blocked on expert reads: I/O not hidden
+    verified_reads = _Figure("store", "verified_reads")
+    verify_mismatches = _Figure("store", "verify_mismatches")
+    cache_slots = _Figure("store", "slots")
+    slot_bytes = _Figure("store", "slot_bytes")
+    io_fallback_files = _Figure("store", "fallback_files")
+    # the trunk (`RingStats`)
+    trunk_pinned_layers = _Figure("trunk", "pinned_layers")
+    trunk_streamed_layers = _Figure("trunk", "streamed_layers")
+    trunk_reads = _Figure("trunk", "reads")
+    trunk_bytes_read = _Figure("trunk", "bytes_read")
+    trunk_wait_seconds = _Figure("trunk", "wait_seconds")
+    trunk_out_of_order = _Figure("trunk", "out_of_order")  # layer requests that broke the fixed order
+    trunk_verified_reads = _Figure("trunk", "verified_reads")
+    # the generate calls (`Phases`): prefill and decode, one list entry per call (a chat turn)
+    generated_ids = _Figure("phases", "generated_ids")
+    prompt_tokens = _Figure("phases", "prompt_tokens")
+    prefill_seconds = _Figure("phases", "prefill_seconds")
+    decode_tokens = _Figure("phases", "decode_tokens")
+    decode_seconds_per_token = _Figure("phases", "decode_seconds_per_token")  # decode only: prefill excluded
+    prefill_tokens_per_second = _Figure("phases", "prefill_tokens_per_second")
+    decode_tokens_per_second = _Figure("phases", "decode_tokens_per_second")
+    turn_prompt_tokens = _Figure("phases", "turn_prompt_tokens")
+    first_token_seconds = _Figure("phases", "first_token_seconds")
+    prefill_stopped = _Figure("phases", "prefill_stopped")  # where an interrupted prefill stopped
+    # seconds per decode step by PROFILE_PHASES: the products of routed-expert, trunk and head
+    # weights, blocked on expert / trunk reads, choosing the token, and the rest
+    decode_profile = _Figure("phases", "decode_profile")
+    stop_reasons = _Figure("phases", "stop_reasons")  # why each call ended: engine.STOP_REASONS
+    stop_reason = _Figure("phases", "stop_reason")
+    stopped_in_think = _Figure("phases", "stopped_in_think")  # the turn ended before </think>
+    decode_expert_bytes_per_token = _Figure("phases", "decode_expert_bytes_per_token")  # prefills' reads excluded
+    decode_engram_bytes_per_token = _Figure("phases", "decode_engram_bytes_per_token")
+    # V4.1's Engram row cache (`RowStats`; all 0 without Engram): rows asked for, found, read
+    engram_cache_rows = _Figure("engram", "capacity", 0)
+    engram_requests = _Figure("engram", "requests", 0)
+    engram_hits = _Figure("engram", "hits", 0)
+    engram_misses = _Figure("engram", "misses", 0)
+    engram_hit_rate = _Figure("engram", "hit_rate", 0.0)
+    engram_rows_read = _Figure("engram", "rows_read", 0)
+    engram_bytes_read = _Figure("engram", "bytes_read", 0)  # aligned: a row and its scales are two 4 KiB pages
+    engram_wait_seconds = _Figure("engram", "wait_seconds", 0.0)  # the forward blocked on Engram reads
+
+    @property
+    def io_mode(self) -> str:
+        s = self.store
+        return f"{s.io} (buffered fallback)" if s.fallback_files else s.io
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The `--stats-json` document: every figure under its flat name, in `FLAT`'s order."""
+        return {name: _plain(getattr(self, name)) for name in FLAT}
 
     def lines(self) -> list[str]:
         """A short human summary."""
@@ -156,3 +191,24 @@ class RunStats:
             return []
         parts = ", ".join(f"{PROFILE_LABELS[k]} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in p.items())
         return [f"decode per token ({total * 1e3:.1f} ms): {parts}"]
+
+
+# The keys of `--stats-json`, in order (the same document as before the records were nested)
+FLAT = (
+    "generated_ids", "prompt_tokens", "expert_requests", "expert_hits", "expert_misses", "expert_evictions",
+    "expert_prefetches", "prefetch_used", "hit_rate", "bytes_read", "read_seconds", "read_gbps",
+    "exposed_io_seconds", "verified_reads", "verify_mismatches", "cache_slots", "slot_bytes",
+    "working_set_experts", "trunk_pinned_layers", "trunk_streamed_layers", "trunk_reads", "trunk_bytes_read",
+    "trunk_wait_seconds", "trunk_out_of_order", "trunk_verified_reads", "peak_rss_bytes", "budget_bytes",
+    "planned_bytes", "io_mode", "io_fallback_files", "kernel_backend", "prefill_seconds", "decode_tokens",
+    "decode_seconds_per_token", "prefill_tokens_per_second", "turn_prompt_tokens", "first_token_seconds",
+    "warnings", "kernel_warmup_seconds", "prefill_segment", "prefill_stopped", "decode_profile", "load_seconds",
+    "decode_tokens_per_second", "stop_reasons", "stop_reason", "stopped_in_think", "unused", "engram_cache_rows",
+    "engram_requests", "engram_hits", "engram_misses", "engram_hit_rate", "engram_rows_read", "engram_bytes_read",
+    "engram_wait_seconds", "decode_expert_bytes_per_token", "decode_engram_bytes_per_token",
+)  # fmt: skip
+
+
+def _plain(v: object) -> object:
+    """A copy JSON takes as it is (the records' lists and dicts are not handed out)."""
+    return list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v

@@ -1,9 +1,11 @@
 """A budgeted run: open a checkpoint under `--budget`, generate tokens, collect statistics.
 
 Owns: planning what `memory.memory_needs` measured (`planner.plan`), compiling the kernels
-outside the budget, wiring the streaming providers (`streaming`) into an `Engine`,
-`Runtime.generate` (the session's generation loop, timed and stopped at --ctx), and filling
-the run's figures (`runinfo.RunStats`). The CLI (`cli/run.py`), the demo and the benches
+outside the budget, wiring the streaming providers (`streaming`) into an `Engine` with a
+meter of their counters, `Runtime.generate` (the session's generation loop, stopped at
+--ctx; the session times its own phases), the live counters (`counters`, which wait for
+nothing) and the run's figures (`runinfo.RunStats`: the providers' stats and the sessions'
+phases, nested). The CLI (`cli/run.py`), the demo and the benches
 go through `Runtime`; the math stays in `engine` / `model`.
 """
 
@@ -13,6 +15,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Self
 
@@ -20,10 +23,10 @@ import numpy as np
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog
-from ..engine.session import Engine, LayerHook, PrefillStep, Session
+from ..engine.phases import Counters
+from ..engine.session import Engine, LayerHook, Session
 from ..errors import Dsv4Error, UsageError
 from ..store import ExpertStore
-from ..store.rowcache import RowStats
 from ..streaming.engram import DiskEngramRows
 from ..streaming.expert_layout import expert_label
 from ..streaming.experts import StreamedExperts
@@ -36,7 +39,6 @@ from ..trunkpack.reader import TrunkFile, open_trunk_file
 from . import planner, ticker
 from .memory import main_expert_layouts, memory_needs, peak_rss_bytes
 from .planner import Plan
-from .profile import DecodeProfile
 from .runinfo import RunOptions, RunStats
 
 Pick = Callable[[np.ndarray], int]
@@ -119,20 +121,8 @@ class Runtime:
         self.trunk_file = trunk_file
         self.engram = engram  # V4.1's Engram rows from disk (None: the model has no Engram)
         self.experts: StreamedExperts = engine.experts  # type: ignore[assignment]
-        self._generated: list[int] = []
-        self._prompt_tokens = 0
-        self._prefill_seconds = 0.0
-        self._decode_seconds = 0.0
-        self._decode_tokens = 0
         self.kernel_warmup_seconds = 0.0
-        self._turn_prompt_tokens: list[int] = []
-        self._first_token_seconds: list[float] = []
-        self._prefill_stopped = ""
-        self._profile = DecodeProfile()
-        self._stop_reasons: list[str] = []
-        self._in_think: list[bool] = []
         self.load_seconds = 0.0
-        self._decode_bytes = [0, 0]  # read from disk during decode steps: experts, Engram
 
     @classmethod
     def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None) -> Runtime:
@@ -196,7 +186,8 @@ class Runtime:
                 reader.check, reader.same_file = tf.check_window, tf.check_identity
             wrap = placed.source if placed is not None else None
             trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
-            engine = Engine(cfg, trunk, StreamedExperts(store, cfg), cat, engram_rows=engram)
+            meter = partial(run_counters, store, trunk, engram)
+            engine = Engine(cfg, trunk, StreamedExperts(store, cfg), cat, engram_rows=engram, meter=meter)
         except BaseException:
             if trunk is not None:
                 trunk.close()
@@ -227,118 +218,45 @@ class Runtime:
         boundaries: Sequence[int] = (),
         logits: np.ndarray | None = None,
     ) -> Iterator[int]:
-        """`session.generate` (the one generation loop) within this run: it also stops when
-        the session holds `opts.ctx` positions (the context the plan covers is full), and its
-        times go to `stats()`.
+        """`session.generate` (the one generation loop) within this run: it also stops when the
+        session holds `opts.ctx` positions (the context the plan covers is full).
 
         As there, every yielded token but the last has been fed to the session; a later turn
-        starts with the last one. `progress(done, total)` runs after each prefill segment,
-        `on_layer(PrefillStep)` after each layer of each segment (`boundaries`: where a segment
-        must also end, as `Session.prefill`); an exception either raises
-        stops the prefill (within one layer from `on_layer`), and the tokens fully fed still
-        count, with where it stopped (`prefill_stopped`). Timed: the prefill (to the first
-        logits), the time to the first token, each decode step (the decode profile's window)
-        and the sampler; why it ended goes to `stop_reasons` (`engine.STOP_REASONS`).
-
-        With `logits` (a reply continued from a restored state's logits, no prompt: the
-        server's `n` > 1 choices) nothing is prefilled: no turn, no prefill time and no first
-        token time are counted; its decode steps and picks are counted as any other's."""
-        pick = pick or greedy
-        n_prompt = len(prompt_ids)
-        last: list[PrefillStep] = []
-
-        def layer_done(step: PrefillStep) -> None:
-            last[:] = [step]
-            if on_layer is not None:
-                on_layer(step)
-
-        t0 = time.perf_counter()
-        pos0 = session.pos
-        picks = 0
-        continued = logits is not None
-        prefilled = continued  # there is no prefill to count
-        t_step = 0.0
-
-        decode_mark = (0, 0)
-
-        def end_prefill() -> None:
-            nonlocal prefilled, decode_mark
-            if not prefilled:
-                prefilled = True
-                decode_mark = self._read_bytes()
-                fed = session.pos - pos0
-                self._prefill_seconds += time.perf_counter() - t0
-                self._prompt_tokens += fed
-                self._turn_prompt_tokens.append(fed)
-
-        def timed_pick(logits: np.ndarray) -> int:
-            # the loop picks right after each forward pass: the first pick ends the prefill,
-            # each later one a decode step
-            nonlocal picks
-            t_pick = time.perf_counter()
-            if picks == 0:
-                end_prefill()  # nothing when continued: the first pick reads logits given
-            else:
-                self._decode_seconds += t_pick - t_step
-                self._profile.end(self.store, self.trunk)
-                self._decode_tokens += 1
-            tok = pick(logits)
-            if picks == 0:
-                if not continued:
-                    self._first_token_seconds.append(time.perf_counter() - t0)
-            else:
-                self._profile.seconds["sampler"] += time.perf_counter() - t_pick
-            picks += 1
-            return tok
-
-        report = (lambda done: progress(done, n_prompt)) if progress is not None else None
-        tokens = session.generate(
-            prompt_ids, max_new_tokens, timed_pick, stop_ids=stop_ids, max_pos=self.opts.ctx,
-            progress=report, on_layer=layer_done, boundaries=boundaries, logits=logits,
+        starts with the last one; the session times its phases (`Session.turn`, summed in
+        `stats()` over every session of this run's engine). `progress(done, total)` runs after
+        each prefill segment, `on_layer(PrefillStep)` after each layer of each segment
+        (`boundaries`: where a segment must also end, as `Session.prefill`); an exception either
+        raises stops the prefill (within one layer from `on_layer`), and the tokens fully fed
+        still count, with where it stopped (`prefill_stopped`). `logits`: continue from a
+        restored state's logits without a prefill (the server's `n` > 1 choices)."""
+        report = (lambda done: progress(done, len(prompt_ids))) if progress is not None else None
+        return session.generate(
+            prompt_ids, max_new_tokens, pick or greedy, stop_ids=stop_ids, max_pos=self.opts.ctx,
+            progress=report, on_layer=on_layer, boundaries=boundaries, logits=logits,
         )  # fmt: skip
-        self._in_think.append(False)
-        try:
-            while True:
-                try:
-                    tok = next(tokens)
-                except StopIteration:
-                    break
-                except BaseException:
-                    if not prefilled and last:
-                        fed = session.pos - pos0
-                        self._prefill_stopped = f"{fed} of {n_prompt} tokens fed; stopped after {last[0].where()}"
-                    raise
-                self._generated.append(tok)
-                yield tok
-                self._profile.begin(self.store, self.trunk)  # a step follows unless that was the last
-                t_step = time.perf_counter()
-        finally:
-            tokens.close()
-            end_prefill()
-            for i, (now, mark) in enumerate(zip(self._read_bytes(), decode_mark, strict=True)):
-                self._decode_bytes[i] += now - mark
-            self._stop_reasons.append(session.stop_reason)
 
     @property
     def stop_reason(self) -> str:
         """Why the last generate call ended ("" before the first)."""
-        return self._stop_reasons[-1] if self._stop_reasons else ""
+        turns = self.engine.phases.turns
+        return turns[-1].stop_reason if turns else ""
 
     def mark_in_think(self) -> None:
         """The last generation ended inside the reasoning (before </think>): for the figures."""
-        if self._in_think:
-            self._in_think[-1] = True
+        if self.engine.phases.turns:
+            self.engine.phases.turns[-1].in_think = True
 
     # -- figures and lifetime ----------------------------------------------------------------
 
-    def _read_bytes(self) -> tuple[int, int]:
-        """Bytes read from disk so far: routed experts, Engram rows."""
-        return self.store.stats().bytes_read, self.engram.stats().bytes_read if self.engram is not None else 0
+    def counters(self) -> Counters:
+        """The store's, ring's and Engram cache's counters now, waiting for no read in flight:
+        what live displays show (the prefill bar, the server's /v1/stats and /metrics)."""
+        return run_counters(self.store, self.trunk, self.engram)
 
     def stats(self) -> RunStats:
-        s = self.store.stats()
-        r = self.trunk.stats()
-        g = self.engram.stats() if self.engram is not None else None
+        """The run's figures: the store's, ring's and Engram cache's stats and the sessions'
+        phases, nested (`RunStats`); the ring's wait for a read in flight, so that counts do not
+        depend on timing."""
         peak = peak_rss_bytes()
         warnings = list(self.plan.warnings)
         if peak > self.opts.budget:
@@ -347,57 +265,20 @@ class Runtime:
                 " raise --budget or report this run (the plan's estimates were too low)"
             )
         return RunStats(
-            generated_ids=list(self._generated),
-            prompt_tokens=self._prompt_tokens,
-            expert_requests=s.requests,
-            expert_hits=s.hits,
-            expert_misses=s.misses,
-            expert_evictions=s.evictions,
-            expert_prefetches=s.prefetches,
-            prefetch_used=s.prefetch_used,
-            hit_rate=s.hit_rate,
-            bytes_read=s.bytes_read,
-            read_seconds=s.read_seconds,
-            read_gbps=s.read_gbps,
-            exposed_io_seconds=s.wait_seconds,
-            verified_reads=s.verified_reads,
-            verify_mismatches=s.verify_mismatches,
-            cache_slots=s.slots,
-            slot_bytes=s.slot_bytes,
+            store=self.store.stats(),
+            trunk=self.trunk.stats(),
+            engram=self.engram.stats() if self.engram is not None else None,
+            phases=self.engine.phases.totals(),
             working_set_experts=self.cfg.working_set_experts,
-            trunk_pinned_layers=r.pinned_layers,
-            trunk_streamed_layers=r.streamed_layers,
-            trunk_reads=r.reads,
-            trunk_bytes_read=r.bytes_read,
-            trunk_wait_seconds=r.wait_seconds,
-            trunk_out_of_order=r.out_of_order,
-            trunk_verified_reads=r.verified_reads,
             peak_rss_bytes=peak,
             budget_bytes=self.opts.budget,
             planned_bytes=self.plan.planned_bytes,
-            io_mode=s.io if not s.fallback_files else f"{s.io} (buffered fallback)",
-            io_fallback_files=s.fallback_files,
             kernel_backend=kernels.backend_name(),
             kernel_warmup_seconds=self.kernel_warmup_seconds,
-            prefill_seconds=self._prefill_seconds,
-            decode_tokens=self._decode_tokens,
-            decode_seconds_per_token=self._decode_seconds / self._decode_tokens if self._decode_tokens else 0.0,
-            prefill_tokens_per_second=self._prompt_tokens / self._prefill_seconds if self._prefill_seconds else 0.0,
-            turn_prompt_tokens=list(self._turn_prompt_tokens),
-            first_token_seconds=list(self._first_token_seconds),
             warnings=warnings,
             prefill_segment=self.plan.prefill_segment,
-            prefill_stopped=self._prefill_stopped,
-            decode_profile=self._profile.per_token(self._decode_tokens),
             load_seconds=self.load_seconds,
-            decode_tokens_per_second=self._decode_tokens / self._decode_seconds if self._decode_seconds else 0.0,
-            stop_reasons=list(self._stop_reasons),
-            stop_reason=self._stop_reasons[-1] if self._stop_reasons else "",
-            stopped_in_think=list(self._in_think),
             unused=self.plan.needs.unused or "",
-            **(_engram_figures(g) if g is not None else {}),
-            decode_expert_bytes_per_token=self._decode_bytes[0] / self._decode_tokens if self._decode_tokens else 0.0,
-            decode_engram_bytes_per_token=self._decode_bytes[1] / self._decode_tokens if self._decode_tokens else 0.0,
         )
 
     def close(self) -> None:
@@ -416,14 +297,18 @@ class Runtime:
         self.close()
 
 
-def _engram_figures(g: RowStats) -> dict:
-    return {
-        "engram_cache_rows": g.capacity,
-        "engram_requests": g.requests,
-        "engram_hits": g.hits,
-        "engram_misses": g.misses,
-        "engram_hit_rate": g.hit_rate,
-        "engram_rows_read": g.rows_read,
-        "engram_bytes_read": g.bytes_read,
-        "engram_wait_seconds": g.wait_seconds,
-    }
+def run_counters(store: ExpertStore, trunk: StreamedTrunk, engram: DiskEngramRows | None) -> Counters:
+    """`Counters` of a run's providers (the engine's meter): none of them waits for a read."""
+    s = store.stats()
+    g = engram.stats() if engram is not None else None
+    return Counters(
+        expert_requests=s.requests,
+        expert_hits=s.hits,
+        expert_bytes_read=s.bytes_read,
+        expert_read_seconds=s.read_seconds,
+        expert_wait_seconds=s.wait_seconds,
+        trunk_bytes_read=trunk.bytes_read,
+        trunk_wait_seconds=trunk.wait_seconds,
+        engram_bytes_read=g.bytes_read if g is not None else 0,
+        engram_wait_seconds=g.wait_seconds if g is not None else 0.0,
+    )

@@ -3,8 +3,9 @@
 Owns: what the engine thread reports as it works (the request's phase, prefill progress by
 tokens and by layer, one sample per generated token: its expert hit rate and read rate)
 and the published snapshot the HTTP side reads. Only the engine thread calls the update
-methods and reads the runtime; `snapshot()` takes the lock and copies, so handlers never
-touch engine state.
+methods; `snapshot()` and `counters()` take the lock and copy, and read the run's live
+counters (`Runtime.counters`: one call, which waits for no read in flight), so handlers
+never touch engine state. Request times are the sessions' own (`worker.request_seconds`).
 
 Per-token figures: hit rate = expert hits / requests of that token's forward pass; read
 rate = routed-expert bytes read during it / its wall time (GB/s, 10^9 bytes).
@@ -49,17 +50,17 @@ class LiveStats:
                         "cache_hits_disk": 0}  # fmt: skip
         self._mark = self._store_counts()
         self._mark_t = time.monotonic()
-        trunk = rt.trunk.stats()
-        self._trunk = {"pinned_layers": trunk.pinned_layers, "streamed_layers": trunk.streamed_layers}
-        self._trunk_bytes = trunk.bytes_read
+        pinned = rt.trunk.pinned
+        self._trunk = {"pinned_layers": pinned, "streamed_layers": rt.cfg.n_layers - pinned}
+        self._trunk_bytes = rt.counters().trunk_bytes_read
         # this request: (start time, store counts, trunk bytes) and the prompt position at the last sample
         self._req: tuple[float, tuple[int, int, int], int] = (self._mark_t, self._mark, self._trunk_bytes)
         self._fed = 0
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _store_counts(self) -> tuple[int, int, int]:
-        s = self.rt.store.stats()
-        return s.requests, s.hits, s.bytes_read
+        c = self.rt.counters()
+        return c.expert_requests, c.expert_hits, c.expert_bytes_read
 
     def begin(self, n_prompt: int, cached: int) -> None:
         with self._lock:
@@ -67,7 +68,7 @@ class LiveStats:
             self._progress = {"done": cached, "total": n_prompt, "cached": cached}
             self._layer = -1
         self._mark, self._mark_t = self._store_counts(), time.monotonic()
-        self._req = (self._mark_t, self._mark, self.rt.trunk.stats().bytes_read)
+        self._req = (self._mark_t, self._mark, self.rt.counters().trunk_bytes_read)
         self._fed = cached
 
     def _sample(self, phase: str, tokens: int) -> tuple[dict[str, float | str], float, float]:
@@ -121,9 +122,10 @@ class LiveStats:
 
     def end(self, usage) -> dict[str, Any]:
         """The request is over (answered or stopped): totals, and its summary (returned)."""
-        trunk = self.rt.trunk.stats()
+        now = self.rt.counters()
         t0, store0, trunk0 = self._req
-        req, hits, nbytes = (c - m for c, m in zip(self._store_counts(), store0, strict=True))
+        counts = (now.expert_requests, now.expert_hits, now.expert_bytes_read)
+        req, hits, nbytes = (c - m for c, m in zip(counts, store0, strict=True))
         with self._lock:
             self._phase, self._progress, self._layer = "idle", None, -1
             self._served += 1
@@ -139,7 +141,7 @@ class LiveStats:
             c["completion_tokens"] += usage.completion_tokens
             if usage.cache_source:
                 c[f"cache_hits_{usage.cache_source}"] += 1
-            self._trunk_bytes = trunk.bytes_read
+            self._trunk_bytes = now.trunk_bytes_read
             # a request stopped before its first token has no time to first token (None, not 0)
             first = round(usage.prefill_seconds, 4) if usage.completion_tokens else None
             self._last = {
@@ -157,22 +159,23 @@ class LiveStats:
                 "expert_requests": req,
                 "expert_hits": hits,
                 "expert_hit_rate": round(hits / req, 4) if req else None,
-                "disk_mb": round((nbytes + trunk.bytes_read - trunk0) / 1e6, 3),
+                "disk_mb": round((nbytes + now.trunk_bytes_read - trunk0) / 1e6, 3),
             }
 
     # ---- any thread -------------------------------------------------------------------------------
     def counters(self) -> dict[str, float]:
-        """Totals since the start, for /metrics (monotonic; reads no engine state but the store's counters)."""
-        s = self.rt.store.stats()
+        """Totals since the start, for /metrics (monotonic; of the engine, only its live counters)."""
+        c = self.rt.counters()
         with self._lock:
             return {
                 **self._counts, "requests_served": self._served, "prefill_seconds": self._totals["prefill_seconds"],
-                "decode_seconds": self._totals["decode_seconds"], "expert_requests": s.requests,
-                "expert_hits": s.hits, "expert_bytes_read": s.bytes_read, "trunk_bytes_read": self._trunk_bytes,
+                "decode_seconds": self._totals["decode_seconds"], "expert_requests": c.expert_requests,
+                "expert_hits": c.expert_hits, "expert_bytes_read": c.expert_bytes_read,
+                "trunk_bytes_read": self._trunk_bytes,
             }  # fmt: skip
 
     def snapshot(self, queued: int) -> dict[str, Any]:
-        s = self.rt.store.stats()  # its own lock; counters only
+        c = self.rt.counters()
         with self._lock:
             t = self._totals
             progress = dict(self._progress) if self._progress is not None else None
@@ -186,10 +189,10 @@ class LiveStats:
                 "last_request": dict(self._last) if self._last else None,
                 "prefill_tokens_per_s": _rate(t["prefill_tokens"], t["prefill_seconds"]),
                 "decode_tokens_per_s": _rate(t["decode_tokens"], t["decode_seconds"]),
-                "expert_hit_rate": s.hit_rate,
-                "expert_requests": s.requests,
-                "gb_read": (s.bytes_read + self._trunk_bytes) / 1e9,
-                "read_gbps": s.read_gbps,
+                "expert_hit_rate": c.expert_hit_rate,
+                "expert_requests": c.expert_requests,
+                "gb_read": (c.expert_bytes_read + self._trunk_bytes) / 1e9,
+                "read_gbps": c.read_gbps,
                 "trunk": dict(self._trunk),
                 "peak_rss_gb": peak_rss_bytes() / 1e9,
                 "budget_gb": self.rt.opts.budget / 1e9,

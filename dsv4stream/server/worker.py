@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..engine.phases import Turn
 from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
 from ..run.runtime import Runtime
@@ -245,8 +246,6 @@ class Worker:
         pick = self._picker(job, 0)
         eos = job.reply.eos
         got: list[int] = []
-        t0 = time.perf_counter()
-        t_first = t0
 
         def layer_done(step) -> None:
             if job.cancelled.is_set():  # a client gone mid-prefill: stop within one layer
@@ -256,15 +255,18 @@ class Worker:
         steps = rt.generate(
             session, new, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done, boundaries=boundaries
         )
-        for tok in steps:
-            if not got:
-                t_first = time.perf_counter()
-                kept.append((list(ids), session.snapshot()))
-            job.emit("sample", self.stats.token(first=not got, n_prompt=len(ids)))
-            got.append(tok)
-            self._push(job, 0, tok)
-            if job.reply.stopped or job.cancelled.is_set():
-                break
+        try:
+            for tok in steps:
+                if not got:
+                    kept.append((list(ids), session.snapshot()))
+                job.emit("sample", self.stats.token(first=not got, n_prompt=len(ids)))
+                got.append(tok)
+                self._push(job, 0, tok)
+                if job.reply.stopped or job.cancelled.is_set():
+                    break
+        finally:
+            steps.close()  # the session's record of this call is complete
+        turns = [session.turn]
         u.prompt_tokens, u.cached_tokens, u.completion_tokens = len(ids), cached, len(got)
         # the last token yielded was never fed: the session has read ids + got[:-1]
         if session.pos != len(ids) + len(got) - 1:
@@ -280,8 +282,8 @@ class Worker:
         if job.more_replies:
             at_prompt_end = next(st for k, st in kept if len(k) == len(ids))
             for i in range(1, len(job.replies)):
-                outcomes.append(self._more(job, i, ids, at_prompt_end, pick.first_logits))
-        u.prefill_seconds, u.decode_seconds = t_first - t0, time.perf_counter() - t_first
+                outcomes.append(self._more(job, i, ids, at_prompt_end, pick.first_logits, turns))
+        u.prefill_seconds, u.decode_seconds = request_seconds(turns)
         # counted and out of the queue before "done": a client that asks /v1/stats next sees it
         summary = self._count(job)
         if summary is not None:
@@ -325,10 +327,12 @@ class Worker:
         job.emit("finish", outcome)
         return outcome
 
-    def _more(self, job: Job, i: int, ids: list[int], state: SessionState, logits: np.ndarray | None) -> Outcome:
+    def _more(
+        self, job: Job, i: int, ids: list[int], state: SessionState, logits: np.ndarray | None, turns: list[Turn]
+    ) -> Outcome:
         """Choice i > 0 from the first choice's state at the end of the prompt `ids` and its logits there,
-        through `Runtime.generate` as the first: timed in the run's figures, each picked token's
-        hash-layer experts asked for before the reply handles it, stopped at --ctx."""
+        through `Runtime.generate` as the first: timed by its session (its record joins `turns`),
+        each picked token's hash-layer experts asked for before the reply handles it, stopped at --ctx."""
         if logits is None:
             raise InternalError("the first choice kept no logits of the prompt's end")
         session = self.rt.session(on_route=self.stats.on_route)
@@ -345,9 +349,21 @@ class Worker:
                     break
         finally:
             steps.close()
+            turns.append(session.turn)
         job.usage.completion_tokens += len(got)
         if got:
             self.ram.remember(ids + got)
         if job.cancelled.is_set():
             raise Cancelled
         return self._finish(job, i, "stop" if got and got[-1] == reply.eos else "length")
+
+
+def request_seconds(turns: Sequence[Turn | None]) -> tuple[float, float]:
+    """A request's (prefill, decode) seconds from its choices' generate calls as their sessions
+    timed them: to the first choice's first token, then the wall time of everything after it
+    (the first choice's remaining tokens, then each other choice whole)."""
+    first = turns[0]
+    if first is None:
+        raise InternalError("a request's first choice has no generate call")
+    to_first = first.first_token_seconds or 0.0
+    return to_first, first.seconds - to_first + sum(t.seconds for t in turns[1:] if t is not None)

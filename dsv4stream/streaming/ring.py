@@ -170,6 +170,12 @@ class StreamedTrunk:
         """Time layer() has blocked on reads so far; unlike stats() it waits for nothing."""
         return self._wait_seconds
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of streamed layers read since opening, counting the reads that have landed;
+        unlike stats() it waits for nothing (a live display's figure)."""
+        return self._reader.bytes_read - self._opened_bytes
+
     def stats(self) -> RingStats:
         # A read of the next layer may still be in flight: let it land so that the counts do
         # not depend on timing (it is the read the next forward pass would wait for anyway).
