@@ -37,6 +37,27 @@ def _warm_kernel_cache():
 
 
 @pytest.fixture(scope="session")
+def real_vocab_ckpt(tmp_path_factory):
+    """A generated tiny V4 checkpoint carrying the real V4 tokenizer's vocabulary (129,280 rows)
+    and its tokenizer, packed (the default --tok): every prompt goes through the real BPE."""
+    from dsv4stream.checkpoint import synth
+    from dsv4stream.text.tokenizer import pack_tokenizer
+
+    path = synth.make_checkpoint(
+        tmp_path_factory.mktemp("cli") / "tiny", preset="tiny", seed=3, vocab_size=synth.REAL_VOCAB, tokenizer=True
+    )
+    pack_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_vocab_tok(real_vocab_ckpt):
+    from dsv4stream.text.tokenizer import Tokenizer
+
+    return Tokenizer.load(real_vocab_ckpt)
+
+
+@pytest.fixture(scope="session")
 def tiny_v41(tmp_path_factory):
     """A generated DeepSeek-V4.1 checkpoint (synth preset tiny-v41, seed 1), read-only for tests."""
     from dsv4stream.checkpoint.synth import make_checkpoint

@@ -14,52 +14,35 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from cli_runs import stats_of
 
 from dsv4stream.checkpoint import synth
 from dsv4stream.cli import main
 from dsv4stream.cli.repl import ChatSettings, Conversation, Interrupt, answer, chat_loop
-from dsv4stream.cli.run import run as run_cmd
 from dsv4stream.engine.session import Engine
 from dsv4stream.run.report import PrefillBar, Reads, report_lines
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.runtime import Runtime
 from dsv4stream.text import chat
-from dsv4stream.text.tokenizer import EOS, Tokenizer, pack_tokenizer
+from dsv4stream.text.tokenizer import EOS, Tokenizer
 
 DSV4 = Path(sys.executable).with_name("dsv4")
 
 
 @pytest.fixture(scope="session")
-def ckpt(tmp_path_factory) -> Path:
-    path = synth.make_checkpoint(
-        tmp_path_factory.mktemp("cli") / "tiny", preset="tiny", seed=3, vocab_size=synth.REAL_VOCAB, tokenizer=True
-    )
-    pack_tokenizer(path)  # the default --tok
-    return path
+def ckpt(real_vocab_ckpt) -> Path:
+    return real_vocab_ckpt
 
 
 @pytest.fixture(scope="session")
-def tok(ckpt) -> Tokenizer:
-    return Tokenizer.load(ckpt)
+def tok(real_vocab_tok) -> Tokenizer:
+    return real_vocab_tok
 
 
 @pytest.fixture(scope="session")
 def small_vocab(tmp_path_factory) -> Path:
     """Another model: 512 embedding rows, no tokenizer of its own."""
     return synth.make_checkpoint(tmp_path_factory.mktemp("cli") / "v512", preset="tiny", seed=1)
-
-
-def invoke(*args: str, input: str | None = None):
-    res = CliRunner().invoke(run_cmd, [*args, "--budget", "1"], input=input, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    return res
-
-
-def stats_of(tmp_path: Path, *args: str, input: str | None = None) -> tuple[dict, object]:
-    out = tmp_path / f"s{len(list(tmp_path.iterdir()))}.json"
-    res = invoke(*args, "--stats-json", str(out), input=input)
-    return json.loads(out.read_text()), res
 
 
 def reply_of(ids: list[int], eos: int) -> list[int]:

@@ -1,9 +1,8 @@
-# ruff: noqa: F811  (the fixtures imported from test_cli are parameters of the tests below)
 """What a new user tripped over in their first hour, each checked where it happens: why generation
 stopped, a full --ctx, Ctrl-C during a prefill, special ids never sampled, one plan from
 inspect / doctor / run / bench, chat input, command typos and short flags, doctor's advice,
 bench's summary, and small file-handling fixes. The tiny checkpoint carries the real V4
-tokenizer (fixtures from test_cli); expectations come from an in-memory Engine, the
+tokenizer (`real_vocab_ckpt` in conftest.py); expectations come from an in-memory Engine, the
 tokenizer.json file itself, or the planner's own arithmetic on the numbers printed."""
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import stat
 
 import numpy as np
 import pytest
+from cli_runs import stats_of
 from click.testing import CliRunner
-from test_cli import ckpt, stats_of, tok  # noqa: F401  fixtures and helpers shared with the CLI tests
 
 from dsv4stream.checkpoint import synth
 from dsv4stream.cli import main
@@ -43,6 +42,16 @@ PLACEHOLDER = 128091  # <｜place▁holder▁no▁91｜> in the release tokenize
 
 def run_cli(*args: str, input: str | None = None):
     return CliRunner().invoke(run_mod.run, list(args), input=input, catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def ckpt(real_vocab_ckpt):  # the CLI tests' checkpoint and tokenizer, shared through conftest.py
+    return real_vocab_ckpt
+
+
+@pytest.fixture(scope="module")
+def tok(real_vocab_tok):
+    return real_vocab_tok
 
 
 # -- why it stopped, and --ctx ---------------------------------------------------------------

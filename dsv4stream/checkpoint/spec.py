@@ -198,7 +198,7 @@ def block_specs(cfg: ModelConfig, layer: int, with_experts: bool = True) -> Iter
     yield from _plain(n["attn.sink"], (h,), F32_DTYPES, "trunk", layer)
     if ratio:
         yield from _compressor(cfg, n["attn.compressor"], layer, ratio, hd)
-    if ratio == 4 and cfg.layer_kind(layer) == CSA:
+    if cfg.layer_kind(layer) == CSA:
         ih, ihd = cfg.index_n_heads, cfg.index_head_dim
         yield from _linear(n["attn.indexer.wq_b"], ih * ihd, cfg.q_lora_rank, "trunk", layer)
         yield from _linear(n["attn.indexer.weights_proj"], ih, d, "trunk", layer, BF16_LINEAR_DTYPES)

@@ -35,7 +35,7 @@ class V4Stack:
         return self.rope_comp if self.cfg.ratio(layer) else self.rope_main
 
     def new_state(self) -> list[AttnState]:
-        return [new_attn_state(self.cfg, self.cfg.ratio(i)) for i in range(self.cfg.n_layers)]
+        return [new_attn_state(self.cfg, i) for i in range(self.cfg.n_layers)]
 
     def read_ahead(self, ids: np.ndarray, state: list) -> None:
         """Hash layers' experts are known from the tokens alone: ask for all of them now."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checkpoint.config import ModelConfig
+from ..checkpoint.config import CSA, WINDOW, ModelConfig
 from ..kernels import QWeight, attend, matmul, matmul_grouped
 from .compressor import CompressorState, CompressorWeights, compress
 from .indexer import IndexerWeights, select_rows
@@ -74,10 +74,12 @@ class AttnState:
     index_comp: CompressorState | None
 
 
-def new_attn_state(cfg: ModelConfig, ratio: int) -> AttnState:
-    hd = cfg.head_dim
-    comp = CompressorState(hd, overlap=ratio == 4) if ratio else None
-    index_comp = CompressorState(cfg.index_head_dim, overlap=True) if ratio == 4 else None
+def new_attn_state(cfg: ModelConfig, layer: int) -> AttnState:
+    """Layer `layer`'s empty state: its window, and the compressors its kind has (CSA: the main
+    one with overlapping windows and the indexer's; HCA: the main one)."""
+    hd, kind = cfg.head_dim, cfg.layer_kind(layer)
+    comp = CompressorState(hd, overlap=kind == CSA) if kind != WINDOW else None
+    index_comp = CompressorState(cfg.index_head_dim, overlap=True) if kind == CSA else None
     return AttnState(WindowCache(cfg.sliding_window, hd), comp, index_comp)
 
 

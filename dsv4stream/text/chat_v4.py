@@ -3,8 +3,9 @@
 Owns: the layout rules of the V4 releases' encoder (the May preview and V4-Flash-0731 differ
 only in their reasoning-effort prefixes), for the roles system, user, assistant, tool,
 developer and latest_reminder, as `Pieces` (the encoder's own text vs message content).
-Not here: the shared message types (`messages.py`), tokenization (`Tokenizer.encode_prompt`),
-the internal "task" tokens (not supported).
+Not here: the shared message types (`messages.py`), the turns both releases write alike
+(`turns.py`), tokenization (`Tokenizer.encode_prompt`), the internal "task" tokens (not
+supported).
 
 Layout (modes "chat" and "think"; the official names are "chat" and "thinking"):
   BOS, [in think mode, the reasoning-effort prefix], then each message with no separator:
@@ -36,17 +37,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from ..errors import UsageError
 from . import dsml
 from .messages import Message, Pieces, ToolCall, joined
-from .vocab import ASSISTANT, BOS, EOS, LATEST_REMINDER, THINK, THINK_END, USER
+from .turns import Tools, Turn, declarations, render_turn, sort_tool_results
+from .vocab import ASSISTANT, BOS, THINK, THINK_END, USER
 
 MODES = ("chat", "think")
 ROLES = ("system", "user", "assistant", "tool", "developer", "latest_reminder")
-RESPONSE_FORMAT = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
 _ABSOLUTE_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
@@ -79,15 +80,6 @@ def effort_prefix(effort: str | None, encoder: str) -> str:
     return table[effort]
 
 
-@dataclass
-class _Turn:
-    """A message after tool results have been folded into user turns."""
-
-    msg: Message
-    # user turns only: (is_tool_result, text, tool_call_id) in arrival order
-    blocks: list[tuple[bool, str, str]] = field(default_factory=list)
-
-
 def render(
     messages: Sequence[Message],
     mode: str = "chat",
@@ -106,7 +98,7 @@ def render(
     prefix = effort_prefix(effort, encoder)
     think = mode == "think"
     drop_thinking = drop_thinking and not any(m.tools for m in messages)
-    turns = _sort_tool_results(_merge_tool_results(messages))
+    turns = sort_tool_results(_merge_tool_results(messages))
     if think and drop_thinking:
         turns = _drop_old_reasoning(turns)
     last_user = _last_user_index(turns)
@@ -123,8 +115,8 @@ def render(
     return out
 
 
-def _merge_tool_results(messages: Sequence[Message]) -> list[_Turn]:
-    turns: list[_Turn] = []
+def _merge_tool_results(messages: Sequence[Message]) -> list[Turn]:
+    turns: list[Turn] = []
     for m in messages:
         if m.role not in ROLES:
             raise UsageError(f"message role {m.role!r} is not one of {', '.join(ROLES)}")
@@ -133,88 +125,38 @@ def _merge_tool_results(messages: Sequence[Message]) -> list[_Turn]:
             if turns and turns[-1].msg.role == "user":
                 turns[-1].blocks.append(block)
             else:
-                turns.append(_Turn(Message("user"), [block]))
+                turns.append(Turn(Message("user"), [block]))
         else:
-            turns.append(_Turn(m))
+            turns.append(Turn(m))
     return turns
 
 
-def _sort_tool_results(turns: list[_Turn]) -> list[_Turn]:
-    # Results go in the order of the calls of the latest assistant turn that made calls;
-    # unknown ids rank as 0 and the sort is stable, as in the official encoder.
-    order: dict[str, int] = {}
-    for t in turns:
-        if t.msg.role == "assistant" and t.msg.tool_calls:
-            order = {c.id: k for k, c in enumerate(t.msg.tool_calls) if c.id}
-        elif t.msg.role == "user" and order:
-            results = [b for b in t.blocks if b[0]]
-            if len(results) > 1:
-                ranked = iter(sorted(results, key=lambda b: order.get(b[2], 0)))
-                t.blocks = [next(ranked) if b[0] else b for b in t.blocks]
-    return turns
-
-
-def _drop_old_reasoning(turns: list[_Turn]) -> list[_Turn]:
+def _drop_old_reasoning(turns: list[Turn]) -> list[Turn]:
     last_user = _last_user_index(turns)
     kept = []
     for i, t in enumerate(turns):
         if i >= last_user or t.msg.role in ("user", "system", "latest_reminder"):
             kept.append(t)
         elif t.msg.role == "assistant":
-            kept.append(_Turn(replace(t.msg, reasoning="")))
+            kept.append(Turn(replace(t.msg, reasoning="")))
         # a developer turn before the last user turn is dropped whole
     return kept
 
 
-def _last_user_index(turns: list[_Turn]) -> int:
+def _last_user_index(turns: list[Turn]) -> int:
     return max((i for i, t in enumerate(turns) if t.msg.role in ("user", "developer")), default=-1)
 
 
-def _render_turn(out: Pieces, turn: _Turn, with_reasoning: bool) -> None:
+def _render_turn(out: Pieces, turn: Turn, with_reasoning: bool) -> None:
     m = turn.msg
-    if m.role == "system":
-        out.txt(joined(m.content))
-        _declarations(out, m)
-    elif m.role == "user":
-        out.ctl(USER)
-        for k, (is_tool, text, _) in enumerate(turn.blocks):
-            out.ctl("\n\n" if k else "")
-            if is_tool:
-                out.ctl("<tool_result>")
-                out.txt(text)
-                out.ctl("</tool_result>")
-            else:
-                out.txt(text)
-    elif m.role == "developer":
-        if not joined(m.content):
-            raise UsageError("a developer message needs content")
-        out.ctl(USER)
-        out.txt(joined(m.content))
-        _declarations(out, m)
-    elif m.role == "latest_reminder":
-        out.ctl(LATEST_REMINDER)
-        out.txt(joined(m.content))
-    else:
-        if with_reasoning:
-            out.txt(m.reasoning)
-            out.ctl(THINK_END)
-        out.txt(joined(m.content))
-        if m.tool_calls:
-            _tool_calls(out, m.tool_calls)
-        if not m.unfinished:
-            out.ctl(EOS)
-
-
-def _declarations(out: Pieces, m: Message) -> None:
-    """Tools and response format of a system (or developer) message, as the encoder appends them."""
-    if m.tools:
-        head, schemas, tail = dsml.tools_prompt_parts([_function(t) for t in m.tools], dsml.V4)
-        out.ctl("\n\n" + head)
-        out.txt(schemas)
-        out.ctl(tail)
-    if m.response_format:
-        out.ctl("\n\n" + RESPONSE_FORMAT)
-        out.txt(dsml.to_json(m.response_format))
+    if m.role != "developer":
+        render_turn(out, turn, with_reasoning, _TOOLS)
+        return
+    if not joined(m.content):
+        raise UsageError("a developer message needs content")
+    out.ctl(USER)
+    out.txt(joined(m.content))
+    declarations(out, m, _TOOLS)
 
 
 def _function(tool: Any) -> Any:
@@ -222,34 +164,6 @@ def _function(tool: Any) -> Any:
         return tool["function"]
     except (KeyError, TypeError):
         raise UsageError(f"a tool definition needs a 'function' object, got {str(tool)[:60]!r}") from None
-
-
-def _tool_calls(out: Pieces, calls: tuple[ToolCall, ...]) -> None:
-    """The DSML block: <｜DSML｜tool_calls> holding one <｜DSML｜invoke> per call."""
-    g = dsml.V4
-    out.ctl(g.block_start + "\n")
-    for n, c in enumerate(calls):
-        out.ctl("\n" if n else "")
-        _invoke(out, g, c.name)
-        for k, (key, value, is_str) in enumerate(_params(c)):
-            out.ctl("\n" if k else "")
-            _param(out, g, key, value, is_str)
-        out.ctl("\n" + g.invoke_close)
-    out.ctl("\n" + g.block_end)
-
-
-def _invoke(out: Pieces, g: dsml.Grammar, name: str) -> None:
-    out.ctl(g.invoke_head)
-    out.txt(name)
-    out.ctl('">\n')
-
-
-def _param(out: Pieces, g: dsml.Grammar, key: str, value: str, is_str: bool) -> None:
-    out.ctl(g.param_head)
-    out.txt(key)
-    out.ctl(f'" string="{"true" if is_str else "false"}">')
-    out.txt(value)
-    out.ctl(g.param_close)
 
 
 def _params(call: ToolCall) -> list[tuple[str, str, bool]]:
@@ -261,3 +175,6 @@ def _params(call: ToolCall) -> list[tuple[str, str, bool]]:
     if not isinstance(args, dict):
         raise UsageError(f"tool call {call.name!r}: arguments must be a JSON object, got {call.arguments!r}")
     return [(str(k), v, True) if isinstance(v, str) else (str(k), dsml.to_json(v), False) for k, v in args.items()]
+
+
+_TOOLS = Tools(dsml.V4, _function, str, _params)  # names as sent

@@ -2,7 +2,8 @@
 
 Owns: the layout rules of DeepSeek-V4.1-Flash's encoder, as `Pieces` (the encoder's own text
 vs message content), for the roles system, user, assistant, tool and latest_reminder.
-A sibling of `chat_v4.py`, not a variant of it: the rules differ in many small places.
+A sibling of `chat_v4.py`, not a variant of it: the rules differ in many small places (the
+turns both write alike are in `turns.py`).
 Not here: images (`<｜deepseek_image｜>` input is refused, vision is not supported), the
 internal "task" tokens, the shared message types (`messages.py`), tokenization.
 
@@ -38,20 +39,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UsageError
 from . import dsml
 from .messages import Message, Pieces, ToolCall, joined
-from .vocab import ASSISTANT, BOS, EOS, IMAGE, LATEST_REMINDER, SYSTEM, THINK, THINK_END, USER
+from .turns import Tools, Turn, render_turn, sort_tool_results
+from .vocab import ASSISTANT, BOS, IMAGE, SYSTEM, THINK, THINK_END
 
 MODES = ("chat", "think")
 ROLES = ("system", "user", "assistant", "tool", "latest_reminder")
 EFFORTS = {"low": 50, "high": 75, "max": 100}
 DEFAULT_EFFORT = "high"
 EFFORT_RANGE = (1, 100)
-RESPONSE_FORMAT = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 _EFFORT_LINE = "Reasoning Effort: {n} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 
 
@@ -66,15 +66,6 @@ def effort_value(effort: str | int | None) -> int:
     raise UsageError(f"reasoning effort {effort!r} is not an integer 1-100 or one of low, high, max (V4.1)")
 
 
-@dataclass
-class _Turn:
-    """A message after tool results have been folded into user turns."""
-
-    msg: Message
-    # user turns only: (is_tool_result, text, tool_call_id) in arrival order
-    blocks: list[tuple[bool, str, str]] = field(default_factory=list)
-
-
 def render(
     messages: Sequence[Message], mode: str = "chat", drop_thinking: bool = True, effort: str | int | None = None
 ) -> Pieces:
@@ -87,7 +78,7 @@ def render(
     for i, m in enumerate(messages):
         _check(i, m)
     drop_thinking = drop_thinking and not any(m.tools for m in messages)
-    turns = _sort_tool_results(_merge_tool_results(messages))
+    turns = sort_tool_results(_merge_tool_results(messages))
     last_user = _last_user_index(turns)
     out = Pieces()
     out.ctl(BOS)
@@ -97,7 +88,7 @@ def render(
             out.ctl(SYSTEM + _EFFORT_LINE.format(n=level))  # a first system message follows it directly
         elif role == "system":
             out.ctl(SYSTEM)
-        _render_turn(out, turn, think and (not drop_thinking or i > last_user))
+        render_turn(out, turn, think and (not drop_thinking or i > last_user), _TOOLS)
         nxt = turns[i + 1].msg.role if i + 1 < len(turns) else None
         asks = role == "user" or (role == "system" and i > 0)
         if asks and nxt in (None, "assistant", "latest_reminder"):
@@ -115,8 +106,8 @@ def _check(i: int, m: Message) -> None:
             raise UsageError(f"message {i}: its {what} holds the image placeholder {IMAGE}; images are not supported")
 
 
-def _merge_tool_results(messages: Sequence[Message]) -> list[_Turn]:
-    turns: list[_Turn] = []
+def _merge_tool_results(messages: Sequence[Message]) -> list[Turn]:
+    turns: list[Turn] = []
     for m in messages:
         if m.role == "tool":
             block = [(True, joined(m.content), m.tool_call_id)]
@@ -124,33 +115,18 @@ def _merge_tool_results(messages: Sequence[Message]) -> list[_Turn]:
             parts = (m.content,) if isinstance(m.content, str) else m.content
             block = [(False, text, "") for text in parts]
         else:
-            turns.append(_Turn(m))
+            turns.append(Turn(m))
             continue
         if turns and turns[-1].msg.role == "user":
             turns[-1].blocks.extend(block)
         elif m.role == "tool":
-            turns.append(_Turn(Message("user"), block))
+            turns.append(Turn(Message("user"), block))
         else:
-            turns.append(_Turn(m, block))
+            turns.append(Turn(m, block))
     return turns
 
 
-def _sort_tool_results(turns: list[_Turn]) -> list[_Turn]:
-    # Results go in the order of the calls of the latest assistant turn that made calls;
-    # unknown ids rank as 0 and the sort is stable, as in the official encoder.
-    order: dict[str, int] = {}
-    for t in turns:
-        if t.msg.role == "assistant" and t.msg.tool_calls:
-            order = {c.id: k for k, c in enumerate(t.msg.tool_calls) if c.id}
-        elif t.msg.role == "user" and order:
-            results = [b for b in t.blocks if b[0]]
-            if len(results) > 1:
-                ranked = iter(sorted(results, key=lambda b: order.get(b[2], 0)))
-                t.blocks = [next(ranked) if b[0] else b for b in t.blocks]
-    return turns
-
-
-def _last_user_index(turns: list[_Turn]) -> int:
+def _last_user_index(turns: list[Turn]) -> int:
     for i in range(len(turns) - 1, -1, -1):
         t = turns[i]
         if t.msg.role == "system" and i > 0:
@@ -158,47 +134,6 @@ def _last_user_index(turns: list[_Turn]) -> int:
         if t.msg.role == "user" and not (t.blocks and all(is_tool for is_tool, _, _ in t.blocks)):
             return i
     return -1
-
-
-def _render_turn(out: Pieces, turn: _Turn, with_reasoning: bool) -> None:
-    m = turn.msg
-    if m.role == "system":
-        out.txt(joined(m.content))
-        _declarations(out, m)
-    elif m.role == "user":
-        out.ctl(USER)
-        for k, (is_tool, text, _) in enumerate(turn.blocks):
-            out.ctl("\n\n" if k else "")
-            if is_tool:
-                out.ctl("<tool_result>")
-                out.txt(text)
-                out.ctl("</tool_result>")
-            else:
-                out.txt(text)
-    elif m.role == "latest_reminder":
-        out.ctl(LATEST_REMINDER)
-        out.txt(joined(m.content))
-    else:
-        if with_reasoning:
-            out.txt(m.reasoning)
-            out.ctl(THINK_END)
-        out.txt(joined(m.content))
-        if m.tool_calls:
-            _tool_calls(out, m.tool_calls)
-        if not m.unfinished:
-            out.ctl(EOS)
-
-
-def _declarations(out: Pieces, m: Message) -> None:
-    """Tools and response format of a system message, as the encoder appends them."""
-    if m.tools:
-        head, schemas, tail = dsml.tools_prompt_parts([_function(t) for t in m.tools], dsml.V41)
-        out.ctl("\n\n" + head)
-        out.txt(schemas)
-        out.ctl(tail)
-    if m.response_format:
-        out.ctl("\n\n" + RESPONSE_FORMAT)
-        out.txt(dsml.to_json(m.response_format))
 
 
 def _function(tool: Any) -> dict[str, Any]:
@@ -234,24 +169,6 @@ def qualified_name(name: str, namespace: Any = None) -> str:
     return name if namespace is None else f"{namespace}::{name}"
 
 
-def _tool_calls(out: Pieces, calls: tuple[ToolCall, ...]) -> None:
-    """The DSML block: <｜DSML｜ calls> holding one <｜DSML｜ invoke> per call."""
-    g = dsml.V41
-    out.ctl(g.block_start + "\n")
-    for n, c in enumerate(calls):
-        out.ctl(("\n" if n else "") + g.invoke_head)
-        out.txt(qualified_name(c.name))
-        out.ctl('">\n')
-        for k, (key, value, is_str) in enumerate(_params(c)):
-            out.ctl(("\n" if k else "") + g.param_head)
-            out.txt(key)
-            out.ctl(f'" string="{"true" if is_str else "false"}">')
-            out.txt(value)
-            out.ctl(g.param_close)
-        out.ctl("\n" + g.invoke_close)
-    out.ctl("\n" + g.block_end)
-
-
 def _params(call: ToolCall) -> list[tuple[str, str, bool]]:
     # Strings go in raw (string="true"); anything else as JSON. JSON text is decoded up to
     # twice (clients send double-encoded arguments); what is still not an object becomes one
@@ -267,3 +184,6 @@ def _params(call: ToolCall) -> list[tuple[str, str, bool]]:
     if not isinstance(args, dict):
         args = {"arguments": call.arguments}
     return [(str(k), v, True) if isinstance(v, str) else (str(k), dsml.to_json(v), False) for k, v in args.items()]
+
+
+_TOOLS = Tools(dsml.V41, _function, qualified_name, _params)

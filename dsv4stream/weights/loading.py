@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..checkpoint.catalog import TensorSource
-from ..checkpoint.config import ModelConfig
+from ..checkpoint.config import CSA, ModelConfig
 from ..checkpoint.formats import fp4_scale_shape, fp8_scale_shape
 from ..checkpoint.spec import COMPRESSOR, EXPERT_LINEARS, MODEL, block_names, expert_prefix, hc_names
 from ..kernels import QWeight, dense
@@ -73,7 +73,7 @@ def load_layer(cat: TensorSource, layer: int) -> LayerWeights:
     n = block_names(cfg, layer)
     ratio = cfg.ratio(layer)
     indexer = None
-    if ratio == 4:
+    if cfg.layer_kind(layer) == CSA:
         indexer = IndexerWeights(
             wq_b=cat.qweight(n["attn.indexer.wq_b"]),
             weights_proj=cat.qweight(n["attn.indexer.weights_proj"]),
