@@ -36,8 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from dsv4stream.cli.outputs import check_output
-from dsv4stream.errors import UsageError
+from dsv4stream.cli.outputs import refuse_bad_output
 from dsv4stream.files import atomic_write
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -140,7 +139,7 @@ def main() -> None:
     ap.add_argument("--dd-mb", type=int, default=1024, help="MiB each dd measurement reads")
     ap.add_argument("--json", type=Path, default=None, help="also write every figure (and the ids) here")
     args = ap.parse_args()
-    refuse_bad_output(args.json)
+    refuse_bad_output(args.json, "--json")  # never over a checkpoint or pack file
     ck = args.checkpoint
     ids = prompt_ids(ck, args.prompt, args.prompt_ids)
     print(f"# {machine()} prompt={len(ids)} tokens gen={args.gen}", flush=True)
@@ -178,14 +177,6 @@ def main() -> None:
         atomic_write(args.json, json.dumps(doc, indent=1) + "\n")
     if same != "identical":
         sys.exit(1)
-
-
-def refuse_bad_output(path) -> None:
-    """--json goes through the one output guard of the CLI: never over a checkpoint or pack file."""
-    try:
-        check_output(Path(path) if path else None, "--json")
-    except UsageError as e:
-        raise SystemExit(f"dsv4: {e}") from None
 
 
 if __name__ == "__main__":

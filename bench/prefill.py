@@ -25,12 +25,10 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from dsv4stream.cli.outputs import check_output
-from dsv4stream.errors import UsageError
+from dsv4stream.cli.outputs import refuse_bad_output
 from dsv4stream.files import atomic_write
 
 
@@ -150,7 +148,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the records here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    refuse_bad_output(a.json)
+    refuse_bad_output(a.json, "--json")  # never over a checkpoint or pack file
     budgets = [float(b) for b in a.budgets.split(",")]
     lengths = [int(n) for n in a.lengths.split(",")]
     if a.child:
@@ -166,14 +164,6 @@ def main() -> None:
     print(machine())
     if a.json:
         atomic_write(a.json, json.dumps(recs, indent=1) + "\n")
-
-
-def refuse_bad_output(path) -> None:
-    """--json goes through the one output guard of the CLI: never over a checkpoint or pack file."""
-    try:
-        check_output(Path(path) if path else None, "--json")
-    except UsageError as e:
-        raise SystemExit(f"dsv4: {e}") from None
 
 
 if __name__ == "__main__":

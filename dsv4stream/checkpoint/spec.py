@@ -21,7 +21,7 @@ or F32 (no scale), or as FP8 with F32 scales; experts may have F32 scales.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from .config import CSA, DSPARK, DSPARK_V41, PREVIEW, V41, ModelConfig
@@ -173,17 +173,10 @@ def _compressor(cfg, prefix: str, layer: int, ratio: int, dim: int) -> Iterator[
     yield from _plain(c["norm"], (dim,), VECTOR_DTYPES, "trunk", layer)
 
 
-def block_specs(cfg: ModelConfig, layer: int, with_experts: bool = True) -> Iterator[TensorSpec]:
-    """Tensors of one transformer block (main layer or MTP block). with_experts=False: the
-    dense trunk only, without what is read by pieces (routed experts, Engram table rows)."""
-    if cfg.family == V41:
-        from .spec_v41 import block_specs_v41
-
-        yield from block_specs_v41(cfg, layer, with_experts)
-        return
-    n = block_names(cfg, layer)
+def shared_block_specs(cfg: ModelConfig, n: Mapping[str, str], layer: int) -> Iterator[TensorSpec]:
+    """What a V4 and a V4.1 block both hold (`n`: the block's names): the two norms, the mHC
+    mixes, attention's low-rank projections, norms and sink."""
     d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    ratio = cfg.ratio(layer)
     yield from _plain(n["attn_norm"], (d,), VECTOR_DTYPES, "trunk", layer)
     yield from _plain(n["ffn_norm"], (d,), VECTOR_DTYPES, "trunk", layer)
     yield from hc_specs(cfg, n["hc_attn"], layer)
@@ -196,6 +189,20 @@ def block_specs(cfg: ModelConfig, layer: int, with_experts: bool = True) -> Iter
     yield from _linear(n["attn.wo_a"], cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups, "trunk", layer)
     yield from _linear(n["attn.wo_b"], d, cfg.o_groups * cfg.o_lora_rank, "trunk", layer)
     yield from _plain(n["attn.sink"], (h,), F32_DTYPES, "trunk", layer)
+
+
+def block_specs(cfg: ModelConfig, layer: int, with_experts: bool = True) -> Iterator[TensorSpec]:
+    """Tensors of one transformer block (main layer or MTP block). with_experts=False: the
+    dense trunk only, without what is read by pieces (routed experts, Engram table rows)."""
+    if cfg.family == V41:
+        from .spec_v41 import block_specs_v41
+
+        yield from block_specs_v41(cfg, layer, with_experts)
+        return
+    n = block_names(cfg, layer)
+    d, hd = cfg.hidden_size, cfg.head_dim
+    ratio = cfg.ratio(layer)
+    yield from shared_block_specs(cfg, n, layer)
     if ratio:
         yield from _compressor(cfg, n["attn.compressor"], layer, ratio, hd)
     if cfg.layer_kind(layer) == CSA:

@@ -40,9 +40,9 @@ from .spec import (
     _plain,
     block_names,
     expert_specs,
-    hc_specs,
     layer_prefix,
     linear_names,
+    shared_block_specs,
 )
 
 # V4.1 names beyond spec.BLOCK, under the block prefix.
@@ -108,23 +108,12 @@ def block_specs_v41(cfg: ModelConfig, layer: int, with_experts: bool = True) -> 
     leaves out the routed experts and the Engram table (both read by pieces)."""
     n = block_names(cfg, layer)
     x = {k: layer_prefix(cfg, layer) + v for k, v in BLOCK_V41.items()}
-    d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    d, hd = cfg.hidden_size, cfg.head_dim
     main = layer < cfg.n_layers
     sh = cfg.shared
     if main and cfg.is_engram_layer(layer):
         yield from _engram(cfg, layer, with_experts)
-    yield from _plain(n["attn_norm"], (d,), VECTOR_DTYPES, "trunk", layer)
-    yield from _plain(n["ffn_norm"], (d,), VECTOR_DTYPES, "trunk", layer)
-    yield from hc_specs(cfg, n["hc_attn"], layer)
-    yield from hc_specs(cfg, n["hc_ffn"], layer)
-    yield from _linear(n["attn.wq_a"], cfg.q_lora_rank, d, "trunk", layer)
-    yield from _plain(n["attn.q_norm"], (cfg.q_lora_rank,), VECTOR_DTYPES, "trunk", layer)
-    yield from _linear(n["attn.wq_b"], h * hd, cfg.q_lora_rank, "trunk", layer)
-    yield from _linear(n["attn.wkv"], hd, d, "trunk", layer)
-    yield from _plain(n["attn.kv_norm"], (hd,), VECTOR_DTYPES, "trunk", layer)
-    yield from _linear(n["attn.wo_a"], cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups, "trunk", layer)
-    yield from _linear(n["attn.wo_b"], d, cfg.o_groups * cfg.o_lora_rank, "trunk", layer)
-    yield from _plain(n["attn.sink"], (h,), F32_DTYPES, "trunk", layer)
+    yield from shared_block_specs(cfg, n, layer)
     if main and sh is not None and sh.is_kv_source(layer):
         c = {k: n["attn.compressor"] + v for k, v in COMPRESSOR_V41.items()}
         yield from _linear(c["wkv"], hd, d, "trunk", layer, BF16_LINEAR_DTYPES)

@@ -3,7 +3,8 @@
 Owns: `check_output` (refuses, before any work, a path that is not a regular file, whose
 folder is missing, or that is a file of a checkpoint, of a trunk pack or its staging
 folder, a tokenizer pack, or a kv cache state) and `check_output_dir` (the same for a
-folder that will receive several outputs). Writing itself is `files.AtomicFile` /
+folder that will receive several outputs); `refuse_bad_output` is `check_output` for the
+bench scripts (one line, exit 2). Writing itself is `files.AtomicFile` /
 `files.atomic_write` (temp file in the same folder, then rename), so a run that fails never
 truncates the old file or leaves half a new one.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from ..checkpoint.catalog import INDEX_NAME
@@ -92,6 +94,16 @@ def check_output(path: Path | None, flag: str) -> None:
         why = protected(p)
         if why is not None:
             raise UsageError(f"{flag} {path}: is {why}; writing there would destroy it — give another file name")
+
+
+def refuse_bad_output(path: str | os.PathLike | None, flag: str) -> None:
+    """`check_output` for a script outside the `dsv4` command (the benches): a refused path
+    is one line `dsv4: ...` on stderr and exit status 2, before any work."""
+    try:
+        check_output(Path(path) if path else None, flag)
+    except UsageError as e:
+        print(f"dsv4: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def check_output_dir(path: Path, flag: str, names: tuple[str, ...] = ()) -> None:
