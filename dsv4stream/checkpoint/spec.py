@@ -216,11 +216,18 @@ def block_specs(cfg: ModelConfig, layer: int, with_experts: bool = True) -> Iter
         yield from _plain(n["moe.tid2eid"], (cfg.vocab_size, k), ("I64", "I32"), "trunk", layer)
     else:
         yield from _plain(n["moe.bias"], (e,), F32_DTYPES, "trunk", layer)
-    m = cfg.moe_intermediate_size * cfg.n_shared_experts
+    yield from experts_block_specs(cfg, n, layer, e, with_experts)
+
+
+def experts_block_specs(
+    cfg: ModelConfig, n: Mapping[str, str], layer: int, experts: int, with_routed: bool
+) -> Iterator[TensorSpec]:
+    """A block's shared expert, and its `experts` routed ones with `with_routed` (V4 and V4.1 alike)."""
+    d, m = cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
     for w, (r, c) in zip(EXPERT_LINEARS, ((m, d), (d, m), (m, d)), strict=True):
         yield from _linear(n["moe.shared"] + w, r, c, "trunk", layer)
-    if with_experts:
-        for x in range(e):
+    if with_routed:
+        for x in range(experts):
             yield from expert_specs(cfg, layer, x, n["moe.experts"])
 
 

@@ -30,7 +30,6 @@ from collections.abc import Iterator
 from .config import ModelConfig
 from .spec import (
     BF16_LINEAR_DTYPES,
-    EXPERT_LINEARS,
     F32_DTYPES,
     LINEAR_DTYPES,
     SCALE_DTYPES,
@@ -39,7 +38,7 @@ from .spec import (
     _linear,
     _plain,
     block_names,
-    expert_specs,
+    experts_block_specs,
     layer_prefix,
     linear_names,
     shared_block_specs,
@@ -132,12 +131,7 @@ def block_specs_v41(cfg: ModelConfig, layer: int, with_experts: bool = True) -> 
     yield from _plain(n["moe.bias"], (e,), F32_DTYPES, "trunk", layer)
     if cfg.vision is not None:
         yield from _plain(x["moe.bias_vl"], (e,), F32_DTYPES, "trunk", layer)
-    m = cfg.moe_intermediate_size * cfg.n_shared_experts
-    for w, (r, c_) in zip(EXPERT_LINEARS, ((m, d), (d, m), (m, d)), strict=True):
-        yield from _linear(n["moe.shared"] + w, r, c_, "trunk", layer)
-    if with_experts:
-        for i in range(e):
-            yield from expert_specs(cfg, layer, i, n["moe.experts"])
+    yield from experts_block_specs(cfg, n, layer, e, with_experts)
 
 
 def mtp_extra_specs_v41(cfg: ModelConfig, k: int) -> Iterator[TensorSpec]:

@@ -80,9 +80,6 @@ class StoreStats:
     def hit_rate(self) -> float:
         return self.hits / self.requests if self.requests else 0.0
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
-
 
 @dataclass
 class _ReadCounts:

@@ -53,7 +53,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Self
 
 import numpy as np
@@ -135,9 +135,6 @@ class RowStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.requests if self.requests else 0.0
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
 
 
 class _Batch:
