@@ -10,12 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_runs import dsv4, refused
 from click.testing import CliRunner
 
 from dsv4stream.checkpoint import synth
@@ -26,21 +25,6 @@ from dsv4stream.files import AtomicFile, atomic_write
 from dsv4stream.run.runtime import Runtime
 from dsv4stream.text.tokenizer import pack_tokenizer
 from dsv4stream.trunkpack.writer import pack_trunk
-
-CODE = "from dsv4stream.cli import main; main()"
-
-
-def dsv4(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", CODE, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def refused(r: subprocess.CompletedProcess, *words: str) -> str:
-    last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
-    assert r.returncode == 2 and last.startswith("dsv4: ") and "Traceback" not in r.stderr, r.stderr
-    for w in words:
-        assert w in last, (w, last)
-    return last
 
 
 def digest(path: Path) -> str:

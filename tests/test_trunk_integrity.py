@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_runs import dsv4, refused
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -31,20 +30,6 @@ from dsv4stream.trunkpack.upgrade import upgrade_trunk
 from dsv4stream.trunkpack.writer import pack_trunk
 
 BLOCK = 4096
-CODE = "from dsv4stream.cli import main; main()"
-
-
-def dsv4(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", CODE, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def one_line(r: subprocess.CompletedProcess, *words: str) -> str:
-    last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
-    assert r.returncode == 2 and last.startswith("dsv4: ") and "Traceback" not in r.stderr, r.stderr
-    for w in words:
-        assert w in last, (w, last)
-    return last
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +219,7 @@ def test_an_older_pack_is_refused_with_the_command_that_upgrades_it(pack, cat, c
     with pytest.raises(CheckpointError, match=rf"format 'dsv4-trunk/1'.*`dsv4 upgrade-trunk {pack}`"):
         TrunkFile.open(pack, cat)
     r = dsv4("run", str(ckpt), "--trunk", str(pack), "--prompt-ids", "1,2", "--gen", "1", "--budget", "3")
-    one_line(r, "dsv4 upgrade-trunk", str(pack))
+    refused(r, "dsv4 upgrade-trunk", str(pack))
 
 
 def test_upgrade_checks_blake2b_then_writes_the_new_sums(pack, cat):
@@ -261,7 +246,7 @@ def test_upgrade_of_a_corrupted_older_pack_changes_nothing(pack, cat):
     swap(data, head["offset"] // BLOCK, head["offset"] // BLOCK + 1)
     (pack / TRUNK_FILE).write_bytes(data)
     r = dsv4("upgrade-trunk", str(pack), "--no-progress")
-    one_line(r, "run 'head' fails its blake2b checksum", "nothing was changed", "pack-trunk")
+    refused(r, "run 'head' fails its blake2b checksum", "nothing was changed", "pack-trunk")
     assert (pack / MANIFEST).read_bytes() == before
 
 
@@ -314,7 +299,7 @@ def test_a_fifo_named_manifest_in_pack_trunks_output_is_named_not_waited_on(ckpt
     os.mkfifo(out / MANIFEST)
     t0 = time.monotonic()
     r = dsv4("pack-trunk", str(ckpt), str(out), "--no-progress", timeout=120)
-    one_line(r, "manifest.json", "is a FIFO")
+    refused(r, "manifest.json", "is a FIFO")
     assert time.monotonic() - t0 < 60
 
 
