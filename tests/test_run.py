@@ -196,3 +196,18 @@ def test_stats_json_keeps_its_flat_keys_while_the_records_nest(ckpt) -> None:
     assert d["io_mode"] == "buffered" and d["engram_cache_rows"] == 0 and d["stop_reason"] == "gen_limit"
     d["generated_ids"].append(-1)  # the document is a copy
     assert s.generated_ids == ids
+
+
+def test_a_reply_continued_from_logits_counts_only_its_own_reads(ckpt) -> None:
+    """A server's second choice starts from the prompt's logits: its decode bytes are the reads
+    of its own steps, not everything read since the store opened (the prefill's included)."""
+    from dsv4stream.run.runtime import Runtime
+
+    with Runtime.open(ckpt, RunOptions(budget=int(float(gb(ckpt, 3)) * 1e9), io="buffered")) as rt:
+        s = rt.session()
+        logits = s.prefill([4, 5, 6], last_only=True)
+        before = rt.store.stats().bytes_read
+        got = list(rt.generate(s, [], 5, logits=logits))
+        after = rt.store.stats().bytes_read
+    assert len(got) == 5 and s.turn.decode_steps == 4 and s.turn.prompt_tokens is None
+    assert before > 0 and s.turn.decode_expert_bytes == after - before
