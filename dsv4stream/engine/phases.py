@@ -1,11 +1,11 @@
 """What a session's generation spent its time on, recorded by the session where it happens.
 
-Owns: `Turn` (one `Session.generate` call: the tokens it prefilled and how long that took,
-the time to its first token, its decode steps timed by phase, why it ended), `PhaseLog`
-(every turn of an engine's sessions, summed into `Phases` for a run's figures) and
-`Counters`, the cumulative counters of the providers that a `Meter` reads without waiting
-for anything (the figures a live display shows, and what a decode step's read waits and
-bytes are differences of).
+Owns: `PrefillStep` (where a prefill stands after each layer of each segment), `Turn` (one
+`Session.generate` call: the tokens it prefilled and how long that took, the time to its
+first token, its decode steps timed by phase, why it ended), `PhaseLog` (every turn of an
+engine's sessions, summed into `Phases` for a run's figures) and `Counters`, the cumulative
+counters of the providers that a `Meter` reads without waiting for anything (the figures a
+live display shows, and what a decode step's read waits and bytes are differences of).
 
 A decode step's time is split by phase from counters taken around its forward pass: the
 kernels' product time by weight role (`kernels.kernel_seconds()`, two perf_counter calls
@@ -67,6 +67,27 @@ Meter = Callable[[], Counters]
 
 def no_reads() -> Counters:
     return Counters()
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """Where a prefill stands after one layer of one segment (counts from 1 where 'of')."""
+
+    layer: int  # layers of this segment done, 1..layers
+    layers: int
+    segment: int  # 1..segments
+    segments: int
+    done: int  # tokens of the earlier segments (fully prefilled)
+    segment_tokens: int
+    total: int  # tokens of this prefill call
+
+    @property
+    def tokens(self) -> float:
+        """Progress in tokens, counting a segment's layers pro rata."""
+        return self.done + self.segment_tokens * self.layer / self.layers
+
+    def where(self) -> str:
+        return f"layer {self.layer}/{self.layers}, segment {self.segment}/{self.segments}"
 
 
 @dataclass

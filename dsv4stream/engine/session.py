@@ -36,7 +36,7 @@ from ..model.moe import ExpertWeights
 from ..model.scan import nonfinite_fields
 from ..text.sampler import greedy
 from ..weights.providers import CatalogEngramRows, CatalogExperts, CatalogTrunk, EngramRows, ExpertKey, Experts, Trunk
-from .phases import Meter, PhaseLog, StepClock, Turn, no_reads
+from .phases import Meter, PhaseLog, PrefillStep, StepClock, Turn, no_reads
 from .state import SessionState, capture, thaw
 from .steps import Pass, PassContext, Stack
 from .v4 import V4Stack
@@ -49,27 +49,6 @@ DEFAULT_SEGMENT = 4096  # prefill segment of a session made without one (the pla
 # Why a generation ended: EOS chosen, max_new_tokens reached, feeding the token would pass
 # max_pos (--ctx), or the caller stopped it (Ctrl-C: the prefill or the token stream was cut short).
 STOP_REASONS = ("eos", "gen_limit", "context_full", "interrupted")
-
-
-@dataclass(frozen=True)
-class PrefillStep:
-    """Where a prefill stands after one layer of one segment (counts from 1 where 'of')."""
-
-    layer: int  # layers of this segment done, 1..layers
-    layers: int
-    segment: int  # 1..segments
-    segments: int
-    done: int  # tokens of the earlier segments (fully prefilled)
-    segment_tokens: int
-    total: int  # tokens of this prefill call
-
-    @property
-    def tokens(self) -> float:
-        """Progress in tokens, counting a segment's layers pro rata."""
-        return self.done + self.segment_tokens * self.layer / self.layers
-
-    def where(self) -> str:
-        return f"layer {self.layer}/{self.layers}, segment {self.segment}/{self.segments}"
 
 
 # on_layer(step): after each layer of each prefill segment; it may raise to stop the prefill
