@@ -73,6 +73,10 @@ function save(c, soon = false) {
     if (!saveTimer) saveTimer = setTimeout(() => ((saveTimer = null), save(c)), 1000);
     return saving;
   }
+  // a save now supersedes a pending one (only the streaming conversation has one): left to fire,
+  // it would mark a finished answer's conversation newer than one started after it
+  clearTimeout(saveTimer);
+  saveTimer = null;
   c.updated = Date.now();
   convs.set(c.id, c);
   const copy = JSON.parse(JSON.stringify(c)); // a snapshot: the answer may still be growing
