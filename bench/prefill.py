@@ -9,7 +9,8 @@ hook, every (segment, layer, expert) the prefill routed to. The session is the r
 
 Printed per run: budget, tokens, segment size S and segments run, expert bytes read during the prefill, distinct
 (layer, expert) pairs summed over segments x expert bytes (what a read-once prefill must read at
-most), their ratio, trunk bytes read / streamed-trunk bytes (trunk passes), prefill seconds and
+most), their ratio, the ratio to the distinct (layer, expert) pairs of the whole prompt (a
+prompt read once: 1.00), trunk bytes read / streamed-trunk bytes (trunk passes), prefill seconds and
 tokens/s, decode tokens/s of the same run, the prefill/decode speed ratio, peak RSS; below it
 where the prefill's seconds went (`phases.StepClock` around the prefill: products by weight
 role, waits on expert and trunk reads, the rest). Then the machine: CPU model, SIMD flags, load.
@@ -82,6 +83,7 @@ def child(ckpt: str, budget: float, length: int, gen: int, seed: int, segment: i
             "slots": s1.slots,
             "expert_bytes_read": s1.bytes_read - s0.bytes_read,
             "touched_pairs": len(touched),
+            "distinct_pairs": len({(layer, e) for _, layer, e in touched}),
             "slot_bytes": s1.slot_bytes,
             "expert_bytes": cfg.expert_bytes,
             "trunk_bytes_read": r1.bytes_read - r0.bytes_read,
@@ -112,12 +114,15 @@ def show(rec: dict) -> str:
         return f"{rec['budget']:>6g} {rec['tokens']:>6}  error: {rec['error']}"
     need = rec["touched_pairs"] * rec["expert_bytes"]
     ratio = rec["expert_bytes_read"] / need if need else 0.0
+    once = rec.get("distinct_pairs", 0) * rec["expert_bytes"]
+    over = rec["expert_bytes_read"] / once if once else 0.0
     passes = rec["trunk_bytes_read"] / rec["streamed_trunk_bytes"] if rec["streamed_trunk_bytes"] else 0.0
     tok_s = rec["tokens"] / rec["prefill_s"]
     speed = tok_s / rec["decode_tok_s"] if rec["decode_tok_s"] else 0.0
     return (
         f"{rec['budget']:>6g} {rec['tokens']:>6} {rec['segment']:>5} {rec['segments']:>4} {rec['slots']:>5}"
         f" {rec['expert_bytes_read'] / 1e9:>8.2f} {rec['touched_pairs']:>6} {need / 1e9:>8.2f} {ratio:>5.2f}"
+        f" {over:>5.2f}"
         f" {passes:>6.1f} {rec['prefill_s']:>8.1f} {tok_s:>7.1f} {rec['decode_tok_s']:>6.2f} {speed:>6.1f}"
         f" {rec['peak_rss'] / 1e9:>6.2f}\n"
         "       prefill s: " + ", ".join(f"{k} {v:.2f}" for k, v in rec["prefill_profile"].items() if v)
@@ -125,9 +130,10 @@ def show(rec: dict) -> str:
 
 
 HEADER = (
-    "budget tokens     S segs slots  read_GB  pairs  need_GB ratio trunkx prefill_s   tok/s dec/s  ratio  rss_GB\n"
+    "budget tokens     S segs slots  read_GB  pairs  need_GB ratio xonce trunkx prefill_s   tok/s dec/s  ratio  rss_GB\n"
     "(read_GB: expert bytes read in the prefill; pairs: distinct (segment, layer, expert); need_GB: pairs x"
-    " expert bytes; trunkx: streamed-trunk passes; dec/s: decode tok/s; ratio: prefill/decode tok/s)"
+    " expert bytes; xonce: read_GB / the bytes of the distinct (layer, expert) the whole prompt touches;"
+    " trunkx: streamed-trunk passes; dec/s: decode tok/s; ratio: prefill/decode tok/s)"
 )
 
 

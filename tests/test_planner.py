@@ -65,8 +65,15 @@ def test_flash_at_budget_16_and_8192_positions_counts_by_hand():
     assert p.prefill_segment == 4096 and p.segment_bytes == 4096 * 248_936 == 1_019_641_856
     assert p.pinned_layers == FLASH.n_layers
     fixed = needs.overhead_bytes + state + needs.staging_bytes + needs.head_bytes
-    assert p.planned_bytes == fixed + sum(needs.layer_bytes) + p.expert_slots * needs.slot_bytes + 1_019_641_856
-    assert 0 <= 16 * GB - p.planned_bytes < needs.slot_bytes  # the rest is less than one more slot
+    # the pool expert slots and the segment share: the budget after the fixed part and the trunk
+    pool = 16 * GB - fixed - sum(needs.layer_bytes)
+    assert p.pool_bytes == pool == 7_643_935_012 and needs.slot_bytes == 13_385_728
+    # decoding: every slot beside one token's activations; a 4096-token segment borrows 77 of them
+    assert p.expert_slots == (pool - 248_936) // 13_385_728 == 571
+    assert p.prefill_slots(1) == 571 and p.prefill_slots(4096) == (pool - 1_019_641_856) // 13_385_728 == 494
+    # the larger phase (decode) is what is planned; the rest is less than one more slot
+    assert p.planned_bytes == fixed + sum(needs.layer_bytes) + 571 * 13_385_728 + 248_936
+    assert 0 <= 16 * GB - p.planned_bytes < needs.slot_bytes
 
 
 def test_too_small_a_budget_names_the_minimum():
@@ -84,8 +91,10 @@ def test_more_budget_never_gives_less():
     for gb in (2.1, 3, 4, 6, 8, 10, 12, 16, 32, 160):
         p = plan(needs, int(gb * GB))
         if prev is not None:
-            assert p.pinned_layers >= prev.pinned_layers and p.prefill_segment >= prev.prefill_segment
-            assert p.pinned_layers < FLASH.n_layers or p.expert_slots >= prev.expert_slots
+            assert p.pinned_layers >= prev.pinned_layers and p.pool_bytes + p.pinned_bytes > prev.pool_bytes
+            # the pool shrinks only where one more layer is pinned (the ring then reads one layer less)
+            if p.pinned_layers == prev.pinned_layers:
+                assert p.prefill_segment >= prev.prefill_segment and p.expert_slots >= prev.expert_slots
         prev = p
     assert prev.expert_slots == FLASH.n_layers * FLASH.n_routed_experts  # capped at every expert
 
@@ -120,17 +129,26 @@ def test_budget_for_is_the_smallest_budget_by_hand():
     # 13 slots with one layer pinned would need 930, but at 930 layer 1 still does not fit
     # (780 free < 800 + ring): 13 slots at 930; at 940 the whole trunk fits, which also counts
     assert budget_for(needs, 13, pinned=1) == 930 and budget_for(needs, 14, pinned=1) == 940
-    # with a prefill segment costing 1 byte per token, from 1 token: slots to the working set
-    # (6) first, then the segment to SEGMENT_CAP, and only then a 7th slot
+    # with a prefill segment costing 1 byte per token, from 1 token: the slots and the segment
+    # share the pool; decoding, every slot beside one token; prefilling, the longest segment
+    # beside two slots (PREFILL_SLOTS)
     seg = MemoryNeeds(
         layer_bytes=(100, 100), head_bytes=50, slot_bytes=10, state_bytes=5, staging_bytes=5,
         overhead_bytes=40, working_set=6, experts_per_token=2, total_experts=30,
         segment_token_bytes=1, segment_min=1,
     )  # fmt: skip
     assert budget_for(seg, 6) == 100 + 200 + 6 * 10 + 1
-    assert budget_for(seg, 7) == 100 + 200 + 7 * 10 + SEGMENT_CAP == 4466
-    below = plan(seg, 4465)
-    assert (below.expert_slots, below.prefill_segment) == (6, SEGMENT_CAP)
+    assert budget_for(seg, 7) == 100 + 200 + 7 * 10 + 1 == 371
+    p = plan(seg, 380)  # pool 80: 7 slots and 9 bytes, or 2 slots beside a 60-token segment
+    assert (p.pool_bytes, p.expert_slots, p.prefill_segment) == (80, 7, 60)
+    assert [p.prefill_slots(n) for n in (1, 9, 10, 11, 60)] == [7, 7, 7, 6, 2]  # the slots lent back at decode
+    assert p.planned_bytes == 380 and "in the bytes of 5 expert slots until decode" in "\n".join(
+        p.lines()
+    )  # prefill's phase
+    # all 30 experts fit: the rest of the pool goes to the segment without lending, up to SEGMENT_CAP
+    big = plan(seg, 300 + 300 + 500)
+    assert (big.expert_slots, big.prefill_segment, big.prefill_slots(500)) == (30, 780, 30)
+    assert plan(seg, 10**6).prefill_segment == SEGMENT_CAP
 
 
 def test_state_grows_with_context():
@@ -145,10 +163,10 @@ def test_inspect_config_only_prints_the_plan_for_a_budget():
     cfg_path = Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json"
     r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "3"])
     assert r.exit_code == 0, r.output
-    assert "budget 3.00 GB" in r.output and "5/43 layers pinned" in r.output and "working set of 258" in r.output
+    assert "budget 3.00 GB" in r.output and "6/43 layers pinned" in r.output and "working set of 258" in r.output
     assert "x 13.4 MB" in r.output  # one V4-Flash expert slot
     r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "1"])
-    assert isinstance(r.exception, BudgetError) and "below the minimum of 2.09 GB" in str(r.exception)
+    assert isinstance(r.exception, BudgetError) and "below the minimum of 2.07 GB" in str(r.exception)
 
 
 def test_config_estimate_matches_what_a_run_measures(tmp_path):

@@ -78,6 +78,49 @@ def test_each_expert_and_trunk_layer_is_read_once_per_segment(ckpt, monkeypatch)
             assert trunk > 2 * (cfg.n_layers - 1)
 
 
+def test_a_prompt_whose_activations_fit_is_one_segment_in_the_bytes_of_lent_slots(ckpt, reference, monkeypatch):
+    """The elastic plan: a budget whose pool holds 2 slots beside the prompt's activations,
+    or ~10 slots when decoding. The prompt goes through as one segment, in the bytes of the
+    slots the store lends for it, and reads each (layer, expert) it touches exactly once
+    although the decode cache is smaller than what it touches; the first decode step takes
+    every slot back; the ids are the in-memory engine's."""
+    reads: Counter = Counter()
+    real = ExpertStore._load
+
+    def counting(self, entry):
+        reads[entry.key] += 1
+        return real(self, entry)
+
+    monkeypatch.setattr(ExpertStore, "_load", counting)
+    n = measure(ckpt, RunOptions(budget=1, overhead=0, chunk=4))
+    stb = n.segment_token_bytes
+    budget = n.fixed_bytes + sum(n.layer_bytes) + planner.PREFILL_SLOTS * n.slot_bytes + len(PROMPT) * stb
+    lent, touched = [], set()
+    with Runtime.open(ckpt, RunOptions(budget=budget, overhead=0, chunk=4)) as rt:
+        p = rt.plan
+        assert p.prefill_segment == len(PROMPT) and p.prefill_slots(len(PROMPT)) == planner.PREFILL_SLOTS
+        assert p.expert_slots == (p.pool_bytes - stb) // n.slot_bytes > planner.PREFILL_SLOTS
+        assert p.planned_bytes == budget  # the prefill phase uses the pool to the byte
+
+        def on_layer(step: PrefillStep) -> None:
+            lent.append(rt.store.lent)
+            assert len(rt.store.resident()) <= p.expert_slots - rt.store.lent
+
+        def route(layer, positions, experts):
+            if positions.size > 1:
+                touched.update((layer, int(e)) for e in experts.ravel())
+
+        got = []
+        for tok in rt.generate(rt.session(on_route=route), PROMPT, 6, on_layer=on_layer):
+            if not got:
+                assert sum(reads.values()) == len(touched) and max(reads.values()) == 1  # each once
+            got.append(tok)
+        assert rt.store.lent == 0 and rt.most_lent == p.expert_slots - planner.PREFILL_SLOTS
+        st = rt.stats()
+    assert len(touched) > p.expert_slots and lent == [p.expert_slots - planner.PREFILL_SLOTS] * rt.cfg.n_layers
+    assert got == reference and st.prefill_segment == len(PROMPT)
+
+
 @pytest.mark.parametrize("segment", [1, 7, 64, len(PROMPT)])
 def test_same_logits_and_ids_at_every_segment_size(ckpt, reference, segment) -> None:
     eng = Engine.open(ckpt)
@@ -98,7 +141,10 @@ def test_planner_picks_the_segment_from_the_budget_and_counts_it(ckpt) -> None:
     n = measure(ckpt, RunOptions(budget=1, overhead=0, chunk=4))
     floor = planner.minimum_budget(n)
     small, large = planner.plan(n, floor), planner.plan(n, floor + 10**9)
-    assert small.prefill_segment == 4 and large.prefill_segment == planner.SEGMENT_CAP
+    # at the floor, the bytes of decode's 4 slots hold 2 slots and a segment of 8 tokens
+    assert n.slot_bytes * 2 // n.segment_token_bytes >= 8 and n.segment_min == 4
+    assert small.expert_slots == 4 and small.prefill_segment == 8 and small.prefill_slots(8) == planner.PREFILL_SLOTS
+    assert large.prefill_segment == planner.SEGMENT_CAP
     for p in (small, large):
         assert p.planned_bytes <= p.budget
         assert p.segment_bytes == p.prefill_segment * n.segment_token_bytes > 0

@@ -89,8 +89,11 @@ def test_decode_profile_in_stats_and_json(ckpt, tmp_path) -> None:
 
 def test_below_the_working_set_warns_with_the_amount_and_keeps_the_ids(ckpt, tmp_path) -> None:
     stats = tmp_path / "s.json"
-    res = invoke(str(ckpt), "--prompt-ids", "7,8,9", "--gen", "5", "--budget", gb(ckpt, 5), "--io", "buffered",
-                 "--stats-json", str(stats))  # fmt: skip
+    # a 4-token segment: with the default 64, the smallest pool already holds 13 of these tiny slots
+    n = measure(ckpt, RunOptions(budget=1, prefill_segment=4))
+    budget = f"{math.ceil(planner.budget_for(n, 5) / 1e3) / 1e6:.9f}"
+    res = invoke(str(ckpt), "--prompt-ids", "7,8,9", "--gen", "5", "--budget", budget, "--io", "buffered",
+                 "--prefill-segment", "4", "--stats-json", str(stats))  # fmt: skip
     assert "working set of 8" in res.stderr and "add " in res.stderr and " to --budget" in res.stderr
     s = json.loads(stats.read_text())
     assert s["cache_slots"] == 5 and s["io_mode"] == "buffered"

@@ -307,3 +307,42 @@ def test_an_os_error_in_a_reader_thread_is_one_line_naming_the_file(files, monke
     with store, pytest.raises(ReadError, match=r"^layer 0 expert 1: .*shard-\d\.safetensors Input/output error") as err:
         store.get((0, 1))
     assert "\n" not in str(err.value)
+
+
+def test_lent_slots_leave_the_cache_and_their_pages_come_back_empty(files):
+    """`lend` takes free slots first, then the least recently used entries; what stays is the
+    most recent; the lent slots' pages are handed back (they read as zeros); get_many pins no
+    more than the slots left; giving the slots back makes them free again, lowest first."""
+    layouts, truth = files
+    keys = list(layouts)
+    with ExpertStore(layouts, slots=5, threads=2, **QUIET) as store:
+        for k in keys[:4]:  # slots 0-3 hold keys 0-3 (0 oldest), slot 4 free
+            with store.hold(k):
+                pass
+        store._buf[:] = 0xAB  # a marker in every slot, held ones included
+        store.lend(2)  # the free slot 4, then slot 0 (key 0, the oldest)
+        assert store.lent == 2 and store.resident() == keys[1:4]
+        assert not store._buf[4 * store.slot_bytes :].any() and not store._slot(0).any()
+        assert (store._buf[store.slot_bytes : 4 * store.slot_bytes] == 0xAB).all()  # the others untouched
+        s = store.stats()
+        assert (s.misses, s.evictions) == (4, 1)
+        for got, views in store.get_many(keys[4:8]):  # three slots: never more pinned at once
+            assert_item(layouts, truth, got, views)
+            assert store._lru.pinned() <= 3
+        assert len(store.resident()) == 3
+        store.lend(0)
+        assert store.lent == 0
+        for k in keys[8:10]:  # the lent slots are free again: no eviction
+            with store.hold(k):
+                pass
+        assert store.stats().evictions == s.evictions + 4 and len(store.resident()) == 5
+
+
+def test_lending_a_pinned_slot_is_a_bug_and_lending_all_is_refused(files):
+    layouts, _ = files
+    keys = list(layouts)
+    with ExpertStore(layouts, slots=2, threads=1, **QUIET) as store:
+        with store.hold(keys[0]), store.hold(keys[1]), pytest.raises(InternalError, match="pinned"):
+            store.lend(1)
+        with pytest.raises(StoreError, match="lends 0 to 1"):
+            store.lend(2)

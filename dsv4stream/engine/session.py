@@ -144,6 +144,7 @@ class Engine:
         on_route: RouteHook | None = None,
         record_requests: bool = False,
         trace: Trace | None = None,
+        before_pass: Callable[[int], None] | None = None,
     ) -> Session:
         return Session(
             self,
@@ -152,6 +153,7 @@ class Engine:
             on_route=on_route,
             record_requests=record_requests,
             trace=trace,
+            before_pass=before_pass,
         )
 
 
@@ -178,6 +180,9 @@ class Session:
     `chunk_size`: attention sub-chunk inside a segment. An exception that escapes a forward
     pass mid-segment (Ctrl-C from `on_layer`) leaves the layers' state out of step: the
     session is then `torn` and refuses more tokens; `pos` counts the tokens fully fed.
+    `before_pass(tokens)` runs before each forward pass (a prefill segment, or a step's one
+    token), before any of its reads start: a budgeted run moves bytes between the expert
+    cache and the pass's activations there.
 
     Hook for a speculative drafter (not implemented): DeepSeek-V4-Flash-0731's DSpark stages
     read the outputs of main layers `cfg.dspark.target_layer_ids` (40-42), concatenated. Those
@@ -196,6 +201,7 @@ class Session:
         on_route: RouteHook | None = None,
         record_requests: bool = False,
         trace: Trace | None = None,
+        before_pass: Callable[[int], None] | None = None,
     ) -> None:
         segment = DEFAULT_SEGMENT if segment is None else segment
         if chunk_size < 1 or segment < 1:
@@ -207,6 +213,7 @@ class Session:
         self.torn = False
         self.on_route = on_route
         self.trace = trace
+        self.before_pass = before_pass
         # (layer, expert) in the order the experts were requested, when record_requests is on
         self.requests: list[ExpertKey] | None = [] if record_requests else None
         self.pos = 0
@@ -357,6 +364,8 @@ class Session:
         soon as a token is picked. The next `prefill` / `step` of exactly these ids, at this
         position, uses what was started instead of asking again."""
         ids = self._check_ids(token_ids)
+        if self.before_pass is not None:
+            self.before_pass(ids.size)  # the pass's memory first: these reads go into its slots
         self._ahead = _ReadAhead(self.pos, ids, self.stack.read_ahead(ids, self.state))
 
     # ---- internals -------------------------------------------------------------
@@ -395,6 +404,8 @@ class Session:
         """One segment through every layer: begin (reads ahead, embedding), each layer (attention
         in sub-chunks, then one MoE pass), then the logits. A failure on the way leaves the
         session torn: its layers' states are out of step with one another."""
+        if self.before_pass is not None:
+            self.before_pass(ids.size)
         p = self._begin(ids)  # nothing of the state has changed yet: a failure here leaves it whole
         try:
             for i in range(self.cfg.n_layers):

@@ -8,6 +8,7 @@ overhead), the one answer inspect, doctor and bench give (`needs_of`). Placing t
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 from pathlib import Path
@@ -40,6 +41,25 @@ def peak_rss_bytes() -> int:
     except (OSError, ValueError):
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the kernel (glibc's malloc_trim; nothing elsewhere).
+
+    A prefill segment's arrays are freed into the heap, and glibc keeps freed memory below its
+    trim threshold resident; the expert slots that take those bytes back would then sit on
+    top of them, past the budget."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def kernel_scratch_bytes(cat: Catalog) -> int:

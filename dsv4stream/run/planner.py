@@ -13,10 +13,14 @@ Layers are pinned in order (0, 1, ...); the rest stream through a ring of two la
 
 The prefill segment S (tokens that go through each layer together, see `engine`) costs
 `segment_token_bytes` per token: the residual streams, the MoE's input, its per-expert
-outputs kept for the fixed-order sum, the shared expert's and the router's. After the trunk,
-expert slots are given up to one pass's working set (decode hits need them), then S grows
-to SEGMENT_CAP (each segment re-reads the experts it touches, so long prompts want it
-large), then the rest goes to slots. The attention sub-chunk's temporaries are `staging`.
+outputs kept for the fixed-order sum, the shared expert's and the router's. The segment and
+the expert slots are never needed at the same moment, so they share one pool, the bytes left
+after the trunk: while decoding, all of it is expert slots (beside one token's activations);
+while a prefill segment of s tokens runs, the segment's activations take the bytes of the
+slots they need (`Plan.prefill_slots`: the store lends them and gets them back at the next
+decode step). S is as long as the pool allows beside PREFILL_SLOTS slots, up to
+SEGMENT_CAP, so a prompt whose activations fit goes through as one segment and reads each
+expert it touches once. The attention sub-chunk's temporaries are `staging`.
 
 Budgets are in decimal GB (10^9 bytes), the unit drives and `free` report.
 """
@@ -43,6 +47,9 @@ DEFAULT_OVERHEAD = 240 * 1000 * 1000
 DEFAULT_CHUNK = 64  # attention sub-chunk of a prefill segment (RunOptions.chunk); also the shortest segment
 SUB_CHUNK = DEFAULT_CHUNK
 SEGMENT_CAP = 4096  # longest prefill segment the planner gives
+# Slots a prefill segment keeps at least: one expert computing while the next one's read lands
+# (get_many pins at most the free slots; each (layer, expert) is still read once per segment).
+PREFILL_SLOTS = 2
 BLOCK_FLOATS = 4 << 20  # the numpy reference's attention gather / indexer score blocks (kernels.reference)
 # The Engram row cache's share of the budget (V4.1): 1% is 160 MB, ~570k rows, at --budget 16.
 ENGRAM_SHARE = 0.01
@@ -103,6 +110,25 @@ class Plan:
         return self.prefill_segment * self.needs.segment_token_bytes
 
     @property
+    def pool_bytes(self) -> int:
+        """The bytes expert slots and prefill activations share (the budget after the rest)."""
+        return (
+            self.budget
+            - self.needs.fixed_bytes
+            - self.pinned_bytes
+            - self.ring_slots * self.ring_slot_bytes
+            - (self.engram_bytes)
+        )
+
+    def prefill_slots(self, tokens: int) -> int:
+        """Expert slots kept while a pass of `tokens` tokens runs: the pool less the pass's
+        activations (a decode step's one token is counted beside every slot)."""
+        if not self.needs.slot_bytes:
+            return self.expert_slots
+        left = (self.pool_bytes - tokens * self.needs.segment_token_bytes) // self.needs.slot_bytes
+        return max(0, min(self.expert_slots, left))
+
+    @property
     def streamed_layers(self) -> int:
         return len(self.needs.layer_bytes) - self.pinned_layers
 
@@ -116,18 +142,24 @@ class Plan:
 
     @property
     def planned_bytes(self) -> int:
+        """The larger of the two phases: decode (every slot, one token's activations) and a
+        full prefill segment (its activations and the slots it keeps)."""
+        stb, slot = self.needs.segment_token_bytes, self.needs.slot_bytes
+        decode = self.expert_bytes + stb
+        prefill = self.segment_bytes + self.prefill_slots(self.prefill_segment) * slot
         return (
             self.needs.fixed_bytes
             + self.pinned_bytes
             + self.ring_slots * self.ring_slot_bytes
-            + self.expert_bytes
-            + self.segment_bytes
+            + max(decode, prefill)
             + self.engram_bytes
         )
 
     def lines(self) -> list[str]:
         n = self.needs
         ws = n.working_set
+        lent = self.expert_slots - self.prefill_slots(self.prefill_segment)
+        lent = f" in the bytes of {lent} expert slots until decode" if lent else ""
         out = [
             (
                 f"budget {_gb(self.budget)}: overhead {_gb(n.overhead_bytes)}, state {_gb(n.state_bytes)},"
@@ -144,7 +176,7 @@ class Plan:
                 f" (working set per pass: {ws} experts{', all experts fit' if self.expert_slots >= n.total_experts else ''})"
             ),
             (
-                f"  prefill: segments of {self.prefill_segment} tokens ({_gb(self.segment_bytes)} of activations),"
+                f"  prefill: segments of {self.prefill_segment} tokens ({_gb(self.segment_bytes)} of activations{lent}),"
                 f" attention in sub-chunks of {min(n.segment_min, self.prefill_segment)}"
             ),
         ]
@@ -172,12 +204,20 @@ def _segment_floor(needs: MemoryNeeds) -> int:
     return needs.segment if needs.segment is not None else min(needs.segment_min, SEGMENT_CAP)
 
 
+def _pool_floor(needs: MemoryNeeds) -> int:
+    """The smallest pool: two tokens' worth of expert slots and one token's activations while
+    decoding, or PREFILL_SLOTS slots beside the shortest segment while prefilling."""
+    stb, slot = needs.segment_token_bytes, needs.slot_bytes
+    decode = 2 * needs.experts_per_token * slot + stb
+    return max(decode, PREFILL_SLOTS * slot + _segment_floor(needs) * stb)
+
+
 def minimum_budget(needs: MemoryNeeds) -> int:
-    """Smallest budget that runs: nothing pinned, a two-slot ring, two layers' worth of experts,
-    the shortest prefill segment (or the one --prefill-segment fixes)."""
+    """Smallest budget that runs: nothing pinned, a two-slot ring, two layers' worth of experts
+    while decoding, whose bytes also hold the shortest prefill segment (or the one
+    --prefill-segment fixes) beside PREFILL_SLOTS slots."""
     ring = 2 * max(needs.layer_bytes, default=0)
-    slots = 2 * needs.experts_per_token * needs.slot_bytes
-    return needs.fixed_bytes + ring + slots + _segment_floor(needs) * needs.segment_token_bytes
+    return needs.fixed_bytes + ring + _pool_floor(needs)
 
 
 def smallest_budget(
@@ -204,7 +244,11 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
     """Split `budget` bytes; raise BudgetError (naming the minimum) if it cannot work."""
     floor = minimum_budget(needs)
     if budget < floor:
-        seg = f", a prefill segment of {_segment_floor(needs)} tokens" if needs.segment_token_bytes else ""
+        seg = (
+            f" (their bytes also hold a prefill segment of {_segment_floor(needs)} tokens)"
+            if needs.segment_token_bytes
+            else ""
+        )
         raise BudgetError(
             f"--budget {budget / GB:.2f} GB is below the minimum of {gb_up(floor)}"
             f" for this model (head {_gb(needs.head_bytes)}, overhead {_gb(needs.overhead_bytes)},"
@@ -212,10 +256,9 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
             f" expert slots{seg}); raise --budget (or lower --ctx"
             + (" or --prefill-segment)" if needs.segment is not None else ")")
         )
-    min_slots = 2 * needs.experts_per_token
     cap = needs.total_experts if max_expert_slots is None else max_expert_slots
-    seg_floor, stb = _segment_floor(needs), needs.segment_token_bytes
-    free = budget - needs.fixed_bytes - min_slots * needs.slot_bytes - seg_floor * stb
+    seg_floor, stb, slot = _segment_floor(needs), needs.segment_token_bytes, needs.slot_bytes
+    free = budget - needs.fixed_bytes - _pool_floor(needs)
     layers = needs.layer_bytes
     ring_slot = max(layers, default=0)
     pinned = 0
@@ -240,20 +283,18 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
             want = int(budget * ENGRAM_SHARE) // needs.engram_slot_bytes
         engram_rows = max(0, min(want, free // needs.engram_slot_bytes))
         free -= engram_rows * needs.engram_slot_bytes
-    if not needs.slot_bytes:
-        slots = cap
-    else:  # slots up to the working set first, then the segment, then slots again
-        first = min(free // needs.slot_bytes, max(0, min(cap, needs.working_set) - min_slots))
-        slots, free = min_slots + first, free - first * needs.slot_bytes
+    pool = free + _pool_floor(needs)
+    # decode: every slot the pool holds beside one token's activations
+    slots = cap if not slot else max(0, min(cap, (pool - stb) // slot))
     segment = seg_floor
     if needs.segment is None:
-        grow = (SEGMENT_CAP - seg_floor) if not stb else min(SEGMENT_CAP - seg_floor, free // stb)
-        segment = seg_floor + grow
+        # prefill: the longest segment beside PREFILL_SLOTS slots (or every slot, when all
+        # experts fit in fewer bytes than the pool), in whole sub-chunks
+        keep = min(slots, PREFILL_SLOTS) * slot
+        grow = SEGMENT_CAP if not stb else min(SEGMENT_CAP, (pool - keep) // stb)
+        segment = max(seg_floor, grow)
         if segment > seg_floor >= 1:
             segment = max(seg_floor, segment // seg_floor * seg_floor)  # whole sub-chunks
-        free -= (segment - seg_floor) * stb
-    if needs.slot_bytes:
-        slots = min(cap, slots + free // needs.slot_bytes)
     warnings = []
     if slots < needs.working_set and slots < cap:
         short = (needs.working_set - slots) * needs.slot_bytes

@@ -75,6 +75,8 @@ class RunStats:
     kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
     warnings: list[str] = field(default_factory=list)
     prefill_segment: int = 0  # tokens per prefill segment the run used
+    # most expert slots whose bytes a prefill segment's activations borrowed (back at decode)
+    prefill_lent_slots: int = 0
     load_seconds: float = 0.0  # Runtime.open: catalog, plan, kernels, pinned trunk; before any prefill
     unused: str = ""  # what the checkpoint holds that is not run (the mtp.* blocks)
 
@@ -149,7 +151,9 @@ class RunStats:
                 f"experts: {self.expert_requests} requests, {self.expert_hits} hits ({self.hit_rate:.1%}),"
                 f" {self.expert_misses} misses, {self.bytes_read / gb:.3f} GB read at {self.read_gbps:.2f} GB/s,"
                 f" {self.exposed_io_seconds:.2f} s waiting on reads; cache {self.cache_slots} slots"
-                f" (working set {self.working_set_experts})"
+                f" (working set {self.working_set_experts}"
+                + (f"; a prefill segment borrowed {self.prefill_lent_slots} of them" if self.prefill_lent_slots else "")
+                + ")"
             ),
             *self._engram_lines(),
             f"trunk: {self.trunk_pinned_layers} layers pinned, {self.trunk_streamed_layers} streamed"

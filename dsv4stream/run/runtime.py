@@ -12,6 +12,7 @@ go through `Runtime`; the math stays in `engine` / `model`.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -37,7 +38,7 @@ from ..text.sampler import greedy
 from ..trunkpack.packdir import default_out_dir, pack_hint
 from ..trunkpack.reader import TrunkFile, open_trunk_file
 from . import planner, ticker
-from .memory import main_expert_layouts, memory_needs, peak_rss_bytes
+from .memory import main_expert_layouts, memory_needs, peak_rss_bytes, trim_heap
 from .planner import Plan
 from .runinfo import RunOptions, RunStats
 
@@ -123,6 +124,7 @@ class Runtime:
         self.experts: StreamedExperts = engine.experts  # type: ignore[assignment]
         self.kernel_warmup_seconds = 0.0
         self.load_seconds = 0.0
+        self.most_lent = 0  # most expert slots lent to a prefill segment at once
 
     @classmethod
     def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None) -> Runtime:
@@ -175,6 +177,9 @@ class Runtime:
         )
         engram: DiskEngramRows | None = None
         trunk: StreamedTrunk | None = None
+        # the slots' first-touch page faults, beside the trunk's reads (see ExpertStore.populate)
+        faulting = threading.Thread(target=store.populate, name="dsv4-populate", daemon=True)
+        faulting.start()
         try:
             if cfg.engram is not None:
                 # V4.1: the Engram rows from disk into the planned row cache, read on the store's
@@ -188,7 +193,9 @@ class Runtime:
             trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
             meter = partial(run_counters, store, trunk, engram)
             engine = Engine(cfg, trunk, StreamedExperts(store, cfg), cat, engram_rows=engram, meter=meter)
+            faulting.join()
         except BaseException:
+            faulting.join()
             if trunk is not None:
                 trunk.close()
             if engram is not None:
@@ -203,8 +210,26 @@ class Runtime:
     # -- generation --------------------------------------------------------------------------
 
     def session(self, **kw) -> Session:
-        """A session with this run's sub-chunk and planned prefill segment (kw: `Engine.session`'s hooks)."""
-        return self.engine.session(chunk_size=self.opts.chunk, segment=self.plan.prefill_segment, **kw)
+        """A session with this run's sub-chunk and planned prefill segment (kw: `Engine.session`'s hooks),
+        whose passes share the plan's pool between expert slots and activations (`make_room`)."""
+        return self.engine.session(
+            chunk_size=self.opts.chunk, segment=self.plan.prefill_segment, before_pass=self.make_room, **kw
+        )
+
+    def make_room(self, tokens: int) -> None:
+        """Before a pass of `tokens` tokens: lend the expert slots whose bytes its activations
+        need (`Plan.prefill_slots`), or, before a decode step, take them all back (and hand the
+        freed activations' heap pages back to the kernel, so that the slots refilling stay
+        within the budget)."""
+        lend = self.plan.expert_slots - self.plan.prefill_slots(tokens)
+        if lend == self.store.lent:
+            return
+        self.experts.release()  # a single `get`'s pin would hold a slot that may have to go
+        back = lend < self.store.lent
+        self.store.lend(lend)
+        if back:
+            trim_heap()
+        self.most_lent = max(self.most_lent, lend)
 
     def generate(
         self,
@@ -277,6 +302,7 @@ class Runtime:
             kernel_warmup_seconds=self.kernel_warmup_seconds,
             warnings=warnings,
             prefill_segment=self.plan.prefill_segment,
+            prefill_lent_slots=self.most_lent,
             load_seconds=self.load_seconds,
             unused=self.plan.needs.unused or "",
         )

@@ -143,7 +143,8 @@ class ExpertStore:
         self._plans = {k: directio.plan_slot(lay) for k, lay in layouts.items()}
         self.slot_bytes = max((p.nbytes for p in self._plans.values()), default=directio.ALIGN)
         self.slots = slots
-        self._buf = directio.aligned_buffer(slots * self.slot_bytes)
+        self._paged = directio.PagedBuffer(slots * self.slot_bytes)  # lent slots' pages go back to the kernel
+        self._buf = self._paged.array
         self._files = directio.FileSet(io, warn)
         self._verifier = Verifier() if verify else None
         self._label = label
@@ -298,6 +299,35 @@ class ExpertStore:
     def wait_seconds(self) -> float:
         """Time callers have blocked on reads so far (cheap: for per-token profiles)."""
         return self._wait_seconds
+
+    def populate(self) -> bool:
+        """Fault in every slot's pages now, before any read (`directio.PagedBuffer.populate`):
+        for a thread beside the trunk's load, while nothing else uses the store. False where
+        the kernel refuses (the pages then fault in as reads land)."""
+        return self._paged.populate()
+
+    @property
+    def lent(self) -> int:
+        """Slots lent out now (`lend`)."""
+        return self._lru.lent
+
+    def lend(self, n: int) -> None:
+        """Have exactly ``n`` slots lent out: their bytes leave the resident set for another
+        user of the budget (a prefill segment's activations) until a later ``lend`` with a
+        smaller ``n`` gives them back, empty. More slots are taken like a demand read's victim
+        (free ones first, then the least recently used), so what stays cached is the most
+        recent; an evicted entry's read in flight is waited for first. Call between passes:
+        nothing may be pinned in a slot that must go."""
+        if not 0 <= n < self.slots:
+            raise StoreError(f"lend({n}): a store of {self.slots} slots lends 0 to {self.slots - 1}")
+        with self._lock:
+            self._check_open()
+            if n < self._lru.lent:
+                self._lru.unlend()
+            for slot, evicted in self._lru.lend(n - self._lru.lent):
+                if evicted is not None:
+                    evicted.done.wait()  # readers never take the lock: no deadlock
+                self._paged.release(slot * self.slot_bytes, (slot + 1) * self.slot_bytes)
 
     def resident(self) -> list[Hashable]:
         """Keys that hold a slot now (present or being read), least recently used first: a

@@ -66,6 +66,7 @@ class SlotLru(Generic[E]):
         self.entries: OrderedDict[Hashable, E] = OrderedDict()  # oldest first
         self.n = Counts()
         self._free = list(range(slots))  # a heap: lowest slot first
+        self._lent: list[int] = []  # slots lent out (`lend`): neither free nor owned
         self._entry = entry
 
     def __contains__(self, key: Hashable) -> bool:
@@ -77,6 +78,32 @@ class SlotLru(Generic[E]):
     def pinned(self) -> int:
         """Slots whose entry is pinned now."""
         return sum(1 for e in self.entries.values() if e.pins)
+
+    @property
+    def lent(self) -> int:
+        """Slots lent out now."""
+        return len(self._lent)
+
+    def lend(self, n: int) -> list[tuple[int, E | None]]:
+        """Take `n` more slots out of use (a prefill's activations live in their bytes): free
+        ones first (lowest first), then the victims a demand read would evict, oldest first.
+        Returns each slot lent with the entry it held (an eviction). Raises if only pinned
+        entries are left: nothing is pinned between passes, when slots are lent."""
+        out = []
+        for _ in range(n):
+            got = self._take(prefetch=False)
+            if got is None:
+                raise InternalError(f"cannot lend an expert slot: all {self.slots - self.lent} in use are pinned")
+            self._lent.append(got[0])
+            out.append(got)
+        return out
+
+    def unlend(self) -> list[int]:
+        """Every lent slot back to the free ones (empty; handed out lowest first again)."""
+        back, self._lent = self._lent, []
+        for slot in back:
+            heapq.heappush(self._free, slot)
+        return back
 
     def prefetch(self, keys: Sequence[Hashable]) -> list[tuple[E, E | None]]:
         """Touch the present ``keys``, then give each absent one a slot while one can be had
@@ -144,7 +171,7 @@ class SlotLru(Generic[E]):
         request order) and ``cap``, the most it may pin at once (the unpinned slots)."""
         keys = list(keys)
         order = [k for k in keys if k in self.entries] + [k for k in keys if k not in self.entries]
-        cap = min(len(order), self.slots - self.pinned())
+        cap = min(len(order), self.slots - self.lent - self.pinned())
         if order and cap < 1:
             raise pinned_error(self.slots)
         return order, cap
