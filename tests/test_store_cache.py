@@ -346,3 +346,26 @@ def test_lending_a_pinned_slot_is_a_bug_and_lending_all_is_refused(files):
             store.lend(1)
         with pytest.raises(StoreError, match="lends 0 to 1"):
             store.lend(2)
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_populate_faults_the_free_slots_in_ahead_and_never_a_lent_one(files):
+    """The slots' pages are touched ahead of the reads (a page's first touch costs more than a
+    read into it), on the store's own thread; a lent slot stays out of the resident set."""
+    layouts, truth = files
+    keys = list(layouts)
+    with ExpertStore(layouts, slots=3000, threads=1, **QUIET) as store:
+        size = 3000 * store.slot_bytes
+        store.lend(1000)  # free slots first: the lowest 1000
+        before = _rss()
+        store.populate()
+        store.wait_populated()
+        grown = _rss() - before
+        assert 0.9 * 2 / 3 * size < grown < 1.1 * 2 / 3 * size  # the 2000 slots not lent, only
+        assert not store._buf[: 1000 * store.slot_bytes].any()
+        with store.hold(keys[0]) as views:  # reads land in faulted slots as before
+            assert_item(layouts, truth, keys[0], views)

@@ -12,7 +12,6 @@ go through `Runtime`; the math stays in `engine` / `model`.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -177,9 +176,7 @@ class Runtime:
         )
         engram: DiskEngramRows | None = None
         trunk: StreamedTrunk | None = None
-        # the slots' first-touch page faults, beside the trunk's reads (see ExpertStore.populate)
-        faulting = threading.Thread(target=store.populate, name="dsv4-populate", daemon=True)
-        faulting.start()
+        store.populate()  # the slots' first-touch page faults beside the trunk's reads (see its doc)
         try:
             if cfg.engram is not None:
                 # V4.1: the Engram rows from disk into the planned row cache, read on the store's
@@ -193,9 +190,8 @@ class Runtime:
             trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
             meter = partial(run_counters, store, trunk, engram)
             engine = Engine(cfg, trunk, StreamedExperts(store, cfg), cat, engram_rows=engram, meter=meter)
-            faulting.join()
+            store.wait_populated()
         except BaseException:
-            faulting.join()
             if trunk is not None:
                 trunk.close()
             if engram is not None:

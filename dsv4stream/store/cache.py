@@ -144,6 +144,8 @@ class ExpertStore:
         self.slot_bytes = max((p.nbytes for p in self._plans.values()), default=directio.ALIGN)
         self.slots = slots
         self._paged = directio.PagedBuffer(slots * self.slot_bytes)  # lent slots' pages go back to the kernel
+        self._fault_lock = threading.Lock()  # `populate`'s current slot; taken before the store lock
+        self._faulting: threading.Thread | None = None
         self._buf = self._paged.array
         self._files = directio.FileSet(io, warn)
         self._verifier = Verifier() if verify else None
@@ -190,6 +192,8 @@ class ExpertStore:
         if self._closed:
             return
         self._closed = True
+        if self._faulting is not None:
+            self._faulting.join()
         self._pool.shutdown(wait=True)
         self._files.close()
         if self._verifier is not None:
@@ -300,11 +304,36 @@ class ExpertStore:
         """Time callers have blocked on reads so far (cheap: for per-token profiles)."""
         return self._wait_seconds
 
-    def populate(self) -> bool:
-        """Fault in every slot's pages now, before any read (`directio.PagedBuffer.populate`):
-        for a thread beside the trunk's load, while nothing else uses the store. False where
-        the kernel refuses (the pages then fault in as reads land)."""
-        return self._paged.populate()
+    def populate(self) -> None:
+        """Start faulting the slots' pages in, lowest slot first, on a thread of their own
+        (skipping lent slots; `wait_populated` joins it, `close` stops it).
+
+        A page's first touch costs far more than a read into it: measured 1.1-5.5 s per GB on
+        a loaded 2-core VM, against 0.15-0.25 s per GB for pages the VM had backed before.
+        Paid inside the reads, it made a prefill slower at a larger budget (more fresh slots
+        touched); paid ahead, beside the trunk's load, it does not. Where the kernel refuses
+        (before Linux 5.14) the pages fault in as reads land, as before."""
+        if self._faulting is None and not self._closed:
+            self._faulting = threading.Thread(target=self._populate_all, name="dsv4-populate", daemon=True)
+            self._faulting.start()
+
+    def wait_populated(self) -> None:
+        """Until the thread `populate` started has faulted every slot in (at once when none runs)."""
+        if self._faulting is not None:
+            self._faulting.join()
+
+    def _populate_all(self) -> None:
+        """(Populate thread.) One slot at a time under the fault lock, which `lend` takes first:
+        a slot being lent is never faulted back in behind its release."""
+        for slot in range(self.slots):
+            with self._fault_lock:
+                if self._closed:
+                    return
+                with self._lock:
+                    if self._lru.is_lent(slot):
+                        continue
+                if not self._paged.populate(slot * self.slot_bytes, (slot + 1) * self.slot_bytes):
+                    return
 
     @property
     def lent(self) -> int:
@@ -320,7 +349,7 @@ class ExpertStore:
         nothing may be pinned in a slot that must go."""
         if not 0 <= n < self.slots:
             raise StoreError(f"lend({n}): a store of {self.slots} slots lends 0 to {self.slots - 1}")
-        with self._lock:
+        with self._fault_lock, self._lock:
             self._check_open()
             if n < self._lru.lent:
                 self._lru.unlend()

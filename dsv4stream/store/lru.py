@@ -84,6 +84,9 @@ class SlotLru(Generic[E]):
         """Slots lent out now."""
         return len(self._lent)
 
+    def is_lent(self, slot: int) -> bool:
+        return slot in self._lent
+
     def lend(self, n: int) -> list[tuple[int, E | None]]:
         """Take `n` more slots out of use (a prefill's activations live in their bytes): free
         ones first (lowest first), then the victims a demand read would evict, oldest first.
