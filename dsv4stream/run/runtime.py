@@ -61,8 +61,9 @@ def compile_kernels_apart(say: Warn | None = None) -> tuple[int, float] | None:
         return None
     if say is not None:
         say(
-            "compiling the numba kernels in a separate process (once per installation, about 1 minute on 2"
-            " cores; cached after), so that the compiler's memory stays outside --budget"
+            "compiling the numba kernels in a separate process (once per installation: 1-2.5 minutes on 2 idle"
+            " cores, several times that on a busy machine; cached after), so that the compiler's memory stays"
+            " outside --budget"
         )
     import subprocess
     import sys
