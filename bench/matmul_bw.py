@@ -1,7 +1,10 @@
 """Quantized matmul kernels on V4-Flash shapes against this machine's memory read bandwidth and BLAS.
 
 `--family v41`: the same cases on V4.1-Flash shapes (hidden 5120, experts 2304 wide), FP8 with 32x32 scale
-blocks.
+blocks, and the timed window of an FP8 / FP4 case holds V4.1's activation grid too
+(`model.quant.act_qdq(X)`, then the product: what a V4.1 linear costs). `--vs-v4` times each of
+them again in V4's form in the same run (the same shape; FP8 with 128x128 blocks; no activation
+grid), windows interleaved, and adds v4_ms and speed_vs_v4 = v4_ms / ms (1.0: V4.1 as fast as V4).
 
 Cases (random weights in the release formats, E8M0 scales): routed expert w1 2048x4096 and w2
 4096x2048 (FP4); attention wq_b 32768x1024 and wo_b 4096x8192, shared-expert w1 2048x4096 (FP8);
@@ -122,19 +125,32 @@ def copies(w: QWeight) -> list[QWeight]:
 CLOCK = [time.perf_counter]  # or time.process_time (--clock cpu)
 
 
-def time_ours(ws: list[QWeight], x: np.ndarray, seconds: float, repeat: int) -> float:
-    """Best seconds per call over `repeat` windows, cycling through the weight copies."""
+def _plain_call(w: QWeight, x: np.ndarray) -> None:
+    kernels.matmul(w, x)
+
+
+def _v41_call(w: QWeight, x: np.ndarray) -> None:
+    from dsv4stream.model.quant import act_qdq
+
+    kernels.matmul(w, act_qdq(x) if w.kind in ("fp8", "fp4") else x)
+
+
+def time_windows(sides, x: np.ndarray, seconds: float, repeat: int) -> list[list[float]]:
+    """Per side (weight copies, call): seconds per call of each of `repeat` windows, the sides'
+    windows interleaved (a load change on the shared machine hits both)."""
     clock = CLOCK[0]
-    kernels.matmul(ws[0], x)
-    per_call = []
+    for ws, call in sides:
+        call(ws[0], x)
+    per_call: list[list[float]] = [[] for _ in sides]
     for _ in range(repeat):
-        n = 0
-        t0 = clock()
-        while n < len(ws) or clock() - t0 < seconds:
-            kernels.matmul(ws[n % len(ws)], x)
-            n += 1
-        per_call.append((clock() - t0) / n)
-    return min(per_call)
+        for i, (ws, call) in enumerate(sides):
+            n = 0
+            t0 = clock()
+            while n < len(ws) or clock() - t0 < seconds:
+                call(ws[n % len(ws)], x)
+                n += 1
+            per_call[i].append((clock() - t0) / n)
+    return per_call
 
 
 def time_blas(rows: int, cols: int, x: np.ndarray, repeat: int) -> float:
@@ -161,6 +177,7 @@ def main() -> None:
     ap.add_argument("--family", choices=("v4", "v41"), default="v4", help="v41: V4.1-Flash shapes, 32x32 FP8 blocks")
     ap.add_argument("--seconds", type=float, default=0.3, help="minimum length of one timed window")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--vs-v4", action="store_true", help="v41: time each case in V4's form too (same run)")
     ap.add_argument("--blas-path", action="store_true", help="turn on dequantise-then-BLAS (off in runs)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: process CPU seconds")
     args = ap.parse_args()
@@ -190,9 +207,13 @@ def main() -> None:
         if name not in args.cases:
             continue
         ws = copies(make_weight(kind, rows, cols, rng, block))
+        v41 = args.family == "v41"
+        v4 = copies(make_weight(kind, rows, cols, rng, FP8_BLOCK["v4"])) if v41 and args.vs_v4 else None
         for t in args.tokens:
             x = rng.standard_normal((t, cols)).astype(np.float32)
-            sec = time_ours(ws, x, args.seconds, args.repeat)
+            sides = [(ws, _v41_call if v41 else _plain_call)] + ([(v4, _plain_call)] if v4 else [])
+            got = time_windows(sides, x, args.seconds, args.repeat)
+            sec = min(got[0])
             gbps = ws[0].nbytes / sec / 1e9
             gflops = 2 * rows * cols * t / sec / 1e9
             path = "dequant+blas" if fast.BLAS_PATH and t >= fast.blas_min_tokens(ws[0]) else "fused"
@@ -200,11 +221,13 @@ def main() -> None:
                 f"name={name} dtype={kind} rows={rows} cols={cols} tokens={t} path={path} ms={sec * 1e3:.3f}"
                 f" gbps={gbps:.2f} gflops={gflops:.1f} mem_read_gbps={mem:.1f} ratio={gbps / mem:.3f}"
             )
+            if v4:
+                line += f" v4_ms={min(got[1]) * 1e3:.3f} speed_vs_v4={min(got[1]) / sec:.2f}"
             if t > 1:
                 blas = 2 * rows * cols * t / time_blas(rows, cols, x, args.repeat) / 1e9
                 line += f" vs_blas={gflops / blas:.2f} blas_gflops={blas:.1f}"
             print(line, flush=True)
-        del ws
+        del ws, v4
     load = os.getloadavg()
     print(f"# end: load_avg={load[0]:.2f},{load[1]:.2f},{load[2]:.2f}")
 

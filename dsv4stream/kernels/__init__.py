@@ -95,9 +95,10 @@ def warmup() -> float:
         return 0.0
     t0 = time.perf_counter()
     backend.warmup()
-    from . import attn
+    from . import attn, qdq
 
     attn.warmup()
+    qdq.warmup()
     _mark_cache_complete()
     return time.perf_counter() - t0
 
@@ -132,7 +133,7 @@ def cache_stamp(source: bytes | None = None) -> str:
     import numba
 
     if source is None:
-        source = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("fast.py", "attn.py"))
+        source = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("fast.py", "attn.py", "qdq.py"))
     h = hashlib.sha256(source)
     cpu = (llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten())
     env = (os.environ.get("NUMBA_CPU_NAME", ""), os.environ.get("NUMBA_CPU_FEATURES", ""))

@@ -879,6 +879,162 @@ def _plain_mm(w, xs, out):
             _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
 
 
+# ---- V4.1: FP8 with 32x32 scale blocks, 32 columns per vector op ---------------------------------
+#
+# DeepSeek-V4.1 stores its FP8 weights with one scale per 32x32 block. A 32-column block is one
+# lane group: 32 bytes decoded at once in vector IR (`_e4m3` on <32 x i8>), times the block's
+# rel, one <32 x float> FMA into the lanes. The same operations as `_fp8_row` / `_fp8_decode`
+# at bc = 32 (lane = column mod 32, `fma(e4m3(w) * rel, x, lane)`), so the same bits; numba's
+# scalar loop over a block of unknown width was not vectorised (FP8 one token ~1.2 GB/s per
+# CPU-second against FP4's ~11). The 32 rows of a block row share one scale row: its rel is
+# computed once for them, not per row (160 blocks for a 5120-column row).
+
+_V32F, _V32H = ir.VectorType(_F32, 32), ir.VectorType(_I16, 32)
+
+
+def _e4m3_v32(builder, raw):
+    """<32 x i8> E4M3 bytes -> <32 x float>, times 2^-8: `_e4m3` lane-wise."""
+
+    def c(k):
+        return ir.Constant(_V32H, [k] * 32)
+
+    v = builder.sext(raw, _V32H)
+    bits = builder.and_(builder.shl(v, c(7)), c(-0x4080))
+    is_nan = builder.icmp_unsigned("==", builder.and_(v, c(0x7F)), c(0x7F))
+    bits = builder.select(is_nan, c(0x7E00), bits)
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), 32)), _V32F)
+
+
+def _splat32(builder, v):
+    one = builder.insert_element(ir.Constant(_V32F, ir.Undefined), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
+
+
+def _decoded32(context, builder, tw, w_, r_, tr, j_, tj, sr_):
+    raw = builder.load(_item_ptr(context, builder, tw, w_, [(r_, tr), (j_, tj)], ir.VectorType(_I8, 32)), align=1)
+    return builder.fmul(_e4m3_v32(builder, raw), _splat32(builder, sr_))
+
+
+@intrinsic
+def _fp8_fma32(typingctx, w, r, j, x, sr, acc, a):
+    """acc[a : a+32] = fma(e4m3(w[r, j : j+32]) * sr, x[j : j+32], acc[a : a+32])."""
+    if not all(isinstance(t, types.Array) and t.layout == "C" for t in (w, x, acc)) or sr != types.float32:
+        return None
+    sig = types.void(w, r, j, x, sr, acc, a)
+
+    def codegen(context, builder, sig, args):
+        w_, r_, j_, x_, sr_, acc_, a_ = args
+        tw, tr, tj, tx, _, tacc, ta = sig.args
+        d = _decoded32(context, builder, tw, w_, r_, tr, j_, tj, sr_)
+        xv = builder.load(_item_ptr(context, builder, tx, x_, [(j_, tj)], _V32F), align=4)
+        acc_ptr = _item_ptr(context, builder, tacc, acc_, [(a_, ta)], _V32F)
+        fma = builder.module.declare_intrinsic("llvm.fma.v32f32", (), ir.FunctionType(_V32F, [_V32F] * 3))
+        builder.store(builder.call(fma, [d, xv, builder.load(acc_ptr, align=4)]), acc_ptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _fp8_dec32(typingctx, w, r, j, sr, tile, a):
+    """tile[a : a+32] = e4m3(w[r, j : j+32]) * sr."""
+    if not all(isinstance(t, types.Array) and t.layout == "C" for t in (w, tile)) or sr != types.float32:
+        return None
+    sig = types.void(w, r, j, sr, tile, a)
+
+    def codegen(context, builder, sig, args):
+        w_, r_, j_, sr_, tile_, a_ = args
+        tw, tr, tj, _, ttile, ta = sig.args
+        d = _decoded32(context, builder, tw, w_, r_, tr, j_, tj, sr_)
+        builder.store(d, _item_ptr(context, builder, ttile, tile_, [(a_, ta)], _V32F), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(**_INLINE)
+def _fp8_row32(w, r, x, rel, fac, acc):
+    """Row r of E4M3 with 32-column blocks (rel, fac: its scale row's, from `_row_rel`) dot x (C,)."""
+    cols = w.shape[1]
+    for k in range(LANES):
+        acc[k] = 0
+    nb = cols // 32
+    for cb in range(nb):
+        _fp8_fma32(w, r, cb * 32, x, rel[cb], acc, 0)
+    for k in range(cols - nb * 32):  # a ragged last block: `_fp8_row`'s tail
+        acc[k] = _fma(_e4m3(w[r, nb * 32 + k]) * rel[nb], x[nb * 32 + k], acc[k])
+    return _finish(_lane_sum(acc, 0), fac)
+
+
+@njit(**_INLINE)
+def _fp8_rowblock32(w, s, br, g, x, rpg, out, rel, acc):
+    """The br rows of scale row g into out (x group r // rpg per row)."""
+    fac = _row_rel(s[g], 8, rel)
+    for r in range(g * br, min(w.shape[0], g * br + br)):
+        out[r] = _fp8_row32(w, r, x[r // rpg], rel, fac, acc)
+
+
+@njit(parallel=True, **_JIT)
+def _fp8_mv32(w, s, br, x, rpg, out):
+    for g in prange(s.shape[0]):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        acc = carray(_stack_f32(LANES), (LANES,))
+        _fp8_rowblock32(w, s, br, g, x, rpg, out, rel, acc)
+
+
+@njit(**_JIT)
+def _fp8_mv32_serial(w, s, br, x, rpg, out):
+    rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+    acc = carray(_stack_f32(LANES), (LANES,))
+    for g in range(s.shape[0]):
+        _fp8_rowblock32(w, s, br, g, x, rpg, out, rel, acc)
+
+
+@njit(parallel=True, **_JIT)
+def _fp8_mv2_32(w1, s1, w3, s3, br, x, out1, out3):
+    """`_fp8_mv2` for 32-column blocks: two weights of one shape times one x (1, C) (a shared expert)."""
+    for g in prange(s1.shape[0]):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        acc = carray(_stack_f32(LANES), (LANES,))
+        _fp8_rowblock32(w1, s1, br, g, x, w1.shape[0], out1, rel, acc)
+        _fp8_rowblock32(w3, s3, br, g, x, w1.shape[0], out3, rel, acc)
+
+
+@njit(**_INLINE)
+def _fp8_decode32(w, r, rel, c0, cw, tile, q):
+    """`_fp8_decode` at bc = 32, a block per vector op."""
+    nb = cw // 32
+    for cb in range(nb):
+        _fp8_dec32(w, r, c0 + cb * 32, rel[c0 // 32 + cb], tile, q * CHUNK + cb * 32)
+    for k in range(cw - nb * 32):
+        tile[q * CHUNK + nb * 32 + k] = _e4m3(w[r, c0 + nb * 32 + k]) * rel[c0 // 32 + nb]
+
+
+@njit(parallel=True, **_JIT)
+def _fp8_mm32(w, s, br, xs, out):
+    """`_fp8_mm` for 32-column blocks (the decode above; the token loop is the same)."""
+    rows, cols = w.shape[0], xs.shape[1]
+    for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
+        rel = carray(_stack_f32(REL_LANES), (REL_LANES,))
+        tile = carray(_stack_f32(CHUNK_LANES), (CHUNK_LANES,))
+        acc = carray(_stack_f32(ACC_LANES), (ACC_LANES,))
+        fac = carray(_stack_f64(ROW_TILE), (ROW_TILE,))
+        r0 = ti * ROW_TILE
+        nr = min(ROW_TILE, rows - r0)
+        for q in range(nr):
+            fac[q] = _row_rel(s[(r0 + q) // br], 8, rel[q * MAX_BLOCKS :])
+        if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
+            tile[:] = 0
+        nc = (cols + CHUNK - 1) // CHUNK
+        for ci in range(nc):
+            c0 = ci * CHUNK
+            cw = min(CHUNK, cols - c0)
+            for q in range(nr):
+                _fp8_decode32(w, r0 + q, rel[q * MAX_BLOCKS :], c0, cw, tile, q)
+            _prefetch_next_chunk(w, r0, nr, ci, nc, CHUNK)
+            _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
+
+
 # ---- public API ----------------------------------------------------------------------------------
 
 
@@ -997,6 +1153,8 @@ def _matvec_rows(w, x: np.ndarray, out: np.ndarray, rpg: int | None = None) -> N
     if w.kind == "fp4":
         xe, xo = _halves(xg, xg.shape[0])
         (_fp4_mv if par else _fp4_mv_serial)(_u8(w.data), _scale(w), xe, xo, rpg, out)
+    elif w.kind == "fp8" and w.block[1] == 32:
+        (_fp8_mv32 if par else _fp8_mv32_serial)(_u8(w.data), _scale(w), w.block[0], _aligned_copy(xg), rpg, out)
     elif w.kind == "fp8":
         br, bc = w.block
         wide = w.cols >= WIDE_COLS and br % MV_ROWS == 0
@@ -1052,7 +1210,9 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
             continue
         xs = _aligned_zeros((n - n % -TOKS, w.cols))
         xs[:n] = x[t0 : t0 + n]
-        if w.kind == "fp8":
+        if w.kind == "fp8" and w.block[1] == 32:
+            _fp8_mm32(_u8(w.data), _scale(w), w.block[0], xs, part)
+        elif w.kind == "fp8":
             _fp8_mm(_u8(w.data), _scale(w), *w.block, xs, part)
         else:
             _plain_mm(_plain(w), xs, part)
@@ -1095,6 +1255,9 @@ def matmul_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if w1.kind == "fp4":
         xe, xo = _halves(x[:1], 1)
         _fp4_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe[0], xo[0], y1[0], y3[0])
+    elif w1.block[1] == 32:
+        x1 = _aligned_copy(x[:1])
+        _fp8_mv2_32(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), w1.block[0], x1, y1[0], y3[0])
     else:
         _fp8_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), *w1.block, x[0], y1[0], y3[0])
     return y1, y3
@@ -1154,11 +1317,12 @@ def warmup() -> float:
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
     for sdt in (np.uint8, np.float32):
-        for kind, data, scale in (
-            ("fp4", rng.integers(0, 256, (4, 16), dtype=np.uint8), np.full((4, 1), 127, sdt)),
-            ("fp8", rng.integers(0, 126, (4, 32), dtype=np.uint8), np.full((1, 1), 127, sdt)),
+        for kind, data, scale, block in (
+            ("fp4", rng.integers(0, 256, (4, 16), dtype=np.uint8), np.full((4, 1), 127, sdt), (128, 128)),
+            ("fp8", rng.integers(0, 126, (4, 32), dtype=np.uint8), np.full((1, 1), 127, sdt), (128, 128)),
+            ("fp8", rng.integers(0, 126, (4, 32), dtype=np.uint8), np.full((1, 1), 127, sdt), (32, 32)),  # V4.1
         ):
-            w = QWeight(kind, data, scale, 4, 32)
+            w = QWeight(kind, data, scale, 4, 32, block=block)
             x = rng.standard_normal((BLAS_MIN_TOKENS[kind], 32)).astype(np.float32)
             _warm_all(w, x)
     for kind, data in (("bf16", np.zeros((4, 32), np.uint16)), ("f32", np.zeros((4, 32), np.float32))):

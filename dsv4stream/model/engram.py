@@ -23,7 +23,7 @@ import numpy as np
 
 from ..kernels import QWeight, matmul
 from .ops import sigmoid
-from .quant import fp8_qdq
+from .quant import act_qdq
 
 F32 = np.float32
 GATE_FLOOR = 1e-6  # |dot| floor before the square root
@@ -43,7 +43,7 @@ def engram(
     mask (T,) bool: False for tokens whose gate is shut (image spans); None: every token."""
     t, hc, d = x.shape
     e = rows.reshape(t, -1)
-    kv = matmul(w.wkv, fp8_qdq(e, 32) if quantise else e)  # (T, (hc + 1) * D)
+    kv = matmul(w.wkv, act_qdq(e) if quantise else e)  # (T, (hc + 1) * D)
     key = kv[:, : hc * d].reshape(t, hc, d)
     value = kv[:, hc * d :]
     r = (F32(1.0) / np.sqrt(np.mean(np.square(x), axis=-1, dtype=F32) + F32(eps))) * (

@@ -76,6 +76,20 @@ def fp8_qdq(x: np.ndarray, block: int = 32) -> np.ndarray:
     return (q * s).reshape(np.shape(x))
 
 
+def act_qdq(x: np.ndarray) -> np.ndarray:
+    """`fp8_qdq(x, 32)`, the grid every FP8 / FP4 linear's input meets, through the numba kernel
+    (`kernels.qdq`, the same bits, about 10x faster at one token) where the fast kernels run."""
+    from .. import kernels
+
+    if kernels.backend_name() == "fast":
+        from ..kernels.qdq import fp8_qdq_rows
+
+        got = fp8_qdq_rows(x)
+        if got is not None:
+            return got
+    return fp8_qdq(x, 32)
+
+
 def fp4_qdq_e8m0(x: np.ndarray, block: int = 32) -> np.ndarray:
     """x (..., N) -> nearest E2M1 values under per-`block` power-of-two scales (the indexer's grid)."""
     xb = _blocks(x, block)

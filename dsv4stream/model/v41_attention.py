@@ -16,7 +16,7 @@ Facts this follows (DeepSeek's V4.1 inference code), against V4 (`model.attentio
 - The output's rope channels are rotated back; wo_a (FP8 in the checkpoint) is applied per
   group as a plain dequantised product (no activation grid: DeepSeek's converter stores it as
   BF16); wo_b is an FP8 linear.
-- Every FP8 linear's input goes through the activation grid (`model.quant.fp8_qdq`) under the
+- Every FP8 linear's input goes through the activation grid (`model.quant.act_qdq`) under the
   official numerics; the BF16 linears (weights_proj) do not.
 
 Index keys, two ways (`V41Plan.stale_keys`): DeepSeek's code keeps one published key table;
@@ -38,7 +38,7 @@ from ..errors import InternalError
 from ..kernels import QWeight, attend, matmul, matmul_grouped
 from .attention import WindowCache
 from .ops import rms_norm
-from .quant import fp8_qdq
+from .quant import act_qdq
 from .rope import Rope, apply_rope
 from .v41_indexer import (
     V41IndexerWeights,
@@ -143,7 +143,7 @@ def new_layer_state(plan: V41Plan, layer: int, index_head_dim: int) -> V41LayerS
 
 
 def _aq(x: np.ndarray, plan: V41Plan) -> np.ndarray:
-    return fp8_qdq(x, 32) if plan.quantise else x
+    return act_qdq(x) if plan.quantise else x
 
 
 def _compressed(

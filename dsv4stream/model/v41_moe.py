@@ -28,7 +28,7 @@ from ..errors import InternalError, NumericsError
 from ..kernels import QWeight, matmul, matmul_pair
 from .moe import EXPERT_ROWS, ExpertSource, ExpertWeights
 from .ops import silu, sqrt_softplus, topk_lowest_index
-from .quant import fp8_qdq
+from .quant import act_qdq
 
 F32 = np.float32
 
@@ -76,7 +76,7 @@ def swiglu(xq: np.ndarray, e: ExpertWeights, p: V41MoeParams, weight: np.ndarray
     h *= up
     if weight is not None:
         h *= weight[:, None]
-    return matmul(e.w2, fp8_qdq(h, 32) if p.quantise else h)
+    return matmul(e.w2, act_qdq(h) if p.quantise else h)
 
 
 def _rows(xq: np.ndarray, e: ExpertWeights, p: V41MoeParams, tok: np.ndarray | None, weight: np.ndarray | None):
@@ -104,7 +104,7 @@ def moe(
     experts, weights = route(x, w, p, image)
     if on_route is not None:
         on_route(experts)
-    xq = fp8_qdq(x, 32) if p.quantise else x
+    xq = act_qdq(x) if p.quantise else x
     shared = _rows(xq, w.shared, p, None, None)
     ids = np.unique(experts)
     parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
