@@ -167,3 +167,40 @@ def test_ties_round_to_even_in_both_directions():
         got, want = qdq.fp8_qdq_rows(x), fp8_qdq(x, 32)
         assert (bits(got) == bits(want)).all()
         assert got[0, 1] == 1.0 and got[0, 2] == 1.25
+
+
+def numpy_sinkhorn(comb: np.ndarray, iters: int, eps: np.float32) -> np.ndarray:
+    """`model.mhc.split_mixes`'s numpy loop, as it stood before the numba form."""
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    return comb
+
+
+def test_sinkhorn_kernel_has_numpys_bits():
+    from dsv4stream.kernels import sinkhorn
+    from dsv4stream.model.ops import softmax
+
+    rng = np.random.default_rng(11)
+    for hc in (1, 2, 3, 4, 5, 7):
+        for t in (1, 3, 40):
+            for iters in (1, 2, 20):
+                for eps in (np.float32(1e-6), np.float32(1e-2)):
+                    logits = (rng.standard_normal((t, hc, hc)) * rng.uniform(0.1, 30)).astype(np.float32)
+                    comb = softmax(logits, axis=-1) + eps
+                    want = numpy_sinkhorn(comb, iters, eps)
+                    got = sinkhorn.sinkhorn(comb.copy(), iters, eps)
+                    assert (bits(got) == bits(want)).all(), (hc, t, iters, eps)
+    with pytest.raises(ValueError, match="hc < 8"):
+        sinkhorn.sinkhorn(np.ones((1, 8, 8), np.float32), 2, np.float32(1e-6))
+
+
+def test_a_pairwise_sum_would_differ_from_numpys_order():
+    # guards the premise of the kernel: numpy's order (one by one) is not the pairwise one
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((20000, 4)) * np.exp(rng.uniform(-8, 8, (20000, 4)))).astype(np.float32)
+    seq = ((x[:, 0] + x[:, 1]) + x[:, 2]) + x[:, 3]
+    pair = (x[:, 0] + x[:, 1]) + (x[:, 2] + x[:, 3])
+    assert (bits(x.sum(axis=-1)) == bits(seq)).all()
+    assert not (bits(x.sum(axis=-1)) == bits(pair)).all()

@@ -95,10 +95,11 @@ def warmup() -> float:
         return 0.0
     t0 = time.perf_counter()
     backend.warmup()
-    from . import attn, qdq
+    from . import attn, qdq, sinkhorn
 
     attn.warmup()
     qdq.warmup()
+    sinkhorn.warmup()
     _mark_cache_complete()
     return time.perf_counter() - t0
 
@@ -133,7 +134,9 @@ def cache_stamp(source: bytes | None = None) -> str:
     import numba
 
     if source is None:
-        source = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("fast.py", "attn.py", "qdq.py"))
+        source = b"".join(
+            Path(__file__).with_name(name).read_bytes() for name in ("fast.py", "attn.py", "qdq.py", "sinkhorn.py")
+        )
     h = hashlib.sha256(source)
     cpu = (llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten())
     env = (os.environ.get("NUMBA_CPU_NAME", ""), os.environ.get("NUMBA_CPU_FEATURES", ""))

@@ -36,6 +36,7 @@ Arithmetic, identical in every path so that results do not depend on the thread 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import replace
@@ -1104,7 +1105,7 @@ def _aligned_zeros(shape: tuple[int, ...]) -> np.ndarray:
     """float32 zeros starting on a 64-byte boundary. numpy's buffers start 16 bytes past one, so
     every 64-byte vector load of a kernel input would span two cache lines: 64-token FP8 matmul,
     one thread, Zen 4, 47 -> 71 GFLOP/s with this and the stack buffers aligned too."""
-    n = int(np.prod(shape))
+    n = math.prod(shape)  # np.prod's dispatch cost more than the allocation at one token
     raw = np.zeros(n + 16, np.float32)
     skip = (-raw.ctypes.data % 64) // 4
     return raw[skip : skip + n].reshape(shape)

@@ -42,6 +42,18 @@ def _flat_norm(x: np.ndarray, eps: float) -> np.ndarray:
     return rms_norm(x.reshape(t, -1), None, eps)
 
 
+def _fast_sinkhorn(hc: int):
+    """The numba Sinkhorn (`kernels.sinkhorn`, the loop below with the same bits) where the fast
+    kernels run and it applies, else None."""
+    from .. import kernels
+
+    if kernels.backend_name() != "fast":
+        return None
+    from ..kernels import sinkhorn
+
+    return sinkhorn.sinkhorn if hc < sinkhorn.MAX_HC else None
+
+
 def split_mixes(
     mixes: np.ndarray, w: HcWeights, sinkhorn_iters: int, hc_eps: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -52,6 +64,9 @@ def split_mixes(
     post = F32(2.0) * sigmoid(mixes[:, hc : 2 * hc] * w.scale[1] + w.base[hc : 2 * hc])
     logits = (mixes[:, 2 * hc :] * w.scale[2] + w.base[2 * hc :]).reshape(t, hc, hc)
     comb = softmax(logits, axis=-1) + F32(hc_eps)
+    fast = _fast_sinkhorn(hc)
+    if fast is not None:
+        return pre, post, fast(np.ascontiguousarray(comb), sinkhorn_iters, F32(hc_eps))
     comb = comb / (comb.sum(axis=-2, keepdims=True) + F32(hc_eps))
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(axis=-1, keepdims=True) + F32(hc_eps))
