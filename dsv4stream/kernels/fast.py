@@ -1141,6 +1141,13 @@ def _plain(w) -> np.ndarray:
     return d if d.dtype == np.float32 else d.astype(np.float32)
 
 
+def _v41_fp8(w) -> bool:
+    """Whether the `_fp8_*32` kernels take w: FP8 with 32-column scale blocks and E8M0 scales, as
+    V4.1 ships. float32 scales (generated checkpoints only) keep the generic kernels (the same
+    bits): compiling the 32-column kernels for them too would add ~29 s of CPU to a cold start."""
+    return w.kind == "fp8" and w.block[1] == 32 and w.scale.dtype.itemsize == 1
+
+
 def _parallel(w) -> bool:
     """Whether a matvec with w gets a parallel region: only when it has the bytes to pay for one."""
     return _threads[0] != 1 and numba.get_num_threads() > 1 and w.nbytes >= PARALLEL_MIN_BYTES
@@ -1154,7 +1161,7 @@ def _matvec_rows(w, x: np.ndarray, out: np.ndarray, rpg: int | None = None) -> N
     if w.kind == "fp4":
         xe, xo = _halves(xg, xg.shape[0])
         (_fp4_mv if par else _fp4_mv_serial)(_u8(w.data), _scale(w), xe, xo, rpg, out)
-    elif w.kind == "fp8" and w.block[1] == 32:
+    elif _v41_fp8(w):
         (_fp8_mv32 if par else _fp8_mv32_serial)(_u8(w.data), _scale(w), w.block[0], _aligned_copy(xg), rpg, out)
     elif w.kind == "fp8":
         br, bc = w.block
@@ -1211,7 +1218,7 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
             continue
         xs = _aligned_zeros((n - n % -TOKS, w.cols))
         xs[:n] = x[t0 : t0 + n]
-        if w.kind == "fp8" and w.block[1] == 32:
+        if _v41_fp8(w):
             _fp8_mm32(_u8(w.data), _scale(w), w.block[0], xs, part)
         elif w.kind == "fp8":
             _fp8_mm(_u8(w.data), _scale(w), *w.block, xs, part)
@@ -1256,7 +1263,7 @@ def matmul_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if w1.kind == "fp4":
         xe, xo = _halves(x[:1], 1)
         _fp4_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe[0], xo[0], y1[0], y3[0])
-    elif w1.block[1] == 32:
+    elif _v41_fp8(w1) and _v41_fp8(w3):
         x1 = _aligned_copy(x[:1])
         _fp8_mv2_32(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), w1.block[0], x1, y1[0], y3[0])
     else:

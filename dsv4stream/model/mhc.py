@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels import QWeight, matmul
+from ..kernels import QWeight, backend_name, matmul
 from .ops import rms_norm, sigmoid, softmax
 
 F32 = np.float32
@@ -45,9 +45,7 @@ def _flat_norm(x: np.ndarray, eps: float) -> np.ndarray:
 def _fast_sinkhorn(hc: int):
     """The numba Sinkhorn (`kernels.sinkhorn`, the loop below with the same bits) where the fast
     kernels run and it applies, else None."""
-    from .. import kernels
-
-    if kernels.backend_name() != "fast":
+    if backend_name() != "fast":
         return None
     from ..kernels import sinkhorn
 
