@@ -20,8 +20,9 @@ Regimes:
   the page cache before each run. llama.cpp memory-maps the GGUF without repacking (`-lm mmap
   --repack 0`, what fits in a limit below the model), `-p LIMITED_LENGTH -n GEN`, its warm-up run
   included (under the limit the pages it touched do not stay). dsv4 at `--budget-limited`,
-  experts read from disk: prefill of LIMITED_LENGTH random ids in a fresh run, then GEN decode
-  steps. Peak memory: the cgroup's peak charge (anonymous memory plus page cache) for both.
+  experts read from disk: one run started cold times a fresh session's prefill of each
+  LIMITED_LENGTH (random ids; as llama-bench does, later lengths find what earlier ones left
+  cached), then GEN decode steps. Peak memory: the cgroup's peak charge (anonymous memory plus page cache) for both.
   With `--defaults-too`, llama.cpp with its defaults (repacked weights) is also run under the
   limit: on a model larger than the limit it is killed (out of memory).
 Prompts are random token ids (fixed seed) for both: llama-bench's prompts are random too, and the
@@ -77,19 +78,22 @@ def dsv4_child(args: argparse.Namespace) -> dict:
         lengths = [int(n) for n in args.lengths.split(",")]
         if args.mode == "warm":
             rt.session().prefill(rng.integers(2, vocab, size=max(lengths)), last_only=True)
+        timed_read = 0  # expert bytes read inside the timed windows: 0 when warm means every expert was cached
         for n in lengths:
             ids = rng.integers(2, vocab, size=n)
             session = rt.session()
-            t0 = time.perf_counter()
+            b0, t0 = rt.store.stats().bytes_read, time.perf_counter()
             session.prefill(ids, last_only=True)
             out[f"pp{n}"] = n / (time.perf_counter() - t0)
+            timed_read += rt.store.stats().bytes_read - b0
         session = rt.session()
         logits = session.prefill([int(rng.integers(2, vocab))], last_only=True)
-        t0 = time.perf_counter()
+        b0, t0 = rt.store.stats().bytes_read, time.perf_counter()
         for _ in range(args.gen):
             logits = session.step(int(np.argmax(logits)))
         out[f"tg{args.gen}"] = args.gen / (time.perf_counter() - t0)
         s = rt.store.stats()
+        out["timed_expert_bytes_read"] = timed_read + s.bytes_read - b0
         out["expert_bytes_read"] = s.bytes_read
         out["cache_slots"] = s.slots
     return out
@@ -150,8 +154,13 @@ def agreement(a: argparse.Namespace) -> str:
     from dsv4stream.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_checkpoint(a.checkpoint)
-    ids = [tok.special.bos, *tok.encode(CHECK_PROMPT)]
-    cmd = [str(Path(a.llama) / "bin" / "llama-simple"), "-m", a.gguf, "-n", str(a.check_tokens), CHECK_PROMPT]
+    # BOS spelled in the prompt: llama-simple parses control tokens, and the GGUF keeps the
+    # checkpoint's add_bos_token (false), so it would not add one itself
+    text = tok.token_text(tok.special.bos) + CHECK_PROMPT
+    ids = tok.encode(text)
+    if ids[0] != tok.special.bos:
+        sys.exit(f"the check prompt does not start with BOS: {ids[:3]}")
+    cmd = [str(Path(a.llama) / "bin" / "llama-simple"), "-m", a.gguf, "-n", str(a.check_tokens), text]
     p = subprocess.run(cmd, capture_output=True, check=False)
     if p.returncode:
         sys.exit(f"llama-simple failed: {p.stderr.decode(errors='replace').strip().splitlines()[-1:]}")
@@ -173,10 +182,17 @@ def agreement(a: argparse.Namespace) -> str:
     if c.returncode:
         sys.exit(f"dsv4 failed: {(c.stderr.strip().splitlines() or ['?'])[-1]}")
     ours_ids = json.loads(c.stdout.strip().splitlines()[-1])["ids"]
-    ours = b"".join(piece_bytes(tok, i) for i in ours_ids)
+    ours_ids, ours = printed(tok, ours_ids)
     if theirs[len(prompt) :] != ours:
         sys.exit(f"the greedy tokens differ: llama.cpp {theirs[len(prompt) :]!r}, dsv4 {ours!r} (ids {ours_ids})")
     return f"first {len(ours_ids)} greedy tokens agree: {ours!r}"
+
+
+def printed(tok, ids: list[int]) -> tuple[list[int], bytes]:
+    """What llama-simple prints for generated ids: it stops at EOS without printing it."""
+    if tok.special.eos in ids:
+        ids = ids[: ids.index(tok.special.eos)]
+    return ids, b"".join(piece_bytes(tok, i) for i in ids)
 
 
 _BYTE_OF: dict[str, int] = {}
