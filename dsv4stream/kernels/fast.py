@@ -378,8 +378,8 @@ def _finish(lane_total, fac):
 # - table (AVX-512): the 16 possible values are one float32 register; `vpermps` looks 16
 #   nibbles up at once, after one multiply of the table by rel. ~7 instructions per 16 bytes
 #   instead of ~15 (widenings, shifts and masks, float16 conversions, two multiplies). A
-#   2048x4096 matvec, one thread, weights in L3, Zen 4: 0.773 -> 0.461 ms. Interleaving two
-#   rows (four lane chains instead of two) measured slower again (0.640 ms) and was dropped.
+#   2048x4096 matvec, one thread, weights in L3, Zen 4: 0.773 -> 0.461 ms. One row at a time:
+#   interleaving two rows (four lane chains instead of two) measured slower (0.640 ms).
 # - half (any CPU): shifts into float16 bit patterns, widened, times rel. The same matvec
 #   compiled for Haswell (AVX2) on this CPU: 0.806 ms as a numba loop, 0.746 ms in vector IR.
 # table[c] * rel and decode(c) * rel are the same float32 multiply, so both give the same bits.

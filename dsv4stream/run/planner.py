@@ -31,7 +31,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..checkpoint.config import V41, ModelConfig
+from ..checkpoint.config import CSA, V41, ModelConfig
 from ..checkpoint.spec import block_specs, drafter_nbytes, released_nbytes, unused_summary
 from ..checkpoint.spec_v41 import engram_nbytes, vision_nbytes
 from ..errors import BudgetError
@@ -342,8 +342,9 @@ def state_bytes_for(cfg: ModelConfig, ctx: int) -> int:
     for layer in range(cfg.n_layers):
         r = cfg.ratio(layer)
         total += w * hd * 4 + w * 8
-        comps = [(hd, 2 if r == 4 else 1)] if r else []
-        if r == 4:
+        csa = cfg.layer_kind(layer) == CSA  # overlapping windows (coff 2) and an indexer
+        comps = [(hd, 2 if csa else 1)] if r else []
+        if csa:
             comps.append((ihd, 2))
         for d, coff in comps:
             rows = row_capacity(ctx // r + 1) * d * 4
