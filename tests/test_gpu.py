@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gpu_fakes import FakeCudaOps
 
 from dsv4stream import gpu, kernels
 from dsv4stream.checkpoint import formats
 from dsv4stream.engine.session import Engine
 from dsv4stream.gpu import affinity, context, cuda, plan
-from dsv4stream.gpu.device import DeviceQWeight, HostOps
+from dsv4stream.gpu.device import DeviceQWeight
 from dsv4stream.kernels import QWeight
 from dsv4stream.weights.providers import CatalogExperts, CatalogTrunk
 
@@ -100,18 +101,6 @@ def test_cupy_with_a_device_is_available(monkeypatch) -> None:
 
 
 # ---- setup with a stand-in device (no CUDA): reserved core, affinity restored ------------
-
-
-class FakeCudaOps(HostOps):
-    """What setup needs from CudaOps, on the numpy stand-in."""
-
-    def __init__(self, fused: str = "auto") -> None:
-        super().__init__()
-        self.name, self.cc, self.kernels, self.fp8_decode = "Fake GPU", 90, {"fp8": 1}, "integer decode"
-        self.notes = []
-
-    def memory(self) -> tuple[int, int]:
-        return 6 * 10**9, 8 * 10**9
 
 
 def _two_cpus() -> bool:

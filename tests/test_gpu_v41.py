@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from gpu_fakes import FakeCudaOps
 
 from dsv4stream import gpu, kernels
 from dsv4stream.checkpoint import formats
@@ -153,18 +154,6 @@ def test_v41_trunk_on_the_stand_in_gives_the_cpu_ids(dev, tiny_v41, numerics) ->
     assert rel <= (1e-5 if numerics == "fp32" else 2e-2), rel
     assert np.array_equal(a.argmax(-1), b.argmax(-1))
     assert list(cpu.session().generate(x[:6], 5)) == list(placed.session().generate(x[:6], 5))
-
-
-class FakeCudaOps(HostOps):
-    """What gpu.setup needs from CudaOps, on the numpy stand-in."""
-
-    def __init__(self, fused: str = "auto") -> None:
-        super().__init__()
-        self.name, self.cc, self.kernels, self.fp8_decode = "Fake GPU", 90, {"fp8": 1}, "integer decode"
-        self.notes = []
-
-    def memory(self) -> tuple[int, int]:
-        return 6 * 10**9, 8 * 10**9
 
 
 @pytest.mark.parametrize("vram_mb", [1000, 0.05])

@@ -40,10 +40,8 @@ def streaming(ckpt: Path, slots: int, pinned: int, **kw) -> RunOptions:
     return RunOptions(budget=planner.budget_for(n, slots, pinned), overhead=0, chunk=4, **kw)
 
 
-def test_each_expert_and_trunk_layer_is_read_once_per_segment(ckpt, monkeypatch) -> None:
-    """A 48-token prompt as one segment, with fewer slots than the experts it touches and the trunk
-    streamed: every (layer, expert) is read at most once and every streamed layer once. Fed in
-    chunks (a segment of 4 tokens), the same prompt reads most experts again and again."""
+def count_expert_reads(monkeypatch) -> Counter:
+    """Reads from disk per (layer, expert) key, counted as the store loads them."""
     reads: Counter = Counter()
     real = ExpertStore._load
 
@@ -52,6 +50,14 @@ def test_each_expert_and_trunk_layer_is_read_once_per_segment(ckpt, monkeypatch)
         return real(self, entry)
 
     monkeypatch.setattr(ExpertStore, "_load", counting)
+    return reads
+
+
+def test_each_expert_and_trunk_layer_is_read_once_per_segment(ckpt, monkeypatch) -> None:
+    """A 48-token prompt as one segment, with fewer slots than the experts it touches and the trunk
+    streamed: every (layer, expert) is read at most once and every streamed layer once. Fed in
+    chunks (a segment of 4 tokens), the same prompt reads most experts again and again."""
+    reads = count_expert_reads(monkeypatch)
     cfg = Engine.open(ckpt).cfg
     touched: set = set()
 
@@ -84,14 +90,7 @@ def test_a_prompt_whose_activations_fit_is_one_segment_in_the_bytes_of_lent_slot
     slots the store lends for it, and reads each (layer, expert) it touches exactly once
     although the decode cache is smaller than what it touches; the first decode step takes
     every slot back; the ids are the in-memory engine's."""
-    reads: Counter = Counter()
-    real = ExpertStore._load
-
-    def counting(self, entry):
-        reads[entry.key] += 1
-        return real(self, entry)
-
-    monkeypatch.setattr(ExpertStore, "_load", counting)
+    reads = count_expert_reads(monkeypatch)
     n = measure(ckpt, RunOptions(budget=1, overhead=0, chunk=4))
     stb = n.segment_token_bytes
     budget = n.fixed_bytes + sum(n.layer_bytes) + planner.PREFILL_SLOTS * n.slot_bytes + len(PROMPT) * stb
