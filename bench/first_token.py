@@ -1,0 +1,97 @@
+"""First token with every expert cached: a short prompt's prefill against decode steps, in one run.
+
+    python bench/first_token.py CHECKPOINT [--budget 10] [--lengths 1,3,7,16] [--steps 8]
+        [--threads N] [--repeats 3]
+
+One `Runtime` at --budget, which must hold every expert and the whole trunk. For each prompt
+length L (the first L ids of a fixed prompt, BOS first): one warm-up generation of the prompt
+plus --steps tokens (loads every expert it uses; kernels and caches hot), then --repeats times
+in a fresh session of the same runtime:
+
+  prefill   `Session.prefill(ids, last_only=True)` (the head on the last token only, as
+            `generate` does). Timed window: that call alone.
+  step      then --steps greedy `Session.step` calls. Timed window: each call; the median.
+
+ratio = best prefill / median step (the target: <= ~2 for a 7-token prompt). Also per prefill:
+the expert products it ran (the store's requests), its product time by weight role
+(`kernels.kernel_seconds()`: experts, trunk, head, rest "other"), and bytes read from disk
+(must be 0, else nothing here is a cached figure). Prints one line per length, then CPU model,
+SIMD flags and load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_floor import machine  # noqa: E402
+
+from dsv4stream import kernels  # noqa: E402
+from dsv4stream.run.runinfo import RunOptions  # noqa: E402
+from dsv4stream.run.runtime import Runtime  # noqa: E402
+
+
+def prompt(n: int, vocab: int) -> list[int]:
+    """n fixed ids spread over the vocabulary (a real prompt's routing: distinct tokens)."""
+    return [(1 + 7919 * i) % vocab for i in range(n)]
+
+
+def timed_prefill(rt: Runtime, ids: list[int], steps: int) -> dict:
+    s = rt.session()
+    k0, c0 = kernels.kernel_seconds(), rt.counters()
+    t0 = time.perf_counter()
+    logits = s.prefill(ids, last_only=True)
+    secs = time.perf_counter() - t0
+    k1, c1 = kernels.kernel_seconds(), rt.counters()
+    split = {r: k1.get(r, 0.0) - k0.get(r, 0.0) for r in ("experts", "trunk", "head")}
+    split["other"] = secs - sum(split.values())
+    step_secs, tok = [], int(logits.argmax())
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tok = int(s.step(tok).argmax())
+        step_secs.append(time.perf_counter() - t0)
+    return {
+        "prefill": secs,
+        "step": statistics.median(step_secs),
+        "products": c1.expert_requests - c0.expert_requests,
+        "read": c1.expert_bytes_read - c0.expert_bytes_read + c1.trunk_bytes_read - c0.trunk_bytes_read,
+        "split": split,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--budget", type=float, default=10.0, help="GB; must cache every expert")
+    ap.add_argument("--lengths", default="7", help="comma-separated prompt lengths")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per repeat")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="kernel threads")
+    args = ap.parse_args()
+    opts = RunOptions(budget=int(args.budget * 1e9), threads=args.threads)
+    with Runtime.open(args.checkpoint, opts) as rt:
+        vocab = rt.engine.cfg.vocab_size
+        print(f"# {machine()} threads={args.threads or 'default'} budget={args.budget} GB", flush=True)
+        for n in (int(x) for x in args.lengths.split(",")):
+            ids = prompt(n, vocab)
+            for _ in rt.generate(rt.session(), ids, args.steps + 1):
+                pass
+            runs = [timed_prefill(rt, ids, args.steps) for _ in range(args.repeats)]
+            best = min(runs, key=lambda r: r["prefill"])
+            step = statistics.median(r["step"] for r in runs)
+            split = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in best["split"].items())
+            print(
+                f"L={n}: prefill {best['prefill'] * 1e3:.0f} ms (all {[round(r['prefill'] * 1e3) for r in runs]}),"
+                f" step {step * 1e3:.0f} ms, ratio {best['prefill'] / step:.2f}, expert products"
+                f" {best['products']}, read {best['read'] / 1e6:.1f} MB | {split}",
+                flush=True,
+            )
+        print(f"# {machine()}")
+
+
+if __name__ == "__main__":
+    main()
