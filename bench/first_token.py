@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_floor import machine  # noqa: E402
+from decode_floor import machine  # bench/ is on sys.path: the script's own folder
 
-from dsv4stream import kernels  # noqa: E402
-from dsv4stream.run.runinfo import RunOptions  # noqa: E402
-from dsv4stream.run.runtime import Runtime  # noqa: E402
+from dsv4stream import kernels
+from dsv4stream.run.runinfo import RunOptions
+from dsv4stream.run.runtime import Runtime
 
 
 def prompt(n: int, vocab: int) -> list[int]:
