@@ -37,7 +37,7 @@ def use_generic_kernels() -> None:
 
     fast._fp8_mv32 = lambda w, s, br, x, rpg, out: fast._fp8_mv(w, s, br, 32, x, rpg, out)
     fast._fp8_mv32_serial = lambda w, s, br, x, rpg, out: fast._fp8_mv_serial(w, s, br, 32, x, rpg, out)
-    fast._fp8_mm32 = lambda w, s, br, xs, out: fast._fp8_mm(w, s, br, 32, xs, out)
+    fast._fp8_mm32 = lambda w, s, br, xs, out, *scratch: fast._fp8_mm(w, s, br, 32, xs, out, *scratch)
     fast._fp8_mv2_32 = lambda w1, s1, w3, s3, br, x, o1, o3: fast._fp8_mv2(w1, s1, w3, s3, br, 32, x[0], o1, o3)
     for mod in (engram, v41_attention, v41_moe):
         mod.act_qdq = lambda x: quant.fp8_qdq(x, 32)

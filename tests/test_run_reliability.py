@@ -313,17 +313,29 @@ def test_os_errors_without_a_file_say_so_and_a_full_disk_is_not_a_permission_pro
 # ---- a cold numba cache is compiled outside the budgeted process -------------------------
 
 
-def test_a_cold_kernel_cache_is_compiled_in_a_child_process(ckpt, monkeypatch):
+def test_a_cold_kernel_cache_is_compiled_in_a_child_process(monkeypatch):
+    """The compile children run apart from this process (tests/test_compile_forms.py runs real
+    ones against an empty cache); a warm cache starts none."""
     from dsv4stream import kernels
-    from dsv4stream.run import runtime
+    from dsv4stream.run import compile as kcompile
 
     said: list[str] = []
-    monkeypatch.setattr(kernels, "compiled_cache_exists", lambda: False)  # as on a fresh installation
-    got = runtime.compile_kernels_apart(said.append)
-    assert got is not None and got[0] != os.getpid() and got[1] >= 0
+    started: list[list[str]] = []
+    monkeypatch.setattr(kernels, "missing_forms", lambda forms=None: ("bf16",))  # as on a fresh installation
+
+    def run_children(bins, count):
+        started.extend(bins)
+        for _ in (u for b in bins for u in b):
+            count()
+        return []
+
+    monkeypatch.setattr(kcompile, "_run_children", run_children)
+    monkeypatch.setattr(kernels, "_mark_cache_complete", lambda forms=None: None)
+    got = kcompile.compile_kernels_apart(("bf16",), said.append)
+    assert got is not None and got[0] == len(kcompile.warm.units(["bf16"])) and started
     assert "separate process" in said[0] and "outside --budget" in said[0]
-    monkeypatch.setattr(kernels, "compiled_cache_exists", lambda: True)
-    assert runtime.compile_kernels_apart(said.append) is None and len(said) == 1
+    monkeypatch.setattr(kernels, "missing_forms", lambda forms=None: ())
+    assert kcompile.compile_kernels_apart(("bf16",), said.append) is None and len(said) == 2
 
 
 def test_the_cache_check_follows_numba_cache_dir_and_wants_a_finished_warmup(tmp_path, monkeypatch):

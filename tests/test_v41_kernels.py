@@ -54,7 +54,7 @@ def generic(w: QWeight, x: np.ndarray) -> np.ndarray:
         n = min(fast.MAX_TOKENS, t - t0)
         xs = fast._aligned_zeros((n - n % -fast.TOKS, w.cols))
         xs[:n] = x[t0 : t0 + n]
-        fast._fp8_mm(data, scale, *w.block, xs, out[t0 : t0 + n])
+        fast._fp8_mm(data, scale, *w.block, xs, out[t0 : t0 + n], *fast._scratch())
     return out
 
 

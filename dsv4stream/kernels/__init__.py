@@ -14,7 +14,7 @@ which the reference uses, guarantees neither).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -85,22 +85,22 @@ def set_threads(n: int) -> None:
         backend.set_threads(n)
 
 
-def warmup() -> float:
-    """Compile (or load from the numba cache) every kernel; returns the seconds it took.
+def warmup(forms: Iterable[str] | None = None) -> float:
+    """Compile (or load from the numba cache) the kernels of `forms` (`warm.FORMS`; None: every
+    form); returns the seconds it took.
 
-    A warm-up that ends has put every signature in numba's cache: it leaves the marker that
+    A warm-up that ends has put those signatures in numba's cache: it leaves the markers that
     `compiled_cache_exists` looks for."""
     backend = _active()
     if not hasattr(backend, "warmup"):
         return 0.0
-    t0 = time.perf_counter()
-    backend.warmup()
-    from . import attn, qdq, sinkhorn
+    from . import warm
 
-    attn.warmup()
-    qdq.warmup()
-    sinkhorn.warmup()
-    _mark_cache_complete()
+    forms = tuple(warm.FORMS if forms is None else forms)
+    t0 = time.perf_counter()
+    for unit in warm.units(forms):
+        warm.warm_unit(unit)
+    _mark_cache_complete(forms)
     return time.perf_counter() - t0
 
 
@@ -135,7 +135,8 @@ def cache_stamp(source: bytes | None = None) -> str:
 
     if source is None:
         source = b"".join(
-            Path(__file__).with_name(name).read_bytes() for name in ("fast.py", "attn.py", "qdq.py", "sinkhorn.py")
+            Path(__file__).with_name(name).read_bytes()
+            for name in ("fast.py", "attn.py", "qdq.py", "sinkhorn.py", "warm.py")  # warm.py: what each form holds
         )
     h = hashlib.sha256(source)
     cpu = (llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten())
@@ -145,31 +146,44 @@ def cache_stamp(source: bytes | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-def _cache_marker():
-    return _cache_dir() / f"dsv4-kernels-{cache_stamp()}.ok"
+def _cache_marker(form: str):
+    return _cache_dir() / f"dsv4-kernels-{cache_stamp()}-{form.replace('/', '-')}.ok"
 
 
-def _mark_cache_complete() -> None:
+def _all_forms(forms: Iterable[str] | None) -> tuple[str, ...]:
+    from . import warm
+
+    return tuple(warm.FORMS if forms is None else forms)
+
+
+def _mark_cache_complete(forms: Iterable[str] | None = None) -> None:
+    """Leave a marker per form whose kernels are all in numba's cache (None: every form)."""
     import os
     import tempfile
 
-    marker = _cache_marker()
-    if marker.is_file():
-        return  # every run warms up: write once per source, numba and CPU
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=marker.parent, prefix=".dsv4-kernels-")
-        os.close(fd)
-        os.replace(tmp, marker)
-    except OSError:
-        pass  # an unwritable cache folder: numba cannot cache there either, so every run compiles
+    for form in _all_forms(forms):
+        marker = _cache_marker(form)
+        if marker.is_file():
+            continue  # every run warms up: write once per source, numba, CPU and form
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=marker.parent, prefix=".dsv4-kernels-")
+            os.close(fd)
+            os.replace(tmp, marker)
+        except OSError:
+            return  # an unwritable cache folder: numba cannot cache there either, so every run compiles
 
 
-def compiled_cache_exists() -> bool:
-    """Whether numba's on-disk cache holds every fast kernel for this source, numba and CPU (else
-    warmup compiles, ~1 min): a completed warm-up's marker, not merely some index files (those
-    of an older source or another CPU stay behind and no longer load)."""
-    return _cache_marker().is_file()
+def missing_forms(forms: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The forms (None: every form) whose kernels numba's on-disk cache does not hold for this
+    source, numba and CPU: no completed warm-up's marker (index files alone may be an older
+    source's or another CPU's, which no longer load)."""
+    return tuple(f for f in _all_forms(forms) if not _cache_marker(f).is_file())
+
+
+def compiled_cache_exists(forms: Iterable[str] | None = None) -> bool:
+    """Whether the cache holds every kernel of `forms` (None: every form); else warmup compiles."""
+    return not missing_forms(forms)
 
 
 # Seconds spent in matvec / matmul per weight role since the process started. Two perf_counter

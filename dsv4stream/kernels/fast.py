@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -812,75 +813,86 @@ def _block_out(acc, a0, fac, out, r0, nr, t0):
             out[t0 + u, r0 + q] = _finish(_lane_sum(acc, a0 + (u * ROW_TILE + q) * LANES), fac[q])
 
 
+@njit(**_INLINE)
+def _chunk_start(c, nch, ntiles):
+    """First row tile of chunk c of nch (contiguous, sizes differing by at most one)."""
+    return (c * ntiles) // nch
+
+
 @njit(parallel=True, **_JIT)
-def _fp4_mm(w, s, xe, xo, out):
-    """out (T, R) = X @ W.T for T <= MAX_TOKENS; xe / xo: X[:, 0::2] / X[:, 1::2], T rounded up to a multiple of TOKS."""
+def _fp4_mm(w, s, xe, xo, out, accs, tiles, rels):
+    """out (T, R) = X @ W.T for T <= MAX_TOKENS; xe / xo: X[:, 0::2] / X[:, 1::2], T rounded up to a
+    multiple of TOKS. accs / tiles / rels: one row of scratch per chunk of row tiles (`_scratch`)."""
     rows, cols = w.shape[0], 2 * xe.shape[1]
-    for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
-        rel = carray(_stack_f32(REL_LANES), (REL_LANES,))
-        tile = carray(_stack_f32(CHUNK_LANES), (CHUNK_LANES,))
-        acc = carray(_stack_f32(ACC_LANES), (ACC_LANES,))
+    ntiles = (rows + ROW_TILE - 1) // ROW_TILE
+    nch = accs.shape[0]
+    for c in prange(nch):
+        acc, tile, rel = accs[c], tiles[c], rels[c]
         fac = carray(_stack_f64(ROW_TILE), (ROW_TILE,))
-        r0 = ti * ROW_TILE
-        nr = min(ROW_TILE, rows - r0)
-        for q in range(nr):
-            fac[q] = _row_rel(s[r0 + q], 14, rel[q * MAX_BLOCKS :])
-        if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
-            tile[:] = 0
-        nc = (cols + CHUNK - 1) // CHUNK
-        for ci in range(nc):
-            c0 = ci * CHUNK
-            cw = min(CHUNK, cols - c0)
+        for ti in range(_chunk_start(c, nch, ntiles), _chunk_start(c + 1, nch, ntiles)):
+            r0 = ti * ROW_TILE
+            nr = min(ROW_TILE, rows - r0)
             for q in range(nr):
-                _fp4_decode(w, r0 + q, rel[q * MAX_BLOCKS :], c0, cw, tile, q)
-            _prefetch_next_chunk(w, r0, nr, ci, nc, CHUNK // 2)
-            _fp4_chunk_times_tokens(tile, xe, xo, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
+                fac[q] = _row_rel(s[r0 + q], 14, rel[q * MAX_BLOCKS :])
+            if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
+                tile[:] = 0
+            nc = (cols + CHUNK - 1) // CHUNK
+            for ci in range(nc):
+                c0 = ci * CHUNK
+                cw = min(CHUNK, cols - c0)
+                for q in range(nr):
+                    _fp4_decode(w, r0 + q, rel[q * MAX_BLOCKS :], c0, cw, tile, q)
+                _prefetch_next_chunk(w, r0, nr, ci, nc, CHUNK // 2)
+                _fp4_chunk_times_tokens(tile, xe, xo, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
 
 
 @njit(parallel=True, **_JIT)
-def _fp8_mm(w, s, br, bc, xs, out):
+def _fp8_mm(w, s, br, bc, xs, out, accs, tiles, rels):
     rows, cols = w.shape[0], xs.shape[1]
-    for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
-        rel = carray(_stack_f32(REL_LANES), (REL_LANES,))
-        tile = carray(_stack_f32(CHUNK_LANES), (CHUNK_LANES,))
-        acc = carray(_stack_f32(ACC_LANES), (ACC_LANES,))
+    ntiles = (rows + ROW_TILE - 1) // ROW_TILE
+    nch = accs.shape[0]
+    for c in prange(nch):
+        acc, tile, rel = accs[c], tiles[c], rels[c]
         fac = carray(_stack_f64(ROW_TILE), (ROW_TILE,))
-        r0 = ti * ROW_TILE
-        nr = min(ROW_TILE, rows - r0)
-        for q in range(nr):
-            fac[q] = _row_rel(s[(r0 + q) // br], 8, rel[q * MAX_BLOCKS :])
-        if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
-            tile[:] = 0
-        nc = (cols + CHUNK - 1) // CHUNK
-        for ci in range(nc):
-            c0 = ci * CHUNK
-            cw = min(CHUNK, cols - c0)
+        for ti in range(_chunk_start(c, nch, ntiles), _chunk_start(c + 1, nch, ntiles)):
+            r0 = ti * ROW_TILE
+            nr = min(ROW_TILE, rows - r0)
             for q in range(nr):
-                _fp8_decode(w, r0 + q, rel[q * MAX_BLOCKS :], bc, c0, cw, tile, q)
-            _prefetch_next_chunk(w, r0, nr, ci, nc, CHUNK)
-            _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
+                fac[q] = _row_rel(s[(r0 + q) // br], 8, rel[q * MAX_BLOCKS :])
+            if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
+                tile[:] = 0
+            nc = (cols + CHUNK - 1) // CHUNK
+            for ci in range(nc):
+                c0 = ci * CHUNK
+                cw = min(CHUNK, cols - c0)
+                for q in range(nr):
+                    _fp8_decode(w, r0 + q, rel[q * MAX_BLOCKS :], bc, c0, cw, tile, q)
+                _prefetch_next_chunk(w, r0, nr, ci, nc, CHUNK)
+                _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
 
 
 @njit(parallel=True, **_JIT)
-def _plain_mm(w, xs, out):
+def _plain_mm(w, xs, out, accs, tiles):
     rows, cols = w.shape[0], xs.shape[1]
-    for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
-        tile = carray(_stack_f32(CHUNK_LANES), (CHUNK_LANES,))
-        acc = carray(_stack_f32(ACC_LANES), (ACC_LANES,))
+    ntiles = (rows + ROW_TILE - 1) // ROW_TILE
+    nch = accs.shape[0]
+    for c in prange(nch):
+        acc, tile = accs[c], tiles[c]
         fac = carray(_stack_f64(ROW_TILE), (ROW_TILE,))
         fac[:] = 1.0
-        r0 = ti * ROW_TILE
-        nr = min(ROW_TILE, rows - r0)
-        if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
-            tile[:] = 0
-        nc = (cols + CHUNK - 1) // CHUNK
-        for ci in range(nc):
-            c0 = ci * CHUNK
-            cw = min(CHUNK, cols - c0)
-            for q in range(nr):
-                _plain_decode(w, r0 + q, c0, cw, tile, q)
-            _prefetch_next_chunk(w, r0, nr, ci, nc, CHUNK)
-            _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
+        for ti in range(_chunk_start(c, nch, ntiles), _chunk_start(c + 1, nch, ntiles)):
+            r0 = ti * ROW_TILE
+            nr = min(ROW_TILE, rows - r0)
+            if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
+                tile[:] = 0
+            nc = (cols + CHUNK - 1) // CHUNK
+            for ci in range(nc):
+                c0 = ci * CHUNK
+                cw = min(CHUNK, cols - c0)
+                for q in range(nr):
+                    _plain_decode(w, r0 + q, c0, cw, tile, q)
+                _prefetch_next_chunk(w, r0, nr, ci, nc, CHUNK)
+                _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
 
 
 # ---- V4.1: FP8 with 32x32 scale blocks, 32 columns per vector op ---------------------------------
@@ -1015,28 +1027,29 @@ def _fp8_decode32(w, r, rel, c0, cw, tile, q):
 
 
 @njit(parallel=True, **_JIT)
-def _fp8_mm32(w, s, br, xs, out):
+def _fp8_mm32(w, s, br, xs, out, accs, tiles, rels):
     """`_fp8_mm` for 32-column blocks (the decode above; the token loop is the same)."""
     rows, cols = w.shape[0], xs.shape[1]
-    for ti in prange((rows + ROW_TILE - 1) // ROW_TILE):
-        rel = carray(_stack_f32(REL_LANES), (REL_LANES,))
-        tile = carray(_stack_f32(CHUNK_LANES), (CHUNK_LANES,))
-        acc = carray(_stack_f32(ACC_LANES), (ACC_LANES,))
+    ntiles = (rows + ROW_TILE - 1) // ROW_TILE
+    nch = accs.shape[0]
+    for c in prange(nch):
+        acc, tile, rel = accs[c], tiles[c], rels[c]
         fac = carray(_stack_f64(ROW_TILE), (ROW_TILE,))
-        r0 = ti * ROW_TILE
-        nr = min(ROW_TILE, rows - r0)
-        for q in range(nr):
-            fac[q] = _row_rel(s[(r0 + q) // br], 8, rel[q * MAX_BLOCKS :])
-        if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
-            tile[:] = 0
-        nc = (cols + CHUNK - 1) // CHUNK
-        for ci in range(nc):
-            c0 = ci * CHUNK
-            cw = min(CHUNK, cols - c0)
+        for ti in range(_chunk_start(c, nch, ntiles), _chunk_start(c + 1, nch, ntiles)):
+            r0 = ti * ROW_TILE
+            nr = min(ROW_TILE, rows - r0)
             for q in range(nr):
-                _fp8_decode32(w, r0 + q, rel[q * MAX_BLOCKS :], c0, cw, tile, q)
-            _prefetch_next_chunk(w, r0, nr, ci, nc, CHUNK)
-            _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
+                fac[q] = _row_rel(s[(r0 + q) // br], 8, rel[q * MAX_BLOCKS :])
+            if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
+                tile[:] = 0
+            nc = (cols + CHUNK - 1) // CHUNK
+            for ci in range(nc):
+                c0 = ci * CHUNK
+                cw = min(CHUNK, cols - c0)
+                for q in range(nr):
+                    _fp8_decode32(w, r0 + q, rel[q * MAX_BLOCKS :], c0, cw, tile, q)
+                _prefetch_next_chunk(w, r0, nr, ci, nc, CHUNK)
+                _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
 
 
 # ---- public API ----------------------------------------------------------------------------------
@@ -1118,6 +1131,23 @@ def _aligned_copy(x: np.ndarray) -> np.ndarray:
     out = _aligned_zeros(x.shape)
     out[...] = x
     return out
+
+
+# Scratch of the few-token kernels, per calling thread and thread count: one row per chunk of
+# row tiles (a chunk per kernel thread). It was stack memory inside each kernel: LLVM then spent
+# ~6-8 s of a 12 s compile per kernel on the 66 KB of lanes and 32 KB of tile and scales
+# (one thread, Zen 4: FP8 matmul 12.0 -> 4.1 s of CPU to compile with them here; same bits).
+_scratch_held = threading.local()
+
+
+def _scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lanes, tile, relative scales) rows for each of the kernel threads, 64-byte aligned."""
+    n = numba.get_num_threads()
+    held = getattr(_scratch_held, "bufs", None)
+    if held is None or held[0].shape[0] != n:
+        held = (_aligned_zeros((n, ACC_LANES)), _aligned_zeros((n, CHUNK_LANES)), _aligned_zeros((n, REL_LANES)))
+        _scratch_held.bufs = held
+    return held
 
 
 def _halves(x: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -1217,16 +1247,16 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
         part = out[t0 : t0 + n]
         if w.kind == "fp4":
             xe, xo = _halves(x[t0 : t0 + n], n - n % -TOKS)
-            _fp4_mm(_u8(w.data), _scale(w), xe, xo, part)
+            _fp4_mm(_u8(w.data), _scale(w), xe, xo, part, *_scratch())
             continue
         xs = _aligned_zeros((n - n % -TOKS, w.cols))
         xs[:n] = x[t0 : t0 + n]
         if _v41_fp8(w):
-            _fp8_mm32(_u8(w.data), _scale(w), w.block[0], xs, part)
+            _fp8_mm32(_u8(w.data), _scale(w), w.block[0], xs, part, *_scratch())
         elif w.kind == "fp8":
-            _fp8_mm(_u8(w.data), _scale(w), *w.block, xs, part)
+            _fp8_mm(_u8(w.data), _scale(w), *w.block, xs, part, *_scratch())
         else:
-            _plain_mm(_plain(w), xs, part)
+            _plain_mm(_plain(w), xs, part, *_scratch()[:2])
     return out
 
 
@@ -1319,42 +1349,14 @@ def matmul_grouped(ws, x: np.ndarray) -> np.ndarray:
 
 
 def warmup() -> float:
-    """Compile (or load from numba's cache) every kernel signature; returns the seconds it took.
+    """Compile (or load from numba's cache) every product kernel at every form (`warm.FORMS`);
+    returns the seconds it took. A run compiles only its checkpoint's forms (`kernels.warmup`).
 
     Writable arrays only: every weight a run hands the kernels is writable (its own buffer, a
     ring slot, or a view of those), and numba would type a read-only one apart."""
-    from . import QWeight  # kernels/__init__ imports this module lazily
+    from . import warm  # imports this module
 
     t0 = time.perf_counter()
-    rng = np.random.default_rng(0)
-    for sdt in (np.uint8, np.float32):
-        for kind, data, scale, block in (
-            ("fp4", rng.integers(0, 256, (4, 16), dtype=np.uint8), np.full((4, 1), 127, sdt), (128, 128)),
-            ("fp8", rng.integers(0, 126, (4, 32), dtype=np.uint8), np.full((1, 1), 127, sdt), (128, 128)),
-            ("fp8", rng.integers(0, 126, (4, 32), dtype=np.uint8), np.full((1, 1), 127, sdt), (32, 32)),  # V4.1
-        ):
-            w = QWeight(kind, data, scale, 4, 32, block=block)
-            x = rng.standard_normal((BLAS_MIN_TOKENS[kind], 32)).astype(np.float32)
-            _warm_all(w, x)
-    for kind, data in (("bf16", np.zeros((4, 32), np.uint16)), ("f32", np.zeros((4, 32), np.float32))):
-        w = QWeight(kind, data, None, 4, 32)
-        _warm_all(w, np.ones((BLAS_MIN_TOKENS[kind], 32), np.float32))
+    for unit in warm.units(f for f in warm.FORMS if f != "base"):
+        warm.warm_unit(unit)
     return time.perf_counter() - t0
-
-
-def _warm_all(w, x: np.ndarray) -> None:
-    """Every kernel a weight of this kind and scale dtype can reach: serial, parallel and wide matvec,
-    the pair (FP4 / FP8), the tile matmul and the dequantise-then-BLAS path."""
-    global PARALLEL_MIN_BYTES, WIDE_COLS
-    keep = PARALLEL_MIN_BYTES, WIDE_COLS
-    try:
-        for floor in (0, 1 << 62):
-            PARALLEL_MIN_BYTES = floor
-            matvec(w, x[0])
-            matmul_pair(w, w, x[:1])
-        PARALLEL_MIN_BYTES, WIDE_COLS = 0, 0
-        matvec(w, x[0])
-    finally:
-        PARALLEL_MIN_BYTES, WIDE_COLS = keep
-    matmul(w, x[:3])
-    matmul(w, x)

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from typing import Self
 
 import numpy as np
@@ -25,7 +24,7 @@ from .. import kernels
 from ..checkpoint.catalog import Catalog
 from ..engine.phases import Counters
 from ..engine.session import Engine, LayerHook, Session
-from ..errors import Dsv4Error, UsageError
+from ..errors import UsageError
 from ..store import ExpertStore
 from ..streaming.engram import DiskEngramRows
 from ..streaming.expert_layout import expert_label
@@ -36,52 +35,14 @@ from ..streaming.ring import StreamedTrunk
 from ..text.sampler import greedy
 from ..trunkpack.packdir import default_out_dir, pack_hint
 from ..trunkpack.reader import TrunkFile, open_trunk_file
-from . import planner, ticker
+from . import planner
+from .compile import checkpoint_forms, compile_kernels_apart
 from .memory import main_expert_layouts, memory_needs, peak_rss_bytes, trim_heap
 from .planner import Plan
 from .runinfo import RunOptions, RunStats
 
 Pick = Callable[[np.ndarray], int]
 Warn = Callable[[str], None]
-
-COMPILE_CHILD = (
-    "import os, sys, time; from dsv4stream import kernels; kernels.set_backend('fast'); "
-    "t = kernels.warmup(); print(os.getpid(), t)"
-)
-
-
-def compile_kernels_apart(say: Warn | None = None) -> tuple[int, float] | None:
-    """On a cold numba cache, compile the kernels in a child process and wait for it.
-
-    The compiler (LLVM) takes hundreds of MB that the plan does not count; in a child they
-    never enter this process's peak RSS, and this process then loads the kernels from the
-    cache the child wrote. Returns (child pid, its compile seconds), or None when the cache
-    was warm (or the kernels are not numba's)."""
-    if kernels.backend_name() != "fast" or kernels.compiled_cache_exists():
-        return None
-    if say is not None:
-        say(
-            "compiling the numba kernels in a separate process (once per installation: 1-2.5 minutes on 2 idle"
-            " cores, several times that on a busy machine; cached after), so that the compiler's memory stays"
-            " outside --budget"
-        )
-    import subprocess
-    import sys
-
-    import dsv4stream
-
-    env = dict(os.environ)
-    src = str(Path(dsv4stream.__file__).resolve().parents[1])  # this checkout, installed or not
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    with ticker.elapsed("compiling the numba kernels"):
-        r = subprocess.run([sys.executable, "-c", COMPILE_CHILD], env=env, capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        why = (r.stderr.strip().splitlines() or ["no message"])[-1]
-        raise Dsv4Error(
-            f"compiling the numba kernels failed in a child process ({why}); reinstall numba or set DSV4_DEBUG=1"
-        )
-    pid, seconds = r.stdout.split()[-2:]
-    return int(pid), float(seconds)
 
 
 class _Once:
@@ -162,8 +123,9 @@ class Runtime:
             )
         if opts.threads is not None:
             kernels.set_threads(opts.threads)
-        compile_kernels_apart(once)
-        warmup_seconds = kernels.warmup()
+        forms = checkpoint_forms(cat)
+        compile_kernels_apart(forms, once)
+        warmup_seconds = kernels.warmup(forms)
         store = ExpertStore(
             layouts,
             plan.expert_slots,

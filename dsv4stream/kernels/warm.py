@@ -1,0 +1,189 @@
+"""Which numba kernels a checkpoint needs, and compiling them one unit at a time.
+
+Owns: the weight forms the kernels are compiled for (`FORMS`: a weight kind with its scale
+format, plus "base" for attention, the activation grid and Sinkhorn, which every model runs),
+the units of compilation (one numba function at one form: `units`), what each costs to
+compile (`COST`, for balancing parallel children and the estimate shown), `warm_unit` (the
+call that makes numba compile or load exactly that unit) and the child process entry
+(`python -m dsv4stream.kernels.warm UNIT ...`). Does not own the cache markers
+(`kernels/__init__.py`) nor when and where children run (`run/compile.py`).
+
+A checkpoint reaches only some forms: V4 as released has FP4 experts and FP8 128x128 blocks,
+both with E8M0 scales, BF16 and float32 weights; V4.1 has FP8 with 32x32 E8M0 blocks instead;
+float32 scales come from generated checkpoints. Compiling every form costs about twice what
+one checkpoint needs (77 s of CPU against 40 s for V4 as released on a Zen 4 core).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable
+
+import numpy as np
+
+# form -> (numba function, how the dispatch reaches it) for the fast backend's products. How:
+# "par" / "serial" a matvec above / below the parallel floor, "wide" the FP8 matvec of wide rows,
+# "pair" two weights times one token, "mm" a few tokens.
+_PRODUCTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "fp4/e8m0": (("_fp4_mv", "par"), ("_fp4_mv_serial", "serial"), ("_fp4_mv2", "pair"), ("_fp4_mm", "mm")),
+    "fp4/f32": (("_fp4_mv", "par"), ("_fp4_mv_serial", "serial"), ("_fp4_mv2", "pair"), ("_fp4_mm", "mm")),
+    "fp8/e8m0": (
+        ("_fp8_mv", "par"),
+        ("_fp8_mv_serial", "serial"),
+        ("_fp8_mv_wide", "wide"),
+        ("_fp8_mv2", "pair"),
+        ("_fp8_mm", "mm"),
+    ),
+    "fp8/f32": (
+        ("_fp8_mv", "par"),
+        ("_fp8_mv_serial", "serial"),
+        ("_fp8_mv_wide", "wide"),
+        ("_fp8_mv2", "pair"),
+        ("_fp8_mm", "mm"),
+    ),
+    # V4.1: 32-column blocks with E8M0 scales have their own kernels (`fast._v41_fp8`)
+    "fp8-32/e8m0": (("_fp8_mv32", "par"), ("_fp8_mv32_serial", "serial"), ("_fp8_mv2_32", "pair"), ("_fp8_mm32", "mm")),
+    "bf16": (("_plain_mv", "par"), ("_plain_mv_serial", "serial"), ("_plain_mm", "mm")),
+    "f32": (("_plain_mv", "par"), ("_plain_mv_serial", "serial"), ("_plain_mm", "mm")),
+}
+# attention's kernels share a helper (`attn._attend_item`, `_index_item`), so they are one unit:
+# two processes adding signatures to one function's cache index would lose one of them
+_BASE = ("attn", "qdq", "sinkhorn")
+FORMS = ("base", *_PRODUCTS)
+
+# CPU seconds to compile each unit: one process, empty NUMBA_CACHE_DIR, idle 2-core AMD EPYC
+# (Zen 4, AVX-512), numba 0.63, 2026-12-04 (`bench/cold_compile.py --units` prints them again;
+# 76.7 s for every form). The few-token kernels cost most: 4 rows x 3 tokens x 32 lanes of FMAs.
+COST: dict[str, float] = {
+    "attn:base": 7.50,
+    "qdq:base": 0.52,
+    "sinkhorn:base": 0.35,
+    "_fp4_mv:fp4/e8m0": 1.17,
+    "_fp4_mv_serial:fp4/e8m0": 0.59,
+    "_fp4_mv2:fp4/e8m0": 2.15,
+    "_fp4_mm:fp4/e8m0": 6.88,
+    "_fp4_mv:fp4/f32": 1.60,
+    "_fp4_mv_serial:fp4/f32": 0.92,
+    "_fp4_mv2:fp4/f32": 2.49,
+    "_fp4_mm:fp4/f32": 6.90,
+    "_fp8_mv:fp8/e8m0": 1.48,
+    "_fp8_mv_serial:fp8/e8m0": 0.49,
+    "_fp8_mv_wide:fp8/e8m0": 2.11,
+    "_fp8_mv2:fp8/e8m0": 2.44,
+    "_fp8_mm:fp8/e8m0": 5.65,
+    "_fp8_mv:fp8/f32": 1.63,
+    "_fp8_mv_serial:fp8/f32": 0.45,
+    "_fp8_mv_wide:fp8/f32": 2.21,
+    "_fp8_mv2:fp8/f32": 2.37,
+    "_fp8_mm:fp8/f32": 5.98,
+    "_fp8_mv32:fp8-32/e8m0": 1.37,
+    "_fp8_mv32_serial:fp8-32/e8m0": 0.47,
+    "_fp8_mv2_32:fp8-32/e8m0": 2.49,
+    "_fp8_mm32:fp8-32/e8m0": 5.32,
+    "_plain_mv:bf16": 0.75,
+    "_plain_mv_serial:bf16": 0.37,
+    "_plain_mm:bf16": 4.92,
+    "_plain_mv:f32": 0.78,
+    "_plain_mv_serial:f32": 0.26,
+    "_plain_mm:f32": 4.06,
+}
+START_SECONDS = 0.5  # a child's python, numba and kernel imports (0.4-0.5 s wall, same machine)
+
+
+def form_of(kind: str, scale_itemsize: int | None = None, block: tuple[int, int] = (128, 128)) -> str:
+    """The form a weight of `kind` ("fp4", "fp8", "bf16", "f32") compiles for: E8M0 scales are one
+    byte, anything else is multiplied as float32 (`fast._scale`)."""
+    if kind in ("bf16", "f32"):
+        return kind
+    scale = "e8m0" if scale_itemsize == 1 else "f32"
+    if kind == "fp8" and scale == "e8m0" and block[1] == 32:
+        return "fp8-32/e8m0"
+    if kind in ("fp4", "fp8"):
+        return f"{kind}/{scale}"
+    raise ValueError(f"unknown weight kind {kind!r}")
+
+
+def units(forms: Iterable[str]) -> list[str]:
+    """The units ("function:form") that the forms need, in a fixed order."""
+    want = set(forms)
+    bad = want - set(FORMS)
+    if bad:
+        raise ValueError(f"unknown kernel forms {sorted(bad)}")
+    out = [f"{m}:base" for m in _BASE] if "base" in want else []
+    for form, products in _PRODUCTS.items():
+        if form in want:
+            out += [f"{fn}:{form}" for fn, _ in products]
+    return out
+
+
+def function_of(unit: str) -> str:
+    return unit.split(":", 1)[0]
+
+
+def cost(unit: str) -> float:
+    return COST.get(unit, 2.0)
+
+
+def _sample(form: str):
+    """A small weight of the form and a few tokens of input (writable arrays, as a run's are)."""
+    from . import QWeight
+
+    rng = np.random.default_rng(0)
+    kind = form.split("/")[0].split("-")[0]
+    sdt = np.uint8 if form.endswith("e8m0") else np.float32
+    if kind == "fp4":
+        w = QWeight("fp4", rng.integers(0, 256, (4, 16), dtype=np.uint8), np.full((4, 1), 127, sdt), 4, 32)
+    elif kind == "fp8":
+        block = (32, 32) if form.startswith("fp8-32") else (128, 128)
+        w = QWeight("fp8", rng.integers(0, 126, (4, 32), dtype=np.uint8), np.full((1, 1), 127, sdt), 4, 32, block=block)
+    elif kind == "bf16":
+        w = QWeight("bf16", np.zeros((4, 32), np.uint16), None, 4, 32)
+    else:
+        w = QWeight("f32", np.zeros((4, 32), np.float32), None, 4, 32)
+    return w, rng.standard_normal((3, 32)).astype(np.float32)
+
+
+def warm_unit(unit: str) -> float:
+    """Compile (or load from numba's cache) one unit; returns the seconds it took."""
+    from . import fast
+
+    t0 = time.perf_counter()
+    name, form = unit.split(":", 1)
+    if form == "base":
+        from . import attn, qdq, sinkhorn
+
+        {"attn": attn.warmup, "qdq": qdq.warmup, "sinkhorn": sinkhorn.warmup}[name]()
+        return time.perf_counter() - t0
+    how = dict(_PRODUCTS[form])[name]
+    w, x = _sample(form)
+    keep = fast.PARALLEL_MIN_BYTES, fast.WIDE_COLS
+    try:
+        fast.PARALLEL_MIN_BYTES = 1 << 62 if how == "serial" else 0
+        if how == "wide":
+            fast.WIDE_COLS = 0
+        if how == "pair":
+            fast.matmul_pair(w, w, x[:1])
+        elif how == "mm":
+            fast.matmul(w, x)
+        else:
+            fast.matvec(w, x[0])
+    finally:
+        fast.PARALLEL_MIN_BYTES, fast.WIDE_COLS = keep
+    return time.perf_counter() - t0
+
+
+def child_main(argv: list[str]) -> int:
+    """Warm each unit named on the command line, printing `done UNIT SECONDS` as each ends (the
+    parent counts them); `python -m dsv4stream.kernels.warm UNIT ...`."""
+    from . import set_backend
+
+    set_backend("fast")
+    for unit in argv:
+        took = warm_unit(unit)
+        print(f"done {unit} {took:.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:]))

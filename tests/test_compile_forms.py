@@ -1,0 +1,146 @@
+"""Compiling only what a checkpoint needs, in parallel children (run/compile.py, kernels/warm.py).
+
+The forms a checkpoint's weights reach (V4 as released, V4.1, float32 scales), the split of the
+units among children (each numba function in one child), a fresh process that runs a checkpoint
+after warming only its forms (it must compile nothing), children that leave a complete cache
+and show `compiling kernels: N of M`, and a failing child's one-line error.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from dsv4stream import kernels
+from dsv4stream.checkpoint import synth
+from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.errors import Dsv4Error
+from dsv4stream.kernels import warm
+from dsv4stream.run import compile as kcompile
+from dsv4stream.run import ticker
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(kernels.backend_name() != "fast", reason="numba is not installed")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory, tiny_v41):
+    d = tmp_path_factory.mktemp("forms")
+    return {
+        "v4": synth.make_checkpoint(d / "v4", preset="tiny", seed=2),
+        "v4-float-scales": synth.make_checkpoint(d / "f32", preset="tiny", seed=2, scale_fmt="float"),
+        "v41": tiny_v41,
+    }
+
+
+def test_each_checkpoint_kind_needs_its_own_forms(ckpts):
+    forms = {k: kcompile.checkpoint_forms(Catalog.open(p)) for k, p in ckpts.items()}
+    assert forms["v4"] == ("base", "fp4/e8m0", "fp8/e8m0", "bf16", "f32")
+    assert forms["v4-float-scales"] == ("base", "fp4/f32", "fp8/f32", "bf16", "f32")
+    assert "fp8-32/e8m0" in forms["v41"] and "fp8/e8m0" not in forms["v41"] and "fp8/f32" not in forms["v41"]
+    assert warm.form_of("fp8", 4, (32, 32)) == "fp8/f32"  # float32 scales keep the generic kernels
+
+
+def test_the_split_keeps_each_function_in_one_child_and_balances_by_cost():
+    units = warm.units(warm.FORMS)
+    assert len(units) == len(set(units)) and all(u in warm.COST for u in units)
+    bins = kcompile.split(units, 2)
+    assert len(bins) == 2 and sorted(u for b in bins for u in b) == sorted(units)
+    owner = {}
+    for i, b in enumerate(bins):
+        for u in b:
+            assert owner.setdefault(warm.function_of(u), i) == i  # two signatures of one function: one child
+    loads = [sum(map(warm.cost, b)) for b in bins]
+    biggest = max(sum(warm.cost(u) for u in units if warm.function_of(u) == f) for f in owner)
+    assert max(loads) - min(loads) <= biggest
+    assert kcompile.split(units[:1], 8) == [units[:1]]
+    assert kcompile.estimate_seconds(bins) == pytest.approx(max(loads) + warm.START_SECONDS)
+
+
+_RUN_AFTER_FORMS = r"""
+import json, sys
+from dsv4stream import kernels
+from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.kernels import attn, fast, qdq, sinkhorn
+from dsv4stream.run.compile import checkpoint_forms
+from dsv4stream.run.runinfo import RunOptions
+from dsv4stream.run.runtime import Runtime
+
+def sigs():
+    return {f"{m.__name__}.{k}": set(v.signatures) for m in (fast, attn, qdq, sinkhorn)
+            for k, v in vars(m).items() if hasattr(v, "py_func")}
+
+kernels.warmup(checkpoint_forms(Catalog.open(sys.argv[1])))
+before = sigs()
+with Runtime.open(sys.argv[1], RunOptions(budget=int(3e9))) as rt:
+    got = list(rt.generate(rt.session(), list(range(5, 75)), 4))  # a long prefill, then decode
+grown = {k: sorted(map(str, v - before[k])) for k, v in sigs().items() if v - before[k]}
+print(json.dumps({"tokens": len(got), "grown": grown}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["v4", "v4-float-scales", "v41"])
+def test_a_fresh_process_warming_only_its_forms_compiles_nothing_in_the_run(ckpts, kind):
+    """What the budgeted process does after the children: load its forms, then run. Any signature
+    the run still reaches would be compiled inside --budget."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-c", _RUN_AFTER_FORMS, str(ckpts[kind])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["tokens"] == 4 and out["grown"] == {}
+
+
+_LOADS = r"""
+import sys
+from dsv4stream.kernels import attn, fast, qdq, sinkhorn, warm
+for u in sys.argv[1:]:
+    warm.warm_unit(u)
+print(sum(d.stats.cache_misses.get(s, 0) for m in (fast, attn, qdq, sinkhorn) for d in vars(m).values()
+          if hasattr(d, "py_func") for s in d.stats.cache_misses))
+"""
+
+
+def test_children_leave_a_complete_cache_and_count_the_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))  # a fresh installation
+    said: list[str] = []
+    shown = io.StringIO()
+    monkeypatch.setattr(kcompile.ticker, "elapsed", partial(ticker.elapsed, file=shown, tick=0.01, enabled=True))
+    assert kernels.missing_forms(["bf16"]) == ("bf16",)
+    n, took = kcompile.compile_kernels_apart(("bf16",), said.append, children=2)
+    units = warm.units(["bf16"])
+    assert n == len(units) and took > 0
+    assert f"compiling kernels: {n} of {n}" in shown.getvalue() and "compiling kernels: 0 of" in shown.getvalue()
+    assert f"compiling {n} numba kernels" in said[0] and "in 2 separate processes" in said[0]
+    assert said[-1].startswith(f"compiled {n} kernels in ")
+    assert kernels.missing_forms(["bf16"]) == () and kernels.missing_forms(["fp4/e8m0"]) == ("fp4/e8m0",)
+    assert kcompile.compile_kernels_apart(("bf16",), said.append) is None  # marked: nothing to do
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-c", _LOADS, *units], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "0"  # every signature loaded from the children's cache
+
+
+def test_a_failing_child_gives_one_line_and_marks_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(warm, "units", lambda forms: ["_no_such_kernel:bf16"])
+    with pytest.raises(Dsv4Error) as ex:
+        kcompile.compile_kernels_apart(("bf16",))
+    msg = str(ex.value)
+    assert "\n" not in msg and "compiling the numba kernels failed in a child process" in msg and "KeyError" in msg
+    assert kernels.missing_forms(["bf16"]) == ("bf16",)
