@@ -292,6 +292,28 @@ def test_wide_fp8_matvec_takes_rows_together_with_the_same_bits(rows, cols, scal
             assert np.array_equal(fast.matmul_grouped(parts, xg)[0], want)
 
 
+@pytest.mark.parametrize("rows,cols", [(64, 256), (37, 96), (130, 1088)])
+@pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
+def test_fp4_few_token_kernels_have_each_tokens_matvec_bits(rows, cols, scale_kind, monkeypatch):
+    """2 or 3 tokens (a routed expert in a short prompt) decode each FP4 byte once for all of them
+    (`_fp4_mvt`, `_fp4_mvt2`); each token's row is still its matvec, bit for bit, and a NaN scale
+    poisons only its row. cols 96: an odd number of 16-byte blocks per row."""
+    rng = np.random.default_rng(rows + cols)
+    w1, w3 = weight("fp4", rows, cols, rng, scale_kind), weight("fp4", rows, cols, rng, scale_kind)
+    w1.scale[5, 1] = np.nan if scale_kind == "f32" else 0xFF
+    monkeypatch.setattr(fast, "PARALLEL_MIN_BYTES", 0)
+    for t in (2, 3):
+        x = rng.standard_normal((t, cols)).astype(np.float32)
+        per = [np.stack([fast.matvec(w, x[k]) for k in range(t)]) for w in (w1, w3)]
+        got = fast.matmul(w1, x)
+        assert got.tobytes() == per[0].tobytes()
+        y1, y3 = fast.matmul_pair(w1, w3, x)
+        assert y1.tobytes() == per[0].tobytes() and y3.tobytes() == per[1].tobytes()
+        assert np.isnan(got[:, 5]).all() and not np.isnan(np.delete(got, 5, axis=1)).any()
+        assert rel_error(np.delete(y3, 5, axis=1), np.delete(reference(x, w3), 5, axis=1)) <= TOL
+    assert fast._fp4_mvt.signatures and fast._fp4_mvt2.signatures  # the few-token kernels ran
+
+
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
 def test_results_do_not_depend_on_thread_count():
     rng = np.random.default_rng(13)
