@@ -1,0 +1,140 @@
+"""Where a decode step's time goes with every weight in RAM: per phase and per product, 1 and 2 threads.
+
+    python bench/decode_profile.py CHECKPOINT [--budget 10] [--gen 32] [--threads 1 2] [--rounds 2]
+
+One process: `Runtime` at --budget (which must hold every expert the run touches), one greedy
+generation from a fixed short prompt to load and compile everything, then --rounds rounds of the
+same generation, the thread counts alternating inside each round (a load change hits all).
+Per thread count it prints the median over rounds of: ms per decode step by phase
+(`RunStats.decode_profile`: experts / trunk / head compute, read waits, sampler, other), and per
+one-token product kind (the fast backend's entry point, weight kind, rows x cols) its calls per
+step, ms per step, GB/s of the weight bytes it read and CPU ms per step (process CPU: every
+thread). The prompt's last-position head call is counted with the steps (1 of --gen). The ids of
+every generation must agree (with each other and across thread counts), else it exits non-zero.
+Prints the machine's load and the kernel thread layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import numba
+import numpy as np
+
+from dsv4stream import kernels
+from dsv4stream.kernels import fast
+from dsv4stream.run.runinfo import RunOptions
+from dsv4stream.run.runtime import Runtime
+
+GB = 1e9
+PROMPT = [0, 1000, 2000, 3000, 4000]
+_calls: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])  # key -> calls, wall, cpu, bytes
+_depth = [0]  # matmul_pair falls back to two matmul calls: count the outer call only
+
+
+def _wrap(name: str) -> None:
+    """Time every call of fast.<name> by (name, kind, rows, cols, tokens)."""
+    inner = getattr(fast, name)
+
+    def timed(*args):
+        w, x = args[0], args[-1]
+        w0 = w[0] if isinstance(w, (list, tuple)) else w
+        ws = list(w) if isinstance(w, (list, tuple)) else list(args[:-1])
+        t0, c0 = time.perf_counter(), time.process_time()
+        _depth[0] += 1
+        try:
+            y = inner(*args)
+        finally:
+            _depth[0] -= 1
+        if _depth[0]:
+            return y
+        rec = _calls[(name, w0.kind, w0.rows, w0.cols, len(ws), np.shape(x)[0] if np.ndim(x) > 1 else 1)]
+        rec[0] += 1
+        rec[1] += time.perf_counter() - t0
+        rec[2] += time.process_time() - c0
+        rec[3] += sum(v.nbytes for v in ws)
+        return y
+
+    setattr(fast, name, timed)
+
+
+def read_rate(threads: int) -> float:
+    """GB/s of summing 512 MiB of uint64 split over `threads` numpy threads (best of 3)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = np.ones(1 << 26, np.uint64)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            list(pool.map(np.add.reduce, np.array_split(a, threads)))
+            best = max(best, a.nbytes / (time.perf_counter() - t0) / GB)
+    return best
+
+
+def one_round(rt: Runtime, gen: int) -> tuple[list[int], dict[str, float], dict, float]:
+    _calls.clear()
+    session = rt.session()
+    turns0 = len(rt.engine.phases.turns)
+    ids = list(session.generate(PROMPT, gen))
+    turn = rt.engine.phases.turns[turns0]
+    steps = turn.decode_steps
+    prof = {k: v / steps * 1e3 for k, v in turn.profile.items()}
+    prof["step"] = turn.decode_seconds / steps * 1e3
+    return ids, prof, {k: list(v) for k, v in _calls.items()}, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("--budget", type=float, default=10.0, help="GB; must hold every expert used")
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    for name in ("matvec", "matmul", "matmul_pair", "matmul_grouped"):
+        _wrap(name)
+    opts = RunOptions(budget=int(a.budget * GB), threads=max(a.threads))
+    with Runtime.open(a.checkpoint, opts) as rt:
+        ref, _, _, _ = one_round(rt, a.gen)  # loads every expert the prompt routes to, compiles
+        per: dict[int, list] = {t: [] for t in a.threads}
+        for _ in range(a.rounds):
+            for t in a.threads:
+                kernels.set_threads(t)
+                ids, prof, calls, steps = one_round(rt, a.gen)
+                if ids != ref:
+                    raise SystemExit(f"ids differ at {t} threads: {ids} vs {ref}")
+                per[t].append((prof, calls, steps))
+        read = rt.store.stats().bytes_read
+    print(
+        f"# load_avg={','.join(f'{x:.2f}' for x in os.getloadavg())} threading_layer={numba.threading_layer()}"
+        f" gen={a.gen} rounds={a.rounds} ids_agree=yes expert_bytes_read_total={read}"
+    )
+    for t, runs in per.items():
+        steps = runs[0][2]
+        phases = {k: statistics.median(r[0][k] for r in runs) for k in runs[0][0]}
+        print(f"threads={t} ms/step " + " ".join(f"{k}={v:.2f}" for k, v in phases.items()))
+        nbytes = sum(v[3] for k, v in runs[0][1].items() if k[-1] == 1) / steps
+        rate = read_rate(t)
+        print(
+            f"  weight bytes/step={nbytes / GB:.3f} GB read_rate={rate:.1f} GB/s floor={nbytes / rate / GB * 1e3:.1f} ms"
+        )
+        for key in sorted(runs[0][1], key=lambda k: -runs[0][1][k][1]):
+            if key[-1] != 1:
+                continue  # the prompt's products (prefill), not a decode step's
+            wall = statistics.median(r[1][key][1] for r in runs) / steps
+            cpu = statistics.median(r[1][key][2] for r in runs) / steps
+            calls, nbytes = runs[0][1][key][0] / steps, runs[0][1][key][3] / steps
+            name, kind, rows, cols, nw, tok = key
+            print(
+                f"  {name} {kind} {rows}x{cols} weights={nw} tokens={tok} calls/step={calls:.1f}"
+                f" ms/step={wall * 1e3:.2f} cpu_ms/step={cpu * 1e3:.2f} gbps={nbytes / wall / GB if wall else 0:.1f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
