@@ -314,6 +314,30 @@ def test_fp4_few_token_kernels_have_each_tokens_matvec_bits(rows, cols, scale_ki
     assert fast._fp4_mvt.signatures and fast._fp4_mvt2.signatures  # the few-token kernels ran
 
 
+@pytest.mark.parametrize("rows,cols", [(256, 256), (130, 1000)])
+@pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
+def test_fp8_at_a_few_tokens_runs_each_tokens_matvec(rows, cols, scale_kind, monkeypatch):
+    """V4's FP8 products of 2-4 tokens are the one-token matvec (or pair) per token: the same bits
+    as before (the tile kernel's rows equal the matvec), and the tile kernel is not called."""
+    rng = np.random.default_rng(rows * 7 + cols)
+    w1, w3 = weight("fp8", rows, cols, rng, scale_kind), weight("fp8", rows, cols, rng, scale_kind)
+    monkeypatch.setattr(fast, "PARALLEL_MIN_BYTES", 0)
+    for t in range(2, fast.FP8_PER_TOKEN + 1):
+        x = rng.standard_normal((t, cols)).astype(np.float32)
+        xs = fast._aligned_zeros((t - t % -fast.TOKS, cols))
+        xs[:t] = x
+        tiled = np.empty((t, rows), np.float32)
+        fast._fp8_mm(fast._u8(w1.data), fast._scale(w1), *w1.block, xs, tiled, *fast._scratch())
+        per = [np.stack([fast.matvec(w, x[k]) for k in range(t)]) for w in (w1, w3)]
+        assert tiled.tobytes() == per[0].tobytes()
+        monkeypatch.setattr(fast, "_fp8_mm", None)  # must not be reached
+        assert fast.matmul(w1, x).tobytes() == per[0].tobytes()
+        y1, y3 = fast.matmul_pair(w1, w3, x)
+        assert y1.tobytes() == per[0].tobytes() and y3.tobytes() == per[1].tobytes()
+        monkeypatch.undo()
+        monkeypatch.setattr(fast, "PARALLEL_MIN_BYTES", 0)
+
+
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
 def test_results_do_not_depend_on_thread_count():
     rng = np.random.default_rng(13)

@@ -68,6 +68,14 @@ MV_LANES = MV_ROWS * LANES
 ROW_TILE = 4  # rows decoded together by matmul
 FEW_TOKENS = 3  # FP4 products of 2..FEW_TOKENS tokens decode each byte once for all (`_fp4_mvt`)
 FEW_LANES = FEW_TOKENS * FP4_LANES
+# V4's FP8 (128x128 blocks) at up to this many tokens runs the one-token matvec (or fused pair)
+# once per token, the same bits: the tile kernel decodes each weight into a float32 tile first,
+# a fixed cost of several matvecs (M4, 1 thread, CPU time, tile against per token: wq_b
+# 32768x1024 at 2 / 4 / 7 tokens 24.6 / 25.1 / 26.0 ms against 7.3 / 15.5 / 26.5; wo_b 4096x8192
+# 26.5 / 24.1 / 27.0 against 10.2 / 19.9 / 35.0; the shared expert's w1 6.5 / 7.3 / 6.3 against
+# 2.1 / 4.0 / 5.6). V4.1's 32x32 kernels are left out: there per token measured slower (wo_b at
+# 2 tokens 12.6 against 8.2 ms).
+FP8_PER_TOKEN = 4
 # Tokens per register block: 4 rows x 3 tokens x 32 lanes are 24 AVX-512 accumulators, and each
 # vector load of a weight feeds 3 FMAs instead of 2 (Zen 4, one thread: FP8 64-token matmul
 # 71 -> 76 GFLOP/s). A token's result does not depend on its place in the block.
@@ -1299,6 +1307,10 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
         return out
     if t == 0:
         return out
+    if w.kind == "fp8" and t <= FP8_PER_TOKEN and not _v41_fp8(w):
+        for i in range(t):
+            _matvec_rows(w, x[i], out[i])
+        return out
     if BLAS_PATH and t >= blas_min_tokens(w):
         _blas_matmul(w, x, out)
         return out
@@ -1347,13 +1359,14 @@ def _blas_matmul(w, x: np.ndarray, out: np.ndarray) -> None:
 
 def matmul_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(X @ W1.T, X @ W3.T) for two weights of one kind and shape; at one token (FP4: up to
-    FEW_TOKENS) one parallel pass."""
+    FEW_TOKENS) one parallel pass; V4's FP8 at up to FP8_PER_TOKEN tokens one pass per token."""
     x = _tokens(x)
     same = w1.kind == w3.kind and w1.rows == w3.rows and w1.cols == w3.cols and w1.kind in ("fp4", "fp8")
     same = same and (w1.kind != "fp8" or w1.block == w3.block)
     t = x.shape[0]
     few = w1.kind == "fp4" and 1 < t <= FEW_TOKENS
-    if (t != 1 and not few) or not same or not _parallel(w1):
+    per_token = w1.kind == "fp8" and 1 < t <= FP8_PER_TOKEN and not (_v41_fp8(w1) or _v41_fp8(w3))
+    if (t != 1 and not few and not per_token) or not same or not _parallel(w1):
         return matmul(w1, x), matmul(w3, x)
     _check(w1, x.shape[1])
     _check(w3, x.shape[1])
@@ -1363,6 +1376,12 @@ def matmul_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         y1 = np.empty((t, w1.rows), np.float32)
         y3 = np.empty((t, w3.rows), np.float32)
         _fp4_mvt2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe, xo, y1, y3)
+        return y1, y3
+    if per_token:
+        y1 = np.empty((t, w1.rows), np.float32)
+        y3 = np.empty((t, w3.rows), np.float32)
+        for i in range(t):
+            _fp8_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), *w1.block, x[i], y1[i], y3[i])
         return y1, y3
     y1 = np.empty((1, w1.rows), np.float32)
     y3 = np.empty((1, w3.rows), np.float32)

@@ -154,7 +154,11 @@ def _sample(form: str):
         w = QWeight("bf16", np.zeros((4, 32), np.uint16), None, 4, 32)
     else:
         w = QWeight("f32", np.zeros((4, 32), np.float32), None, 4, 32)
-    return w, rng.standard_normal((4, 32)).astype(np.float32)  # 4: past FP4's few-token kernels
+    from . import fast
+
+    # "mm" must reach the tile kernels: past FP4's few-token kernels and FP8's per-token matvecs
+    tokens = 1 + max(fast.FEW_TOKENS, fast.FP8_PER_TOKEN)
+    return w, rng.standard_normal((tokens, 32)).astype(np.float32)
 
 
 def warm_unit(unit: str) -> float:
