@@ -314,28 +314,42 @@ def test_fp4_few_token_kernels_have_each_tokens_matvec_bits(rows, cols, scale_ki
     assert fast._fp4_mvt.signatures and fast._fp4_mvt2.signatures  # the few-token kernels ran
 
 
-@pytest.mark.parametrize("rows,cols", [(256, 256), (130, 1000)])
-@pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
-def test_fp8_at_a_few_tokens_runs_each_tokens_matvec(rows, cols, scale_kind, monkeypatch):
-    """V4's FP8 products of 2-4 tokens are the one-token matvec (or pair) per token: the same bits
-    as before (the tile kernel's rows equal the matvec), and the tile kernel is not called."""
+@pytest.mark.parametrize(
+    "kind,rows,cols,scale_kind",
+    [
+        ("fp8", 256, 256, "e8m0"),  # V4's blocks: `_fp8_mvt` up to FP8_FEW tokens
+        ("fp8", 300, 4000, "f32"),  # 4000 columns: a ragged last block, still whole 32-column groups
+        ("fp8/32", 96, 320, "e8m0"),  # V4.1's blocks: `_fp8_mvt` up to FP8_FEW_V41 tokens
+        ("fp8", 130, 1000, "e8m0"),  # 1000 columns: not whole groups, one matvec per token
+    ],
+)
+def test_fp8_at_a_few_tokens_gives_each_tokens_matvec(kind, rows, cols, scale_kind, monkeypatch):
+    """FP8 products of 2 to a dozen tokens, alone and as a pair, equal the one-token matvec per
+    token bit for bit, whichever kernel takes them; a NaN scale poisons only its block's rows;
+    `_fp8_mvt` takes exactly the counts `_fp8_few` names (the tile kernel is not reached)."""
     rng = np.random.default_rng(rows * 7 + cols)
-    w1, w3 = weight("fp8", rows, cols, rng, scale_kind), weight("fp8", rows, cols, rng, scale_kind)
+    w1, w3 = weight(kind, rows, cols, rng, scale_kind), weight(kind, rows, cols, rng, scale_kind)
+    w1.scale[1, 0] = np.nan if scale_kind == "f32" else 0xFF
+    br = w1.block[0]
     monkeypatch.setattr(fast, "PARALLEL_MIN_BYTES", 0)
-    for t in range(2, fast.FP8_PER_TOKEN + 1):
+    calls = []
+    for name in ("_fp8_mvt", "_fp8_mvt2"):
+        kernel = getattr(fast, name)
+        monkeypatch.setattr(fast, name, lambda *a, k=kernel, n=name: (calls.append(n), k(*a)))
+    whole = cols % 32 == 0
+    most = fast.FP8_FEW_V41 if fast._v41_fp8(w1) else fast.FP8_FEW
+    for t in range(2, fast.FP8_FEW + 3):
         x = rng.standard_normal((t, cols)).astype(np.float32)
-        xs = fast._aligned_zeros((t - t % -fast.TOKS, cols))
-        xs[:t] = x
-        tiled = np.empty((t, rows), np.float32)
-        fast._fp8_mm(fast._u8(w1.data), fast._scale(w1), *w1.block, xs, tiled, *fast._scratch())
         per = [np.stack([fast.matvec(w, x[k]) for k in range(t)]) for w in (w1, w3)]
-        assert tiled.tobytes() == per[0].tobytes()
-        monkeypatch.setattr(fast, "_fp8_mm", None)  # must not be reached
-        assert fast.matmul(w1, x).tobytes() == per[0].tobytes()
+        calls.clear()
+        got = fast.matmul(w1, x)
         y1, y3 = fast.matmul_pair(w1, w3, x)
-        assert y1.tobytes() == per[0].tobytes() and y3.tobytes() == per[1].tobytes()
-        monkeypatch.undo()
-        monkeypatch.setattr(fast, "PARALLEL_MIN_BYTES", 0)
+        assert got.tobytes() == per[0].tobytes(), t
+        assert y1.tobytes() == per[0].tobytes() and y3.tobytes() == per[1].tobytes(), t
+        assert calls == (["_fp8_mvt", "_fp8_mvt2"] if whole and t <= most else []), t
+        bad = np.isnan(got).any(axis=0)
+        assert bad[br : 2 * br].all() and not bad[:br].any() and not bad[2 * br :].any()
+        assert rel_error(y3, reference(x, w3)) <= TOL
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")

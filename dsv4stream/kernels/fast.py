@@ -68,14 +68,21 @@ MV_LANES = MV_ROWS * LANES
 ROW_TILE = 4  # rows decoded together by matmul
 FEW_TOKENS = 3  # FP4 products of 2..FEW_TOKENS tokens decode each byte once for all (`_fp4_mvt`)
 FEW_LANES = FEW_TOKENS * FP4_LANES
-# V4's FP8 (128x128 blocks) at up to this many tokens runs the one-token matvec (or fused pair)
-# once per token, the same bits: the tile kernel decodes each weight into a float32 tile first,
-# a fixed cost of several matvecs (M4, 1 thread, CPU time, tile against per token: wq_b
-# 32768x1024 at 2 / 4 / 7 tokens 24.6 / 25.1 / 26.0 ms against 7.3 / 15.5 / 26.5; wo_b 4096x8192
-# 26.5 / 24.1 / 27.0 against 10.2 / 19.9 / 35.0; the shared expert's w1 6.5 / 7.3 / 6.3 against
-# 2.1 / 4.0 / 5.6). V4.1's 32x32 kernels are left out: there per token measured slower (wo_b at
-# 2 tokens 12.6 against 8.2 ms).
+# V4's FP8 at up to this many tokens, where `_fp8_mvt` does not take it (a weight below the
+# parallel floor, or blocks not a multiple of 32 wide), runs the one-token matvec once per token,
+# the same bits: the tile kernel decodes each weight into a float32 tile first, a fixed cost of
+# several matvecs (M4, 1 thread, CPU time, tile against per token, before the tile's vector
+# decode: wq_b 32768x1024 at 2 / 4 / 7 tokens 24.6 / 25.1 / 26.0 ms against 7.3 / 15.5 / 26.5).
 FP8_PER_TOKEN = 4
+# FP8 products of 2..FP8_FEW tokens (blocks a multiple of 32 wide) decode each 32-column group once
+# for all tokens (`_fp8_mvt`), the same bits. M4 (Zen 4), 1 thread, CPU time, V4 128x128 blocks,
+# `_fp8_mvt` against the tile kernel: wq_b 32768x1024 at 2 / 4 / 7 / 10 / 12 tokens 5.6 / 9.4 /
+# 15.0 / 19.7 / 26.4 ms against 9.7 / 14.2 / 18.7 / 23.5 / 22.9; wo_b 4096x8192 6.9 / 9.5 / 13.2 /
+# 19.1 / 27.8 against 8.8 / 13.1 / 17.3 / 21.8 / 22.1. Past ~10 tokens the tokens' lanes and x
+# rows leave L1. V4.1's tile kernel (32x32 blocks) was already as fast from 4 tokens on.
+FP8_FEW = 10
+FP8_FEW_V41 = 3
+FP8_FEW_LANES = FP8_FEW * LANES
 # Tokens per register block: 4 rows x 3 tokens x 32 lanes are 24 AVX-512 accumulators, and each
 # vector load of a weight feeds 3 FMAs instead of 2 (Zen 4, one thread: FP8 64-token matmul
 # 71 -> 76 GFLOP/s). A token's result does not depend on its place in the block.
@@ -415,6 +422,21 @@ def _splat16(builder, v, vty):
     return builder.shuffle_vector(one, one, ir.Constant(_V16I, [0] * 16))
 
 
+def _fp4_decoded(builder, raw, sr, table: bool = True):
+    """16 packed bytes -> (low nibbles, high nibbles) as <16 x float> times sr (see above)."""
+    rel = _splat16(builder, sr, _V16F)
+    if table and FP4_BY_TABLE:  # never emitted where the instruction does not exist
+        idx = builder.zext(raw, _V16I)
+        scaled = builder.fmul(ir.Constant(_V16F, FP4_TABLE), rel)
+        perm = builder.module.declare_intrinsic("llvm.x86.avx512.permvar.sf.512", (), ir.FunctionType(_V16F, [_V16F, _V16I]))
+        lo = builder.call(perm, [scaled, builder.and_(idx, ir.Constant(_V16I, [15] * 16))])
+        hi = builder.call(perm, [scaled, builder.lshr(idx, ir.Constant(_V16I, [4] * 16))])
+    else:
+        lo = builder.fmul(_decode_via_half(builder, raw, 9, 12, 0x0E00, 16), rel)
+        hi = builder.fmul(_decode_via_half(builder, raw, 5, 8, 0x0E00, 16), rel)
+    return lo, hi
+
+
 def _fp4_block_intrinsic(table: bool, tokens: int = 1):
     """The block op for one token (xe, xo: (C/2,)) or, decoded once, for `tokens` tokens (xe, xo:
     (tokens, C/2); token k's lanes at acc[a + 32 k :], each its own FMA chain as for one token)."""
@@ -433,18 +455,7 @@ def _fp4_block_intrinsic(table: bool, tokens: int = 1):
             i = builder.mul(context.cast(builder, b_, tb, types.intp), ir.Constant(_I64, 16))
             at_i = (i, types.intp)
             raw = builder.load(_item_ptr(context, builder, tw, w_, [(r_, tr), at_i], ir.VectorType(_I8, 16)), align=1)
-            rel = _splat16(builder, sr_, _V16F)
-            if table and FP4_BY_TABLE:  # never emitted where the instruction does not exist
-                idx = builder.zext(raw, _V16I)
-                scaled = builder.fmul(ir.Constant(_V16F, FP4_TABLE), rel)
-                perm = builder.module.declare_intrinsic(
-                    "llvm.x86.avx512.permvar.sf.512", (), ir.FunctionType(_V16F, [_V16F, _V16I])
-                )
-                lo = builder.call(perm, [scaled, builder.and_(idx, ir.Constant(_V16I, [15] * 16))])
-                hi = builder.call(perm, [scaled, builder.lshr(idx, ir.Constant(_V16I, [4] * 16))])
-            else:
-                lo = builder.fmul(_decode_via_half(builder, raw, 9, 12, 0x0E00, 16), rel)
-                hi = builder.fmul(_decode_via_half(builder, raw, 5, 8, 0x0E00, 16), rel)
+            lo, hi = _fp4_decoded(builder, raw, sr_, table)
             fma = builder.module.declare_intrinsic("llvm.fma.v16f32", (), ir.FunctionType(_V16F, [_V16F] * 3))
             a0 = context.cast(builder, a_, ta, types.intp)
             for k in range(tokens):
@@ -1120,6 +1131,83 @@ def _fp8_mm32(w, s, br, xs, out, accs, tiles, rels):
                 _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
 
 
+# ---- FP8 at a few tokens: each 32-column group decoded once, in registers, for every token --------
+#
+# Where column blocks are a multiple of 32 wide (V4's 128, V4.1's 32), a 32-column group lies in
+# one scale block and column j feeds lane j mod 32 in `_fp8_row` and `_fp8_row32` alike. So a
+# group decoded once (`_fp8_dec32`) and multiplied into each token's own 32 lanes gives every
+# token its matvec's bits, and costs one decode plus one FMA per token per weight: the tile
+# kernel writes a float32 tile first (a fixed ~20 ms for wq_b at any small count), and a matvec
+# per token decodes the weight once per token.
+
+
+@intrinsic
+def _fp8_fma32_tokens(typingctx, w, r, j, xs, t, sr, acc):
+    """acc[32 u : 32 u + 32] = fma(e4m3(w[r, j : j+32]) * sr, xs[u, j : j+32], acc[32 u :]) for u < t:
+    the group decoded once, kept in registers for every token."""
+    if not all(isinstance(a, types.Array) and a.layout == "C" for a in (w, xs, acc)) or sr != types.float32:
+        return None
+    sig = types.void(w, r, j, xs, t, sr, acc)
+
+    def codegen(context, builder, sig, args):
+        w_, r_, j_, xs_, t_, sr_, acc_ = args
+        tw, tr, tj, txs, tt, _, tacc = sig.args
+        d = _decoded32(context, builder, tw, w_, r_, tr, j_, tj, sr_)
+        fma = builder.module.declare_intrinsic("llvm.fma.v32f32", (), ir.FunctionType(_V32F, [_V32F] * 3))
+        n = context.cast(builder, t_, tt, types.intp)
+        with cgutils.for_range(builder, n) as loop:
+            u = loop.index
+            xv = builder.load(_item_ptr(context, builder, txs, xs_, [(u, types.intp), (j_, tj)], _V32F), align=4)
+            a = builder.mul(u, ir.Constant(_I64, LANES))
+            acc_ptr = _item_ptr(context, builder, tacc, acc_, [(a, types.intp)], _V32F)
+            builder.store(builder.call(fma, [d, xv, builder.load(acc_ptr, align=4)]), acc_ptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(**_INLINE)
+def _fp8_row_tokens32(w, r, xs, t, bc, rel, fac, acc, out):
+    """Row r of E4M3 (block width bc a multiple of 32, columns too) times the first t tokens of xs
+    (T, C) into out[:t, r]; token u's lanes at acc[32 u :]."""
+    for k in range(t * LANES):
+        acc[k] = 0
+    cols = w.shape[1]
+    for b in range(-(-cols // bc)):
+        sr = rel[b]
+        for j in range(b * bc, min(cols, b * bc + bc), 32):
+            _fp8_fma32_tokens(w, r, j, xs, t, sr, acc)
+    for u in range(t):
+        out[u, r] = _finish(_lane_sum(acc, u * LANES), fac)
+
+
+@njit(parallel=True, **_JIT)
+def _fp8_mvt(w, s, br, bc, xs, out):
+    """out (T, R) for 2 <= T <= FP8_FEW tokens of xs (T, C): row blocks of one scale row per task."""
+    t = xs.shape[0]
+    for g in prange(s.shape[0]):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        acc = carray(_stack_f32(FP8_FEW_LANES), (FP8_FEW_LANES,))
+        fac = _row_rel(s[g], 8, rel)
+        for r in range(g * br, min(w.shape[0], g * br + br)):
+            _fp8_row_tokens32(w, r, xs, t, bc, rel, fac, acc, out)
+
+
+@njit(parallel=True, **_JIT)
+def _fp8_mvt2(w1, s1, w3, s3, br, bc, xs, out1, out3):
+    """`_fp8_mvt` of two weights of one shape (a shared expert's w1 and w3): one parallel region."""
+    t = xs.shape[0]
+    for g in prange(s1.shape[0]):
+        rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
+        acc = carray(_stack_f32(FP8_FEW_LANES), (FP8_FEW_LANES,))
+        fac = _row_rel(s1[g], 8, rel)
+        for r in range(g * br, min(w1.shape[0], g * br + br)):
+            _fp8_row_tokens32(w1, r, xs, t, bc, rel, fac, acc, out1)
+        fac = _row_rel(s3[g], 8, rel)
+        for r in range(g * br, min(w3.shape[0], g * br + br)):
+            _fp8_row_tokens32(w3, r, xs, t, bc, rel, fac, acc, out3)
+
+
 # ---- public API ----------------------------------------------------------------------------------
 
 
@@ -1249,6 +1337,14 @@ def _v41_fp8(w) -> bool:
     return w.kind == "fp8" and w.block[1] == 32 and w.scale.dtype.itemsize == 1
 
 
+def _fp8_few(w, t: int) -> bool:
+    """Whether `_fp8_mvt` takes t tokens times w: FP8 whose 32-column groups each lie in one scale
+    block, 2..FP8_FEW tokens (V4.1: FP8_FEW_V41), and bytes enough for a parallel region."""
+    if w.kind != "fp8" or w.block[1] % 32 or w.cols % 32 or not _parallel(w):
+        return False
+    return 2 <= t <= (FP8_FEW_V41 if _v41_fp8(w) else FP8_FEW)
+
+
 def _parallel(w) -> bool:
     """Whether a matvec with w gets a parallel region: only when it has the bytes to pay for one."""
     return _threads[0] != 1 and numba.get_num_threads() > 1 and w.nbytes >= PARALLEL_MIN_BYTES
@@ -1307,6 +1403,9 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
         return out
     if t == 0:
         return out
+    if _fp8_few(w, t):
+        _fp8_mvt(_u8(w.data), _scale(w), *w.block, _aligned_copy(x), out)
+        return out
     if w.kind == "fp8" and t <= FP8_PER_TOKEN and not _v41_fp8(w):
         for i in range(t):
             _matvec_rows(w, x[i], out[i])
@@ -1359,29 +1458,26 @@ def _blas_matmul(w, x: np.ndarray, out: np.ndarray) -> None:
 
 def matmul_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(X @ W1.T, X @ W3.T) for two weights of one kind and shape; at one token (FP4: up to
-    FEW_TOKENS) one parallel pass; V4's FP8 at up to FP8_PER_TOKEN tokens one pass per token."""
+    FEW_TOKENS, FP8: as `_fp8_few` says) one parallel pass."""
     x = _tokens(x)
     same = w1.kind == w3.kind and w1.rows == w3.rows and w1.cols == w3.cols and w1.kind in ("fp4", "fp8")
     same = same and (w1.kind != "fp8" or w1.block == w3.block)
     t = x.shape[0]
     few = w1.kind == "fp4" and 1 < t <= FEW_TOKENS
-    per_token = w1.kind == "fp8" and 1 < t <= FP8_PER_TOKEN and not (_v41_fp8(w1) or _v41_fp8(w3))
-    if (t != 1 and not few and not per_token) or not same or not _parallel(w1):
+    few8 = same and _fp8_few(w1, t) and _v41_fp8(w1) == _v41_fp8(w3)
+    if (t != 1 and not few and not few8) or not same or not _parallel(w1):
         return matmul(w1, x), matmul(w3, x)
     _check(w1, x.shape[1])
     _check(w3, x.shape[1])
     _apply_threads()
-    if few:
-        xe, xo = _halves(x, t)
+    if few or few8:
         y1 = np.empty((t, w1.rows), np.float32)
         y3 = np.empty((t, w3.rows), np.float32)
-        _fp4_mvt2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe, xo, y1, y3)
-        return y1, y3
-    if per_token:
-        y1 = np.empty((t, w1.rows), np.float32)
-        y3 = np.empty((t, w3.rows), np.float32)
-        for i in range(t):
-            _fp8_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), *w1.block, x[i], y1[i], y3[i])
+        if few:
+            xe, xo = _halves(x, t)
+            _fp4_mvt2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe, xo, y1, y3)
+        else:
+            _fp8_mvt2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), *w1.block, _aligned_copy(x), y1, y3)
         return y1, y3
     y1 = np.empty((1, w1.rows), np.float32)
     y3 = np.empty((1, w3.rows), np.float32)

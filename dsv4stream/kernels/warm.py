@@ -24,8 +24,8 @@ import numpy as np
 
 # form -> (numba function, how the dispatch reaches it) for the fast backend's products. How:
 # "par" / "serial" a matvec above / below the parallel floor, "wide" the FP8 matvec of wide rows,
-# "pair" two weights times one token, "few" / "fewpair" one or two FP4 weights times 2-3 tokens,
-# "mm" a few tokens in tiles.
+# "pair" two weights times one token, "few" / "fewpair" one or two weights times 2 tokens (FP4's
+# `_fp4_mvt`, FP8's `_fp8_mvt`: each weight decoded once for a few tokens), "mm" tokens in tiles.
 _FP4 = (
     ("_fp4_mv", "par"),
     ("_fp4_mv_serial", "serial"),
@@ -42,6 +42,8 @@ _PRODUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("_fp8_mv_serial", "serial"),
         ("_fp8_mv_wide", "wide"),
         ("_fp8_mv2", "pair"),
+        ("_fp8_mvt", "few"),
+        ("_fp8_mvt2", "fewpair"),
         ("_fp8_mm", "mm"),
     ),
     "fp8/f32": (
@@ -49,10 +51,19 @@ _PRODUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("_fp8_mv_serial", "serial"),
         ("_fp8_mv_wide", "wide"),
         ("_fp8_mv2", "pair"),
+        ("_fp8_mvt", "few"),
+        ("_fp8_mvt2", "fewpair"),
         ("_fp8_mm", "mm"),
     ),
     # V4.1: 32-column blocks with E8M0 scales have their own kernels (`fast._v41_fp8`)
-    "fp8-32/e8m0": (("_fp8_mv32", "par"), ("_fp8_mv32_serial", "serial"), ("_fp8_mv2_32", "pair"), ("_fp8_mm32", "mm")),
+    "fp8-32/e8m0": (
+        ("_fp8_mv32", "par"),
+        ("_fp8_mv32_serial", "serial"),
+        ("_fp8_mv2_32", "pair"),
+        ("_fp8_mvt", "few"),
+        ("_fp8_mvt2", "fewpair"),
+        ("_fp8_mm32", "mm"),
+    ),
     "bf16": (("_plain_mv", "par"), ("_plain_mv_serial", "serial"), ("_plain_mm", "mm")),
     "f32": (("_plain_mv", "par"), ("_plain_mv_serial", "serial"), ("_plain_mm", "mm")),
 }
@@ -84,15 +95,21 @@ COST: dict[str, float] = {
     "_fp8_mv_serial:fp8/e8m0": 0.49,
     "_fp8_mv_wide:fp8/e8m0": 2.11,
     "_fp8_mv2:fp8/e8m0": 2.44,
+    "_fp8_mvt:fp8/e8m0": 1.22,  # 02:31, load 0.8
+    "_fp8_mvt2:fp8/e8m0": 2.08,
     "_fp8_mm:fp8/e8m0": 5.65,
     "_fp8_mv:fp8/f32": 1.63,
     "_fp8_mv_serial:fp8/f32": 0.45,
     "_fp8_mv_wide:fp8/f32": 2.21,
     "_fp8_mv2:fp8/f32": 2.37,
+    "_fp8_mvt:fp8/f32": 1.03,
+    "_fp8_mvt2:fp8/f32": 2.34,
     "_fp8_mm:fp8/f32": 5.98,
     "_fp8_mv32:fp8-32/e8m0": 1.37,
     "_fp8_mv32_serial:fp8-32/e8m0": 0.47,
     "_fp8_mv2_32:fp8-32/e8m0": 2.49,
+    "_fp8_mvt:fp8-32/e8m0": 1.22,  # the same signatures as fp8/e8m0 (compiled once for both)
+    "_fp8_mvt2:fp8-32/e8m0": 2.08,
     "_fp8_mm32:fp8-32/e8m0": 5.32,
     "_plain_mv:bf16": 0.75,
     "_plain_mv_serial:bf16": 0.37,
@@ -156,8 +173,8 @@ def _sample(form: str):
         w = QWeight("f32", np.zeros((4, 32), np.float32), None, 4, 32)
     from . import fast
 
-    # "mm" must reach the tile kernels: past FP4's few-token kernels and FP8's per-token matvecs
-    tokens = 1 + max(fast.FEW_TOKENS, fast.FP8_PER_TOKEN)
+    # "mm" must reach the tile kernels: past FP4's and FP8's few-token kernels
+    tokens = 1 + max(fast.FEW_TOKENS, fast.FP8_PER_TOKEN, fast.FP8_FEW)
     return w, rng.standard_normal((tokens, 32)).astype(np.float32)
 
 
