@@ -10,10 +10,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numba
 import pytest
 from click.testing import CliRunner
 from store_files import o_direct_refusal
 
+from dsv4stream import kernels
 from dsv4stream.checkpoint import synth
 from dsv4stream.cli.run import run as run_cmd
 from dsv4stream.engine.session import Engine
@@ -176,7 +178,7 @@ STATS_JSON_KEYS = (
     "warnings", "kernel_warmup_seconds", "prefill_segment", "prefill_stopped", "decode_profile", "load_seconds",
     "decode_tokens_per_second", "stop_reasons", "stop_reason", "stopped_in_think", "unused", "engram_cache_rows",
     "engram_requests", "engram_hits", "engram_misses", "engram_hit_rate", "engram_rows_read", "engram_bytes_read",
-    "engram_wait_seconds", "decode_expert_bytes_per_token", "decode_engram_bytes_per_token",
+    "engram_wait_seconds", "decode_expert_bytes_per_token", "decode_engram_bytes_per_token", "decode_threads",
 )  # fmt: skip
 
 
@@ -214,3 +216,34 @@ def test_a_reply_continued_from_logits_counts_only_its_own_reads(ckpt) -> None:
         after = rt.store.stats().bytes_read
     assert len(got) == 5 and s.turn.decode_steps == 4 and s.turn.prompt_tokens is None
     assert before > 0 and s.turn.decode_expert_bytes == after - before
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
+def test_a_run_without_threads_gets_a_governor_and_the_same_ids(ckpt, monkeypatch):
+    """Runtime without --threads: the governor picks each step's count (forced to alternate
+    here); the ids equal a --threads 1 run's and a --threads 2 run's, the counts are reported,
+    and the count is back at the most threads after the generation."""
+    from dsv4stream.run.runinfo import RunOptions
+    from dsv4stream.run.runtime import Runtime
+
+    budget = int(float(gb(ckpt, 3)) * 1e9)
+    ids = {}
+    for n in (1, 2):
+        with Runtime.open(ckpt, RunOptions(budget=budget, threads=n)) as rt:
+            assert rt.engine.governor is None
+            ids[n] = list(rt.generate(rt.session(), [4, 5, 6], 12))
+            assert rt.stats().decode_threads == {}
+    kernels.set_threads(2)
+    with Runtime.open(ckpt, RunOptions(budget=budget)) as rt:
+        gov = rt.engine.governor
+        assert gov is not None and gov.most == 2
+        monkeypatch.setattr(gov, "next_threads", lambda: 1 + gov._step % 2)
+        seen = []
+        real = kernels.set_threads
+        monkeypatch.setattr(kernels, "set_threads", lambda n: (seen.append(n), real(n)))
+        got = list(rt.generate(rt.session(), [4, 5, 6], 12))
+        s = rt.stats()
+    assert got == ids[1] == ids[2]
+    assert set(seen) == {1, 2} and seen[-1] == 2 and kernels.get_threads() == 2
+    assert sum(s.decode_threads.values()) == 11 and set(s.decode_threads) == {"1", "2"}
+    assert any(line.startswith("decode threads") for line in s.lines())

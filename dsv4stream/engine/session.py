@@ -39,6 +39,7 @@ from ..weights.providers import CatalogEngramRows, CatalogExperts, CatalogTrunk,
 from .phases import Meter, PhaseLog, PrefillStep, StepClock, Turn, no_reads
 from .state import SessionState, capture, thaw
 from .steps import Pass, PassContext, Stack
+from .threads import ThreadGovernor
 from .v4 import V4Stack
 from .v41 import EngramIds, V41Options, V41Stack, checkpoint_engram_ids
 
@@ -93,6 +94,8 @@ class Engine:
         self.catalog = catalog
         self.meter = meter
         self.phases = PhaseLog()
+        # picks decode steps' kernel threads when the user did not fix them (`engine/threads.py`)
+        self.governor: ThreadGovernor | None = None
         if cfg.family == V41:
             if cfg.engram is not None and catalog is not None:
                 engram_rows = engram_rows or CatalogEngramRows(catalog)
@@ -309,6 +312,7 @@ class Session:
         turn = self.turn = Turn()
         self.engine.phases.turns.append(turn)
         meter, clock = self.engine.meter, StepClock(self.engine.meter)
+        gov, threads = self.engine.governor, 0
         self.stop_reason = "interrupted"
         mark = meter() if logits is not None else None
         try:
@@ -320,7 +324,10 @@ class Session:
                 return
             for n in range(max_new_tokens):
                 if n:
-                    turn.add_step(*clock.end())  # the step that fed the previous token
+                    wall, spent = clock.end()  # the step that fed the previous token
+                    turn.add_step(wall, spent)
+                    if gov is not None:  # its compute: threads do not change the waits on reads
+                        gov.record(threads, wall - spent["expert_reads"] - spent["trunk_reads"])
                 t_pick = time.perf_counter()
                 tok = pick(logits)
                 if n:
@@ -337,9 +344,14 @@ class Session:
                     return
                 self.read_ahead([tok])
                 yield tok
+                if gov is not None and gov.next_threads() != threads:
+                    threads = gov.next_threads()
+                    kernels.set_threads(threads)
                 clock.begin()
                 logits = self.step(tok)
         finally:
+            if gov is not None and threads not in (0, gov.most):
+                kernels.set_threads(gov.most)  # prefills keep every thread
             turn.stop_reason = self.stop_reason
             turn.seconds = time.perf_counter() - t0
             if mark is not None:

@@ -85,6 +85,12 @@ def set_threads(n: int) -> None:
         backend.set_threads(n)
 
 
+def get_threads() -> int:
+    """Thread count the CPU kernels run with now (1 for the reference)."""
+    backend = _active()
+    return backend.get_threads() if hasattr(backend, "get_threads") else 1
+
+
 def warmup(forms: Iterable[str] | None = None) -> float:
     """Compile (or load from the numba cache) the kernels of `forms` (`warm.FORMS`; None: every
     form); returns the seconds it took.

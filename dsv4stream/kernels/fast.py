@@ -428,7 +428,9 @@ def _fp4_decoded(builder, raw, sr, table: bool = True):
     if table and FP4_BY_TABLE:  # never emitted where the instruction does not exist
         idx = builder.zext(raw, _V16I)
         scaled = builder.fmul(ir.Constant(_V16F, FP4_TABLE), rel)
-        perm = builder.module.declare_intrinsic("llvm.x86.avx512.permvar.sf.512", (), ir.FunctionType(_V16F, [_V16F, _V16I]))
+        perm = builder.module.declare_intrinsic(
+            "llvm.x86.avx512.permvar.sf.512", (), ir.FunctionType(_V16F, [_V16F, _V16I])
+        )
         lo = builder.call(perm, [scaled, builder.and_(idx, ir.Constant(_V16I, [15] * 16))])
         hi = builder.call(perm, [scaled, builder.lshr(idx, ir.Constant(_V16I, [4] * 16))])
     else:

@@ -79,6 +79,9 @@ class RunStats:
     prefill_lent_slots: int = 0
     load_seconds: float = 0.0  # Runtime.open: catalog, plan, kernels, pinned trunk; before any prefill
     unused: str = ""  # what the checkpoint holds that is not run (the mtp.* blocks)
+    # decode steps per kernel thread count ({"2": 118, "1": 6}) when the run chose them
+    # (`engine/threads.py`); empty with --threads
+    decode_threads: dict[str, int] = field(default_factory=dict)
 
     # the routed experts (`StoreStats`)
     expert_requests = _Figure("store", "requests")
@@ -168,6 +171,7 @@ class RunStats:
                 f" (kernels: {self.kernel_backend}, ready in {self.kernel_warmup_seconds:.2f} s)"
             ),
             *self._profile_lines(),
+            *self._thread_lines(),
             f"memory: peak RSS {self.peak_rss_bytes / gb:.3f} GB of --budget {self.budget_bytes / gb:.3f} GB"
             + (
                 f"; verified {self.verified_reads} expert reads, {self.verify_mismatches} mismatches"
@@ -187,6 +191,13 @@ class RunStats:
                 f" {self.engram_wait_seconds:.2f} s waiting on reads; cache {self.engram_cache_rows} rows"
             )
         ]
+
+    def _thread_lines(self) -> list[str]:
+        counts = self.decode_threads
+        if len(counts) < 2:  # one count throughout: nothing was chosen
+            return []
+        parts = ", ".join(f"{n} steps at {c}" for c, n in counts.items())
+        return [f"decode threads (timed, chosen per step): {parts}"]
 
     def _profile_lines(self) -> list[str]:
         p = self.decode_profile
@@ -209,7 +220,7 @@ FLAT = (
     "warnings", "kernel_warmup_seconds", "prefill_segment", "prefill_stopped", "decode_profile", "load_seconds",
     "decode_tokens_per_second", "stop_reasons", "stop_reason", "stopped_in_think", "unused", "engram_cache_rows",
     "engram_requests", "engram_hits", "engram_misses", "engram_hit_rate", "engram_rows_read", "engram_bytes_read",
-    "engram_wait_seconds", "decode_expert_bytes_per_token", "decode_engram_bytes_per_token",
+    "engram_wait_seconds", "decode_expert_bytes_per_token", "decode_engram_bytes_per_token", "decode_threads",
 )  # fmt: skip
 
 

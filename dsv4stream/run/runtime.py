@@ -24,6 +24,7 @@ from .. import kernels
 from ..checkpoint.catalog import Catalog
 from ..engine.phases import Counters
 from ..engine.session import Engine, LayerHook, Session
+from ..engine.threads import ThreadGovernor
 from ..errors import UsageError
 from ..store import ExpertStore
 from ..streaming.engram import DiskEngramRows
@@ -153,6 +154,8 @@ class Runtime:
             trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
             meter = partial(run_counters, store, trunk, engram)
             engine = Engine(cfg, trunk, StreamedExperts(store, cfg), cat, engram_rows=engram, meter=meter)
+            if opts.threads is None and kernels.backend_name() == "fast" and kernels.get_threads() > 1:
+                engine.governor = ThreadGovernor(kernels.get_threads())
             store.wait_populated()
         except BaseException:
             if trunk is not None:
@@ -263,6 +266,7 @@ class Runtime:
             prefill_segment=self.plan.prefill_segment,
             prefill_lent_slots=self.most_lent,
             load_seconds=self.load_seconds,
+            decode_threads=self.engine.governor.summary() if self.engine.governor is not None else {},
             unused=self.plan.needs.unused or "",
         )
 
