@@ -42,7 +42,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     most = len(os.sched_getaffinity(0))
-    modes = [("threads=%d" % most, most), ("chosen", None), ("threads=1", 1)]
+    modes = [(f"threads={most}", most), ("chosen", None), ("threads=1", 1)]
     print(f"# {machine()}", flush=True)
     ids = set()
     with tempfile.TemporaryDirectory() as tmp:
