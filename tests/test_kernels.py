@@ -317,9 +317,9 @@ def test_fp4_few_token_kernels_have_each_tokens_matvec_bits(rows, cols, scale_ki
 @pytest.mark.parametrize(
     "kind,rows,cols,scale_kind",
     [
-        ("fp8", 256, 256, "e8m0"),  # V4's blocks: `_fp8_mvt` up to FP8_FEW tokens
+        ("fp8", 256, 256, "e8m0"),  # V4's blocks
         ("fp8", 300, 4000, "f32"),  # 4000 columns: a ragged last block, still whole 32-column groups
-        ("fp8/32", 96, 320, "e8m0"),  # V4.1's blocks: `_fp8_mvt` up to FP8_FEW_V41 tokens
+        ("fp8/32", 96, 320, "e8m0"),  # V4.1's blocks
         ("fp8", 130, 1000, "e8m0"),  # 1000 columns: not whole groups, one matvec per token
     ],
 )
@@ -337,8 +337,8 @@ def test_fp8_at_a_few_tokens_gives_each_tokens_matvec(kind, rows, cols, scale_ki
         kernel = getattr(fast, name)
         monkeypatch.setattr(fast, name, lambda *a, k=kernel, n=name: (calls.append(n), k(*a)))
     whole = cols % 32 == 0
-    most = fast.FP8_FEW_V41 if fast._v41_fp8(w1) else fast.FP8_FEW
-    for t in range(2, fast.FP8_FEW + 3):
+    most = fast.FP8_FEW
+    for t in (2, 3, 4, 5, 7, 10, 13):
         x = rng.standard_normal((t, cols)).astype(np.float32)
         per = [np.stack([fast.matvec(w, x[k]) for k in range(t)]) for w in (w1, w3)]
         calls.clear()

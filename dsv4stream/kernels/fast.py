@@ -76,12 +76,11 @@ FEW_LANES = FEW_TOKENS * FP4_LANES
 FP8_PER_TOKEN = 4
 # FP8 products of 2..FP8_FEW tokens (blocks a multiple of 32 wide) decode each 32-column group once
 # for all tokens (`_fp8_mvt`), the same bits. M4 (Zen 4), 1 thread, CPU time, V4 128x128 blocks,
-# `_fp8_mvt` against the tile kernel: wq_b 32768x1024 at 2 / 4 / 7 / 10 / 12 tokens 5.6 / 9.4 /
-# 15.0 / 19.7 / 26.4 ms against 9.7 / 14.2 / 18.7 / 23.5 / 22.9; wo_b 4096x8192 6.9 / 9.5 / 13.2 /
-# 19.1 / 27.8 against 8.8 / 13.1 / 17.3 / 21.8 / 22.1. Past ~10 tokens the tokens' lanes and x
-# rows leave L1. V4.1's tile kernel (32x32 blocks) was already as fast from 4 tokens on.
-FP8_FEW = 10
-FP8_FEW_V41 = 3
+# `_fp8_mvt` against the tile kernel (with its vector decode, `_fp8_decode_wide`): wq_b 32768x1024
+# at 2 / 4 / 7 tokens 5.4 / 10.2 / 14.4 ms against 7.7 / 9.8 / 11.9; wo_b 4096x8192 6.7 / 9.4 /
+# 13.0 against 6.4 / 8.3 / 10.4; V4.1's 32x32 blocks alike. From 4 tokens the tile's decode is
+# shared by enough tokens.
+FP8_FEW = 3
 FP8_FEW_LANES = FP8_FEW * LANES
 # Tokens per register block: 4 rows x 3 tokens x 32 lanes are 24 AVX-512 accumulators, and each
 # vector load of a weight feeds 3 FMAs instead of 2 (Zen 4, one thread: FP8 64-token matmul
@@ -947,7 +946,10 @@ def _fp8_mm(w, s, br, bc, xs, out, accs, tiles, rels):
                 c0 = ci * CHUNK
                 cw = min(CHUNK, cols - c0)
                 for q in range(nr):
-                    _fp8_decode(w, r0 + q, rel[q * MAX_BLOCKS :], bc, c0, cw, tile, q)
+                    if bc % 32 == 0 and cw % 32 == 0:
+                        _fp8_decode_wide(w, r0 + q, rel[q * MAX_BLOCKS :], bc, c0, cw, tile, q)
+                    else:
+                        _fp8_decode(w, r0 + q, rel[q * MAX_BLOCKS :], bc, c0, cw, tile, q)
                 _prefetch_next_chunk(w, r0, nr, ci, nc, CHUNK)
                 _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
 
@@ -1105,6 +1107,19 @@ def _fp8_decode32(w, r, rel, c0, cw, tile, q):
         _fp8_dec32(w, r, c0 + cb * 32, rel[c0 // 32 + cb], tile, q * CHUNK + cb * 32)
     for k in range(cw - nb * 32):
         tile[q * CHUNK + nb * 32 + k] = _e4m3(w[r, c0 + nb * 32 + k]) * rel[c0 // 32 + nb]
+
+
+@njit(**_INLINE)
+def _fp8_decode_wide(w, r, rel, bc, c0, cw, tile, q):
+    """`_fp8_decode` for blocks a multiple of 32 wide (V4's 128): 32 columns per vector op, as
+    `_fp8_decode32` (the scalar loop over a block of run-time width was not vectorised)."""
+    j, end = c0, c0 + cw
+    while j < end:  # a block at a time: a division per 32 columns cost more than their decode
+        sr = rel[j // bc]
+        stop = min(end, (j // bc + 1) * bc)
+        while j < stop:
+            _fp8_dec32(w, r, j, sr, tile, q * CHUNK + j - c0)
+            j += 32
 
 
 @njit(parallel=True, **_JIT)
@@ -1341,10 +1356,10 @@ def _v41_fp8(w) -> bool:
 
 def _fp8_few(w, t: int) -> bool:
     """Whether `_fp8_mvt` takes t tokens times w: FP8 whose 32-column groups each lie in one scale
-    block, 2..FP8_FEW tokens (V4.1: FP8_FEW_V41), and bytes enough for a parallel region."""
+    block, 2..FP8_FEW tokens, and bytes enough for a parallel region."""
     if w.kind != "fp8" or w.block[1] % 32 or w.cols % 32 or not _parallel(w):
         return False
-    return 2 <= t <= (FP8_FEW_V41 if _v41_fp8(w) else FP8_FEW)
+    return 2 <= t <= FP8_FEW
 
 
 def _parallel(w) -> bool:
