@@ -344,9 +344,11 @@ class Session:
                     return
                 self.read_ahead([tok])
                 yield tok
-                if gov is not None and gov.next_threads() != threads:
-                    threads = gov.next_threads()
-                    kernels.set_threads(threads)
+                if gov is not None:
+                    want = gov.next_threads()  # may start a try: ask once per step
+                    if want != threads:
+                        threads = want
+                        kernels.set_threads(threads)
                 clock.begin()
                 logits = self.step(tok)
         finally:

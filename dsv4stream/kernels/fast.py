@@ -1014,6 +1014,13 @@ def _decoded32(context, builder, tw, w_, r_, tr, j_, tj, sr_):
     return builder.fmul(_e4m3_v32(builder, raw), _splat32(builder, sr_))
 
 
+def _fma32_into(builder, d, x_ptr, acc_ptr):
+    """*acc_ptr = fma(d, *x_ptr, *acc_ptr) on <32 x float>."""
+    fma = builder.module.declare_intrinsic("llvm.fma.v32f32", (), ir.FunctionType(_V32F, [_V32F] * 3))
+    xv = builder.load(x_ptr, align=4)
+    builder.store(builder.call(fma, [d, xv, builder.load(acc_ptr, align=4)]), acc_ptr, align=4)
+
+
 @intrinsic
 def _fp8_fma32(typingctx, w, r, j, x, sr, acc, a):
     """acc[a : a+32] = fma(e4m3(w[r, j : j+32]) * sr, x[j : j+32], acc[a : a+32])."""
@@ -1025,10 +1032,8 @@ def _fp8_fma32(typingctx, w, r, j, x, sr, acc, a):
         w_, r_, j_, x_, sr_, acc_, a_ = args
         tw, tr, tj, tx, _, tacc, ta = sig.args
         d = _decoded32(context, builder, tw, w_, r_, tr, j_, tj, sr_)
-        xv = builder.load(_item_ptr(context, builder, tx, x_, [(j_, tj)], _V32F), align=4)
-        acc_ptr = _item_ptr(context, builder, tacc, acc_, [(a_, ta)], _V32F)
-        fma = builder.module.declare_intrinsic("llvm.fma.v32f32", (), ir.FunctionType(_V32F, [_V32F] * 3))
-        builder.store(builder.call(fma, [d, xv, builder.load(acc_ptr, align=4)]), acc_ptr, align=4)
+        x_ptr = _item_ptr(context, builder, tx, x_, [(j_, tj)], _V32F)
+        _fma32_into(builder, d, x_ptr, _item_ptr(context, builder, tacc, acc_, [(a_, ta)], _V32F))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -1152,10 +1157,10 @@ def _fp8_mm32(w, s, br, xs, out, accs, tiles, rels):
 #
 # Where column blocks are a multiple of 32 wide (V4's 128, V4.1's 32), a 32-column group lies in
 # one scale block and column j feeds lane j mod 32 in `_fp8_row` and `_fp8_row32` alike. So a
-# group decoded once (`_fp8_dec32`) and multiplied into each token's own 32 lanes gives every
-# token its matvec's bits, and costs one decode plus one FMA per token per weight: the tile
-# kernel writes a float32 tile first (a fixed ~20 ms for wq_b at any small count), and a matvec
-# per token decodes the weight once per token.
+# group decoded once and multiplied into each token's own 32 lanes gives every token its
+# matvec's bits, and costs one decode plus one FMA per token per weight: a matvec per token
+# decodes the weight once per token, and the tile kernel's float32 tile pays off from 4 tokens
+# (`FP8_FEW`).
 
 
 @intrinsic
@@ -1170,14 +1175,11 @@ def _fp8_fma32_tokens(typingctx, w, r, j, xs, t, sr, acc):
         w_, r_, j_, xs_, t_, sr_, acc_ = args
         tw, tr, tj, txs, tt, _, tacc = sig.args
         d = _decoded32(context, builder, tw, w_, r_, tr, j_, tj, sr_)
-        fma = builder.module.declare_intrinsic("llvm.fma.v32f32", (), ir.FunctionType(_V32F, [_V32F] * 3))
-        n = context.cast(builder, t_, tt, types.intp)
-        with cgutils.for_range(builder, n) as loop:
+        with cgutils.for_range(builder, context.cast(builder, t_, tt, types.intp)) as loop:
             u = loop.index
-            xv = builder.load(_item_ptr(context, builder, txs, xs_, [(u, types.intp), (j_, tj)], _V32F), align=4)
+            x_ptr = _item_ptr(context, builder, txs, xs_, [(u, types.intp), (j_, tj)], _V32F)
             a = builder.mul(u, ir.Constant(_I64, LANES))
-            acc_ptr = _item_ptr(context, builder, tacc, acc_, [(a, types.intp)], _V32F)
-            builder.store(builder.call(fma, [d, xv, builder.load(acc_ptr, align=4)]), acc_ptr, align=4)
+            _fma32_into(builder, d, x_ptr, _item_ptr(context, builder, tacc, acc_, [(a, types.intp)], _V32F))
         return context.get_dummy_value()
 
     return sig, codegen
