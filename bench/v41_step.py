@@ -6,7 +6,7 @@ read, so from the second step on no expert is read and the step is compute and P
 from one yielded token to the next (the session's forward pass of one token, the head, the
 pick); the first --skip steps are left out (first expert reads). `--kernels generic` runs
 the path the V4.1 kernels replaced, in the same process and numba cache: FP8 32x32 products
-through the generic FP8 kernels (`_fp8_mv` / `_fp8_mm` with bc = 32, the same bits) and the
+through the generic FP8 matvec (`_fp8_mv`: the scalar decode, the same bits) and the
 activation grid and the Sinkhorn passes through numpy (`model.quant.fp8_qdq`,
 `model.mhc.split_mixes`'s loop; the same bits). Each step is timed in wall seconds and in
 process CPU seconds (all threads; on a shared machine the CPU figure is the work, the wall
@@ -31,14 +31,14 @@ from dsv4stream.measure.machine import cpu_description
 
 
 def use_generic_kernels() -> None:
-    """Route V4.1's FP8 32x32 products and activation grid to what ran before their kernels."""
+    """Route the FP8 matvecs and V4.1's activation grid to what ran before their kernels (the FP8
+    tile kernel is shared by both paths since it decodes 32 columns per vector op)."""
     from dsv4stream.kernels import fast
     from dsv4stream.model import engram, mhc, quant, v41_attention, v41_moe
 
-    fast._fp8_mv32 = lambda w, s, br, x, rpg, out: fast._fp8_mv(w, s, br, 32, x, rpg, out)
-    fast._fp8_mv32_serial = lambda w, s, br, x, rpg, out: fast._fp8_mv_serial(w, s, br, 32, x, rpg, out)
-    fast._fp8_mm32 = lambda w, s, br, xs, out, *scratch: fast._fp8_mm(w, s, br, 32, xs, out, *scratch)
-    fast._fp8_mv2_32 = lambda w1, s1, w3, s3, br, x, o1, o3: fast._fp8_mv2(w1, s1, w3, s3, br, 32, x[0], o1, o3)
+    fast._fp8_mvv = lambda w, s, br, bc, wide, x, rpg, out: fast._fp8_mv(w, s, br, bc, x, rpg, out)
+    fast._fp8_mvv_serial = lambda w, s, br, bc, wide, x, rpg, out: fast._fp8_mv_serial(w, s, br, bc, x, rpg, out)
+    fast._fp8_mv2v = lambda w1, s1, w3, s3, br, bc, x, o1, o3: fast._fp8_mv2(w1, s1, w3, s3, br, bc, x[0], o1, o3)
     for mod in (engram, v41_attention, v41_moe):
         mod.act_qdq = lambda x: quant.fp8_qdq(x, 32)
     mhc._fast_sinkhorn = lambda hc: None

@@ -64,6 +64,11 @@ def weight(kind: str, rows: int, cols: int, rng, scale_kind: str = "e8m0", exps=
     else:
         data = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
         data[(data & 0x7F) == 0x7F] = 0x38
+        # subnormal codes only in every 5th row: a uniform byte is subnormal 1 time in 18, which
+        # would send every 32-byte group down the vector decode's slow path (`fast._decoded32`)
+        sub = ((data & 0x78) == 0) & ((data & 0x07) != 0)
+        sub[::5] = False
+        data[sub] |= 0x08
         shape = (-(-rows // block), -(-cols // block))
     if isinstance(exps, tuple):
         scale = rng.integers(exps[0], exps[1], shape).astype(np.uint8)
@@ -290,6 +295,77 @@ def test_wide_fp8_matvec_takes_rows_together_with_the_same_bits(rows, cols, scal
             xg = rng.standard_normal((1, groups, cols)).astype(np.float32)
             want = np.concatenate([fast.matvec(p, xg[0, i]) for i, p in enumerate(parts)])
             assert np.array_equal(fast.matmul_grouped(parts, xg)[0], want)
+
+
+def _fp8_groups(rng, rows: int, cols: int) -> np.ndarray:
+    """E4M3 codes whose 32-byte groups are of four kinds, by group: no subnormal or NaN code (the
+    vector decode's direct path, half of them), one subnormal code, or zeros and -0 among normal codes; every
+    6th row has one NaN code (0x7F or 0xFF) in one group."""
+    d = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+    d[((d & 0x78) == 0) & ((d & 0x07) != 0)] |= 0x08
+    d[(d & 0x7F) == 0x7F] = 0x38
+    for r in range(rows):
+        for j in range(0, cols, 32):
+            kind, at = rng.integers(0, 4), j + rng.integers(0, min(32, cols - j))
+            if kind == 1:
+                d[r, at] = rng.integers(1, 8) | (rng.integers(0, 2) << 7)
+            elif kind == 2:
+                d[r, at : at + 3] = rng.choice([0x00, 0x80])
+        if r % 6 == 1:
+            d[r, rng.integers(0, cols)] = rng.choice([0x7F, 0xFF])
+    return d
+
+
+@pytest.mark.parametrize(
+    "rows,cols,block", [(96, 256, 128), (37, 1000, 128), (64, 288, 32), (9, 8224, 128), (40, 160, 64)]
+)
+@pytest.mark.parametrize("scale_kind", ["e8m0", "e8m0-wide", "f32-wide"])
+def test_fp8_vector_decode_paths_have_the_scalar_decodes_bits(rows, cols, block, scale_kind, monkeypatch):
+    """`fast._decoded32` decodes a 32-byte group straight into float32 bits unless it holds a
+    subnormal or NaN code (then through float16, as the scalar `_e4m3`). Every FP8 product with
+    blocks a multiple of 32 wide goes through it: matvec (serial, parallel, the wide rows, the pair),
+    2-3 tokens and the tile. Each must give the generic kernel's bits (`_fp8_mv_serial`: the
+    scalar decode), NaN exactly where a NaN code or scale is, and the float64 reference elsewhere.
+    E8M0 scales from 2^-127 to 2^100 (flushed blocks, rel at both ends; the sums stay finite) and
+    float32 scales down to subnormals; x with tiny entries (products below float32 normals)."""
+    rng = np.random.default_rng(rows * 31 + cols + block)
+    data = _fp8_groups(rng, rows, cols)
+    shape = (-(-rows // block), -(-cols // block))
+    if scale_kind == "e8m0":
+        scale = rng.integers(116, 133, shape).astype(np.uint8)
+    elif scale_kind == "e8m0-wide":
+        scale = rng.integers(0, 228, shape).astype(np.uint8)  # up to 2^100: the sums stay finite
+    else:
+        scale = (rng.uniform(0.5, 1.0, shape) * 2.0 ** rng.integers(-149, 100, shape)).astype(np.float32)
+    w = QWeight("fp8", data, scale, rows, cols, block=(block, block))
+    w2 = QWeight("fp8", _fp8_groups(rng, rows, cols), scale.copy(), rows, cols, block=(block, block))
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    x[:, ::5] *= np.float32(1e-35)
+
+    def generic(wt, xt):
+        out = np.empty(wt.rows, np.float32)
+        fast._fp8_mv_serial(fast._u8(wt.data), fast._scale(wt), *wt.block, fast._aligned_copy(xt[None]), wt.rows, out)
+        return out
+
+    want = np.stack([generic(w, x[t]) for t in range(3)])
+    want2 = np.stack([generic(w2, x[t]) for t in range(3)])
+    nan_rows = np.isnan(dense64(w) @ np.ones(cols))  # a NaN code or scale in the row
+    assert np.array_equal(np.isnan(want), np.broadcast_to(nan_rows, want.shape))
+    ok = ~nan_rows
+    assert rel_error(want[:, ok], reference(x, w)[:, ok]) <= TOL
+    for floor in (0, 1 << 62):  # parallel and serial
+        monkeypatch.setattr(fast, "PARALLEL_MIN_BYTES", floor)
+        for wide in (1, 1 << 30):
+            monkeypatch.setattr(fast, "WIDE_COLS", wide)
+            got = np.stack([fast.matvec(w, x[t]) for t in range(3)])
+            assert got.tobytes() == want.tobytes(), (floor, wide)
+        y1, y2 = fast.matmul_pair(w, w2, x[:1])
+        assert y1.tobytes() == want[:1].tobytes() and y2.tobytes() == want2[:1].tobytes()
+    monkeypatch.setattr(fast, "PARALLEL_MIN_BYTES", 0)
+    for t in (2, 3):  # `_fp8_mvt` (its own decode call) and the tile from 4 tokens
+        assert fast.matmul(w, x[:t]).tobytes() == want[:t].tobytes()
+    xs = np.concatenate([x] * 3)[:7]
+    assert fast.matmul(w, xs).tobytes() == np.concatenate([want] * 3)[:7].tobytes()
 
 
 @pytest.mark.parametrize("rows,cols", [(64, 256), (37, 96), (130, 1088)])

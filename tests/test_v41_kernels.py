@@ -1,11 +1,11 @@
-"""DeepSeek-V4.1's kernels: FP8 with 32x32 scale blocks (kernels/fast.py's `_fp8_*32`) and the
-activation grid in numba (kernels/qdq.py).
+"""DeepSeek-V4.1's kernels: FP8 with 32x32 scale blocks (kernels/fast.py's vector FP8 kernels,
+shared with V4's 128x128 blocks) and the activation grid in numba (kernels/qdq.py).
 
 - FP8 32x32 against `kernels/reference.py` (ml_dtypes decode, numpy float32 GEMM) to float32
   rounding, on ragged shapes: K odd, K not a multiple of 32 or 128, rows not a multiple of 32,
   token counts across the register blocks and the 128-token split; E8M0 and float32 scales.
-- the same products, bit for bit, as the generic FP8 kernels (`_fp8_mv_serial`, `_fp8_mm`) at
-  bc = 32, which computed V4.1 before: the vector decode must not change a single result.
+- the same products, bit for bit, as the generic FP8 matvec (`_fp8_mv_serial`, a scalar decode)
+  at bc = 32, once per token: the vector decode must not change a single result.
 - `fp8_qdq_rows` against `model.quant.fp8_qdq` (numpy + ml_dtypes, the definition the oracle
   fixtures check) bit for bit, on the oracle's inputs and on random magnitudes and ties.
 """
@@ -35,6 +35,9 @@ def bits(a: np.ndarray) -> np.ndarray:
 def fp8w(rows: int, cols: int, rng, scale_kind: str = "e8m0", block: int = 32) -> QWeight:
     data = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
     data[(data & 0x7F) == 0x7F] = 0x38  # no NaN codes
+    sub = ((data & 0x78) == 0) & ((data & 0x07) != 0)  # subnormal codes in every 4th row only:
+    sub[::4] = False  # both of `fast._decoded32`'s paths
+    data[sub] |= 0x08
     shape = (-(-rows // block), -(-cols // block))
     scale = rng.integers(116, 133, shape).astype(np.uint8)
     if scale_kind == "f32":
@@ -43,18 +46,13 @@ def fp8w(rows: int, cols: int, rng, scale_kind: str = "e8m0", block: int = 32) -
 
 
 def generic(w: QWeight, x: np.ndarray) -> np.ndarray:
-    """The generic FP8 kernels (any block), called directly: what V4.1 ran before `_fp8_*32`."""
-    t = x.shape[0]
-    out = np.empty((t, w.rows), np.float32)
+    """The generic FP8 matvec (any block; its scalar loop decodes through float16) once per token,
+    called directly: every product of the vector kernels, tile included, must give each token
+    these bits."""
+    out = np.empty((x.shape[0], w.rows), np.float32)
     data, scale = fast._u8(w.data), fast._scale(w)
-    if t == 1:
-        fast._fp8_mv_serial(data, scale, *w.block, fast._aligned_copy(x), w.rows, out[0])
-        return out
-    for t0 in range(0, t, fast.MAX_TOKENS):
-        n = min(fast.MAX_TOKENS, t - t0)
-        xs = fast._aligned_zeros((n - n % -fast.TOKS, w.cols))
-        xs[:n] = x[t0 : t0 + n]
-        fast._fp8_mm(data, scale, *w.block, xs, out[t0 : t0 + n], *fast._scratch())
+    for t in range(x.shape[0]):
+        fast._fp8_mv_serial(data, scale, *w.block, fast._aligned_copy(x[t : t + 1]), w.rows, out[t])
     return out
 
 

@@ -978,15 +978,15 @@ def _plain_mm(w, xs, out, accs, tiles):
                 _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
 
 
-# ---- V4.1: FP8 with 32x32 scale blocks, 32 columns per vector op ---------------------------------
+# ---- FP8 in vector IR: 32 columns per vector op (V4's 128-column blocks, V4.1's 32) ---------------
 #
-# DeepSeek-V4.1 stores its FP8 weights with one scale per 32x32 block. A 32-column block is one
-# lane group: 32 bytes decoded at once in vector IR (`_e4m3` on <32 x i8>), times the block's
-# rel, one <32 x float> FMA into the lanes. The same operations as `_fp8_row` / `_fp8_decode`
-# at bc = 32 (lane = column mod 32, `fma(e4m3(w) * rel, x, lane)`), so the same bits; numba's
-# scalar loop over a block of unknown width was not vectorised (FP8 one token ~1.2 GB/s per
-# CPU-second against FP4's ~11). The 32 rows of a block row share one scale row: its rel is
-# computed once for them, not per row (160 blocks for a 5120-column row).
+# Where scale blocks are a multiple of 32 columns wide, a 32-column group lies in one block and
+# is one lane group: 32 bytes decoded at once in vector IR, times the block's rel, one
+# <32 x float> FMA into the lanes. The same operations as `_fp8_row` / `_fp8_decode` (lane =
+# column mod 32, `fma(e4m3(w) * rel, x, lane)`), so the same bits; numba's scalar loop over a
+# block of unknown width was not vectorised (V4.1's FP8 one token ~1.2 GB/s per CPU-second
+# against FP4's ~11). The rows of a block row share one scale row: its rel is computed once for
+# them, not per row (160 blocks for a 5120-column row).
 
 _V32F, _V32H = ir.VectorType(_F32, 32), ir.VectorType(_I16, 32)
 
@@ -1009,9 +1009,50 @@ def _splat32(builder, v):
     return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
 
 
+# A 32-byte group without subnormal or NaN bytes (nearly every group of real weights: 0.3 % of
+# the groups of Gaussian weights quantised per 128x128 block have a subnormal) is decoded
+# straight into float32 bits: sign-extended byte << 20, masked, is the E4M3 value times 2^-120,
+# a normal float32; rel * 2^112 is exact (rel < 2^9), so its product with that is the same real
+# number as `_e4m3_v32`'s value times rel, rounded once: the same bits. Other groups
+# take `_e4m3_v32`: a subnormal float32 operand costs Zen 4 a slow multiply (uniform random
+# bytes, 1/16 subnormal, ran at 0.66x), and NaN bytes need the select. M4, wq_b 32768x1024
+# from RAM, one row at a time, wall: 1 thread 9.5 -> 11.5 GB/s, 2 threads 17.0 -> 20.8;
+# a shared expert's 2048x4096 at 2 threads 22.1 -> 29.0 GB/s.
+_DIRECT_SHIFT = 2.0**112
+_V32I = ir.VectorType(_I32, 32)
+
+
+def _e4m3_special(builder, raw):
+    """i1: any byte of <32 x i8> raw is an E4M3 subnormal (magnitude 1..7) or NaN (0x7F)."""
+
+    def c(k):
+        return ir.Constant(ir.VectorType(_I8, 32), [k] * 32)
+
+    mag = builder.and_(raw, c(0x7F))
+    sub = builder.icmp_unsigned("<", builder.sub(mag, c(1)), c(7))  # 0 wraps to 255
+    nan = builder.icmp_unsigned("==", mag, c(0x7F))
+    any_ = builder.bitcast(builder.or_(sub, nan), ir.IntType(32))
+    return builder.icmp_unsigned("!=", any_, ir.Constant(ir.IntType(32), 0))
+
+
 def _decoded32(context, builder, tw, w_, r_, tr, j_, tj, sr_):
+    """e4m3(w[r, j : j+32]) * 2^-8 * sr as <32 x float>, by the direct decode where it applies."""
     raw = builder.load(_item_ptr(context, builder, tw, w_, [(r_, tr), (j_, tj)], ir.VectorType(_I8, 32)), align=1)
-    return builder.fmul(_e4m3_v32(builder, raw), _splat32(builder, sr_))
+    special = _e4m3_special(builder, raw)
+    with builder.if_else(special, likely=False) as (slow, fast):
+        with slow:
+            via_half = builder.fmul(_e4m3_v32(builder, raw), _splat32(builder, sr_))
+            slow_end = builder.block
+        with fast:
+            bits = builder.shl(builder.sext(raw, _V32I), ir.Constant(_V32I, [20] * 32))
+            bits = builder.and_(bits, ir.Constant(_V32I, [-0x78100000] * 32))  # 0x87F00000
+            sr112 = builder.fmul(sr_, ir.Constant(_F32, _DIRECT_SHIFT))
+            direct = builder.fmul(builder.bitcast(bits, _V32F), _splat32(builder, sr112))
+            fast_end = builder.block
+    d = builder.phi(_V32F)
+    d.add_incoming(via_half, slow_end)
+    d.add_incoming(direct, fast_end)
+    return d
 
 
 def _fma32_into(builder, d, x_ptr, acc_ptr):
@@ -1019,24 +1060,6 @@ def _fma32_into(builder, d, x_ptr, acc_ptr):
     fma = builder.module.declare_intrinsic("llvm.fma.v32f32", (), ir.FunctionType(_V32F, [_V32F] * 3))
     xv = builder.load(x_ptr, align=4)
     builder.store(builder.call(fma, [d, xv, builder.load(acc_ptr, align=4)]), acc_ptr, align=4)
-
-
-@intrinsic
-def _fp8_fma32(typingctx, w, r, j, x, sr, acc, a):
-    """acc[a : a+32] = fma(e4m3(w[r, j : j+32]) * sr, x[j : j+32], acc[a : a+32])."""
-    if not all(isinstance(t, types.Array) and t.layout == "C" for t in (w, x, acc)) or sr != types.float32:
-        return None
-    sig = types.void(w, r, j, x, sr, acc, a)
-
-    def codegen(context, builder, sig, args):
-        w_, r_, j_, x_, sr_, acc_, a_ = args
-        tw, tr, tj, tx, _, tacc, ta = sig.args
-        d = _decoded32(context, builder, tw, w_, r_, tr, j_, tj, sr_)
-        x_ptr = _item_ptr(context, builder, tx, x_, [(j_, tj)], _V32F)
-        _fma32_into(builder, d, x_ptr, _item_ptr(context, builder, tacc, acc_, [(a_, ta)], _V32F))
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 @intrinsic
@@ -1056,52 +1079,118 @@ def _fp8_dec32(typingctx, w, r, j, sr, tile, a):
     return sig, codegen
 
 
+def _fp8_dot32_intrinsic(rows: int):
+    """The row op for `rows` rows from r: acc[32 q : 32 q + 32] += row r + q's whole 32-column groups
+    (ng of them; block b = group // gpb has rel[b]) decoded times rel times x, lane = column mod 32,
+    in column order. The lanes stay in registers for the whole row (a <32 x float> FMA chain per
+    row), and each x group is loaded once for the rows."""
+
+    def typer(typingctx, w, r, x, rel, gpb, ng, acc):
+        arrays = (w, x, rel, acc)
+        if not all(isinstance(t, types.Array) and t.layout == "C" for t in arrays):
+            return None  # vector loads need contiguous rows
+        sig = types.void(w, r, x, rel, gpb, ng, acc)
+
+        def codegen(context, builder, sig, args):
+            w_, r_, x_, rel_, gpb_, ng_, acc_ = args
+            tw, tr, tx, trel, tgpb, tng, tacc = sig.args
+            fma = builder.module.declare_intrinsic("llvm.fma.v32f32", (), ir.FunctionType(_V32F, [_V32F] * 3))
+            r0 = context.cast(builder, r_, tr, types.intp)
+            gpb = context.cast(builder, gpb_, tgpb, types.intp)
+            ng = context.cast(builder, ng_, tng, types.intp)
+            at = [
+                _item_ptr(context, builder, tacc, acc_, [(ir.Constant(_I64, LANES * q), types.intp)], _V32F)
+                for q in range(rows)
+            ]
+            lanes = [cgutils.alloca_once(builder, _V32F) for _ in range(rows)]  # promoted to registers
+            for q in range(rows):
+                builder.store(builder.load(at[q], align=4), lanes[q])
+            nblk = builder.sdiv(builder.add(ng, builder.sub(gpb, ir.Constant(_I64, 1))), gpb)
+            with cgutils.for_range(builder, nblk) as blk:
+                sr = builder.load(_item_ptr(context, builder, trel, rel_, [(blk.index, types.intp)], _F32), align=4)
+                g0 = builder.mul(blk.index, gpb)
+                g1 = builder.add(g0, gpb)
+                g1 = builder.select(builder.icmp_signed("<", g1, ng), g1, ng)
+                with cgutils.for_range_slice(builder, g0, g1, ir.Constant(_I64, 1), inc=True) as (g, _):
+                    j = builder.mul(g, ir.Constant(_I64, LANES))
+                    xv = builder.load(_item_ptr(context, builder, tx, x_, [(j, types.intp)], _V32F), align=4)
+                    for q in range(rows):
+                        rq = builder.add(r0, ir.Constant(_I64, q))
+                        d = _decoded32(context, builder, tw, w_, rq, types.intp, j, types.intp, sr)
+                        builder.store(builder.call(fma, [d, xv, builder.load(lanes[q])]), lanes[q])
+            for q in range(rows):
+                builder.store(builder.load(lanes[q]), at[q], align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = typer.__qualname__ = f"_fp8_dot32_r{rows}"
+    return intrinsic(typer)
+
+
+_fp8_dot32 = _fp8_dot32_intrinsic(1)
+_fp8_dot32_rows = _fp8_dot32_intrinsic(MV_ROWS)
+
+
 @njit(**_INLINE)
-def _fp8_row32(w, r, x, rel, fac, acc):
-    """Row r of E4M3 with 32-column blocks (rel, fac: its scale row's, from `_row_rel`) dot x (C,)."""
+def _fp8_tail(w, r, x, rel, bc, acc, a):
+    """Row r's last cols mod 32 columns (in one scale block) into lanes a.. (`_fp8_row`'s tail)."""
     cols = w.shape[1]
-    for k in range(LANES):
-        acc[k] = 0
-    nb = cols // 32
-    for cb in range(nb):
-        _fp8_fma32(w, r, cb * 32, x, rel[cb], acc, 0)
-    for k in range(cols - nb * 32):  # a ragged last block: `_fp8_row`'s tail
-        acc[k] = _fma(_e4m3(w[r, nb * 32 + k]) * rel[nb], x[nb * 32 + k], acc[k])
-    return _finish(_lane_sum(acc, 0), fac)
+    j = cols - cols % 32
+    for k in range(cols % 32):
+        acc[a + k] = _fma(_e4m3(w[r, j + k]) * rel[j // bc], x[j + k], acc[a + k])
 
 
 @njit(**_INLINE)
-def _fp8_rowblock32(w, s, br, g, x, rpg, out, rel, acc):
-    """The br rows of scale row g into out (x group r // rpg per row)."""
+def _fp8_rowblock(w, s, br, bc, g, wide, x, rpg, out, rel, acc):
+    """The br rows of scale row g (blocks a multiple of 32 wide) into out, x group r // rpg per row;
+    `wide`: MV_ROWS rows per pass over x (see WIDE_COLS) where they share an x group."""
     fac = _row_rel(s[g], 8, rel)
-    for r in range(g * br, min(w.shape[0], g * br + br)):
-        out[r] = _fp8_row32(w, r, x[r // rpg], rel, fac, acc)
+    r, r1 = g * br, min(w.shape[0], g * br + br)
+    ng, gpb = w.shape[1] // 32, bc // 32
+    while wide and r + MV_ROWS <= r1 and r // rpg == (r + MV_ROWS - 1) // rpg:
+        for k in range(MV_LANES):
+            acc[k] = 0
+        _fp8_dot32_rows(w, r, x[r // rpg], rel, gpb, ng, acc)
+        for q in range(MV_ROWS):
+            _fp8_tail(w, r + q, x[r // rpg], rel, bc, acc, q * LANES)
+            out[r + q] = _finish(_lane_sum(acc, q * LANES), fac)
+        r += MV_ROWS
+    while r < r1:
+        for k in range(LANES):
+            acc[k] = 0
+        _fp8_dot32(w, r, x[r // rpg], rel, gpb, ng, acc)
+        _fp8_tail(w, r, x[r // rpg], rel, bc, acc, 0)
+        out[r] = _finish(_lane_sum(acc, 0), fac)
+        r += 1
 
 
 @njit(parallel=True, **_JIT)
-def _fp8_mv32(w, s, br, x, rpg, out):
+def _fp8_mvv(w, s, br, bc, wide, x, rpg, out):
+    """FP8 matvec, blocks a multiple of 32 wide (V4's 128, V4.1's 32): row blocks of one scale row
+    per task, their rel computed once."""
     for g in prange(s.shape[0]):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
-        acc = carray(_stack_f32(LANES), (LANES,))
-        _fp8_rowblock32(w, s, br, g, x, rpg, out, rel, acc)
+        acc = carray(_stack_f32(MV_LANES), (MV_LANES,))
+        _fp8_rowblock(w, s, br, bc, g, wide, x, rpg, out, rel, acc)
 
 
 @njit(**_JIT)
-def _fp8_mv32_serial(w, s, br, x, rpg, out):
+def _fp8_mvv_serial(w, s, br, bc, wide, x, rpg, out):
     rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
-    acc = carray(_stack_f32(LANES), (LANES,))
+    acc = carray(_stack_f32(MV_LANES), (MV_LANES,))
     for g in range(s.shape[0]):
-        _fp8_rowblock32(w, s, br, g, x, rpg, out, rel, acc)
+        _fp8_rowblock(w, s, br, bc, g, wide, x, rpg, out, rel, acc)
 
 
 @njit(parallel=True, **_JIT)
-def _fp8_mv2_32(w1, s1, w3, s3, br, x, out1, out3):
-    """`_fp8_mv2` for 32-column blocks: two weights of one shape times one x (1, C) (a shared expert)."""
+def _fp8_mv2v(w1, s1, w3, s3, br, bc, x, out1, out3):
+    """`_fp8_mvv` of two weights of one shape times one x (1, C) (a shared expert's w1 and w3)."""
     for g in prange(s1.shape[0]):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
-        acc = carray(_stack_f32(LANES), (LANES,))
-        _fp8_rowblock32(w1, s1, br, g, x, w1.shape[0], out1, rel, acc)
-        _fp8_rowblock32(w3, s3, br, g, x, w1.shape[0], out3, rel, acc)
+        acc = carray(_stack_f32(MV_LANES), (MV_LANES,))
+        _fp8_rowblock(w1, s1, br, bc, g, False, x, w1.shape[0], out1, rel, acc)
+        _fp8_rowblock(w3, s3, br, bc, g, False, x, w1.shape[0], out3, rel, acc)
 
 
 @njit(**_INLINE)
@@ -1118,6 +1207,9 @@ def _fp8_decode32(w, r, rel, c0, cw, tile, q):
 def _fp8_decode_wide(w, r, rel, bc, c0, cw, tile, q):
     """`_fp8_decode` for blocks a multiple of 32 wide (V4's 128): 32 columns per vector op, as
     `_fp8_decode32` (the scalar loop over a block of run-time width was not vectorised)."""
+    if bc == 32:
+        _fp8_decode32(w, r, rel, c0, cw, tile, q)
+        return
     j, end = c0, c0 + cw
     while j < end:  # a block at a time: a division per 32 columns cost more than their decode
         sr = rel[j // bc]
@@ -1127,36 +1219,10 @@ def _fp8_decode_wide(w, r, rel, bc, c0, cw, tile, q):
             j += 32
 
 
-@njit(parallel=True, **_JIT)
-def _fp8_mm32(w, s, br, xs, out, accs, tiles, rels):
-    """`_fp8_mm` for 32-column blocks (the decode above; the token loop is the same)."""
-    rows, cols = w.shape[0], xs.shape[1]
-    ntiles = (rows + ROW_TILE - 1) // ROW_TILE
-    nch = accs.shape[0]
-    for c in prange(nch):
-        acc, tile, rel = accs[c], tiles[c], rels[c]
-        fac = carray(_stack_f64(ROW_TILE), (ROW_TILE,))
-        for ti in range(_chunk_start(c, nch, ntiles), _chunk_start(c + 1, nch, ntiles)):
-            r0 = ti * ROW_TILE
-            nr = min(ROW_TILE, rows - r0)
-            for q in range(nr):
-                fac[q] = _row_rel(s[(r0 + q) // br], 8, rel[q * MAX_BLOCKS :])
-            if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
-                tile[:] = 0
-            nc = (cols + CHUNK - 1) // CHUNK
-            for ci in range(nc):
-                c0 = ci * CHUNK
-                cw = min(CHUNK, cols - c0)
-                for q in range(nr):
-                    _fp8_decode32(w, r0 + q, rel[q * MAX_BLOCKS :], c0, cw, tile, q)
-                _prefetch_next_chunk(w, r0, nr, ci, nc, CHUNK)
-                _chunk_times_tokens(tile, xs, c0, cw, acc, ci == nc - 1, fac, out, r0, nr)
-
-
 # ---- FP8 at a few tokens: each 32-column group decoded once, in registers, for every token --------
 #
 # Where column blocks are a multiple of 32 wide (V4's 128, V4.1's 32), a 32-column group lies in
-# one scale block and column j feeds lane j mod 32 in `_fp8_row` and `_fp8_row32` alike. So a
+# one scale block and column j feeds lane j mod 32 in `_fp8_row` and `_fp8_mvv` alike. So a
 # group decoded once and multiplied into each token's own 32 lanes gives every token its
 # matvec's bits, and costs one decode plus one FMA per token per weight: a matvec per token
 # decodes the weight once per token, and the tile kernel's float32 tile pays off from 4 tokens
@@ -1350,10 +1416,16 @@ def _plain(w) -> np.ndarray:
 
 
 def _v41_fp8(w) -> bool:
-    """Whether the `_fp8_*32` kernels take w: FP8 with 32-column scale blocks and E8M0 scales, as
-    V4.1 ships. float32 scales (generated checkpoints only) keep the generic kernels (the same
-    bits): compiling the 32-column kernels for them too would add ~29 s of CPU to a cold start."""
+    """Whether w is FP8 as V4.1 ships it (32-column scale blocks, E8M0 scales). Its tile kernel is
+    as fast as the per-token matvec from 4 tokens, so it skips `FP8_PER_TOKEN`."""
     return w.kind == "fp8" and w.block[1] == 32 and w.scale.dtype.itemsize == 1
+
+
+def _vec_fp8(w) -> bool:
+    """Whether the vector matvec kernels (`_fp8_mvv`) take w: FP8 with scale blocks a multiple of
+    32 columns wide, as V4 (128) and V4.1 (32) ship. Other widths restart the lanes inside a
+    32-column group and keep the generic `_fp8_mv` (generated checkpoints only)."""
+    return w.kind == "fp8" and w.block[1] % 32 == 0
 
 
 def _fp8_few(w, t: int) -> bool:
@@ -1377,8 +1449,10 @@ def _matvec_rows(w, x: np.ndarray, out: np.ndarray, rpg: int | None = None) -> N
     if w.kind == "fp4":
         xe, xo = _halves(xg, xg.shape[0])
         (_fp4_mv if par else _fp4_mv_serial)(_u8(w.data), _scale(w), xe, xo, rpg, out)
-    elif _v41_fp8(w):
-        (_fp8_mv32 if par else _fp8_mv32_serial)(_u8(w.data), _scale(w), w.block[0], _aligned_copy(xg), rpg, out)
+    elif _vec_fp8(w):
+        br, bc = w.block
+        wide = w.cols >= WIDE_COLS
+        (_fp8_mvv if par else _fp8_mvv_serial)(_u8(w.data), _scale(w), br, bc, wide, _aligned_copy(xg), rpg, out)
     elif w.kind == "fp8":
         br, bc = w.block
         wide = w.cols >= WIDE_COLS and br % MV_ROWS == 0
@@ -1445,9 +1519,7 @@ def matmul(w, x: np.ndarray) -> np.ndarray:
             continue
         xs = _aligned_zeros((n - n % -TOKS, w.cols))
         xs[:n] = x[t0 : t0 + n]
-        if _v41_fp8(w):
-            _fp8_mm32(_u8(w.data), _scale(w), w.block[0], xs, part, *_scratch())
-        elif w.kind == "fp8":
+        if w.kind == "fp8":
             _fp8_mm(_u8(w.data), _scale(w), *w.block, xs, part, *_scratch())
         else:
             _plain_mm(_plain(w), xs, part, *_scratch()[:2])
@@ -1503,9 +1575,9 @@ def matmul_pair(w1, w3, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if w1.kind == "fp4":
         xe, xo = _halves(x[:1], 1)
         _fp4_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), xe[0], xo[0], y1[0], y3[0])
-    elif _v41_fp8(w1) and _v41_fp8(w3):
+    elif _vec_fp8(w1):
         x1 = _aligned_copy(x[:1])
-        _fp8_mv2_32(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), w1.block[0], x1, y1[0], y3[0])
+        _fp8_mv2v(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), *w1.block, x1, y1[0], y3[0])
     else:
         _fp8_mv2(_u8(w1.data), _scale(w1), _u8(w3.data), _scale(w3), *w1.block, x[0], y1[0], y3[0])
     return y1, y3
