@@ -1089,6 +1089,8 @@ def _fp8_dot32_intrinsic(rows: int):
         arrays = (w, x, rel, acc)
         if not all(isinstance(t, types.Array) and t.layout == "C" for t in arrays):
             return None  # vector loads need contiguous rows
+        if w.dtype != types.uint8 or any(t.dtype != types.float32 for t in arrays[1:]):
+            return None
         sig = types.void(w, r, x, rel, gpb, ng, acc)
 
         def codegen(context, builder, sig, args):
