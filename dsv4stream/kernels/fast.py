@@ -1143,12 +1143,22 @@ def _fp8_tail(w, r, x, rel, bc, acc, a):
         acc[a + k] = _fma(_e4m3(w[r, j + k]) * rel[j // bc], x[j + k], acc[a + k])
 
 
+# Rows per task of the vector FP8 matvec: a task's rows share one scale row (32 divides V4's 128
+# and is V4.1's block), and a shared expert's 2048 rows make 64 tasks, not the 16 of its 128-row
+# blocks, so 8-16 threads stay evenly busy.
+TASK_ROWS = 32
+
+
 @njit(**_INLINE)
-def _fp8_rowblock(w, s, br, bc, g, wide, x, rpg, out, rel, acc):
-    """The br rows of scale row g (blocks a multiple of 32 wide) into out, x group r // rpg per row;
-    `wide`: MV_ROWS rows per pass over x (see WIDE_COLS) where they share an x group."""
+def _fp8_rowtask(w, s, br, bc, task, wide, x, rpg, out, rel, acc):
+    """Task `task`'s rows (at most TASK_ROWS of one scale row, blocks a multiple of 32 wide) into
+    out, x group r // rpg per row; `wide`: MV_ROWS rows per pass over x (see WIDE_COLS) where
+    they share an x group."""
+    per = -(-br // TASK_ROWS)
+    g = task // per
     fac = _row_rel(s[g], 8, rel)
-    r, r1 = g * br, min(w.shape[0], g * br + br)
+    r = g * br + (task % per) * TASK_ROWS
+    r1 = min(w.shape[0], g * br + br, r + TASK_ROWS)
     ng, gpb = w.shape[1] // 32, bc // 32
     while wide and r + MV_ROWS <= r1 and r // rpg == (r + MV_ROWS - 1) // rpg:
         for k in range(MV_LANES):
@@ -1169,30 +1179,30 @@ def _fp8_rowblock(w, s, br, bc, g, wide, x, rpg, out, rel, acc):
 
 @njit(parallel=True, **_JIT)
 def _fp8_mvv(w, s, br, bc, wide, x, rpg, out):
-    """FP8 matvec, blocks a multiple of 32 wide (V4's 128, V4.1's 32): row blocks of one scale row
-    per task, their rel computed once."""
-    for g in prange(s.shape[0]):
+    """FP8 matvec, blocks a multiple of 32 wide (V4's 128, V4.1's 32): a task per TASK_ROWS rows
+    of one scale row, its rel computed once for them."""
+    for task in prange(s.shape[0] * -(-br // TASK_ROWS)):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
         acc = carray(_stack_f32(MV_LANES), (MV_LANES,))
-        _fp8_rowblock(w, s, br, bc, g, wide, x, rpg, out, rel, acc)
+        _fp8_rowtask(w, s, br, bc, task, wide, x, rpg, out, rel, acc)
 
 
 @njit(**_JIT)
 def _fp8_mvv_serial(w, s, br, bc, wide, x, rpg, out):
     rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
     acc = carray(_stack_f32(MV_LANES), (MV_LANES,))
-    for g in range(s.shape[0]):
-        _fp8_rowblock(w, s, br, bc, g, wide, x, rpg, out, rel, acc)
+    for task in range(s.shape[0] * -(-br // TASK_ROWS)):
+        _fp8_rowtask(w, s, br, bc, task, wide, x, rpg, out, rel, acc)
 
 
 @njit(parallel=True, **_JIT)
 def _fp8_mv2v(w1, s1, w3, s3, br, bc, x, out1, out3):
     """`_fp8_mvv` of two weights of one shape times one x (1, C) (a shared expert's w1 and w3)."""
-    for g in prange(s1.shape[0]):
+    for task in prange(s1.shape[0] * -(-br // TASK_ROWS)):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
         acc = carray(_stack_f32(MV_LANES), (MV_LANES,))
-        _fp8_rowblock(w1, s1, br, bc, g, False, x, w1.shape[0], out1, rel, acc)
-        _fp8_rowblock(w3, s3, br, bc, g, False, x, w1.shape[0], out3, rel, acc)
+        _fp8_rowtask(w1, s1, br, bc, task, False, x, w1.shape[0], out1, rel, acc)
+        _fp8_rowtask(w3, s3, br, bc, task, False, x, w1.shape[0], out3, rel, acc)
 
 
 @njit(**_INLINE)
