@@ -1278,31 +1278,31 @@ def _fp8_row_tokens32(w, r, xs, t, bc, rel, fac, acc, out):
         out[u, r] = _finish(_lane_sum(acc, u * LANES), fac)
 
 
+@njit(**_INLINE)
+def _fp8_rowblock_tokens(w, s, br, bc, g, xs, t, rel, acc, out):
+    """The rows of scale row g times the first t tokens of xs into out; their rel computed once."""
+    fac = _row_rel(s[g], 8, rel)
+    for r in range(g * br, min(w.shape[0], g * br + br)):
+        _fp8_row_tokens32(w, r, xs, t, bc, rel, fac, acc, out)
+
+
 @njit(parallel=True, **_JIT)
 def _fp8_mvt(w, s, br, bc, xs, out):
     """out (T, R) for 2 <= T <= FP8_FEW tokens of xs (T, C): row blocks of one scale row per task."""
-    t = xs.shape[0]
     for g in prange(s.shape[0]):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
         acc = carray(_stack_f32(FP8_FEW_LANES), (FP8_FEW_LANES,))
-        fac = _row_rel(s[g], 8, rel)
-        for r in range(g * br, min(w.shape[0], g * br + br)):
-            _fp8_row_tokens32(w, r, xs, t, bc, rel, fac, acc, out)
+        _fp8_rowblock_tokens(w, s, br, bc, g, xs, xs.shape[0], rel, acc, out)
 
 
 @njit(parallel=True, **_JIT)
 def _fp8_mvt2(w1, s1, w3, s3, br, bc, xs, out1, out3):
     """`_fp8_mvt` of two weights of one shape (a shared expert's w1 and w3): one parallel region."""
-    t = xs.shape[0]
     for g in prange(s1.shape[0]):
         rel = carray(_stack_f32(MAX_BLOCKS), (MAX_BLOCKS,))
         acc = carray(_stack_f32(FP8_FEW_LANES), (FP8_FEW_LANES,))
-        fac = _row_rel(s1[g], 8, rel)
-        for r in range(g * br, min(w1.shape[0], g * br + br)):
-            _fp8_row_tokens32(w1, r, xs, t, bc, rel, fac, acc, out1)
-        fac = _row_rel(s3[g], 8, rel)
-        for r in range(g * br, min(w3.shape[0], g * br + br)):
-            _fp8_row_tokens32(w3, r, xs, t, bc, rel, fac, acc, out3)
+        _fp8_rowblock_tokens(w1, s1, br, bc, g, xs, xs.shape[0], rel, acc, out1)
+        _fp8_rowblock_tokens(w3, s3, br, bc, g, xs, xs.shape[0], rel, acc, out3)
 
 
 # ---- public API ----------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ COST: dict[str, float] = {
     "_fp4_mm:fp4/f32": 6.90,
     # the FP8 units measured again at 05:36 (main at 0635faa + the vector FP8 matvec, load 1.0),
     # times 1.20: the ratio of the old to the new figures of the 27 units in both runs (the machine
-    # compiled faster then); V4.1's units are the same code at the same signatures
+    # compiled faster at 05:36 than when the others were measured); V4.1's units are the same code
+    # at the same signatures
     "_fp8_mvv:fp8/e8m0": 2.56,
     "_fp8_mvv_serial:fp8/e8m0": 1.08,
     "_fp8_mv2v:fp8/e8m0": 2.90,
