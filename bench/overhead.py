@@ -23,13 +23,14 @@ CHILD = r"""
 import json, sys
 from dsv4stream import kernels
 kernels.set_backend(sys.argv[2])
-from dsv4stream import chat
+from dsv4stream.text import chat
+from dsv4stream.text.messages import one_turn
 from dsv4stream.run.runtime import Runtime
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.memory import peak_rss_bytes
 from dsv4stream.text.tokenizer import Tokenizer
 tok = Tokenizer.load(sys.argv[1])
-ids = chat.encode(tok, chat.one_turn("How much memory does a small run need?"))
+ids = chat.encode(tok, one_turn("How much memory does a small run need?"))
 with Runtime.open(sys.argv[1], RunOptions(budget=10**10, overhead=0, trunk="")) as rt:
     out = list(rt.generate(rt.session(), ids, int(sys.argv[3]), lambda l: int(l[: tok.n_tokens].argmax())))
     tok.decode(out)
