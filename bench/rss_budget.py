@@ -66,7 +66,7 @@ def dd_gbps(ckpt: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint")
-    ap.add_argument("--budgets", default="0.62,0.8,1.0,1.7", help="GB, comma separated")
+    ap.add_argument("--budgets", default="0.85,1.0,1.3,1.7", help="GB, comma separated")
     ap.add_argument("--backends", default="fast,reference")
     ap.add_argument("--gen", type=int, default=8)
     ap.add_argument("--prompt-ids", default="0,100,2000,30000,400,5000,60000,700,8000,90000,10,11")
