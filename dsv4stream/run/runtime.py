@@ -38,7 +38,7 @@ from ..trunkpack.packdir import default_out_dir, pack_hint
 from ..trunkpack.reader import TrunkFile, open_trunk_file
 from . import planner
 from .compile import checkpoint_forms, compile_kernels_apart
-from .memory import main_expert_layouts, memory_needs, peak_rss_bytes, trim_heap
+from .memory import main_expert_layouts, memory_needs, peak_rss_bytes, recycle_heap, trim_heap
 from .planner import Plan
 from .runinfo import RunOptions, RunStats
 
@@ -164,6 +164,9 @@ class Runtime:
                 engram.close()
             store.close()
             raise
+        # what loading freed goes back; from here the passes reuse each other's freed activations
+        trim_heap()
+        recycle_heap()
         rt = cls(cat, opts, plan, engine, store, trunk, tf, engram)
         rt.kernel_warmup_seconds = warmup_seconds
         rt.load_seconds = time.perf_counter() - t_open
@@ -278,6 +281,7 @@ class Runtime:
         self.store.close()
         if self.trunk_file is not None:
             self.trunk_file.close()
+        trim_heap()  # the heap's recycled activations (`recycle_heap`) are no longer this run's
 
     def __enter__(self) -> Self:
         return self
