@@ -161,15 +161,15 @@ def plan_block(text: str) -> list[str]:
 
 
 def test_inspect_doctor_run_and_bench_agree_on_the_plan(ckpt, tmp_path) -> None:
-    ins = CliRunner().invoke(inspect, [str(ckpt), "--budget", "0.49"], catch_exceptions=False)
+    ins = CliRunner().invoke(inspect, [str(ckpt), "--budget", "0.37"], catch_exceptions=False)
     minimum = next(line for line in ins.output.splitlines() if line.startswith("smallest budget that runs"))
     low = float(minimum.split()[4])
     doc = CliRunner().invoke(doctor, [str(ckpt), "--seconds", "0.05", "--depths", "1"], catch_exceptions=False)
     assert f"smallest budget that runs: {low:.2f} GB" in doc.output
     out = tmp_path / "s.json"
-    res = run_cli(str(ckpt), "--prompt", "Hi", "--gen", "2", "--budget", "0.49", "--stats-json", str(out))
+    res = run_cli(str(ckpt), "--prompt", "Hi", "--gen", "2", "--budget", "0.37", "--stats-json", str(out))
     assert plan_block(res.stderr) == plan_block(ins.output)
-    assert json.loads(out.read_text())["cache_slots"] == budget_slots(memory_needs(ckpt)[0], 0.49)
+    assert json.loads(out.read_text())["cache_slots"] == budget_slots(memory_needs(ckpt)[0], 0.37)
     with pytest.raises(BudgetError, match=f"below the minimum of {low:.2f} GB"):
         run_cli(str(ckpt), "--prompt", "Hi", "--budget", f"{low - 0.01:.2f}")
     assert run_cli(str(ckpt), "--prompt", "Hi", "--gen", "1", "--budget", f"{low:.2f}").exit_code == 0

@@ -66,18 +66,18 @@ def test_flash_at_budget_16_and_8192_positions_counts_by_hand():
     assert p.pinned_layers == FLASH.n_layers
     fixed = needs.overhead_bytes + state + needs.staging_bytes + needs.head_bytes
     # the pool expert slots and the segment share: the budget after the fixed part and the trunk;
-    # 7,643,935,012 with the 240 MB overhead of before, 135,000,000 less with 375 MB
+    # 7,643,935,012 with the 240 MB overhead of two changes ago, 20,000,000 less with 260 MB
     pool = 16 * GB - fixed - sum(needs.layer_bytes)
-    assert p.pool_bytes == pool == 7_643_935_012 - 135_000_000 == 7_508_935_012 and needs.slot_bytes == 13_385_728
-    # decoding: every slot beside one token's activations: 7,508,686,076 bytes = 560 x 13,385,728
-    # (7,496,007,680) + 12,678,396; a 4096-token segment borrows 76 of them: 6,489,293,156 bytes
-    # = 484 x 13,385,728 (6,478,692,352) + 10,600,804
-    assert p.expert_slots == (pool - 248_936) // 13_385_728 == 560
-    assert p.prefill_slots(1) == 560 and p.prefill_slots(4096) == (pool - 1_019_641_856) // 13_385_728 == 484
-    # the larger phase is what is planned: here the prefill, 484 slots beside the 4096-token segment
-    # (6,478,692,352 + 1,019,641,856 = 7,498,334,208), against decode's 560 slots beside one token
-    # (7,496,007,680 + 248,936 = 7,496,256,616); the rest (10,600,804) is less than one more slot
-    assert p.planned_bytes == fixed + sum(needs.layer_bytes) + 484 * 13_385_728 + 1_019_641_856
+    assert p.pool_bytes == pool == 7_643_935_012 - 20_000_000 == 7_623_935_012 and needs.slot_bytes == 13_385_728
+    # decoding: every slot beside one token's activations: 7,623,686,076 bytes = 569 x 13,385,728
+    # (7,616,479,232) + 7,206,844; a 4096-token segment borrows 76 of them: 6,604,293,156 bytes
+    # = 493 x 13,385,728 (6,599,163,904) + 5,129,252
+    assert p.expert_slots == (pool - 248_936) // 13_385_728 == 569
+    assert p.prefill_slots(1) == 569 and p.prefill_slots(4096) == (pool - 1_019_641_856) // 13_385_728 == 493
+    # the larger phase is what is planned: here the prefill, 493 slots beside the 4096-token segment
+    # (6,599,163,904 + 1,019,641,856 = 7,618,805,760), against decode's 569 slots beside one token
+    # (7,616,479,232 + 248,936 = 7,616,728,168); the rest (5,129,252) is less than one more slot
+    assert p.planned_bytes == fixed + sum(needs.layer_bytes) + 493 * 13_385_728 + 1_019_641_856
     assert 0 <= 16 * GB - p.planned_bytes < needs.slot_bytes
 
 
@@ -93,7 +93,7 @@ def test_too_small_a_budget_names_the_minimum():
 def test_more_budget_never_gives_less():
     needs = needs_from_config(FLASH)
     prev = None
-    for gb in (2.25, 3, 4, 6, 8, 10, 12, 16, 32, 160):  # from just above the minimum, 2.21 GB
+    for gb in (2.1, 3, 4, 6, 8, 10, 12, 16, 32, 160):  # from just above the minimum, 2.09 GB
         p = plan(needs, int(gb * GB))
         if prev is not None:
             assert p.pinned_layers >= prev.pinned_layers and p.pool_bytes + p.pinned_bytes > prev.pool_bytes
@@ -168,17 +168,18 @@ def test_inspect_config_only_prints_the_plan_for_a_budget():
     cfg_path = Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json"
     r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "3"])
     assert r.exit_code == 0, r.output
-    # fixed: overhead 375,000,000 + state 88,954,368 + staging 154,782,720 + head 1,077,948,436
-    # = 1,696,685,524; the smallest pool 2 x 6 slots x 13,385,728 + one token's 248,936 = 160,877,672;
-    # the ring 2 x 173,503,576 = 347,007,152. 3 GB leaves 795,429,652 for layers in order: 143,596,888
+    # fixed: overhead 260,000,000 + state 88,954,368 + staging 154,782,720 + head 1,077,948,436
+    # = 1,581,685,524; the smallest pool 2 x 6 slots x 13,385,728 + one token's 248,936 = 160,877,672;
+    # the ring 2 x 173,503,576 = 347,007,152. 3 GB leaves 910,429,652 for layers in order: 143,596,888
     # + 143,596,888 + 173,503,576 + 146,044,248 + 167,299,160 = 774,040,760 (5 layers); a 6th
-    # (146,044,248) would make 920,085,008
+    # (146,044,248) would make 920,085,008. The pool left, 910,429,652 - 774,040,760 + 160,877,672
+    # = 297,266,564, less one token's 248,936, is 22 slots (294,486,016) and 2,531,612 over
     assert "budget 3.00 GB" in r.output and "5/43 layers pinned" in r.output and "working set of 258" in r.output
-    assert "x 13.4 MB" in r.output  # one V4-Flash expert slot
+    assert "22 slots x 13.4 MB" in r.output  # one V4-Flash expert slot
     r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "1"])
-    # the minimum: fixed + ring + smallest pool = 1,696,685,524 + 347,007,152 + 160,877,672
-    # = 2,204,570,348, printed rounded up
-    assert isinstance(r.exception, BudgetError) and "below the minimum of 2.21 GB" in str(r.exception)
+    # the minimum: fixed + ring + smallest pool = 1,581,685,524 + 347,007,152 + 160,877,672
+    # = 2,089,570,348, printed rounded up
+    assert isinstance(r.exception, BudgetError) and "below the minimum of 2.09 GB" in str(r.exception)
 
 
 def test_config_estimate_matches_what_a_run_measures(tmp_path):

@@ -41,10 +41,11 @@ from . import planner_v41
 
 GB = 1_000_000_000
 # Interpreter, numpy/numba/tokenizers code and heaps, thread stacks, allocator slack:
-# peak RSS of a run whose weights are negligible, less those weights (`python bench/overhead.py`,
-# 2026-12-04, python 3.11, 2 cpus: 317 MB with the numba kernels on a cold cache, 326 MB on a
-# warm one, 255-263 MB with the numpy reference), the larger plus 15%, rounded up to 5 MB.
-DEFAULT_OVERHEAD = 375 * 1000 * 1000
+# peak RSS of a run whose weights are negligible, less those weights (2026-12-04, python 3.11,
+# 2 cpus: `python bench/overhead.py` 220 MB with the numba kernels, 119 MB with the numpy
+# reference; the CLI's own peak report on the tiny real-vocabulary checkpoint with --think,
+# 0.247 GB peak with 21.6 MB of weights: 225 MB), the larger plus 15%, rounded up to 5 MB.
+DEFAULT_OVERHEAD = 260 * 1000 * 1000
 DEFAULT_CHUNK = 64  # attention sub-chunk of a prefill segment (RunOptions.chunk); also the shortest segment
 SUB_CHUNK = DEFAULT_CHUNK
 SEGMENT_CAP = 4096  # longest prefill segment the planner gives
