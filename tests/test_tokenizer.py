@@ -16,6 +16,9 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import tokenizers
@@ -364,3 +367,30 @@ def test_a_fifo_in_place_of_a_tokenizer_pack_is_named_not_waited_on(ckpt, tmp_pa
     os.mkfifo(tmp_path / "dsv4-tokenizer.pack")
     with pytest.raises(TokenizerError, match="is a FIFO"):
         Tokenizer.load(tmp_path)
+
+
+def test_plain_encoding_keeps_no_second_copy_of_the_vocabulary(packed):
+    """`encode_plain` (every chat prompt's content) once built its added-token-free twin through
+    JSON: a second copy of V4's vocabulary and merges, +116 MB resident and a 147 MB peak. The
+    twin shares the model; measured in a fresh interpreter (peak RSS, VmHWM)."""
+    code = textwrap.dedent(
+        """
+        import json, sys
+        from dsv4stream.text.tokenizer import Tokenizer
+
+        def hwm():
+            with open("/proc/self/status") as f:
+                return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+
+        tok = Tokenizer.load(sys.argv[1])
+        tok.encode("warm the tokenizer's own buffers")
+        before = hwm()
+        ids = tok.encode_plain("<｜User｜>spelled, not a control token")
+        print(json.dumps({"grew": hwm() - before, "control": tok.encode("<｜User｜>")[0] in ids}))
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code, str(packed)], capture_output=True, text=True, check=False)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert not out["control"]
+    assert out["grew"] < 30 << 20, out
