@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's pure math (model/v41_*.py, model/v41/engram.py) against direct statements of it.
+"""DeepSeek-V4.1's pure math (model/v41/*.py) against direct statements of it.
 
 Each test writes the rule out again in the plainest numpy (loops, float64 where it helps) and
 compares; the chunked forms are checked against the whole-sequence form they must equal.

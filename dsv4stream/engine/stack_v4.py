@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..checkpoint.config import ModelConfig
+from ..checkpoint.config import V4, ModelConfig
 from ..errors import UsageError
 from ..model.rope import rope_tables
 from ..model.v4.attention import AttnState, new_attn_state
@@ -24,7 +24,7 @@ from .steps import Pass, PassContext
 class V4Stack:
     """V4's part of a forward pass (see the module docstring)."""
 
-    family = "v4"
+    family = V4
 
     def __init__(self, cfg: ModelConfig, trunk: Trunk, experts: Experts) -> None:
         self.cfg = cfg

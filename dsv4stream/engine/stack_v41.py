@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.config import ModelConfig
+from ..checkpoint.config import V41, ModelConfig
 from ..errors import CheckpointError, UsageError
 from ..model.rope import Rope, rope_tables
 from ..model.v41.attention import KeyBoard, Published, V41Plan, new_layer_state
@@ -128,7 +128,7 @@ class V41Pass(Pass):
 class V41Stack:
     """V4.1's part of a forward pass (see the module docstring)."""
 
-    family = "v41"
+    family = V41
 
     def __init__(
         self,
