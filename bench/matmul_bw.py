@@ -2,7 +2,7 @@
 
 `--family v41`: the same cases on V4.1-Flash shapes (hidden 5120, experts 2304 wide), FP8 with 32x32 scale
 blocks, and the timed window of an FP8 / FP4 case holds V4.1's activation grid too
-(`model.quant.act_qdq(X)`, then the product: what a V4.1 linear costs). `--vs-v4` times each of
+(`model.v41.quant.act_qdq(X)`, then the product: what a V4.1 linear costs). `--vs-v4` times each of
 them again in V4's form in the same run (the same shape; FP8 with 128x128 blocks; no activation
 grid), windows interleaved, and adds v4_ms and speed_vs_v4 = v4_ms / ms (1.0: V4.1 as fast as V4).
 
@@ -134,7 +134,7 @@ def _plain_call(w: QWeight, x: np.ndarray) -> None:
 
 
 def _v41_call(w: QWeight, x: np.ndarray) -> None:
-    from dsv4stream.model.quant import act_qdq
+    from dsv4stream.model.v41.quant import act_qdq
 
     kernels.matmul(w, act_qdq(x) if w.kind in ("fp8", "fp4") else x)
 

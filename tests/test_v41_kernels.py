@@ -6,7 +6,7 @@ shared with V4's 128x128 blocks) and the activation grid in numba (kernels/qdq.p
   token counts across the register blocks and the 128-token split; E8M0 and float32 scales.
 - the same products, bit for bit, as the generic FP8 matvec (`_fp8_mv_serial`, a scalar decode)
   at bc = 32, once per token: the vector decode must not change a single result.
-- `fp8_qdq_rows` against `model.quant.fp8_qdq` (numpy + ml_dtypes, the definition the oracle
+- `fp8_qdq_rows` against `model.v41.quant.fp8_qdq` (numpy + ml_dtypes, the definition the oracle
   fixtures check) bit for bit, on the oracle's inputs and on random magnitudes and ties.
 """
 
@@ -20,7 +20,7 @@ import pytest
 from dsv4stream import kernels
 from dsv4stream.checkpoint import formats
 from dsv4stream.kernels import QWeight, reference
-from dsv4stream.model.quant import act_qdq, fp8_qdq
+from dsv4stream.model.v41.quant import act_qdq, fp8_qdq
 
 fast = pytest.importorskip("dsv4stream.kernels.fast")
 qdq = pytest.importorskip("dsv4stream.kernels.qdq")

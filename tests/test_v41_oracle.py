@@ -32,7 +32,7 @@ from click.testing import CliRunner
 from dsv4stream.cli import main
 from dsv4stream.cli.logits import logits as logits_cmd
 from dsv4stream.engine.session import Engine
-from dsv4stream.engine.v41 import V41Options
+from dsv4stream.engine.stack_v41 import V41Options
 
 FIXTURES = Path(__file__).parent / "fixtures" / "v41"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "oracle.npz").exists())

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checkpoint.config import CSA, WINDOW, ModelConfig
-from ..kernels import QWeight, attend, matmul, matmul_grouped
+from ...checkpoint.config import CSA, WINDOW, ModelConfig
+from ...kernels import QWeight, attend, matmul, matmul_grouped
+from ..cache import WindowCache
+from ..ops import rms_norm
+from ..rope import Rope, apply_rope
 from .compressor import CompressorState, CompressorWeights, compress
 from .indexer import IndexerWeights, select_rows
-from .ops import rms_norm
-from .rope import Rope, apply_rope
 
 F32 = np.float32
 
@@ -45,26 +46,6 @@ class AttnWeights:
     ratio: int  # 0 window-only, 4 with indexer, else heavily compressed
     compressor: CompressorWeights | None
     indexer: IndexerWeights | None
-
-
-class WindowCache:
-    """The last `size` (key=value) rows with their positions; a ring, never the full history."""
-
-    def __init__(self, size: int, d: int) -> None:
-        self.kv = np.zeros((size, d), dtype=F32)
-        self.pos = np.full(size, -1, dtype=np.int64)
-
-    def with_new(self, kv: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Cached rows followed by the chunk's rows: keys (S, d), positions (S,)."""
-        held = self.pos >= 0
-        return np.concatenate([self.kv[held], kv]), np.concatenate([self.pos[held], positions])
-
-    def push(self, kv: np.ndarray, positions: np.ndarray) -> None:
-        size = self.pos.shape[0]
-        kv, positions = kv[-size:], positions[-size:]
-        slots = positions % size
-        self.kv[slots] = kv
-        self.pos[slots] = positions
 
 
 @dataclass

@@ -1,0 +1,66 @@
+"""The per-sequence caches both families keep: the sliding window's ring of key/value rows and
+the growing buffer of compressed rows.
+
+Owns: the storage and its growth rule, nothing of the math that fills them (`v4.attention`,
+`v4.compressor`, `v41.attention`, `v41.kv`). `run.planner` counts the buffers' bytes with
+`row_capacity`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+
+
+class WindowCache:
+    """The last `size` (key=value) rows with their positions; a ring, never the full history."""
+
+    def __init__(self, size: int, d: int) -> None:
+        self.kv = np.zeros((size, d), dtype=F32)
+        self.pos = np.full(size, -1, dtype=np.int64)
+
+    def with_new(self, kv: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Cached rows followed by the chunk's rows: keys (S, d), positions (S,)."""
+        held = self.pos >= 0
+        return np.concatenate([self.kv[held], kv]), np.concatenate([self.pos[held], positions])
+
+    def push(self, kv: np.ndarray, positions: np.ndarray) -> None:
+        size = self.pos.shape[0]
+        kv, positions = kv[-size:], positions[-size:]
+        slots = positions % size
+        self.kv[slots] = kv
+        self.pos[slots] = positions
+
+
+# A full RowBuffer grows by 1/ROW_SLACK of its rows: at most 12.5% unused (doubling left up to
+# half of a long context's compressed rows allocated and unused); `planner.state_bytes_for`
+# counts `row_capacity`.
+ROW_SLACK = 8
+
+
+def row_capacity(n: int) -> int:
+    """The most rows a RowBuffer holding n rows has allocated."""
+    return max(16, n + n // ROW_SLACK)
+
+
+class RowBuffer:
+    """Append-only (n, d) float32 rows with amortised growth (capacity <= row_capacity(n))."""
+
+    def __init__(self, d: int) -> None:
+        self._a = np.zeros((16, d), dtype=F32)
+        self.n = 0
+
+    def extend(self, rows: np.ndarray) -> None:
+        need = self.n + rows.shape[0]
+        if need > self._a.shape[0]:
+            cap = self._a.shape[0]
+            grown = np.zeros((max(need, cap + cap // ROW_SLACK), self._a.shape[1]), dtype=F32)
+            grown[: self.n] = self._a[: self.n]
+            self._a = grown
+        self._a[self.n : need] = rows
+        self.n = need
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self._a[: self.n]
