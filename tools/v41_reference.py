@@ -530,7 +530,8 @@ def run(model, ids: np.ndarray, mode: str) -> np.ndarray:
 @contextlib.contextmanager
 def lowest_index_ties():
     """Every top-k inside: among exactly equal values the lowest index wins (dsv4stream's rule,
-    `model.ops.topk_lowest_index`) instead of the CPU top-k's choice.
+    `model.ops.topk_lowest_index`, and torch's CUDA top-k's: its gatherTopK takes the values equal
+    to the k-th in index order) instead of the CPU top-k's choice.
 
     The reference leaves tie order to torch: on CPU, `topk` selects with nth_element or a
     partial sort depending on k and the row length, so which of several equal scores it keeps
