@@ -111,7 +111,7 @@ def check(got: np.ndarray, name: str, run: str) -> None:
 
 
 def test_fixtures_present() -> None:
-    assert {"plan", "wide", "clamp"} <= set(NAMES)
+    assert {"plan", "wide", "clamp", "odd"} <= set(NAMES)
 
 
 PREFILL_RUNS = [r for r in RUNS if RUNS[r][0] == "prefill"]
