@@ -171,18 +171,22 @@ def test_a_changed_shared_helper_recompiles_every_kernel_that_inlines_it(tmp_pat
 
     def run() -> dict:
         cmd = [sys.executable, "-c", _PLAIN_PRODUCT]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+        # cwd: `-c` puts it first on sys.path, and the checkout's own package must not shadow the copy
+        r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     first = run()
-    assert first["y"] == 16.0 and first["misses"] == 1 and first["cached_in"] == first["dir"]
+    assert first["y"] == 16.0 and first["misses"] == 1
     assert run() == {**first, "hits": 1, "misses": 0}  # the same sources: loaded from the cache
     jit_py = src / "dsv4stream" / "kernels" / "jit.py"
     text = jit_py.read_text()
     assert text.count(_FMA) == 1
     jit_py.write_text(text.replace(_FMA, "return builder.fmul(builder.call(fn, args), ir.Constant(_F32, 2.0))"))
     changed = run()
-    assert changed["dir"] != first["dir"] and changed["cached_in"] == changed["dir"]
+    assert changed["y"] == 32.0  # compiled again with the new helper (the old cache gave 16.0)
     assert changed["hits"] == 0 and changed["misses"] == 1
-    assert changed["y"] == 32.0
+    # how: one folder per stamp of every kernel source, under NUMBA_CACHE_DIR, where numba caches
+    assert changed["dir"] != first["dir"]
+    for got in (first, changed):
+        assert got["cached_in"] == got["dir"] and Path(got["dir"]).parent == tmp_path / "cache"
