@@ -579,3 +579,43 @@ def test_fp4_block_decodes_have_the_bits_of_the_scalar_arithmetic():
     assert np.isfinite(scalar).all() and np.abs(scalar).max() > 0
     assert np.array_equal(table.view(np.uint32), scalar.view(np.uint32))
     assert np.array_equal(half.view(np.uint32), scalar.view(np.uint32))
+
+
+def _kernel_module_imports() -> dict[str, set[str]]:
+    """kernels/ submodule -> the kernels/ submodules it imports (at any depth, by `ast`); the
+    package itself (`from . import QWeight`, the public API) is left out."""
+    import ast
+    from pathlib import Path
+
+    here = Path(fast.__file__).parent
+    names = {p.stem for p in here.glob("*.py")} - {"__init__"}
+    out = {}
+    for name in names:
+        got = set()
+        for node in ast.walk(ast.parse((here / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                got.update([node.module] if node.module else [a.name for a in node.names])
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                got.update(m.split(".")[2] for m in mods if m.startswith("dsv4stream.kernels."))
+        out[name] = got & names
+    return out
+
+
+def test_the_kernel_modules_import_each_other_without_a_circle():
+    """The plumbing (jit.py) imports no kernel module; everything else forms no circle (numba
+    decorates a kernel at import: a circle would reach a half-initialised module)."""
+    graph = _kernel_module_imports()
+    assert graph["jit"] == set() and graph["tiles"] == {"jit"}
+    assert {"fp4", "fp8", "plain", "tiles", "jit"} <= graph["fast"] and "jit" in graph["attn"]
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import circle: {' -> '.join((*path, name))}"
+        if name not in done:
+            for dep in sorted(graph[name]):
+                visit(dep, (*path, name))
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, ())
