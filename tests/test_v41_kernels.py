@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's kernels: FP8 with 32x32 scale blocks (kernels/fast.py's vector FP8 kernels,
+"""DeepSeek-V4.1's kernels: FP8 with 32x32 scale blocks (kernels/fp8.py's vector FP8 kernels,
 shared with V4's 128x128 blocks) and the activation grid in numba (kernels/qdq.py).
 
 - FP8 32x32 against `kernels/reference.py` (ml_dtypes decode, numpy float32 GEMM) to float32
