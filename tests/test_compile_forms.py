@@ -150,11 +150,14 @@ def test_a_failing_child_gives_one_line_and_marks_nothing(tmp_path, monkeypatch)
 _PLAIN_PRODUCT = r"""
 import json
 import numpy as np
-from dsv4stream.kernels import QWeight, fast, jit
+from dsv4stream.kernels import QWeight, attn, fast, fp4, fp8, jit, plain, qdq, sinkhorn
 w = QWeight("f32", np.full((4, 32), 0.5, np.float32), None, 4, 32)
 y = fast.matvec(w, np.ones(32, np.float32))  # below the parallel floor: `plain._plain_mv_serial`
 stats = fast._plain_mv_serial.stats
+every = {d.stats.cache_path for m in (fp4, fp8, plain, attn, qdq, sinkhorn) for d in vars(m).values()
+         if hasattr(d, "py_func")}
 print(json.dumps({"y": float(y[0]), "dir": str(jit.cache_dir()), "cached_in": stats.cache_path,
+                  "every_kernel_in": sorted(every),
                   "hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}))
 """
 _FMA = "return builder.call(fn, args)"  # `jit._fma`'s codegen
@@ -190,3 +193,4 @@ def test_a_changed_shared_helper_recompiles_every_kernel_that_inlines_it(tmp_pat
     assert changed["dir"] != first["dir"]
     for got in (first, changed):
         assert got["cached_in"] == got["dir"] and Path(got["dir"]).parent == tmp_path / "cache"
+        assert got["every_kernel_in"] == [got["dir"]]  # every kernel of the package: one folder
