@@ -3,7 +3,8 @@
 The forms a checkpoint's weights reach (V4 as released, V4.1, float32 scales), the split of the
 units among children (each numba function in one child), a fresh process that runs a checkpoint
 after warming only its forms (it must compile nothing), children that leave a complete cache
-and show `compiling kernels: N of M`, and a failing child's one-line error.
+and show `compiling kernels: N of M`, a failing child's one-line error, and a changed shared
+helper (jit.py) that makes a fresh process compile the kernels again.
 """
 
 from __future__ import annotations
