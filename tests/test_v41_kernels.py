@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's kernels: FP8 with 32x32 scale blocks (kernels/fast.py's vector FP8 kernels,
+"""DeepSeek-V4.1's kernels: FP8 with 32x32 scale blocks (kernels/fp8.py's vector FP8 kernels,
 shared with V4's 128x128 blocks) and the activation grid in numba (kernels/qdq.py).
 
 - FP8 32x32 against `kernels/reference.py` (ml_dtypes decode, numpy float32 GEMM) to float32
@@ -36,7 +36,7 @@ def fp8w(rows: int, cols: int, rng, scale_kind: str = "e8m0", block: int = 32) -
     data = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
     data[(data & 0x7F) == 0x7F] = 0x38  # no NaN codes
     sub = ((data & 0x78) == 0) & ((data & 0x07) != 0)  # subnormal codes in every 4th row only:
-    sub[::4] = False  # both of `fast._decoded32`'s paths
+    sub[::4] = False  # both of `fp8._decoded32`'s paths
     data[sub] |= 0x08
     shape = (-(-rows // block), -(-cols // block))
     scale = rng.integers(116, 133, shape).astype(np.uint8)

@@ -96,104 +96,16 @@ def warmup(forms: Iterable[str] | None = None) -> float:
     form); returns the seconds it took.
 
     A warm-up that ends has put those signatures in numba's cache: it leaves the markers that
-    `compiled_cache_exists` looks for."""
-    backend = _active()
-    if not hasattr(backend, "warmup"):
+    `warm.missing_forms` looks for."""
+    if _active() is reference:
         return 0.0
     from . import warm
 
-    forms = tuple(warm.FORMS if forms is None else forms)
-    t0 = time.perf_counter()
-    for unit in warm.units(forms):
-        warm.warm_unit(unit)
-    _mark_cache_complete(forms)
-    return time.perf_counter() - t0
-
-
-def _cache_dir():
-    """Where numba keeps the fast kernels' cache: next to the source, under NUMBA_CACHE_DIR (read
-    here, not from numba's locator, so a child given the variable agrees), or in a per-user
-    folder when the package directory is read-only."""
-    import os
-    from pathlib import Path
-
-    user = os.environ.get("NUMBA_CACHE_DIR")
-    if user:
-        return Path(user)
-    try:
-        from . import fast
-
-        return Path(fast._fp4_mv._cache._cache_path)  # numba's locator for this dispatcher
-    except (ImportError, AttributeError):
-        return Path(__file__).with_name("__pycache__")
-
-
-def cache_stamp(source: bytes | None = None) -> str:
-    """What numba's cached machine code depends on: the kernels' source, numba's version and the
-    CPU it was compiled for (a copied cache or an upgrade leaves index files that no longer
-    match, and numba would then compile inside the budgeted process)."""
-    import hashlib
-    import os
-    from pathlib import Path
-
-    import llvmlite.binding as llvm
-    import numba
-
-    if source is None:
-        source = b"".join(
-            Path(__file__).with_name(name).read_bytes()
-            for name in ("fast.py", "attn.py", "qdq.py", "sinkhorn.py", "warm.py")  # warm.py: what each form holds
-        )
-    h = hashlib.sha256(source)
-    cpu = (llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten())
-    env = (os.environ.get("NUMBA_CPU_NAME", ""), os.environ.get("NUMBA_CPU_FEATURES", ""))
-    for part in (numba.__version__, *cpu, *env):
-        h.update(b"\0" + part.encode())
-    return h.hexdigest()[:16]
-
-
-def _cache_marker(form: str):
-    return _cache_dir() / f"dsv4-kernels-{cache_stamp()}-{form.replace('/', '-')}.ok"
-
-
-def _all_forms(forms: Iterable[str] | None) -> tuple[str, ...]:
-    from . import warm
-
-    return tuple(warm.FORMS if forms is None else forms)
-
-
-def _mark_cache_complete(forms: Iterable[str] | None = None) -> None:
-    """Leave a marker per form whose kernels are all in numba's cache (None: every form)."""
-    import os
-    import tempfile
-
-    for form in _all_forms(forms):
-        marker = _cache_marker(form)
-        if marker.is_file():
-            continue  # every run warms up: write once per source, numba, CPU and form
-        try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=marker.parent, prefix=".dsv4-kernels-")
-            os.close(fd)
-            os.replace(tmp, marker)
-        except OSError:
-            return  # an unwritable cache folder: numba cannot cache there either, so every run compiles
-
-
-def missing_forms(forms: Iterable[str] | None = None) -> tuple[str, ...]:
-    """The forms (None: every form) whose kernels numba's on-disk cache does not hold for this
-    source, numba and CPU: no completed warm-up's marker (index files alone may be an older
-    source's or another CPU's, which no longer load)."""
-    return tuple(f for f in _all_forms(forms) if not _cache_marker(f).is_file())
-
-
-def compiled_cache_exists(forms: Iterable[str] | None = None) -> bool:
-    """Whether the cache holds every kernel of `forms` (None: every form); else warmup compiles."""
-    return not missing_forms(forms)
+    return warm.warmup(forms)
 
 
 # Seconds spent in matvec / matmul per weight role since the process started. Two perf_counter
-# calls per product (about 0.1 us; a V4-Flash token makes ~1,000 products). Updated by whichever
+# calls per product, small beside the product. Updated by whichever
 # thread multiplies: concurrent callers may lose an update, which a profile can afford.
 _spent: dict[str, float] = {}
 

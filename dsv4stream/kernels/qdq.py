@@ -26,7 +26,8 @@ import math
 import numpy as np
 from numba import njit
 
-_JIT = {"cache": True, "fastmath": False}
+from .jit import _JIT
+
 BLOCK = 32
 _FLOOR = np.float32(1e-4)
 _INV_MAX = np.float32(1.0) / np.float32(448.0)
