@@ -2,7 +2,7 @@
 and the lightning indexer's scores.
 
 Owns the fast backend of `kernels.attend` and `kernels.index_scores` (the numpy definitions are
-in `reference.py`). Does not own which rows a query sees (`model.attention`, `model.indexer`).
+in `reference.py`). Does not own which rows a query sees (`model.v4.attention`, `model.v4.indexer`, `model.v41.*`).
 
 Arithmetic, chosen so that a query's result depends on its own inputs only: not on the thread
 count, not on how many queries share the call, not on the masked keys beside its visible ones
