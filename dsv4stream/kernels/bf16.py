@@ -23,6 +23,7 @@ count, the threads, or the other tokens of the call.
 from __future__ import annotations
 
 import math
+import types as pytypes
 
 import ml_dtypes
 import numba
@@ -39,7 +40,7 @@ STEP = 64  # columns per loop step: C must be a multiple
 TOKENS = (4, 2, 1)
 ROWS = 16  # rows per inner block (weights re-read from L1/L2 across token groups)
 HEAD_BLOCK = 64  # rows per work item for BF16 weights (no scale blocks)
-_JIT = {"cache": False, "fastmath": False, "error_model": "numpy", "boundscheck": False}
+_JIT = {"cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
 
 
 def supports(cols: int) -> bool:
@@ -58,7 +59,7 @@ def _bf16_bits(v):
     return np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
 
 
-@njit(cache=False, fastmath=False)
+@njit(cache=True, fastmath=False)
 def _round_rows(x, xs):
     T, C = x.shape
     for t in range(T):
@@ -130,7 +131,9 @@ def _row_intrinsic(kind: str, variant: str, T: int):
             outb = simd.base(context, builder, tout, out_, F32)
             tokens = [builder.add(t0, c64(t)) for t in range(T)]
             xrow = [builder.gep(xb, [builder.mul(tk, C)]) for tk in tokens]
-            acc = [[cgutils.alloca_once_value(builder, simd.splat(F32, lanes, 0.0)) for _ in range(2)] for _ in range(T)]
+            acc = [
+                [cgutils.alloca_once_value(builder, simd.splat(F32, lanes, 0.0)) for _ in range(2)] for _ in range(T)
+            ]
             steps = builder.udiv(C, c64(STEP))
             if variant == "avx512":
                 dot = simd.dpbf16(builder)
@@ -162,7 +165,10 @@ def _row_intrinsic(kind: str, variant: str, T: int):
                         lo = builder.call(perm, [l0, raw, l1])
                         ws = [builder.bitcast(builder.shuffle_vector(lo, hi, m), vec(BF, 32)) for m in (first, second)]
                     else:
-                        ws = [simd.load(builder, wrow, builder.add(col, c64(32 * h)), vec(BF, 32), align=2) for h in range(2)]
+                        ws = [
+                            simd.load(builder, wrow, builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
+                            for h in range(2)
+                        ]
                     for t in range(T):
                         for h in range(2):
                             x = simd.load(builder, xrow[t], builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
@@ -196,64 +202,61 @@ def _row_intrinsic(kind: str, variant: str, T: int):
     return intrinsic(typer)
 
 
-def _fp8_driver(variant: str):
-    row4, row2, row1 = (_row_intrinsic("fp8", variant, t) for t in TOKENS)
-
-    @njit(parallel=True, **_JIT)
-    def drive(w, s, br, bc, x, out):
-        R, C = w.shape
-        T = x.shape[0]
-        for rb in prange((R + br - 1) // br):
-            xs = np.empty((T, C), np.uint16)
-            for t in range(T):
-                for c in range(C):
-                    xs[t, c] = _bf16_bits(np.float32(x[t, c] * _scale_f32(s, rb, c // bc)))
-            for r0 in range(rb * br, min(R, rb * br + br), ROWS):
-                r1 = min(R, rb * br + br, r0 + ROWS)
-                t0 = 0
-                while t0 < T:
-                    if T - t0 >= 4:
-                        for r in range(r0, r1):
-                            row4(w, r, xs, t0, out)
-                        t0 += 4
-                    elif T - t0 >= 2:
-                        for r in range(r0, r1):
-                            row2(w, r, xs, t0, out)
-                        t0 += 2
-                    else:
-                        for r in range(r0, r1):
-                            row1(w, r, xs, t0, out)
-                        t0 += 1
-
-    return drive
+_row4 = _row2 = _row1 = None  # the row kernels `_driver` binds in each variant's globals
 
 
-def _bf16_driver(variant: str):
-    row4, row2, row1 = (_row_intrinsic("bf16", variant, t) for t in TOKENS)
+def _tokens(w, r0, r1, xs, out):
+    """Rows r0 .. r1 times every token of xs, in token groups of 4, 2, 1."""
+    T = xs.shape[0]
+    t0 = 0
+    while t0 < T:
+        if T - t0 >= 4:
+            for r in range(r0, r1):
+                _row4(w, r, xs, t0, out)
+            t0 += 4
+        elif T - t0 >= 2:
+            for r in range(r0, r1):
+                _row2(w, r, xs, t0, out)
+            t0 += 2
+        else:
+            for r in range(r0, r1):
+                _row1(w, r, xs, t0, out)
+            t0 += 1
 
-    @njit(parallel=True, **_JIT)
-    def drive(w, xs, out):
-        R = w.shape[0]
-        T = xs.shape[0]
-        for ib in prange((R + HEAD_BLOCK - 1) // HEAD_BLOCK):
-            for r0 in range(ib * HEAD_BLOCK, min(R, ib * HEAD_BLOCK + HEAD_BLOCK), ROWS):
-                r1 = min(R, ib * HEAD_BLOCK + HEAD_BLOCK, r0 + ROWS)
-                t0 = 0
-                while t0 < T:
-                    if T - t0 >= 4:
-                        for r in range(r0, r1):
-                            row4(w, r, xs, t0, out)
-                        t0 += 4
-                    elif T - t0 >= 2:
-                        for r in range(r0, r1):
-                            row2(w, r, xs, t0, out)
-                        t0 += 2
-                    else:
-                        for r in range(r0, r1):
-                            row1(w, r, xs, t0, out)
-                        t0 += 1
 
-    return drive
+def _fp8_drive(w, s, br, bc, x, out):
+    """Row blocks of the scale grid in prange; each rounds x * its scales to BF16 once."""
+    R, C = w.shape
+    T = x.shape[0]
+    for rb in prange((R + br - 1) // br):
+        xs = np.empty((T, C), np.uint16)
+        for t in range(T):
+            for c in range(C):
+                xs[t, c] = _bf16_bits(np.float32(x[t, c] * _scale_f32(s, rb, c // bc)))
+        end = min(R, rb * br + br)
+        for r0 in range(rb * br, end, ROWS):
+            _tokens(w, r0, min(end, r0 + ROWS), xs, out)
+
+
+def _bf16_drive(w, xs, out):
+    R = w.shape[0]
+    for ib in prange((R + HEAD_BLOCK - 1) // HEAD_BLOCK):
+        end = min(R, ib * HEAD_BLOCK + HEAD_BLOCK)
+        for r0 in range(ib * HEAD_BLOCK, end, ROWS):
+            _tokens(w, r0, min(end, r0 + ROWS), xs, out)
+
+
+def _driver(kind: str, variant: str):
+    """The drive function of `kind` compiled with `variant`'s row kernels: see `q8._driver`
+    (own globals, no closure, named after kind, variant and simd.py's hash for numba's cache).
+    `_tokens` is rebuilt in the same globals so it calls this variant's row kernels."""
+    g = dict(globals())
+    g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(kind, variant, t) for t in TOKENS)
+    g["_tokens"] = njit(inline="always", **_JIT)(pytypes.FunctionType(_tokens.__code__, g, "_tokens"))
+    body = _fp8_drive if kind == "fp8" else _bf16_drive
+    f = pytypes.FunctionType(body.__code__, g, f"{kind}bf16_{variant}_{simd.STAMP}")
+    f.__qualname__ = f.__name__
+    return njit(parallel=True, **_JIT)(f)
 
 
 _DRIVERS: dict[tuple[str, str], object] = {}
@@ -264,7 +267,7 @@ def _drive(kind: str, variant: str | None):
         raise RuntimeError(f"no fast {kind} x BF16 kernel for this CPU target (kernels.cpu.variant({kind!r}) is None)")
     key = (kind, variant)
     if key not in _DRIVERS:
-        _DRIVERS[key] = (_fp8_driver if kind == "fp8" else _bf16_driver)(variant)
+        _DRIVERS[key] = _driver(kind, variant)
     return _DRIVERS[key]
 
 

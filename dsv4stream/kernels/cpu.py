@@ -28,7 +28,9 @@ _ZN4 = _ICX | {"avx512bf16"}
 # The defaults LLVM gives these names (what matters here only; see llvm/lib/Target/X86/X86.td).
 _BY_NAME = {
     **dict.fromkeys(("generic", "x86-64", "x86-64-v2", "nehalem", "westmere", "sandybridge", "ivybridge"), frozenset()),
-    **dict.fromkeys(("x86-64-v3", "haswell", "broadwell", "skylake", "alderlake", "raptorlake", "znver1", "znver2", "znver3"), _AVX2),
+    **dict.fromkeys(
+        ("x86-64-v3", "haswell", "broadwell", "skylake", "alderlake", "raptorlake", "znver1", "znver2", "znver3"), _AVX2
+    ),
     **dict.fromkeys(("x86-64-v4", "skylake-avx512", "skx"), _SKX),
     "cascadelake": _CLX,
     "cooperlake": _CPX,

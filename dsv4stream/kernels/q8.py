@@ -21,6 +21,7 @@ same instruction sequence, whichever other tokens share the call, in token group
 from __future__ import annotations
 
 import math
+import types as pytypes
 
 import numba
 import numpy as np
@@ -37,7 +38,7 @@ _E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12)
 _TABLE = [12 + (_E2M1_X2[c & 7] if c < 8 else -_E2M1_X2[c & 7]) for c in range(16)]  # 2*e2m1 + 12
 TOKENS = (4, 2, 1)  # token groups per kernel call: every token runs the same code
 ROWS = 16  # rows per work item (weights re-read from L1 across token groups)
-_JIT = {"cache": False, "fastmath": False, "error_model": "numpy", "boundscheck": False}
+_JIT = {"cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
 
 
 def span(variant: str) -> int:
@@ -210,42 +211,52 @@ def _row_intrinsic(variant: str, T: int):
     return intrinsic(typer)
 
 
+_row4 = _row2 = _row1 = None  # the row kernels `_driver` binds in each variant's globals
+
+
+def _drive(w, s, qa, bias, da, out):
+    """Rows in work items of ROWS (prange), tokens in groups of 4, 2, 1 within each."""
+    R = w.shape[0]
+    T = qa.shape[0]
+    ng = s.shape[1]
+    for ib in prange((R + ROWS - 1) // ROWS):
+        r0 = ib * ROWS
+        r1 = min(R, r0 + ROWS)
+        sw = np.empty((ROWS, ng), np.float32)
+        for r in range(r0, r1):
+            _row_scales(s, r, sw[r - r0])
+        t0 = 0
+        while t0 < T:
+            if T - t0 >= 4:
+                for r in range(r0, r1):
+                    _row4(w, r, sw[r - r0], qa, bias, da, t0, out)
+                t0 += 4
+            elif T - t0 >= 2:
+                for r in range(r0, r1):
+                    _row2(w, r, sw[r - r0], qa, bias, da, t0, out)
+                t0 += 2
+            else:
+                for r in range(r0, r1):
+                    _row1(w, r, sw[r - r0], qa, bias, da, t0, out)
+                t0 += 1
+
+
 def _driver(variant: str):
-    row4, row2, row1 = (_row_intrinsic(variant, t) for t in TOKENS)
-
-    @njit(parallel=True, **_JIT)
-    def drive(w, s, qa, bias, da, out):
-        R = w.shape[0]
-        T = qa.shape[0]
-        ng = s.shape[1]
-        for ib in prange((R + ROWS - 1) // ROWS):
-            r0 = ib * ROWS
-            r1 = min(R, r0 + ROWS)
-            sw = np.empty((ROWS, ng), np.float32)
-            for r in range(r0, r1):
-                _row_scales(s, r, sw[r - r0])
-            t0 = 0
-            while t0 < T:
-                if T - t0 >= 4:
-                    for r in range(r0, r1):
-                        row4(w, r, sw[r - r0], qa, bias, da, t0, out)
-                    t0 += 4
-                elif T - t0 >= 2:
-                    for r in range(r0, r1):
-                        row2(w, r, sw[r - r0], qa, bias, da, t0, out)
-                    t0 += 2
-                else:
-                    for r in range(r0, r1):
-                        row1(w, r, sw[r - r0], qa, bias, da, t0, out)
-                    t0 += 1
-
-    return drive
+    """`_drive` compiled with `variant`'s row kernels. A function object of its own (same code,
+    its own globals, no closure: numba's cache cannot key a closure over intrinsics) named
+    after the variant and simd.py's hash: numba's cache keys an entry by that name, the
+    signature and the CPU target, and watches only this file for changes."""
+    g = dict(globals())
+    g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(variant, t) for t in TOKENS)
+    f = pytypes.FunctionType(_drive.__code__, g, f"fp4q8_{variant}_{simd.STAMP}")
+    f.__qualname__ = f.__name__
+    return njit(parallel=True, **_JIT)(f)
 
 
 _DRIVERS: dict[str, object] = {}
 
 
-def _drive(variant: str):
+def _driver_for(variant: str):
     if variant not in _DRIVERS:
         _DRIVERS[variant] = _driver(variant)
     return _DRIVERS[variant]
@@ -270,7 +281,7 @@ def multiply(data: np.ndarray, scale: np.ndarray, prepared, threads: int | None 
     if threads is not None:
         numba.set_num_threads(threads)
     out = np.empty((qa.shape[0], data.shape[0]), np.float32)
-    _drive(variant)(data, scale, qa, bias, da, out)
+    _driver_for(variant)(data, scale, qa, bias, da, out)
     return out
 
 

@@ -9,12 +9,16 @@ a CPU has: `cpu.py` does, and only kernels it allows are ever compiled.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 LLVM_MAJOR = llvm.llvm_version_info[0]
+STAMP = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:10]  # in the kernels' cache names
 
 
 class _BFloat(ir.Type):
