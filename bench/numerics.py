@@ -100,7 +100,9 @@ def speed(args, rng) -> None:
                 for mode in ("exact", "fast"):
                     kernels.set_numerics(mode)
                     kernels.matmul(w0, x)  # compile outside the window
-                    sec = cpu_time_per_call(lambda i: kernels.matmul(ws[i % copies], x), args.seconds, args.repeat)
+                    sec = cpu_time_per_call(
+                        lambda i, ws=ws, x=x, n=copies: kernels.matmul(ws[i % n], x), args.seconds, args.repeat
+                    )
                     got[mode] = w0.nbytes / sec / 1e9
                 print(
                     f"{name:10s} {kind:4s} {rows:6d}x{c:<5d} {where:4s} T={t:<3d} exact {got['exact']:7.2f}  fast {got['fast']:7.2f} GB/s/CPU-s  x{got['fast'] / got['exact']:.2f}",
@@ -114,7 +116,9 @@ def speed(args, rng) -> None:
             for mode in ("exact", "fast"):
                 kernels.set_numerics(mode)
                 kernels.matmul_pair(w1, w3, x)
-                sec = cpu_time_per_call(lambda i: kernels.matmul_pair(w1, w3, x), args.seconds, args.repeat)
+                sec = cpu_time_per_call(
+                    lambda i, w1=w1, w3=w3, x=x: kernels.matmul_pair(w1, w3, x), args.seconds, args.repeat
+                )
                 got[mode] = 2 * w1.nbytes / sec / 1e9
             print(
                 f"{name:10s} pair {rows:6d}x{c:<5d} L2   T=1   exact {got['exact']:7.2f}  fast {got['fast']:7.2f} GB/s/CPU-s  x{got['fast'] / got['exact']:.2f}",

@@ -287,7 +287,9 @@ def test_other_targets_choose_their_variant_and_run(target, variant):
     )
     if not env["NUMBA_CACHE_DIR"]:
         env.pop("NUMBA_CACHE_DIR")
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], check=False, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     first, second = out.stdout.split("\n")[:2]
     got_variant, same, err = first.split()

@@ -31,7 +31,7 @@ def set_numerics(mode: str) -> None:
     """Choose the numerics of every linear in this process from here on."""
     if mode not in MODES:
         raise ValueError(f"numerics must be one of {', '.join(MODES)}, found {mode!r}")
-    import dsv4stream.kernels as kernels
+    from dsv4stream import kernels
 
     _mode[0] = mode
     kernels._numerics = None if mode == "exact" else _Router
@@ -42,7 +42,7 @@ def get_numerics() -> str:
 
 
 def _exact():
-    import dsv4stream.kernels as kernels
+    from dsv4stream import kernels
 
     return kernels._active()
 
@@ -59,7 +59,7 @@ def fast_variant(w) -> str | None:
 
 
 def _threads() -> None:
-    import dsv4stream.kernels as kernels
+    from dsv4stream import kernels
 
     numba.set_num_threads(kernels.get_threads())
 

@@ -98,7 +98,7 @@ def quantize(x: np.ndarray, variant: str) -> tuple[np.ndarray, np.ndarray, np.nd
 def quantize_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The unpermuted (q int8 (T, C), d float32 (T, C/32)) of `quantize`: for tests and errors."""
     qa, _, da = quantize(x, "avx2")
-    t, c = qa.shape
+    c = qa.shape[1]
     p = np.arange(c) % 64
     src = np.arange(c) - p + (p & 1) * 32 + p // 2
     return qa[:, src], da * np.float32(2.0)
