@@ -34,6 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from . import cpu, simd
+from .q8 import E8M0
 from .simd import BF, F32, I8, I16, I32, c64, vec
 
 STEP = 64  # columns per loop step: C must be a multiple
@@ -52,11 +53,12 @@ def supports(cols: int) -> bool:
 
 @njit(inline="always")
 def _bf16_bits(v):
-    """float32 -> BF16 bits, round to nearest even (NaN -> quiet NaN of the same sign)."""
-    b = np.int64(np.float32(v).view(np.int32)) & 0xFFFFFFFF
-    if (b & 0x7FFFFFFF) > 0x7F800000:
-        return np.uint16((b >> 16) | 0x40)
-    return np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+    """float32 -> BF16 bits, round to nearest even (NaN -> quiet NaN of the same sign).
+    uint32 arithmetic and a select: the loops that call it vectorise."""
+    b = np.float32(v).view(np.uint32)
+    rne = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = (b >> np.uint32(16)) | np.uint32(0x40)
+    return np.uint16(nan if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rne)
 
 
 @njit(cache=True, fastmath=False)
@@ -84,8 +86,7 @@ def _ol_scale_f32(s, i, j):
     if s.dtype == types.uint8:
 
         def impl(s, i, j):
-            b = int(s[i, j])
-            return np.float32(math.ldexp(1.0, b - 127)) if b != 255 else np.float32(np.nan)
+            return E8M0[s[i, j]]
 
         return impl
     return lambda s, i, j: np.float32(s[i, j])
@@ -230,9 +231,12 @@ def _fp8_drive(w, s, br, bc, x, out):
     T = x.shape[0]
     for rb in prange((R + br - 1) // br):
         xs = np.empty((T, C), np.uint16)
-        for t in range(T):
-            for c in range(C):
-                xs[t, c] = _bf16_bits(np.float32(x[t, c] * _scale_f32(s, rb, c // bc)))
+        for cb in range((C + bc - 1) // bc):
+            sc = _scale_f32(s, rb, cb)
+            c1 = min(C, cb * bc + bc)
+            for t in range(T):
+                for c in range(cb * bc, c1):
+                    xs[t, c] = _bf16_bits(np.float32(x[t, c] * sc))
         end = min(R, rb * br + br)
         for r0 in range(rb * br, end, ROWS):
             _tokens(w, r0, min(end, r0 + ROWS), xs, out)
