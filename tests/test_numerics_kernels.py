@@ -296,3 +296,21 @@ def test_other_targets_choose_their_variant_and_run(target, variant):
     assert got_variant == variant
     assert same == ("True" if variant == "None" else "False")  # the fallback is the exact kernels
     assert float(err) < 0.05 and second == "True"
+
+
+@needs_fast
+def test_fp4_scale_forms_and_e8m0_edges():
+    """float32 scales (any value) and E8M0 edge bytes: 0 is 2^-127, 0xFF is NaN (its row)."""
+    rng = np.random.default_rng(10)
+    wf = (rng.standard_normal((32, 256)) * 0.02).astype(np.float32)
+    d, s32 = formats.quantize_fp4(wf, scale_fmt="float32")
+    x = activations(rng, 2, 256)
+    w = QWeight("fp4", d, s32, 32, 256)
+    y = q8.matmul(w.data, w.scale, x)
+    assert np.all(np.abs(y - fast_definition(w, x)) <= 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense64(w)).T))
+    d8, s8 = formats.quantize_fp4(wf)
+    s8[0, 3], s8[1, :] = 255, 0
+    y = q8.matmul(d8, s8, x)
+    assert np.isnan(y[:, 0]).all() and np.isfinite(y[:, 1:]).all()
+    w1 = QWeight("fp4", d8[1:2], s8[1:2], 1, 256)
+    np.testing.assert_allclose(y[:, 1], fast_definition(w1, x)[:, 0], rtol=1e-5)
