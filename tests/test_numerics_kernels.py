@@ -253,6 +253,18 @@ def test_official_mode_feeds_the_v4_grid_to_the_exact_kernels():
         kernels.set_numerics("exact")
 
 
+def test_fast_leaves_what_it_cannot_take_to_the_exact_kernels(fast_mode):
+    rng = np.random.default_rng(11)
+    x = activations(rng, 2, 256)
+    narrow = weight(rng, "fp4", 32, 224)  # 224 % 256 != 0
+    wide = weight(rng, "bf16", 32, 512)
+    strided = QWeight("bf16", wide.data[:, :256], None, 32, 256, role="head")  # rows not contiguous
+    f32 = QWeight("f32", rng.standard_normal((32, 256)).astype(np.float32), None, 32, 256)
+    for w, xx in ((narrow, activations(rng, 2, 224)), (strided, x), (f32, x)):
+        assert kernels.numerics.fast_variant(w) is None
+        np.testing.assert_array_equal(kernels.matmul(w, xx), kernels._active().matmul(w, xx))
+
+
 def test_unknown_numerics_is_refused():
     with pytest.raises(ValueError, match="exact, official, fast"):
         kernels.set_numerics("int4")

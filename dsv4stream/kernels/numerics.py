@@ -55,6 +55,7 @@ def fast_variant(w) -> str | None:
     if v is None:
         return None
     ok = q8.supports(w.cols) if w.kind == "fp4" else bf16.supports(w.cols)
+    ok = ok and w.data.flags.c_contiguous  # the row kernels step through rows of `cols` values
     return v if ok else None
 
 
