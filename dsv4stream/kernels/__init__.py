@@ -74,6 +74,29 @@ def _active():
     return _backend
 
 
+# The numerics hook: `numerics.set_numerics` puts its router here for "official" / "fast" (the
+# linears then go through it) and None for "exact" (the backend's own products, as before).
+_numerics = None
+
+
+def _products():
+    return _numerics if _numerics is not None else _active()
+
+
+def set_numerics(mode: str) -> None:
+    """'exact' (float32 activations), 'official' (V4's E4M3 activation grid) or 'fast' (int8 /
+    BF16 activations on the CPU's dot-product instructions): see `numerics.py`."""
+    from . import numerics
+
+    numerics.set_numerics(mode)
+
+
+def get_numerics() -> str:
+    from . import numerics
+
+    return numerics.get_numerics()
+
+
 def backend_name() -> str:
     return _active().__name__.rsplit(".", 1)[-1]
 
@@ -122,7 +145,7 @@ def _count(role: str, t0: float) -> None:
 def matvec(w: QWeight, x: np.ndarray) -> np.ndarray:
     """x (C,) float32 -> (R,) float32."""
     t0 = time.perf_counter()
-    y = w.matvec(x) if w.on_device else _active().matvec(w, x)
+    y = w.matvec(x) if w.on_device else _products().matvec(w, x)
     _count(w.role, t0)
     return y
 
@@ -130,7 +153,7 @@ def matvec(w: QWeight, x: np.ndarray) -> np.ndarray:
 def matmul(w: QWeight, x: np.ndarray) -> np.ndarray:
     """X (T, C) float32 -> (T, R) float32."""
     t0 = time.perf_counter()
-    y = w.matmul(x) if w.on_device else _active().matmul(w, x)
+    y = w.matmul(x) if w.on_device else _products().matmul(w, x)
     _count(w.role, t0)
     return y
 
@@ -140,7 +163,7 @@ def matmul_pair(w1: QWeight, w3: QWeight, x: np.ndarray) -> tuple[np.ndarray, np
 
     Equal to the two separate products bit for bit; one pass over both weights where the
     backend has one (a routed expert's gate and up projections at one token)."""
-    backend = _active()
+    backend = _products()
     if w1.on_device or w3.on_device or not hasattr(backend, "matmul_pair"):
         return matmul(w1, x), matmul(w3, x)
     t0 = time.perf_counter()
@@ -153,7 +176,7 @@ def matmul_grouped(ws: Sequence[QWeight], x: np.ndarray) -> np.ndarray:
     """Group i of X (T, g, C) times ws[i] (R, C), concatenated: -> (T, g * R).
 
     The grouped low-rank output projection; equal to the per-group products bit for bit."""
-    backend = _active()
+    backend = _products()
     if any(w.on_device for w in ws) or not hasattr(backend, "matmul_grouped"):
         return np.concatenate([matmul(w, x[:, i]) for i, w in enumerate(ws)], axis=1)
     t0 = time.perf_counter()
