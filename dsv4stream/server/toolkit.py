@@ -250,13 +250,23 @@ def logit_bias(srv: ServerState, bias: dict[str, float] | None) -> dict[int, flo
     return out
 
 
+GONE_POLL = 0.25  # seconds between looks for a vanished client while a non-streamed answer is made
+
+
 async def wait_done(job: Job, events: Events, request: Request) -> list[Outcome]:
+    """The job's outcomes once it is done. The client is looked for every GONE_POLL seconds
+    whether or not events flow (they do for every token: looking only when none came let an
+    abandoned n=16 request run to its end); once it is gone the job is cancelled."""
+    loop = asyncio.get_running_loop()
+    look_at = loop.time() + GONE_POLL
     try:
         while True:
-            ev = await events.next(0.5)
-            if ev is None:
+            ev = await events.next(GONE_POLL)
+            if loop.time() >= look_at:
                 if await request.is_disconnected():
                     raise ApiError(499, "client closed the request", code="client_gone")
+                look_at = loop.time() + GONE_POLL
+            if ev is None:
                 continue
             kind, payload = ev
             if kind == "done":
