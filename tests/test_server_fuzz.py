@@ -33,6 +33,9 @@ VALID = {
                       "max_output_tokens": 2, "reasoning": {"effort": "low"}},
 }  # fmt: skip
 
+# where the client writes free JSON of its own: a JSON schema, a call's input, a map of its own keys
+FREE = {"parameters", "schema", "input_schema", "input", "logit_bias", "metadata"}
+
 json_leaf = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20),
@@ -44,22 +47,12 @@ json_value = st.recursive(
 )
 
 
-def _paths(obj, prefix=()):
-    yield prefix
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _paths(v, (*prefix, i))
-
-
 @st.composite
 def mutated(draw):
     path = draw(st.sampled_from(sorted(VALID)))
     body = json.loads(json.dumps(VALID[path]))
     for _ in range(draw(st.integers(1, 3))):
-        paths = list(_paths(body))[1:]
+        paths = [where for where, _ in _walk(body, free=())][1:]
         if not paths:  # an earlier mutation emptied the body: that is a case of its own
             break
         where = draw(st.sampled_from(paths))
@@ -196,25 +189,23 @@ OTHER_KINDS = {
     "messages.N.content.N.content": ("string",), "input.N.content": ("string",), "input.N.output": ("list",),
 }  # fmt: skip
 WRONG = [5, 0, -1, 1.5, 10**30, 2**63 - 1, "x", "", True, None, {"k": 1}, [1], [{"k": 1}]]
-# where the client writes free JSON of its own: a JSON schema, a call's input, a map of its own keys
-FREE = {"parameters", "schema", "input_schema", "input", "logit_bias", "metadata"}
 
 
 def _dotted(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _walk(obj, prefix=()):
-    """Every path of a body, not descending into the client's free JSON."""
+def _walk(obj, prefix=(), free=FREE):
+    """Every (path, value) of a body, not descending into the keys named in `free`."""
     yield prefix, obj
-    if prefix and prefix[-1] in FREE:
+    if prefix and prefix[-1] in free:
         return
     if isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _walk(v, (*prefix, k))
+            yield from _walk(v, (*prefix, k), free)
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
-            yield from _walk(v, (*prefix, i))
+            yield from _walk(v, (*prefix, i), free)
 
 
 def _with(body, path, value):

@@ -121,7 +121,7 @@ def to_openai(req: CountRequest, max_tokens: int = 1) -> dict[str, Any]:
             elif kind == "tool_result" and role == "user":
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
             else:
-                raise ApiError(400, f"messages.{i}.content.{j}: a {kind} block cannot be in a {role} message",
+                raise ApiError(400, f"messages.{i}.content.{j}: a {kind} block cannot be in a message of role {role}",
                                code="invalid_field", param=f"messages.{i}.content.{j}")  # fmt: skip
         if role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}

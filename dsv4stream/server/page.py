@@ -72,7 +72,9 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
     @app.post("/v1/page/tokens")
     async def tokens(request: Request) -> dict[str, int]:
         body = await read_body(request, srv)  # no model needed: the tokenizer is loaded first
-        text = validate(TokensRequest, body).text
+        if not isinstance(body.get("text"), str):
+            raise ApiError(400, "text: give the text to count as a JSON string", code="invalid_field", param="text")
+        text = validate(TokensRequest, body).text  # and nothing else
         n = await run_in_threadpool(lambda: len(srv.tok.encode(text)))
         return {"tokens": n, "characters": len(text)}
 
