@@ -120,7 +120,7 @@ def test_a_refused_or_unknown_field_is_a_400_that_names_it(client, path) -> None
         ("/v1/chat/completions", {"verbosity": "low"}, "verbosity"),
         ("/v1/chat/completions", {"stream": True, "stream_options": {"include_obfuscation": True}},
          "stream_options.include_obfuscation"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages.0"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages.0.name"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "examples": []}}]},
          "tools.0.function.examples"),
         ("/v1/chat/completions", {"tools": [{"type": "web_search"}]}, "tools.0.type"),
@@ -129,7 +129,7 @@ def test_a_refused_or_unknown_field_is_a_400_that_names_it(client, path) -> None
         ("/v1/completions", {"suffix": "x"}, "suffix"),
         ("/v1/responses", {"truncation": "auto"}, "truncation"),
         ("/v1/responses", {"include": ["file_search_call.results"]}, "include.0"),
-        ("/v1/responses", {"top_logprobs": 2}, "body"),
+        ("/v1/responses", {"top_logprobs": 2}, "top_logprobs"),
         ("/v1/responses", {"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
         ("/v1/responses", {"text": {"verbosity": "high"}}, "text.verbosity"),
         ("/v1/responses", {"text": {"format": {"type": "text", "name": "x"}}}, "text.format.name"),
@@ -168,6 +168,42 @@ def test_encrypted_reasoning_comes_back_as_the_reasoning_it_sealed() -> None:
     sealed = encrypt("step one, step two")
     items = [{"type": "reasoning", "summary": [], "encrypted_content": sealed},
              {"type": "message", "role": "assistant", "content": "done"}]  # fmt: skip
-    assert input_messages(items) == [
+    assert input_messages(ResponsesRequest.model_validate({"input": items}).input) == [
         {"role": "assistant", "content": "done", "reasoning_content": "step one, step two"}
     ]
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "names"),
+    [
+        ("/v1/messages", {"stop_sequences": ["x"] * 17}, "stop_sequences"),
+        ("/v1/messages", {"tools": [{"name": "a b", "input_schema": {}}]}, "tools.0.name"),
+        ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+         "messages.0.content.0"),
+        ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "r"}]}]},
+         "messages.0.content.0"),
+        ("/v1/messages/count_tokens", {"system": [{"type": "text", "text": 5}]}, "system.0.text"),
+        ("/v1/responses", {"input": [{"type": "reasoning", "summary": [], "content": {"type": "reasoning_text"}}]},
+         "input.0.content"),
+        ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input.0.content.0"),
+        ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}},
+         "text.format.name"),
+        ("/v1/chat/completions", {"logit_bias": {"7" * 4500: 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages.0.content.0.text"),
+        ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)  # fmt: skip
+def test_a_wrong_value_deep_in_a_body_is_a_400_naming_the_clients_own_field(client, path, extra, names) -> None:
+    """Checked by the endpoint's own model, or by the chat request it is translated into and
+    then told in the client's API's names (not OpenAI chat's `stop` for `stop_sequences`)."""
+    _, _, body, _ = ENDPOINTS[path]
+    message = refusal(client, path, {**body, **extra})
+    assert message.startswith(f"{names}: "), message
+
+
+def test_page_tokens_reads_text_and_refuses_anything_else(client) -> None:
+    assert client.post("/v1/page/tokens", json={"text": "hi"}).json()["characters"] == 2
+    assert refusal(client, "/v1/page/tokens", {"text": "hi", "lang": "en"}).startswith("lang: not supported here")
+    assert refusal(client, "/v1/page/tokens", {"text": 5}).startswith("text: ")

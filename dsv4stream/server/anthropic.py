@@ -27,7 +27,7 @@ from . import toolkit
 from .errors import anthropic_error
 from .prompt import chat_prompt
 from .reply import Outcome
-from .schemas import AnthropicRequest, ChatRequest, CountRequest
+from .schemas import AnthropicRequest, AnthropicText, ChatRequest, CountRequest
 from .toolgrammar import request_shape
 from .toolkit import ApiError, Events, Meta, ServerState
 from .worker import Job
@@ -43,7 +43,7 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
             req = toolkit.validate(AnthropicRequest, body)
             toolkit.check_length(srv, body["messages"], body.get("system"))
             chat_body = to_openai(req)
-            creq = toolkit.validate(ChatRequest, chat_body)
+            creq = toolkit.validate(ChatRequest, chat_body, RENAMES)
             prompt = toolkit.build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
             return (
                 req,
@@ -79,41 +79,50 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
 
         def count() -> int:
             req = toolkit.validate(CountRequest, body)
-            chat_body = to_openai(
-                AnthropicRequest.model_validate({**req.model_dump(exclude_none=True, by_alias=True), "max_tokens": 1})
-            )
-            creq = toolkit.validate(ChatRequest, chat_body)
+            chat_body = to_openai(req)
+            creq = toolkit.validate(ChatRequest, chat_body, RENAMES)
             return len(toolkit.build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder)).ids)
 
         return {"input_tokens": await asyncio.to_thread(count)}
 
 
-def to_openai(req: AnthropicRequest) -> dict[str, Any]:
+# a field of the chat request translated from an Anthropic one -> the Anthropic field it came
+# from, for the rare check only the chat request makes (the Anthropic models check the rest)
+RENAMES = (
+    (r"^stop\b", "stop_sequences"),
+    (r"^tools\.(\d+)\.function\.parameters\b", r"tools.\1.input_schema"),
+    (r"^tools\.(\d+)\.function\.", r"tools.\1."),
+    (r"^reasoning_effort\b", "output_config.effort"),
+    (r"^response_format\.json_schema\.schema\b", "output_config.format.schema"),
+    (r"^response_format\b", "output_config.format"),
+    (r"^parallel_tool_calls\b", "tool_choice.disable_parallel_tool_use"),
+    (r"^messages\.\d+\b", "messages"),  # system and tool results shift the chat messages' indices
+)
+
+
+def to_openai(req: CountRequest, max_tokens: int = 1) -> dict[str, Any]:
+    """The chat body of an Anthropic request (a count_tokens one has no max_tokens: any will do)."""
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system)})
     for i, m in enumerate(req.messages):
-        role, content = m.get("role"), m.get("content")
-        if role not in ("user", "assistant"):
-            raise ApiError(400, f"messages.{i}.role: must be user or assistant", code="invalid_field")
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        if not isinstance(blocks, list):
-            raise ApiError(400, f"messages.{i}.content: text or a list of blocks", code="invalid_field")
+        role = m.role
+        blocks = [AnthropicText(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         texts, calls, reasoning = [], [], ""
-        for b in blocks:
-            kind = b.get("type") if isinstance(b, dict) else None
+        for j, b in enumerate(blocks):
+            kind = b.type
             if kind == "text":
-                texts.append(b.get("text") or "")
+                texts.append(b.text)
             elif kind == "thinking" and role == "assistant":
-                reasoning += b.get("thinking") or ""
+                reasoning += b.thinking
             elif kind == "tool_use" and role == "assistant":
-                fn = {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}
-                calls.append({"id": b.get("id"), "type": "function", "function": fn})
+                fn = {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}
+                calls.append({"id": b.id, "type": "function", "function": fn})
             elif kind == "tool_result" and role == "user":
-                text = _text(b.get("content"), f"messages.{i}.content.tool_result")
-                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
             else:
-                raise ApiError(400, f"messages.{i}: content block {kind!r} is not supported", code="invalid_field")
+                raise ApiError(400, f"messages.{i}.content.{j}: a {kind} block cannot be in a message of role {role}",
+                               code="invalid_field", param=f"messages.{i}.content.{j}")  # fmt: skip
         if role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
             if reasoning:
@@ -123,11 +132,11 @@ def to_openai(req: AnthropicRequest) -> dict[str, Any]:
             out.append(msg)
         elif texts:
             out.append({"role": "user", "content": "\n\n".join(texts)})
-    body: dict[str, Any] = {"messages": out, "max_tokens": req.max_tokens}
+    body: dict[str, Any] = {"messages": out, "max_tokens": getattr(req, "max_tokens", max_tokens)}
     for key in ("temperature", "top_p", "top_k"):
-        if getattr(req, key) is not None:
+        if getattr(req, key, None) is not None:
             body[key] = getattr(req, key)
-    if req.stop_sequences:
+    if getattr(req, "stop_sequences", None):
         body["stop"] = req.stop_sequences
     thinking = req.thinking is not None and req.thinking.type != "disabled"
     if req.thinking is not None:
@@ -152,7 +161,7 @@ def to_openai(req: AnthropicRequest) -> dict[str, Any]:
     if out_cfg is not None and out_cfg.effort is not None:
         if not thinking:
             raise ApiError(400, "output_config.effort: the effort is that of the reasoning; turn thinking on",
-                           code="invalid_field")  # fmt: skip
+                           code="invalid_field", param="output_config.effort")  # fmt: skip
         body["reasoning_effort"] = out_cfg.effort
     if out_cfg is not None and out_cfg.format is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
@@ -160,19 +169,11 @@ def to_openai(req: AnthropicRequest) -> dict[str, Any]:
     return body
 
 
-def _text(content: Any, where: str = "content") -> str:
+def _text(content: str | list[AnthropicText] | None) -> str:
+    """System text or a tool result's content: text, or text blocks (others were refused when checked)."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list):
-        texts = []
-        for j, b in enumerate(content):
-            kind = b.get("type") if isinstance(b, dict) else None
-            if kind != "text":
-                raise ApiError(400, f"{where}.{j}: content block {kind!r} is not supported: this model reads text"
-                               " only", code="invalid_field")  # fmt: skip
-            texts.append(b.get("text") or "")
-        return "\n\n".join(texts)
-    raise ApiError(400, f"{where} must be text or a list of text blocks", code="invalid_field")
+    return "\n\n".join(b.text for b in content)
 
 
 def _stop_sequence(outcome: Outcome, job: Job) -> str | None:

@@ -3,7 +3,7 @@
 carry the page's per-answer figures.
 
 Owns: `GET /v1/page/info` (model, --ctx, the chat format's reasoning-effort range, the
-model's shape for the expert picture), `POST /v1/page/tokens` (token count of a text the
+model's shape for the expert picture), `POST /v1/page/tokens` (`TokensRequest`: token count of a text the
 user is about to send, e.g. a dropped file; tokenized off the event loop),
 `GET /v1/page/experts` (which (layer, expert) pairs hold a cache slot, most recently used
 first), and `page_comment`, which turns the worker's "queued" / "sample" / "summary"
@@ -22,9 +22,16 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from ..text import chat
-from .toolkit import ApiError, ServerState, read_body
+from .schemas import _Body
+from .toolkit import ApiError, ServerState, read_body, validate
 
 PAGE_EVENTS = ("queued", "sample", "summary")
+
+
+class TokensRequest(_Body):
+    """`POST /v1/page/tokens`: the text to count, nothing else."""
+
+    text: str
 
 
 def page_comment(kind: str, payload: object) -> str:
@@ -65,9 +72,9 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
     @app.post("/v1/page/tokens")
     async def tokens(request: Request) -> dict[str, int]:
         body = await read_body(request, srv)  # no model needed: the tokenizer is loaded first
-        text = body.get("text")
-        if not isinstance(text, str):
-            raise ApiError(400, "text: give the text to count as a JSON string", code="invalid_field")
+        if not isinstance(body.get("text"), str):
+            raise ApiError(400, "text: give the text to count as a JSON string", code="invalid_field", param="text")
+        text = validate(TokensRequest, body).text  # and nothing else
         n = await run_in_threadpool(lambda: len(srv.tok.encode(text)))
         return {"tokens": n, "characters": len(text)}
 

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, model_validator
 
 from ..text.tokenizer import Tokenizer
 from . import toolkit
 from .decoding import logprob_json
 from .prompt import chat_prompt
 from .reply import Outcome
-from .schemas import ChatRequest, Seed, _Body
+from .schemas import TEXT_ONLY, ChatRequest, Seed, _Body, _unsupported, only, union_of
 from .toolgrammar import request_shape
 from .toolkit import ApiError, Events, Meta, ServerState
 from .worker import Job
@@ -68,18 +68,110 @@ class Reasoning(_Body):
     generate_summary: Literal["auto"] | None = None  # the old name of summary
 
 
+class FormatText(_Body):
+    type: Literal["text"]
+
+
+class FormatJsonObject(_Body):
+    type: Literal["json_object"]
+
+
+class FormatJsonSchema(_Body):
+    type: Literal["json_schema"]
+    name: str  # its form is checked as chat's response_format name
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+TextFormat = union_of(
+    {"text": FormatText, "json_object": FormatJsonObject, "json_schema": FormatJsonSchema},
+    _unsupported("format type", "give text, json_object or json_schema"),
+)
+
+
 class TextConfig(_Body):
-    format: dict[str, Any] | None = None
+    format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None  # the default, the only one
 
 
 class ResponseStreamOptions(_Body):
-    include_obfuscation: Literal[False] = False
+    include_obfuscation: only(False) = False
+
+
+Status = Literal["in_progress", "completed", "incomplete"]
+
+
+class InputText(_Body):
+    """A message's text part: input_text (what a client writes) or output_text (an answer sent back)."""
+
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list[Any] | None = None  # an output_text sent back as it came
+    logprobs: list[Any] | None = None
+
+
+Parts = list[union_of({k: InputText for k in ("input_text", "output_text", "text")}, _unsupported("part", TEXT_ONLY))]
+
+
+class MessageItem(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | Parts
+    id: str | None = None
+    status: Status | None = None
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = "{}"
+    id: str | None = None
+    status: Status | None = None
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | Parts
+    id: str | None = None
+    status: Status | None = None
+
+
+class ReasoningPart(_Body):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryPart(_Body):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningItem(_Body):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[SummaryPart] = Field(default_factory=list)
+    content: list[ReasoningPart] | None = None
+    encrypted_content: str | None = None
+    status: Status | None = None
+
+
+ITEMS = "item type", "give message, function_call, function_call_output or reasoning items"
+InputItem = union_of(
+    {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+     "reasoning": ReasoningItem},
+    _unsupported(*ITEMS), default="message",
+)  # fmt: skip
+
+
+_ITEM = TypeAdapter(InputItem)
 
 
 class ResponsesRequest(_Body):
     model: str | None = None
-    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -106,7 +198,7 @@ class ResponsesRequest(_Body):
     @model_validator(mode="after")
     def _top_logprobs_with_include(self):
         if self.top_logprobs is not None and LOGPROBS not in (self.include or ()):
-            raise ValueError(f"top_logprobs needs include: [{LOGPROBS!r}]")
+            raise ValueError(f"top_logprobs: needs include: [{LOGPROBS!r}]")
         return self
 
 
@@ -151,7 +243,7 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
                                    param="previous_response_id")  # fmt: skip
             conversation = [*history, *input_messages(req.input)]
             chat_body = to_chat(req, conversation)
-            creq = toolkit.validate(ChatRequest, chat_body)
+            creq = toolkit.validate(ChatRequest, chat_body, RENAMES)
             prompt = toolkit.build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
             grammar = toolkit.build(lambda: request_shape(srv.grammars, creq, chat_body, prompt.tools, prompt.grammar))
             return req, creq, conversation, prompt, grammar
@@ -176,25 +268,26 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
         return _final(shell, job, outcome, meta, prompt.thinking, show)
 
 
-def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses input items -> chat messages (OpenAI chat JSON)."""
+def input_messages(given: str | list) -> list[dict[str, Any]]:
+    """Responses input items (`InputItem`s, or their JSON, checked here) -> chat messages (OpenAI chat JSON)."""
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
     out: list[dict[str, Any]] = []
     reasoning = ""
     for i, item in enumerate(given):
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise ApiError(400, f"input.{i}.role: must be user, assistant, system or developer", param="input")
-            msg: dict[str, Any] = {"role": role, "content": _parts_text(item.get("content"), f"input.{i}.content")}
-            if role == "assistant" and reasoning:
+        if isinstance(item, dict):
+            item = _ITEM.validate_python(item)
+        if isinstance(item, MessageItem):
+            msg: dict[str, Any] = {"role": item.role, "content": _parts_text(item.content)}
+            if item.role == "assistant" and reasoning:
                 msg["reasoning_content"], reasoning = reasoning, ""
             out.append(msg)
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}  # fmt: skip
+        elif isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             last = out[-1] if out else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": ""}
@@ -202,36 +295,31 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                     last["reasoning_content"], reasoning = reasoning, ""
                 out.append(last)
             last.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
-            output = item.get("output")
-            text = output if isinstance(output, str) else _parts_text(output, f"input.{i}.output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
-        elif kind == "reasoning":
-            parts = [*(item.get("content") or []), *(item.get("summary") or [])]
-            text = "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
-            if not text and item.get("encrypted_content") is not None:
-                text = decrypt(item["encrypted_content"], f"input.{i}.encrypted_content")
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _parts_text(item.output)})
+        elif isinstance(item, ReasoningItem):
+            text = "".join(p.text for p in [*(item.content or ()), *item.summary])
+            if not text and item.encrypted_content is not None:
+                text = decrypt(item.encrypted_content, f"input.{i}.encrypted_content")
             reasoning += text
         else:
-            raise ApiError(400, f"input.{i}: item type {kind!r} is not supported (message, function_call,"
-                           " function_call_output, reasoning)", param="input")  # fmt: skip
+            raise TypeError(f"input item {i} was not checked: {item!r}")
     return out
 
 
-def _parts_text(content: Any, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise ApiError(400, f"{where}: text or a list of text parts", param="input")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise ApiError(
-                400, f"{where}.{j}: part {kind!r} is not supported: this model reads text only", param="input"
-            )
-        texts.append(part.get("text") or "")
-    return "".join(texts)
+def _parts_text(content: str | list[InputText]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+# a field of the chat request translated from a Responses one -> the Responses field it came from
+RENAMES = (
+    (r"^tools\.(\d+)\.function\.", r"tools.\1."),
+    (r"^response_format\.json_schema\b", "text.format"),
+    (r"^response_format\b", "text.format"),
+    (r"^max_tokens\b", "max_output_tokens"),
+    (r"^reasoning_effort\b", "reasoning.effort"),
+    (r"^messages\b(\.\d+)?", "input"),  # instructions and history shift the chat messages' indices
+)
 
 
 def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[str, Any]:
@@ -252,18 +340,11 @@ def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[s
     if req.reasoning is not None and req.reasoning.effort is not None:
         body["reasoning_effort"] = req.reasoning.effort
     fmt = req.text.format if req.text is not None else None
-    if fmt is not None:
-        if fmt.get("type") not in ("text", "json_object", "json_schema"):
-            raise ApiError(400, "text.format.type: text, json_object or json_schema", param="text.format")
-        known = {"type", "name", "schema", "strict", "description"} if fmt["type"] == "json_schema" else {"type"}
-        extra = sorted(set(fmt) - known)
-        if extra:
-            raise ApiError(400, f"text.format.{extra[0]}: not a field of a {fmt['type']} format", param="text.format")
-        if fmt["type"] == "json_schema":
-            spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-            body["response_format"] = {"type": "json_schema", "json_schema": spec}
-        else:
-            body["response_format"] = {"type": fmt["type"]}
+    if isinstance(fmt, FormatJsonSchema):
+        spec = fmt.model_dump(exclude_none=True, by_alias=True, exclude={"type"})
+        body["response_format"] = {"type": "json_schema", "json_schema": spec}
+    elif fmt is not None:
+        body["response_format"] = {"type": fmt.type}
     return body
 
 
@@ -289,7 +370,7 @@ def _shell(req: ResponsesRequest, meta: Meta) -> dict[str, Any]:
         "previous_response_id": req.previous_response_id,
         "reasoning": req.reasoning.model_dump(exclude_none=True) if req.reasoning else {"effort": None},
         "store": req.store, "temperature": req.temperature if req.temperature is not None else 1.0,
-        "text": {"format": {"type": "text"}, **(req.text.model_dump(exclude_none=True) if req.text else {})},
+        "text": {"format": {"type": "text"}, **(req.text.model_dump(exclude_none=True, by_alias=True) if req.text else {})},
         "tool_choice": _dump(req.tool_choice) if req.tool_choice is not None else "auto",
         "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()], "top_p": req.top_p if req.top_p is not None else 1.0,
         "truncation": req.truncation or "disabled", "user": req.user, "usage": None,

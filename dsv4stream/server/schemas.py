@@ -13,9 +13,9 @@ with their keys in the client's order.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 
 class _Body(BaseModel):
@@ -73,6 +73,47 @@ Seed = Annotated[int, Field(ge=-1, le=2**64 - 1)]
 MAX_N = 16  # choices per request: each costs a whole generation here
 
 
+def only(value: bool | int) -> Any:
+    """A field whose one meaningful value here is `value`, of `value`'s JSON type (a Literal
+    would take 0 for false and true for 1: Python's equality)."""
+
+    def check(given: Any) -> Any:
+        if given != value:
+            raise ValueError(f"only {str(value).lower()} is served here")
+        return given
+
+    return Annotated[type(value), AfterValidator(check)]
+
+
+TEXT_ONLY = "this model reads text only"  # the answer to an image, audio or file part
+
+
+def _kind(value: Any, known: tuple[str, ...], default: str | None = None) -> str:
+    """A content part's or block's `type` when this server reads that type, else "other"."""
+    kind = value.get("type", default) if isinstance(value, dict) else None
+    return kind if kind in known else "other"
+
+
+def _unsupported(what: str, reads: str):
+    """The schema of a part or block whose type is not read here: a 400 saying which types are."""
+
+    def refuse(value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else type(value).__name__
+        raise ValueError(f"{what} {kind!r} is not supported: {reads}")
+
+    return Annotated[Any, AfterValidator(refuse)]
+
+
+def union_of(known: dict[str, Any], other: Any, default: str | None = None) -> Any:
+    """The models of `known` types told apart by their `type` (`default` when it is missing);
+    any other type validated as `other`."""
+    names = tuple(known)
+    # the tags show in an error's location; `toolkit.validate` drops them, as they are no JSON keys
+    tagged = [Annotated[model, Tag(f"type={name}")] for name, model in known.items()]
+    choice = Union[(*tagged, Annotated[other, Tag("type=other")])]  # a union built at run time
+    return Annotated[choice, Discriminator(lambda v: f"type={_kind(v, names, default)}")]
+
+
 class Sampling(_Body):
     model: str | None = None
     stream: bool = False
@@ -94,7 +135,7 @@ class Sampling(_Body):
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if getattr(self, "stream_options", None) is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
+            raise ValueError("stream_options: only allowed with stream: true")
         return self
 
 
@@ -109,9 +150,17 @@ class ToolCallIn(_Body):
     function: Function
 
 
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+ChatPart = union_of({"text": TextPart}, _unsupported("content part", TEXT_ONLY))
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ChatPart] | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -121,6 +170,8 @@ class ChatMessage(_Body):
     def _name_only_on_tool_results(self):
         if self.name is not None and self.role != "tool":
             raise ValueError(f"name: {REFUSED['name']} (a {self.role} message cannot carry one)")
+        if self.content is None and self.role in ("user", "tool"):  # the chat format has no empty turn of theirs
+            raise ValueError(f"content: a {self.role} message needs content (text), not null")
         return self
 
 
@@ -152,7 +203,7 @@ class Thinking(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    include_obfuscation: Literal[False] = False
+    include_obfuscation: only(False) = False
 
 
 class JsonSchemaFormat(_Body):
@@ -187,14 +238,14 @@ class ChatRequest(Sampling):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     parallel_tool_calls: bool | None = None
-    store: Literal[False] | None = None  # nothing is stored here
+    store: only(False) | None = None  # nothing is stored here
     modalities: list[Literal["text"]] | None = None
     verbosity: Literal["medium"] | None = None  # the default, the only one
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise ValueError("top_logprobs: needs logprobs: true")
         return self
 
 
@@ -202,9 +253,9 @@ class CompletionRequest(Sampling):
     prompt: str | Annotated[list[int], Field(min_length=1)]
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stream_options: StreamOptions | None = None
-    echo: Literal[False] = False
+    echo: only(False) = False
     suffix: None = None
-    best_of: Literal[1] | None = None
+    best_of: only(1) | None = None
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # legacy: the alternatives per token
 
 
@@ -224,12 +275,13 @@ class AnthropicThinking(_Body):
         if self.type == "enabled" and self.budget_tokens is None:
             raise ValueError("thinking of type enabled needs budget_tokens")
         if self.type != "enabled" and self.budget_tokens is not None:
-            raise ValueError(f"budget_tokens goes with thinking of type enabled, not {self.type}")
+            raise ValueError(f"budget_tokens: goes with thinking of type enabled, not {self.type}")
         return self
 
 
 class AnthropicTool(_Body):
-    name: Annotated[str, Field(min_length=1, max_length=128)]
+    # the names the chat format's tools take (FunctionDef's)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
@@ -263,12 +315,55 @@ class OutputConfig(_Body):
     format: JsonOutputFormat | None = None
 
 
+class AnthropicText(_Body):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+
+
+class AnthropicThinkingBlock(_Body):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class AnthropicToolUse(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+AnthropicTextBlocks = list[union_of({"text": AnthropicText}, _unsupported("content block", TEXT_ONLY))]
+
+
+class AnthropicToolResult(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | AnthropicTextBlocks | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+AnthropicBlock = union_of(
+    {"text": AnthropicText, "thinking": AnthropicThinkingBlock, "tool_use": AnthropicToolUse,
+     "tool_result": AnthropicToolResult},
+    _unsupported("content block", TEXT_ONLY),
+)  # fmt: skip
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[AnthropicBlock]
+
+
 class CountRequest(_Body):
     """`POST /v1/messages/count_tokens`: a Messages request without max_tokens."""
 
     model: str | None = None
-    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
-    system: str | list[dict[str, Any]] | None = None
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: str | AnthropicTextBlocks | None = None
     thinking: AnthropicThinking | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
@@ -282,6 +377,6 @@ class AnthropicRequest(CountRequest):
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: Annotated[list[str], Field(max_length=16)] | None = None
     metadata: AnthropicMetadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here

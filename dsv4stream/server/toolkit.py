@@ -16,6 +16,7 @@ line per request. Each API's shapes are its own module's (`openai`, `anthropic`,
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -166,24 +167,58 @@ def depth(obj: Any) -> int:
     return deepest
 
 
-def validate(model: type[M], body: dict[str, Any]) -> M:
+def validate(model: type[M], body: dict[str, Any], renames: tuple[tuple[str, str], ...] = ()) -> M:
     """`body` checked against `model`; the first problem as a 400 that names the field (a field
-    this server does not read included: nothing is ignored)."""
+    this server does not read included: nothing is ignored). `renames`: (regex, replacement)
+    pairs that turn a field of `body` into the client's name for it, where `body` is another
+    API's request translated (the Anthropic `stop_sequences` checked as OpenAI's `stop`)."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
         errors = e.errors()
-        # a field we do not read says more than the type errors pydantic found beside it
-        first = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
-        where = ".".join(str(p) for p in first["loc"]) or "body"
+        # a field we do not read says more than the type errors pydantic found beside it; among
+        # a union's alternatives, the one that went deepest into the value says what is wrong
+        first = next((x for x in errors if x["type"] == "extra_forbidden"), None)
+        if first is None:
+            first = max(errors, key=lambda x: len(field_path(x["loc"], body, x["type"])))
+        path = field_path(first["loc"], body, first["type"])
+        msg = first["msg"].removeprefix("Value error, ")
+        # a rule between an object's fields says which one it is about: "top_logprobs: needs ..."
+        named = re.match(r"([a-z_]+): ", msg)
+        if named and first["type"] == "value_error" and named[1] in at(body, path):
+            path, msg = [*path, named[1]], msg[named.end() :]
+        where = ".".join(str(p) for p in path) or "body"
+        for pattern, name in renames:
+            where = re.sub(pattern, name, where)
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         if first["type"] == "extra_forbidden":
             name = str(first["loc"][-1])
             why = REFUSED.get(name, "not a field this server reads")
             message = f"{where}: not supported here ({why}); docs/serving.md lists the fields of each endpoint"
             raise ApiError(400, message, code="unsupported_field", param=where) from None
-        msg = first["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"{where}: {msg}{more}", code="invalid_field", param=where) from None
+
+
+def at(body: Any, path: list) -> Any:
+    """The JSON value at `path` (one `field_path` returned): {} where it is no object."""
+    for step in path:
+        body = body[step]
+    return body if isinstance(body, dict) else {}
+
+
+def field_path(loc: tuple, body: Any, kind: str) -> list:
+    """The JSON path of a pydantic error's location: the keys and indices that lead into `body`.
+    The rest are pydantic's names for a union's alternatives (`str`, `list[...]`, `type=text`),
+    which the client never wrote; a missing field's name is kept at the end."""
+    path, node = [], body
+    for i, step in enumerate(loc):
+        key = isinstance(node, dict) and isinstance(step, str) and step in node
+        if key or (isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node)):
+            path.append(step)
+            node = node[step]
+        elif i == len(loc) - 1 and kind == "missing":
+            path.append(step)
+    return path
 
 
 def build(make: Callable[[], Prompt]) -> Prompt:
@@ -243,20 +278,31 @@ def make_job(
 def logit_bias(srv: ServerState, bias: dict[str, float] | None) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        if not (key.isascii() and key.isdigit() and int(key) < srv.tok.n_tokens):
-            raise ApiError(400, f"logit_bias: {key!r} is not a token id (0..{srv.tok.n_tokens - 1})",
+        # the length first: int() of thousands of digits is refused by Python itself (a 500)
+        if not (key.isascii() and key.isdigit() and len(key) <= 12 and int(key) < srv.tok.n_tokens):
+            raise ApiError(400, f"logit_bias: {key[:20]!r} is not a token id (0..{srv.tok.n_tokens - 1})",
                            code="invalid_field", param="logit_bias")  # fmt: skip
         out[int(key)] = value
     return out
 
 
+GONE_POLL = 0.25  # seconds between looks for a vanished client while a non-streamed answer is made
+
+
 async def wait_done(job: Job, events: Events, request: Request) -> list[Outcome]:
+    """The job's outcomes once it is done. The client is looked for every GONE_POLL seconds
+    whether or not events flow (they do for every token: looking only when none came let an
+    abandoned n=16 request run to its end); once it is gone the job is cancelled."""
+    loop = asyncio.get_running_loop()
+    look_at = loop.time() + GONE_POLL
     try:
         while True:
-            ev = await events.next(0.5)
-            if ev is None:
+            ev = await events.next(GONE_POLL)
+            if loop.time() >= look_at:
                 if await request.is_disconnected():
                     raise ApiError(499, "client closed the request", code="client_gone")
+                look_at = loop.time() + GONE_POLL
+            if ev is None:
                 continue
             kind, payload = ev
             if kind == "done":
