@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from v41_reference import _seq_room, build_model
+from v41_reference import Boundaries, _seq_room, build_model
 
 
 def _sibling(ref, name: str):
@@ -32,8 +32,11 @@ def _sibling(ref, name: str):
     return sys.modules[f"{base}.{name}"] if f"{base}.{name}" in sys.modules else sys.modules[name]
 
 
-def reference_image_run(reference: Path, ckpt: Path, ids: np.ndarray, images: list[Path], mode: str, numerics: str):
-    """(logits (T', vocab), tokens (T',), types (T',), embeds (T', D)) of one run."""
+def reference_image_run(
+    reference: Path, ckpt: Path, ids: np.ndarray, images: list[Path], mode: str, numerics: str, gaps: dict | None = None
+):
+    """(logits (T', vocab), tokens (T',), types (T',), embeds (T', D)) of one run; `gaps`, if
+    given, receives the smallest top-k boundary gaps (`Boundaries`)."""
     import torch
 
     config = json.loads((ckpt / "config.json").read_text())
@@ -57,7 +60,7 @@ def reference_image_run(reference: Path, ckpt: Path, ids: np.ndarray, images: li
         inputs.append(ip.ImageInput(len(tokens), patches, vh, vw, t))
         tokens += [image_token_id] * t.numel()
         types += t.tolist()
-    model, _ = build_model(reference, ckpt, numerics, "owner", max_seq_len=_seq_room(len(tokens)), vision=True)
+    model, ref = build_model(reference, ckpt, numerics, "owner", max_seq_len=_seq_room(len(tokens)), vision=True)
     seen = {}
     merge = model.merge_image_embeddings
 
@@ -70,11 +73,14 @@ def reference_image_run(reference: Path, ckpt: Path, ids: np.ndarray, images: li
     tt = torch.tensor(types, dtype=torch.int64)[None]
     end = max(i for i, t in enumerate(types) if t >= 0) + 1 if inputs else 1
     first = len(tokens) if mode == "prefill" else end
-    _, logits, _ = model(x[:, :first], 0, images=[inputs] if inputs else None, token_types=tt[:, :first])
-    rows = [logits[0].float().numpy().copy()]
-    for p in range(first, len(tokens)):
-        _, lg, _ = model(x[:, p : p + 1], p)
-        rows.append(lg.reshape(-1, lg.shape[-1])[-1:].float().numpy().copy())
+    with Boundaries(ref).watching() as b:
+        _, logits, _ = model(x[:, :first], 0, images=[inputs] if inputs else None, token_types=tt[:, :first])
+        rows = [logits[0].float().numpy().copy()]
+        for p in range(first, len(tokens)):
+            _, lg, _ = model(x[:, p : p + 1], p)
+            rows.append(lg.reshape(-1, lg.shape[-1])[-1:].float().numpy().copy())
+    if gaps is not None:
+        gaps.update(b.gaps)
     with torch.inference_mode():
         emb = model.embed(x)[0].float().numpy().copy()
     if "h" in seen:

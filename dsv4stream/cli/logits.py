@@ -141,7 +141,10 @@ def logits(
         opts = V41Options(numerics=numerics or "official", index_keys=index_keys or "owner")
     eng = Engine.open(checkpoint, threads=threads, v41=opts)
     spans, types = None, np.full(ids.size, TEXT, dtype=np.int64)
-    if files or (eng.cfg.image_token_id is not None and np.any(ids == eng.cfg.image_token_id)):
+    # with a vision tower every marker needs its image; without one (and no --image) the
+    # marker id is an ordinary token, as in DeepSeek's forward without token types
+    markers = eng.cfg.image_token_id is not None and bool(np.any(ids == eng.cfg.image_token_id))
+    if files or (markers and eng.cfg.vision is not None):
         ip = image_prompt(eng, ids, decode_images(eng, files))
         ids, types, spans = ip.ids, ip.types, ip.spans
     chunk, segment = parse_mode(mode, ids.size)
