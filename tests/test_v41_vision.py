@@ -236,3 +236,18 @@ def test_spans_go_in_the_first_pass(tmp_path):
     s.prefill(ip.ids[:1])
     with pytest.raises(UsageError, match="first prefill"):
         s.prefill(ip.ids, spans=ip.spans)
+
+
+def test_exif_orientation_only_when_asked(tmp_path):
+    """The reference ignores EXIF orientation (logits must match it); `exif_transpose=True`, for
+    callers that show images as a viewer does, applies it."""
+    from PIL import Image
+
+    from dsv4stream.text.image import decode_image
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    f = tmp_path / "r.jpg"
+    Image.new("RGB", (12, 5), (1, 2, 3)).save(f, "JPEG", exif=exif)
+    assert decode_image(f.read_bytes(), "r").size == (12, 5)
+    assert decode_image(f.read_bytes(), "r", exif_transpose=True).size == (5, 12)
