@@ -163,10 +163,28 @@ def reference_config(config: dict) -> dict:
     }
 
 
-def reference_args(ref, config: dict, max_seq_len: int):
+def reference_vision(config: dict) -> dict:
+    """The reference's vision_* ModelArgs for a release config.json's vision_config."""
+    v = config["vision_config"]
+    return {
+        "vision_n_layers": v["num_hidden_layers"],
+        "vision_dim": v["hidden_size"],
+        "vision_n_heads": v["num_attention_heads"],
+        "vision_inter_dim": v["intermediate_size"],
+        "vision_patch_size": v["patch_size"],
+        "vision_rope_theta": float(v["rope_theta"]),
+        "vision_downsample_ratio": v["downsample_ratio"],
+        "vision_max_n_token": v["max_image_tokens"],
+        "vision_min_pixels": v["min_pixels"],
+        "vision_max_wh_ratio": v.get("max_wh_ratio"),
+    }
+
+
+def reference_args(ref, config: dict, max_seq_len: int, vision: bool = False):
     """The reference's ModelArgs for a release config.json, for one sequence of up to max_seq_len.
 
-    Vision and the DSpark drafter are left out: neither runs in a text forward. norm_topk_prob
+    The DSpark drafter is left out, and vision unless asked for (`tools/v41_reference_vision.py`):
+    neither runs in a text forward. norm_topk_prob
     is the reference's default (True): the release states it in config.json, inference/config.json
     does not."""
     d = reference_config(config)
@@ -174,9 +192,8 @@ def reference_args(ref, config: dict, max_seq_len: int):
     d.update({k: tuple(d[k]) for k in tuples})
     if not config["text_config"].get("norm_topk_prob", True):
         d["norm_topk_prob"] = False
-    return ref.ModelArgs(
-        max_batch_size=1, max_seq_len=max_seq_len, temperature=0.0, vision_n_layers=0, dspark_block_size=0, **d
-    )
+    d.update(reference_vision(config) if vision else {"vision_n_layers": 0})
+    return ref.ModelArgs(max_batch_size=1, max_seq_len=max_seq_len, temperature=0.0, dspark_block_size=0, **d)
 
 
 class HFTokenizer:
@@ -394,13 +411,13 @@ def to_fp32(model) -> None:
             p.data = p.data.float()
 
 
-def build_model(reference: Path, ckpt: Path, numerics: str, index_keys: str, max_seq_len: int):
+def build_model(reference: Path, ckpt: Path, numerics: str, index_keys: str, max_seq_len: int, vision: bool = False):
     """(model, reference module) loaded from the checkpoint, with the run-time changes applied."""
     import torch
 
     ref = load_reference(reference)
     config = json.loads((ckpt / "config.json").read_text())
-    args = reference_args(ref, config, max_seq_len)
+    args = reference_args(ref, config, max_seq_len, vision)
     tok = HFTokenizer(ckpt / "tokenizer.json") if args.engram_layer_ids else None
     if index_keys == "owner":
         use_owner_index_keys(ref)

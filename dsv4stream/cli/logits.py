@@ -6,6 +6,13 @@ one prefill chunk, one token at a time (a decode step per token), or chunks of N
 the same numbers up to float rounding (for V4.1 with `--index-keys owner`, the default).
 DeepSeek-V4.1 checkpoints also take `--numerics official|fp32` and `--index-keys
 owner|as-shipped` (`engine.stack_v41.V41Options`); V4 runs float32 activations only.
+
+Images (V4.1 with a vision tower): `--image FILE` once per `image_token_id` marker in the
+tokens, in order; each marker expands to its span (`engine.images`), the logits cover the
+expanded sequence, and `--embeds-out E.npz` writes `tokens` and `types` int64 [T'] (-1 text,
+0 start, 1 image, 2 newline, 3 end) and `embeds` float32 [T', hidden], the input rows with the
+spans filled. With images, `--mode step` is one prefill through the last span, then a step per
+token (DeepSeek's reference takes images only in the first forward pass).
 """
 
 from __future__ import annotations
@@ -16,10 +23,12 @@ from pathlib import Path
 import click
 import numpy as np
 
+from ..engine.images import decode_images, image_prompt
 from ..engine.session import Engine
 from ..engine.stack_v41 import V41Options
 from ..errors import UsageError
 from ..files import AtomicFile
+from ..text.image import TEXT, read_image_file
 from .outputs import check_output
 
 
@@ -93,21 +102,60 @@ def parse_mode(mode: str, n: int) -> tuple[int, int | None]:
     help="V4.1: owner (each source's own index keys, prefill = decode; the default) or as-shipped"
     " (DeepSeek's decode: stale keys on ratio-2 sources every other step).",
 )
+@click.option(
+    "--image",
+    "images",
+    multiple=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="V4.1: an image for the next image marker in the tokens (repeat, in order).",
+)
+@click.option(
+    "--embeds-out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Also write tokens, types and input rows of the expanded sequence to this .npz.",
+)
 @click.option("--threads", type=int, default=None, help="Kernel threads (results do not depend on it).")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def logits(
-    checkpoint: Path, tokens, tokens_file, out: Path, mode: str, numerics, index_keys, threads, debug: bool
+    checkpoint: Path,
+    tokens,
+    tokens_file,
+    out: Path,
+    mode: str,
+    numerics,
+    index_keys,
+    images: tuple[Path, ...],
+    embeds_out: Path | None,
+    threads,
+    debug: bool,
 ) -> None:
     """Write float32 logits [T, vocab] for every position of a token sequence."""
     check_output(out, "--out")
+    if embeds_out is not None:
+        check_output(embeds_out, "--embeds-out")
     ids = parse_tokens(tokens, tokens_file)
-    chunk, segment = parse_mode(mode, ids.size)
+    files = [(str(p), read_image_file(p)) for p in images]
     opts = None
     if numerics is not None or index_keys is not None:
         opts = V41Options(numerics=numerics or "official", index_keys=index_keys or "owner")
     eng = Engine.open(checkpoint, threads=threads, v41=opts)
+    spans, types = None, np.full(ids.size, TEXT, dtype=np.int64)
+    # with a vision tower every marker needs its image; without one (and no --image) the
+    # marker id is an ordinary token, as in DeepSeek's forward without token types
+    markers = eng.cfg.image_token_id is not None and bool(np.any(ids == eng.cfg.image_token_id))
+    if files or (markers and eng.cfg.vision is not None):
+        ip = image_prompt(eng, ids, decode_images(eng, files))
+        ids, types, spans = ip.ids, ip.types, ip.spans
+    chunk, segment = parse_mode(mode, ids.size)
     session = eng.session(chunk_size=chunk, segment=segment)
-    result = session.prefill(ids).astype(np.float32, copy=False)
+    result = session.prefill(ids, spans=spans).astype(np.float32, copy=False)
     with AtomicFile(out, "wb") as f:  # keep the exact name (np.save would append .npy)
         np.save(f.file, result)
+    if embeds_out is not None:
+        emb = np.array(eng.trunk.embed(ids), dtype=np.float32)
+        if spans is not None:
+            spans.fill(emb)
+        with AtomicFile(embeds_out, "wb") as f:
+            np.savez(f.file, tokens=ids, types=types, embeds=emb)
     click.echo(f"{out}: logits {result.shape[0]} x {result.shape[1]} float32 ({mode})")

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog, TensorSource
-from ..checkpoint.config import ModelConfig
+from ..checkpoint.config import V41, ModelConfig
 from ..checkpoint.spec import layer_prefix
 from ..errors import NumericsError, UsageError
 from ..model.moe import ExpertWeights
@@ -38,7 +38,7 @@ from ..text.sampler import greedy
 from ..weights.providers import CatalogExperts, CatalogTrunk, EngramRows, ExpertKey, Experts, Trunk
 from .family import build_stack
 from .phases import Meter, PhaseLog, PrefillStep, StepClock, Turn, no_reads
-from .stack_v41 import EngramIds, V41Options
+from .stack_v41 import EngramIds, SpanRows, V41Options
 from .state import SessionState, capture, thaw
 from .steps import Pass, PassContext, Stack
 from .threads import ThreadGovernor
@@ -227,6 +227,7 @@ class Session:
         progress: Callable[[int], None] | None = None,
         on_layer: LayerHook | None = None,
         boundaries: Collection[int] = (),
+        spans: SpanRows | None = None,
     ) -> np.ndarray:
         """Feed tokens in segments: logits (T, vocab) float32, or (vocab,) for the last with last_only.
 
@@ -235,13 +236,22 @@ class Session:
         a snapshot. `boundaries`: token counts (0 < b < len) where a segment must also end, so
         that `progress` sees the state there (a server keeps the state one token short of the
         prompt). `on_layer(PrefillStep)` runs after each layer of each segment; raising there
-        stops within one layer, and leaves the session torn."""
+        stops within one layer, and leaves the session torn.
+
+        `spans` (V4.1): the image spans of these tokens (`engine.images`). As DeepSeek's
+        reference requires, they go in the first forward pass of a fresh sequence: the first
+        segment is stretched to hold the last span."""
         ids = self._check_ids(token_ids)
         if ids.size == 0:
             raise UsageError("prefill needs at least one token")
         out = []
         n, seg = ids.size, self.segment
         cuts = sorted({*range(seg, n, seg), *(int(b) for b in boundaries if 0 < b < n), n})
+        if spans is not None:
+            if self.stack.family != V41 or self.pos != 0 or spans.types.size != n:
+                raise UsageError("images go only at the start of a fresh DeepSeek-V4.1 sequence (its first prefill)")
+            last = int(np.flatnonzero(spans.mask)[-1]) + 1 if spans.mask.any() else 0
+            cuts = [c for c in cuts if c >= last]
         segments = len(cuts)
 
         def layer_done(step: PrefillStep) -> None:
@@ -255,7 +265,8 @@ class Session:
             hook = lambda i, j=j, a=a, t=part.size: layer_done(
                 PrefillStep(i + 1, self.cfg.n_layers, j + 1, segments, a, t, n)
             )
-            out.append(self._forward(part, logits=want_logits, last_only=last_only, after_layer=hook))
+            part_spans = None if spans is None or a > 0 else spans.part(a, b)
+            out.append(self._forward(part, logits=want_logits, last_only=last_only, after_layer=hook, spans=part_spans))
             if progress is not None:
                 progress(a + part.size)
         return out[-1][-1] if last_only else np.concatenate(out)
@@ -405,13 +416,14 @@ class Session:
         logits: bool,
         last_only: bool,
         after_layer: Callable[[int], None] | None = None,
+        spans: SpanRows | None = None,
     ) -> np.ndarray | None:
         """One segment through every layer: begin (reads ahead, embedding), each layer (attention
         in sub-chunks, then one MoE pass), then the logits. A failure on the way leaves the
         session torn: its layers' states are out of step with one another."""
         if self.before_pass is not None:
             self.before_pass(ids.size)
-        p = self._begin(ids)  # nothing of the state has changed yet: a failure here leaves it whole
+        p = self._begin(ids, spans)  # nothing of the state has changed yet: a failure here leaves it whole
         try:
             for i in range(self.cfg.n_layers):
                 self._layer(p, i)
@@ -423,15 +435,18 @@ class Session:
         self.pos += ids.size
         return self._logits(p, last_only) if logits else None
 
-    def _begin(self, ids: np.ndarray) -> Pass:
+    def _begin(self, ids: np.ndarray, spans: SpanRows | None = None) -> Pass:
         """The pass's positions and streams; the reads ahead started by `read_ahead` for exactly
-        these ids at this position are used, else started now."""
+        these ids at this position are used, else started now (with image spans: always now)."""
         ahead, self._ahead = self._ahead, None
+        positions = np.arange(self.pos, self.pos + ids.size, dtype=np.int64)
+        if spans is not None:
+            got = lambda: self.stack.read_ahead(ids, self.state, spans)
+            return self.stack.begin(ids, positions, self.state, got, spans)
         if ahead is not None and ahead.pos == self.pos and np.array_equal(ahead.ids, ids):
             got = lambda: ahead.payload
         else:
             got = lambda: self.stack.read_ahead(ids, self.state)
-        positions = np.arange(self.pos, self.pos + ids.size, dtype=np.int64)
         return self.stack.begin(ids, positions, self.state, got)
 
     def _layer(self, p: Pass, i: int) -> None:

@@ -11,6 +11,10 @@ Prefill is layer-major in segments as for V4, and exact whatever the segment and
 an index source publishes its choice per sub-chunk, so the layers after it read the choice made
 for the same queries; a KV source keeps its open group (ratio 2) between passes; the Engram
 history (the last n-gram size - 1 token classes) carries the hash across passes.
+
+Images (`SpanRows`, built by `engine.images`): the span positions' input rows replace the
+embedding, their tokens route with `gate.bias_vl`, the Engram adds nothing on them and no
+n-gram crosses them (DeepSeek's `Transformer.forward` with token types).
 """
 
 from __future__ import annotations
@@ -69,10 +73,12 @@ class EngramIds:
         self.layout = layout  # engram.HashLayout
         self.classes = classes  # engram.TokenClasses
 
-    def rows(self, history: tuple[int, ...], ids: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+    def rows(
+        self, history: tuple[int, ...], ids: np.ndarray, live: np.ndarray | None = None
+    ) -> tuple[np.ndarray, tuple[int, ...]]:
         from ..engram import row_ids
 
-        return row_ids(self.layout, self.classes.of(ids), tuple(history))
+        return row_ids(self.layout, self.classes.of(ids), tuple(history), live)
 
 
 def checkpoint_engram_ids(cat) -> EngramIds:
@@ -109,6 +115,30 @@ def engram_pieces(provider: EngramRows, layer: int, ids: np.ndarray, chunk: int)
         yield provider.rows(layer, ids[a : a + chunk])
 
 
+@dataclass(frozen=True)
+class SpanRows:
+    """One pass's image spans: types (T,) int64 (-1 text, >= 0 inside a span) and the span
+    positions' input rows (their count, D) float32, in order."""
+
+    types: np.ndarray
+    rows: np.ndarray
+
+    @property
+    def mask(self) -> np.ndarray:
+        return self.types >= 0
+
+    def part(self, a: int, b: int) -> SpanRows:
+        """The tokens a:b of the pass."""
+        k = int(np.count_nonzero(self.types[:a] >= 0))
+        n = int(np.count_nonzero(self.types[a:b] >= 0))
+        return SpanRows(self.types[a:b], self.rows[k : k + n])
+
+    def fill(self, emb: np.ndarray) -> np.ndarray:
+        """The embedding rows (T, D) with the span rows written in."""
+        emb[self.mask] = self.rows
+        return emb
+
+
 @dataclass
 class Carry:
     """Session state beside the layers': the index-key board and the Engram n-gram history."""
@@ -123,6 +153,7 @@ class V41Pass(Pass):
     rows: np.ndarray | None = None  # (T, n_engram_layers, columns) Engram row ids
     history: tuple[int, ...] = ()  # the Engram history after this pass
     published: list[Published] = field(default_factory=list)  # per attention sub-chunk
+    image: np.ndarray | None = None  # (T,) bool: image-span tokens (None: none)
 
 
 class V41Stack:
@@ -180,21 +211,34 @@ class V41Stack:
         layers = [new_layer_state(self.plan, i, self.cfg.index_head_dim) for i in range(self.cfg.n_layers)]
         return [*layers, Carry()]
 
-    def read_ahead(self, ids: np.ndarray, state: list) -> tuple[np.ndarray, tuple[int, ...]] | None:
-        """The Engram row ids of `ids` (from the history in `state`), with their reads started."""
+    def read_ahead(
+        self, ids: np.ndarray, state: list, spans: SpanRows | None = None
+    ) -> tuple[np.ndarray, tuple[int, ...]] | None:
+        """The Engram row ids of `ids` (from the history in `state`; image-span tokens cut the
+        n-grams), with their reads started."""
         if not self.engram_layers:
             return None
         carry: Carry = state[-1]
-        rows, history = self.engram_ids.rows(carry.history, ids)
+        rows, history = self.engram_ids.rows(carry.history, ids, None if spans is None else ~spans.mask)
         for k, layer in enumerate(self.engram_layers):
             self.engram_rows.prefetch(layer, rows[:, k])
         return rows, history
 
-    def begin(self, ids: np.ndarray, positions: np.ndarray, state: list, ahead: Callable[[], object]) -> V41Pass:
+    def begin(
+        self,
+        ids: np.ndarray,
+        positions: np.ndarray,
+        state: list,
+        ahead: Callable[[], object],
+        spans: SpanRows | None = None,
+    ) -> V41Pass:
         got = ahead()  # the Engram reads first: layer 1 needs them after one layer
         emb = self.trunk.embed(ids)
+        if spans is not None:
+            emb = spans.fill(np.array(emb, dtype=np.float32))
         x = np.repeat(emb[:, None, :], self.cfg.hc_mult, axis=1)
         p = V41Pass(ids, positions, x, pre=identity_pre(ids.size, self.cfg.hc_mult))
+        p.image = None if spans is None else spans.mask
         if got is not None:
             p.rows, p.history = got
         return p
@@ -212,7 +256,8 @@ class V41Stack:
             k = self.engram_layers.index(i)
             for a, rows in zip(range(0, t, c), engram_pieces(self.engram_rows, i, p.rows[:, k], c), strict=True):
                 b = min(t, a + c)
-                p.x[a:b] = engram(p.x[a:b], rows, w.engram, cfg.rms_norm_eps, self.plan.quantise)
+                live = None if p.image is None else ~p.image[a:b]
+                p.x[a:b] = engram(p.x[a:b], rows, w.engram, cfg.rms_norm_eps, self.plan.quantise, live)
         if not p.published:
             p.published = [Published() for _ in range(0, t, c)]
         a_pre = np.empty_like(p.pre)
@@ -223,7 +268,7 @@ class V41Stack:
                 x[a:b], p.pre[a:b], p.positions[a:b], w, layers, self.plan, p.published[j], carry.board, rope, self.hc
             )
         hook = ctx.routed(i, p.positions)
-        p.x, p.pre = ffn_half(x, a_pre, w, ctx.experts(i), self.moe, self.hc, hook, rows=c)
+        p.x, p.pre = ffn_half(x, a_pre, w, ctx.experts(i), self.moe, self.hc, hook, rows=c, image=p.image)
         if i == cfg.n_layers - 1:
             carry.history = tuple(p.history)
 

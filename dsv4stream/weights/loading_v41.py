@@ -28,6 +28,7 @@ from ..model.v41.engram import EngramWeights
 from ..model.v41.indexer import V41IndexerWeights
 from ..model.v41.kv import IndexKeyWeights, V41CompressorWeights
 from ..model.v41.moe import V41MoeWeights
+from ..model.v41.vision import VisionBlockWeights, VisionWeights
 from .loading import f32_qweight, split_rows
 
 
@@ -98,3 +99,38 @@ def load_layer(src: TensorSource, layer: int) -> V41LayerWeights:
 
 def load_head(src: TensorSource) -> V41HeadWeights:
     return V41HeadWeights(norm=src.f32(MODEL_V41["norm"]), head=replace(src.qweight(MODEL_V41["head"]), role="head"))
+
+
+def load_vision(src: TensorSource, cfg) -> VisionWeights:
+    """The vision tower, aligner and image delimiters as float32 (their stored BF16 values)."""
+    from ..checkpoint.spec_v41 import VISION_BLOCK
+
+    f = src.f32
+    blocks = []
+    for b in range(cfg.vision.num_hidden_layers):
+        n = {k: f"vision.blocks.{b}.{s}" for k, s in VISION_BLOCK.items()}
+        blocks.append(
+            VisionBlockWeights(
+                norm1=f(n["norm1"]),
+                wqkv=f(n["wqkv"] + ".weight"),
+                bqkv=f(n["wqkv"] + ".bias"),
+                wo=f(n["wo"] + ".weight"),
+                bo=f(n["wo"] + ".bias"),
+                norm2=f(n["norm2"]),
+                w1=f(n["w1"]),
+                w2=f(n["w2"]),
+            )
+        )
+    return VisionWeights(
+        patch_w=f("vision.patch_embed.proj.weight"),
+        patch_b=f("vision.patch_embed.proj.bias"),
+        blocks=tuple(blocks),
+        norm=f("vision.norm.weight"),
+        align_w1=f("aligner.w1.weight"),
+        align_b1=f("aligner.w1.bias"),
+        align_w2=f("aligner.w2.weight"),
+        align_b2=f("aligner.w2.bias"),
+        image_start=f("image_start"),
+        image_end=f("image_end"),
+        image_newline=f("image_newline"),
+    )

@@ -107,10 +107,12 @@ def ffn_half(
     hp: HcParams,
     on_route: Callable[[np.ndarray], None] | None = None,
     rows: int | None = None,
+    image: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Streams x (T, hc, D) and the attention half's pre (T, hc) -> (streams after the MoE, written
     into x; the next attention's pre (T, hc)). One MoE pass over all T tokens; the mixing runs `rows`
-    tokens at a time to bound its temporaries."""
+    tokens at a time to bound its temporaries. image (T,) bool: image-span tokens (routed with
+    `gate.bias_vl`)."""
     t, hc, d = x.shape
     rows = rows or t
     h = np.empty((t, d), dtype=F32)
@@ -121,7 +123,7 @@ def ffn_half(
         b = min(t, a + rows)
         f_pre[a:b], post[a:b], comb[a:b] = hc_mixes(x[a:b], w.hc_ffn, hp)
         h[a:b] = rms_norm(collapse(x[a:b], pre[a:b]), w.ffn_norm, hp.norm_eps)
-    y = moe(h, w.moe, each, mp, on_route)
+    y = moe(h, w.moe, each, mp, on_route, image)
     del h
     for a in range(0, t, rows):
         b = min(t, a + rows)
