@@ -93,10 +93,27 @@ def parse_mode(mode: str, n: int) -> tuple[int, int | None]:
     help="V4.1: owner (each source's own index keys, prefill = decode; the default) or as-shipped"
     " (DeepSeek's decode: stale keys on ratio-2 sources every other step).",
 )
+@click.option(
+    "--draft-out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="V4.1: also write the DSpark drafter's outputs (positions, logits [P, B, vocab], confidence [P, B]) to this .npz.",
+)
+@click.option("--draft-positions", default="all", show_default=True, help="With --draft-out: all or P1,P2,...")
 @click.option("--threads", type=int, default=None, help="Kernel threads (results do not depend on it).")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def logits(
-    checkpoint: Path, tokens, tokens_file, out: Path, mode: str, numerics, index_keys, threads, debug: bool
+    checkpoint: Path,
+    tokens,
+    tokens_file,
+    out: Path,
+    mode: str,
+    numerics,
+    index_keys,
+    draft_out: Path | None,
+    draft_positions: str,
+    threads,
+    debug: bool,
 ) -> None:
     """Write float32 logits [T, vocab] for every position of a token sequence."""
     check_output(out, "--out")
@@ -105,9 +122,31 @@ def logits(
     opts = None
     if numerics is not None or index_keys is not None:
         opts = V41Options(numerics=numerics or "official", index_keys=index_keys or "owner")
+    if draft_out is not None:
+        check_output(draft_out, "--draft-out")
     eng = Engine.open(checkpoint, threads=threads, v41=opts)
+    if draft_out is not None:
+        _with_drafts(eng, ids, out, draft_out, draft_positions, chunk, segment)
+        return
     session = eng.session(chunk_size=chunk, segment=segment)
     result = session.prefill(ids).astype(np.float32, copy=False)
     with AtomicFile(out, "wb") as f:  # keep the exact name (np.save would append .npy)
         np.save(f.file, result)
     click.echo(f"{out}: logits {result.shape[0]} x {result.shape[1]} float32 ({mode})")
+
+
+def _with_drafts(eng, ids, out: Path, draft_out: Path, spec: str, chunk: int, segment: int | None) -> None:
+    """The main logits to `out` and the DSpark drafter's outputs to `draft_out` (`engine.dspark_v41`)."""
+    from ..engine.dspark_v41 import draft_positions, teacher_forced_drafts
+    from ..weights.loading_dspark import check_drafter
+
+    check_drafter(eng.cfg)
+    positions = draft_positions(spec, ids.size, eng.cfg.dspark.block_size)
+    main, logits, conf = teacher_forced_drafts(eng, ids, positions, chunk, segment)
+    with AtomicFile(out, "wb") as f:
+        np.save(f.file, main)
+    with AtomicFile(draft_out, "wb") as f:
+        np.savez(f.file, positions=positions, logits=logits.astype(np.float32), confidence=conf.astype(np.float32))
+    click.echo(
+        f"{out}: logits {main.shape[0]} x {main.shape[1]} float32; {draft_out}: drafts at {positions.size} positions"
+    )

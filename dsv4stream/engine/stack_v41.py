@@ -213,6 +213,8 @@ class V41Stack:
             for a, rows in zip(range(0, t, c), engram_pieces(self.engram_rows, i, p.rows[:, k], c), strict=True):
                 b = min(t, a + c)
                 p.x[a:b] = engram(p.x[a:b], rows, w.engram, cfg.rms_norm_eps, self.plan.quantise)
+        if ctx.trace is not None:  # the streams entering the layer: the DSpark drafter's taps
+            ctx.trace("input", i, p.x)
         if not p.published:
             p.published = [Published() for _ in range(0, t, c)]
         a_pre = np.empty_like(p.pre)
