@@ -45,7 +45,10 @@ def draft_positions(spec: str, n_tokens: int, block: int) -> np.ndarray:
     return np.array(pos, dtype=np.int64)
 
 
-def _expert_source(experts, layer: int):
+def expert_source(experts, layer: int):
+    """The MoE's expert source for drafter block `layer` from the engine's provider (reads
+    started first, then in memory first where it has `get_many`)."""
+
     def each(ids: np.ndarray) -> Iterator[tuple[int, ExpertWeights]]:
         want = [int(e) for e in ids]
         experts.prefetch([(layer, e) for e in want])
@@ -96,7 +99,7 @@ def teacher_forced_drafts(
             p,
             engine.trunk.embed,
             head,
-            lambda layer: _expert_source(engine.experts, layer),
+            lambda layer: expert_source(engine.experts, layer),
             stack.rope_main,
         )
         lg, c = markov(d, ids[q + 1 : q + 1 + p.block_size], w)

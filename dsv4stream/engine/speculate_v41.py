@@ -24,7 +24,7 @@ from ..errors import UsageError
 from ..model.v41.dspark import draft, markov, new_state, observe
 from ..text.sampler import greedy
 from ..weights.loading_dspark import check_drafter, dspark_params, load_dspark
-from .dspark_v41 import _expert_source
+from .dspark_v41 import expert_source
 
 F32 = np.float32
 
@@ -65,7 +65,7 @@ class DSparkProposer:
             p,
             eng.trunk.embed,
             eng.stack.head_weights().head,
-            lambda layer: _expert_source(eng.experts, layer),
+            lambda layer: expert_source(eng.experts, layer),
             eng.stack.rope_main,
         )
         chain = [int(token)]
