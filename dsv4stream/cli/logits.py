@@ -115,6 +115,13 @@ def parse_mode(mode: str, n: int) -> tuple[int, int | None]:
     default=None,
     help="Also write tokens, types and input rows of the expanded sequence to this .npz.",
 )
+@click.option(
+    "--draft-out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="V4.1: also write the DSpark drafter's outputs (positions, logits [P, B, vocab], confidence [P, B]) to this .npz.",
+)
+@click.option("--draft-positions", default="all", show_default=True, help="With --draft-out: all or P1,P2,...")
 @click.option("--threads", type=int, default=None, help="Kernel threads (results do not depend on it).")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def logits(
@@ -127,6 +134,8 @@ def logits(
     index_keys,
     images: tuple[Path, ...],
     embeds_out: Path | None,
+    draft_out: Path | None,
+    draft_positions: str,
     threads,
     debug: bool,
 ) -> None:
@@ -139,6 +148,8 @@ def logits(
     opts = None
     if numerics is not None or index_keys is not None:
         opts = V41Options(numerics=numerics or "official", index_keys=index_keys or "owner")
+    if draft_out is not None:
+        check_output(draft_out, "--draft-out")
     eng = Engine.open(checkpoint, threads=threads, v41=opts)
     spans, types = None, np.full(ids.size, TEXT, dtype=np.int64)
     # with a vision tower every marker needs its image; without one (and no --image) the
@@ -148,6 +159,11 @@ def logits(
         ip = image_prompt(eng, ids, decode_images(eng, files))
         ids, types, spans = ip.ids, ip.types, ip.spans
     chunk, segment = parse_mode(mode, ids.size)
+    if draft_out is not None:
+        if spans is not None:
+            raise UsageError("--draft-out takes a text-only token sequence: leave out --image")
+        _with_drafts(eng, ids, out, draft_out, draft_positions, chunk, segment)
+        return
     session = eng.session(chunk_size=chunk, segment=segment)
     result = session.prefill(ids, spans=spans).astype(np.float32, copy=False)
     with AtomicFile(out, "wb") as f:  # keep the exact name (np.save would append .npy)
@@ -159,3 +175,20 @@ def logits(
         with AtomicFile(embeds_out, "wb") as f:
             np.savez(f.file, tokens=ids, types=types, embeds=emb)
     click.echo(f"{out}: logits {result.shape[0]} x {result.shape[1]} float32 ({mode})")
+
+
+def _with_drafts(eng, ids, out: Path, draft_out: Path, spec: str, chunk: int, segment: int | None) -> None:
+    """The main logits to `out` and the DSpark drafter's outputs to `draft_out` (`engine.dspark_v41`)."""
+    from ..engine.dspark_v41 import draft_positions, teacher_forced_drafts
+    from ..weights.loading_dspark import check_drafter
+
+    check_drafter(eng.cfg)
+    positions = draft_positions(spec, ids.size, eng.cfg.dspark.block_size)
+    main, logits, conf = teacher_forced_drafts(eng, ids, positions, chunk, segment)
+    with AtomicFile(out, "wb") as f:
+        np.save(f.file, main)
+    with AtomicFile(draft_out, "wb") as f:
+        np.savez(f.file, positions=positions, logits=logits.astype(np.float32), confidence=conf.astype(np.float32))
+    click.echo(
+        f"{out}: logits {main.shape[0]} x {main.shape[1]} float32; {draft_out}: drafts at {positions.size} positions"
+    )

@@ -258,6 +258,8 @@ class V41Stack:
                 b = min(t, a + c)
                 live = None if p.image is None else ~p.image[a:b]
                 p.x[a:b] = engram(p.x[a:b], rows, w.engram, cfg.rms_norm_eps, self.plan.quantise, live)
+        if ctx.trace is not None:  # the streams entering the layer: the DSpark drafter's taps
+            ctx.trace("input", i, p.x)
         if not p.published:
             p.published = [Published() for _ in range(0, t, c)]
         a_pre = np.empty_like(p.pre)
