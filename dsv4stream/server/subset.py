@@ -96,8 +96,8 @@ class _Normalizer:
         self.names: dict[str, str] = {}  # a target's pointer -> its name in the flat $defs
         self.defs: dict[str, Any] = {}
         self.todo: list[tuple[str, Any]] = []
-        self.anchors: dict[str, str] = {}
-        self._find_anchors(root, "")
+        self.anchors: dict[str, list[str]] = {}  # an $anchor's name -> the pointer's tokens
+        self._find_anchors(root, [])
 
     def run(self) -> dict[str, Any]:
         out = self._schema(self.root, "")
@@ -112,17 +112,16 @@ class _Normalizer:
     def _at(self, ptr: str) -> str:
         return f"{self.where}{ptr.replace('/', '.')}" if ptr else self.where
 
-    def _find_anchors(self, node: Any, ptr: str) -> None:
+    def _find_anchors(self, node: Any, at: list[str]) -> None:
         if isinstance(node, Mapping):
             if isinstance(node.get("$anchor"), str):
-                self.anchors[node["$anchor"]] = ptr
+                self.anchors[node["$anchor"]] = at
             for k, v in node.items():
-                if k in ("enum", "const", "default", "examples"):
-                    continue
-                self._find_anchors(v, f"{ptr}/{_escape(k)}")
+                if k not in ("enum", "const", "default", "examples"):
+                    self._find_anchors(v, [*at, str(k)])
         elif isinstance(node, list):
             for i, v in enumerate(node):
-                self._find_anchors(v, f"{ptr}/{i}")
+                self._find_anchors(v, [*at, str(i)])
 
     def _ref(self, ref: Any, ptr: str) -> str:
         """The flat `$defs` name of a `$ref`'s target (queued for normalizing)."""
@@ -134,17 +133,18 @@ class _Normalizer:
         if frag and not frag.startswith("/"):
             if frag not in self.anchors:
                 raise GrammarError(f"{at}.$ref: no $anchor named {frag[:80]!r} in the schema")
-            target = self.anchors[frag]
+            tokens = self.anchors[frag]
         else:
-            target = "".join(f"/{_escape(t)}" for t in pointer_tokens(frag))
+            tokens = pointer_tokens(frag)
         node: Any = self.root
-        for tok in pointer_tokens(target):
+        for tok in tokens:
             if isinstance(node, Mapping) and tok in node:
                 node = node[tok]
             elif isinstance(node, list) and tok.isdigit() and int(tok) < len(node):
                 node = node[int(tok)]
             else:
                 raise GrammarError(f"{at}.$ref: {ref[:80]!r} points at nothing in the schema")
+        target = "".join(f"/{_escape(t)}" for t in tokens)
         if target not in self.names:
             self.names[target] = f"r{len(self.names)}"
             self.todo.append((target, node))
@@ -188,8 +188,8 @@ class _Normalizer:
                 out[key] = ([self._schema(v, f"{sub}/{i}") for i, v in enumerate(value)]
                             if isinstance(value, list) else self._schema(value, sub))  # fmt: skip
             elif key in ("exclusiveMinimum", "exclusiveMaximum") and isinstance(value, bool):
-                raise GrammarError(f"{at}.{key}: give the bound as a number (the draft-4 boolean form is not"
-                                   " supported)")  # fmt: skip
+                raise GrammarError(f"{at}: {key!r} must be the bound itself, a number (the draft-4 boolean form"
+                                   " is not supported)")  # fmt: skip
             else:
                 out[key] = value
         if out.get("required") is not None and not (
