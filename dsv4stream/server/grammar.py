@@ -13,9 +13,15 @@ weights*:
   would run out of `max_tokens` mid-value. So near the end of the budget the constraint
   computes a short completion from where the output stands (fast-forced tokens, then
   closing characters `"`, `}`, `]` and the shortest values `0`, `""`, `[]`, `{}`, `true`,
-  `null`, then the shortest allowed token) and, once that completion plus EOS just fits in
-  what is left, forces it token by token. The answer is then a complete value, ending with
-  EOS, within `max_tokens`, unless the grammar's shortest value is itself longer than that.
+  `null`, then the shortest allowed token; where that greedy closing finds nothing, as for a
+  string with a `format` or `pattern`, a bounded breadth-first search over printable bytes)
+  and, once that completion plus EOS just fits in what is left, forces it token by token; a
+  pick that would leave no room for a completion (`fit`) is replaced by the completion's
+  first token. The answer is then a complete value, ending with EOS, within `max_tokens`,
+  unless the grammar's shortest value is itself longer than that. `complete` says whether
+  it is: the worker reports "stop" only then, else "length" (never a cut value as "stop").
+- Schemas are checked first (`subset.normalize`): outside the enforced JSON-Schema subset,
+  or with no finite value, a 400.
 - With thinking on, the grammar starts after `</think>`; the reasoning is forced to end
   when only the completion's reserve is left.
 
@@ -40,7 +46,9 @@ from .subset import GrammarError, normalize
 # tokens tried first when completing a value: closers, then the shortest values
 _CLOSERS = ('"', "}", "]", ",", "0", "[]", "{}", '""', "true", "null", ":")
 _MAX_CLOSING = 512  # a completion longer than this is not searched for
-_SEARCH_DEPTH, _SEARCH_WIDTH = 64, 8  # the breadth-first completion search: bytes, states kept per length
+_SEARCH_DEPTH, _SEARCH_WIDTH = 64, 6  # the breadth-first completion search: bytes, states kept per length
+_SEARCH_TRIES = 50_000  # tokens tried in one search at most (about 0.6 s): past it, no completion is found
+_PROBES = '"@.:-/_+ 0aAzZTPDHMSWY,}]'  # the bytes whose acceptance tells two search states apart
 _SLACK = 16  # a pick is checked for room once this close to the last completion's length
 # JSON as OpenAI's models write it in structured output: ", " and ": ", no free whitespace
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -68,6 +76,7 @@ class Grammars:
         self._closers: list[int] = []
         self._short: list[int] = []  # ids of one-byte tokens, ascending: the last resort of a completion
         self._ascii: list[int] = []  # ids of the printable ASCII one-byte tokens: the completion search's steps
+        self._probes: list[int] = []  # ids of the _PROBES bytes
         self.think_end = tok.token_id(THINK_END)
 
     @property
@@ -88,6 +97,7 @@ class Grammars:
                     i for i in range(self.tok.n_tokens) if len(ll.decode_bytes([i])) == 1 and not ll.is_special_token(i)
                 ]
                 self._ascii = [i for i in self._short if 32 <= ll.decode_bytes([i])[0] < 127]
+                self._probes = [i for i in self._ascii if chr(ll.decode_bytes([i])[0]) in _PROBES]
             return self._ll
 
     def compile(self, response_format: dict[str, Any] | None) -> Shape | None:
@@ -263,21 +273,26 @@ class Constraint:
         string with a `format` or a `pattern` needs (`@x"` for an email), where the greedy
         closing loops on the lowest byte. States reached by paths of one length that accept
         the same next bytes are taken as one (at most `_SEARCH_WIDTH` kept per length)."""
-        steps = self.g._ascii
+        steps, probes = self.g._ascii, self.g._probes
         if matcher.is_error():
             return None
-        layer = [(matcher.deep_copy(), [], _accepted(matcher, steps))]
+        layer = [(matcher.deep_copy(), [])]
+        tries = 0
         for _ in range(_SEARCH_DEPTH):
             nxt: dict[tuple[int, ...], tuple] = {}
-            for m, path, acc in layer:
+            for m, path in layer:
+                acc = _accepted(m, steps)
+                tries += len(steps) + len(acc) * len(probes)
+                if tries > _SEARCH_TRIES:
+                    return None
                 for t in acc:
                     c = m.deep_copy()
                     c.consume_token(t)
                     if c.is_accepting():
                         return [*path, t]
-                    sig = tuple(_accepted(c, steps))
-                    if sig and sig not in nxt:
-                        nxt[sig] = (c, [*path, t], sig)
+                    sig = tuple(_accepted(c, probes))
+                    if sig not in nxt:
+                        nxt[sig] = (c, [*path, t])
             layer = list(nxt.values())[:_SEARCH_WIDTH]
             if not layer:
                 return None
