@@ -88,11 +88,10 @@ def test_strict_tool_refs_and_markup_enums_give_calls_that_validate(server) -> N
 
 def test_a_stop_answer_near_max_tokens_is_whole_and_valid(server) -> None:
     c = oa(server)
-    schema = {"type": "object", "additionalProperties": False, "required": ["mail", "site", "code"],
-              "properties": {"mail": {"type": "string", "format": "email"}, "site": {"type": "string", "format": "uri"},
-                             "code": {"type": "string", "pattern": "^(([a-z]{2}[0-9]){2}-){2}$"}}}  # fmt: skip
+    schema = {"type": "object", "additionalProperties": False, "required": ["mail"],
+              "properties": {"mail": {"type": "string", "format": "email"}}}  # fmt: skip
     stops = 0
-    for max_tokens in (30, 45, 60):
+    for max_tokens in (16, 24, 32):
         r = c.chat.completions.create(model="t", messages=MSGS, max_tokens=max_tokens, temperature=1.0, seed=max_tokens,
                                       response_format=fmt(schema))  # fmt: skip
         choice = r.choices[0]

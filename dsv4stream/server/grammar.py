@@ -49,7 +49,7 @@ _MAX_CLOSING = 512  # a completion longer than this is not searched for
 _SEARCH_DEPTH, _SEARCH_WIDTH = 64, 6  # the breadth-first completion search: bytes, states kept per length
 _SEARCH_TRIES = 50_000  # tokens tried in one search at most (about 0.6 s): past it, no completion is found
 _PROBES = '"@.:-/_+ 0aAzZTPDHMSWY,}]'  # the bytes whose acceptance tells two search states apart
-_SLACK = 16  # a pick is checked for room once this close to the last completion's length
+_SLACK = 8  # a pick is checked for room once this close to the last completion's length
 # JSON as OpenAI's models write it in structured output: ", " and ": ", no free whitespace
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -254,6 +254,8 @@ class Constraint:
             return self.g.think_end if left <= self._reserve + 1 else None
         if left > self._window or self.matcher.is_error():
             return None
+        if left > self._need + _SLACK and left % 8:
+            return None  # far from the last completion's length: looked at every 8th token only
         path = self._closing(self.matcher)
         if path is not None:
             self._need = len(path) + 1
