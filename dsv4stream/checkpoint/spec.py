@@ -12,26 +12,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .config import DSPARK, DSPARK_V41, V41, ModelConfig
+from .config import DSPARK, DSPARK_V41, V4, V41, ModelConfig
 from .spec_v4 import block_specs_v4, model_specs_v4
 from .spec_v41 import block_specs_v41, model_specs_v41
 from .tensors import TensorSpec, released_nbytes
+
+# config.family -> that family's table: the one place the checkpoint side picks a family.
+BLOCK_SPECS = {V4: block_specs_v4, V41: block_specs_v41}
+MODEL_SPECS = {V4: model_specs_v4, V41: model_specs_v41}
 
 
 def block_specs(cfg: ModelConfig, layer: int, with_experts: bool = True) -> Iterator[TensorSpec]:
     """Tensors of one transformer block (main layer or MTP block). with_experts=False: the
     dense trunk only, without what is read by pieces (routed experts, Engram table rows)."""
-    if cfg.family == V41:
-        return block_specs_v41(cfg, layer, with_experts)
-    return block_specs_v4(cfg, layer, with_experts)
+    return BLOCK_SPECS[cfg.family](cfg, layer, with_experts)
 
 
 def model_specs(cfg: ModelConfig, with_experts: bool = True) -> Iterator[TensorSpec]:
     """Every tensor of the checkpoint, in model order (with_experts=False: without the routed
     experts and Engram tables)."""
-    if cfg.family == V41:
-        return model_specs_v41(cfg, with_experts)
-    return model_specs_v4(cfg, with_experts)
+    return MODEL_SPECS[cfg.family](cfg, with_experts)
 
 
 def drafter_nbytes(cfg: ModelConfig) -> int:

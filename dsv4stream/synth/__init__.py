@@ -35,7 +35,7 @@ import safetensors.numpy
 from ..checkpoint.config import V41, ModelConfig
 from ..errors import UsageError
 from . import v4, v41
-from .common import GENERATOR_OPTIONS, REAL_VOCAB, Hole, _Gen, save_sparse
+from .common import GENERATOR_OPTIONS, REAL_VOCAB, Hole, RandomWeights, save_sparse
 from .v4 import EXACT_PRESETS, FLASH_CONFIG, PRESETS, release_config_v4
 from .v41 import EXACT_PRESETS_V41, PRESETS_V41, engram_class_count, release_config_v41, small_tokenizer_json
 
@@ -57,7 +57,7 @@ __all__ = [
 
 def release_config(preset: str = "tiny", **overrides: Any) -> dict[str, Any]:
     """A config.json dict in the release schema: V4-Flash's fields with a preset's shapes (a
-    V4.1 preset: V4.1-Flash's, see `synth_v41.release_config_v41`)."""
+    V4.1 preset: V4.1-Flash's, see `v41.release_config_v41`)."""
     if preset in PRESETS_V41:
         return release_config_v41(preset, {k: v for k, v in overrides.items() if k not in GENERATOR_OPTIONS})
     return release_config_v4(preset, overrides)
@@ -109,7 +109,7 @@ def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     if opts["sparse_experts"] is None:
         opts["sparse_experts"] = exact
     rng = np.random.default_rng(seed)
-    gen = _Gen(cfg, rng, opts, codes=preset in EXACT_PRESETS_V41)
+    gen = RandomWeights(cfg, rng, opts, codes=preset in EXACT_PRESETS_V41)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

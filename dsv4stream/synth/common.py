@@ -1,7 +1,8 @@
 """What the generators of both families share: random weights in the release dtypes, and
 safetensors files whose routed experts may be sparse-file holes.
 
-Owns: the generator options (`GENERATOR_OPTIONS`), `_Gen` (random values for each
+Owns: the generator options (`GENERATOR_OPTIONS`), the real vocabulary's size (`REAL_VOCAB`:
+a preset with it gets the real tokenizer), `RandomWeights` (random values for each
 `TensorSpec`, stored with the release dtype or the chosen override; FP8 / FP4 codes drawn
 directly so a full-size dense trunk is quick to write), `Hole` (a tensor left as a sparse-file
 hole: it reads as zeros and takes no disk) and `save_sparse` (a safetensors file written in
@@ -93,7 +94,7 @@ def save_sparse(tensors: dict[str, np.ndarray | Hole], path: Path, keep_order: b
         f.truncate(8 + len(raw) + pos)
 
 
-class _Gen:
+class RandomWeights:
     """Random values for each spec, stored with the release dtype (or the chosen override)."""
 
     def __init__(self, cfg: ModelConfig, rng: np.random.Generator, opts: dict[str, Any], codes: bool = False):
