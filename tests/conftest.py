@@ -40,7 +40,7 @@ def _warm_kernel_cache():
 def real_vocab_ckpt(tmp_path_factory):
     """A generated tiny V4 checkpoint carrying the real V4 tokenizer's vocabulary (129,280 rows)
     and its tokenizer, packed (the default --tok): every prompt goes through the real BPE."""
-    from dsv4stream.checkpoint import synth
+    from dsv4stream import synth
     from dsv4stream.text.tokenizer import pack_tokenizer
 
     path = synth.make_checkpoint(
@@ -60,6 +60,6 @@ def real_vocab_tok(real_vocab_ckpt):
 @pytest.fixture(scope="session")
 def tiny_v41(tmp_path_factory):
     """A generated DeepSeek-V4.1 checkpoint (synth preset tiny-v41, seed 1), read-only for tests."""
-    from dsv4stream.checkpoint.synth import make_checkpoint
+    from dsv4stream.synth import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("v41") / "tiny-v41", "tiny-v41", seed=1)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from cli_runs import stats_of
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.cli import main
 from dsv4stream.cli.repl import ChatSettings, Conversation, Interrupt, answer, chat_loop
 from dsv4stream.engine.session import Engine

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream.checkpoint.spec import expert_prefix
+from dsv4stream.checkpoint.tensors import expert_prefix
 from dsv4stream.cli.logits import logits as logits_cmd
 from dsv4stream.engine.session import Engine
 from dsv4stream.errors import UsageError

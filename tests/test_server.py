@@ -22,7 +22,7 @@ import pytest
 from server_proc import CODE, Server, free_port, one_thread_engine
 from test_dsml import EXPECTED_TOOLS_SECTION, WEATHER
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.engine.session import Engine
 from dsv4stream.server.cache import checkpoint_identity, prefix_names

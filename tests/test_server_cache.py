@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from server_proc import one_thread_engine
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.engine.state import capture, to_bytes
 from dsv4stream.server.cache import (

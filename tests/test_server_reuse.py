@@ -11,7 +11,7 @@ import openai
 import pytest
 from server_proc import Server
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 
 CTX = 768
 GEN = 8

@@ -15,7 +15,7 @@ import openai
 import pytest
 from server_proc import Server
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.text import dsml
 
 MSGS = [{"role": "user", "content": "Answer."}]

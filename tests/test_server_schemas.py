@@ -15,7 +15,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.server.decoding import Controls, Picker
 from dsv4stream.server.grammar import GrammarError, Grammars, Shape
 from dsv4stream.server.schemas import ChatRequest

@@ -19,7 +19,7 @@ import openai
 import pytest
 from server_proc import Server, free_port
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.server.security import Policy, host_name, normalize_origins
 
 KEY = "test-key-123"

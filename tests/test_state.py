@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from server_proc import one_thread_engine
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.engine import state as st
 
 IDS = [int(i) for i in np.random.default_rng(3).integers(0, 512, size=45)]

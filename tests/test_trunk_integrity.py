@@ -21,7 +21,7 @@ from cli_runs import dsv4, refused
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.errors import CheckpointError, UsageError
 from dsv4stream.trunkpack.format import FORMAT, MANIFEST, TRUNK_FILE

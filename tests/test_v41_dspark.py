@@ -32,7 +32,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "v41" / "dspark"
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """A DeepSeek-V4 checkpoint: no V4.1 drafter."""
-    from dsv4stream.checkpoint import synth
+    from dsv4stream import synth
 
     return synth.make_checkpoint(tmp_path_factory.mktemp("v4") / "tiny", preset="tiny", seed=2)
 

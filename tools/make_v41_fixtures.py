@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Golden numbers for DeepSeek-V4.1 from DeepSeek's own reference, run on CPU (see v41_reference.py).
 
-For each fixture: generate a V4.1 checkpoint (`dsv4stream.checkpoint.synth`, preset tiny-v41
+For each fixture: generate a V4.1 checkpoint (`dsv4stream.synth`, preset tiny-v41
 with the fixture's shapes and layer plan, and its small generated tokenizer), damp what each
 sublayer adds to the residual streams (`damp_outputs`), run random
 prompts through the reference six ways, and write under tests/fixtures/v41/<name>/ the
@@ -66,8 +66,8 @@ from v41_reference import (
     top2_gap,
 )
 
-from dsv4stream.checkpoint.synth import make_checkpoint
-from dsv4stream.checkpoint.synth_v41 import layer_plan, small_tokenizer_json
+from dsv4stream.synth import make_checkpoint
+from dsv4stream.synth.v41 import layer_plan, small_tokenizer_json
 
 TIE_GAP = 1e-5
 # fp32 first: their top-k boundaries decide whether a seed is kept

@@ -29,7 +29,7 @@ import numpy as np
 from .. import kernels
 from ..checkpoint.catalog import Catalog, TensorSource
 from ..checkpoint.config import V41, ModelConfig
-from ..checkpoint.spec import layer_prefix
+from ..checkpoint.tensors import layer_prefix
 from ..errors import NumericsError, UsageError
 from ..model.moe import ExpertWeights
 from ..model.scan import nonfinite_fields

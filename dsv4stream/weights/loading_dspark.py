@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..checkpoint.config import DSPARK_V41, LAYOUTS, ModelConfig
-from ..checkpoint.spec import layer_prefix
+from ..checkpoint.tensors import layer_prefix
 from ..errors import UsageError
 from ..model.v41.block import HcParams
 from ..model.v41.dspark import DSparkParams, DSparkWeights
