@@ -54,15 +54,22 @@ def rel_err(got: np.ndarray, base: np.ndarray) -> float:
 # --- prefill, steps and calls ---
 
 
+@pytest.fixture(scope="module")
+def one_by_one(family, prompt) -> tuple[np.ndarray, list[int]]:
+    """The exact engine fed one token per forward pass: the prompt's logits and the greedy ids."""
+    eng = family.exact()
+    return eng.session(chunk_size=1, segment=1).prefill(prompt), list(
+        eng.session(chunk_size=1, segment=1).generate(prompt, GEN)
+    )
+
+
 @pytest.mark.parametrize("segment", [1, 7, 64, T])
-def test_same_logits_and_ids_at_every_segment_size(family, prompt, segment) -> None:
+def test_same_logits_and_ids_at_every_segment_size(family, prompt, one_by_one, segment) -> None:
     """Any chunking and segmenting of the prompt gives the logits of one token per pass, to float
     rounding, and the same greedy ids."""
-    eng = family.exact()
-    base = eng.session(chunk_size=1, segment=1).prefill(prompt)
+    eng, (base, want) = family.exact(), one_by_one
     assert rel_err(eng.session(chunk_size=5, segment=segment).prefill(prompt), base) <= family.rtol
     assert rel_err(eng.session(chunk_size=3, segment=segment).prefill(prompt), base) <= family.rtol
-    want = list(eng.session(chunk_size=1, segment=1).generate(prompt, GEN))
     assert list(eng.session(chunk_size=3, segment=segment).generate(prompt, GEN)) == want
 
 
@@ -153,7 +160,10 @@ def test_each_expert_and_trunk_layer_is_read_once_per_segment(family, prompt, mo
         touched.clear()
         opts = streaming(family.path, cfg.n_routed_experts + 2, 1, prefill_segment=segment)  # a layer's experts fit
         with Runtime.open(family.path, opts) as rt:
-            assert rt.plan.prefill_segment == segment and rt.plan.streamed_layers == cfg.n_layers - 1
+            # the small segment's plan may pin a second layer in the bytes it frees
+            streamed = rt.plan.streamed_layers
+            assert rt.plan.prefill_segment == segment and streamed == cfg.n_layers - rt.plan.pinned_layers
+            assert 1 <= rt.plan.pinned_layers <= 2 and (family.name != "v4" or streamed == cfg.n_layers - 1)
             slots = rt.plan.expert_slots
             s = rt.session(on_route=route)
             trunk0 = rt.trunk.stats().reads
@@ -162,10 +172,10 @@ def test_each_expert_and_trunk_layer_is_read_once_per_segment(family, prompt, mo
         assert set(reads) == touched
         if once:
             assert max(reads.values()) == 1 and len(touched) > slots
-            assert trunk <= cfg.n_layers - 1 + 1  # each streamed layer once, plus the next pass's first
+            assert trunk <= streamed + 1  # each streamed layer once, plus the next pass's first
         else:
             assert sum(reads.values()) > 1.5 * len(touched)  # chunk after chunk re-reads evicted experts
-            assert trunk > 2 * (cfg.n_layers - 1)
+            assert trunk > 2 * streamed
 
 
 @pytest.mark.parametrize("slots,pinned,segment", [(4, 0, None), (8, 1, 7), (12, 4, None), (24, 4, 1)])
