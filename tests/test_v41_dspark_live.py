@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import make_v41_fixtures as mk
 from v41_reference_dspark import reference_drafts
 
-from dsv4stream.synth.v41 import layer_plan
 from dsv4stream.engine.dspark_v41 import teacher_forced_drafts
 from dsv4stream.engine.session import Engine
 from dsv4stream.engine.stack_v41 import V41Options
+from dsv4stream.synth.v41 import layer_plan
 
 SHAPES = {
     "block3-two-targets": {
