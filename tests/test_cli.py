@@ -326,7 +326,7 @@ def errors(ckpt: Path, small_vocab: Path, tmp: Path) -> list[tuple[list[str], st
         ([c, *p, "--temperature", "-1"], "--temperature -1.0: give 0 (greedy) or more"),
         ([c, *p, "--temperature", "inf"], "--temperature inf: give 0 (greedy) or more, a finite number"),
         ([c, *p, "--temperature", "nan"], "--temperature nan: give 0 (greedy) or more"),
-        ([c, "--prompt-ids", "1,x"], "--prompt-ids: token list: 'x' is not an integer id"),
+        ([c, "--prompt-ids", "1,x"], "--prompt-ids: token list: entry 2, 'x', is not an integer id"),
         ([c, "--prompt-ids", "1,999999"], "--prompt-ids: id 999999 is outside the vocabulary 0..129279"),
         ([c, "--prompt-file", "/no/such.txt"], "--prompt-file /no/such.txt: no such file"),
         ([c, "--prompt", ""], "the prompt is empty"),
