@@ -331,7 +331,7 @@ def errors(ckpt: Path, small_vocab: Path, tmp: Path) -> list[tuple[list[str], st
         ([c, "--prompt-file", "/no/such.txt"], "--prompt-file /no/such.txt: no such file"),
         ([c, "--prompt", ""], "the prompt is empty"),
         ([c, *p, "--prompt-file", str(tmp)], "--prompt and --prompt-file conflict"),
-        ([c, "--prompt-file", str(tmp)], f"--prompt-file {tmp}: cannot read it as UTF-8 text"),
+        ([c, "--prompt-file", str(tmp)], f"{tmp}: --prompt-file (for --ctx 4096) is a directory, not a regular file"),
         ([c, *p, "--stats-json", str(tmp)], f"--stats-json {tmp}: is a directory; give a file name"),
         ([c, *p, "--route-log", "/no/such/dir/r.log"], "directory /no/such/dir does not exist"),
     ]

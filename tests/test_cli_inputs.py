@@ -103,3 +103,15 @@ def test_a_text_tokens_file_that_is_not_ids_is_quoted_by_a_few_bytes(ckpt, tmp_p
     f.write_bytes(b"1,2,\xff" + secret.encode())
     msg = _refusal(ckpt, tmp_path, f)
     assert "UTF-8" in msg and "END-OF-SECRET" not in msg
+
+
+def test_a_chat_reading_an_endless_stdin_stops_at_the_bound(ckpt) -> None:
+    cmd = [sys.executable, "-c", "from dsv4stream.cli import main; main()", "run", str(ckpt), "--chat"]
+    with open("/dev/zero", "rb") as zero:
+        r = subprocess.run(
+            [*cmd, "--budget", "1", "--ctx", "64"], stdin=zero, capture_output=True, text=True, timeout=120,
+            check=False, preexec_fn=_limited,
+        )  # fmt: skip
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert last.startswith("dsv4: a chat turn of more than 4,096 characters on stdin"), last
