@@ -373,6 +373,11 @@ def _old_manifest_edits(m: dict):
     yield edited("a name not in the checkpoint", lambda e: run(e, "layers.0")["tensors"][0].update(name="layers.0.x"))
     yield edited("two runs overlapping", lambda e: run(e, "layers.1").update(offset=run(e, "layers.0")["offset"]))
     yield edited("two same-shape tensors swapped", lambda e: _swap_names(*_same_shape_pair(e)))
+    yield edited(
+        "a tensor listed in another layer's run",
+        lambda e: run(e, "layers.1")["tensors"].append(run(e, "layers.0")["tensors"].pop()),
+    )
+    yield edited("a run of another layer", lambda e: run(e, "layers.1").update(layer=0))
 
 
 def test_upgrade_refuses_an_inconsistent_old_manifest_and_changes_nothing(pack, cat, ckpt):

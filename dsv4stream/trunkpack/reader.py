@@ -29,7 +29,7 @@ from .. import jsonio
 from ..checkpoint.catalog import NP_DTYPE, Catalog, pread_exact
 from ..errors import CheckpointError, Dsv4Error, ReadError
 from ..files import describe, open_regular
-from .format import ALIGN, FORMAT, MANIFEST, UPGRADABLE, fast_hash, hash_range, valid_file_name
+from .format import ALIGN, FORMAT, MANIFEST, UPGRADABLE, fast_hash, hash_range, plan_runs, valid_file_name
 from .packdir import MANIFEST_LIMIT, default_out_dir, staging_dir
 
 CHECK_CHUNK = 16 << 20  # bytes read at a time by check_runs: bounds its memory
@@ -163,9 +163,29 @@ class TrunkFile:
                 f" `dsv4 pack-trunk {catalog.root} OUT_DIR` or pass the right --trunk"
             )
         tf = cls(root, m, runs)
+        tf._check_runs_planned(catalog)
         tf._check_file()
         tf._check_against(catalog, every_tensor, probe)
         return tf
+
+    def _check_runs_planned(self, cat: Catalog) -> None:
+        """Each run is one the packer plans for this checkpoint and depth (its key and layer),
+        holding only tensors that the plan puts in it: a tensor listed in another run than its
+        own is refused here, not when a layer finds its weights missing."""
+        planned = {p.key: p for p in plan_runs(cat, self.layers_packed)}
+        for r in self.runs.values():
+            p = planned.get(r.key)
+            if p is None or p.layer != r.layer:
+                raise CheckpointError(
+                    f"{self.root / MANIFEST}: {r.what} is not a run of this checkpoint's pack; {_restart(self.root)}"
+                )
+            own = {t.src.name for t in p.tensors}
+            stray = next((t.name for t in r.tensors if t.name not in own), None)
+            if stray is not None:
+                raise CheckpointError(
+                    f"{self.root / MANIFEST}: {r.what} lists '{stray}', which is not one of its tensors;"
+                    f" {_restart(self.root)}"
+                )
 
     def _check_file(self) -> None:
         fd = open_regular(self.path, "the packed trunk's data file", CheckpointError)
