@@ -53,12 +53,12 @@ from dsv4stream import gpu, kernels
 from dsv4stream.checkpoint import formats, synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.engine.session import Engine
-from dsv4stream.engine.v41 import V41Options
+from dsv4stream.engine.stack_v41 import V41Options
 from dsv4stream.gpu import affinity
 from dsv4stream.gpu.cuda import relative_error
 from dsv4stream.gpu.device import DeviceQWeight, dequant_gemm
 from dsv4stream.kernels import QWeight, reference
-from dsv4stream.model.quant import fp8_qdq
+from dsv4stream.model.v41.quant import fp8_qdq
 from dsv4stream.weights.providers import CatalogExperts, CatalogTrunk
 
 TOL = 1e-5
@@ -145,9 +145,9 @@ def install_dispatch_shim() -> bool:
 def cpu_backend() -> str:
     try:
         kernels.set_backend("fast")
-        from dsv4stream.kernels import fast
+        from dsv4stream.kernels import fast  # noqa: F401 (raises where numba is missing)
 
-        took = fast.warmup()
+        took = kernels.warmup()
         return f"fast (numba, warm-up {took:.1f}s)"
     except Exception as e:  # noqa: BLE001
         kernels.set_backend("reference")

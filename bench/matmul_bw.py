@@ -2,7 +2,7 @@
 
 `--family v41`: the same cases on V4.1-Flash shapes (hidden 5120, experts 2304 wide), FP8 with 32x32 scale
 blocks, and the timed window of an FP8 / FP4 case holds V4.1's activation grid too
-(`model.quant.act_qdq(X)`, then the product: what a V4.1 linear costs). `--vs-v4` times each of
+(`model.v41.quant.act_qdq(X)`, then the product: what a V4.1 linear costs). `--vs-v4` times each of
 them again in V4's form in the same run (the same shape; FP8 with 128x128 blocks; no activation
 grid), windows interleaved, and adds v4_ms and speed_vs_v4 = v4_ms / ms (1.0: V4.1 as fast as V4).
 
@@ -23,8 +23,7 @@ machine class), so the weights stream from DRAM as they do from expert slots; X 
 (T, cols), N(0,1)) stays cached. n covers every copy at least once and at least --seconds;
 the window is repeated --repeat times and `ms` is the best window's time per call (the
 machine is shared: the best window is the one least disturbed; BLAS is timed the same way).
-JIT compilation is excluded (`warmup()` first; its time is in the header). `path` says which
-kernel ran: fused (decode in registers / tiles) or dequant+blas (row tiles, then sgemm).
+JIT compilation is excluded (`warmup()` first; its time is in the header).
 
 Per case: gbps = weight bytes (data + scales) per call / time; gflops = 2*R*C*T / time;
 ratio = gbps / mem_read_gbps. Multi-token cases add vs_blas = our GFLOP/s over numpy float32
@@ -134,7 +133,7 @@ def _plain_call(w: QWeight, x: np.ndarray) -> None:
 
 
 def _v41_call(w: QWeight, x: np.ndarray) -> None:
-    from dsv4stream.model.quant import act_qdq
+    from dsv4stream.model.v41.quant import act_qdq
 
     kernels.matmul(w, act_qdq(x) if w.kind in ("fp8", "fp4") else x)
 
@@ -182,19 +181,15 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.3, help="minimum length of one timed window")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--vs-v4", action="store_true", help="v41: time each case in V4's form too (same run)")
-    ap.add_argument("--blas-path", action="store_true", help="turn on dequantise-then-BLAS (off in runs)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: process CPU seconds")
     args = ap.parse_args()
     if args.clock == "cpu":
         CLOCK[0] = time.process_time
 
     kernels.set_backend("fast")
-    from dsv4stream.kernels import fast
-
-    fast.BLAS_PATH = args.blas_path
-
-    warm = fast.warmup()
-    threads = fast.set_threads(args.threads)
+    warm = kernels.warmup()
+    kernels.set_threads(args.threads)
+    threads = kernels.get_threads()
     one, many = read_bandwidth(threads)
     mem = max(one, many)
     load = os.getloadavg()
@@ -220,9 +215,8 @@ def main() -> None:
             sec = min(got[0])
             gbps = ws[0].nbytes / sec / 1e9
             gflops = 2 * rows * cols * t / sec / 1e9
-            path = "dequant+blas" if fast.BLAS_PATH and t >= fast.blas_min_tokens(ws[0]) else "fused"
             line = (
-                f"name={name} dtype={kind} rows={rows} cols={cols} tokens={t} path={path} ms={sec * 1e3:.3f}"
+                f"name={name} dtype={kind} rows={rows} cols={cols} tokens={t} ms={sec * 1e3:.3f}"
                 f" gbps={gbps:.2f} gflops={gflops:.1f} mem_read_gbps={mem:.1f} ratio={gbps / mem:.3f}"
             )
             if v4:

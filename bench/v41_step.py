@@ -7,7 +7,7 @@ from one yielded token to the next (the session's forward pass of one token, the
 pick); the first --skip steps are left out (first expert reads). `--kernels generic` runs
 the path the V4.1 kernels replaced, in the same process and numba cache: FP8 32x32 products
 through the generic FP8 matvec (`_fp8_mv`: the scalar decode, the same bits) and the
-activation grid and the Sinkhorn passes through numpy (`model.quant.fp8_qdq`,
+activation grid and the Sinkhorn passes through numpy (`model.v41.quant.fp8_qdq`,
 `model.mhc.split_mixes`'s loop; the same bits). Each step is timed in wall seconds and in
 process CPU seconds (all threads; on a shared machine the CPU figure is the work, the wall
 figure adds the wait for a core). `--profile N` prints
@@ -34,7 +34,10 @@ def use_generic_kernels() -> None:
     """Route the FP8 matvecs and V4.1's activation grid to what ran before their kernels (the FP8
     tile kernel is shared by both paths since it decodes 32 columns per vector op)."""
     from dsv4stream.kernels import fast
-    from dsv4stream.model import engram, mhc, quant, v41_attention, v41_moe
+    from dsv4stream.model import mhc
+    from dsv4stream.model.v41 import attention as v41_attention
+    from dsv4stream.model.v41 import engram, quant
+    from dsv4stream.model.v41 import moe as v41_moe
 
     fast._fp8_mvv = lambda w, s, br, bc, wide, x, rpg, out: fast._fp8_mv(w, s, br, bc, x, rpg, out)
     fast._fp8_mvv_serial = lambda w, s, br, bc, wide, x, rpg, out: fast._fp8_mv_serial(w, s, br, bc, x, rpg, out)

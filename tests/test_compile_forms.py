@@ -3,7 +3,8 @@
 The forms a checkpoint's weights reach (V4 as released, V4.1, float32 scales), the split of the
 units among children (each numba function in one child), a fresh process that runs a checkpoint
 after warming only its forms (it must compile nothing), children that leave a complete cache
-and show `compiling kernels: N of M`, and a failing child's one-line error.
+and show `compiling kernels: N of M`, a failing child's one-line error, and a changed shared
+helper (jit.py) that makes a fresh process compile the kernels again.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from functools import partial
@@ -68,13 +70,13 @@ _RUN_AFTER_FORMS = r"""
 import json, sys
 from dsv4stream import kernels
 from dsv4stream.checkpoint.catalog import Catalog
-from dsv4stream.kernels import attn, fast, qdq, sinkhorn
+from dsv4stream.kernels import attn, fp4, fp8, plain, qdq, sinkhorn
 from dsv4stream.run.compile import checkpoint_forms
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.runtime import Runtime
 
 def sigs():
-    return {f"{m.__name__}.{k}": set(v.signatures) for m in (fast, attn, qdq, sinkhorn)
+    return {f"{m.__name__}.{k}": set(v.signatures) for m in (fp4, fp8, plain, attn, qdq, sinkhorn)
             for k, v in vars(m).items() if hasattr(v, "py_func")}
 
 kernels.warmup(checkpoint_forms(Catalog.open(sys.argv[1])))
@@ -106,10 +108,10 @@ def test_a_fresh_process_warming_only_its_forms_compiles_nothing_in_the_run(ckpt
 
 _LOADS = r"""
 import sys
-from dsv4stream.kernels import attn, fast, qdq, sinkhorn, warm
+from dsv4stream.kernels import attn, fp4, fp8, plain, qdq, sinkhorn, warm
 for u in sys.argv[1:]:
     warm.warm_unit(u)
-print(sum(d.stats.cache_misses.get(s, 0) for m in (fast, attn, qdq, sinkhorn) for d in vars(m).values()
+print(sum(d.stats.cache_misses.get(s, 0) for m in (fp4, fp8, plain, attn, qdq, sinkhorn) for d in vars(m).values()
           if hasattr(d, "py_func") for s in d.stats.cache_misses))
 """
 
@@ -119,14 +121,14 @@ def test_children_leave_a_complete_cache_and_count_the_kernels(tmp_path, monkeyp
     said: list[str] = []
     shown = io.StringIO()
     monkeypatch.setattr(kcompile.ticker, "elapsed", partial(ticker.elapsed, file=shown, tick=0.01, enabled=True))
-    assert kernels.missing_forms(["bf16"]) == ("bf16",)
+    assert warm.missing_forms(["bf16"]) == ("bf16",)
     n, took = kcompile.compile_kernels_apart(("bf16",), said.append, children=2)
     units = warm.units(["bf16"])
     assert n == len(units) and took > 0
     assert f"compiling kernels: {n} of {n}" in shown.getvalue() and "compiling kernels: 0 of" in shown.getvalue()
     assert f"compiling {n} numba kernels" in said[0] and "in 2 separate processes" in said[0]
     assert said[-1].startswith(f"compiled {n} kernels in ")
-    assert kernels.missing_forms(["bf16"]) == () and kernels.missing_forms(["fp4/e8m0"]) == ("fp4/e8m0",)
+    assert warm.missing_forms(["bf16"]) == () and warm.missing_forms(["fp4/e8m0"]) == ("fp4/e8m0",)
     assert kcompile.compile_kernels_apart(("bf16",), said.append) is None  # marked: nothing to do
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run(
@@ -143,4 +145,53 @@ def test_a_failing_child_gives_one_line_and_marks_nothing(tmp_path, monkeypatch)
         kcompile.compile_kernels_apart(("bf16",))
     msg = str(ex.value)
     assert "\n" not in msg and "compiling the numba kernels failed in a child process" in msg and "KeyError" in msg
-    assert kernels.missing_forms(["bf16"]) == ("bf16",)
+    assert warm.missing_forms(["bf16"]) == ("bf16",)
+
+
+_PLAIN_PRODUCT = r"""
+import json
+import numpy as np
+from dsv4stream.kernels import QWeight, attn, fast, fp4, fp8, jit, plain, qdq, sinkhorn
+w = QWeight("f32", np.full((4, 32), 0.5, np.float32), None, 4, 32)
+y = fast.matvec(w, np.ones(32, np.float32))  # below the parallel floor: `plain._plain_mv_serial`
+stats = fast._plain_mv_serial.stats
+every = {d.stats.cache_path for m in (fp4, fp8, plain, attn, qdq, sinkhorn) for d in vars(m).values()
+         if hasattr(d, "py_func")}
+print(json.dumps({"y": float(y[0]), "dir": str(jit.cache_dir()), "cached_in": stats.cache_path,
+                  "every_kernel_in": sorted(every),
+                  "hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}))
+"""
+_FMA = "return builder.call(fn, args)"  # `jit._fma`'s codegen
+
+
+def test_a_changed_shared_helper_recompiles_every_kernel_that_inlines_it(tmp_path):
+    """numba checks only the file a cached function is defined in, and the kernels inline helpers
+    from jit.py: a fresh process whose jit.py changed must not load plain.py's old machine code.
+    Here `_fma` is made to double its result in a copy of the package: a float32 matvec's lanes,
+    one FMA each, then sum to twice the old value, and only if the kernel was compiled again."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "dsv4stream", src / "dsv4stream", ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(src), NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+
+    def run() -> dict:
+        cmd = [sys.executable, "-c", _PLAIN_PRODUCT]
+        # cwd: `-c` puts it first on sys.path, and the checkout's own package must not shadow the copy
+        r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["y"] == 16.0 and first["misses"] == 1
+    assert run() == {**first, "hits": 1, "misses": 0}  # the same sources: loaded from the cache
+    jit_py = src / "dsv4stream" / "kernels" / "jit.py"
+    text = jit_py.read_text()
+    assert text.count(_FMA) == 1
+    jit_py.write_text(text.replace(_FMA, "return builder.fmul(builder.call(fn, args), ir.Constant(_F32, 2.0))"))
+    changed = run()
+    assert changed["y"] == 32.0  # compiled again with the new helper (the old cache gave 16.0)
+    assert changed["hits"] == 0 and changed["misses"] == 1
+    # how: one folder per stamp of every kernel source, under NUMBA_CACHE_DIR, where numba caches
+    assert changed["dir"] != first["dir"]
+    for got in (first, changed):
+        assert got["cached_in"] == got["dir"] and Path(got["dir"]).parent == tmp_path / "cache"
+        assert got["every_kernel_in"] == [got["dir"]]  # every kernel of the package: one folder

@@ -26,7 +26,7 @@ from dsv4stream.checkpoint.config import ModelConfig
 from dsv4stream.cli import main
 from dsv4stream.cli.inspect import inspect as inspect_cmd
 from dsv4stream.engine.session import Engine
-from dsv4stream.engine.v41 import V41Options
+from dsv4stream.engine.stack_v41 import V41Options
 from dsv4stream.gpu import context, cuda, device, plan
 from dsv4stream.gpu.device import DeviceQWeight, HostOps
 from dsv4stream.kernels import QWeight

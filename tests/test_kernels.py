@@ -1,4 +1,4 @@
-"""Fused numba kernels (kernels/fast.py) against a float64 reference built here.
+"""Fused numba kernels (kernels/fast.py and the fp4 / fp8 / plain kernels it dispatches to) against a float64 reference built here.
 
 The reference dequantises with `formats` (ml_dtypes codecs, widened to float64) and multiplies
 in float64: it shares nothing with the kernels' bit-level decoding. Error metric: max |ours -
@@ -21,8 +21,10 @@ from dsv4stream.checkpoint import formats
 from dsv4stream.kernels import QWeight
 
 fast = pytest.importorskip("dsv4stream.kernels.fast")
+from dsv4stream.kernels import fp4, jit, warm  # after the importorskip: they need numba
 
 TOL = 1e-6
+PREFILL_TOKENS = 512  # a prefill segment's worth of tokens for one expert
 
 
 def dense64(w: QWeight) -> np.ndarray:
@@ -65,7 +67,7 @@ def weight(kind: str, rows: int, cols: int, rng, scale_kind: str = "e8m0", exps=
         data = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
         data[(data & 0x7F) == 0x7F] = 0x38
         # subnormal codes only in every 5th row: a uniform byte is subnormal 1 time in 18, which
-        # would send every 32-byte group down the vector decode's slow path (`fast._decoded32`)
+        # would send every 32-byte group down the vector decode's slow path (`fp8._decoded32`)
         sub = ((data & 0x78) == 0) & ((data & 0x07) != 0)
         sub[::5] = False
         data[sub] |= 0x08
@@ -155,12 +157,12 @@ def test_nan_scale_and_nan_codes_poison_their_rows_only():
 
 
 def test_matvec_equals_matmul_rows_bit_for_bit():
-    """Below the BLAS threshold (decode, short chunks) prefill rows equal step-by-step matvecs."""
+    """Prefill rows (decode, short chunks, a segment's worth) equal step-by-step matvecs."""
     rng = np.random.default_rng(11)
     for kind, rows, cols in SHAPES:
         for scale_kind in ("e8m0", "f32"):
             w = weight(kind, rows, cols, rng, scale_kind)
-            n = fast.blas_min_tokens(w) - 1
+            n = PREFILL_TOKENS - 1
             x = rng.standard_normal((n, cols)).astype(np.float32)
             y = fast.matmul(w, x)
             for t in (0, 1, n // 2, n - 1):
@@ -183,9 +185,8 @@ def test_a_token_has_the_same_bits_at_every_count_and_place_in_a_register_block(
             assert np.array_equal(fast.matmul(w, x[start : start + t]), want[start : start + t]), (t, start)
 
 
-def test_fused_matmul_splits_long_inputs_exactly(monkeypatch):
+def test_fused_matmul_splits_long_inputs_exactly():
     """Past MAX_TOKENS the fused path splits X; each part gives the same bits as alone."""
-    monkeypatch.setitem(fast.BLAS_MIN_TOKENS, "fp4", 10**9)
     rng = np.random.default_rng(12)
     w = weight("fp4", 37, 96, rng)
     x = rng.standard_normal((fast.MAX_TOKENS + 6, 96)).astype(np.float32)
@@ -196,14 +197,12 @@ def test_fused_matmul_splits_long_inputs_exactly(monkeypatch):
 
 @pytest.mark.parametrize("kind,rows,cols", [*SHAPES, ("fp4", 300, 2048), ("fp8", 257, 640)])
 @pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
-def test_blas_path_accuracy_and_agreement_with_the_fused_path(kind, rows, cols, scale_kind, monkeypatch):
-    """Dequantise-then-BLAS (prefill-sized token counts): as accurate as the fused kernels,
-    several row tiles included, and within float32 rounding of them."""
-    monkeypatch.setattr(fast, "BLAS_PATH", True)
+def test_prefill_sized_matmul_accuracy_and_agreement_with_matvec(kind, rows, cols, scale_kind):
+    """Prefill-sized token counts (several MAX_TOKENS calls, a ragged last one): as accurate as
+    one token, and within float32 rounding of the per-token matvecs."""
     rng = np.random.default_rng(rows + cols)
     w = weight(kind, rows, cols, rng, scale_kind)
-    monkeypatch.setattr(fast, "TILE_ELEMS", 64 * cols)  # several tiles, a ragged last one
-    x = rng.standard_normal((fast.blas_min_tokens(w) + 3, cols)).astype(np.float32)
+    x = rng.standard_normal((PREFILL_TOKENS + 3, cols)).astype(np.float32)
     got, ref = fast.matmul(w, x), reference(x, w)
     assert rel_error(got, ref) <= TOL
     fused = np.stack([fast.matvec(w, row) for row in x])
@@ -211,15 +210,14 @@ def test_blas_path_accuracy_and_agreement_with_the_fused_path(kind, rows, cols, 
 
 
 @pytest.mark.parametrize("kind", ["fp4", "fp8"])
-def test_blas_path_edge_and_nan_scales(kind, monkeypatch):
-    monkeypatch.setattr(fast, "BLAS_PATH", True)
+def test_prefill_sized_edge_and_nan_scales(kind):
     rng = np.random.default_rng(8)
     rows, cols = (384, 640) if kind == "fp8" else (12, 256)
     w = weight(kind, rows, cols, rng, exps=[0, 1, 2, 127, 147])
     w.scale[0] = 0
     w.scale[1] = 147
     w.scale[2, 0] = 0xFF
-    x = rng.standard_normal((fast.blas_min_tokens(w), cols)).astype(np.float32)
+    x = rng.standard_normal((PREFILL_TOKENS, cols)).astype(np.float32)
     got, ref = fast.matmul(w, x), reference(x, w)
     block = 1 if kind == "fp4" else 128
     for rows_ in (slice(0, block), slice(block, 2 * block)):
@@ -321,7 +319,7 @@ def _fp8_groups(rng, rows: int, cols: int) -> np.ndarray:
 )
 @pytest.mark.parametrize("scale_kind", ["e8m0", "e8m0-wide", "f32-wide"])
 def test_fp8_vector_decode_paths_have_the_scalar_decodes_bits(rows, cols, block, scale_kind, monkeypatch):
-    """`fast._decoded32` decodes a 32-byte group straight into float32 bits unless it holds a
+    """`fp8._decoded32` decodes a 32-byte group straight into float32 bits unless it holds a
     subnormal or NaN code (then through float16, as the scalar `_e4m3`). Every FP8 product with
     blocks a multiple of 32 wide goes through it: matvec (serial, parallel, the wide rows, the pair),
     2-3 tokens and the tile. Each must give the generic kernel's bits (`_fp8_mv_serial`: the
@@ -432,7 +430,7 @@ def test_fp8_at_a_few_tokens_gives_each_tokens_matvec(kind, rows, cols, scale_ki
 def test_results_do_not_depend_on_thread_count():
     rng = np.random.default_rng(13)
     cases = [weight(k, r, c, rng, sk) for k, r, c in SHAPES for sk in ("e8m0", "f32")]
-    xs = [rng.standard_normal((fast.blas_min_tokens(w) + 2, w.cols)).astype(np.float32) for w in cases]
+    xs = [rng.standard_normal((PREFILL_TOKENS + 2, w.cols)).astype(np.float32) for w in cases]
     before = fast.get_threads()
     try:
         runs = []
@@ -443,41 +441,6 @@ def test_results_do_not_depend_on_thread_count():
         fast.set_threads(before)
     for a, b in zip(*runs):
         assert all(p.tobytes() == q.tobytes() for p, q in zip(a, b))
-
-
-BLAS_THREADS_CHILD = """
-import sys, numpy as np
-sys.path.insert(0, sys.argv[1])
-from test_kernels import weight
-from dsv4stream.kernels import fast
-fast.BLAS_PATH = True
-rng = np.random.default_rng(21)
-out = []
-for kind, rows, cols in (("fp4", 512, 1024), ("fp8", 384, 1280), ("bf16", 300, 700)):
-    w = weight(kind, rows, cols, rng)
-    x = rng.standard_normal((fast.blas_min_tokens(w) + 37, cols)).astype(np.float32)
-    out.append(fast.matmul(w, x))
-sys.stdout.write(np.concatenate([o.ravel() for o in out]).tobytes().hex())
-"""
-
-
-@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
-def test_blas_path_across_openblas_thread_counts():
-    """OpenBLAS reads its thread count at load: one child process per count. Its small-matrix
-    and threaded sgemm paths sum in different orders, so the BLAS path is equal up to float32
-    rounding there (the kernels' own --threads never changes a bit: the test above)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    runs = []
-    for n in ("1", "2"):
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": n, "OMP_NUM_THREADS": n}
-        cmd = [sys.executable, "-c", BLAS_THREADS_CHILD, str(Path(__file__).parent)]
-        runs.append(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout)
-    a, b = (np.frombuffer(bytes.fromhex(r), np.float32) for r in runs)
-    assert a.size > 1000 and rel_error(a, b.astype(np.float64)) <= TOL
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
@@ -519,7 +482,7 @@ def test_int8_view_and_warmup():
     as_i8 = QWeight("fp4", w.data.view(np.int8), w.scale, 16, 64)  # the checkpoint's I8 dtype
     x = rng.standard_normal(64).astype(np.float32)
     assert np.array_equal(fast.matvec(as_i8, x), fast.matvec(w, x))
-    assert fast.warmup() >= 0.0
+    assert warm.warmup([f for f in warm.FORMS if f != "base"]) >= 0.0
 
 
 def test_kernel_seconds_count_each_role():
@@ -537,12 +500,12 @@ def test_kernel_seconds_count_each_role():
         assert after[role] > before.get(role, 0.0), role
 
 
-def test_runs_never_take_the_blas_path_so_segment_size_cannot_change_bits():
+def test_segment_size_cannot_change_bits():
     """Prefill segments are sized from --budget; a product over a long segment must give the
-    same bits as over a short one, so matmul stays on the fused kernels by default."""
+    same bits as over a short one."""
     rng = np.random.default_rng(31)
     w = weight("fp8", 256, 384, rng)
-    x = rng.standard_normal((fast.blas_min_tokens(w) + 5, 384)).astype(np.float32)
+    x = rng.standard_normal((PREFILL_TOKENS + 5, 384)).astype(np.float32)
     y = fast.matmul(w, x)
     assert np.array_equal(y[-5:], fast.matmul(w, x[-5:]))
     assert np.array_equal(y[0], fast.matvec(w, x[0]))
@@ -556,7 +519,7 @@ def test_lane_sum_is_the_documented_pairwise_tree():
     def lane_sums(acc, n):
         out = np.empty(n, np.float32)
         for i in range(n):
-            out[i] = fast._lane_sum(acc, 32 * i)
+            out[i] = jit._lane_sum(acc, 32 * i)
         return out
 
     rng = np.random.default_rng(11)
@@ -583,7 +546,7 @@ def _fp4_block_scalar(w, r, b, xe, xo, sr, acc):
     for k in range(16):
         i = b * 16 + k
         byte = w[r, i]
-        acc[a + k] = fast._fma(fast._e2m1_hi(byte) * sr, xo[i], fast._fma(fast._e2m1_lo(byte) * sr, xe[i], acc[a + k]))
+        acc[a + k] = jit._fma(jit._e2m1_hi(byte) * sr, xo[i], jit._fma(jit._e2m1_lo(byte) * sr, xe[i], acc[a + k]))
 
 
 def test_fp4_block_decodes_have_the_bits_of_the_scalar_arithmetic():
@@ -598,8 +561,8 @@ def test_fp4_block_decodes_have_the_bits_of_the_scalar_arithmetic():
         for r in range(w.shape[0]):
             a_t, a_h, a_s = out[0, r], out[1, r], out[2, r]
             for b in range(w.shape[1] // 16):
-                fast._fp4_block_table(w, r, b, xe, xo, rel[r, b], a_t, (b % 2) * 16)
-                fast._fp4_block_half(w, r, b, xe, xo, rel[r, b], a_h, (b % 2) * 16)
+                fp4._fp4_block_table(w, r, b, xe, xo, rel[r, b], a_t, (b % 2) * 16)
+                fp4._fp4_block_half(w, r, b, xe, xo, rel[r, b], a_h, (b % 2) * 16)
                 _fp4_block_scalar(w, r, b, xe, xo, rel[r, b], a_s)
         return out
 
@@ -616,3 +579,43 @@ def test_fp4_block_decodes_have_the_bits_of_the_scalar_arithmetic():
     assert np.isfinite(scalar).all() and np.abs(scalar).max() > 0
     assert np.array_equal(table.view(np.uint32), scalar.view(np.uint32))
     assert np.array_equal(half.view(np.uint32), scalar.view(np.uint32))
+
+
+def _kernel_module_imports() -> dict[str, set[str]]:
+    """kernels/ submodule -> the kernels/ submodules it imports (at any depth, by `ast`); the
+    package itself (`from . import QWeight`, the public API) is left out."""
+    import ast
+    from pathlib import Path
+
+    here = Path(fast.__file__).parent
+    names = {p.stem for p in here.glob("*.py")} - {"__init__"}
+    out = {}
+    for name in names:
+        got = set()
+        for node in ast.walk(ast.parse((here / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                got.update([node.module] if node.module else [a.name for a in node.names])
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                got.update(m.split(".")[2] for m in mods if m.startswith("dsv4stream.kernels."))
+        out[name] = got & names
+    return out
+
+
+def test_the_kernel_modules_import_each_other_without_a_circle():
+    """The plumbing (jit.py) imports no kernel module; everything else forms no circle (numba
+    decorates a kernel at import: a circle would reach a half-initialised module)."""
+    graph = _kernel_module_imports()
+    assert graph["jit"] == set() and graph["tiles"] == {"jit"}
+    assert {"fp4", "fp8", "plain", "tiles", "jit"} <= graph["fast"] and "jit" in graph["attn"]
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import circle: {' -> '.join((*path, name))}"
+        if name not in done:
+            for dep in sorted(graph[name]):
+                visit(dep, (*path, name))
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, ())

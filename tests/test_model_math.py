@@ -11,12 +11,12 @@ import pytest
 
 from dsv4stream.checkpoint import formats
 from dsv4stream.kernels import QWeight, attend, dense, matmul
-from dsv4stream.model.attention import WindowCache
-from dsv4stream.model.compressor import CompressorState, CompressorWeights, compress
+from dsv4stream.model.cache import WindowCache
 from dsv4stream.model.mhc import HcWeights, hc_post, hc_pre
 from dsv4stream.model.moe import ExpertWeights, MoeWeights, route, routed_experts, swiglu
 from dsv4stream.model.ops import rms_norm, silu, topk_lowest_index
 from dsv4stream.model.rope import Rope, apply_rope, plain_inv_freq, yarn_inv_freq
+from dsv4stream.model.v4.compressor import CompressorState, CompressorWeights, compress
 from dsv4stream.weights.loading import split_rows
 
 RNG = np.random.default_rng(0)

@@ -136,7 +136,7 @@ def test_every_table_name_is_consumed(cat):
 
 def test_a_loader_that_skips_a_tensor_is_caught(cat, monkeypatch):
     # the bug the first test guards against: a field the loader forgets is a tensor nobody reads
-    from dsv4stream.weights import loading
+    from dsv4stream.weights import loading_v4 as loading
 
     real = loading._compressor
     monkeypatch.setattr(loading, "_compressor", lambda c, p: real(c, p) if "indexer" not in p else None)

@@ -1,4 +1,4 @@
-"""V4.1's activation grids (model/quant.py) against definitions written here in float64.
+"""V4.1's activation grids (model/v41/quant.py) against definitions written here in float64.
 
 The reference side enumerates each format's finite values and picks the nearest (ties to the
 even code) in float64, and derives the power-of-two scales with math.frexp: it shares nothing
@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from dsv4stream.model.quant import fp4_qdq_e4m3, fp4_qdq_e8m0, fp8_qdq
+from dsv4stream.model.v41.quant import fp4_qdq_e4m3, fp4_qdq_e8m0, fp8_qdq
 
 
 def _grid(values: list[float]) -> tuple[np.ndarray, np.ndarray]:

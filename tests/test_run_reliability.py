@@ -316,12 +316,11 @@ def test_os_errors_without_a_file_say_so_and_a_full_disk_is_not_a_permission_pro
 def test_a_cold_kernel_cache_is_compiled_in_a_child_process(monkeypatch):
     """The compile children run apart from this process (tests/test_compile_forms.py runs real
     ones against an empty cache); a warm cache starts none."""
-    from dsv4stream import kernels
     from dsv4stream.run import compile as kcompile
 
     said: list[str] = []
     started: list[list[str]] = []
-    monkeypatch.setattr(kernels, "missing_forms", lambda forms=None: ("bf16",))  # as on a fresh installation
+    monkeypatch.setattr(kcompile.warm, "missing_forms", lambda forms=None: ("bf16",))  # as on a fresh installation
 
     def run_children(bins, count):
         started.extend(bins)
@@ -330,36 +329,36 @@ def test_a_cold_kernel_cache_is_compiled_in_a_child_process(monkeypatch):
         return []
 
     monkeypatch.setattr(kcompile, "_run_children", run_children)
-    monkeypatch.setattr(kernels, "_mark_cache_complete", lambda forms=None: None)
+    monkeypatch.setattr(kcompile.warm, "mark_cache_complete", lambda forms=None: None)
     got = kcompile.compile_kernels_apart(("bf16",), said.append)
     assert got is not None and got[0] == len(kcompile.warm.units(["bf16"])) and started
     assert "separate process" in said[0] and "outside --budget" in said[0]
-    monkeypatch.setattr(kernels, "missing_forms", lambda forms=None: ())
+    monkeypatch.setattr(kcompile.warm, "missing_forms", lambda forms=None: ())
     assert kcompile.compile_kernels_apart(("bf16",), said.append) is None and len(said) == 2
 
 
 def test_the_cache_check_follows_numba_cache_dir_and_wants_a_finished_warmup(tmp_path, monkeypatch):
-    from dsv4stream import kernels
+    from dsv4stream.kernels import jit, warm
 
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
-    assert not kernels.compiled_cache_exists()
+    assert not warm.compiled_cache_exists()
     (tmp_path / "work" / "x").mkdir(parents=True)
     (tmp_path / "work" / "x" / "fast._plain_mv-361.py311.nbi").write_bytes(b"")
-    assert not kernels.compiled_cache_exists()  # index files alone may be an older source's
-    kernels._mark_cache_complete()
-    assert kernels.compiled_cache_exists()
-    monkeypatch.setattr(kernels, "cache_stamp", lambda source=None: "0" * 16)
-    assert not kernels.compiled_cache_exists()  # the kernels' source changed: compile apart again
+    assert not warm.compiled_cache_exists()  # index files alone may be an older source's
+    warm.mark_cache_complete()
+    assert warm.compiled_cache_exists()
+    monkeypatch.setattr(jit, "cache_stamp", lambda source=None: "0" * 16)
+    assert not warm.compiled_cache_exists()  # the kernels' source changed: compile apart again
 
 
 def test_the_cache_stamp_changes_with_the_kernel_source_and_the_cpu(monkeypatch):
-    from dsv4stream import kernels
+    from dsv4stream.kernels import jit
 
-    here = kernels.cache_stamp()
-    assert here == kernels.cache_stamp() and len(here) == 16
-    assert kernels.cache_stamp(b"def k(): pass") != here
+    here = jit.cache_stamp()
+    assert here == jit.cache_stamp() and len(here) == 16
+    assert jit.cache_stamp(b"def k(): pass") != here
     monkeypatch.setenv("NUMBA_CPU_NAME", "generic")  # numba then compiles for another target
-    assert kernels.cache_stamp() != here
+    assert jit.cache_stamp() != here
 
 
 def _kernel_signatures() -> dict[str, set]:

@@ -19,10 +19,11 @@ from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
 from dsv4stream.checkpoint import synth
-from dsv4stream.server.app import ServerState, create_app
+from dsv4stream.server.app import create_app
 from dsv4stream.server.decoding import Controls, Picker
 from dsv4stream.server.responses import ResponsesRequest, encrypt, input_messages
 from dsv4stream.server.schemas import REFUSED, AnthropicRequest, ChatRequest, CompletionRequest, CountRequest
+from dsv4stream.server.toolkit import ServerState
 from dsv4stream.text.sampler import SamplingParams
 from dsv4stream.text.tokenizer import Tokenizer
 

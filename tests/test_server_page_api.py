@@ -19,8 +19,9 @@ from server_proc import Server
 
 from dsv4stream.checkpoint import synth
 from dsv4stream.checkpoint.config import ModelConfig
-from dsv4stream.server.app import ServerState, create_app
+from dsv4stream.server.app import create_app
 from dsv4stream.server.security import Guard, Policy
+from dsv4stream.server.toolkit import ServerState
 from dsv4stream.text import chat
 from dsv4stream.text.tokenizer import Tokenizer
 

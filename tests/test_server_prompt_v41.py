@@ -133,7 +133,8 @@ class Scripted:
 def test_chat_completions_over_http_take_v41_efforts_and_answer_v41_tool_calls(tok):
     from fastapi.testclient import TestClient
 
-    from dsv4stream.server.app import ServerState, create_app
+    from dsv4stream.server.app import create_app
+    from dsv4stream.server.toolkit import ServerState
 
     srv = ServerState("tiny-v41", tok, 4096, lambda line: None, encoder="v41")
     srv.worker = worker = Scripted(tok, "Checking.</think>Looking it up." + BLOCK)

@@ -273,7 +273,12 @@ def test_slow_headers_and_bodies_are_cut_and_connections_capped(server) -> None:
     body_slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                       b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{")  # fmt: skip
     assert _closed_within(body_slow, 6) < 4.5
+    # the cap holds when every connection has a request under way (here: bodies still coming)
     held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(6)]
+    for s in held:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{")  # fmt: skip
+    time.sleep(0.3)
     extra = socket.create_connection(("127.0.0.1", server.port))
     assert _closed_within(extra, 2) < 1
     for s in held:
@@ -281,6 +286,46 @@ def test_slow_headers_and_bodies_are_cut_and_connections_capped(server) -> None:
     time.sleep(0.2)
     assert request(server, "GET", "/health")[0] == 200
     assert "already open" in server.log
+
+
+def test_slow_header_senders_do_not_lock_out_a_new_client(ckpt) -> None:
+    # issue 40: 64 connections (the default cap) send their headers a byte at a time, each well
+    # within its deadline; a new /health request is still answered at once, in place of the one
+    # that has waited longest, and the others keep trickling until their own deadline
+    slow: list[socket.socket] = []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.5):
+            for s in slow:
+                try:
+                    s.sendall(b"X")
+                except OSError:
+                    pass
+
+    with Server(ckpt, "--ctx", "64", "--header-timeout", "8") as srv:
+        t = threading.Thread(target=trickle, daemon=True)
+        try:
+            for _ in range(64):
+                s = socket.create_connection(("127.0.0.1", srv.port))
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+                slow.append(s)
+            t.start()
+            time.sleep(1.0)  # all 64 open and trickling
+            for _ in range(3):
+                t0 = time.monotonic()
+                conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=3)
+                conn.request("GET", "/health")
+                assert conn.getresponse().status == 200
+                conn.close()
+                assert time.monotonic() - t0 < 2
+            assert "for request headers to admit a new one" in srv.log
+            assert "refused a connection" not in srv.log
+        finally:
+            stop.set()
+            t.join(5)
+            for s in slow:
+                s.close()
 
 
 def test_a_full_queue_answers_429_with_retry_after(server) -> None:

@@ -18,8 +18,9 @@ from openai.types.responses import ResponseErrorEvent
 from dsv4stream.errors import Dsv4Error
 from dsv4stream.server import anthropic as anthropic_routes
 from dsv4stream.server import responses as responses_routes
-from dsv4stream.server.app import _Events, _Meta, chat_body, chat_chunks
+from dsv4stream.server.openai import chat_body, chat_chunks
 from dsv4stream.server.reply import Delta, Outcome
+from dsv4stream.server.toolkit import Events, Meta
 from dsv4stream.server.worker import Job, Usage
 from dsv4stream.text.chat import ToolCall
 from dsv4stream.text.sampler import SamplingParams
@@ -30,7 +31,7 @@ CALLS = (ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("now", "{}"))
 def test_non_streamed_tool_calls_parse_as_a_chat_completion() -> None:
     outcome = Outcome("tool_calls", "", reasoning="hm", content="Let me check.", tool_calls=CALLS)
     usage = Usage(prompt_tokens=30, cached_tokens=12, completion_tokens=9)
-    body = ChatCompletion.model_validate(chat_body(_Meta("chatcmpl", "m"), [outcome], True, usage))
+    body = ChatCompletion.model_validate(chat_body(Meta("chatcmpl", "m"), [outcome], True, usage))
     msg = body.choices[0].message
     assert body.choices[0].finish_reason == "tool_calls" and msg.content == "Let me check."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
@@ -43,7 +44,7 @@ def test_non_streamed_tool_calls_parse_as_a_chat_completion() -> None:
 
 def test_streamed_chunks_parse_and_carry_one_delta_per_call() -> None:
     async def collect() -> list[str]:
-        events = _Events()
+        events = Events()
         job = Job([1, 2], 8, SamplingParams(), None, events.emit)  # type: ignore[arg-type]
         for ev in (
             ("progress", (2, 2)),
@@ -54,7 +55,7 @@ def test_streamed_chunks_parse_and_carry_one_delta_per_call() -> None:
             ("done", [Outcome("tool_calls", "", content="Sure.", tool_calls=CALLS)]),
         ):
             events.emit(*ev)
-        return [s async for s in chat_chunks(job, events, _Meta("chatcmpl", "m", include_usage=True), 5.0)]
+        return [s async for s in chat_chunks(job, events, Meta("chatcmpl", "m", include_usage=True), 5.0)]
 
     out = asyncio.run(collect())
     assert out[-1] == "data: [DONE]\n\n" and any(s.startswith(": prefill 2/2") for s in out)
@@ -84,8 +85,8 @@ def _sse(stream) -> bytes:
     return asyncio.run(collect())
 
 
-def _failing_job() -> tuple[Job, _Events]:
-    events = _Events()
+def _failing_job() -> tuple[Job, Events]:
+    events = Events()
     job = Job([1, 2], 8, SamplingParams(), None, events.emit)  # type: ignore[arg-type]
     for ev in (("started", (0, 2)), ("delta", Delta(content="Par")), ("error", Dsv4Error("trunk.bin changed on disk"))):
         events.emit(*ev)
@@ -102,7 +103,7 @@ def _transport(body: bytes) -> httpx2.Client:
 def test_an_anthropic_stream_ends_with_anthropics_error_event() -> None:
     def stream():
         job, events = _failing_job()
-        return anthropic_routes._stream(job, events, _Meta("msg", "m"), 5.0, 2)
+        return anthropic_routes._stream(job, events, Meta("msg", "m"), 5.0, 2)
 
     body = _sse(stream)
     client = anthropic.Anthropic(base_url="http://test", api_key="k", http_client=_transport(body), max_retries=0)
@@ -118,7 +119,7 @@ def test_an_anthropic_stream_ends_with_anthropics_error_event() -> None:
 def test_a_responses_stream_ends_with_an_error_event_and_response_failed() -> None:
     def stream():
         job, events = _failing_job()
-        meta = _Meta("resp", "m")
+        meta = Meta("resp", "m")
         return responses_routes._stream(job, events, meta, {"id": meta.id}, 5.0, False, lambda _: None)
 
     client = openai.OpenAI(base_url="http://test/v1", api_key="k", http_client=_transport(_sse(stream)), max_retries=0)
@@ -132,7 +133,7 @@ def test_a_responses_stream_ends_with_an_error_event_and_response_failed() -> No
 def test_a_chat_stream_error_raises_in_the_openai_client() -> None:
     def stream():
         job, events = _failing_job()
-        return chat_chunks(job, events, _Meta("chatcmpl", "m"), 5.0)
+        return chat_chunks(job, events, Meta("chatcmpl", "m"), 5.0)
 
     client = openai.OpenAI(base_url="http://test/v1", api_key="k", http_client=_transport(_sse(stream)), max_retries=0)
     with pytest.raises(openai.APIError, match="trunk.bin changed on disk"):

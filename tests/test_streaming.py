@@ -26,7 +26,7 @@ from dsv4stream.streaming.layout import trunk_layout
 from dsv4stream.streaming.reader import GroupReader
 from dsv4stream.streaming.ring import ViewSource
 from dsv4stream.trunkpack.writer import pack_trunk
-from dsv4stream.weights.loading import load_layer
+from dsv4stream.weights.loading_v4 import load_layer
 from dsv4stream.weights.providers import CatalogTrunk
 
 PROMPT = [3, 17, 101, 5, 250, 7, 9, 64, 33, 2]

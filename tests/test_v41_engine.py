@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from dsv4stream.checkpoint.synth import make_checkpoint
 from dsv4stream.cli.logits import logits as logits_cmd
 from dsv4stream.engine.session import Engine
+from dsv4stream.engine.stack_v41 import V41Options
 from dsv4stream.engine.state import from_bytes, to_bytes
-from dsv4stream.engine.v41 import V41Options
 from dsv4stream.errors import UsageError
 from dsv4stream.weights.providers import CatalogEngramRows
 

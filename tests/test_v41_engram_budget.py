@@ -1,7 +1,7 @@
 """The Engram layers' prefill stays inside the plan.
 
 A segment's Engram rows are gathered, dequantised and gated one attention sub-chunk at a time
-(`engine.v41`): a whole segment at once would hold S x columns x head_dim floats and their
+(`engine.stack_v41`): a whole segment at once would hold S x columns x head_dim floats and their
 projection (~0.5 GB at S = 4096 on the release), which the plan's segment bytes do not count.
 The planner's staging counts one sub-chunk's peak (`planner_v41.engram_token_bytes`), checked
 here against tracemalloc's peak of the same code on generated checkpoints.
@@ -19,7 +19,7 @@ from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.checkpoint.config import ModelConfig
 from dsv4stream.checkpoint.synth import make_checkpoint
 from dsv4stream.engine.session import Engine
-from dsv4stream.model.engram import engram
+from dsv4stream.model.v41.engram import engram
 from dsv4stream.run import planner, planner_v41
 from dsv4stream.streaming.engram import DiskEngramRows
 from dsv4stream.weights.providers import CatalogEngramRows, CatalogExperts, CatalogTrunk

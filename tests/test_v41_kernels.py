@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's kernels: FP8 with 32x32 scale blocks (kernels/fast.py's vector FP8 kernels,
+"""DeepSeek-V4.1's kernels: FP8 with 32x32 scale blocks (kernels/fp8.py's vector FP8 kernels,
 shared with V4's 128x128 blocks) and the activation grid in numba (kernels/qdq.py).
 
 - FP8 32x32 against `kernels/reference.py` (ml_dtypes decode, numpy float32 GEMM) to float32
@@ -6,7 +6,7 @@ shared with V4's 128x128 blocks) and the activation grid in numba (kernels/qdq.p
   token counts across the register blocks and the 128-token split; E8M0 and float32 scales.
 - the same products, bit for bit, as the generic FP8 matvec (`_fp8_mv_serial`, a scalar decode)
   at bc = 32, once per token: the vector decode must not change a single result.
-- `fp8_qdq_rows` against `model.quant.fp8_qdq` (numpy + ml_dtypes, the definition the oracle
+- `fp8_qdq_rows` against `model.v41.quant.fp8_qdq` (numpy + ml_dtypes, the definition the oracle
   fixtures check) bit for bit, on the oracle's inputs and on random magnitudes and ties.
 """
 
@@ -20,7 +20,7 @@ import pytest
 from dsv4stream import kernels
 from dsv4stream.checkpoint import formats
 from dsv4stream.kernels import QWeight, reference
-from dsv4stream.model.quant import act_qdq, fp8_qdq
+from dsv4stream.model.v41.quant import act_qdq, fp8_qdq
 
 fast = pytest.importorskip("dsv4stream.kernels.fast")
 qdq = pytest.importorskip("dsv4stream.kernels.qdq")
@@ -36,7 +36,7 @@ def fp8w(rows: int, cols: int, rng, scale_kind: str = "e8m0", block: int = 32) -
     data = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
     data[(data & 0x7F) == 0x7F] = 0x38  # no NaN codes
     sub = ((data & 0x78) == 0) & ((data & 0x07) != 0)  # subnormal codes in every 4th row only:
-    sub[::4] = False  # both of `fast._decoded32`'s paths
+    sub[::4] = False  # both of `fp8._decoded32`'s paths
     data[sub] |= 0x08
     shape = (-(-rows // block), -(-cols // block))
     scale = rng.integers(116, 133, shape).astype(np.uint8)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's pure math (model/v41_*.py, model/engram.py) against direct statements of it.
+"""DeepSeek-V4.1's pure math (model/v41/*.py) against direct statements of it.
 
 Each test writes the rule out again in the plainest numpy (loops, float64 where it helps) and
 compares; the chunked forms are checked against the whole-sequence form they must equal.
@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 from dsv4stream.kernels import QWeight, matmul
-from dsv4stream.model.engram import EngramWeights, engram
 from dsv4stream.model.mhc import HcWeights, hc_pre
 from dsv4stream.model.moe import ExpertWeights
 from dsv4stream.model.ops import silu
-from dsv4stream.model.quant import fp8_qdq
 from dsv4stream.model.rope import Rope, plain_inv_freq
-from dsv4stream.model.v41_block import HcParams, hc_mixes, identity_pre
-from dsv4stream.model.v41_indexer import candidate_blocks, restrict_to, top_rows
-from dsv4stream.model.v41_kv import SourceState, V41CompressorWeights, append_rows, latents
-from dsv4stream.model.v41_moe import V41MoeParams, V41MoeWeights, moe, route
+from dsv4stream.model.v41.block import HcParams, hc_mixes, identity_pre
+from dsv4stream.model.v41.engram import EngramWeights, engram
+from dsv4stream.model.v41.indexer import candidate_blocks, restrict_to, top_rows
+from dsv4stream.model.v41.kv import SourceState, V41CompressorWeights, append_rows, latents
+from dsv4stream.model.v41.moe import V41MoeParams, V41MoeWeights, moe, route
+from dsv4stream.model.v41.quant import fp8_qdq
 
 F32 = np.float32
 
@@ -69,8 +69,8 @@ def test_compressor_latents_match_the_rule_in_any_chunking(ratio, rng):
 
 
 def test_rows_and_keys_are_rotated_at_the_first_position_of_their_group_then_put_on_their_grids(rng):
-    from dsv4stream.model.quant import fp4_qdq_e4m3, fp4_qdq_e8m0
-    from dsv4stream.model.v41_kv import IndexKeyWeights
+    from dsv4stream.model.v41.kv import IndexKeyWeights
+    from dsv4stream.model.v41.quant import fp4_qdq_e4m3, fp4_qdq_e8m0
 
     hd, ihd, ratio = 32, 32, 2
     rope = Rope(plain_inv_freq(10000.0, 8))

@@ -32,7 +32,7 @@ from click.testing import CliRunner
 from dsv4stream.cli import main
 from dsv4stream.cli.logits import logits as logits_cmd
 from dsv4stream.engine.session import Engine
-from dsv4stream.engine.v41 import V41Options
+from dsv4stream.engine.stack_v41 import V41Options
 
 FIXTURES = Path(__file__).parent / "fixtures" / "v41"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "oracle.npz").exists())
@@ -111,7 +111,7 @@ def check(got: np.ndarray, name: str, run: str) -> None:
 
 
 def test_fixtures_present() -> None:
-    assert {"plan", "wide", "clamp"} <= set(NAMES)
+    assert {"plan", "wide", "clamp", "odd"} <= set(NAMES)
 
 
 PREFILL_RUNS = [r for r in RUNS if RUNS[r][0] == "prefill"]

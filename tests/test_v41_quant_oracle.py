@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4stream.model.quant import fp4_qdq_e4m3, fp4_qdq_e8m0, fp8_qdq
+from dsv4stream.model.v41.quant import fp4_qdq_e4m3, fp4_qdq_e8m0, fp8_qdq
 
 FIX = Path(__file__).parent / "fixtures" / "v41" / "quant" / "qdq.npz"
 Z = np.load(FIX)

@@ -197,6 +197,25 @@ def specs() -> tuple[FixtureSpec, ...]:
             what="SwiGLU clamp biting (limit 1.5, experts x3, outputs damped x1/64), top-3 of 8; window-only 0-1, ratio-2 source 2 and"
             " readers 3-4, ratio-1 source 5 (candidates: 5 blocks of 2), reader 6, index-only source 7",
         ),
+        FixtureSpec(
+            "odd",
+            seed=60,
+            n_tokens=192,
+            overrides={
+                **_BASE,
+                **_plan(7, window=1, encoder=3, kv_group=2, index_every=2),
+                "num_attention_heads": 2,
+                "head_dim": 96,
+                "o_groups": 1,
+                "sliding_window": 4,
+                "index_topk": 3,
+                "candidate_topk_blocks": 2,
+                "candidate_block_size": 4,
+            },
+            what="unusual small dimensions (issue 40, item 15): 2 heads of 96 (not a power of two) in 1 output group,"
+            " window 4, index_topk 3 of up to 96 (ratio 2) / 192 (ratio 1) rows inside 2 candidate blocks of 4;"
+            " plan as in `plan`",
+        ),
     )
 
 

@@ -30,6 +30,13 @@ are; the changes are applied to the freshly loaded modules of one model):
 The head is asked for every position's logits (the reference returns only the last one
 unless asked); that changes no number.
 
+Ties: the reference leaves the order of exactly equal values in a top-k (router, indexer,
+candidate blocks) to torch, whose CPU top-k keeps an arbitrary subset of them; dsv4stream keeps
+the lowest indices. A run with ties="lowest" (`lowest_index_ties`) takes the same rule, so a
+checkpoint whose top-k boundaries tie exactly (few index heads: rows whose every head's ReLU
+is zero score exactly 0) can still be compared; the fixtures instead use seeds without
+near-ties and leave the reference as shipped.
+
 Needs torch >= 2.9 (float4_e2m1fn_x2, float8_e8m0fnu), sympy, pillow and tokenizers.
 """
 
@@ -520,13 +527,52 @@ def run(model, ids: np.ndarray, mode: str) -> np.ndarray:
     return np.stack(rows)
 
 
+@contextlib.contextmanager
+def lowest_index_ties():
+    """Every top-k inside: among exactly equal values the lowest index wins (dsv4stream's rule,
+    `model.ops.topk_lowest_index`, and torch's CUDA top-k's: its gatherTopK takes the values equal
+    to the k-th in index order) instead of the CPU top-k's choice.
+
+    The reference leaves tie order to torch: on CPU, `topk` selects with nth_element or a
+    partial sort depending on k and the row length, so which of several equal scores it keeps
+    is arbitrary (of 30 equal values it keeps 17 and 19-22). Exact ties are common in small
+    checkpoints: an index row whose every head's ReLU is zero scores exactly 0, which with 2
+    index heads (the tiny-v41 preset) is one row in four. Nothing else changes."""
+    import torch
+
+    orig = torch.Tensor.topk
+
+    def topk(t, k, dim=-1, largest=True, sorted=True):
+        if not largest:
+            return orig(t, k, dim, largest, sorted)
+        v, i = torch.sort(t, dim=dim, descending=True, stable=True)
+        return torch.return_types.topk((v.narrow(dim, 0, k), i.narrow(dim, 0, k)))
+
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = orig
+
+
 def reference_run(
-    reference: Path, ckpt: Path, ids: np.ndarray, mode: str, numerics: str, index_keys: str, clamp: dict | None = None
+    reference: Path,
+    ckpt: Path,
+    ids: np.ndarray,
+    mode: str,
+    numerics: str,
+    index_keys: str,
+    clamp: dict | None = None,
+    ties: str = "torch",
 ):
     """(logits, boundary gaps) of one run on a freshly loaded reference; `clamp`, if given, receives
-    the SwiGLU clamp counts (ClampCount)."""
+    the SwiGLU clamp counts (ClampCount). ties: "torch" (as shipped: the CPU top-k's choice among
+    equal values) or "lowest" (`lowest_index_ties`)."""
+    if ties not in ("torch", "lowest"):
+        raise ReferenceError(f"ties {ties!r}: torch or lowest")
     model, ref = build_model(reference, ckpt, numerics, index_keys, max_seq_len=_seq_room(len(ids)))
-    with Boundaries(ref).watching() as b, ClampCount(ref).watching() as c:
+    tie_rule = lowest_index_ties() if ties == "lowest" else contextlib.nullcontext()
+    with tie_rule, Boundaries(ref).watching() as b, ClampCount(ref).watching() as c:
         logits = run(model, ids, mode)
     if clamp is not None:
         clamp.update(c.counts)

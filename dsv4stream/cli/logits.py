@@ -5,7 +5,7 @@ another implementation and for scoring text. `--mode` picks how the tokens are f
 one prefill chunk, one token at a time (a decode step per token), or chunks of N; all give
 the same numbers up to float rounding (for V4.1 with `--index-keys owner`, the default).
 DeepSeek-V4.1 checkpoints also take `--numerics official|fp32` and `--index-keys
-owner|as-shipped` (`engine.v41.V41Options`); V4 runs float32 activations only.
+owner|as-shipped` (`engine.stack_v41.V41Options`); V4 runs float32 activations only.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import click
 import numpy as np
 
 from ..engine.session import Engine
-from ..engine.v41 import V41Options
+from ..engine.stack_v41 import V41Options
 from ..errors import UsageError
 from ..files import AtomicFile, read_regular
 from .outputs import check_output

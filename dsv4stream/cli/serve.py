@@ -148,9 +148,10 @@ def serve(
     Anthropic's /v1/messages, and /health."""
     import uvicorn
 
-    from ..server.app import AccessLog, ServerState, create_app
+    from ..server.app import create_app
     from ..server.metrics import counting
     from ..server.security import Guard, Policy, host_name, normalize_origins
+    from ..server.toolkit import AccessLog, ServerState
     from ..server.transport import Limits, guarded_protocol
 
     checks = (

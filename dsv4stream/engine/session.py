@@ -28,20 +28,20 @@ import numpy as np
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog, TensorSource
-from ..checkpoint.config import V41, ModelConfig
+from ..checkpoint.config import ModelConfig
 from ..checkpoint.spec import layer_prefix
 from ..errors import NumericsError, UsageError
-from ..model.block import Trace
 from ..model.moe import ExpertWeights
 from ..model.scan import nonfinite_fields
+from ..model.trace import Trace
 from ..text.sampler import greedy
-from ..weights.providers import CatalogEngramRows, CatalogExperts, CatalogTrunk, EngramRows, ExpertKey, Experts, Trunk
+from ..weights.providers import CatalogExperts, CatalogTrunk, EngramRows, ExpertKey, Experts, Trunk
+from .family import build_stack
 from .phases import Meter, PhaseLog, PrefillStep, StepClock, Turn, no_reads
+from .stack_v41 import EngramIds, V41Options
 from .state import SessionState, capture, thaw
 from .steps import Pass, PassContext, Stack
 from .threads import ThreadGovernor
-from .v4 import V4Stack
-from .v41 import EngramIds, V41Options, V41Stack, checkpoint_engram_ids
 
 # on_route(layer, positions (T,), experts (T, k)): called before a layer's experts are fetched
 RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
@@ -96,18 +96,9 @@ class Engine:
         self.phases = PhaseLog()
         # picks decode steps' kernel threads when the user did not fix them (`engine/threads.py`)
         self.governor: ThreadGovernor | None = None
-        if cfg.family == V41:
-            if cfg.engram is not None and catalog is not None:
-                engram_rows = engram_rows or CatalogEngramRows(catalog)
-                engram_ids = engram_ids or checkpoint_engram_ids(catalog)
-            self.stack: Stack = V41Stack(cfg, trunk, experts, engram_rows, engram_ids, v41 or V41Options())
-        else:
-            if v41 is not None and v41 != V41Options(numerics="fp32"):
-                raise UsageError(
-                    "--numerics / --index-keys are DeepSeek-V4.1 options: a V4 checkpoint runs float32"
-                    " activations only (--numerics fp32, or leave both out)"
-                )
-            self.stack = V4Stack(cfg, trunk, experts)
+        self.stack: Stack = build_stack(
+            cfg, trunk, experts, catalog, engram_rows=engram_rows, engram_ids=engram_ids, v41=v41
+        )
 
     @classmethod
     def open(

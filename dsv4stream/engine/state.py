@@ -10,7 +10,7 @@ Why a restored state gives the same logits bit for bit: the copy is exact (every
 copied, nothing recomputed), and the forward pass reads nothing else of the session.
 
 The state is walked generically (objects' fields, lists, arrays, plain scalars), so the
-layout of `model.attention` / `model.compressor` may change without touching this file;
+layout of `model.v4.attention` / `model.v4.compressor` may change without touching this file;
 a file written for another layout is refused (its skeleton hash differs).
 
 File layout: MAGIC (8 bytes), header length (8 bytes, little-endian), the header (UTF-8

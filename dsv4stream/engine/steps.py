@@ -3,7 +3,7 @@
 Owns: `Pass` (one forward pass in flight: its tokens, positions and residual streams; a
 family adds what it carries from layer to layer), `PassContext` (what the session lends a
 stack for one pass: the attention sub-chunk, the trace, the expert source and the routing
-hook of a layer) and the `Stack` protocol each family (`engine.v4`, `engine.v41`) implements.
+hook of a layer) and the `Stack` protocol each family (`engine.stack_v4`, `engine.stack_v41`) implements.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ..model.block import Trace
 from ..model.moe import ExpertSource
+from ..model.trace import Trace
 
 # routed(layer, positions, prefetch=...) -> the MoE's on_route hook for that layer: calls the
 # session's on_route, then (prefetch=True) asks the expert provider for the chosen experts

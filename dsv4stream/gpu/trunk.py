@@ -4,7 +4,7 @@ Owns: the placement candidates read from the catalog (every 2-D `.weight` of a m
 that the model turns into a `QWeight`, and the head), the upload of the chosen ones (each
 read from the checkpoint once, uploaded, its host copy dropped: one matrix in RAM at a
 time), and `PlacedSource`, a catalog look-alike whose `qweight(prefix)` answers with the
-device copy. `loading.load_layer` / `load_head` build their named weights from such a
+device copy. The family's loaders (`weights.family`) build their named weights from such a
 source, so whichever trunk provider builds the layers (all in RAM, or streamed through a
 ring) gets `DeviceQWeight`s for placed matrices and never reads their bytes again; a
 streamed trunk leaves `Placed.tensor_names` out of its groups, so its slots (and the

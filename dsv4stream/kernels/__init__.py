@@ -74,6 +74,29 @@ def _active():
     return _backend
 
 
+# The numerics hook: `numerics.set_numerics` puts its router here for "official" / "fast" (the
+# linears then go through it) and None for "exact" (the backend's own products, as before).
+_numerics = None
+
+
+def _products():
+    return _numerics if _numerics is not None else _active()
+
+
+def set_numerics(mode: str) -> None:
+    """'exact' (float32 activations), 'official' (V4's E4M3 activation grid) or 'fast' (int8 /
+    BF16 activations on the CPU's dot-product instructions): see `numerics.py`."""
+    from . import numerics
+
+    numerics.set_numerics(mode)
+
+
+def get_numerics() -> str:
+    from . import numerics
+
+    return numerics.get_numerics()
+
+
 def backend_name() -> str:
     return _active().__name__.rsplit(".", 1)[-1]
 
@@ -96,104 +119,16 @@ def warmup(forms: Iterable[str] | None = None) -> float:
     form); returns the seconds it took.
 
     A warm-up that ends has put those signatures in numba's cache: it leaves the markers that
-    `compiled_cache_exists` looks for."""
-    backend = _active()
-    if not hasattr(backend, "warmup"):
+    `warm.missing_forms` looks for."""
+    if _active() is reference:
         return 0.0
     from . import warm
 
-    forms = tuple(warm.FORMS if forms is None else forms)
-    t0 = time.perf_counter()
-    for unit in warm.units(forms):
-        warm.warm_unit(unit)
-    _mark_cache_complete(forms)
-    return time.perf_counter() - t0
-
-
-def _cache_dir():
-    """Where numba keeps the fast kernels' cache: next to the source, under NUMBA_CACHE_DIR (read
-    here, not from numba's locator, so a child given the variable agrees), or in a per-user
-    folder when the package directory is read-only."""
-    import os
-    from pathlib import Path
-
-    user = os.environ.get("NUMBA_CACHE_DIR")
-    if user:
-        return Path(user)
-    try:
-        from . import fast
-
-        return Path(fast._fp4_mv._cache._cache_path)  # numba's locator for this dispatcher
-    except (ImportError, AttributeError):
-        return Path(__file__).with_name("__pycache__")
-
-
-def cache_stamp(source: bytes | None = None) -> str:
-    """What numba's cached machine code depends on: the kernels' source, numba's version and the
-    CPU it was compiled for (a copied cache or an upgrade leaves index files that no longer
-    match, and numba would then compile inside the budgeted process)."""
-    import hashlib
-    import os
-    from pathlib import Path
-
-    import llvmlite.binding as llvm
-    import numba
-
-    if source is None:
-        source = b"".join(
-            Path(__file__).with_name(name).read_bytes()
-            for name in ("fast.py", "attn.py", "qdq.py", "sinkhorn.py", "warm.py")  # warm.py: what each form holds
-        )
-    h = hashlib.sha256(source)
-    cpu = (llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten())
-    env = (os.environ.get("NUMBA_CPU_NAME", ""), os.environ.get("NUMBA_CPU_FEATURES", ""))
-    for part in (numba.__version__, *cpu, *env):
-        h.update(b"\0" + part.encode())
-    return h.hexdigest()[:16]
-
-
-def _cache_marker(form: str):
-    return _cache_dir() / f"dsv4-kernels-{cache_stamp()}-{form.replace('/', '-')}.ok"
-
-
-def _all_forms(forms: Iterable[str] | None) -> tuple[str, ...]:
-    from . import warm
-
-    return tuple(warm.FORMS if forms is None else forms)
-
-
-def _mark_cache_complete(forms: Iterable[str] | None = None) -> None:
-    """Leave a marker per form whose kernels are all in numba's cache (None: every form)."""
-    import os
-    import tempfile
-
-    for form in _all_forms(forms):
-        marker = _cache_marker(form)
-        if marker.is_file():
-            continue  # every run warms up: write once per source, numba, CPU and form
-        try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=marker.parent, prefix=".dsv4-kernels-")
-            os.close(fd)
-            os.replace(tmp, marker)
-        except OSError:
-            return  # an unwritable cache folder: numba cannot cache there either, so every run compiles
-
-
-def missing_forms(forms: Iterable[str] | None = None) -> tuple[str, ...]:
-    """The forms (None: every form) whose kernels numba's on-disk cache does not hold for this
-    source, numba and CPU: no completed warm-up's marker (index files alone may be an older
-    source's or another CPU's, which no longer load)."""
-    return tuple(f for f in _all_forms(forms) if not _cache_marker(f).is_file())
-
-
-def compiled_cache_exists(forms: Iterable[str] | None = None) -> bool:
-    """Whether the cache holds every kernel of `forms` (None: every form); else warmup compiles."""
-    return not missing_forms(forms)
+    return warm.warmup(forms)
 
 
 # Seconds spent in matvec / matmul per weight role since the process started. Two perf_counter
-# calls per product (about 0.1 us; a V4-Flash token makes ~1,000 products). Updated by whichever
+# calls per product, small beside the product. Updated by whichever
 # thread multiplies: concurrent callers may lose an update, which a profile can afford.
 _spent: dict[str, float] = {}
 
@@ -210,7 +145,7 @@ def _count(role: str, t0: float) -> None:
 def matvec(w: QWeight, x: np.ndarray) -> np.ndarray:
     """x (C,) float32 -> (R,) float32."""
     t0 = time.perf_counter()
-    y = w.matvec(x) if w.on_device else _active().matvec(w, x)
+    y = w.matvec(x) if w.on_device else _products().matvec(w, x)
     _count(w.role, t0)
     return y
 
@@ -218,7 +153,7 @@ def matvec(w: QWeight, x: np.ndarray) -> np.ndarray:
 def matmul(w: QWeight, x: np.ndarray) -> np.ndarray:
     """X (T, C) float32 -> (T, R) float32."""
     t0 = time.perf_counter()
-    y = w.matmul(x) if w.on_device else _active().matmul(w, x)
+    y = w.matmul(x) if w.on_device else _products().matmul(w, x)
     _count(w.role, t0)
     return y
 
@@ -228,7 +163,7 @@ def matmul_pair(w1: QWeight, w3: QWeight, x: np.ndarray) -> tuple[np.ndarray, np
 
     Equal to the two separate products bit for bit; one pass over both weights where the
     backend has one (a routed expert's gate and up projections at one token)."""
-    backend = _active()
+    backend = _products()
     if w1.on_device or w3.on_device or not hasattr(backend, "matmul_pair"):
         return matmul(w1, x), matmul(w3, x)
     t0 = time.perf_counter()
@@ -241,7 +176,7 @@ def matmul_grouped(ws: Sequence[QWeight], x: np.ndarray) -> np.ndarray:
     """Group i of X (T, g, C) times ws[i] (R, C), concatenated: -> (T, g * R).
 
     The grouped low-rank output projection; equal to the per-group products bit for bit."""
-    backend = _active()
+    backend = _products()
     if any(w.on_device for w in ws) or not hasattr(backend, "matmul_grouped"):
         return np.concatenate([matmul(w, x[:, i]) for i, w in enumerate(ws)], axis=1)
     t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 and the lightning indexer's scores.
 
 Owns the fast backend of `kernels.attend` and `kernels.index_scores` (the numpy definitions are
-in `reference.py`). Does not own which rows a query sees (`model.attention`, `model.indexer`).
+in `reference.py`). Does not own which rows a query sees (`model.v4.attention`, `model.v4.indexer`, `model.v41.*`).
 
 Arithmetic, chosen so that a query's result depends on its own inputs only: not on the thread
 count, not on how many queries share the call, not on the masked keys beside its visible ones
@@ -19,8 +19,8 @@ Work items are (query, block of HB heads) for attention and (query, block of KEY
 the indexer; an item writes only its own outputs, and each item runs the same code in the
 serial and the parallel kernel, so both give the same bits.
 
-Cache note: these kernels inline helpers from `fast.py` (`_fma`, `_f32_from_bits`); numba keys
-this file's cache on this file alone, so a change to those helpers must touch this file too.
+These kernels inline helpers from `jit.py` (`_fma`, `_f32_from_bits`); its cache folder, keyed
+on every kernel source, recompiles them when those change.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from llvmlite import ir
 from numba import carray, njit, prange, types
 from numba.extending import intrinsic
 
-from .fast import _JIT, _apply_threads, _f32_from_bits, _fma, _item_ptr, _stack_f32
+from .jit import _INLINE, _JIT, _apply_threads, _f32_from_bits, _fma, _item_ptr, _stack_f32, _threads
 
-_INLINE = {"inline": "always", **_JIT}
 F32 = np.float32
 HB = 16  # heads per tile: two 8-lane vectors of q per head-dimension step
 KB = 4  # rows per score tile: 4 x 16 accumulators, one broadcast of k per 16 FMAs
@@ -41,8 +40,8 @@ KEY_ITEM = 64  # indexer rows per work item
 SCORE_TILE = KB * HB
 _V8F = ir.VectorType(ir.FloatType(), 8)
 _I32 = ir.IntType(32)
-# Below this many multiply-adds a call runs serially: a parallel region costs ~15 us on an
-# idle core and milliseconds when the other core is busy, more than a small product takes.
+# Below this many multiply-adds a call runs serially: a parallel region costs more than a small
+# product takes, most of all when the other core is busy.
 PARALLEL_MIN_MACS = 1 << 22
 
 # exp(x) for x <= 0: x = n ln2 + r with n = round(x log2 e) (by adding and subtracting 1.5 * 2^23)
@@ -299,8 +298,6 @@ def _f32(a: np.ndarray) -> np.ndarray:
 
 
 def _parallel(macs: int) -> bool:
-    from .fast import _threads
-
     return _threads[0] != 1 and macs >= PARALLEL_MIN_MACS
 
 

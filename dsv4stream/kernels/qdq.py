@@ -1,7 +1,7 @@
-"""DeepSeek-V4.1's activation grid in one numba pass: the fast form of `model.quant.fp8_qdq`.
+"""DeepSeek-V4.1's activation grid in one numba pass: the fast form of `model.v41.quant.fp8_qdq`.
 
 Owns `fp8_qdq_rows`: X (N, C) float32, C a multiple of 32 -> the nearest E4M3 values under one
-power-of-two scale per 32 values along C, bit for bit what `model.quant.fp8_qdq(x, 32)` (numpy
+power-of-two scale per 32 values along C, bit for bit what `model.v41.quant.fp8_qdq(x, 32)` (numpy
 and ml_dtypes, the definition checked against DeepSeek's kernels) returns. Every FP8 / FP4
 linear of V4.1 meets its input through this grid: about 12 calls per layer and token, each a
 dozen numpy passes over a few KB, which cost more than the arithmetic (see docs/performance.md).
@@ -26,7 +26,8 @@ import math
 import numpy as np
 from numba import njit
 
-_JIT = {"cache": True, "fastmath": False}
+from .jit import _JIT
+
 BLOCK = 32
 _FLOOR = np.float32(1e-4)
 _INV_MAX = np.float32(1.0) / np.float32(448.0)

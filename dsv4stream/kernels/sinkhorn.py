@@ -2,9 +2,9 @@
 
 Owns `sinkhorn(comb, iters, eps)`: comb (T, hc, hc) float32, every entry positive (a softmax
 plus eps), normalised in place as numpy does it: one column pass, then iters - 1 (row, column)
-passes, each entry divided by (its row's or column's sum + eps). At decode a comb is 16 values
-and numpy spends ~2 us per call on each of the 120 reductions, additions and divisions of 20
-passes: ~0.35 ms per mix, two mixes per layer and token.
+passes, each entry divided by (its row's or column's sum + eps). At decode a comb is 16 values,
+and numpy's per-call cost on each of the 120 reductions, additions and divisions of 20 passes
+outweighs the arithmetic, two mixes per layer and token.
 
 Same bits as numpy: a division and an addition are rounded once either way; the sums are
 taken in index order, which is what numpy's reduction does for fewer than 8 terms along either
@@ -17,10 +17,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .jit import _JIT
+
 MAX_HC = 8  # numpy sums fewer terms than this one by one, in order
 
 
-@njit(cache=True, fastmath=False)
+@njit(**_JIT)
 def _passes(comb, iters, eps):
     t, n = comb.shape[0], comb.shape[1]
     for b in range(t):

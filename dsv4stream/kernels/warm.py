@@ -1,26 +1,35 @@
-"""Which numba kernels a checkpoint needs, and compiling them one unit at a time.
+"""Which numba kernels a checkpoint needs, compiling them one unit at a time, and the markers
+that say a warm-up finished.
 
 Owns: the weight forms the kernels are compiled for (`FORMS`: a weight kind with its scale
 format, plus "base" for attention, the activation grid and Sinkhorn, which every model runs),
 the units of compilation (one numba function at one form: `units`), what each costs to
 compile (`COST`, for balancing parallel children and the estimate shown), `warm_unit` (the
-call that makes numba compile or load exactly that unit) and the child process entry
-(`python -m dsv4stream.kernels.warm UNIT ...`). Does not own the cache markers
-(`kernels/__init__.py`) nor when and where children run (`run/compile.py`).
+call that makes numba compile or load exactly that unit), `warmup` (every unit of some forms),
+the child process entry (`python -m dsv4stream.kernels.warm UNIT ...`) and the cache's
+bookkeeping: a marker per form in the kernels' cache folder once its units are all in it
+(`mark_cache_complete`, `missing_forms`, `compiled_cache_exists`). Does not own where that
+folder is nor what its name is keyed on (`jit.cache_dir`, `jit.cache_stamp`: numba needs them
+before the first kernel is defined), nor when and where children run (`run/compile.py`).
 
 A checkpoint reaches only some forms: V4 as released has FP4 experts and FP8 128x128 blocks,
 both with E8M0 scales, BF16 and float32 weights; V4.1 has FP8 with 32x32 E8M0 blocks instead;
 float32 scales come from generated checkpoints. Compiling every form costs about twice what
-one checkpoint needs (77 s of CPU against 40 s for V4 as released on a Zen 4 core).
+one checkpoint needs (docs/kernels.md has the figures).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
+
+from . import jit
 
 # form -> (numba function, how the dispatch reaches it) for the fast backend's products. How:
 # "par" / "serial" a matvec above / below the parallel floor,
@@ -198,12 +207,55 @@ def warm_unit(unit: str) -> float:
     return time.perf_counter() - t0
 
 
+def warmup(forms: Iterable[str] | None = None) -> float:
+    """Compile (or load from numba's cache) every unit of `forms` (None: every form), then mark
+    those forms complete; returns the seconds it took."""
+    forms = _all_forms(forms)
+    t0 = time.perf_counter()
+    for unit in units(forms):
+        warm_unit(unit)
+    mark_cache_complete(forms)
+    return time.perf_counter() - t0
+
+
+def _all_forms(forms: Iterable[str] | None) -> tuple[str, ...]:
+    return tuple(FORMS if forms is None else forms)
+
+
+def _marker(form: str) -> Path:
+    return jit.cache_dir() / f"{form.replace('/', '-')}.ok"
+
+
+def mark_cache_complete(forms: Iterable[str] | None = None) -> None:
+    """Leave a marker per form whose kernels are all in numba's cache (None: every form)."""
+    for form in _all_forms(forms):
+        marker = _marker(form)
+        if marker.is_file():
+            continue  # every run warms up: write once per cache folder and form
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=marker.parent, prefix=".dsv4-kernels-")
+            os.close(fd)
+            os.replace(tmp, marker)
+        except OSError:
+            return  # an unwritable cache folder: numba cannot cache there either, so every run compiles
+
+
+def missing_forms(forms: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The forms (None: every form) whose kernels the cache folder of this source, numba and CPU
+    does not hold: no completed warm-up's marker (index files alone may be from a warm-up that
+    did not finish)."""
+    return tuple(f for f in _all_forms(forms) if not _marker(f).is_file())
+
+
+def compiled_cache_exists(forms: Iterable[str] | None = None) -> bool:
+    """Whether the cache holds every kernel of `forms` (None: every form); else warmup compiles."""
+    return not missing_forms(forms)
+
+
 def child_main(argv: list[str]) -> int:
     """Warm each unit named on the command line, printing `done UNIT SECONDS` as each ends (the
     parent counts them); `python -m dsv4stream.kernels.warm UNIT ...`."""
-    from . import set_backend
-
-    set_backend("fast")
     for unit in argv:
         took = warm_unit(unit)
         print(f"done {unit} {took:.3f}", flush=True)

@@ -4,7 +4,7 @@ Owns: the kernel forms a checkpoint's weights need (`checkpoint_forms`), splitti
 units among child processes (`split`: whole numba functions per child, longest first, one
 child per core), running them with a `compiling kernels: N of M` line and an estimate
 (`compile_kernels_apart`), and the one-line error when a child fails. The units, their costs
-and the cache markers are the kernels' (`kernels.warm`, `kernels.missing_forms`).
+and the cache markers are the kernels' (`kernels.warm`).
 
 Why children: LLVM takes hundreds of MB that the plan does not count; in children they never
 enter the run's peak RSS, and the run then loads the kernels from the cache they wrote. Why
@@ -90,7 +90,7 @@ def compile_kernels_apart(
     kernels are not numba's)."""
     if kernels.backend_name() != "fast":
         return None
-    missing = kernels.missing_forms(forms)
+    missing = warm.missing_forms(forms)
     if not missing:
         return None
     units = warm.units(missing)
@@ -115,7 +115,7 @@ def compile_kernels_apart(
         raise Dsv4Error(
             f"compiling the numba kernels failed in a child process ({failures[0]}); reinstall numba or set DSV4_DEBUG=1"
         )
-    kernels._mark_cache_complete(missing)
+    warm.mark_cache_complete(missing)
     took = time.perf_counter() - t0
     if say is not None:
         say(f"compiled {done[0]} kernels in {took:.1f} s (estimate {est:.0f} s)")

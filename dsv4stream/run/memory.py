@@ -22,7 +22,7 @@ from ..store import ExpertStore
 from ..streaming.expert_layout import expert_layouts
 from ..streaming.layout import TrunkLayout, trunk_layout
 from ..trunkpack.reader import open_trunk_file
-from . import planner, planner_v41
+from . import planner
 from .planner import MemoryNeeds
 from .runinfo import RunOptions
 
@@ -126,8 +126,8 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
             sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n)),
             sum(e.nbytes for n, e in cat.entries.items() if is_vision(n)),
         ),
-        engram_slot_bytes=planner_v41.engram_slot_bytes(cfg),
-        engram_rows_per_token=planner_v41.engram_rows_per_token(cfg),
+        engram_slot_bytes=planner.family_planner(cfg).engram_slot_bytes(cfg),
+        engram_rows_per_token=planner.family_planner(cfg).engram_rows_per_token(cfg),
         engram_table_bytes=sum(e.nbytes for n, e in cat.entries.items() if ".engram.embed." in n),
     )
 

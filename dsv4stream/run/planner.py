@@ -31,13 +31,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..checkpoint.config import CSA, V41, ModelConfig
+from ..checkpoint.config import V4, V41, ModelConfig
 from ..checkpoint.spec import block_specs, drafter_nbytes, released_nbytes, unused_summary
 from ..checkpoint.spec_v41 import engram_nbytes, vision_nbytes
 from ..errors import BudgetError
-from ..model.compressor import row_capacity
 from ..store.directio import ALIGN
-from . import planner_v41
+from . import planner_v4, planner_v41
 
 GB = 1_000_000_000
 # Interpreter, numpy/numba/tokenizers code and heaps, thread stacks, allocator slack:
@@ -55,6 +54,17 @@ PREFILL_SLOTS = 2
 BLOCK_FLOATS = 4 << 20  # the numpy reference's attention gather / indexer score blocks (kernels.reference)
 # The Engram row cache's share of the budget (V4.1): 1% is 160 MB, ~570k rows, at --budget 16.
 ENGRAM_SHARE = 0.01
+
+
+# The run layer's one family switch: each family's planner module answers the same questions
+# (state, the attention scores' and extra staging bytes, per segment token, the head beyond its
+# matrix and norm, the Engram row cache's unit and rows per token).
+FAMILY_PLANNERS = {V4: planner_v4, V41: planner_v41}
+
+
+def family_planner(cfg: ModelConfig):
+    """The planner module of `cfg`'s family (`planner_v4` or `planner_v41`)."""
+    return FAMILY_PLANNERS[cfg.family]
 
 
 @dataclass(frozen=True)
@@ -332,27 +342,9 @@ def slot_bytes_for(expert_bytes: int, runs: int = 2) -> int:
 
 
 def state_bytes_for(cfg: ModelConfig, ctx: int) -> int:
-    """float32 bytes of per-sequence state at `ctx` tokens: per layer the window ring (rows and
-    positions); per compressed layer the compressed rows as allocated (`row_capacity`: a
-    buffer grows ahead of its rows), the open window's kv and gate, the overlap's last Ca
-    half; the same for the indexer's compressor at ratio 4; plus one buffer's old copy while
-    it grows (layers grow one at a time). V4.1: `planner_v41.state_bytes`."""
-    if cfg.family == V41:
-        return planner_v41.state_bytes(cfg, ctx)
-    hd, ihd, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
-    total = largest = 0
-    for layer in range(cfg.n_layers):
-        r = cfg.ratio(layer)
-        total += w * hd * 4 + w * 8
-        csa = cfg.layer_kind(layer) == CSA  # overlapping windows (coff 2) and an indexer
-        comps = [(hd, 2 if csa else 1)] if r else []
-        if csa:
-            comps.append((ihd, 2))
-        for d, coff in comps:
-            rows = row_capacity(ctx // r + 1) * d * 4
-            largest = max(largest, rows)
-            total += rows + 2 * r * coff * d * 4 + (2 * r * d * 4 if coff == 2 else 0)
-    return total + largest
+    """float32 bytes of per-sequence state at `ctx` tokens, as the family keeps it
+    (`planner_v4.state_bytes`, `planner_v41.state_bytes`)."""
+    return family_planner(cfg).state_bytes(cfg, ctx)
 
 
 def staging_bytes_for(cfg: ModelConfig, chunk: int, ctx: int = 4096) -> int:
@@ -360,18 +352,12 @@ def staging_bytes_for(cfg: ModelConfig, chunk: int, ctx: int = 4096) -> int:
     streams, q/attention buffers, the scores over the window and the compressed rows a query
     sees (a few live copies: scores, mask, softmax), the indexer's scores over every
     compressed row, the bounded gather / score blocks, the head's logits."""
-    d, h, hd, w = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
-    ratios = {cfg.ratio(i) for i in range(cfg.n_layers)} - {0}
-    seen = max([cfg.index_topk if r == 4 else ctx // r + 1 for r in ratios], default=0)
-    index_rows = ctx // 4 + 1 if 4 in ratios else 0
+    d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    fam = family_planner(cfg)
     per_tok = 4 * (3 * cfg.hc_mult * d + 3 * h * hd + 4 * cfg.moe_intermediate_size + cfg.vocab_size)
-    per_tok += 4 * (4 * h * (w + chunk + seen + 1) + 4 * index_rows)
-    if cfg.family == V41:  # every compressed layer sees the window and index_topk rows
-        per_tok = 4 * (3 * cfg.hc_mult * d + 3 * h * hd + 4 * cfg.moe_intermediate_size + cfg.vocab_size)
-        per_tok += 4 * (4 * h * (w + chunk + cfg.index_topk + 1))
-    blocks = 4 * 2 * BLOCK_FLOATS if ratios else 0
-    extra = planner_v41.staging_extra_bytes(cfg, chunk, ctx) if cfg.family == V41 else 0
-    return chunk * per_tok + 4 * cfg.vocab_size * 2 + blocks + extra
+    per_tok += fam.score_token_bytes(cfg, chunk, ctx)
+    blocks = 4 * 2 * BLOCK_FLOATS if any(cfg.ratio(i) for i in range(cfg.n_layers)) else 0
+    return chunk * per_tok + 4 * cfg.vocab_size * 2 + blocks + fam.staging_extra_bytes(cfg, chunk, ctx)
 
 
 def segment_token_bytes(cfg: ModelConfig) -> int:
@@ -379,7 +365,7 @@ def segment_token_bytes(cfg: ModelConfig) -> int:
     normed input, the k weighted expert outputs kept for the fixed-order sum, the shared
     and routed sums and the result, the router's scores, mHC mixing weights, ids."""
     d, hc, k, e = cfg.hidden_size, cfg.hc_mult, cfg.num_experts_per_tok, cfg.n_routed_experts
-    extra = planner_v41.segment_extra_bytes(cfg) if cfg.family == V41 else 0
+    extra = family_planner(cfg).segment_extra_bytes(cfg)
     return 4 * (hc * d + (k + 5) * d + 3 * e + hc + hc * hc) + 3 * 8 + extra
 
 
@@ -390,8 +376,8 @@ def needs_from_config(
     layer_bytes = tuple(
         sum(released_nbytes(cfg, s) for s in block_specs(cfg, i, with_experts=False)) for i in range(cfg.n_layers)
     )
-    d, v, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
-    head = v * d * 2 + d * 2 + (0 if cfg.family == V41 else hc * hc * d * 4 + 4 * hc + 4)  # V4.1: no hc_head
+    d, v, fam = cfg.hidden_size, cfg.vocab_size, family_planner(cfg)
+    head = v * d * 2 + d * 2 + fam.head_extra_bytes(cfg)
     head += cfg.tid2eid_bytes  # the hash layers' tables stay resident
     return MemoryNeeds(
         layer_bytes=layer_bytes,
@@ -406,7 +392,7 @@ def needs_from_config(
         segment_min=chunk,
         segment=segment,
         unused=unused_summary(cfg, drafter_nbytes(cfg), vision_nbytes(cfg)),
-        engram_slot_bytes=planner_v41.engram_slot_bytes(cfg),
-        engram_rows_per_token=planner_v41.engram_rows_per_token(cfg),
+        engram_slot_bytes=fam.engram_slot_bytes(cfg),
+        engram_rows_per_token=fam.engram_rows_per_token(cfg),
         engram_table_bytes=engram_nbytes(cfg),
     )

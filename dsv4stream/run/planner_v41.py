@@ -16,7 +16,7 @@ Engram row cache's unit. `planner` places them; the numbers follow the reference
 from __future__ import annotations
 
 from ..checkpoint.config import ModelConfig
-from ..model.compressor import row_capacity
+from ..model.cache import row_capacity
 from ..store.rowcache import RowCache
 
 # The Engram row cache's reads run on the expert store's reader threads, each holding one aligned
@@ -56,6 +56,18 @@ def state_bytes(cfg: ModelConfig, ctx: int) -> int:
     return total + largest
 
 
+def score_token_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
+    """Per sub-chunk token: the scores over the window and the index_topk rows every compressed
+    layer sees (a few live copies: scores, mask, softmax); the indexer's are `staging_extra_bytes`."""
+    h, w = cfg.num_attention_heads, cfg.sliding_window
+    return 4 * (4 * h * (w + chunk + cfg.index_topk + 1))
+
+
+def head_extra_bytes(cfg: ModelConfig) -> int:
+    """Nothing: V4.1's head has no hc_head (the streams are collapsed with the last FFN half's pre)."""
+    return 0
+
+
 def staging_extra_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
     """What V4.1 adds to V4's staging estimate for one sub-chunk of `chunk` tokens."""
     ratios = [cfg.ratio(i) for i in range(cfg.n_layers) if cfg.ratio(i)]
@@ -72,7 +84,7 @@ def staging_extra_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
 
 
 def engram_token_bytes(cfg: ModelConfig) -> int:
-    """Peak bytes per token of an Engram layer's sub-chunk (`engine.v41`: the rows are gathered,
+    """Peak bytes per token of an Engram layer's sub-chunk (`engine.stack_v41`: the rows are gathered,
     dequantised and gated one attention sub-chunk at a time, never a whole segment): the gathered
     row bytes and the row cache's index arrays (keys, unique, inverse, slots: ~192 bytes a row),
     the dequantised rows, then either the FP8 grid's temporaries of the rows (two more copies) or

@@ -23,58 +23,43 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from .app import (
-    ApiError,
-    ServerState,
-    _Events,
-    _Meta,
-    build,
-    check_length,
-    engine_error,
-    job_events,
-    make_job,
-    read_body,
-    ready,
-    sse_response,
-    submit,
-    validate,
-    wait_done,
-)
+from . import toolkit
 from .errors import anthropic_error
 from .prompt import chat_prompt
 from .reply import Outcome
 from .schemas import AnthropicRequest, ChatRequest, CountRequest
 from .toolgrammar import request_shape
+from .toolkit import ApiError, Events, Meta, ServerState
 from .worker import Job
 
 
 def add_routes(app: FastAPI, srv: ServerState) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request):
-        worker = ready(srv)
-        body = await read_body(request, srv)
+        worker = toolkit.ready(srv)
+        body = await toolkit.read_body(request, srv)
 
         def parse():
-            req = validate(AnthropicRequest, body)
-            check_length(srv, body["messages"], body.get("system"))
+            req = toolkit.validate(AnthropicRequest, body)
+            toolkit.check_length(srv, body["messages"], body.get("system"))
             chat_body = to_openai(req)
-            creq = validate(ChatRequest, chat_body)
-            prompt = build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
+            creq = toolkit.validate(ChatRequest, chat_body)
+            prompt = toolkit.build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
             return (
                 req,
                 creq,
                 prompt,
-                build(lambda: request_shape(srv.grammars, creq, chat_body, prompt.tools, prompt.grammar)),
+                toolkit.build(lambda: request_shape(srv.grammars, creq, chat_body, prompt.tools, prompt.grammar)),
             )
 
         req, creq, prompt, grammar = await asyncio.to_thread(parse)
-        job, events = make_job(srv, prompt, req.max_tokens, creq, None, grammar)
+        job, events = toolkit.make_job(srv, prompt, req.max_tokens, creq, None, grammar)
         request.state.usage = job.usage
-        submit(srv, worker, job)
-        meta = _Meta("msg", srv.model)
+        toolkit.submit(srv, worker, job)
+        meta = Meta("msg", srv.model)
         if req.stream:
-            return sse_response(_stream(job, events, meta, srv.keepalive, len(prompt.ids)))
-        outcome = (await wait_done(job, events, request))[0]
+            return toolkit.sse_response(_stream(job, events, meta, srv.keepalive, len(prompt.ids)))
+        outcome = (await toolkit.wait_done(job, events, request))[0]
         blocks: list[dict[str, Any]] = []
         if prompt.thinking and outcome.reasoning:
             blocks.append({"type": "thinking", "thinking": outcome.reasoning, "signature": ""})
@@ -90,15 +75,15 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
-        body = await read_body(request, srv)
+        body = await toolkit.read_body(request, srv)
 
         def count() -> int:
-            req = validate(CountRequest, body)
+            req = toolkit.validate(CountRequest, body)
             chat_body = to_openai(
                 AnthropicRequest.model_validate({**req.model_dump(exclude_none=True, by_alias=True), "max_tokens": 1})
             )
-            creq = validate(ChatRequest, chat_body)
-            return len(build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder)).ids)
+            creq = toolkit.validate(ChatRequest, chat_body)
+            return len(toolkit.build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder)).ids)
 
         return {"input_tokens": await asyncio.to_thread(count)}
 
@@ -215,7 +200,7 @@ def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
 
 
-async def _stream(job: Job, events: _Events, meta: _Meta, keepalive: float, n_prompt: int) -> AsyncIterator[str]:
+async def _stream(job: Job, events: Events, meta: Meta, keepalive: float, n_prompt: int) -> AsyncIterator[str]:
     def start() -> str:
         message = {
             "id": meta.id, "type": "message", "role": "assistant", "model": meta.model, "content": [],
@@ -245,7 +230,7 @@ async def _stream(job: Job, events: _Events, meta: _Meta, keepalive: float, n_pr
         index, open_kind = index + 1, kind
         return [*out, _event("content_block_start", {"index": index, "content_block": start})]
 
-    async for kind, payload in job_events(job, events, keepalive):
+    async for kind, payload in toolkit.job_events(job, events, keepalive):
         if not started and kind in ("started", "error"):
             started = True
             if kind == "started":
@@ -281,5 +266,5 @@ async def _stream(job: Job, events: _Events, meta: _Meta, keepalive: float, n_pr
             yield _event("message_delta", {"delta": delta, "usage": _usage(job)})
             yield _event("message_stop", {})
         elif kind == "error":
-            a = engine_error(payload)
+            a = toolkit.engine_error(payload)
             yield _event("error", {"error": anthropic_error(a.status, a.message)["error"]})

@@ -9,7 +9,7 @@ user is about to send, e.g. a dropped file; tokenized off the event loop),
 first), and `page_comment`, which turns the worker's "queued" / "sample" / "summary"
 events into `: dsv4 {...}` SSE comment lines. SSE clients (the openai and anthropic SDKs
 among them) skip comment lines, so the OpenAI shapes are unchanged.
-Not here: the page itself (static/), the chat API (`app`), the figures (`stats`).
+Not here: the page itself (static/), the chat API (`openai`), the figures (`stats`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from ..text import chat
+from .toolkit import ApiError, ServerState, read_body
 
 PAGE_EVENTS = ("queued", "sample", "summary")
 
@@ -43,9 +44,7 @@ def effort_range(encoder: str) -> dict[str, Any]:
     return {"kind": "range", "min": low, "max": high, "default": named[choices["default"]], "named": dict(named)}
 
 
-def add_routes(app: FastAPI, srv) -> None:
-    from .app import ApiError, read_body
-
+def add_routes(app: FastAPI, srv: ServerState) -> None:
     @app.get("/v1/page/info")
     async def info() -> dict[str, Any]:
         out: dict[str, Any] = {

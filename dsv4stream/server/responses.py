@@ -33,28 +33,13 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, model_validator
 
 from ..text.tokenizer import Tokenizer
-from .app import (
-    ApiError,
-    ServerState,
-    _Events,
-    _Meta,
-    build,
-    check_length,
-    engine_error,
-    job_events,
-    make_job,
-    read_body,
-    ready,
-    sse_response,
-    submit,
-    validate,
-    wait_done,
-)
+from . import toolkit
 from .decoding import logprob_json
 from .prompt import chat_prompt
 from .reply import Outcome
 from .schemas import ChatRequest, Seed, _Body
 from .toolgrammar import request_shape
+from .toolkit import ApiError, Events, Meta, ServerState
 from .worker import Job
 
 MAX_KEPT = 256  # responses kept for previous_response_id
@@ -151,12 +136,12 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        worker = ready(srv)
-        body = await read_body(request, srv)
+        worker = toolkit.ready(srv)
+        body = await toolkit.read_body(request, srv)
 
         def parse():
-            req = validate(ResponsesRequest, body)
-            check_length(srv, body["input"], body.get("instructions"))
+            req = toolkit.validate(ResponsesRequest, body)
+            toolkit.check_length(srv, body["input"], body.get("instructions"))
             history = []
             if req.previous_response_id is not None:
                 history = kept.get(req.previous_response_id)
@@ -166,17 +151,17 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
                                    param="previous_response_id")  # fmt: skip
             conversation = [*history, *input_messages(req.input)]
             chat_body = to_chat(req, conversation)
-            creq = validate(ChatRequest, chat_body)
-            prompt = build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
-            grammar = build(lambda: request_shape(srv.grammars, creq, chat_body, prompt.tools, prompt.grammar))
+            creq = toolkit.validate(ChatRequest, chat_body)
+            prompt = toolkit.build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
+            grammar = toolkit.build(lambda: request_shape(srv.grammars, creq, chat_body, prompt.tools, prompt.grammar))
             return req, creq, conversation, prompt, grammar
 
         req, creq, conversation, prompt, grammar = await asyncio.to_thread(parse)
         top = (req.top_logprobs or 0) if LOGPROBS in (req.include or ()) else None
-        job, events = make_job(srv, prompt, req.max_output_tokens, creq, top, grammar)
+        job, events = toolkit.make_job(srv, prompt, req.max_output_tokens, creq, top, grammar)
         request.state.usage = job.usage
-        submit(srv, worker, job)
-        meta = _Meta("resp", srv.model)
+        toolkit.submit(srv, worker, job)
+        meta = Meta("resp", srv.model)
         shell = _shell(req, meta)
         show = _Show(srv.tok if top is not None else None, ENCRYPTED in (req.include or ()))
 
@@ -185,8 +170,8 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
                 kept.put(meta.id, [*conversation, _assistant(outcome, meta)])
 
         if req.stream:
-            return sse_response(_stream(job, events, meta, shell, srv.keepalive, prompt.thinking, keep, show))
-        outcome = (await wait_done(job, events, request))[0]
+            return toolkit.sse_response(_stream(job, events, meta, shell, srv.keepalive, prompt.thinking, keep, show))
+        outcome = (await toolkit.wait_done(job, events, request))[0]
         keep(outcome)
         return _final(shell, job, outcome, meta, prompt.thinking, show)
 
@@ -282,7 +267,7 @@ def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[s
     return body
 
 
-def _assistant(outcome: Outcome, meta: _Meta) -> dict[str, Any]:
+def _assistant(outcome: Outcome, meta: Meta) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": outcome.content}
     if outcome.reasoning:
         msg["reasoning_content"] = outcome.reasoning
@@ -294,7 +279,7 @@ def _assistant(outcome: Outcome, meta: _Meta) -> dict[str, Any]:
     return msg
 
 
-def _shell(req: ResponsesRequest, meta: _Meta) -> dict[str, Any]:
+def _shell(req: ResponsesRequest, meta: Meta) -> dict[str, Any]:
     """The response object's fields that do not depend on the answer."""
     return {
         "id": meta.id, "object": "response", "created_at": meta.created, "model": meta.model,
@@ -349,7 +334,7 @@ def decrypt(blob: Any, where: str) -> str:
         raise ApiError(400, f"{where}: damaged encrypted_content", param="input") from None
 
 
-def _items(outcome: Outcome, meta: _Meta, thinking: bool, show: _Show) -> list[dict[str, Any]]:
+def _items(outcome: Outcome, meta: Meta, thinking: bool, show: _Show) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if thinking and outcome.reasoning:
         items.append(show.reasoning_item(f"rs_{meta.id[5:]}", outcome.reasoning))
@@ -361,7 +346,7 @@ def _items(outcome: Outcome, meta: _Meta, thinking: bool, show: _Show) -> list[d
     return items
 
 
-def _message(meta: _Meta, text: str, status: str, logprobs: list | None = None) -> dict[str, Any]:
+def _message(meta: Meta, text: str, status: str, logprobs: list | None = None) -> dict[str, Any]:
     part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
     if logprobs is not None:
         part["logprobs"] = logprobs
@@ -383,7 +368,7 @@ def _usage(job: Job, outcome: Outcome, thinking: bool) -> dict[str, Any]:
 
 
 def _final(
-    shell: dict[str, Any], job: Job, outcome: Outcome, meta: _Meta, thinking: bool, show: _Show
+    shell: dict[str, Any], job: Job, outcome: Outcome, meta: Meta, thinking: bool, show: _Show
 ) -> dict[str, Any]:
     done = outcome.finish_reason != "length"
     return {
@@ -393,7 +378,7 @@ def _final(
     }  # fmt: skip
 
 
-async def _stream(job: Job, events: _Events, meta: _Meta, shell: dict[str, Any], keepalive: float, thinking: bool,
+async def _stream(job: Job, events: Events, meta: Meta, shell: dict[str, Any], keepalive: float, thinking: bool,
                   keep, show: _Show = _Show()) -> AsyncIterator[str]:  # fmt: skip
     seq = 0
 
@@ -441,7 +426,7 @@ async def _stream(job: Job, events: _Events, meta: _Meta, shell: dict[str, Any],
                 ev("response.content_part.added", item_id=msg_id, output_index=out_index, content_index=0, part=part)]  # fmt: skip
 
     calls = 0
-    async for kind, payload in job_events(job, events, keepalive):
+    async for kind, payload in toolkit.job_events(job, events, keepalive):
         if kind in ("comment", "progress"):
             yield ": keep-alive\n\n"
         elif kind == "delta":
@@ -485,7 +470,7 @@ async def _stream(job: Job, events: _Events, meta: _Meta, shell: dict[str, Any],
             final = _final(shell, job, outcome, meta, thinking, show)
             yield ev("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
         elif kind == "error":
-            a = engine_error(payload)
+            a = toolkit.engine_error(payload)
             yield ev("error", code=a.code or a.kind, message=a.message, param=None)
             failed = {**shell, "status": "failed", "error": {"code": "server_error", "message": a.message}}
             yield ev("response.failed", response=failed)

@@ -7,7 +7,11 @@ time holds a connection for ever, and enough of them hold them all. Here:
 - a request's headers must be complete within `header_timeout` seconds of the connection
   opening (later requests on a kept-alive connection: uvicorn's keep-alive timeout);
 - its body within `body_timeout` seconds of its headers;
-- at most `max_connections` connections are open at once: one more is closed at once.
+- at most `max_connections` connections are open at once. A new one past the cap takes the
+  place of the connection that has waited longest for a request's headers (still sending
+  them slowly, or idle between keep-alive requests); only when every open connection has a
+  request under way is the new one closed at once. So slow clients cannot lock others out:
+  each waits out its own deadline, but a newcomer does not wait behind them (issue 40).
 
 A deadline missed closes the connection (a route waiting for the body sees the client
 gone). Time spent generating an answer is not limited: a request counts as read once its
@@ -17,6 +21,7 @@ body has arrived.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -35,15 +40,38 @@ def guarded_protocol(limits: Limits, log=None) -> type[H11Protocol]:
     class GuardedH11(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
         _seen_cycle: object = None
+        _waiting_since = 0.0  # monotonic time since which it has waited for a request's headers
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > limits.max_connections:
+            self._waiting_since = time.monotonic()
+            if len(self.connections) > limits.max_connections and not self._make_room():
                 if log is not None:
                     log(f"dsv4: refused a connection: {limits.max_connections} already open (--max-connections)")
                 transport.close()
                 return
             self._arm(limits.header_timeout)
+
+        def _awaits_headers(self) -> bool:
+            """No request under way: its headers not (all) in yet, or idle after a response."""
+            cycle = self.cycle
+            return (cycle is None or cycle.response_complete) and not self.transport.is_closing()
+
+        def _make_room(self) -> bool:
+            """Close the open connection that has waited longest for headers; False if none is."""
+            waiting = [
+                c for c in self.connections if c is not self and isinstance(c, GuardedH11) and c._awaits_headers()
+            ]
+            if not waiting:
+                return False
+            victim = min(waiting, key=lambda c: c._waiting_since)
+            if log is not None:
+                idle = time.monotonic() - victim._waiting_since
+                log(f"dsv4: closed a connection waiting {idle:.1f} s for request headers to admit a new one"
+                    " (--max-connections)")  # fmt: skip
+            victim._disarm()
+            victim.transport.close()
+            return True
 
         def connection_lost(self, exc) -> None:
             self._disarm()
@@ -57,6 +85,10 @@ def guarded_protocol(limits: Limits, log=None) -> type[H11Protocol]:
                 self._arm(limits.body_timeout)
             if cycle is not None and not cycle.more_body:
                 self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._waiting_since = time.monotonic()  # idle until the next request's headers
 
         def _arm(self, seconds: float) -> None:
             self._disarm()

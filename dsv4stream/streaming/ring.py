@@ -26,9 +26,8 @@ from ..checkpoint.config import ModelConfig
 from ..checkpoint.spec import block_names
 from ..errors import CheckpointError, InternalError
 from ..kernels import QWeight
-from ..model.layer import HeadWeights, LayerWeights
 from ..store.directio import aligned_buffer
-from ..weights.family import load_block, load_top
+from ..weights.family import BlockWeights, TopWeights, load_block, load_top
 from ..weights.lifetime import expire
 from .layout import TrunkLayout
 from .reader import GroupReader
@@ -97,7 +96,7 @@ class StreamedTrunk:
         self.layout = layout
         self.pinned = min(pinned, cfg.n_layers)
         self._reader = reader
-        self._pinned: list[LayerWeights] = []
+        self._pinned: list[BlockWeights] = []
         for i in range(self.pinned):
             g = layout.layers[i]
             self._pinned.append(self._build(i, reader.read(g, aligned_buffer(g.nbytes))))
@@ -116,7 +115,7 @@ class StreamedTrunk:
         size = slot_bytes or max((g.nbytes for g in layout.layers[self.pinned :]), default=0)
         self._slots = [aligned_buffer(size) for _ in range(2)] if streamed else []
         self._tags: list[int | None] = [None, None]
-        self._built: list[LayerWeights | None] = [None, None]
+        self._built: list[BlockWeights | None] = [None, None]
         self._futures: list[Future | None] = [None, None]
         self._current: int | None = None  # slot handed out last
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-ring") if streamed else None
@@ -131,14 +130,14 @@ class StreamedTrunk:
         """token_ids (T,) -> (T, D) float32, reading only those rows."""
         return self._embed.rows(np.asarray(token_ids, dtype=np.int64))
 
-    def head(self) -> HeadWeights:
+    def head(self) -> TopWeights:
         return self._head
 
     def tid2eid(self, i: int) -> np.ndarray:
         """(vocab, k) int64 expert table of hash layer i, without loading the layer."""
         return self._tid2eid[i]
 
-    def layer(self, i: int) -> LayerWeights:
+    def layer(self, i: int) -> BlockWeights:
         if i < self.pinned:
             return self._pinned[i]
         s = self._slot_of(i)
@@ -227,5 +226,5 @@ class StreamedTrunk:
         arrays = self._reader.read(self.layout.layers[i], self._slots[s])
         self._built[s] = self._build(i, arrays)
 
-    def _build(self, i: int, arrays: Mapping[str, np.ndarray]) -> LayerWeights:
+    def _build(self, i: int, arrays: Mapping[str, np.ndarray]) -> BlockWeights:
         return load_block(self._wrap(ViewSource(self.cfg, self.layout.layers[i].entries, arrays)), i)

@@ -1,6 +1,6 @@
 """Named weights of a DeepSeek-V4.1 model, built once from checkpoint tensors.
 
-Owns: filling V4.1's frozen dataclasses (`model.v41_block.V41LayerWeights`, its attention,
+Owns: filling V4.1's frozen dataclasses (`model.v41.block.V41LayerWeights`, its attention,
 compressor, indexer, MoE and Engram parts, `V41HeadWeights`) from a `TensorSource` (the
 catalog, a packed-trunk slot, a VRAM placement), by the names in `checkpoint.spec_v41`.
 Routed experts load as in V4 (`loading.load_expert`: the same FP4 per-32 format). The
@@ -20,14 +20,14 @@ import numpy as np
 from ..checkpoint.catalog import TensorSource
 from ..checkpoint.spec import EXPERT_LINEARS, block_names, hc_names, layer_prefix
 from ..checkpoint.spec_v41 import BLOCK_V41, COMPRESSOR_V41, MODEL_V41, engram_names
-from ..model.engram import EngramWeights
 from ..model.mhc import HcWeights
 from ..model.moe import ExpertWeights
-from ..model.v41_attention import V41AttnWeights
-from ..model.v41_block import V41HeadWeights, V41LayerWeights
-from ..model.v41_indexer import V41IndexerWeights
-from ..model.v41_kv import IndexKeyWeights, V41CompressorWeights
-from ..model.v41_moe import V41MoeWeights
+from ..model.v41.attention import V41AttnWeights
+from ..model.v41.block import V41HeadWeights, V41LayerWeights
+from ..model.v41.engram import EngramWeights
+from ..model.v41.indexer import V41IndexerWeights
+from ..model.v41.kv import IndexKeyWeights, V41CompressorWeights
+from ..model.v41.moe import V41MoeWeights
 from .loading import f32_qweight, split_rows
 
 
@@ -36,7 +36,7 @@ def _hc(src: TensorSource, stem: str) -> HcWeights:
     return HcWeights(fn=f32_qweight(src.f32(fn)), base=src.f32(base), scale=src.f32(scale))
 
 
-def load_layer_v41(src: TensorSource, layer: int) -> V41LayerWeights:
+def load_layer(src: TensorSource, layer: int) -> V41LayerWeights:
     """All dense weights of main layer `layer` (routed experts and the Engram table excluded)."""
     cfg = src.config
     sh = cfg.shared
@@ -96,5 +96,5 @@ def load_layer_v41(src: TensorSource, layer: int) -> V41LayerWeights:
     )
 
 
-def load_head_v41(src: TensorSource) -> V41HeadWeights:
+def load_head(src: TensorSource) -> V41HeadWeights:
     return V41HeadWeights(norm=src.f32(MODEL_V41["norm"]), head=replace(src.qweight(MODEL_V41["head"]), role="head"))

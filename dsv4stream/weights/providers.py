@@ -17,9 +17,8 @@ from ..checkpoint.catalog import Catalog
 from ..checkpoint.formats import bf16_to_f32, e4m3_to_f32, scale_to_f32
 from ..checkpoint.spec import MODEL, linear_names
 from ..checkpoint.spec_v41 import engram_names
-from ..model.layer import HeadWeights, LayerWeights
 from ..model.moe import ExpertWeights
-from .family import load_block, load_top
+from .family import BlockWeights, TopWeights, load_block, load_top
 from .loading import load_expert
 
 ExpertKey = tuple[int, int]  # (layer, expert); MTP layers count from num_hidden_layers
@@ -30,9 +29,9 @@ class Trunk(Protocol):
         """token_ids (T,) -> (T, D) float32."""
         ...
 
-    def layer(self, i: int) -> LayerWeights: ...
+    def layer(self, i: int) -> BlockWeights: ...
 
-    def head(self) -> HeadWeights: ...
+    def head(self) -> TopWeights: ...
 
     def tid2eid(self, i: int) -> np.ndarray:
         """(vocab, k) int64 expert table of hash layer i, available without loading layer i."""
@@ -99,8 +98,8 @@ class CatalogTrunk:
 
     def __init__(self, cat: Catalog) -> None:
         self.cat = cat
-        self._layers: dict[int, LayerWeights] = {}
-        self._head: HeadWeights | None = None
+        self._layers: dict[int, BlockWeights] = {}
+        self._head: TopWeights | None = None
         e = cat.entry(MODEL["embed"])
         self._embed_bf16 = e.dtype == "BF16"
 
@@ -109,7 +108,7 @@ class CatalogTrunk:
         rows = self.cat.read_rows(MODEL["embed"], ids)
         return bf16_to_f32(rows) if self._embed_bf16 else rows.astype(np.float32)
 
-    def layer(self, i: int) -> LayerWeights:
+    def layer(self, i: int) -> BlockWeights:
         w = self._layers.get(i)
         if w is None:
             w = self._layers[i] = load_block(self.cat, i)
@@ -118,7 +117,7 @@ class CatalogTrunk:
     def tid2eid(self, i: int) -> np.ndarray:
         return self.layer(i).moe.tid2eid
 
-    def head(self) -> HeadWeights:
+    def head(self) -> TopWeights:
         if self._head is None:
             self._head = load_top(self.cat)
         return self._head

@@ -12,10 +12,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..checkpoint.config import ModelConfig
-from ..model.attention import AttnState, new_attn_state
-from ..model.block import attention_half, ffn_half, head_forward
+from ..checkpoint.config import V4, ModelConfig
+from ..errors import UsageError
 from ..model.rope import rope_tables
+from ..model.v4.attention import AttnState, new_attn_state
+from ..model.v4.block import attention_half, ffn_half, head_forward
 from ..weights.providers import ExpertKey, Experts, Trunk
 from .steps import Pass, PassContext
 
@@ -23,7 +24,7 @@ from .steps import Pass, PassContext
 class V4Stack:
     """V4's part of a forward pass (see the module docstring)."""
 
-    family = "v4"
+    family = V4
 
     def __init__(self, cfg: ModelConfig, trunk: Trunk, experts: Experts) -> None:
         self.cfg = cfg
@@ -69,3 +70,14 @@ class V4Stack:
 
     def head_weights(self):
         return self.trunk.head()
+
+
+def build(cfg: ModelConfig, trunk: Trunk, experts: Experts, catalog=None, *, v41=None, **_v41_inputs) -> V4Stack:
+    """V4's stack for an `Engine`. V4.1's inputs (Engram rows and hash) have nothing to feed; its
+    options (`V41Options`) are refused unless they ask for what V4 runs anyway."""
+    if v41 is not None and not v41.v4_compatible:
+        raise UsageError(
+            "--numerics / --index-keys are DeepSeek-V4.1 options: a V4 checkpoint runs float32"
+            " activations only (--numerics fp32, or leave both out)"
+        )
+    return V4Stack(cfg, trunk, experts)

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kernels import QWeight, matmul
-from .ops import rms_norm, softmax
-from .rope import Rope, apply_rope
+from ...kernels import QWeight, matmul
+from ..cache import RowBuffer
+from ..ops import rms_norm, softmax
+from ..rope import Rope, apply_rope
 
 F32 = np.float32
 
@@ -39,45 +40,6 @@ class CompressorWeights:
     @property
     def ratio(self) -> int:
         return self.ape.shape[0]
-
-
-# A full RowBuffer grows by 1/ROW_SLACK of its rows: at most 12.5% unused (doubling left up to
-# half of a long context's compressed rows allocated and unused); `planner.state_bytes_for`
-# counts `row_capacity`.
-ROW_SLACK = 8
-
-
-def row_capacity(n: int) -> int:
-    """The most rows a RowBuffer holding n rows has allocated."""
-    return max(16, n + n // ROW_SLACK)
-
-
-class RowBuffer:
-    """Append-only (n, d) float32 rows with amortised growth (capacity <= row_capacity(n))."""
-
-    def __init__(self, d: int) -> None:
-        self._a = np.zeros((16, d), dtype=F32)
-        self.n = 0
-
-    def extend(self, rows: np.ndarray) -> None:
-        need = self.n + rows.shape[0]
-        if need > self._a.shape[0]:
-            cap = self._a.shape[0]
-            grown = np.zeros((max(need, cap + cap // ROW_SLACK), self._a.shape[1]), dtype=F32)
-            grown[: self.n] = self._a[: self.n]
-            self._a = grown
-        self._a[self.n : need] = rows
-        self.n = need
-
-    @property
-    def rows(self) -> np.ndarray:
-        return self._a[: self.n]
-
-    def check_restored(self, fresh: RowBuffer, pos: int) -> str | None:
-        """What is wrong with this buffer, read from a state file, after `pos` tokens (None: fine)."""
-        if not 0 <= self.n <= min(pos, self._a.shape[0]) or self._a.shape[0] > row_capacity(pos):
-            return f"{self.n} rows in a buffer of {self._a.shape[0]} after {pos} tokens"
-        return None
 
 
 @dataclass

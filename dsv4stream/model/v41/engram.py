@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels import QWeight, matmul
-from .ops import sigmoid
+from ...kernels import QWeight, matmul
+from ..ops import sigmoid
 from .quant import act_qdq
 
 F32 = np.float32

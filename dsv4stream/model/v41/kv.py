@@ -3,7 +3,7 @@
 Owns: the two V4.1 compressors, the per-sequence state of a KV source (its open group, its
 compressed rows, its index keys) and the finishing of a latent into a compressed row and an
 index key. Only the layers listed in `kv_source_layer_ids` compress; every other compressed
-layer reads the rows of the latest source before it (`model.v41_attention`).
+layer reads the rows of the latest source before it (`model.v41.attention`).
 
 Facts this follows (DeepSeek's V4.1 inference code):
 - ratio 2: per token kv = wkv x and score = wgate x (float32 weights); each group of 2 tokens
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kernels import QWeight, matmul
-from .compressor import RowBuffer
-from .ops import rms_norm, softmax
+from ...kernels import QWeight, matmul
+from ..cache import RowBuffer
+from ..ops import rms_norm, softmax
+from ..rope import Rope, apply_rope
 from .quant import fp4_qdq_e4m3, fp4_qdq_e8m0
-from .rope import Rope, apply_rope
 
 F32 = np.float32
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels import QWeight
+from ...kernels import QWeight
+from ..mhc import HcHeadWeights, HcWeights
+from ..moe import MoeWeights
 from .attention import AttnWeights
-from .mhc import HcHeadWeights, HcWeights
-from .moe import MoeWeights
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Owns: the index scores of an index-source layer against its KV source's index keys, the
 candidate blocks of the candidate source (level one) and the top-k inside them (level two).
-Layers that are not index sources reuse the last source's choice (`model.v41_attention`).
+Layers that are not index sources reuse the last source's choice (`model.v41.attention`).
 
 Facts this follows (DeepSeek's V4.1 inference code):
 - q = wq_b(q_residual) per index head, its last rd channels rotated at the query position
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels import QWeight, index_scores, matmul
-from .ops import topk_lowest_index
+from ...kernels import QWeight, index_scores, matmul
+from ..ops import topk_lowest_index
+from ..rope import apply_rope
 from .quant import fp4_qdq_e8m0
-from .rope import apply_rope
 
 F32 = np.float32
 

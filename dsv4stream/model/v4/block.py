@@ -13,18 +13,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..checkpoint.config import ModelConfig
-from ..kernels import matmul
+from ...checkpoint.config import ModelConfig
+from ...kernels import matmul
+from ..mhc import hc_head, hc_post, hc_pre
+from ..moe import ExpertSource, moe
+from ..ops import rms_norm
+from ..rope import Rope
+from ..trace import Trace
 from .attention import AttnState, attention
 from .layer import HeadWeights, LayerWeights
-from .mhc import hc_head, hc_post, hc_pre
-from .moe import ExpertSource, moe
-from .ops import rms_norm
-from .rope import Rope
-
-# trace(what, layer, array): what is "attn" (T, D), "ffn" (T, D), "hidden" (T, hc, D) after the
-# layer, or "index" (T, K) the indexer's rows at ratio-4 layers (-1 = none)
-Trace = Callable[[str, int, np.ndarray], None]
 
 
 def attention_half(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ..kernels import backend_name
+from ...kernels import backend_name
 
 F32 = np.float32
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -82,7 +82,7 @@ def act_qdq(x: np.ndarray) -> np.ndarray:
     """`fp8_qdq(x, 32)`, the grid every FP8 / FP4 linear's input meets, through the numba kernel
     (`kernels.qdq`, the same bits, about 10x faster at one token) where the fast kernels run."""
     if backend_name() == "fast":
-        from ..kernels.qdq import fp8_qdq_rows
+        from ...kernels.qdq import fp8_qdq_rows
 
         got = fp8_qdq_rows(x)
         if got is not None:

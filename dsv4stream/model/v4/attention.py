@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checkpoint.config import CSA, WINDOW, ModelConfig
-from ..kernels import QWeight, attend, matmul, matmul_grouped
+from ...checkpoint.config import CSA, WINDOW, ModelConfig
+from ...kernels import QWeight, attend, matmul, matmul_grouped
+from ..cache import WindowCache
+from ..ops import rms_norm
+from ..rope import Rope, apply_rope
 from .compressor import CompressorState, CompressorWeights, compress
 from .indexer import IndexerWeights, select_rows
-from .ops import rms_norm
-from .rope import Rope, apply_rope
 
 F32 = np.float32
 
@@ -45,37 +46,6 @@ class AttnWeights:
     ratio: int  # 0 window-only, 4 with indexer, else heavily compressed
     compressor: CompressorWeights | None
     indexer: IndexerWeights | None
-
-
-class WindowCache:
-    """The last `size` (key=value) rows with their positions; a ring, never the full history."""
-
-    def __init__(self, size: int, d: int) -> None:
-        self.kv = np.zeros((size, d), dtype=F32)
-        self.pos = np.full(size, -1, dtype=np.int64)
-
-    def with_new(self, kv: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Cached rows followed by the chunk's rows: keys (S, d), positions (S,)."""
-        held = self.pos >= 0
-        return np.concatenate([self.kv[held], kv]), np.concatenate([self.pos[held], positions])
-
-    def push(self, kv: np.ndarray, positions: np.ndarray) -> None:
-        size = self.pos.shape[0]
-        kv, positions = kv[-size:], positions[-size:]
-        slots = positions % size
-        self.kv[slots] = kv
-        self.pos[slots] = positions
-
-    def check_restored(self, fresh: WindowCache, pos: int) -> str | None:
-        """What is wrong with this ring, read from a state file, after `pos` tokens (None: fine):
-        its shapes are the fresh ring's, and each slot holds -1 or a position read, at its slot."""
-        if self.kv.shape != fresh.kv.shape or self.pos.shape != fresh.pos.shape:
-            return f"a window of {self.kv.shape}, expected {fresh.kv.shape}"
-        held = self.pos >= 0
-        slots = np.arange(self.pos.shape[0])
-        if np.any(self.pos < -1) or np.any(self.pos[held] >= pos) or np.any(self.pos[held] % len(slots) != slots[held]):
-            return f"window positions that {pos} tokens cannot have left"
-        return None
 
 
 @dataclass

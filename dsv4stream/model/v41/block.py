@@ -2,7 +2,7 @@
 
 Owns: the order of operations inside a V4.1 layer and the head, with hyper-connections
 computed one sublayer ahead. Weights, state and the published row choice come in; nothing
-is looked up by name. As in V4 (`model.block`), the two halves are separate calls so that a
+is looked up by name. As in V4 (`model.v4.block`), the two halves are separate calls so that a
 prefill segment can run attention in sub-chunks and the MoE over the whole segment.
 
 Facts this follows (DeepSeek's V4.1 `Block.forward`), against V4:
@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels import QWeight, matmul
+from ...kernels import QWeight, matmul
+from ..mhc import HcWeights, collapse, split_mixes
+from ..moe import ExpertSource
+from ..ops import rms_norm
+from ..rope import Rope
+from .attention import KeyBoard, Published, V41AttnWeights, V41LayerState, V41Plan, attention
 from .engram import EngramWeights
-from .mhc import HcWeights, collapse, split_mixes
-from .moe import ExpertSource
-from .ops import rms_norm
-from .rope import Rope
-from .v41_attention import KeyBoard, Published, V41AttnWeights, V41LayerState, V41Plan, attention
-from .v41_moe import V41MoeParams, V41MoeWeights, moe
+from .moe import V41MoeParams, V41MoeWeights, moe
 
 F32 = np.float32
 

@@ -4,9 +4,9 @@ Owns: one layer's attention for a chunk of queries (q low-rank path, the window 
 shared compressed rows and the published row choice, attention with sink, de-rotation,
 grouped output projection), which layer plays which part (`V41Plan`), and the state of a
 layer (its window; at a KV source, the `SourceState`). The compressor and the index keys are
-`model.v41_kv`; scores and top-k are `model.v41_indexer`.
+`model.v41.kv`; scores and top-k are `model.v41.indexer`.
 
-Facts this follows (DeepSeek's V4.1 inference code), against V4 (`model.attention`):
+Facts this follows (DeepSeek's V4.1 inference code), against V4 (`model.v4.attention`):
 - q = wq_b(q_norm(wq_a x)) with no per-head RMS rescale; kv = kv_norm(wkv x); both rotated on
   the last rd channels (ratio 0: rope_theta; ratio > 0: compress_rope_theta with YaRN); the
   window KV is FP8-QDQ'd per 32 (official numerics) before it is cached or used.
@@ -16,7 +16,7 @@ Facts this follows (DeepSeek's V4.1 inference code), against V4 (`model.attentio
 - The output's rope channels are rotated back; wo_a (FP8 in the checkpoint) is applied per
   group as a plain dequantised product (no activation grid: DeepSeek's converter stores it as
   BF16); wo_b is an FP8 linear.
-- Every FP8 linear's input goes through the activation grid (`model.quant.act_qdq`) under the
+- Every FP8 linear's input goes through the activation grid (`model.v41.quant.act_qdq`) under the
   official numerics; the BF16 linears (weights_proj) do not.
 
 Index keys, two ways (`V41Plan.stale_keys`): DeepSeek's code keeps one published key table;
@@ -34,13 +34,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InternalError
-from ..kernels import QWeight, attend, matmul, matmul_grouped
-from .attention import WindowCache
-from .ops import rms_norm
-from .quant import act_qdq
-from .rope import Rope, apply_rope
-from .v41_indexer import (
+from ...errors import InternalError
+from ...kernels import QWeight, attend, matmul, matmul_grouped
+from ..cache import WindowCache
+from ..ops import rms_norm
+from ..rope import Rope, apply_rope
+from .indexer import (
     V41IndexerWeights,
     candidate_blocks,
     index_query,
@@ -48,7 +47,8 @@ from .v41_indexer import (
     top_rows,
     visible_scores,
 )
-from .v41_kv import IndexKeyWeights, SourceState, V41CompressorWeights, append_rows, latents
+from .kv import IndexKeyWeights, SourceState, V41CompressorWeights, append_rows, latents
+from .quant import act_qdq
 
 F32 = np.float32
 

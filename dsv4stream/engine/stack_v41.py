@@ -21,15 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.config import ModelConfig
+from ..checkpoint.config import V41, ModelConfig
 from ..errors import CheckpointError, UsageError
-from ..model.engram import engram
-from ..model.quant import NUMERICS, Numerics
 from ..model.rope import Rope, rope_tables
-from ..model.v41_attention import KeyBoard, Published, V41Plan, new_layer_state
-from ..model.v41_block import HcParams, attention_half, ffn_half, head_forward, identity_pre
-from ..model.v41_moe import V41MoeParams
-from ..weights.providers import EngramRows, Experts, Trunk
+from ..model.v41.attention import KeyBoard, Published, V41Plan, new_layer_state
+from ..model.v41.block import HcParams, attention_half, ffn_half, head_forward, identity_pre
+from ..model.v41.engram import engram
+from ..model.v41.moe import V41MoeParams
+from ..model.v41.quant import NUMERICS, Numerics
+from ..weights.providers import CatalogEngramRows, EngramRows, Experts, Trunk
 from .steps import Pass, PassContext
 
 INDEX_KEYS = ("owner", "as-shipped")
@@ -39,7 +39,7 @@ INDEX_KEYS = ("owner", "as-shipped")
 class V41Options:
     """How a V4.1 engine computes: `numerics` "official" (the activation and KV grids of the
     release) or "fp32"; `index_keys` "owner" (each index source scores its own KV source's keys,
-    so prefill and decode agree) or "as-shipped" (DeepSeek's decode: see `model.v41_attention`)."""
+    so prefill and decode agree) or "as-shipped" (DeepSeek's decode: see `model.v41.attention`)."""
 
     numerics: str = "official"
     index_keys: str = "owner"
@@ -53,6 +53,11 @@ class V41Options:
     @property
     def grid(self) -> Numerics:
         return NUMERICS[self.numerics]
+
+    @property
+    def v4_compatible(self) -> bool:
+        """What a V4 checkpoint runs anyway: float32 activations, each source's own keys."""
+        return self == V41Options(numerics="fp32")
 
 
 class EngramIds:
@@ -135,7 +140,7 @@ class V41Pass(Pass):
 class V41Stack:
     """V4.1's part of a forward pass (see the module docstring)."""
 
-    family = "v41"
+    family = V41
 
     def __init__(
         self,
@@ -241,3 +246,21 @@ class V41Stack:
 
     def head_weights(self):
         return self.trunk.head()
+
+
+def build(
+    cfg: ModelConfig,
+    trunk: Trunk,
+    experts: Experts,
+    catalog=None,
+    *,
+    engram_rows: EngramRows | None = None,
+    engram_ids: EngramIds | None = None,
+    v41: V41Options | None = None,
+) -> V41Stack:
+    """V4.1's stack for an `Engine`: the Engram rows and hash default to the catalog's (read on
+    demand) and its tokenizer.json's; the options to the release's numerics and owner keys."""
+    if cfg.engram is not None and catalog is not None:
+        engram_rows = engram_rows or CatalogEngramRows(catalog)
+        engram_ids = engram_ids or checkpoint_engram_ids(catalog)
+    return V41Stack(cfg, trunk, experts, engram_rows, engram_ids, v41 or V41Options())

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InternalError, NumericsError
-from ..kernels import QWeight, matmul, matmul_pair
-from .moe import EXPERT_ROWS, ExpertSource, ExpertWeights
-from .ops import silu, sqrt_softplus, topk_lowest_index
+from ...errors import InternalError, NumericsError
+from ...kernels import QWeight, matmul, matmul_pair
+from ..moe import EXPERT_ROWS, ExpertSource, ExpertWeights
+from ..ops import silu, sqrt_softplus, topk_lowest_index
 from .quant import act_qdq
 
 F32 = np.float32

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels import QWeight, index_scores, matmul
+from ...kernels import QWeight, index_scores, matmul
+from ..ops import topk_lowest_index
+from ..rope import apply_rope
 from .compressor import CompressorWeights
-from .ops import topk_lowest_index
-from .rope import apply_rope
 
 F32 = np.float32
 

@@ -1,0 +1,307 @@
+"""FP8 (E4M3, block scales) and BF16 weights times BF16 activations: the `fast` trunk and head.
+
+Activations are rounded to BF16 (round to nearest even from float32; NaN stays NaN, overflow
+goes to infinity) in numba, once per call (BF16 weights) or once per block of rows (FP8: the
+block's column scales are folded in first, y = bf16(x * s): for a power-of-two scale, V4's and
+V4.1's, that is bf16(x) * s exactly unless x * s leaves the float32 normal range).
+Every E4M3 value is a BF16 value, so weights are not rounded at all.
+
+Variants (`cpu.variant`):
+- "avx512": E4M3 -> BF16 bits through two 128-entry byte tables (`vpermi2b`, VBMI) and a byte
+  interleave; `vdpbf16ps` multiplies pairs of BF16 into float32 lanes. `vdpbf16ps` treats
+  subnormal inputs and results as zero: a product below 2^-126 in magnitude is dropped, at most
+  C * 2^-126 per output (activations are scaled into BF16's normal range by the block scale,
+  and E4M3 weights are normal in BF16).
+- "avx2": weights decoded to float32 (E4M3 by exponent shift and a multiply by 2^120, exact
+  for subnormals too; BF16 by a 16-bit shift), activations BF16 widened to float32, FMA.
+Float order is fixed per row and token: lanes accumulate along the row in two accumulators
+(alternating halves of a 64-column step), then a fixed tree sums the lanes; every token runs
+the same sequence in token groups of 4, 2, 1, so a row's bits do not depend on the token
+count, the threads, or the other tokens of the call.
+"""
+
+from __future__ import annotations
+
+import math
+import types as pytypes
+
+import ml_dtypes
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from . import cpu, simd
+from .q8 import E8M0
+from .simd import BF, F32, I8, I16, I32, c64, vec
+
+STEP = 64  # columns per loop step: C must be a multiple
+TOKENS = (4, 2, 1)
+ROWS = 16  # rows per inner block (weights re-read from L1/L2 across token groups)
+HEAD_BLOCK = 64  # rows per work item for BF16 weights (no scale blocks)
+_JIT = {"cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
+
+
+def supports(cols: int) -> bool:
+    return cols % STEP == 0
+
+
+# ---------------------------------------------------------------- activations ----------------
+
+
+@njit(inline="always")
+def _bf16_bits(v):
+    """float32 -> BF16 bits, round to nearest even (NaN -> quiet NaN of the same sign).
+    uint32 arithmetic and a select: the loops that call it vectorise."""
+    b = np.float32(v).view(np.uint32)
+    rne = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = (b >> np.uint32(16)) | np.uint32(0x40)
+    return np.uint16(nan if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rne)
+
+
+@njit(cache=True, fastmath=False)
+def _round_rows(x, xs):
+    T, C = x.shape
+    for t in range(T):
+        for c in range(C):
+            xs[t, c] = _bf16_bits(x[t, c])
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """X float32 -> BF16 bits (uint16), round to nearest even (what the kernels multiply)."""
+    x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
+    xs = np.empty(x.shape, np.uint16)
+    _round_rows(x, xs)
+    return xs
+
+
+def _scale_f32(s, i, j):
+    """Scale s[i, j] as float32 (E8M0 byte or float32)."""
+
+
+@overload(_scale_f32, jit_options=_JIT)
+def _ol_scale_f32(s, i, j):
+    if s.dtype == types.uint8:
+
+        def impl(s, i, j):
+            return E8M0[s[i, j]]
+
+        return impl
+    return lambda s, i, j: np.float32(s[i, j])
+
+
+# ---------------------------------------------------------------- E4M3 -> BF16 tables --------
+
+
+def _tables() -> tuple[list[int], list[int]]:
+    """High and low bytes of the BF16 bits of E4M3 codes 0..127 (exact; 0x7F is NaN)."""
+    vals = np.arange(128, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    bits = vals.astype(ml_dtypes.bfloat16).view(np.uint16)
+    back = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(back[:127], vals[:127]) and np.isnan(back[127])
+    signed = [int(v) - 256 if v > 127 else int(v) for v in (bits >> 8).astype(np.uint8)]
+    return signed, [int(v) - 256 if v > 127 else int(v) for v in (bits & 0xFF).astype(np.uint8)]
+
+
+_HI, _LO = _tables()
+
+
+# ---------------------------------------------------------------- row kernels ----------------
+
+
+def _row_intrinsic(kind: str, variant: str, T: int):
+    """Row r of w (fp8 bytes or bf16 bits, (R, C)) times BF16 tokens t0 .. t0+T of xs (T, C)
+    -> out[t, r]."""
+    lanes = 16 if variant == "avx512" else 8
+
+    def typer(typingctx, w, r, xs, t0, out):
+        sig = types.void(w, r, xs, t0, out)
+
+        def codegen(context, builder, sig, args):
+            w_, r_, xs_, t0_, out_ = args
+            tw, tr, txs, tt0, tout = sig.args
+            C = simd.shape(context, builder, tw, w_, 1)
+            R = simd.shape(context, builder, tout, out_, 1)
+            r = simd.index(context, builder, r_, tr)
+            t0 = simd.index(context, builder, t0_, tt0)
+            welem = I8 if kind == "fp8" else I16
+            wrow = builder.gep(simd.base(context, builder, tw, w_, welem), [builder.mul(r, C)])
+            xb = simd.base(context, builder, txs, xs_, I16)
+            outb = simd.base(context, builder, tout, out_, F32)
+            tokens = [builder.add(t0, c64(t)) for t in range(T)]
+            xrow = [builder.gep(xb, [builder.mul(tk, C)]) for tk in tokens]
+            acc = [
+                [cgutils.alloca_once_value(builder, simd.splat(F32, lanes, 0.0)) for _ in range(2)] for _ in range(T)
+            ]
+            steps = builder.udiv(C, c64(STEP))
+            if variant == "avx512":
+                dot = simd.dpbf16(builder)
+                if kind == "fp8":
+                    v64 = vec(I8, 64)
+                    perm = simd.declare(builder, "llvm.x86.avx512.vpermi2var.qi.512", v64, [v64, v64, v64])
+                    h0, h1 = ir.Constant(v64, _HI[:64]), ir.Constant(v64, _HI[64:])
+                    l0, l1 = ir.Constant(v64, _LO[:64]), ir.Constant(v64, _LO[64:])
+                    sign = simd.splat(I8, 64, -128)
+                    # word k = (lo[k], hi[k]): columns 0..31, then 32..63, in order
+                    first = ir.Constant(vec(I32, 64), [j for k in range(32) for j in (k, 64 + k)])
+                    second = ir.Constant(vec(I32, 64), [j for k in range(32, 64) for j in (k, 64 + k)])
+            else:
+                wide = vec(I32, lanes)
+                sixteen = ir.Constant(wide, [16] * lanes)
+                if kind == "fp8":
+                    mag = ir.Constant(wide, [0x7F] * lanes)
+                    twenty = ir.Constant(wide, [20] * lanes)
+                    sbit = ir.Constant(wide, [0x80] * lanes)
+                    twentyfour = ir.Constant(wide, [24] * lanes)
+                    pow120 = ir.Constant(vec(F32, lanes), [2.0**120] * lanes)
+                    nan = ir.Constant(vec(F32, lanes), [math.nan] * lanes)
+            with cgutils.for_range(builder, steps) as loop:
+                col = builder.mul(loop.index, c64(STEP))
+                if variant == "avx512":
+                    if kind == "fp8":
+                        raw = simd.load(builder, wrow, col, vec(I8, 64))
+                        hi = builder.or_(builder.call(perm, [h0, raw, h1]), builder.and_(raw, sign))
+                        lo = builder.call(perm, [l0, raw, l1])
+                        ws = [builder.bitcast(builder.shuffle_vector(lo, hi, m), vec(BF, 32)) for m in (first, second)]
+                    else:
+                        ws = [
+                            simd.load(builder, wrow, builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
+                            for h in range(2)
+                        ]
+                    for t in range(T):
+                        for h in range(2):
+                            x = simd.load(builder, xrow[t], builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
+                            a = acc[t][h]
+                            builder.store(builder.call(dot, [builder.load(a), ws[h], x]), a)
+                else:
+                    for j in range(STEP // lanes):
+                        cj = builder.add(col, c64(lanes * j))
+                        if kind == "fp8":
+                            b = builder.zext(simd.load(builder, wrow, cj, vec(I8, lanes)), wide)
+                            m = builder.and_(b, mag)
+                            bits = builder.or_(builder.shl(m, twenty), builder.shl(builder.and_(b, sbit), twentyfour))
+                            wf = builder.fmul(builder.bitcast(bits, vec(F32, lanes)), pow120)
+                            wf = builder.select(builder.icmp_unsigned("==", m, mag), nan, wf)
+                        else:
+                            b = builder.zext(simd.load(builder, wrow, cj, vec(I16, lanes), align=2), wide)
+                            wf = builder.bitcast(builder.shl(b, sixteen), vec(F32, lanes))
+                        for t in range(T):
+                            xv = builder.zext(simd.load(builder, xrow[t], cj, vec(I16, lanes), align=2), wide)
+                            xf = builder.bitcast(builder.shl(xv, sixteen), vec(F32, lanes))
+                            a = acc[t][j % 2]
+                            builder.store(simd.fma(builder, wf, xf, builder.load(a), lanes), a)
+            for t in range(T):
+                total = simd.hsum(builder, builder.fadd(builder.load(acc[t][0]), builder.load(acc[t][1])), lanes)
+                builder.store(total, builder.gep(outb, [builder.add(builder.mul(tokens[t], R), r)]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = typer.__qualname__ = f"_{kind}bf16_{variant}_t{T}"
+    return intrinsic(typer)
+
+
+_row4 = _row2 = _row1 = None  # the row kernels `_driver` binds in each variant's globals
+
+
+def _tokens(w, r0, r1, xs, out):
+    """Rows r0 .. r1 times every token of xs, in token groups of 4, 2, 1."""
+    T = xs.shape[0]
+    t0 = 0
+    while t0 < T:
+        if T - t0 >= 4:
+            for r in range(r0, r1):
+                _row4(w, r, xs, t0, out)
+            t0 += 4
+        elif T - t0 >= 2:
+            for r in range(r0, r1):
+                _row2(w, r, xs, t0, out)
+            t0 += 2
+        else:
+            for r in range(r0, r1):
+                _row1(w, r, xs, t0, out)
+            t0 += 1
+
+
+def _fp8_drive(w, s, br, bc, x, out):
+    """Row blocks of the scale grid in prange; each rounds x * its scales to BF16 once."""
+    R, C = w.shape
+    T = x.shape[0]
+    for rb in prange((R + br - 1) // br):
+        xs = np.empty((T, C), np.uint16)
+        for cb in range((C + bc - 1) // bc):
+            sc = _scale_f32(s, rb, cb)
+            c1 = min(C, cb * bc + bc)
+            for t in range(T):
+                for c in range(cb * bc, c1):
+                    xs[t, c] = _bf16_bits(np.float32(x[t, c] * sc))
+        end = min(R, rb * br + br)
+        for r0 in range(rb * br, end, ROWS):
+            _tokens(w, r0, min(end, r0 + ROWS), xs, out)
+
+
+def _bf16_drive(w, xs, out):
+    R = w.shape[0]
+    for ib in prange((R + HEAD_BLOCK - 1) // HEAD_BLOCK):
+        end = min(R, ib * HEAD_BLOCK + HEAD_BLOCK)
+        for r0 in range(ib * HEAD_BLOCK, end, ROWS):
+            _tokens(w, r0, min(end, r0 + ROWS), xs, out)
+
+
+def _driver(kind: str, variant: str):
+    """The drive function of `kind` compiled with `variant`'s row kernels: see `q8._driver`
+    (own globals, no closure, named after kind, variant and simd.py's hash for numba's cache).
+    `_tokens` is rebuilt in the same globals so it calls this variant's row kernels."""
+    g = dict(globals())
+    g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(kind, variant, t) for t in TOKENS)
+    g["_tokens"] = njit(inline="always", **_JIT)(pytypes.FunctionType(_tokens.__code__, g, "_tokens"))
+    body = _fp8_drive if kind == "fp8" else _bf16_drive
+    f = pytypes.FunctionType(body.__code__, g, f"{kind}bf16_{variant}_{simd.STAMP}")
+    f.__qualname__ = f.__name__
+    return njit(parallel=True, **_JIT)(f)
+
+
+_DRIVERS: dict[tuple[str, str], object] = {}
+
+
+def _drive(kind: str, variant: str | None):
+    if variant is None:
+        raise RuntimeError(f"no fast {kind} x BF16 kernel for this CPU target (kernels.cpu.variant({kind!r}) is None)")
+    key = (kind, variant)
+    if key not in _DRIVERS:
+        _DRIVERS[key] = _driver(kind, variant)
+    return _DRIVERS[key]
+
+
+# ---------------------------------------------------------------- public products ------------
+
+
+def fp8_matmul(data, scale, block: tuple[int, int], x: np.ndarray, variant: str | None = None) -> np.ndarray:
+    """X (T, C) float32 times an E4M3 weight (R, C) with (ceil(R/br), ceil(C/bc)) scales (E8M0
+    bytes or float32) -> (T, R) float32; C a multiple of 64."""
+    x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
+    out = np.empty((x.shape[0], data.shape[0]), np.float32)
+    _drive("fp8", variant or cpu.variant("fp8"))(data, scale, block[0], block[1], x, out)
+    return out
+
+
+def bf16_prepare(x: np.ndarray) -> np.ndarray:
+    return to_bf16(x)
+
+
+def bf16_multiply(data, xs: np.ndarray, variant: str | None = None) -> np.ndarray:
+    """BF16 weight bits (R, C) times BF16 activations xs (T, C) (from `to_bf16`) -> (T, R)."""
+    out = np.empty((xs.shape[0], data.shape[0]), np.float32)
+    _drive("bf16", variant or cpu.variant("bf16"))(data, xs, out)
+    return out
+
+
+def bf16_matmul(data, x: np.ndarray, variant: str | None = None) -> np.ndarray:
+    """X (T, C) float32 times BF16 weight bits (R, C) -> (T, R) float32; C a multiple of 64."""
+    return bf16_multiply(data, to_bf16(x), variant)
+
+
+def set_threads(n: int) -> None:
+    numba.set_num_threads(n)

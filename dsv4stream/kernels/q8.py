@@ -1,0 +1,295 @@
+"""FP4 (E2M1, one E8M0 scale per 32) weights times int8 activations: the `fast` expert product.
+
+Activations are quantised per 32 columns (`quantize`): d = fl32(absmax / 127), q = rint(x / d)
+(IEEE float32 division, round half to even), clipped to [-127, 127]. An all-zero group has
+d = 0 and q = 0; a group holding a NaN or an infinity gets d = NaN, so every output it meets is
+NaN (as the float32 product would be NaN or infinite). The int8 values are stored permuted per
+span of S columns (S = 128 for AVX-512, 64 for AVX2): the span's even columns, then its odd
+ones, so they line up with the packed nibbles (low nibble = even column).
+
+Weights are decoded by a byte shuffle to 2 * e2m1 + 12 in [0, 24] (an unsigned byte), then
+- AVX-512 VNNI: `vpdpbusd` adds u8 x s8 products of 4 bytes into int32 lanes;
+- AVX2: `vpmaddubsw` (pairs into int16: |24 * 127 * 2| < 32767, no saturation) then
+  `vpmaddwd` by ones into int32 lanes.
+Each group of 32 lands in 4 int32 lanes, started at -12 * sum(q) in its first lane: exact.
+Float order (fixed, so a row's bits depend only on that row and its token's activations): per
+lane, float(int32) * (weight scale * d / 2) is FMA-added into one of two float32 accumulators
+(alternating spans), and the lanes are summed in a fixed tree at the end. Every token runs the
+same instruction sequence, whichever other tokens share the call, in token groups of 4, 2, 1.
+"""
+
+from __future__ import annotations
+
+import types as pytypes
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from . import cpu, simd
+from .simd import F32, I8, I16, I32, c64, vec
+
+GROUP = 32
+_E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12)
+_TABLE = [12 + (_E2M1_X2[c & 7] if c < 8 else -_E2M1_X2[c & 7]) for c in range(16)]  # 2*e2m1 + 12
+# E8M0 byte -> float32 2^(b - 127) (0 -> 2^-127, a float32 subnormal; 0xFF -> NaN)
+E8M0 = np.exp2(np.arange(256) - 127.0)
+E8M0[255] = np.nan
+E8M0 = E8M0.astype(np.float32)
+TOKENS = (4, 2, 1)  # token groups per kernel call: every token runs the same code
+ROWS = 16  # rows per work item (weights re-read from L1 across token groups)
+_JIT = {"cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
+
+
+def span(variant: str) -> int:
+    """Columns one vector step covers: the activation permutation's period."""
+    return 128 if variant == "avx512" else 64
+
+
+def supports(cols: int) -> bool:
+    """Whether the fast kernel takes this width (two spans per loop step)."""
+    return cols % 256 == 0
+
+
+# ---------------------------------------------------------------- activations ----------------
+
+
+@njit(**_JIT)
+def _quantize(x, S, qa, bias, da):
+    """x (T, C) float32 -> qa int8 (T, C) permuted, bias int32 (T, C/32), da float32 (T, C/32).
+    Per group: 16 even columns to one contiguous run of qa, 16 odd ones to another (vectorises)."""
+    T, C = x.shape
+    half = S // 2
+    for t in range(T):
+        for g in range(C // GROUP):
+            c0 = g * GROUP
+            amax = np.float32(0.0)
+            for k in range(GROUP):
+                amax = max(amax, abs(x[t, c0 + k]))
+            finite = amax <= np.float32(3.4028234663852886e38)  # False for inf and NaN
+            for k in range(GROUP):
+                finite = finite and x[t, c0 + k] == x[t, c0 + k]  # max() may drop a NaN
+            d = np.float32(amax / np.float32(127.0))
+            base = c0 - c0 % S + (c0 % S) // 2
+            total = 0
+            if finite and d > 0:
+                for k in range(GROUP // 2):
+                    e = min(max(np.rint(np.float32(x[t, c0 + 2 * k] / d)), np.float32(-127.0)), np.float32(127.0))
+                    o = min(max(np.rint(np.float32(x[t, c0 + 2 * k + 1] / d)), np.float32(-127.0)), np.float32(127.0))
+                    qa[t, base + k] = np.int8(e)
+                    qa[t, base + half + k] = np.int8(o)
+                    total += np.int32(e) + np.int32(o)
+            else:
+                for k in range(GROUP // 2):
+                    qa[t, base + k] = 0
+                    qa[t, base + half + k] = 0
+            bias[t, g] = -12 * total
+            da[t, g] = np.float32(d * np.float32(0.5)) if finite else np.float32(np.nan)
+
+
+def quantize(x: np.ndarray, variant: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """X (T, C) -> (permuted int8 values, -12 * group sums, scale / 2 per group) for `variant`."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    t, c = x.shape
+    qa = np.empty((t, c), np.int8)
+    bias = np.empty((t, c // GROUP), np.int32)
+    da = np.empty((t, c // GROUP), np.float32)
+    _quantize(x, span(variant), qa, bias, da)
+    return qa, bias, da
+
+
+def quantize_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The unpermuted (q int8 (T, C), d float32 (T, C/32)) of `quantize`: for tests and errors."""
+    qa, _, da = quantize(x, "avx2")
+    c = qa.shape[1]
+    p = np.arange(c) % 64
+    src = np.arange(c) - p + (p & 1) * 32 + p // 2
+    return qa[:, src], da * np.float32(2.0)
+
+
+# ---------------------------------------------------------------- weight scales --------------
+
+
+def _row_scales(s, r, dst):
+    """dst[:] = row r of scale s as float32 (E8M0 bytes or float32)."""
+
+
+@overload(_row_scales, jit_options=_JIT)
+def _ol_row_scales(s, r, dst):
+    if s.dtype == types.uint8:
+
+        def impl(s, r, dst):
+            for j in range(dst.shape[0]):
+                dst[j] = E8M0[s[r, j]]
+
+        return impl
+
+    def impl(s, r, dst):
+        for j in range(dst.shape[0]):
+            dst[j] = s[r, j]
+
+    return impl
+
+
+# ---------------------------------------------------------------- the row kernel -------------
+
+
+def _row_intrinsic(variant: str, T: int):
+    """Row r of w times tokens t0 .. t0+T: out[t, r] for each."""
+    VB = 64 if variant == "avx512" else 32  # weight bytes per vector step (2 * VB columns)
+    NB = VB // 16  # groups of 32 per step
+    L = VB // 4  # int32 / float lanes
+
+    def typer(typingctx, w, r, sw, qa, bias, da, t0, out):
+        sig = types.void(w, r, sw, qa, bias, da, t0, out)
+
+        def codegen(context, builder, sig, args):
+            w_, r_, sw_, qa_, bias_, da_, t0_, out_ = args
+            tw, tr, tsw, tqa, tbias, tda, tt0, tout = sig.args
+            half = simd.shape(context, builder, tw, w_, 1)
+            C = builder.mul(half, c64(2))
+            ng = builder.udiv(C, c64(GROUP))
+            R = simd.shape(context, builder, tout, out_, 1)
+            r = simd.index(context, builder, r_, tr)
+            t0 = simd.index(context, builder, t0_, tt0)
+            wrow = builder.gep(simd.base(context, builder, tw, w_, I8), [builder.mul(r, half)])
+            swb = simd.base(context, builder, tsw, sw_, F32)
+            qab = simd.base(context, builder, tqa, qa_, I8)
+            bb = simd.base(context, builder, tbias, bias_, I32)
+            dab = simd.base(context, builder, tda, da_, F32)
+            outb = simd.base(context, builder, tout, out_, F32)
+            tokens = [builder.add(t0, c64(t)) for t in range(T)]
+            qrow = [builder.gep(qab, [builder.mul(tk, C)]) for tk in tokens]
+            brow = [builder.gep(bb, [builder.mul(tk, ng)]) for tk in tokens]
+            drow = [builder.gep(dab, [builder.mul(tk, ng)]) for tk in tokens]
+            vb = vec(I8, VB)
+            if variant == "avx512":
+                shuf = simd.declare(builder, "llvm.x86.avx512.pshuf.b.512", vb, [vb, vb])
+                dot = simd.declare(builder, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), vb, vb])
+            else:
+                shuf = simd.declare(builder, "llvm.x86.avx2.pshuf.b", vb, [vb, vb])
+                maddubs = simd.declare(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vb, vb])
+                maddwd = simd.declare(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16), vec(I16, 16)])
+                ones = simd.splat(I16, 16, 1)
+            table = ir.Constant(vb, _TABLE * (VB // 16))
+            low4 = simd.splat(I8, VB, 15)
+            four = simd.splat(I8, VB, 4)
+            spread = ir.Constant(vec(I32, L), [lane // 4 for lane in range(L)])
+            firsts = ir.Constant(vec(I32, L), [lane // 4 if lane % 4 == 0 else NB for lane in range(L)])
+            zero_i = ir.Constant(vec(I32, NB), [0] * NB)
+            acc = [[cgutils.alloca_once_value(builder, simd.splat(F32, L, 0.0)) for _ in range(2)] for _ in range(T)]
+            steps = builder.udiv(C, c64(4 * VB))
+            with cgutils.for_range(builder, steps) as loop:
+                for k in range(2):
+                    col = builder.add(builder.mul(loop.index, c64(4 * VB)), c64(2 * VB * k))
+                    grp = builder.udiv(col, c64(GROUP))
+                    raw = simd.load(builder, wrow, builder.udiv(col, c64(2)), vb)
+                    lo = builder.call(shuf, [table, builder.and_(raw, low4)])
+                    hi = builder.call(shuf, [table, builder.and_(builder.lshr(raw, four), low4)])
+                    swv = simd.load(builder, swb, grp, vec(F32, NB), align=4)
+                    for t in range(T):
+                        sc = builder.fmul(swv, simd.load(builder, drow[t], grp, vec(F32, NB), align=4))
+                        scl = builder.shuffle_vector(sc, sc, spread)
+                        bv = simd.load(builder, brow[t], grp, vec(I32, NB), align=4)
+                        iv = builder.shuffle_vector(bv, zero_i, firsts)
+                        ae = simd.load(builder, qrow[t], col, vb)
+                        ao = simd.load(builder, qrow[t], builder.add(col, c64(VB)), vb)
+                        if variant == "avx512":
+                            iv = builder.call(dot, [iv, lo, ae])
+                            iv = builder.call(dot, [iv, hi, ao])
+                        else:
+                            p = builder.add(builder.call(maddubs, [lo, ae]), builder.call(maddubs, [hi, ao]))
+                            iv = builder.add(builder.call(maddwd, [p, ones]), iv)
+                        a = acc[t][k]
+                        builder.store(simd.fma(builder, builder.sitofp(iv, vec(F32, L)), scl, builder.load(a), L), a)
+            for t in range(T):
+                total = simd.hsum(builder, builder.fadd(builder.load(acc[t][0]), builder.load(acc[t][1])), L)
+                builder.store(total, builder.gep(outb, [builder.add(builder.mul(tokens[t], R), r)]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = typer.__qualname__ = f"_fp4q8_{variant}_t{T}"
+    return intrinsic(typer)
+
+
+_row4 = _row2 = _row1 = None  # the row kernels `_driver` binds in each variant's globals
+
+
+def _drive(w, s, qa, bias, da, out):
+    """Rows in work items of ROWS (prange), tokens in groups of 4, 2, 1 within each."""
+    R = w.shape[0]
+    T = qa.shape[0]
+    ng = s.shape[1]
+    for ib in prange((R + ROWS - 1) // ROWS):
+        r0 = ib * ROWS
+        r1 = min(R, r0 + ROWS)
+        sw = np.empty((ROWS, ng), np.float32)
+        for r in range(r0, r1):
+            _row_scales(s, r, sw[r - r0])
+        t0 = 0
+        while t0 < T:
+            if T - t0 >= 4:
+                for r in range(r0, r1):
+                    _row4(w, r, sw[r - r0], qa, bias, da, t0, out)
+                t0 += 4
+            elif T - t0 >= 2:
+                for r in range(r0, r1):
+                    _row2(w, r, sw[r - r0], qa, bias, da, t0, out)
+                t0 += 2
+            else:
+                for r in range(r0, r1):
+                    _row1(w, r, sw[r - r0], qa, bias, da, t0, out)
+                t0 += 1
+
+
+def _driver(variant: str):
+    """`_drive` compiled with `variant`'s row kernels. A function object of its own (same code,
+    its own globals, no closure: numba's cache cannot key a closure over intrinsics) named
+    after the variant and simd.py's hash: numba's cache keys an entry by that name, the
+    signature and the CPU target, and watches only this file for changes."""
+    g = dict(globals())
+    g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(variant, t) for t in TOKENS)
+    f = pytypes.FunctionType(_drive.__code__, g, f"fp4q8_{variant}_{simd.STAMP}")
+    f.__qualname__ = f.__name__
+    return njit(parallel=True, **_JIT)(f)
+
+
+_DRIVERS: dict[str, object] = {}
+
+
+def _driver_for(variant: str):
+    if variant not in _DRIVERS:
+        _DRIVERS[variant] = _driver(variant)
+    return _DRIVERS[variant]
+
+
+# ---------------------------------------------------------------- public products ------------
+
+
+def prepare(x: np.ndarray, variant: str | None = None):
+    """The activations of X (T, C) in the form `multiply` takes (quantise once, use for several
+    weights: the pair form)."""
+    variant = variant or cpu.variant("fp4")
+    return variant, quantize(x, variant)
+
+
+def multiply(data: np.ndarray, scale: np.ndarray, prepared, threads: int | None = None) -> np.ndarray:
+    """FP4 weight (R, C/2) packed, scales (R, C/32) E8M0 bytes or float32, times prepared
+    activations -> (T, R) float32."""
+    variant, (qa, bias, da) = prepared
+    if variant is None:
+        raise RuntimeError("no fast FP4 x int8 kernel for this CPU target (kernels.cpu.variant('fp4') is None)")
+    if threads is not None:
+        numba.set_num_threads(threads)
+    out = np.empty((qa.shape[0], data.shape[0]), np.float32)
+    _driver_for(variant)(data, scale, qa, bias, da, out)
+    return out
+
+
+def matmul(data: np.ndarray, scale: np.ndarray, x: np.ndarray, variant: str | None = None) -> np.ndarray:
+    """X (T, C) float32 times FP4 weight -> (T, R) float32 (C a multiple of 256)."""
+    return multiply(data, scale, prepare(np.atleast_2d(x), variant))

@@ -1,0 +1,83 @@
+"""The per-sequence caches both families keep: the sliding window's ring of key/value rows and
+the growing buffer of compressed rows.
+
+Owns: the storage and its growth rule, nothing of the math that fills them (`v4.attention`,
+`v4.compressor`, `v41.attention`, `v41.kv`). `run.planner` counts the buffers' bytes with
+`row_capacity`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+
+
+class WindowCache:
+    """The last `size` (key=value) rows with their positions; a ring, never the full history."""
+
+    def __init__(self, size: int, d: int) -> None:
+        self.kv = np.zeros((size, d), dtype=F32)
+        self.pos = np.full(size, -1, dtype=np.int64)
+
+    def with_new(self, kv: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Cached rows followed by the chunk's rows: keys (S, d), positions (S,)."""
+        held = self.pos >= 0
+        return np.concatenate([self.kv[held], kv]), np.concatenate([self.pos[held], positions])
+
+    def push(self, kv: np.ndarray, positions: np.ndarray) -> None:
+        size = self.pos.shape[0]
+        kv, positions = kv[-size:], positions[-size:]
+        slots = positions % size
+        self.kv[slots] = kv
+        self.pos[slots] = positions
+
+    def check_restored(self, fresh: WindowCache, pos: int) -> str | None:
+        """What is wrong with this ring, read from a state file, after `pos` tokens (None: fine):
+        its shapes are the fresh ring's, and each slot holds -1 or a position read, at its slot."""
+        if self.kv.shape != fresh.kv.shape or self.pos.shape != fresh.pos.shape:
+            return f"a window of {self.kv.shape}, expected {fresh.kv.shape}"
+        held = self.pos >= 0
+        slots = np.arange(self.pos.shape[0])
+        if np.any(self.pos < -1) or np.any(self.pos[held] >= pos) or np.any(self.pos[held] % len(slots) != slots[held]):
+            return f"window positions that {pos} tokens cannot have left"
+        return None
+
+
+# A full RowBuffer grows by 1/ROW_SLACK of its rows: at most 12.5% unused (doubling left up to
+# half of a long context's compressed rows allocated and unused); `planner.state_bytes_for`
+# counts `row_capacity`.
+ROW_SLACK = 8
+
+
+def row_capacity(n: int) -> int:
+    """The most rows a RowBuffer holding n rows has allocated."""
+    return max(16, n + n // ROW_SLACK)
+
+
+class RowBuffer:
+    """Append-only (n, d) float32 rows with amortised growth (capacity <= row_capacity(n))."""
+
+    def __init__(self, d: int) -> None:
+        self._a = np.zeros((16, d), dtype=F32)
+        self.n = 0
+
+    def extend(self, rows: np.ndarray) -> None:
+        need = self.n + rows.shape[0]
+        if need > self._a.shape[0]:
+            cap = self._a.shape[0]
+            grown = np.zeros((max(need, cap + cap // ROW_SLACK), self._a.shape[1]), dtype=F32)
+            grown[: self.n] = self._a[: self.n]
+            self._a = grown
+        self._a[self.n : need] = rows
+        self.n = need
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self._a[: self.n]
+
+    def check_restored(self, fresh: RowBuffer, pos: int) -> str | None:
+        """What is wrong with this buffer, read from a state file, after `pos` tokens (None: fine)."""
+        if not 0 <= self.n <= min(pos, self._a.shape[0]) or self._a.shape[0] > row_capacity(pos):
+            return f"{self.n} rows in a buffer of {self._a.shape[0]} after {pos} tokens"
+        return None
