@@ -4,8 +4,9 @@ Writes float32 [T, vocab] to a .npy file. Useful for checking the forward pass a
 another implementation and for scoring text. `--mode` picks how the tokens are fed:
 one prefill chunk, one token at a time (a decode step per token), or chunks of N; all give
 the same numbers up to float rounding (for V4.1 with `--index-keys owner`, the default).
-DeepSeek-V4.1 checkpoints also take `--numerics official|fp32` and `--index-keys
-owner|as-shipped` (`engine.stack_v41.V41Options`); V4 runs float32 activations only.
+`--numerics exact|official|fast` (`engine.numerics`; default the family's, V4 exact and V4.1
+official, so checks against references stay as they were); DeepSeek-V4.1 checkpoints also take
+`--index-keys owner|as-shipped` (`engine.stack_v41.V41Options`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..engine.session import Engine
 from ..engine.stack_v41 import V41Options
 from ..errors import UsageError
 from ..files import AtomicFile
+from .numerics_option import numerics_option
 from .outputs import check_output
 
 
@@ -80,12 +82,7 @@ def parse_mode(mode: str, n: int) -> tuple[int, int | None]:
 )
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path, dir_okay=False), help="Output .npy file.")
 @click.option("--mode", default="prefill", show_default=True, help="prefill | step | chunk:N")
-@click.option(
-    "--numerics",
-    type=click.Choice(["official", "fp32"]),
-    default=None,
-    help="V4.1: official (the release's activation and KV grids; the default) or fp32 (none). V4: fp32 only.",
-)
+@numerics_option(None)
 @click.option(
     "--index-keys",
     type=click.Choice(["owner", "as-shipped"]),
@@ -102,10 +99,8 @@ def logits(
     check_output(out, "--out")
     ids = parse_tokens(tokens, tokens_file)
     chunk, segment = parse_mode(mode, ids.size)
-    opts = None
-    if numerics is not None or index_keys is not None:
-        opts = V41Options(numerics=numerics or "official", index_keys=index_keys or "owner")
-    eng = Engine.open(checkpoint, threads=threads, v41=opts)
+    opts = V41Options(index_keys=index_keys) if index_keys is not None else None
+    eng = Engine.open(checkpoint, threads=threads, v41=opts, numerics=numerics)
     session = eng.session(chunk_size=chunk, segment=segment)
     result = session.prefill(ids).astype(np.float32, copy=False)
     with AtomicFile(out, "wb") as f:  # keep the exact name (np.save would append .npy)
