@@ -107,7 +107,7 @@ def perplexity(
         raise UsageError(f"--text {text_path}: {len(ids)} token(s); give a text of at least 2 tokens")
     tested, base = canonical(numerics), canonical(kl_base)
     wins = windows(ids, ctx, tok.special.bos)
-    say = lambda m: click.echo(m, err=True)
+    say = lambda m: click.echo(m if m.startswith("dsv4:") else f"dsv4: {m}", err=True)
     opts = RunOptions(budget=budget_bytes(budget), threads=threads, ctx=ctx)
 
     def run(mode: str, keep) -> tuple[list, float, str]:
