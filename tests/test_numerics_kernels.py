@@ -136,7 +136,7 @@ def test_bf16_rounding_is_nearest_even_like_ml_dtypes():
 
 
 def test_qdq_v4_is_the_model_grid_at_128():
-    from dsv4stream.model.quant import fp8_qdq
+    from dsv4stream.model.v41.quant import fp8_qdq
 
     x = activations(np.random.default_rng(2), 4, 512)
     np.testing.assert_array_equal(actquant.qdq_v4(x), fp8_qdq(x, 128))

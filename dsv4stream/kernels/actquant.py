@@ -4,7 +4,7 @@ V4's reference inference quantises the input of every FP8 / FP4 linear with `act
 128, `scale_fmt="ue8m0"`): per group of 128 values along the last axis, amax = max|x| floored at
 1e-4, s = 2^ceil(log2(amax * fl(1/448))), q = E4M3(clip(x / s, -448, 448)) (round to nearest
 even), and the linear multiplies q * s. `qdq_v4` returns q * s as float32: the `official`
-numerics of V4 feed it to the exact kernels. (V4.1's grid, groups of 32, is `model.quant.fp8_qdq`
+numerics of V4 feed it to the exact kernels. (V4.1's grid, groups of 32, is `model.v41.quant.fp8_qdq`
 and `kernels.qdq`; it is applied by the model, not here.) A last group shorter than 128 (no V4
 width has one) is its own group. NaN / infinity propagate as in numpy: a group holding one gives
 NaN (or +-448 * s) values.
