@@ -40,14 +40,15 @@ def _logits(eng, ids: np.ndarray, mode: str) -> np.ndarray:
     return np.stack([s.step(int(t)) for t in ids])
 
 
-def deviations(numerics: tuple[str, ...] = ("exact", "official", "fast")) -> dict:
-    """{"v4/NAME/prefill": {numerics: [median, agree]}, ...} for every fixture."""
+def deviations(numerics: tuple[str, ...] = ("exact", "official", "fast"), names: tuple[str, ...] | None = None) -> dict:
+    """{"v4/NAME/prefill": {numerics: [median, agree]}, ...} for every fixture (names: only those)."""
     from dsv4stream import kernels
     from dsv4stream.engine.session import Engine
 
     out: dict = {}
     cases = [("v4", FIXTURES / n, "logits", "logits") for n in V4_NAMES]
     cases += [("v41", FIXTURES / "v41" / n, "prefill_fp32", "step_fp32_owner") for n in V41_NAMES]
+    cases = [c for c in cases if names is None or c[1].name in names]
     try:
         for fam, path, pre_key, step_key in cases:
             o = _oracle(path)

@@ -152,5 +152,5 @@ def summary_lines(f: dict, base_label: str, test_label: str) -> list[str]:
             f"KL({base_label} || {test_label}): mean {f['kl_mean']:.6g}, median {f['kl_median']:.6g},"
             f" p99 {f['kl_p99']:.6g}, max {f['kl_max']:.6g}"
         ),
-        f"top-1 agreement: {f['top1_agreement']:.2%}; mean ln p difference {-f['mean_nll_difference']:+.6g}",
+        f"top-1 agreement: {f['top1_agreement']:.2%}; mean ln p difference {0.0 - f['mean_nll_difference']:+.6g}",
     ]
