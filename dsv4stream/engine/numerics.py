@@ -3,7 +3,9 @@
 Owns: the names (and the alias `fp32` = exact), each family's default, what a mode means for
 a family (the process-wide kernel mode `kernels.set_numerics` takes, and whether V4.1's own
 activation / KV grids run) and the one line the report shows. `Engine` applies it when it is
-built; nothing else sets the kernels' numerics.
+built and each session pass puts its engine's back (`ensure`) if another engine changed it
+since; nothing else sets the kernels' numerics. (Two engines of different numerics must not
+run passes at the same time in two threads: the setting is the process's.)
 
 - exact: float32 activations everywhere (the transformers / DeepSeek fp32 checks' mode).
 - official: DeepSeek's shipped rounding. V4: E4M3 per 128 (UE8M0 scales) before the FP8 / FP4
@@ -52,6 +54,16 @@ def apply(family: str, mode: str) -> None:
     from .. import kernels
 
     kernels.set_numerics(kernel_mode(family, mode))
+
+
+def ensure(family: str, mode: str) -> None:
+    """`apply` unless the kernels already run what `mode` needs (a session calls it each pass, so
+    an engine keeps its numerics when another engine, built later, set the process's)."""
+    from .. import kernels
+
+    want = kernel_mode(family, mode)
+    if kernels.get_numerics() != want:
+        kernels.set_numerics(want)
 
 
 def label(mode: str) -> str:

@@ -424,6 +424,9 @@ class Session:
         """One segment through every layer: begin (reads ahead, embedding), each layer (attention
         in sub-chunks, then one MoE pass), then the logits. A failure on the way leaves the
         session torn: its layers' states are out of step with one another."""
+        # the kernels' numerics is the process's: put this engine's back if another engine
+        # built since changed it (one string compare a pass)
+        run_numerics.ensure(self.engine.cfg.family, self.engine.numerics)
         if self.before_pass is not None:
             self.before_pass(ids.size)
         p = self._begin(ids)  # nothing of the state has changed yet: a failure here leaves it whole

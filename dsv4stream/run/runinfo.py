@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass, field
 from typing import IO
 
-from ..engine.numerics import RUN_DEFAULT as RUN_NUMERICS
 from ..engine.phases import PROFILE_LABELS, Phases
 from ..gpu.context import GpuContext
 from ..store.cache import StoreStats
@@ -38,8 +37,9 @@ class RunOptions:
     kept_states: int = 0  # session states a server keeps besides the live one (prefix reuse)
     prefill_segment: int | None = None  # tokens per prefill segment (None: the planner's choice)
     gpu: GpuContext | None = None  # --gpu: trunk matrices in VRAM (None, or one not enabled: all on the CPU)
-    # --numerics (`engine.numerics`): exact, official or fast; the engine sets it for the process
-    numerics: str = RUN_NUMERICS
+    # --numerics (`engine.numerics`): exact, official or fast, set by the engine for the process;
+    # None: the family's reference mode (V4 exact, V4.1 official). The commands pass theirs (fast).
+    numerics: str | None = None
 
 
 class _Figure:

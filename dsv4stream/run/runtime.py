@@ -101,7 +101,8 @@ class Runtime:
             raise UsageError(f"chunk and ctx must be at least 1, found {opts.chunk} and {opts.ctx}")
         if opts.prefill_segment is not None and opts.prefill_segment < 1:
             raise UsageError(f"--prefill-segment {opts.prefill_segment}: give at least 1 token")
-        opts = replace(opts, numerics=canonical_numerics(opts.numerics))  # a bad name: one line, before loading
+        if opts.numerics is not None:  # a bad name: one line, before loading
+            opts = replace(opts, numerics=canonical_numerics(opts.numerics))
         t_open = time.perf_counter()
         gpu = opts.gpu
         cat = Catalog.open(checkpoint)
