@@ -109,3 +109,13 @@ def test_fast_is_as_close_as_official_with_the_avx2_variants():
     variant, doc = r.stdout.strip().splitlines()[-2:]
     assert variant == "fast (avx2: fma)", variant
     check_fast_within_official(json.loads(doc))
+
+
+def test_a_session_keeps_its_engines_numerics_when_another_engine_changed_the_process():
+    ids = nd._oracle(MIXED)["token_ids"][:16]
+    fast = Engine.open(MIXED, numerics="fast")
+    want = fast.session().prefill(ids)
+    Engine.open(MIXED)  # exact, for the whole process
+    assert kernels.get_numerics() == "exact"
+    np.testing.assert_array_equal(fast.session().prefill(ids), want)
+    assert kernels.get_numerics() == "fast"
