@@ -78,7 +78,8 @@ def one_thread_engine(ckpt: Path):
     import numba
 
     from dsv4stream import kernels
+    from dsv4stream.engine.numerics import RUN_DEFAULT  # what the test servers compute with
     from dsv4stream.engine.session import Engine
 
-    yield Engine.open(ckpt, threads=1)
+    yield Engine.open(ckpt, threads=1, numerics=RUN_DEFAULT)
     kernels.set_threads(numba.config.NUMBA_NUM_THREADS)

@@ -19,6 +19,7 @@ from cli_runs import stats_of
 from dsv4stream import synth
 from dsv4stream.cli import main
 from dsv4stream.cli.repl import ChatSettings, Conversation, Interrupt, answer, chat_loop
+from dsv4stream.engine.numerics import RUN_DEFAULT  # what `dsv4 run` / `serve` compute with
 from dsv4stream.engine.session import Engine
 from dsv4stream.run.report import PrefillBar, Reads, report_lines
 from dsv4stream.run.runinfo import RunOptions
@@ -66,7 +67,7 @@ def masked_greedy(tok: Tokenizer, ckpt: Path, ids: list[int], n: int) -> list[in
     keep = text_ids(tok)
     out = []
     pick = lambda lg: int(np.argmax(np.where(keep, lg[: tok.n_tokens], -np.inf)))
-    for t in Engine.open(ckpt).session().generate(ids, n, pick=pick):
+    for t in Engine.open(ckpt, numerics=RUN_DEFAULT).session().generate(ids, n, pick=pick):
         out.append(t)
         if t == tok.special.eos:
             break
@@ -135,7 +136,7 @@ def test_greedy_equals_temperature_zero(ckpt, tok, tmp_path) -> None:
 def test_prompt_ids_print_ids(ckpt, tmp_path) -> None:
     s, res = stats_of(tmp_path, str(ckpt), "--prompt-ids", "0,5,9", "--gen", "4")
     assert res.stdout.strip() == ",".join(map(str, s["generated_ids"])) and len(s["generated_ids"]) == 4
-    assert s["generated_ids"] == list(Engine.open(ckpt).session().generate([0, 5, 9], 4))
+    assert s["generated_ids"] == list(Engine.open(ckpt, numerics=RUN_DEFAULT).session().generate([0, 5, 9], 4))
 
 
 # -- the REPL ------------------------------------------------------------------------------

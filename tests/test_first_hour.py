@@ -25,6 +25,7 @@ from dsv4stream.cli.bench import below_working_set, budget_slots, memory_needs, 
 from dsv4stream.cli.doctor import doctor
 from dsv4stream.cli.inspect import inspect
 from dsv4stream.cli.repl import Interrupt, Stopped, answer, no_echo, read_turn
+from dsv4stream.engine.numerics import RUN_DEFAULT  # what `dsv4 run` / `serve` compute with
 from dsv4stream.engine.session import Engine
 from dsv4stream.errors import BudgetError
 from dsv4stream.run import ticker
@@ -74,7 +75,7 @@ def test_generation_stops_when_the_context_is_full(ckpt, tmp_path) -> None:
     assert s["stop_reason"] == "context_full"
     # the session may hold --ctx positions: the prompt and every generated token but the last
     assert len(s["generated_ids"]) == 12 - 3 + 1
-    assert s["generated_ids"] == list(Engine.open(ckpt).session().generate([0, 5, 9], 10))
+    assert s["generated_ids"] == list(Engine.open(ckpt, numerics=RUN_DEFAULT).session().generate([0, 5, 9], 10))
     assert "with the context full (--ctx)" in res.stderr
 
 

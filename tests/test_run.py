@@ -17,6 +17,7 @@ from store_files import o_direct_refusal
 
 from dsv4stream import kernels, synth
 from dsv4stream.cli.run import run as run_cmd
+from dsv4stream.engine.numerics import RUN_DEFAULT  # what `dsv4 run` / `serve` compute with
 from dsv4stream.engine.session import Engine
 from dsv4stream.run import planner
 from dsv4stream.run.memory import measure
@@ -54,7 +55,7 @@ def test_stats_json_route_log_and_verify(ckpt, tmp_path) -> None:
     )  # fmt: skip
     s = json.loads(stats.read_text())
     assert all(f in s for f in FIELDS)
-    want = list(Engine.open(ckpt).session().generate([1, 2, 3, 4, 5], 6))
+    want = list(Engine.open(ckpt, numerics=RUN_DEFAULT).session().generate([1, 2, 3, 4, 5], 6))
     assert s["generated_ids"] == want and res.stdout.strip() == ",".join(map(str, want))
     assert s["verified_reads"] == s["expert_misses"] > 0 and s["verify_mismatches"] == 0
     assert len(route.read_text().splitlines()) == s["expert_requests"] == s["expert_hits"] + s["expert_misses"]
@@ -98,7 +99,7 @@ def test_below_the_working_set_warns_with_the_amount_and_keeps_the_ids(ckpt, tmp
     assert "working set of 8" in res.stderr and "add " in res.stderr and " to --budget" in res.stderr
     s = json.loads(stats.read_text())
     assert s["cache_slots"] == 5 and s["io_mode"] == "buffered"
-    assert s["generated_ids"] == list(Engine.open(ckpt).session().generate([7, 8, 9], 5))
+    assert s["generated_ids"] == list(Engine.open(ckpt, numerics=RUN_DEFAULT).session().generate([7, 8, 9], 5))
 
 
 def test_errors_are_one_line(ckpt, tmp_path) -> None:
@@ -178,6 +179,7 @@ STATS_JSON_KEYS = (
     "decode_tokens_per_second", "stop_reasons", "stop_reason", "stopped_in_think", "unused", "engram_cache_rows",
     "engram_requests", "engram_hits", "engram_misses", "engram_hit_rate", "engram_rows_read", "engram_bytes_read",
     "engram_wait_seconds", "decode_expert_bytes_per_token", "decode_engram_bytes_per_token", "decode_threads",
+    "numerics",
 )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.cli.run import run as run_cmd
+from dsv4stream.engine.numerics import RUN_DEFAULT  # what `dsv4 run` / `serve` compute with
 from dsv4stream.engine.session import Engine
 from dsv4stream.errors import ReadError
 from dsv4stream.run.memory import measure
@@ -78,7 +79,7 @@ def flip(path: str | Path, offset: int, mask: int = 0x10) -> None:
 
 
 def greedy(ckpt: Path, ids: list[int], n: int) -> list[int]:
-    return list(Engine.open(ckpt).session().generate(ids, n))
+    return list(Engine.open(ckpt, numerics=RUN_DEFAULT).session().generate(ids, n))
 
 
 # ---- a byte flipped inside the packed trunk is caught at run time ---------------------

@@ -140,7 +140,7 @@ def test_engram_changes_the_logits(engine, ids):
     assert not np.allclose(e.session().prefill(x), base.session().prefill(x))
 
 
-def test_logits_command_takes_the_v41_options_and_refuses_them_on_v4(engine, ids, tiny_v41_long, tmp_path):
+def test_logits_command_takes_the_v41_options_and_refuses_index_keys_on_v4(engine, ids, tiny_v41_long, tmp_path):
     x = ids(10)
     f = tmp_path / "ids.txt"
     f.write_text(",".join(str(int(t)) for t in x))
@@ -153,7 +153,9 @@ def test_logits_command_takes_the_v41_options_and_refuses_them_on_v4(engine, ids
     a, b = np.load(tmp_path / "prefill.npy"), np.load(tmp_path / "step.npy")
     assert a.shape == (10, engine().cfg.vocab_size) and close(b, a, 1e-2)
     v4 = Path(__file__).parent / "fixtures" / "mixed"
-    r = run(logits_cmd, [str(v4), "--tokens", "1,2", "--out", str(tmp_path / "v4.npy"), "--numerics", "official"])
+    # the numerics are both families' (V4 official: its E4M3 / 128 grid); index keys are V4.1's
+    r = run(logits_cmd, [str(v4), "--tokens", "1,2", "--out", str(tmp_path / "v4.npy"), "--index-keys", "as-shipped"])
     assert r.exit_code != 0 and isinstance(r.exception, UsageError)
-    r = run(logits_cmd, [str(v4), "--tokens", "1,2", "--out", str(tmp_path / "v4.npy"), "--numerics", "fp32"])
-    assert r.exit_code == 0, r.output
+    for numerics in ("fp32", "official", "fast"):
+        r = run(logits_cmd, [str(v4), "--tokens", "1,2", "--out", str(tmp_path / "v4.npy"), "--numerics", numerics])
+        assert r.exit_code == 0, r.output

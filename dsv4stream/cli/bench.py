@@ -16,10 +16,12 @@ from pathlib import Path
 import click
 
 from ..checkpoint.config import ModelConfig
+from ..engine.numerics import RUN_DEFAULT
 from ..errors import UsageError
 from ..files import AtomicFile, atomic_write
 from ..measure import simulate as sim
 from ..run.planner import GB, MemoryNeeds, plan, smallest_budget
+from .numerics_option import numerics_option
 from .outputs import check_output, check_output_dir
 from .registry import check_not_a_typo
 
@@ -65,6 +67,7 @@ DEFAULT_PROMPT = "Explain in three sentences why a cache smaller than its workin
     help="Writes bench.csv, bench.json, bench.png and one folder per budget.",
 )
 @click.option("--run-arg", "run_args", multiple=True, help="Extra option for each `dsv4 run` (repeatable).")
+@numerics_option(RUN_DEFAULT, " Passed to each `dsv4 run`.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def run_sweep(
     checkpoint: Path,
@@ -75,6 +78,7 @@ def run_sweep(
     gen: int,
     out_dir: Path,
     run_args: tuple[str, ...],
+    numerics: str,
     debug: bool,
 ) -> None:
     """Run the same greedy generation at each budget, each in a fresh process from a cold
@@ -96,7 +100,13 @@ def run_sweep(
     cfg = load_config(checkpoint)
     click.echo(f"{checkpoint}: {sw.routing_kind(cfg)}")
     records, meta = sw.sweep(
-        checkpoint, gbs, prompt_args, gen, out_dir, extra=run_args, progress=lambda m: click.echo(m, err=True)
+        checkpoint,
+        gbs,
+        prompt_args,
+        gen,
+        out_dir,
+        extra=("--numerics", numerics, *run_args),
+        progress=lambda m: click.echo(m, err=True),
     )
     ws_budget = working_set_budget(memory_needs(checkpoint)[0])
     meta["working_set_budget_gb"] = ws_budget / GB if ws_budget is not None else None

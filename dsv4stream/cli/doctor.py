@@ -34,6 +34,7 @@ def doctor(target: Path, seconds: str, depths: str, debug: bool) -> None:
     for line in d.memory_lines():
         click.echo(line)
     click.echo(d.vram_line())
+    click.echo(numerics_line())
     cfg = None
     if target.is_dir() and (target / "config.json").is_file():
         try:
@@ -100,3 +101,11 @@ def parse_depths(text: str) -> tuple[int, ...]:
     if not qd or any(not 1 <= q <= MAX_DEPTH for q in qd):
         raise UsageError(f"--depths {text}: give queue depths from 1 to {MAX_DEPTH}, comma-separated, like 1,2,4")
     return qd
+
+
+def numerics_line() -> str:
+    """What `--numerics fast` runs on this CPU (the variant per weight kind, `kernels.cpu`)."""
+    from ..engine.numerics import label
+    from ..kernels import cpu
+
+    return f"numerics: --numerics fast runs {label('fast')}; {cpu.describe()}"

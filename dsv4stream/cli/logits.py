@@ -4,8 +4,9 @@ Writes float32 [T, vocab] to a .npy file. Useful for checking the forward pass a
 another implementation and for scoring text. `--mode` picks how the tokens are fed:
 one prefill chunk, one token at a time (a decode step per token), or chunks of N; all give
 the same numbers up to float rounding (for V4.1 with `--index-keys owner`, the default).
-DeepSeek-V4.1 checkpoints also take `--numerics official|fp32` and `--index-keys
-owner|as-shipped` (`engine.stack_v41.V41Options`); V4 runs float32 activations only.
+`--numerics exact|official|fast` (`engine.numerics`; default the family's, V4 exact and V4.1
+official, so checks against references stay as they were); DeepSeek-V4.1 checkpoints also take
+`--index-keys owner|as-shipped` (`engine.stack_v41.V41Options`).
 
 Images (V4.1 with a vision tower): `--image FILE` once per `image_token_id` marker in the
 tokens, in order; each marker expands to its span (`engine.images`), the logits cover the
@@ -30,6 +31,7 @@ from ..engine.stack_v41 import V41Options
 from ..errors import UsageError
 from ..files import AtomicFile, read_regular
 from ..text.image import TEXT, read_image_file
+from .numerics_option import numerics_option
 from .outputs import check_output
 
 TOKENS_FILE_LIMIT = 64 << 20  # bytes: a million ids (V4's whole context) as text or .npy is under 12 MB
@@ -114,12 +116,7 @@ def parse_mode(mode: str, n: int) -> tuple[int, int | None]:
 )
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path, dir_okay=False), help="Output .npy file.")
 @click.option("--mode", default="prefill", show_default=True, help="prefill | step | chunk:N")
-@click.option(
-    "--numerics",
-    type=click.Choice(["official", "fp32"]),
-    default=None,
-    help="V4.1: official (the release's activation and KV grids; the default) or fp32 (none). V4: fp32 only.",
-)
+@numerics_option(None)
 @click.option(
     "--index-keys",
     type=click.Choice(["owner", "as-shipped"]),
@@ -170,12 +167,10 @@ def logits(
         check_output(embeds_out, "--embeds-out")
     ids = parse_tokens(tokens, tokens_file)
     files = [(str(p), read_image_file(p)) for p in images]
-    opts = None
-    if numerics is not None or index_keys is not None:
-        opts = V41Options(numerics=numerics or "official", index_keys=index_keys or "owner")
+    opts = V41Options(index_keys=index_keys) if index_keys is not None else None
     if draft_out is not None:
         check_output(draft_out, "--draft-out")
-    eng = Engine.open(checkpoint, threads=threads, v41=opts)
+    eng = Engine.open(checkpoint, threads=threads, v41=opts, numerics=numerics)
     spans, types = None, np.full(ids.size, TEXT, dtype=np.int64)
     # with a vision tower every marker needs its image; without one (and no --image) the
     # marker id is an ordinary token, as in DeepSeek's forward without token types

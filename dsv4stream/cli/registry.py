@@ -20,6 +20,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "logits": ("logits",),
     "bench": ("bench",),
     "serve": ("serve",),
+    "perplexity": ("perplexity",),
 }
 
 

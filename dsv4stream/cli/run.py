@@ -34,6 +34,7 @@ import numpy as np
 
 from .. import gpu
 from ..checkpoint.config import ModelConfig
+from ..engine.numerics import RUN_DEFAULT
 from ..errors import BudgetError, Dsv4Error, InternalError, TokenizerError, UsageError
 from ..files import AtomicFile, atomic_write, read_regular
 from ..run import planner
@@ -46,6 +47,7 @@ from ..text.tokenizer import Tokenizer, default_pack_path
 from ..text.vocab import family_name
 from .budget import budget_bytes, budget_warning
 from .logits import parse_tokens
+from .numerics_option import numerics_option
 from .outputs import check_output
 from .repl import ChatSettings, Conversation, Interrupt, Stopped, answer, chat_loop, is_utf8
 from .tokenizer import stdin_text, strip_final_newline
@@ -256,6 +258,7 @@ def sampling_params(
 )
 @click.option("--vram", type=float, default=None, help="GB of VRAM --gpu may use. [default: free VRAM less a margin]")
 @click.option("-t", "--threads", type=int, default=None, help="CPU kernel threads (results do not depend on it).")
+@numerics_option(RUN_DEFAULT)
 @click.option(
     "--prefill-segment",
     type=int,
@@ -337,6 +340,7 @@ def run(
     use_gpu: bool,
     vram: float | None,
     threads: int | None,
+    numerics: str,
     prefill_segment: int | None,
     temperature: float | None,
     top_p: float | None,
@@ -433,7 +437,7 @@ def run(
         opts = RunOptions(
             budget=budget_b, io=io, verify=verify, threads=gctx.threads,
             io_threads=io_threads, trunk=trunk, route_log=route_file, ctx=ctx, prefill_segment=prefill_segment,
-            gpu=gctx if gctx.enabled else None,
+            gpu=gctx if gctx.enabled else None, numerics=numerics,
         )  # fmt: skip
         with stats_out, Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}")) as rt:
             stats_out.rt = rt

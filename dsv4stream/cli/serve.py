@@ -23,6 +23,7 @@ import click
 
 from .. import gpu
 from ..checkpoint.config import ModelConfig
+from ..engine.numerics import RUN_DEFAULT
 from ..errors import UsageError
 from ..run import planner
 from ..run.runinfo import RunOptions
@@ -31,6 +32,7 @@ from ..server.security import is_loopback
 from ..text import chat
 from ..text.sampler import banned_ids
 from .budget import budget_bytes
+from .numerics_option import numerics_option
 from .run import check_trunk, checkpoint_dir, load_tokenizer
 
 # FastAPI, pydantic, uvicorn and the event loop on top of what `dsv4 run` holds: peak RSS of
@@ -97,6 +99,7 @@ def bind(host: str, port: int) -> socket.socket:
 @click.option("--gpu", "use_gpu", is_flag=True, help="Dense trunk on a CUDA GPU through CuPy.")
 @click.option("--vram", type=float, default=None, help="GB of VRAM --gpu may use.")
 @click.option("--threads", type=int, default=None, help="CPU kernel threads.")
+@numerics_option(RUN_DEFAULT)
 @click.option("--verify", is_flag=True, help="Re-read every expert and streamed layer with plain pread and compare.")
 @click.option("--io", type=click.Choice(["direct", "buffered"]), default="direct", show_default=True)
 @click.option("--io-threads", type=int, default=4, show_default=True, help="Expert reader threads.")
@@ -135,6 +138,7 @@ def serve(
     use_gpu: bool,
     vram: float | None,
     threads: int | None,
+    numerics: str,
     verify: bool,
     io: str,
     io_threads: int,
@@ -233,7 +237,7 @@ def serve(
             opts = RunOptions(
                 budget=budget_b, io=io, verify=verify, threads=gctx.threads, io_threads=io_threads,
                 trunk=trunk, ctx=ctx, kept_states=keep_states, prefill_segment=prefill_segment,
-                gpu=gctx if gctx.enabled else None,
+                gpu=gctx if gctx.enabled else None, numerics=numerics,
                 overhead=planner.DEFAULT_OVERHEAD + SERVER_OVERHEAD + disk_io,
             )  # fmt: skip
             rt = Runtime.open(checkpoint, opts, warn=lambda m: _say(f"dsv4: {m}"))

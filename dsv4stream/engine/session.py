@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -36,6 +36,7 @@ from ..model.scan import nonfinite_fields
 from ..model.trace import Trace
 from ..text.sampler import greedy
 from ..weights.providers import CatalogExperts, CatalogTrunk, EngramRows, ExpertKey, Experts, Trunk
+from . import numerics as run_numerics
 from .family import build_stack
 from .phases import Meter, PhaseLog, PrefillStep, StepClock, Turn, no_reads
 from .stack_v41 import EngramIds, SpanRows, V41Options
@@ -74,7 +75,11 @@ class Engine:
 
     DeepSeek-V4.1 also takes its Engram rows (`engram_rows`: default, read from the catalog on
     demand), the Engram hash (`engram_ids`: default, from the checkpoint's tokenizer.json) and
-    `v41` (numerics and index keys, `V41Options`)."""
+    `v41` (numerics and index keys, `V41Options`).
+
+    `numerics` ("exact", "official", "fast"; `engine.numerics`) is set for the whole process
+    here, when the engine is built (None: V4.1's `v41.numerics`, else the family's default, V4
+    exact and V4.1 official); `self.numerics` is the mode the engine runs."""
 
     def __init__(
         self,
@@ -86,8 +91,16 @@ class Engine:
         engram_rows: EngramRows | None = None,
         engram_ids: EngramIds | None = None,
         v41: V41Options | None = None,
+        numerics: str | None = None,
         meter: Meter = no_reads,
     ) -> None:
+        mode = run_numerics.canonical(
+            numerics or (v41.numerics if v41 is not None and v41.numerics else run_numerics.DEFAULTS[cfg.family])
+        )
+        if cfg.family == V41:
+            v41 = replace(v41 or V41Options(), numerics=mode)
+        run_numerics.apply(cfg.family, mode)
+        self.numerics = mode
         self.cfg = cfg
         self.trunk = trunk
         self.experts = experts
@@ -111,12 +124,14 @@ class Engine:
         validate: bool = True,
         gpu: DevicePlacement | None = None,
         v41: V41Options | None = None,
+        numerics: str | None = None,
     ) -> Engine:
         """Open a checkpoint directory in the release format (read-only).
 
         experts / trunk replace the in-memory defaults (e.g. a streaming expert store);
         threads sets the kernel thread count; gpu places trunk matrices in VRAM for the
-        default in-memory trunk; v41: a V4.1 checkpoint's numerics and index keys.
+        default in-memory trunk; v41: a V4.1 checkpoint's numerics and index keys; numerics:
+        the run's ("exact", "official", "fast"; None: see the class).
         """
         cat = Catalog.open(checkpoint_dir)
         if validate:
@@ -128,7 +143,7 @@ class Engine:
             if on_gpu:
                 gpu.place(cat)
             trunk = CatalogTrunk(gpu.source(cat) if on_gpu else cat)
-        return cls(cat.config, trunk, experts or CatalogExperts(cat), cat, v41=v41)
+        return cls(cat.config, trunk, experts or CatalogExperts(cat), cat, v41=v41, numerics=numerics)
 
     def session(
         self,
@@ -421,6 +436,9 @@ class Session:
         """One segment through every layer: begin (reads ahead, embedding), each layer (attention
         in sub-chunks, then one MoE pass), then the logits. A failure on the way leaves the
         session torn: its layers' states are out of step with one another."""
+        # the kernels' numerics is the process's: put this engine's back if another engine
+        # built since changed it (one string compare a pass)
+        run_numerics.ensure(self.engine.cfg.family, self.engine.numerics)
         if self.before_pass is not None:
             self.before_pass(ids.size)
         p = self._begin(ids, spans)  # nothing of the state has changed yet: a failure here leaves it whole

@@ -74,10 +74,11 @@ class V4Stack:
 
 def build(cfg: ModelConfig, trunk: Trunk, experts: Experts, catalog=None, *, v41=None, **_v41_inputs) -> V4Stack:
     """V4's stack for an `Engine`. V4.1's inputs (Engram rows and hash) have nothing to feed; its
-    options (`V41Options`) are refused unless they ask for what V4 runs anyway."""
+    options (`V41Options`) are refused unless they ask for what V4 runs anyway (the numerics
+    are both families': the engine applies them)."""
     if v41 is not None and not v41.v4_compatible:
         raise UsageError(
-            "--numerics / --index-keys are DeepSeek-V4.1 options: a V4 checkpoint runs float32"
-            " activations only (--numerics fp32, or leave both out)"
+            "--index-keys is a DeepSeek-V4.1 option: a V4 checkpoint scores each source's own keys"
+            " (--index-keys owner, or leave it out)"
         )
     return V4Stack(cfg, trunk, experts)

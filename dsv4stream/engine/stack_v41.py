@@ -32,8 +32,9 @@ from ..model.v41.attention import KeyBoard, Published, V41Plan, new_layer_state
 from ..model.v41.block import HcParams, attention_half, ffn_half, head_forward, identity_pre
 from ..model.v41.engram import engram
 from ..model.v41.moe import V41MoeParams
-from ..model.v41.quant import NUMERICS, Numerics
+from ..model.v41.quant import FP32, OFFICIAL, Numerics
 from ..weights.providers import CatalogEngramRows, EngramRows, Experts, Trunk
+from . import numerics as run_numerics
 from .steps import Pass, PassContext
 
 INDEX_KEYS = ("owner", "as-shipped")
@@ -41,27 +42,30 @@ INDEX_KEYS = ("owner", "as-shipped")
 
 @dataclass(frozen=True)
 class V41Options:
-    """How a V4.1 engine computes: `numerics` "official" (the activation and KV grids of the
-    release) or "fp32"; `index_keys` "owner" (each index source scores its own KV source's keys,
-    so prefill and decode agree) or "as-shipped" (DeepSeek's decode: see `model.v41.attention`)."""
+    """How a V4.1 engine computes: `numerics` (`engine.numerics`: "official", the activation and
+    KV grids of the release; "exact" or its alias "fp32", none; "fast", none and the fast kernels;
+    None: the engine's choice, official unless it is given one); `index_keys` "owner" (each index
+    source scores its own KV source's keys, so prefill and decode agree) or "as-shipped"
+    (DeepSeek's decode: see `model.v41.attention`)."""
 
-    numerics: str = "official"
+    numerics: str | None = None
     index_keys: str = "owner"
 
     def __post_init__(self) -> None:
-        if self.numerics not in NUMERICS:
-            raise UsageError(f"--numerics {self.numerics!r}: use {' or '.join(NUMERICS)}")
+        if self.numerics is not None:
+            run_numerics.canonical(self.numerics)
         if self.index_keys not in INDEX_KEYS:
             raise UsageError(f"--index-keys {self.index_keys!r}: use {' or '.join(INDEX_KEYS)}")
 
     @property
     def grid(self) -> Numerics:
-        return NUMERICS[self.numerics]
+        mode = run_numerics.canonical(self.numerics or run_numerics.DEFAULTS[V41])
+        return OFFICIAL if run_numerics.v41_grids(mode) else FP32
 
     @property
     def v4_compatible(self) -> bool:
-        """What a V4 checkpoint runs anyway: float32 activations, each source's own keys."""
-        return self == V41Options(numerics="fp32")
+        """What a V4 checkpoint can run: each source's own keys (the numerics are both families')."""
+        return self.index_keys == "owner"
 
 
 class EngramIds:

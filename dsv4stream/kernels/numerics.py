@@ -1,9 +1,14 @@
 """The process-wide numerics of the linears: "exact", "official" or "fast".
 
 - exact: float32 activations into the exact kernels (`fast.py` / `reference.py`): today's bits.
-- official: V4's shipped rounding: the input of every FP8 / FP4 weight goes through
-  `actquant.qdq_v4` (E4M3, groups of 128, power-of-two scales), then the exact kernels; BF16 and
-  float32 weights see float32. (V4.1's official grid is applied by its model before the
+- official: V4's shipped rounding: the input of every FP8 / FP4 weight of `matvec`, `matmul`
+  and `matmul_pair` goes through `actquant.qdq_v4` (E4M3, groups of 128, power-of-two scales),
+  then the exact kernels; BF16 and float32 weights see float32, and so does `matmul_grouped`
+  (wo_a, which V4's reference holds in BF16). That is the set DeepSeek's V4 `inference/model.py`
+  quantizes: wq_a, wq_b, wkv, wo_b, the indexer's wq_b, the shared and routed experts; not the
+  compressors (float32 there), the indexer's weights_proj and the gate (BF16 / float32), wo_a,
+  the head. (Its KV grids, FP8 window / compressed KV and the indexer's FP4 q / keys after a
+  Hadamard rotation, are not applied: `official` here is the linears' activation grid only.) (V4.1's official grid is applied by its model before the
   linears: run V4.1's official numerics with this switch on "exact".)
 - fast: FP4 weights x int8 activations (`q8.py`), FP8 and BF16 weights x BF16 activations
   (`bf16.py`), on the variant `cpu.variant` allows; a weight no fast kernel takes (float32, a
@@ -134,10 +139,9 @@ class _Router:
         if _mode[0] == "fast" and all(fast_variant(w) for w in ws):
             _threads()
             return np.concatenate([_fast(w, np.ascontiguousarray(x[:, i])) for i, w in enumerate(ws)], axis=1)
-        if _mode[0] == "official" and len({w.kind for w in ws}) == 1:
-            x = _official_input(ws[0], x)
-        elif _mode[0] != "exact":
-            return np.concatenate([_Router.matmul(w, x[:, i]) for i, w in enumerate(ws)], axis=1)
+        # official: no activation grid. The one grouped product is V4's wo_a, which DeepSeek's
+        # reference dequantizes to BF16 (`convert.py`) and multiplies in float (an einsum of
+        # o.float() and wo_a.float()), so its input is never E4M3-rounded there either.
         backend = _exact()
         if hasattr(backend, "matmul_grouped"):
             return backend.matmul_grouped(ws, x)

@@ -37,6 +37,9 @@ class RunOptions:
     kept_states: int = 0  # session states a server keeps besides the live one (prefix reuse)
     prefill_segment: int | None = None  # tokens per prefill segment (None: the planner's choice)
     gpu: GpuContext | None = None  # --gpu: trunk matrices in VRAM (None, or one not enabled: all on the CPU)
+    # --numerics (`engine.numerics`): exact, official or fast, set by the engine for the process;
+    # None: the family's reference mode (V4 exact, V4.1 official). The commands pass theirs (fast).
+    numerics: str | None = None
 
 
 class _Figure:
@@ -73,6 +76,7 @@ class RunStats:
     planned_bytes: int
     kernel_backend: str
     kernel_warmup_seconds: float = 0.0  # compiling or loading the kernels (numba cache), at open
+    numerics: str = "exact"  # the run's numerics and, for fast, the CPU variant: "fast (avx512: vnni, bf16, vbmi)"
     warnings: list[str] = field(default_factory=list)
     prefill_segment: int = 0  # tokens per prefill segment the run used
     # most expert slots whose bytes a prefill segment's activations borrowed (back at decode)
@@ -168,7 +172,7 @@ class RunStats:
             (
                 f"time: prefill {self.prompt_tokens} tokens in {self.prefill_seconds:.2f} s,"
                 f" decode {self.decode_seconds_per_token:.3f} s/token over {self.decode_tokens} tokens"
-                f" (kernels: {self.kernel_backend}, ready in {self.kernel_warmup_seconds:.2f} s)"
+                f" (kernels: {self.kernel_backend}, numerics {self.numerics}, ready in {self.kernel_warmup_seconds:.2f} s)"
             ),
             *self._profile_lines(),
             *self._thread_lines(),
@@ -221,6 +225,7 @@ FLAT = (
     "decode_tokens_per_second", "stop_reasons", "stop_reason", "stopped_in_think", "unused", "engram_cache_rows",
     "engram_requests", "engram_hits", "engram_misses", "engram_hit_rate", "engram_rows_read", "engram_bytes_read",
     "engram_wait_seconds", "decode_expert_bytes_per_token", "decode_engram_bytes_per_token", "decode_threads",
+    "numerics",
 )  # fmt: skip
 
 

@@ -22,6 +22,8 @@ import numpy as np
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog
+from ..engine.numerics import canonical as canonical_numerics
+from ..engine.numerics import label as numerics_label
 from ..engine.phases import Counters
 from ..engine.session import Engine, LayerHook, Session
 from ..engine.threads import ThreadGovernor
@@ -99,6 +101,8 @@ class Runtime:
             raise UsageError(f"chunk and ctx must be at least 1, found {opts.chunk} and {opts.ctx}")
         if opts.prefill_segment is not None and opts.prefill_segment < 1:
             raise UsageError(f"--prefill-segment {opts.prefill_segment}: give at least 1 token")
+        if opts.numerics is not None:  # a bad name: one line, before loading
+            opts = replace(opts, numerics=canonical_numerics(opts.numerics))
         t_open = time.perf_counter()
         gpu = opts.gpu
         cat = Catalog.open(checkpoint)
@@ -153,7 +157,9 @@ class Runtime:
             wrap = placed.source if placed is not None else None
             trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
             meter = partial(run_counters, store, trunk, engram)
-            engine = Engine(cfg, trunk, StreamedExperts(store, cfg), cat, engram_rows=engram, meter=meter)
+            engine = Engine(
+                cfg, trunk, StreamedExperts(store, cfg), cat, engram_rows=engram, meter=meter, numerics=opts.numerics
+            )
             if opts.threads is None and kernels.backend_name() == "fast" and kernels.get_threads() > 1:
                 engine.governor = ThreadGovernor(kernels.get_threads())
             store.wait_populated()
@@ -265,6 +271,7 @@ class Runtime:
             planned_bytes=self.plan.planned_bytes,
             kernel_backend=kernels.backend_name(),
             kernel_warmup_seconds=self.kernel_warmup_seconds,
+            numerics=numerics_label(self.engine.numerics),
             warnings=warnings,
             prefill_segment=self.plan.prefill_segment,
             prefill_lent_slots=self.most_lent,
