@@ -308,24 +308,9 @@ def import_circles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
     return out
 
 
-# A circle merged before this test, left for its owner to take apart: kernels/numerics.py (issue 44's
-# numerics switch) is imported by kernels/__init__ and imports it back for the hook it sets
-# (`kernels._numerics`), the backend and the thread count. Nothing may be added here: each entry
-# must still be a circle (test_the_listed_circles_are_still_there fails once one is gone, so its
-# entry goes with the fix), and any other circle fails test_no_module_imports_itself_back.
-CIRCLES_BEING_REMOVED = {
-    frozenset({"dsv4stream.kernels", "dsv4stream.kernels.numerics"}),
-}
-
-
 def test_no_module_imports_itself_back():
-    new = import_circles(module_graph()) - CIRCLES_BEING_REMOVED
+    new = import_circles(module_graph())
     assert not new, f"import circles: {[sorted(c) for c in new]}; one module of each must stop importing the others"
-
-
-def test_the_listed_circles_are_still_there():
-    gone = CIRCLES_BEING_REMOVED - import_circles(module_graph())
-    assert not gone, f"no longer circles, delete them from CIRCLES_BEING_REMOVED: {[sorted(c) for c in gone]}"
 
 
 @pytest.mark.parametrize(
@@ -335,9 +320,10 @@ def test_the_listed_circles_are_still_there():
         ("dsv4stream.engram.layout", "from .hashing import row_ids"),
         ("dsv4stream.checkpoint.formats", "def f():\n    from ..kernels import matmul"),  # a lazy import too
         ("dsv4stream.engram.layout", "import dsv4stream.checkpoint.config"),
+        ("dsv4stream.kernels.numerics", "def f():\n    from dsv4stream import kernels"),  # the old router hook
     ],
 )
 def test_the_circle_check_catches_a_circle(module, line):
     path = {m: p for _, m, p in package_modules()}[module]
     graph = module_graph({module: path.read_text() + "\n" + line + "\n"})
-    assert import_circles(graph) - CIRCLES_BEING_REMOVED
+    assert import_circles(graph)

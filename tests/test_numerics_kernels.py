@@ -261,7 +261,7 @@ def test_fast_leaves_what_it_cannot_take_to_the_exact_kernels(fast_mode):
     strided = QWeight("bf16", wide.data[:, :256], None, 32, 256, role="head")  # rows not contiguous
     f32 = QWeight("f32", rng.standard_normal((32, 256)).astype(np.float32), None, 32, 256)
     for w, xx in ((narrow, activations(rng, 2, 224)), (strided, x), (f32, x)):
-        assert kernels.numerics.fast_variant(w) is None
+        assert kernels.fast_variant(w) is None
         np.testing.assert_array_equal(kernels.matmul(w, xx), kernels._active().matmul(w, xx))
 
 

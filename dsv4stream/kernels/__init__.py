@@ -47,9 +47,10 @@ def _active():
     return _backend
 
 
-# The numerics hook: `numerics.set_numerics` puts its router here for "official" / "fast" (the
+# The numerics hook: `set_numerics` puts a `numerics.Router` here for "official" / "fast" (the
 # linears then go through it) and None for "exact" (the backend's own products, as before).
 _numerics = None
+_numerics_mode = "exact"
 
 
 def _products():
@@ -59,15 +60,23 @@ def _products():
 def set_numerics(mode: str) -> None:
     """'exact' (float32 activations), 'official' (V4's E4M3 activation grid) or 'fast' (int8 /
     BF16 activations on the CPU's dot-product instructions): see `numerics.py`."""
+    global _numerics, _numerics_mode
     from . import numerics
 
-    numerics.set_numerics(mode)
+    numerics.check_mode(mode)
+    _numerics = None if mode == "exact" else numerics.Router(mode, _active, get_threads)
+    _numerics_mode = mode
 
 
 def get_numerics() -> str:
+    return _numerics_mode
+
+
+def fast_variant(w: QWeight) -> str | None:
+    """The fast kernel variant w runs on under `fast` numerics, or None (the exact kernels)."""
     from . import numerics
 
-    return numerics.get_numerics()
+    return numerics.fast_variant(w, _active())
 
 
 def backend_name() -> str:

@@ -15,13 +15,16 @@
   width the kernels do not support, a CPU target without AVX2, the numpy reference backend)
   goes the exact way.
 
-`set_numerics` installs this module as the router `kernels.matvec` / `matmul` / `matmul_pair`
+`kernels.set_numerics` installs a `Router` as what `kernels.matvec` / `matmul` / `matmul_pair`
 / `matmul_grouped` call (the hook `kernels._numerics`); "exact" removes it, so the exact path
-is the one that ran before, call for call. In every mode a row's result does not depend on the
+is the one that ran before, call for call. The router is handed the exact backend and the
+thread count it needs, so this module imports nothing of the package above it. In every mode a row's result does not depend on the
 token count of the call, the other tokens in it, or the thread count.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numba
 import numpy as np
@@ -29,32 +32,18 @@ import numpy as np
 from . import actquant, bf16, cpu, q8
 
 MODES = ("exact", "official", "fast")
-_mode = ["exact"]
 
 
-def set_numerics(mode: str) -> None:
-    """Choose the numerics of every linear in this process from here on."""
+def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"numerics must be one of {', '.join(MODES)}, found {mode!r}")
-    from dsv4stream import kernels
-
-    _mode[0] = mode
-    kernels._numerics = None if mode == "exact" else _Router
+    return mode
 
 
-def get_numerics() -> str:
-    return _mode[0]
-
-
-def _exact():
-    from dsv4stream import kernels
-
-    return kernels._active()
-
-
-def fast_variant(w) -> str | None:
-    """The fast kernel variant weight w runs on in `fast` mode, or None (exact)."""
-    if _exact().__name__.endswith(".reference") or w.kind not in ("fp4", "fp8", "bf16"):
+def fast_variant(w, exact) -> str | None:
+    """The fast kernel variant weight w runs on in `fast` mode beside the exact backend `exact`
+    (a module: `fast` or `reference`), or None (w goes the exact way)."""
+    if exact.__name__.endswith(".reference") or w.kind not in ("fp4", "fp8", "bf16"):
         return None
     v = cpu.variant(w.kind)
     if v is None:
@@ -64,85 +53,96 @@ def fast_variant(w) -> str | None:
     return v if ok else None
 
 
-def _threads() -> None:
-    from dsv4stream import kernels
-
-    numba.set_num_threads(kernels.get_threads())
-
-
-def _prepare(w, x: np.ndarray):
+def _prepare(w, x: np.ndarray, variant: str):
     """The activation form w's fast kernel takes (shared by the weights of a pair)."""
     if w.kind == "fp4":
-        return q8.prepare(x, fast_variant(w))
+        return q8.prepare(x, variant)
     if w.kind == "bf16":
         return bf16.to_bf16(x)
     return x
 
 
-def _fast(w, x: np.ndarray, prepared=None) -> np.ndarray:
+def _fast(w, x: np.ndarray, variant: str, prepared=None) -> np.ndarray:
     if prepared is None:
-        prepared = _prepare(w, x)
+        prepared = _prepare(w, x, variant)
     if w.kind == "fp4":
         return q8.multiply(w.data, w.scale, prepared)
     if w.kind == "bf16":
-        return bf16.bf16_multiply(w.data, prepared, fast_variant(w))
-    return bf16.fp8_matmul(w.data, w.scale, w.block, prepared, fast_variant(w))
+        return bf16.bf16_multiply(w.data, prepared, variant)
+    return bf16.fp8_matmul(w.data, w.scale, w.block, prepared, variant)
 
 
 def _official_input(w, x: np.ndarray) -> np.ndarray:
     return actquant.qdq_v4(x) if w.kind in ("fp4", "fp8") else x
 
 
-class _Router:
-    """What `kernels` calls while a mode other than exact is on (a backend's four products)."""
+class Router:
+    """What `kernels` calls while a mode other than exact is on (a backend's four products).
 
-    @staticmethod
-    def matvec(w, x: np.ndarray) -> np.ndarray:
+    exact: a callable giving the exact backend (the package's active one, resolved per call so
+    `set_backend` still takes effect); threads: a callable giving the kernel thread count."""
+
+    def __init__(self, mode: str, exact: Callable, threads: Callable[[], int]):
+        self.mode = check_mode(mode)
+        self._exact = exact
+        self._threads = threads
+
+    def _variant(self, w) -> str | None:
+        return fast_variant(w, self._exact()) if self.mode == "fast" else None
+
+    def _go_fast(self) -> None:
+        numba.set_num_threads(self._threads())
+
+    def matvec(self, w, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if _mode[0] == "fast" and x.ndim == 1 and fast_variant(w):
-            _threads()
-            return _fast(w, x[None])[0]
-        if _mode[0] == "official":
+        v = self._variant(w) if x.ndim == 1 else None
+        if v:
+            self._go_fast()
+            return _fast(w, x[None], v)[0]
+        if self.mode == "official":
             x = _official_input(w, x)
-        return _exact().matvec(w, x)
+        return self._exact().matvec(w, x)
 
-    @staticmethod
-    def matmul(w, x: np.ndarray) -> np.ndarray:
+    def matmul(self, w, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if _mode[0] == "fast" and x.ndim == 2 and fast_variant(w):
-            _threads()
-            return _fast(w, x)
-        if _mode[0] == "official":
+        v = self._variant(w) if x.ndim == 2 else None
+        if v:
+            self._go_fast()
+            return _fast(w, x, v)
+        if self.mode == "official":
             x = _official_input(w, x)
-        return _exact().matmul(w, x)
+        return self._exact().matmul(w, x)
 
-    @staticmethod
-    def matmul_pair(w1, w3, x: np.ndarray):
+    def matmul_pair(self, w1, w3, x: np.ndarray):
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if _mode[0] == "fast" and fast_variant(w1) and fast_variant(w3):
-            _threads()
+        v1, v3 = self._variant(w1), self._variant(w3)
+        if v1 and v3:
+            self._go_fast()
             x2 = np.atleast_2d(x)
-            shared = _prepare(w1, x2) if w1.kind == w3.kind and w1.kind != "fp8" else None
-            return _fast(w1, x2, shared), _fast(w3, x2, shared)
-        if _mode[0] == "official" and w1.kind == w3.kind:
+            shared = _prepare(w1, x2, v1) if w1.kind == w3.kind and w1.kind != "fp8" else None
+            return _fast(w1, x2, v1, shared), _fast(w3, x2, v3, shared)
+        if self.mode == "official" and w1.kind == w3.kind:
             x = _official_input(w1, x)
-        elif _mode[0] != "exact":
-            return _Router.matmul(w1, x), _Router.matmul(w3, x)
-        backend = _exact()
+        elif self.mode != "exact":
+            return self.matmul(w1, x), self.matmul(w3, x)
+        backend = self._exact()
         if hasattr(backend, "matmul_pair"):
             return backend.matmul_pair(w1, w3, x)
         return backend.matmul(w1, x), backend.matmul(w3, x)
 
-    @staticmethod
-    def matmul_grouped(ws, x: np.ndarray) -> np.ndarray:
+    def matmul_grouped(self, ws, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if _mode[0] == "fast" and all(fast_variant(w) for w in ws):
-            _threads()
-            return np.concatenate([_fast(w, np.ascontiguousarray(x[:, i])) for i, w in enumerate(ws)], axis=1)
+        vs = [self._variant(w) for w in ws]
+        if all(vs):
+            self._go_fast()
+            return np.concatenate(
+                [_fast(w, np.ascontiguousarray(x[:, i]), v) for i, (w, v) in enumerate(zip(ws, vs, strict=True))],
+                axis=1,
+            )
         # official: no activation grid. The one grouped product is V4's wo_a, which DeepSeek's
         # reference dequantizes to BF16 (`convert.py`) and multiplies in float (an einsum of
         # o.float() and wo_a.float()), so its input is never E4M3-rounded there either.
-        backend = _exact()
+        backend = self._exact()
         if hasattr(backend, "matmul_grouped"):
             return backend.matmul_grouped(ws, x)
         return np.concatenate([backend.matmul(w, x[:, i]) for i, w in enumerate(ws)], axis=1)
