@@ -170,3 +170,36 @@ def test_chat_image_command(chat_ck) -> None:
     assert len(prompts) == 3 and prompts[1] > prompts[0] + 2 * 3 and prompts[2] < prompts[1]
     assert [type(p).__name__ for p in conv.messages[2].content] == ["ImagePart", "str"]
     assert conv.attached == []
+
+
+def test_plan_counts_the_tower_with_images() -> None:
+    """With images the plan holds the tower's stored bytes and an image's activations (a
+    printed line; the tower leaves the 'unused' line); the activations estimate covers what
+    encoding the fixture's largest images allocates (tracemalloc sees numpy's buffers)."""
+    import tracemalloc
+
+    from dsv4stream.checkpoint.catalog import Catalog
+    from dsv4stream.engine.images import decode_images, image_prompt
+    from dsv4stream.engine.session import Engine
+    from dsv4stream.run import planner
+    from dsv4stream.run.memory import measure
+    from dsv4stream.run.runinfo import RunOptions
+
+    text = measure(FIX, RunOptions(budget=planner.GB, io="buffered"))
+    imgs = measure(FIX, RunOptions(budget=planner.GB, io="buffered", images=True))
+    tower = sum(e.nbytes for n, e in Catalog.open(FIX).entries.items() if n.startswith(("vision.", "aligner.")))
+    assert text.vision_weight_bytes == 0 and imgs.vision_weight_bytes >= tower > 0
+    assert imgs.fixed_bytes == text.fixed_bytes + imgs.vision_weight_bytes + imgs.vision_activation_bytes
+    lines = planner.plan(imgs, 2 * planner.GB).lines()
+    assert any(line.startswith("  vision: tower") for line in lines), lines
+    assert "vision tower" in (text.unused or "")
+    assert "vision" not in (imgs.unused or "") and "aligner" not in (imgs.unused or "")
+    eng = Engine.open(FIX)
+    peak = 0
+    for p in (FIX / "big.png", FIX / "wide.png", FIX / "square.png"):
+        inputs = decode_images(eng, [(p.name, p.read_bytes())])
+        tracemalloc.start()
+        image_prompt(eng, np.array([0, MARK, 5]), inputs)
+        peak = max(peak, tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert imgs.vision_weight_bytes + imgs.vision_activation_bytes >= peak, (peak, imgs.vision_activation_bytes)

@@ -450,7 +450,7 @@ def run(
         opts = RunOptions(
             budget=budget_b, io=io, verify=verify, threads=gctx.threads,
             io_threads=io_threads, trunk=trunk, route_log=route_file, ctx=ctx, prefill_segment=prefill_segment,
-            gpu=gctx if gctx.enabled else None,
+            gpu=gctx if gctx.enabled else None, images=bool(parts) or (ids is None and cfg.vision is not None),
         )  # fmt: skip
         with stats_out, Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}")) as rt:
             stats_out.rt = rt
