@@ -31,8 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4stream.checkpoint.catalog import Catalog
-from dsv4stream.checkpoint.synth import EXACT_PRESETS, make_checkpoint
-from dsv4stream.checkpoint.synth_v41 import EXACT_PRESETS_V41
+from dsv4stream.synth import EXACT_PRESETS, make_checkpoint
+from dsv4stream.synth.v41 import EXACT_PRESETS_V41
 
 
 def validate(ckpt: Path) -> str:

@@ -49,8 +49,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv4stream import gpu, kernels
-from dsv4stream.checkpoint import formats, synth
+from dsv4stream import gpu, kernels, synth
+from dsv4stream.checkpoint import formats
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.engine.session import Engine
 from dsv4stream.engine.stack_v41 import V41Options

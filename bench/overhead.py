@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=8)
     ap.add_argument("--backends", default="fast,reference")
     args = ap.parse_args()
-    from dsv4stream.checkpoint import synth
+    from dsv4stream import synth
     from dsv4stream.text.tokenizer import pack_tokenizer
 
     parts = []

@@ -24,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.measure.doctor import read_bandwidth
 from dsv4stream.trunkpack.format import TRUNK_FILE, fast_hash

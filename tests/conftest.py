@@ -5,9 +5,14 @@ two compiling (in a child, outside its budget) inside whichever test came first,
 test's subprocess timeout on a loaded machine. Compiling here, without a timeout, leaves every
 later process a warm cache; the tests of the cold-cache path point NUMBA_CACHE_DIR elsewhere.
 
-Also marks the tests listed in tests/slow.txt `slow` (`make test` deselects them).
+Also marks the tests listed in tests/slow.txt `slow` (`make test` deselects them), and holds
+the generated checkpoints several files share: `family` runs a test once per model family
+(tests/test_engine_invariants.py), on the same V4 and V4.1 checkpoints the family-only files use.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -40,7 +45,7 @@ def _warm_kernel_cache():
 def real_vocab_ckpt(tmp_path_factory):
     """A generated tiny V4 checkpoint carrying the real V4 tokenizer's vocabulary (129,280 rows)
     and its tokenizer, packed (the default --tok): every prompt goes through the real BPE."""
-    from dsv4stream.checkpoint import synth
+    from dsv4stream import synth
     from dsv4stream.text.tokenizer import pack_tokenizer
 
     path = synth.make_checkpoint(
@@ -60,6 +65,66 @@ def real_vocab_tok(real_vocab_ckpt):
 @pytest.fixture(scope="session")
 def tiny_v41(tmp_path_factory):
     """A generated DeepSeek-V4.1 checkpoint (synth preset tiny-v41, seed 1), read-only for tests."""
-    from dsv4stream.checkpoint.synth import make_checkpoint
+    from dsv4stream.synth import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("v41") / "tiny-v41", "tiny-v41", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_v4(tmp_path_factory):
+    """A generated V4 checkpoint (preset tiny, seed 4) whose 6 routed experts are picked unevenly
+    (route_skew 0.3): a 48-token prompt touches more experts than a small cache holds."""
+    from dsv4stream import synth
+
+    path = tmp_path_factory.mktemp("v4") / "tiny"
+    return synth.make_checkpoint(path, preset="tiny", seed=4, route_skew=0.3, n_routed_experts=6)
+
+
+@pytest.fixture(scope="session")
+def tiny_v41_long(tmp_path_factory):
+    """A generated V4.1 checkpoint (preset tiny-v41-long, seed 3): window 4, index_topk 3 and a
+    candidate pool of 3 blocks of 2, so a 48-token prompt goes past all of them."""
+    from dsv4stream.synth import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("v41") / "tiny-v41-long", "tiny-v41-long", seed=3)
+
+
+@dataclass
+class Family:
+    """One model family's generated checkpoint and its engines, for the invariants every family
+    keeps. `rtol`: the largest error of a logits row, relative to the row's largest logit, that
+    another chunking or segmenting may cause (float rounding only, in `exact()`'s numerics)."""
+
+    name: str
+    path: Path
+    rtol: float
+    _engines: dict = field(default_factory=dict, repr=False)
+
+    def engine(self, numerics: str = "official"):
+        """The engine as `dsv4` opens it (V4.1: official numerics, owner index keys), cached."""
+        from dsv4stream.engine.session import Engine
+        from dsv4stream.engine.stack_v41 import V41Options
+
+        if numerics not in self._engines:
+            v41 = V41Options(numerics) if self.name == "v41" else None
+            self._engines[numerics] = Engine.open(self.path, v41=v41)
+        return self._engines[numerics]
+
+    def exact(self):
+        """The engine whose chunkings differ by float rounding only (V4.1: fp32 numerics; the
+        official numerics' FP8 grids are checked in tests/test_v41_engine.py)."""
+        return self.engine("fp32" if self.name == "v41" else "official")
+
+    def ids(self, n: int, seed: int = 7):
+        """`n` random token ids of the vocabulary, past the special ids 0 and 1."""
+        import numpy as np
+
+        return np.random.default_rng(seed).integers(2, self.engine().cfg.vocab_size, n)
+
+
+@pytest.fixture(scope="session", params=["v4", "v41"])
+def family(request) -> Family:
+    """Each model family in turn: V4 on `tiny_v4`, V4.1 on `tiny_v41_long`."""
+    if request.param == "v4":
+        return Family("v4", request.getfixturevalue("tiny_v4"), rtol=1e-5)
+    return Family("v41", request.getfixturevalue("tiny_v41_long"), rtol=1e-4)

@@ -12,7 +12,7 @@ import pytest
 import safetensors
 from safetensors import safe_open
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import INDEX_NAME, Catalog, read_header
 from dsv4stream.errors import CheckpointError, ConfigError
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from cli_runs import stats_of
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.cli import main
 from dsv4stream.cli.repl import ChatSettings, Conversation, Interrupt, answer, chat_loop
 from dsv4stream.engine.session import Engine
@@ -326,12 +326,12 @@ def errors(ckpt: Path, small_vocab: Path, tmp: Path) -> list[tuple[list[str], st
         ([c, *p, "--temperature", "-1"], "--temperature -1.0: give 0 (greedy) or more"),
         ([c, *p, "--temperature", "inf"], "--temperature inf: give 0 (greedy) or more, a finite number"),
         ([c, *p, "--temperature", "nan"], "--temperature nan: give 0 (greedy) or more"),
-        ([c, "--prompt-ids", "1,x"], "--prompt-ids: token list: 'x' is not an integer id"),
+        ([c, "--prompt-ids", "1,x"], "--prompt-ids: token list: entry 2, 'x', is not an integer id"),
         ([c, "--prompt-ids", "1,999999"], "--prompt-ids: id 999999 is outside the vocabulary 0..129279"),
         ([c, "--prompt-file", "/no/such.txt"], "--prompt-file /no/such.txt: no such file"),
         ([c, "--prompt", ""], "the prompt is empty"),
         ([c, *p, "--prompt-file", str(tmp)], "--prompt and --prompt-file conflict"),
-        ([c, "--prompt-file", str(tmp)], f"--prompt-file {tmp}: cannot read it as UTF-8 text"),
+        ([c, "--prompt-file", str(tmp)], f"{tmp}: --prompt-file (for --ctx 4096) is a directory, not a regular file"),
         ([c, *p, "--stats-json", str(tmp)], f"--stats-json {tmp}: is a directory; give a file name"),
         ([c, *p, "--route-log", "/no/such/dir/r.log"], "directory /no/such/dir does not exist"),
     ]

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4stream import kernels
-from dsv4stream.checkpoint import synth
+from dsv4stream import kernels, synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.errors import Dsv4Error
 from dsv4stream.kernels import warm

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsv4stream.checkpoint.config import ModelConfig
-from dsv4stream.checkpoint.synth import make_checkpoint
 from dsv4stream.cli import main
 from dsv4stream.errors import Dsv4Error
+from dsv4stream.synth import make_checkpoint
 
 EDGE_NUMBERS = [0, -1, 1, 2, 3, 32, 10**9, 2**31, 2**63 - 1, -(2**63), 1e300, -1e300, 1e-300, 0.5, 1e-20, 4096]
 SCALARS = st.one_of(

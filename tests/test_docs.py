@@ -24,9 +24,10 @@ import pytest
 
 import dsv4stream
 from dsv4stream.checkpoint.config import ModelConfig
-from dsv4stream.checkpoint.spec import model_specs, released_nbytes
-from dsv4stream.checkpoint.synth import release_config
+from dsv4stream.checkpoint.spec import model_specs
+from dsv4stream.checkpoint.tensors import released_nbytes
 from dsv4stream.run.planner import gb_up, minimum_budget, needs_from_config, plan, smallest_budget
+from dsv4stream.synth import release_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = Path(dsv4stream.__file__).resolve().parent
@@ -159,7 +160,7 @@ DEMO_QUOTED = [(p, c, q) for p in DOCS for c, q in quoted_commands(p, "doc-test:
 
 @pytest.fixture(scope="module")
 def demo_checkpoint(tmp_path_factory) -> Path:
-    from dsv4stream.checkpoint.synth import make_checkpoint
+    from dsv4stream.synth import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint", "demo", seed=0, sparse_experts=True)
 

@@ -1,10 +1,10 @@
-"""Engine / Session API: state carried across calls, providers, routing hooks, determinism, `dsv4 logits`."""
+"""Engine / Session API on the V4 fixture `mixed`: one forward pass per generated token, the hash
+layers' experts asked for once, a store adapter, `dsv4 logits`. The invariants every family keeps
+(calls continue the sequence, routing hooks, bad tokens, thread counts) are in
+test_engine_invariants.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream.checkpoint.spec import expert_prefix
+from dsv4stream.checkpoint.tensors import expert_prefix
 from dsv4stream.cli.logits import logits as logits_cmd
 from dsv4stream.engine.session import Engine
 from dsv4stream.errors import UsageError
@@ -31,28 +31,6 @@ def engine(path: Path = MIXED) -> Engine:
 @cache
 def reference_logits() -> np.ndarray:
     return engine().session(chunk_size=64).prefill(IDS)
-
-
-def test_calls_continue_the_sequence() -> None:
-    s = engine().session(chunk_size=6)
-    a = s.prefill(IDS[:17])
-    b = np.stack([s.step(int(t)) for t in IDS[17:25]])
-    c = s.prefill(IDS[25:])
-    assert s.pos == len(IDS)
-    np.testing.assert_allclose(np.concatenate([a, b, c]), reference_logits(), rtol=0, atol=1e-5 * np.abs(a).max())
-
-
-def test_last_only_and_generate() -> None:
-    s = engine().session()
-    last = s.prefill(IDS, last_only=True)
-    np.testing.assert_allclose(last, reference_logits()[-1], atol=1e-6)
-    g = engine().session()
-    toks = list(g.generate(IDS[:10], 4))
-    s = engine().session()
-    logits = s.prefill(IDS[:10])[-1]
-    for t in toks:
-        assert t == int(np.argmax(logits))
-        logits = s.step(t)
 
 
 class Counted:
@@ -90,37 +68,13 @@ def test_generate_runs_one_forward_pass_per_token_and_prefetches_hash_layers_onc
     assert log["passes"] == 5 and s.pos == 10 + 4 and s.stop_reason == "gen_limit"
     hashed = [k for k in log["prefetch"] if k[0][0] < cfg.num_hash_layers]
     assert hashed == [hash_keys(IDS[:10])] + [hash_keys([t]) for t in toks[:-1]]
-    # the same ids as prefill + step by hand (test_last_only_and_generate), and stops
+    # the same ids as prefill + step by hand (test_engine_invariants.py::test_last_only_and_generate), and stops
     s = eng.session()
     assert list(s.generate(IDS[:10], 9, stop_ids={toks[2]})) == toks[:3]
     assert (s.stop_reason, s.pos) == ("eos", 12)
     s = eng.session()
     assert list(s.generate(IDS[:10], 9, max_pos=12)) == toks[:3]
     assert (s.stop_reason, s.pos) == ("context_full", 12)
-
-
-def test_bad_tokens_are_refused() -> None:
-    s = engine().session()
-    with pytest.raises(UsageError, match="outside the vocabulary"):
-        s.prefill([1, 2, 256])
-    with pytest.raises(UsageError):
-        s.prefill([])
-    assert s.pos == 0
-
-
-def test_routing_hooks_and_request_log() -> None:
-    seen = []
-    s = engine().session(
-        chunk_size=4, segment=8, record_requests=True, on_route=lambda l, p, e: seen.append((l, p.copy(), e.copy()))
-    )
-    s.prefill(IDS[:16])
-    cfg = engine().cfg
-    assert [l for l, _, _ in seen] == [i for _ in range(2) for i in range(cfg.n_layers)]
-    want = []
-    for layer, pos, experts in seen:
-        assert experts.shape == (len(pos), cfg.num_experts_per_tok)
-        want += [(layer, int(e)) for e in np.unique(experts)]
-    assert s.requests == want  # each expert once per layer per segment, ascending
 
 
 class FakeStore:
@@ -158,20 +112,6 @@ def test_store_adapter_gives_the_same_logits(fixture: str, raw: bool) -> None:
     n_hash = min(cat.config.num_hash_layers, cat.config.n_layers)
     first = store.prefetched[0]
     assert {layer for layer, _ in first} == set(range(n_hash))  # hash-layer experts asked for up front
-
-
-def test_same_logits_whatever_the_thread_count() -> None:
-    code = (
-        "import sys, hashlib, numpy as np; from dsv4stream.engine.session import Engine; "
-        f"e = Engine.open({str(MIXED)!r}, threads=int(sys.argv[1])); "
-        f"print(hashlib.sha256(e.session(chunk_size=16).prefill(np.arange(0, 200, 7)).tobytes()).hexdigest())"
-    )
-    out = []
-    for n in ("1", "2"):
-        env = dict(os.environ, OPENBLAS_NUM_THREADS=n, OMP_NUM_THREADS=n, NUMBA_NUM_THREADS=n)
-        r = subprocess.run([sys.executable, "-c", code, n], env=env, capture_output=True, text=True, check=True)
-        out.append(r.stdout.strip())
-    assert out[0] == out[1]
 
 
 @pytest.mark.parametrize("mode", ["prefill", "step", "chunk:7"])

@@ -10,8 +10,8 @@ import safetensors
 import tokenizers
 
 from dsv4stream.checkpoint.catalog import Catalog
-from dsv4stream.checkpoint.spec import linear_names
 from dsv4stream.checkpoint.spec_v41 import engram_names
+from dsv4stream.checkpoint.tensors import linear_names
 from dsv4stream.engram import HashLayout, next_row_ids, row_ids, token_classes
 from dsv4stream.errors import CheckpointError, Dsv4Error
 from dsv4stream.streaming.engram import DiskEngramRows, engram_tables
@@ -64,7 +64,7 @@ def test_rows_match_the_safetensors_library_for_every_engram_layer(cat, truth):
 
 
 def test_float_scales_are_read_and_applied_too(tmp_path):
-    from dsv4stream.checkpoint.synth import make_checkpoint
+    from dsv4stream.synth import make_checkpoint
 
     ck = make_checkpoint(tmp_path / "f", "tiny-v41", seed=2, scale_fmt="float", engram_head_dim=64)
     cat = Catalog.open(ck)
@@ -125,7 +125,7 @@ def test_a_layer_without_a_table_is_a_one_line_error(cat):
 
 
 def test_a_v4_checkpoint_has_no_engram_rows(tmp_path):
-    from dsv4stream.checkpoint.synth import make_checkpoint
+    from dsv4stream.synth import make_checkpoint
 
     ck = make_checkpoint(tmp_path / "v4", "tiny", seed=0)
     with pytest.raises(CheckpointError, match="no Engram layers"):

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream import cli
-from dsv4stream.checkpoint import synth
+from dsv4stream import cli, synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.engine.phases import StepClock, no_reads
 from dsv4stream.errors import CheckpointError, Dsv4Error, InternalError, ReadError, ShortReadError

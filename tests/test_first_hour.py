@@ -18,7 +18,7 @@ import pytest
 from cli_runs import stats_of
 from click.testing import CliRunner
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.cli import main
 from dsv4stream.cli import run as run_mod
 from dsv4stream.cli.bench import below_working_set, budget_slots, memory_needs, sweep_title

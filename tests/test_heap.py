@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 
 PRELUDE = textwrap.dedent(
     """

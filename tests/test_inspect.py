@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.cli.inspect import inspect
 from dsv4stream.errors import CheckpointError, ConfigError
 

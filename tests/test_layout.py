@@ -1,6 +1,7 @@
 """The package's layout rules that imports can show: each layer imports only the layers below
-it, nothing but the CLI imports the CLI, the expert store is model-agnostic, and `model/` is math
-over frozen weights.
+it, the layers' order is one-way (no package may import one that may import it back), no module
+imports itself back through others, nothing but the CLI imports the CLI, the expert store is
+model-agnostic, and `model/` is math over frozen weights.
 
 Imports are read with `ast` from the source files (never by matching strings), relative ones
 resolved against the module's package, so `from ..catalog import X` and
@@ -10,6 +11,7 @@ resolved against the module's package, so `from ..catalog import X` and
 from __future__ import annotations
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
@@ -35,17 +37,20 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                prefix = ".".join(base)
-                name = f"{prefix}.{node.module}" if node.module else prefix
-            else:
-                name = node.module or ""
+            name = _from_module(node, package)
             out.add(name)
             # `from . import x` imports the module x
             out.update(f"{name}.{a.name}" for a in node.names if not node.module)
     return out
+
+
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a `from ... import` names, relative levels resolved against `package`."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    prefix = ".".join(base[: len(base) - node.level + 1])
+    return f"{prefix}.{node.module}" if node.module else prefix
 
 
 def layering_violations(source: str, module: str, is_package: bool = False) -> list[str]:
@@ -62,10 +67,16 @@ def layering_violations(source: str, module: str, is_package: bool = False) -> l
 
 def model_modules() -> list[tuple[str, Path]]:
     out = []
-    for p in sorted((PKG / "model").glob("*.py")):
-        name = "dsv4stream.model" if p.name == "__init__.py" else f"dsv4stream.model.{p.stem}"
-        out.append((name, p))
+    for p in sorted((PKG / "model").rglob("*.py")):  # the family folders (v4/, v41/) included
+        parts = p.relative_to(PKG.parent).with_suffix("").parts
+        out.append((".".join(parts[:-1] if p.name == "__init__.py" else parts), p))
     return out
+
+
+def test_the_model_check_reaches_the_family_folders():
+    # model/v4/ and model/v41/ hold most of the math: a check that read model/*.py alone would pass them by
+    names = {m for m, _ in model_modules()}
+    assert {"dsv4stream.model.v4.attention", "dsv4stream.model.v41.attention", "dsv4stream.model.v41"} <= names
 
 
 @pytest.mark.parametrize("module,path", model_modules(), ids=[m for m, _ in model_modules()])
@@ -104,18 +115,20 @@ def test_relative_imports_resolve_against_the_package():
 # Leaf modules every layer may import: they import nothing of the project but each other.
 LEAVES = ("errors", "files", "jsonio")
 # Project packages each top-level package may import (besides itself and the leaves), in data-flow
-# order. A dotted entry allows one module only. Adding a package means adding its line here.
-MAY_IMPORT: dict[str, set[str]] = {
-    "kernels": {"checkpoint.formats"},
-    # synth writes the real tokenizer into generated checkpoints, and sizes a small one's Engram classes
-    "checkpoint": {"kernels", "text.tokenizer", "engram.vocab"},
+# order. A dotted entry allows one module only. Adding a package means adding its line here. The
+# order is one-way: no package may import one that may import it back (test_may_import_is_one_way).
+MAY_IMPORT: dict[str, set[str] | None] = {
+    "engram": set(),  # token classes, the tables' hash layout and row ids: integer math only
+    "checkpoint": {"engram.layout"},  # config validation checks the Engram tables' rows against it
+    "kernels": {"checkpoint.formats"},  # QWeight and the codecs
     "model": {"checkpoint.config", "kernels"},
     "store": set(),
     "trunkpack": {"checkpoint", "store"},
     "weights": {"checkpoint", "kernels", "model"},
     "streaming": {"checkpoint", "kernels", "model", "store", "trunkpack", "weights"},
-    "engram": {"checkpoint.engram_layout"},  # token classes and hash row ids: integer math only
     "text": {"checkpoint"},
+    # the checkpoint generators: they write the real tokenizer, size a small one's Engram classes
+    "synth": {"checkpoint", "engram", "text"},
     "engine": {"checkpoint", "engram", "kernels", "model", "text", "weights"},
     "gpu": {"checkpoint", "kernels"},
     "run": {"checkpoint", "engine", "gpu", "kernels", "model", "store", "streaming", "text", "trunkpack", "weights"},
@@ -171,9 +184,16 @@ def test_layers_import_only_the_layers_below(top, module, path):
     "top,line",
     [
         ("server", "from ..cli.run import make_pick"),
-        ("store", "from ..checkpoint.spec import EXPERT_NAME"),
+        ("store", "from ..checkpoint.tensors import EXPERT_NAME"),
         ("text", "from ..engine import Engine"),
         ("weights", "from ..streaming.expert_layout import expert_layouts"),
+        # the three that ran up the floors into checkpoint/, and the way back from engram/
+        ("checkpoint", "from ..kernels import QWeight"),
+        ("checkpoint", "from ..text import tokenizer"),
+        ("checkpoint", "from ..engram.vocab import token_classes"),
+        ("checkpoint", "from ..synth import make_checkpoint"),
+        ("engram", "from ..checkpoint.config import ModelConfig"),
+        ("kernels", "from ..checkpoint.catalog import Catalog"),
     ],
 )
 def test_the_layer_check_catches_an_upward_import(top, line, tmp_path):
@@ -193,3 +213,131 @@ def test_leaf_modules_import_only_leaves(leaf):
 def test_the_leaf_check_catches_a_project_import():
     src = (PKG / "jsonio.py").read_text() + "\nfrom .checkpoint.config import ModelConfig\n"
     assert "dsv4stream.checkpoint.config" in imported_modules(src, "dsv4stream.jsonio")
+
+
+def package_circles(rules: dict[str, set[str] | None]) -> list[str]:
+    """Packages that may import, through the rules, a package that may import them back (empty when
+    the rules are one-way). A dotted entry counts as its package; None (the CLI) as every other."""
+    graph = {
+        top: {a.split(".")[0] for a in (set(rules) if allowed is None else allowed)} - {top}
+        for top, allowed in rules.items()
+    }
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        return e.args[1]
+    return []
+
+
+def test_may_import_is_one_way():
+    assert not package_circles(MAY_IMPORT), f"MAY_IMPORT has a circle: {' -> '.join(package_circles(MAY_IMPORT))}"
+    tops = {top for top, _, _ in package_modules()}
+    for top, allowed in MAY_IMPORT.items():
+        assert allowed is None or {a.split(".")[0] for a in allowed} <= tops, f"{top}: a rule names no package"
+
+
+@pytest.mark.parametrize(
+    "top,extra",
+    [("checkpoint", "kernels"), ("engram", "checkpoint.config"), ("checkpoint", "synth"), ("text", "cli")],
+)
+def test_the_rule_check_catches_a_two_way_pair(top, extra):
+    rules = {**MAY_IMPORT, top: {*MAY_IMPORT[top], extra}}
+    assert package_circles(rules)
+
+
+def module_graph(replace: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """Every module of the package -> the project modules it imports, at any depth (a function's
+    lazy import counts: it closes a circle as well), relative imports resolved. `from P import x`
+    names the module P.x when there is one, else P itself. `replace`: module -> source to use."""
+    files = {m: p for _, m, p in package_modules()}
+    files.update({f"dsv4stream.{p.stem}": p for p in PKG.glob("*.py") if p.stem != "__init__"})
+    files["dsv4stream"] = PKG / "__init__.py"
+
+    def known(name: str) -> str:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for module, path in files.items():
+        is_package = path.name == "__init__.py"
+        package = module if is_package else module.rpartition(".")[0]
+        source = (replace or {}).get(module) or path.read_text()
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets.update(known(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = _from_module(node, package)
+                targets.update(
+                    known(f"{base}.{a.name}") if f"{base}.{a.name}" in files else known(base) for a in node.names
+                )
+        graph[module] = {t for t in targets if t.startswith("dsv4stream") and t != module}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The strongly connected sets of modules with more than one member (Tarjan): each is a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: set[frozenset[str]] = set()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = set()
+            while True:
+                w = stack.pop()
+                members.add(w)
+                if w == v:
+                    break
+            if len(members) > 1:
+                out.add(frozenset(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+# A circle merged before this test, left for its owner to take apart: kernels/numerics.py (issue 44's
+# numerics switch) is imported by kernels/__init__ and imports it back for the hook it sets
+# (`kernels._numerics`), the backend and the thread count. Nothing may be added here: each entry
+# must still be a circle (test_the_listed_circles_are_still_there fails once one is gone, so its
+# entry goes with the fix), and any other circle fails test_no_module_imports_itself_back.
+CIRCLES_BEING_REMOVED = {
+    frozenset({"dsv4stream.kernels", "dsv4stream.kernels.numerics"}),
+}
+
+
+def test_no_module_imports_itself_back():
+    new = import_circles(module_graph()) - CIRCLES_BEING_REMOVED
+    assert not new, f"import circles: {[sorted(c) for c in new]}; one module of each must stop importing the others"
+
+
+def test_the_listed_circles_are_still_there():
+    gone = CIRCLES_BEING_REMOVED - import_circles(module_graph())
+    assert not gone, f"no longer circles, delete them from CIRCLES_BEING_REMOVED: {[sorted(c) for c in gone]}"
+
+
+@pytest.mark.parametrize(
+    "module,line",
+    [
+        ("dsv4stream.checkpoint.tensors", "from .spec_v41 import engram_names"),  # the old spec <-> spec_v41
+        ("dsv4stream.engram.layout", "from .hashing import row_ids"),
+        ("dsv4stream.checkpoint.formats", "def f():\n    from ..kernels import matmul"),  # a lazy import too
+        ("dsv4stream.engram.layout", "import dsv4stream.checkpoint.config"),
+    ],
+)
+def test_the_circle_check_catches_a_circle(module, line):
+    path = {m: p for _, m, p in package_modules()}[module]
+    graph = module_graph({module: path.read_text() + "\n" + line + "\n"})
+    assert import_circles(graph) - CIRCLES_BEING_REMOVED

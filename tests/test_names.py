@@ -10,17 +10,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.checkpoint.config import DSPARK, PREVIEW
-from dsv4stream.checkpoint.spec import (
+from dsv4stream.checkpoint.spec_v4 import COMPRESSOR, MTP_EXTRAS
+from dsv4stream.checkpoint.tensors import (
     BLOCK,
-    COMPRESSOR,
     EXPERT_LINEARS,
     EXPERT_NAME,
     HC_PARTS,
     MODEL,
-    MTP_EXTRAS,
     block_names,
     is_drafter,
     layer_prefix,

@@ -19,8 +19,8 @@ import pytest
 if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers", "accelerate")):
     pytest.skip("needs the oracle extra (torch, transformers, accelerate)", allow_module_level=True)
 
-from dsv4stream.checkpoint.synth import make_checkpoint
 from dsv4stream.engine.session import Engine
+from dsv4stream.synth import make_checkpoint
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "make_oracle_fixtures.py"
 

@@ -17,7 +17,7 @@ import pytest
 from cli_runs import dsv4, refused
 from click.testing import CliRunner
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.cli.outputs import check_output
 from dsv4stream.cli.run import run as run_cmd
 from dsv4stream.errors import ReadError, UsageError

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.cli.pack import pack_trunk_cmd
 from dsv4stream.errors import BudgetError, CheckpointError, UsageError

@@ -185,7 +185,7 @@ def test_inspect_config_only_prints_the_plan_for_a_budget():
 def test_config_estimate_matches_what_a_run_measures(tmp_path):
     """`inspect --config-only --budget` and `doctor` plan from config.json alone: their sizes
     must agree with what `dsv4 run` measures on the shards (within 2%)."""
-    from dsv4stream.checkpoint import synth
+    from dsv4stream import synth
     from dsv4stream.run.memory import measure
     from dsv4stream.run.runinfo import RunOptions
 

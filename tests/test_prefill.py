@@ -1,87 +1,36 @@
-"""Layer-major prefill on generated checkpoints: each (layer, expert) read once per segment and
-each streamed trunk layer once per segment, the same ids at every segment size and budget, the
-planner's segment and its override, and a stop within one layer."""
+"""Layer-major prefill on a generated V4 checkpoint: a prompt whose activations fit goes through
+as one segment in the bytes of lent slots, the planner's segment and its override, a stop within
+one layer, the embedding rows read before the hash layers' experts. The invariants every family
+keeps (one read per expert per segment, the same ids at every segment size and budget, the state
+the planner counts) are in test_engine_invariants.py."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_probes import count_expert_reads, streaming
 
-from dsv4stream.checkpoint import synth
 from dsv4stream.engine.session import Engine, PrefillStep
 from dsv4stream.errors import BudgetError, UsageError
 from dsv4stream.run import planner
 from dsv4stream.run.memory import measure
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.runtime import Runtime
-from dsv4stream.store import ExpertStore
 
 PROMPT = np.random.default_rng(7).integers(2, 500, 48).tolist()
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return synth.make_checkpoint(
-        tmp_path_factory.mktemp("p") / "tiny", preset="tiny", seed=4, route_skew=0.3, n_routed_experts=6
-    )
+def ckpt(tiny_v4) -> Path:
+    return tiny_v4
 
 
 @pytest.fixture(scope="module")
 def reference(ckpt) -> list[int]:
     """Greedy ids of the in-memory engine fed one token per forward pass."""
     return list(Engine.open(ckpt).session(chunk_size=1, segment=1).generate(PROMPT, 6))
-
-
-def streaming(ckpt: Path, slots: int, pinned: int, **kw) -> RunOptions:
-    n = measure(ckpt, RunOptions(budget=1, overhead=0, chunk=4, **kw))
-    return RunOptions(budget=planner.budget_for(n, slots, pinned), overhead=0, chunk=4, **kw)
-
-
-def count_expert_reads(monkeypatch) -> Counter:
-    """Reads from disk per (layer, expert) key, counted as the store loads them."""
-    reads: Counter = Counter()
-    real = ExpertStore._load
-
-    def counting(self, entry):
-        reads[entry.key] += 1
-        return real(self, entry)
-
-    monkeypatch.setattr(ExpertStore, "_load", counting)
-    return reads
-
-
-def test_each_expert_and_trunk_layer_is_read_once_per_segment(ckpt, monkeypatch) -> None:
-    """A 48-token prompt as one segment, with fewer slots than the experts it touches and the trunk
-    streamed: every (layer, expert) is read at most once and every streamed layer once. Fed in
-    chunks (a segment of 4 tokens), the same prompt reads most experts again and again."""
-    reads = count_expert_reads(monkeypatch)
-    cfg = Engine.open(ckpt).cfg
-    touched: set = set()
-
-    def route(layer, positions, experts):
-        touched.update((layer, int(e)) for e in experts.ravel())
-
-    for segment, once in ((len(PROMPT), True), (4, False)):
-        reads.clear()
-        touched.clear()
-        opts = streaming(ckpt, cfg.n_routed_experts + 2, 1, prefill_segment=segment)  # a layer's experts fit
-        with Runtime.open(ckpt, opts) as rt:
-            assert rt.plan.prefill_segment == segment and rt.plan.streamed_layers == cfg.n_layers - 1
-            slots = rt.plan.expert_slots
-            s = rt.session(on_route=route)
-            trunk0 = rt.trunk.stats().reads
-            s.prefill(PROMPT, last_only=True)
-            trunk = rt.trunk.stats().reads - trunk0
-        assert set(reads) == touched
-        if once:
-            assert max(reads.values()) == 1 and len(touched) > slots
-            assert trunk <= cfg.n_layers - 1 + 1  # each streamed layer once, plus the next pass's first
-        else:
-            assert sum(reads.values()) > 1.5 * len(touched)  # chunk after chunk re-reads evicted experts
-            assert trunk > 2 * (cfg.n_layers - 1)
 
 
 def test_a_prompt_whose_activations_fit_is_one_segment_in_the_bytes_of_lent_slots(ckpt, reference, monkeypatch):
@@ -118,22 +67,6 @@ def test_a_prompt_whose_activations_fit_is_one_segment_in_the_bytes_of_lent_slot
         st = rt.stats()
     assert len(touched) > p.expert_slots and lent == [p.expert_slots - planner.PREFILL_SLOTS] * rt.cfg.n_layers
     assert got == reference and st.prefill_segment == len(PROMPT)
-
-
-@pytest.mark.parametrize("segment", [1, 7, 64, len(PROMPT)])
-def test_same_logits_and_ids_at_every_segment_size(ckpt, reference, segment) -> None:
-    eng = Engine.open(ckpt)
-    base = eng.session(chunk_size=1, segment=1).prefill(PROMPT)
-    got = eng.session(chunk_size=5, segment=segment).prefill(PROMPT)
-    err = np.abs(got - base).max(axis=1) / np.abs(base).max(axis=1)
-    assert err.max() <= 1e-5
-    assert list(eng.session(chunk_size=3, segment=segment).generate(PROMPT, 6)) == reference
-
-
-@pytest.mark.parametrize("slots,pinned,segment", [(4, 0, None), (8, 1, 7), (12, 4, None), (24, 4, 1)])
-def test_same_ids_at_every_budget_and_segment(ckpt, reference, slots, pinned, segment) -> None:
-    with Runtime.open(ckpt, streaming(ckpt, slots, pinned, prefill_segment=segment)) as rt:
-        assert list(rt.generate(rt.session(), PROMPT, 6)) == reference
 
 
 def test_planner_picks_the_segment_from_the_budget_and_counts_it(ckpt) -> None:
@@ -206,21 +139,6 @@ def test_the_prefill_bench_runs_the_segments_the_plan_counts(ckpt) -> None:
     rec = bench.child(str(ckpt), (floor + 1000) / 1e9, 150, 2, 0, None)
     assert rec["segment"] == rec["planned_segment"] == planner.SUB_CHUNK and rec["segments"] == 3
     assert rec["planned_bytes"] <= floor + 1000
-
-
-def test_a_sessions_state_stays_within_what_the_planner_counts(ckpt) -> None:
-    """The state a session allocates after n tokens (window rings, compressed rows as their
-    buffers grew, open windows) is at most `planner.state_bytes_for(cfg, n)`, and close to it.
-    n = 4 * 129 + 3 puts the ratio-4 layers' rows just past a doubling point (129 rows in a
-    buffer that a doubling rule would have grown to 256)."""
-    eng = Engine.open(ckpt)
-    n = 4 * 129 + 3
-    s = eng.session(chunk_size=64, segment=200)
-    s.prefill(np.random.default_rng(3).integers(2, eng.cfg.vocab_size, n - 5), last_only=True)
-    for tok in range(5):
-        s.step(tok + 2)
-    held, planned = s.snapshot().nbytes, planner.state_bytes_for(eng.cfg, n)
-    assert held <= planned < 1.5 * held
 
 
 def test_a_segment_reads_its_embedding_rows_before_asking_for_its_hash_layer_experts(ckpt, monkeypatch) -> None:

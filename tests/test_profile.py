@@ -9,8 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dsv4stream import kernels
-from dsv4stream.checkpoint import synth
+from dsv4stream import kernels, synth
 from dsv4stream.engine.phases import PROFILE_PHASES, Counters, PhaseLog, StepClock, Turn
 from dsv4stream.engine.session import Engine
 

@@ -25,10 +25,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.checkpoint.config import DSPARK, PREVIEW, ModelConfig
-from dsv4stream.checkpoint.spec import model_specs, released_nbytes
+from dsv4stream.checkpoint.spec import model_specs
+from dsv4stream.checkpoint.tensors import released_nbytes
 from dsv4stream.errors import CheckpointError, ConfigError, UsageError
 from dsv4stream.run.planner import needs_from_config, plan
 from dsv4stream.text import chat
@@ -215,7 +216,7 @@ def test_sparse_experts_keep_the_release_layout(tmp_path):
 def test_exact_presets_shard_as_the_release():
     for preset, shards in (("flash", 46), ("flash-0731", 48)):
         cfg = ModelConfig.from_dict(synth.release_config(preset))
-        groups = synth._shard_groups(cfg, ends_alone=True)
+        groups = synth.v4.shard_groups(cfg, ends_alone=True)
         assert len(groups) == shards and [s.name for s in groups[0]] == ["embed.weight"]
         assert {s.name for s in groups[-1]} == {
             "norm.weight",

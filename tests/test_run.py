@@ -15,8 +15,7 @@ import pytest
 from click.testing import CliRunner
 from store_files import o_direct_refusal
 
-from dsv4stream import kernels
-from dsv4stream.checkpoint import synth
+from dsv4stream import kernels, synth
 from dsv4stream.cli.run import run as run_cmd
 from dsv4stream.engine.session import Engine
 from dsv4stream.run import planner

@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ import pytest
 from server_proc import CODE, Server, free_port, one_thread_engine
 from test_dsml import EXPECTED_TOOLS_SECTION, WEATHER
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.engine.session import Engine
 from dsv4stream.server.cache import checkpoint_identity, prefix_names
@@ -284,9 +285,12 @@ def test_anthropic_messages(server) -> None:
     assert "content_block_delta" in events
 
 
-def test_disk_cache_after_a_restart_skips_a_corrupt_file(conversation, ckpt, kvdir, tok) -> None:
+def test_disk_cache_after_a_restart_skips_a_corrupt_file(conversation, ckpt, kvdir, tok, tmp_path) -> None:
     ids2 = conversation["ids2"]
     names = prefix_names(checkpoint_identity(Catalog.open(ckpt)), ids2[:-1])
+    # the files as a restarted server finds them, in a folder of its own: the fixture's server
+    # still runs and holds kvdir (one server per folder)
+    kvdir = shutil.copytree(kvdir, tmp_path / "kv", ignore=shutil.ignore_patterns(".dsv4-kv-cache.lock"))
     on_disk = [k for k in range(len(names), 0, -1) if (kvdir / names[k - 1]).exists()]
     assert len(on_disk) >= 2, on_disk
     longest = kvdir / names[on_disk[0] - 1]

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 from server_proc import Server
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.server.decoding import Controls, adjust
 from dsv4stream.server.reply import ReplyStream
 from dsv4stream.server.responses import input_messages

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from server_proc import one_thread_engine
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.engine.state import capture, to_bytes
 from dsv4stream.server.cache import (
     SUFFIX,
+    CacheBusy,
     CacheUnwritable,
     DiskCache,
     StateCache,
@@ -101,7 +102,7 @@ def test_disk_cache_is_capped_oldest_used_first(engine, tmp_path) -> None:
     old = os.stat(tmp_path / prefix_names("x", IDS[:10])[-1]).st_mtime
     os.utime(tmp_path / prefix_names("x", IDS[:11])[-1], (old - 100, old - 100))  # 11 used longest ago
     d.put(IDS[:12], _state(engine, 12))
-    names = {p.name for p in tmp_path.iterdir()}
+    names = {p.name for p in tmp_path.iterdir() if p.name.endswith(SUFFIX)}  # the lock file beside them
     assert prefix_names("x", IDS[:11])[-1] not in names and len(names) == 2 and d.nbytes <= d.limit
     (tmp_path / "notes.txt").write_text("not ours")
     d.put(IDS[:13], _state(engine, 13))
@@ -199,6 +200,55 @@ def test_an_unwritable_cache_folder_is_refused_at_start(engine, tmp_path, monkey
     monkeypatch.setattr("dsv4stream.server.cache.os.open", read_only)
     with pytest.raises(CacheUnwritable, match="cannot write there"):
         DiskCache(tmp_path, 10**9, "x", engine.session().state, print)
+
+
+def test_a_folder_another_live_server_holds_is_refused_naming_it(engine, tmp_path) -> None:
+    # another process holds the folder (as a running server does, for its whole life)
+    code = "import sys, time; from dsv4stream.server.cache import FolderLock; FolderLock(sys.argv[1]); print('held', flush=True); time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(CacheBusy, match=f"in use by another running dsv4 server \\(pid {holder.pid} "):
+            DiskCache(tmp_path, 10**9, "x", engine.session().state, print)
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died without cleaning up: its lock went with it, the folder is free again
+    d = DiskCache(tmp_path, 10**9, "x", engine.session().state, print)
+    with pytest.raises(CacheBusy):  # and held by this one now
+        DiskCache(tmp_path, 10**9, "x", engine.session().state, print)
+    d.close()
+    DiskCache(tmp_path, 10**9, "x", engine.session().state, print).close()
+
+
+def test_a_file_that_vanishes_is_a_miss_never_an_error(engine, tmp_path, monkeypatch) -> None:
+    import dsv4stream.server.cache as cache_mod
+
+    template = engine.session().state
+    logs: list[str] = []
+    one = len(to_bytes(_state(engine, 10), IDS[:10], "x", template))
+    d = DiskCache(tmp_path, int(2.5 * one), "x", template, logs.append)
+    d.put(IDS[:10], _state(engine, 10))
+    d.put(IDS[:11], _state(engine, 11))
+    # removed by someone else between the listing and the read: no hit, no error, nothing logged
+    real_open = cache_mod.open_regular
+
+    def vanishing(path, *a, **k):
+        Path(path).unlink()
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(cache_mod, "open_regular", vanishing)
+    assert d.lookup(IDS[:12]) is None and not logs and d.rejected == 0
+    monkeypatch.undo()
+    # listed, then gone before its size is asked (eviction, the byte count): left out
+    d.put(IDS[:10], _state(engine, 10))
+    ghost = tmp_path / prefix_names("x", IDS[:3])[-1]
+    real_iterdir = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter([ghost, *real_iterdir(self)]))
+    for k in (11, 12, 13):
+        assert d.put(IDS[:k], _state(engine, k)) is not None
+        assert d.nbytes <= d.limit
+    assert d.lookup(IDS)[0] == 13 and not logs
 
 
 # ---- splicing the sampled ids back ----------------------------------------------------------------

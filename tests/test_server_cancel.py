@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from server_proc import Server
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.text.tokenizer import Tokenizer
 
 LONG = 3000  # tokens asked for: many seconds of decoding on the tiny model, far past the checks below

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.engine.phases import Turn
 from dsv4stream.run import planner
 from dsv4stream.run.runinfo import RunOptions

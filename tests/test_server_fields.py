@@ -18,7 +18,7 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.server.app import create_app
 from dsv4stream.server.decoding import Controls, Picker
 from dsv4stream.server.responses import ResponsesRequest, encrypt, input_messages

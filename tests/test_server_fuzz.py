@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_proc import Server
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 
 VALID = {
     "/v1/chat/completions": {

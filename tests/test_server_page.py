@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from server_proc import Server
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.text.tokenizer import Tokenizer
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")

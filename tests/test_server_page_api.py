@@ -17,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 from server_proc import Server
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.config import ModelConfig
 from dsv4stream.server.app import create_app
 from dsv4stream.server.security import Guard, Policy

@@ -11,7 +11,7 @@ import openai
 import pytest
 from server_proc import Server
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 
 CTX = 768
 GEN = 8
@@ -78,10 +78,14 @@ def test_the_next_plain_turn_reuses_the_whole_previous_reply(server, trial) -> N
     assert cached(r2) >= r1.usage.prompt_tokens + r1.usage.completion_tokens - 1, (r1.usage, r2.usage)
 
 
-def test_the_first_request_after_a_restart_reuses_the_disk_cache(server, ckpt, kvdir) -> None:
+def test_the_first_request_after_a_restart_reuses_the_disk_cache(server, ckpt, tmp_path) -> None:
     m = [{"role": "user", "content": "Remember this across a restart: seven swans."}]
     before = ask(server, m, temperature=0)
-    with Server(ckpt, "--kv-cache", str(kvdir), "--ctx", str(CTX), "--prefill-segment", "4096") as restarted:
+    # one server per folder (a second one while the first runs is refused): stop, then restart
+    args = ("--kv-cache", str(tmp_path / "kv"), "--ctx", str(CTX), "--prefill-segment", "4096")
+    with Server(ckpt, *args) as first:
+        ask(first, m, temperature=0)
+    with Server(ckpt, *args) as restarted:
         r = ask(restarted, m, temperature=0)
         assert cached(r) >= r.usage.prompt_tokens - 1
         assert r.choices[0].message.content == before.choices[0].message.content

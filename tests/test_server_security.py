@@ -10,6 +10,8 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,8 @@ import openai
 import pytest
 from server_proc import Server, free_port
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
+from dsv4stream.errors import UsageError
 from dsv4stream.server.security import Policy, host_name, normalize_origins
 
 KEY = "test-key-123"
@@ -199,6 +202,45 @@ def test_blank_api_key_is_refused(ckpt, capsys) -> None:
             main(["serve", str(ckpt), "--port", str(free_port()), "--api-key", key])
         err = capsys.readouterr().err
         assert e.value.code == 2 and "--api-key is empty" in err and err.count("\n") == 1
+
+
+def _serve_exits(ckpt: Path, *args: str) -> subprocess.CompletedProcess:
+    """`dsv4 serve` in a child that must exit by itself (one that serves fails here, not hangs)."""
+    cmd = [sys.executable, "-c", "from dsv4stream.cli import main; main()", "serve", str(ckpt), "--threads", "1"]
+    return subprocess.run(
+        [*cmd, "--port", str(free_port()), *args], check=False, capture_output=True, text=True, timeout=90
+    )
+
+
+def test_allowed_hosts_that_name_no_host_are_refused(ckpt) -> None:
+    from dsv4stream.cli.serve import _allowed_hosts
+
+    for value in ("", " ", ",", "box.lan,,other", ":8000", "a b", "box.lan/x", "[::1", "*.lan", "\x00", "a\nb"):
+        with pytest.raises(UsageError, match="not a host name"):
+            _allowed_hosts((value,), host_name)
+    assert _allowed_hosts(("Box.LAN:8000,10.0.0.2", "[::1]:80", "*"), host_name) == (
+        "box.lan",
+        "10.0.0.2",
+        "[::1]",
+        "*",
+    )
+    got = _serve_exits(ckpt, "--allowed-host", "")
+    assert (
+        got.returncode == 2 and got.stderr.count("\n") == 1 and "--allowed-host '': '' is not a host name" in got.stderr
+    )
+
+
+def test_a_kv_cache_folder_another_server_holds_is_refused_before_loading(ckpt, tmp_path) -> None:
+    code = "import sys, time; from dsv4stream.server.cache import FolderLock; FolderLock(sys.argv[1]); print('held', flush=True); time.sleep(120)"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        got = _serve_exits(ckpt, "--kv-cache", str(tmp_path), "--kv-cache-gb", "1")
+        assert got.returncode == 2 and f"(pid {holder.pid} on " in got.stderr and "--kv-cache" in got.stderr
+        assert got.stderr.count("\n") == 1 and "loading" not in got.stderr, got.stderr
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_non_loopback_without_a_key_warns(ckpt) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.server.grammar import GrammarError, Grammars
 from dsv4stream.server.schemas import ChatRequest
 from dsv4stream.server.toolgrammar import V4, ToolSpec, answer_grammar, request_shape

@@ -294,9 +294,9 @@ def test_bench_simulate_command_prints_and_writes(tmp_path):
 
 def test_bench_simulate_budgets_use_the_planner(tmp_path):
     from dsv4stream.checkpoint.config import ModelConfig
-    from dsv4stream.checkpoint.synth import release_config
     from dsv4stream.cli.bench import budget_slots, working_set_budget
     from dsv4stream.run.planner import GB, needs_from_config, plan
+    from dsv4stream.synth import release_config
 
     cfg_path = tmp_path / "config.json"
     cfg_path.write_text(json.dumps(release_config("demo")))
@@ -324,8 +324,8 @@ def test_bench_simulate_budgets_use_the_planner(tmp_path):
 
 
 def test_bench_group_sends_a_checkpoint_path_to_the_live_sweep(tmp_path, monkeypatch):
-    from dsv4stream.checkpoint.synth import release_config
     from dsv4stream.measure import sweep
+    from dsv4stream.synth import release_config
 
     seen = {}
     monkeypatch.setattr(sweep, "sweep", lambda ckpt, gbs, *a, **k: seen.update(ckpt=ckpt, gbs=gbs) or 1 / 0)
@@ -360,10 +360,10 @@ def test_replay_reproduces_a_real_engine_run_exactly(tmp_path):
     """The engine's own calls (prefetch hints included) through the live provider and store, on a generated
     checkpoint with skewed routing: its route log replays to the store's hits at every size."""
     from dsv4stream.checkpoint.catalog import Catalog
-    from dsv4stream.checkpoint.synth import make_checkpoint
     from dsv4stream.engine.session import Engine
     from dsv4stream.streaming.expert_layout import expert_layouts
     from dsv4stream.streaming.experts import StreamedExperts
+    from dsv4stream.synth import make_checkpoint
 
     ck = make_checkpoint(tmp_path / "c", "tiny", seed=1, route_skew=0.7, n_routed_experts=16, num_experts_per_tok=3,
                          num_hash_layers=2)  # fmt: skip

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from store_files import make_files
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.errors import CheckpointError, InternalError
 from dsv4stream.store.directio import ALIGN, plan_slot

@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 from store_files import make_files
 
-from dsv4stream.checkpoint import catalog, synth
+from dsv4stream import synth
+from dsv4stream.checkpoint import catalog
 from dsv4stream.cli.run import run as run_cmd
 from dsv4stream.errors import VerifyError
 from dsv4stream.store import ExpertStore, directio

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.engine.session import Engine
 from dsv4stream.errors import BudgetError

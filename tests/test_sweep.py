@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream.checkpoint.synth import release_config
 from dsv4stream.cli.bench import bench
 from dsv4stream.errors import Dsv4Error
 from dsv4stream.measure import sweep
+from dsv4stream.synth import release_config
 
 FAKE = (sys.executable, str(Path(__file__).with_name("fake_dsv4_run.py")))
 

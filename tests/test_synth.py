@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import INDEX_NAME, Catalog
-from dsv4stream.checkpoint.spec import expert_prefix
+from dsv4stream.checkpoint.tensors import expert_prefix
 from dsv4stream.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from cli_runs import dsv4, refused
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from dsv4stream.checkpoint import synth
+from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.errors import CheckpointError, UsageError
 from dsv4stream.trunkpack.format import FORMAT, MANIFEST, TRUNK_FILE
@@ -222,10 +222,10 @@ def test_an_older_pack_is_refused_with_the_command_that_upgrades_it(pack, cat, c
     refused(r, "dsv4 upgrade-trunk", str(pack))
 
 
-def test_upgrade_checks_blake2b_then_writes_the_new_sums(pack, cat):
+def test_upgrade_checks_blake2b_then_writes_the_new_sums(pack, cat, ckpt):
     want = make_format_1(pack)
     data_before = (pack / TRUNK_FILE).read_bytes()
-    r = dsv4("upgrade-trunk", str(pack), "--no-progress")
+    r = dsv4("upgrade-trunk", str(pack), "--no-progress", "--checkpoint", str(ckpt))
     assert r.returncode == 0, r.stderr
     assert f"upgraded from dsv4-trunk/1 to {FORMAT}" in r.stdout
     got = json.loads((pack / MANIFEST).read_text())
@@ -233,11 +233,11 @@ def test_upgrade_checks_blake2b_then_writes_the_new_sums(pack, cat):
     assert (pack / TRUNK_FILE).read_bytes() == data_before  # the data file is never written
     assert sorted(p.name for p in pack.iterdir()) == [MANIFEST, TRUNK_FILE]
     read_everything(pack, cat)
-    again = dsv4("upgrade-trunk", str(pack), "--no-progress")
+    again = dsv4("upgrade-trunk", str(pack), "--no-progress", "--checkpoint", str(ckpt))
     assert again.returncode == 0 and "nothing to do" in again.stdout
 
 
-def test_upgrade_of_a_corrupted_older_pack_changes_nothing(pack, cat):
+def test_upgrade_of_a_corrupted_older_pack_changes_nothing(pack, cat, ckpt):
     make_format_1(pack)
     before = (pack / MANIFEST).read_bytes()
     tf_runs = json.loads(before)["runs"]
@@ -245,7 +245,7 @@ def test_upgrade_of_a_corrupted_older_pack_changes_nothing(pack, cat):
     data = bytearray((pack / TRUNK_FILE).read_bytes())
     swap(data, head["offset"] // BLOCK, head["offset"] // BLOCK + 1)
     (pack / TRUNK_FILE).write_bytes(data)
-    r = dsv4("upgrade-trunk", str(pack), "--no-progress")
+    r = dsv4("upgrade-trunk", str(pack), "--no-progress", "--checkpoint", str(ckpt))
     refused(r, "run 'head' fails its blake2b checksum", "nothing was changed", "pack-trunk")
     assert (pack / MANIFEST).read_bytes() == before
 
@@ -319,3 +319,96 @@ def test_a_fifo_in_pack_trunks_staging_folder_is_named(ckpt, tmp_path):
     with pytest.raises(UsageError, match=r"journal\.jsonl: is a FIFO"):
         pack_trunk(ckpt, out, progress=False)
     assert np.array_equal(sorted(p.name for p in stage.iterdir()), ["journal.jsonl"])
+
+
+# ---- an old manifest that does not hold (issue 40, items 11-12) ---------------------------------
+
+
+def _same_shape_pair(m: dict) -> tuple[dict, dict]:
+    """Two tensors of one dtype and shape in one run, with other bytes."""
+    for r in m["runs"]:
+        seen: dict = {}
+        for t in r["tensors"]:
+            k = (t["dtype"], tuple(t["shape"]))
+            if k in seen:
+                return seen[k], t
+            seen[k] = t
+    raise AssertionError("no two tensors of one shape")
+
+
+def _swap_names(a: dict, b: dict) -> None:
+    for field in ("name", "xxh3"):
+        if field in a:
+            a[field], b[field] = b[field], a[field]
+
+
+def _old_manifest_edits(m: dict):
+    """(what, manifest) with one inconsistency each, of several kinds."""
+
+    def edited(what, fn):
+        e = json.loads(json.dumps(m))
+        fn(e)
+        return what, e
+
+    def run(e, key):
+        return next(r for r in e["runs"] if r["key"] == key)
+
+    yield edited(
+        "a tensor past its run's end",
+        lambda e: run(e, "layers.0")["tensors"][-1].update(
+            offset=run(e, "layers.0")["offset"] + run(e, "layers.0")["nbytes"]
+        ),
+    )
+    yield edited(
+        "a tensor inside another run",
+        lambda e: run(e, "layers.0")["tensors"][0].update(offset=run(e, "layers.1")["tensors"][0]["offset"]),
+    )
+    yield edited(
+        "a tensor listed twice", lambda e: run(e, "layers.1")["tensors"].append(dict(run(e, "layers.0")["tensors"][0]))
+    )
+    yield edited("a run listed twice", lambda e: e["runs"].append(json.loads(json.dumps(run(e, "head")))))
+    yield edited("a tensor's size", lambda e: run(e, "model")["tensors"][0].update(nbytes=8))
+    yield edited("a tensor's shape", lambda e: run(e, "model")["tensors"][0].update(shape=[1, 1]))
+    yield edited("a tensor's dtype", lambda e: run(e, "model")["tensors"][0].update(dtype="I64"))
+    yield edited("a name not in the checkpoint", lambda e: run(e, "layers.0")["tensors"][0].update(name="layers.0.x"))
+    yield edited("two runs overlapping", lambda e: run(e, "layers.1").update(offset=run(e, "layers.0")["offset"]))
+    yield edited("two same-shape tensors swapped", lambda e: _swap_names(*_same_shape_pair(e)))
+    yield edited(
+        "a tensor listed in another layer's run",
+        lambda e: run(e, "layers.1")["tensors"].append(run(e, "layers.0")["tensors"].pop()),
+    )
+    yield edited("a run of another layer", lambda e: run(e, "layers.1").update(layer=0))
+
+
+def test_upgrade_refuses_an_inconsistent_old_manifest_and_changes_nothing(pack, cat, ckpt):
+    good = make_format_1(pack)
+    old = json.loads((pack / MANIFEST).read_text())
+    for what, edited in _old_manifest_edits(old):
+        text = json.dumps(edited, indent=1) + "\n"
+        (pack / MANIFEST).write_text(text)
+        with pytest.raises(CheckpointError, match="nothing was changed") as e:
+            upgrade_trunk(pack, checkpoint=ckpt)
+        assert (pack / MANIFEST).read_text() == text, what
+        assert "\n" not in str(e.value), what
+    (pack / MANIFEST).write_text(json.dumps(old))
+    upgrade_trunk(pack, checkpoint=ckpt)  # the faithful one still upgrades, to what the packer wrote
+    assert json.loads((pack / MANIFEST).read_text())["runs"] == good["runs"]
+
+
+def test_upgrade_needs_the_checkpoint_the_pack_came_from(pack, ckpt, tmp_path):
+    make_format_1(pack)
+    before = (pack / MANIFEST).read_bytes()
+    with pytest.raises(UsageError, match="--checkpoint CHECKPOINT_DIR"):
+        upgrade_trunk(pack)  # its parent is no checkpoint
+    other = synth.make_checkpoint(tmp_path / "other", "tiny", seed=8)  # another vocabulary: another fingerprint
+    with pytest.raises(UsageError, match="another checkpoint"):
+        upgrade_trunk(pack, checkpoint=other)
+    assert (pack / MANIFEST).read_bytes() == before
+
+
+def test_verify_binds_each_tensor_to_its_name(pack, cat):
+    m = json.loads((pack / MANIFEST).read_text())
+    _swap_names(*_same_shape_pair(m))  # names and sums swapped: every checksum still holds
+    (pack / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="differs from"):
+        TrunkFile.open(pack, cat, verify=True)

@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from dsv4stream.checkpoint import spec_v41, synth, synth_v41
+from dsv4stream import synth
+from dsv4stream.checkpoint import spec_v41
 from dsv4stream.checkpoint.catalog import Catalog, read_header
 from dsv4stream.checkpoint.config import DSPARK_V41, SHARED, V41, WINDOW, ModelConfig
-from dsv4stream.checkpoint.spec import ITEMSIZE, model_specs, trunk_nbytes
+from dsv4stream.checkpoint.spec import model_specs, trunk_nbytes
+from dsv4stream.checkpoint.tensors import ITEMSIZE
 from dsv4stream.errors import CheckpointError, ConfigError
+from dsv4stream.synth import v41 as synth_v41
 
 PACKAGED = Path(__file__).resolve().parents[1] / "dsv4stream" / "v41_flash_config.json"
 

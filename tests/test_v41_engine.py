@@ -1,73 +1,72 @@
 """DeepSeek-V4.1 through the Engine / Session API on generated checkpoints.
 
-Prefill in any segments and sub-chunks equals decode one token at a time (index keys "owner");
-"as-shipped" keys change decode at the ratio-2 sources only; the state snapshots and restores
-(in memory and as a file); the Engram rows are asked for before layer 0 with the hash's ids;
-`dsv4 logits` takes the V4.1 options and refuses them on V4.
+In the official numerics, prefill in segments and sub-chunks stays close to decode one token at a
+time (index keys "owner"); the numerics differ and stay close; "as-shipped" keys change decode at
+the ratio-2 sources only; the Engram rows are asked for before layer 0 with the hash's ids;
+`dsv4 logits` takes the V4.1 options and refuses them on V4. What every family keeps (fp32 prefill
+equals steps, snapshot and state files, ...) is in test_engine_invariants.py.
 """
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream.checkpoint.synth import make_checkpoint
 from dsv4stream.cli.logits import logits as logits_cmd
 from dsv4stream.engine.session import Engine
 from dsv4stream.engine.stack_v41 import V41Options
-from dsv4stream.engine.state import from_bytes, to_bytes
 from dsv4stream.errors import UsageError
 from dsv4stream.weights.providers import CatalogEngramRows
 
 T = 48  # past the window (4), index_topk (3) and the candidate pool (3 blocks of 2) of tiny-v41-long
 
 
-@cache
-def checkpoint(preset: str = "tiny-v41-long", seed: int = 3) -> Path:
-    import tempfile
+@pytest.fixture(scope="module")
+def engine(tiny_v41_long):
+    """`engine(numerics, index_keys)`: the checkpoint's engine in those modes, opened once."""
+    engines: dict[tuple[str, str], Engine] = {}
 
-    out = Path(tempfile.mkdtemp(prefix="v41-engine-")) / preset
-    make_checkpoint(out, preset, seed=seed)
-    return out
+    def get(numerics: str = "official", index_keys: str = "owner") -> Engine:
+        if (numerics, index_keys) not in engines:
+            engines[numerics, index_keys] = Engine.open(tiny_v41_long, v41=V41Options(numerics, index_keys))
+        return engines[numerics, index_keys]
+
+    return get
 
 
-@cache
-def engine(numerics: str = "official", index_keys: str = "owner") -> Engine:
-    return Engine.open(checkpoint(), v41=V41Options(numerics, index_keys))
+@pytest.fixture(scope="module")
+def ids(engine):
+    def make(n: int = T, seed: int = 1) -> np.ndarray:
+        return np.random.default_rng(seed).integers(0, engine().cfg.vocab_size, n)
 
-
-def ids(n: int = T, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, engine().cfg.vocab_size, n)
+    return make
 
 
 def close(a: np.ndarray, b: np.ndarray, rel: float) -> bool:
     return bool(np.abs(a - b).max() <= rel * np.abs(b).max())
 
 
-@pytest.mark.parametrize("numerics", ["fp32", "official"])
-def test_prefill_in_segments_and_chunks_equals_decoding_one_token_at_a_time(numerics):
-    e, x = engine(numerics), ids()
+def test_prefill_in_segments_and_chunks_equals_decoding_one_token_at_a_time(engine, ids):
+    """The official numerics; in fp32 (float rounding only) this is test_engine_invariants.py's
+    test_same_logits_and_ids_at_every_segment_size and test_prefill_equals_decoding_one_token_at_a_time."""
+    e, x = engine("official"), ids()
     whole = e.session(chunk_size=64).prefill(x)
     parts = e.session(chunk_size=3, segment=7).prefill(x)
     s = e.session(segment=1)
     steps = np.stack([s.step(int(t)) for t in x])
-    if numerics == "fp32":  # float rounding only
-        assert close(parts, whole, 1e-4) and close(steps, whole, 1e-4)
-    else:
-        # a float rounding that differs with the row count of a product can move an FP8 activation
-        # by one grid step, which undamped random weights amplify downstream (DeepSeek's reference
-        # differs from itself the same way between its prefill and decode): most positions agree
-        for got in (parts, steps):
-            err = np.abs(got - whole).max(axis=1) / np.abs(whole).max(axis=1)
-            assert np.median(err) <= 2e-2
-            assert (np.argmax(got, 1) == np.argmax(whole, 1)).mean() > 0.9
+    # a float rounding that differs with the row count of a product can move an FP8 activation
+    # by one grid step, which undamped random weights amplify downstream (DeepSeek's reference
+    # differs from itself the same way between its prefill and decode): most positions agree
+    for got in (parts, steps):
+        err = np.abs(got - whole).max(axis=1) / np.abs(whole).max(axis=1)
+        assert np.median(err) <= 2e-2
+        assert (np.argmax(got, 1) == np.argmax(whole, 1)).mean() > 0.9
 
 
-def test_the_numerics_differ_and_stay_close():
+def test_the_numerics_differ_and_stay_close(engine, ids):
     x = ids()
     off = engine("official").session().prefill(x)
     f32 = engine("fp32").session().prefill(x)
@@ -77,7 +76,7 @@ def test_the_numerics_differ_and_stay_close():
     assert np.median(np.abs(off - f32).max(axis=1) / np.abs(f32).max()) < 0.5
 
 
-def test_as_shipped_keys_change_decode_but_not_prefill():
+def test_as_shipped_keys_change_decode_but_not_prefill(engine, ids):
     x = ids()
     owner, shipped = engine("official", "owner"), engine("official", "as-shipped")
     assert np.array_equal(owner.session().prefill(x), shipped.session().prefill(x))
@@ -88,23 +87,6 @@ def test_as_shipped_keys_change_decode_but_not_prefill():
     assert differ.size, "as-shipped keys changed nothing"
     # a ratio-2 source emits at odd positions; before the first stale read (position 2) all agree
     assert differ.min() >= 2
-
-
-def test_snapshot_restore_and_state_files_continue_exactly():
-    e, x = engine(), ids()
-    s = e.session(chunk_size=5)
-    s.prefill(x[:21])
-    snap = s.snapshot()
-    want = s.prefill(x[21:])
-    r = e.session(chunk_size=5)
-    r.restore(snap)
-    assert np.array_equal(r.prefill(x[21:]), want)
-    template = e.session().state
-    blob = to_bytes(snap, [int(t) for t in x[:21]], "id", template)
-    back, read_ids = from_bytes(blob, "id", template)
-    f = e.session(chunk_size=5)
-    f.restore(back)
-    assert read_ids == [int(t) for t in x[:21]] and np.array_equal(f.prefill(x[21:]), want)
 
 
 class SpyRows(CatalogEngramRows):
@@ -120,7 +102,7 @@ class SpyRows(CatalogEngramRows):
         return super().rows(layer, row_ids)
 
 
-def test_engram_rows_are_asked_for_before_layer_zero_with_the_hash_ids():
+def test_engram_rows_are_asked_for_before_layer_zero_with_the_hash_ids(engine, ids):
     base = engine()
     spy = SpyRows(base.catalog)
     e = Engine(
@@ -143,7 +125,7 @@ def test_engram_rows_are_asked_for_before_layer_zero_with_the_hash_ids():
     assert [c[0] for c in spy.calls].count("prefetch") == len(layers) * 3  # prompt + 2 fed tokens
 
 
-def test_engram_changes_the_logits():
+def test_engram_changes_the_logits(engine, ids):
     """The rows matter: zeroed rows give other logits (the gate and the value are really applied)."""
 
     class Zero(CatalogEngramRows):
@@ -158,14 +140,14 @@ def test_engram_changes_the_logits():
     assert not np.allclose(e.session().prefill(x), base.session().prefill(x))
 
 
-def test_logits_command_takes_the_v41_options_and_refuses_them_on_v4(tmp_path):
+def test_logits_command_takes_the_v41_options_and_refuses_them_on_v4(engine, ids, tiny_v41_long, tmp_path):
     x = ids(10)
     f = tmp_path / "ids.txt"
     f.write_text(",".join(str(int(t)) for t in x))
     run = CliRunner().invoke
     for mode in ("prefill", "step"):
         out = tmp_path / f"{mode}.npy"
-        r = run(logits_cmd, [str(checkpoint()), "--tokens-file", str(f), "--out", str(out), "--mode", mode,
+        r = run(logits_cmd, [str(tiny_v41_long), "--tokens-file", str(f), "--out", str(out), "--mode", mode,
                              "--numerics", "fp32", "--index-keys", "as-shipped"])  # fmt: skip
         assert r.exit_code == 0, r.output
     a, b = np.load(tmp_path / "prefill.npy"), np.load(tmp_path / "step.npy")

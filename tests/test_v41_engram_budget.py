@@ -17,11 +17,11 @@ import pytest
 
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.checkpoint.config import ModelConfig
-from dsv4stream.checkpoint.synth import make_checkpoint
 from dsv4stream.engine.session import Engine
 from dsv4stream.model.v41.engram import engram
 from dsv4stream.run import planner, planner_v41
 from dsv4stream.streaming.engram import DiskEngramRows
+from dsv4stream.synth import make_checkpoint
 from dsv4stream.weights.providers import CatalogEngramRows, CatalogExperts, CatalogTrunk
 
 V41_CONFIG = Path(__file__).resolve().parents[1] / "dsv4stream" / "v41_flash_config.json"

@@ -25,8 +25,8 @@ if any(importlib.util.find_spec(m) is None for m in ("torch", "sympy", "PIL")):
 
 import torch
 
-from dsv4stream.checkpoint.synth_v41 import small_tokenizer_json
 from dsv4stream.engram import HashLayout, next_row_ids, row_ids, token_classes
+from dsv4stream.synth.v41 import small_tokenizer_json
 from dsv4stream.text.tokenizer import real_tokenizer_files
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"

@@ -154,7 +154,7 @@ def test_usage_errors(tmp_path, real_vocab_ckpt):
 
 def test_no_vision_tower(tmp_path):
     """A V4.1 checkpoint without vision_config refuses images in one line."""
-    from dsv4stream.checkpoint.synth import make_checkpoint
+    from dsv4stream.synth import make_checkpoint
 
     ck = make_checkpoint(tmp_path / "nv", "tiny-v41", seed=1, vision_config=None)
     assert "no vision tower" in one_line(run_logits(tmp_path, ck, [5, 500, 6], [images()[0]]))

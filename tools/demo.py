@@ -28,7 +28,7 @@ PROMPT = "Explain in one sentence why a model can run with less memory than its 
 
 def prepare(root: Path) -> Path:
     """The demo checkpoint with its packed trunk and tokenizer, made once."""
-    from dsv4stream.checkpoint import synth
+    from dsv4stream import synth
     from dsv4stream.text.tokenizer import default_pack_path, pack_tokenizer
     from dsv4stream.trunkpack.writer import pack_trunk
 

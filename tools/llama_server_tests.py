@@ -416,7 +416,7 @@ def _free_port() -> int:
 
 def _make_checkpoint(work: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from dsv4stream.checkpoint import synth
+    from dsv4stream import synth
 
     out = work / "ckpt" / "tiny"
     if not (out / "config.json").exists():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Golden numbers for the forward pass from an independent implementation.
 
-Builds small checkpoints in the release format with `dsv4stream.checkpoint.synth`, runs HF
+Builds small checkpoints in the release format with `dsv4stream.synth`, runs HF
 transformers' `DeepseekV4ForCausalLM` on them (CPU torch, float32), and stores under
 tests/fixtures/<name>/ the checkpoint, the token ids, the float32 logits and a few
 intermediates (per-layer streams / attention / FFN outputs at probe positions, router and
@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4stream import jsonio
-from dsv4stream.checkpoint.synth import make_checkpoint
+from dsv4stream.synth import make_checkpoint
 
 RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention"}
 HCA = "heavily_compressed_attention"

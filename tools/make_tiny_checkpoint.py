@@ -8,9 +8,9 @@ Usage: tools/make_tiny_checkpoint.py OUT [--preset tiny|tiny-0731|demo|flash-exp
        [--sparse-experts/--dense-experts]
 
 `flash`, `flash-0731` and `flash-v41` write every tensor of the release at its real shape, routed
-experts (and V4.1's Engram tables) as sparse-file holes (see dsv4stream/checkpoint/synth.py).
+experts (and V4.1's Engram tables) as sparse-file holes (see dsv4stream/synth/).
 `--layers N` (V4.1 presets) gives another depth with a consistent layer plan
-(dsv4stream/checkpoint/synth_v41.py: layer_plan).
+(dsv4stream/synth/v41.py: layer_plan).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv4stream.checkpoint.synth import all_presets, make_checkpoint
-from dsv4stream.checkpoint.synth_v41 import PRESETS_V41, layer_plan
 from dsv4stream.errors import Dsv4Error
+from dsv4stream.synth import all_presets, make_checkpoint
+from dsv4stream.synth.v41 import PRESETS_V41, layer_plan
 
 
 @click.command()

@@ -47,6 +47,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -180,11 +181,12 @@ def reference_vision(config: dict) -> dict:
     }
 
 
-def reference_args(ref, config: dict, max_seq_len: int, vision: bool = False):
+def reference_args(ref, config: dict, max_seq_len: int, vision: bool = False, drafter: bool = False):
     """The reference's ModelArgs for a release config.json, for one sequence of up to max_seq_len.
 
-    The DSpark drafter is left out, and vision unless asked for (`tools/v41_reference_vision.py`):
-    neither runs in a text forward. norm_topk_prob
+    Vision and the DSpark drafter are left out unless asked for (`tools/v41_reference_vision.py`,
+    `tools/v41_reference_dspark.py`, which calls its `forward_spec`): neither runs in a text
+    forward. norm_topk_prob
     is the reference's default (True): the release states it in config.json, inference/config.json
     does not."""
     d = reference_config(config)
@@ -193,7 +195,18 @@ def reference_args(ref, config: dict, max_seq_len: int, vision: bool = False):
     if not config["text_config"].get("norm_topk_prob", True):
         d["norm_topk_prob"] = False
     d.update(reference_vision(config) if vision else {"vision_n_layers": 0})
-    return ref.ModelArgs(max_batch_size=1, max_seq_len=max_seq_len, temperature=0.0, dspark_block_size=0, **d)
+    t = config["text_config"]
+    ds = {"dspark_block_size": 0}
+    if drafter:
+        ds = {
+            "dspark_block_size": t["dspark_block_size"],
+            "dspark_noise_token_id": t["dspark_noise_token_id"],
+            "dspark_target_layer_ids": tuple(t["dspark_target_layer_ids"]),
+            "dspark_markov_rank": t["dspark_markov_rank"],
+            "dspark_n_routed_experts": t.get("dspark_n_routed_experts", 0),
+            "dspark_n_activated_experts": t.get("dspark_num_experts_per_tok", 0),
+        }
+    return ref.ModelArgs(max_batch_size=1, max_seq_len=max_seq_len, temperature=0.0, **ds, **d)
 
 
 class HFTokenizer:
@@ -363,6 +376,8 @@ def load_weights(model, tensors: dict) -> None:
 
     used: set[str] = set()
     for name, p in model.state_dict(keep_vars=True).items():
+        if re.match(r"mtp\.\d+\.(embed|head)\.", name):
+            continue  # the drafter's stages share the model's embed and head (aliases, loaded as such)
         if name not in tensors:
             raise ReferenceError(f"checkpoint has no {name} (the reference needs it)")
         t = tensors[name]
@@ -411,13 +426,22 @@ def to_fp32(model) -> None:
             p.data = p.data.float()
 
 
-def build_model(reference: Path, ckpt: Path, numerics: str, index_keys: str, max_seq_len: int, vision: bool = False):
-    """(model, reference module) loaded from the checkpoint, with the run-time changes applied."""
+def build_model(
+    reference: Path,
+    ckpt: Path,
+    numerics: str,
+    index_keys: str,
+    max_seq_len: int,
+    vision: bool = False,
+    drafter: bool = False,
+):
+    """(model, reference module) loaded from the checkpoint, with the run-time changes applied
+    (with its vision tower where `vision`, its DSpark drafter where `drafter`)."""
     import torch
 
     ref = load_reference(reference)
     config = json.loads((ckpt / "config.json").read_text())
-    args = reference_args(ref, config, max_seq_len, vision)
+    args = reference_args(ref, config, max_seq_len, vision, drafter)
     tok = HFTokenizer(ckpt / "tokenizer.json") if args.engram_layer_ids else None
     if index_keys == "owner":
         use_owner_index_keys(ref)

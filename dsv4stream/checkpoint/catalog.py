@@ -23,9 +23,11 @@ import numpy as np
 from .. import jsonio
 from ..errors import CheckpointError, ReadError, ShortReadError
 from ..files import kind_of
-from ..kernels import QWeight
 from .config import DSPARK, DSPARK_V41, LAYOUTS, PREVIEW, ModelConfig
-from .spec import ITEMSIZE, MTP, MTP_EXTRAS, TensorSpec, is_drafter, linear_names, model_specs
+from .formats import QWeight
+from .spec import model_specs
+from .spec_v4 import MTP_EXTRAS
+from .tensors import ITEMSIZE, MTP, TensorSpec, is_drafter, linear_names
 
 INDEX_NAME = "model.safetensors.index.json"
 NP_DTYPE = {

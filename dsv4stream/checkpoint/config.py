@@ -35,8 +35,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from .. import jsonio
+from ..engram import layout as engram_layout
 from ..errors import ConfigError
-from . import engram_layout
 from .schema import SCHEMAS, ConfigV4, ConfigV41, validation_problems
 
 WINDOW, CSA, HCA, SHARED = "window", "csa", "hca", "shared"
@@ -159,7 +159,7 @@ class EngramConfig:
         return sum(self.rows) * self.row_bytes
 
     def primes(self) -> tuple[tuple[int, ...], ...]:
-        """Per Engram layer, each column's bucket prime (see `engram_layout`)."""
+        """Per Engram layer, each column's bucket prime (see `engram.layout`)."""
         return engram_layout.column_primes(self.vocab_size, len(self.layer_ids), self.max_ngram_size, self.n_heads)
 
 

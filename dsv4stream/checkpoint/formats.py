@@ -1,9 +1,11 @@
 """Number formats of the release, decoded with ml_dtypes (no hand-written bit twiddling).
 
-Owns: E4M3FN, E8M0, E2M1 (packed two per byte), BF16 codecs; block dequantisation of FP8
-weights (128x128 scales, ceil at the edges) and FP4 weights (1x32 scales along the input
-dim); quantisers used by the checkpoint generator. Scales come either as E8M0 bytes
-(`uint8`, value 2^(b-127); b = 0 is 2^-127, 0xFF is NaN) or as float32; both occur.
+Owns: E4M3FN, E8M0, E2M1 (packed two per byte), BF16 codecs; `QWeight` (a linear weight as
+stored: FP8, FP4, BF16 or F32 plus its scales; what the catalog reads and the kernels
+multiply); block dequantisation of FP8 weights (128x128 scales, ceil at the edges) and FP4
+weights (1x32 scales along the input dim); quantisers used by the checkpoint generator.
+Scales come either as E8M0 bytes (`uint8`, value 2^(b-127); b = 0 is 2^-127, 0xFF is NaN) or
+as float32; both occur.
 
 Raw weights are held as unsigned integer views (uint8 for FP8/FP4, uint16 for BF16) so
 that numba kernels and O_DIRECT slots can use them unchanged.
@@ -12,6 +14,8 @@ that numba kernels and O_DIRECT slots can use them unchanged.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import ml_dtypes
 import numpy as np
@@ -23,6 +27,32 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 FP4_BLOCK = 32
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """y = W @ x with W logically (rows, cols) float.
+
+    data: fp8 uint8 (R, C); fp4 uint8 (R, C//2); bf16 uint16 (R, C); f32 float32 (R, C).
+    scale: fp8 (ceil(R/br), ceil(C/bc)) for `block` (br, bc): (128, 128) in V4, (32, 32) in V4.1;
+    fp4 (R, C//32); uint8 E8M0 bytes or float32; else None.
+    """
+
+    kind: str
+    data: np.ndarray
+    scale: np.ndarray | None
+    rows: int
+    cols: int
+    role: str = "trunk"  # whose time `kernel_seconds` counts it as: "experts", "head" or "trunk"
+    block: tuple[int, int] = (128, 128)  # FP8 scale block (rows, cols); unused by the other kinds
+
+    # A subclass whose arrays live on a device (dsv4stream.gpu.DeviceQWeight) sets this and
+    # multiplies itself there: matvec / matmul / dense hand it over instead of a CPU backend.
+    on_device: ClassVar[bool] = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (0 if self.scale is None else self.scale.nbytes)
 
 
 def e8m0_to_f32(b: np.ndarray) -> np.ndarray:

@@ -2,7 +2,8 @@
 
 Owns: V4.1's part of the one name table (`BLOCK_V41`, `ENGRAM`, `MODEL_V41`, `VISION`,
 `MTP_EXTRAS_V41`: names V4 does not have) and the list of expected tensors, in the same
-`TensorSpec` terms as `spec` (which dispatches here for `family == "v41"`).
+`TensorSpec` terms as `spec_v4` (`tensors`' vocabulary); `spec` dispatches here for
+`family == "v41"`.
 
 Per layer (DeepSeek's V4.1 inference/model.py, checked against the release's shard-header
 ledger: 96,085 tensors, 510,286,023,000 bytes): the attention of V4 without `compressor.ape`;
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from .config import ModelConfig
-from .spec import (
+from .tensors import (
     BF16_LINEAR_DTYPES,
     F32_DTYPES,
     LINEAR_DTYPES,
@@ -41,10 +42,11 @@ from .spec import (
     experts_block_specs,
     layer_prefix,
     linear_names,
+    released_nbytes,
     shared_block_specs,
 )
 
-# V4.1 names beyond spec.BLOCK, under the block prefix.
+# V4.1 names beyond tensors.BLOCK, under the block prefix.
 BLOCK_V41 = {
     "attn.indexer.wk": "attn.indexer.wk",
     "attn.indexer.k_norm": "attn.indexer.k_norm.weight",
@@ -205,6 +207,4 @@ def engram_nbytes(cfg: ModelConfig) -> int:
 
 def vision_nbytes(cfg: ModelConfig) -> int:
     """Release-dtype bytes of the vision tower, its aligner and the image delimiters (not run)."""
-    from .spec import released_nbytes
-
     return sum(released_nbytes(cfg, s) for s in vision_specs(cfg)) if cfg.vision is not None else 0

@@ -11,8 +11,9 @@ import click
 
 from ..checkpoint.catalog import Catalog
 from ..checkpoint.config import DSPARK, DSPARK_V41, LAYOUTS, SUPPORTED_MODEL_TYPES, ModelConfig
-from ..checkpoint.spec import drafter_nbytes, is_drafter, trunk_nbytes, unused_summary
+from ..checkpoint.spec import drafter_nbytes, trunk_nbytes, unused_summary
 from ..checkpoint.spec_v41 import is_vision, vision_nbytes
+from ..checkpoint.tensors import is_drafter
 from ..errors import CheckpointError, UsageError
 from ..gpu.plan import Matrix, moved_bytes, plan_placement
 from ..gpu.trunk import HEAD, candidates, candidates_from_config

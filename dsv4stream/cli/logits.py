@@ -17,6 +17,7 @@ token (DeepSeek's reference takes images only in the first forward pass).
 
 from __future__ import annotations
 
+import io
 import re
 from pathlib import Path
 
@@ -27,40 +28,64 @@ from ..engine.images import decode_images, image_prompt
 from ..engine.session import Engine
 from ..engine.stack_v41 import V41Options
 from ..errors import UsageError
-from ..files import AtomicFile
+from ..files import AtomicFile, read_regular
 from ..text.image import TEXT, read_image_file
 from .outputs import check_output
 
+TOKENS_FILE_LIMIT = 64 << 20  # bytes: a million ids (V4's whole context) as text or .npy is under 12 MB
+
+
+def _quote(text: str, n: int = 12) -> str:
+    """A few characters of user input for a message: never a file's contents (it may be a secret)."""
+    return repr(text[:n]) + ("..." if len(text) > n else "")
+
 
 def parse_tokens(tokens: str | None, tokens_file: Path | None) -> np.ndarray:
-    """Comma/space-separated ids from --tokens, or from a text or .npy file."""
+    """Comma/space-separated ids from --tokens, or from a text or .npy file (a regular file of at
+    most TOKENS_FILE_LIMIT bytes; a .npy of integers, never pickled objects)."""
     if (tokens is None) == (tokens_file is None):
         raise UsageError("give exactly one of --tokens 1,2,3 or --tokens-file FILE")
+    where = "token list"
     if tokens_file is not None:
+        data = read_regular(tokens_file, "--tokens-file", UsageError, TOKENS_FILE_LIMIT)
         if tokens_file.suffix == ".npy":
-            ids = np.load(tokens_file).reshape(-1)
-            if not np.issubdtype(ids.dtype, np.integer):
-                raise UsageError(f"{tokens_file}: expected an integer array, found {ids.dtype}")
-            return ids.astype(np.int64)
+            return _npy_ids(tokens_file, data)
         try:
-            tokens = tokens_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"{tokens_file}: cannot read it as a UTF-8 list of ids ({e})") from None
+            tokens = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(
+                f"--tokens-file {tokens_file}: not UTF-8 text (byte {e.start}); give ids like 1,2,3"
+            ) from None
+        where = f"--tokens-file {tokens_file}"
     text = tokens.strip()
     # ids separated by commas and/or spaces; an empty field (1,,2 or a trailing comma) is a typo
     parts = re.split(r"\s*,\s*|\s+", text) if text else []
     if "" in parts:
-        raise UsageError(f"token list {tokens!r} has an empty entry; pass ids like 1,2,3")
-    bad = next((p for p in parts if not re.fullmatch(r"-?[0-9]+", p)), None)
+        at = parts.index("")
+        raise UsageError(f"{where}: entry {at + 1} is empty (1,,2 or a trailing comma); pass ids like 1,2,3")
+    bad = next((i for i, p in enumerate(parts) if not re.fullmatch(r"-?[0-9]+", p)), None)
     if bad is not None:
-        raise UsageError(f"token list: {bad!r} is not an integer id; pass ids like 1,2,3")
-    big = next((p for p in parts if not -(2**63) <= int(p) < 2**63), None)
+        raise UsageError(f"{where}: entry {bad + 1}, {_quote(parts[bad])}, is not an integer id; pass ids like 1,2,3")
+    big = next((p for p in parts if len(p) > 20 or not -(2**63) <= int(p) < 2**63), None)
     if big is not None:
-        raise UsageError(f"token list: id {big} is far outside any vocabulary; pass ids like 1,2,3")
+        raise UsageError(f"{where}: id {_quote(big, 20)} is far outside any vocabulary; pass ids like 1,2,3")
     ids = np.array([int(p) for p in parts], dtype=np.int64)
     if ids.size == 0:
         raise UsageError("the token list is empty")
     return ids
+
+
+def _npy_ids(path: Path, data: bytes) -> np.ndarray:
+    """The ids of a .npy file's bytes: an integer array of any shape, flattened."""
+    try:
+        ids = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, EOFError, OSError) as e:  # object arrays, bad headers, short data
+        raise UsageError(f"--tokens-file {path}: not a .npy array of integer ids ({str(e)[:80]})") from None
+    if not isinstance(ids, np.ndarray) or not np.issubdtype(ids.dtype, np.integer):
+        raise UsageError(f"--tokens-file {path}: expected an integer array, found {getattr(ids, 'dtype', type(ids))}")
+    if ids.dtype.kind == "u" and ids.size and int(ids.max()) >= 2**63:
+        raise UsageError(f"--tokens-file {path}: an id is far outside any vocabulary")
+    return ids.reshape(-1).astype(np.int64)
 
 
 def parse_mode(mode: str, n: int) -> tuple[int, int | None]:
@@ -115,6 +140,13 @@ def parse_mode(mode: str, n: int) -> tuple[int, int | None]:
     default=None,
     help="Also write tokens, types and input rows of the expanded sequence to this .npz.",
 )
+@click.option(
+    "--draft-out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="V4.1: also write the DSpark drafter's outputs (positions, logits [P, B, vocab], confidence [P, B]) to this .npz.",
+)
+@click.option("--draft-positions", default="all", show_default=True, help="With --draft-out: all or P1,P2,...")
 @click.option("--threads", type=int, default=None, help="Kernel threads (results do not depend on it).")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def logits(
@@ -127,6 +159,8 @@ def logits(
     index_keys,
     images: tuple[Path, ...],
     embeds_out: Path | None,
+    draft_out: Path | None,
+    draft_positions: str,
     threads,
     debug: bool,
 ) -> None:
@@ -139,6 +173,8 @@ def logits(
     opts = None
     if numerics is not None or index_keys is not None:
         opts = V41Options(numerics=numerics or "official", index_keys=index_keys or "owner")
+    if draft_out is not None:
+        check_output(draft_out, "--draft-out")
     eng = Engine.open(checkpoint, threads=threads, v41=opts)
     spans, types = None, np.full(ids.size, TEXT, dtype=np.int64)
     # with a vision tower every marker needs its image; without one (and no --image) the
@@ -148,6 +184,11 @@ def logits(
         ip = image_prompt(eng, ids, decode_images(eng, files))
         ids, types, spans = ip.ids, ip.types, ip.spans
     chunk, segment = parse_mode(mode, ids.size)
+    if draft_out is not None:
+        if spans is not None:
+            raise UsageError("--draft-out takes a text-only token sequence: leave out --image")
+        _with_drafts(eng, ids, out, draft_out, draft_positions, chunk, segment)
+        return
     session = eng.session(chunk_size=chunk, segment=segment)
     result = session.prefill(ids, spans=spans).astype(np.float32, copy=False)
     with AtomicFile(out, "wb") as f:  # keep the exact name (np.save would append .npy)
@@ -159,3 +200,20 @@ def logits(
         with AtomicFile(embeds_out, "wb") as f:
             np.savez(f.file, tokens=ids, types=types, embeds=emb)
     click.echo(f"{out}: logits {result.shape[0]} x {result.shape[1]} float32 ({mode})")
+
+
+def _with_drafts(eng, ids, out: Path, draft_out: Path, spec: str, chunk: int, segment: int | None) -> None:
+    """The main logits to `out` and the DSpark drafter's outputs to `draft_out` (`engine.dspark_v41`)."""
+    from ..engine.dspark_v41 import draft_positions, teacher_forced_drafts
+    from ..weights.loading_dspark import check_drafter
+
+    check_drafter(eng.cfg)
+    positions = draft_positions(spec, ids.size, eng.cfg.dspark.block_size)
+    main, logits, conf = teacher_forced_drafts(eng, ids, positions, chunk, segment)
+    with AtomicFile(out, "wb") as f:
+        np.save(f.file, main)
+    with AtomicFile(draft_out, "wb") as f:
+        np.savez(f.file, positions=positions, logits=logits.astype(np.float32), confidence=conf.astype(np.float32))
+    click.echo(
+        f"{out}: logits {main.shape[0]} x {main.shape[1]} float32; {draft_out}: drafts at {positions.size} positions"
+    )

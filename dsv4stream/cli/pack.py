@@ -39,18 +39,26 @@ def pack_trunk_cmd(
 
 @click.command("upgrade-trunk")
 @click.argument("pack_dir", type=click.Path(path_type=Path))
+@click.option(
+    "--checkpoint",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The checkpoint the pack was made from (default: the folder holding PACK_DIR).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def upgrade_trunk_cmd(pack_dir: Path, no_progress: bool) -> None:
+def upgrade_trunk_cmd(pack_dir: Path, checkpoint: Path | None, no_progress: bool) -> None:
     """Upgrade a trunk pack of an older format in place.
 
-    Every run is read once and checked with its blake2b; only when all match are the new
-    checksums (xxh3, checked on every read of every run) written into the manifest. The
-    data file is never rewritten. A run that fails leaves the pack unchanged.
+    The old manifest is checked whole first (every tensor in its run, once, named, typed and
+    shaped as in the checkpoint). Every run is read once and checked with its blake2b, and
+    each tensor's bytes against the checkpoint's bytes of that name; only when all match are
+    the new checksums (xxh3, checked on every read of every run) written into the manifest.
+    The data file is never rewritten. Anything that fails leaves the pack unchanged.
     """
     from ..trunkpack.writer import tqdm_bar
 
     with tqdm_bar(_pack_bytes(pack_dir), "upgrade-trunk", not no_progress) as bar:
-        r = upgrade_trunk(pack_dir, bar.update)
+        r = upgrade_trunk(pack_dir, bar.update, checkpoint)
     if r.up_to_date:
         click.echo(f"{r.path}: already format {FORMAT}; nothing to do")
         return

@@ -308,34 +308,51 @@ class ChatSettings:
     pick: Pick
 
 
-def read_line(stdin: TextIO, tty: bool, prompt: str = "> ") -> str | None:
-    """One input line without its newline; None at EOF."""
+TURN_LIMIT = 1 << 30  # characters of one turn read from a pipe; chat_loop passes a bound from --ctx
+
+
+def read_line(stdin: TextIO, tty: bool, prompt: str = "> ", limit: int = TURN_LIMIT) -> str | None:
+    """One input line without its newline; None at EOF. A line of more than `limit` characters
+    (stdin from /dev/zero, a binary file) is a UsageError after reading `limit + 1`."""
     if tty:
         try:
             return input(prompt)
         except EOFError:
             click.echo("")  # end the prompt's line
             return None
-    line = stdin.readline()
+    line = stdin.readline(limit + 1)
+    if len(line) > limit:
+        raise UsageError(f"a chat turn of more than {limit:,} characters on stdin; is it the right input?")
     return None if line == "" else line.rstrip("\n")
 
 
-def read_turn(stdin: TextIO, tty: bool) -> str | None:
+PROMPT_CHARS_PER_TOKEN = 64  # a turn longer than this times --ctx cannot fit the context
+
+
+def read_turn(stdin: TextIO, tty: bool, limit: int = TURN_LIMIT) -> str | None:
     """One turn: a line; lines ending in a backslash joined with the next (newline kept);
     or the lines between two lines of three double quotes. None at EOF (a block cut
-    short by EOF is still a turn)."""
-    first = read_line(stdin, tty)
+    short by EOF is still a turn). More than `limit` characters in all is a UsageError."""
+    lines: list[str] = []
+    used = 0
+
+    def next_line(prompt: str) -> str | None:
+        nonlocal used
+        line = read_line(stdin, tty, prompt, max(limit - used, 0))
+        used += len(line) + 1 if line is not None else 0
+        return line
+
+    first = next_line("> ")
     if first is None:
         return None
     if first.strip() == BLOCK:
-        lines: list[str] = []
-        while (line := read_line(stdin, tty, "... ")) is not None and line.strip() != BLOCK:
+        while (line := next_line("... ")) is not None and line.strip() != BLOCK:
             lines.append(line)
         return "\n".join(lines)
-    lines = [first]
+    lines.append(first)
     while lines[-1].endswith("\\"):
         lines[-1] = lines[-1][:-1]
-        line = read_line(stdin, tty, "... ")
+        line = next_line("... ")
         if line is None:
             break
         lines.append(line)
@@ -364,7 +381,7 @@ def chat_loop(
     note = ""  # why the next turn may need a fresh session
     while True:
         try:
-            line = read_turn(stdin, tty)
+            line = read_turn(stdin, tty, PROMPT_CHARS_PER_TOKEN * settings.ctx)
         except KeyboardInterrupt:
             click.echo("", err=True)
             return

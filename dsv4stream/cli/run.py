@@ -43,7 +43,7 @@ from .. import gpu
 from ..checkpoint.config import ModelConfig
 from ..engine.images import expanded_length, image_prompt, inputs_for, with_markers
 from ..errors import BudgetError, Dsv4Error, InternalError, TokenizerError, UsageError
-from ..files import AtomicFile, atomic_write
+from ..files import AtomicFile, atomic_write, read_regular
 from ..run import planner
 from ..run.report import report_lines
 from ..run.runinfo import RunOptions, RunStats
@@ -124,20 +124,30 @@ def check_trunk(trunk: Path | None) -> None:
         raise UsageError(f"--trunk {trunk}: is a file; pass the directory `dsv4 pack-trunk CHECKPOINT` wrote")
 
 
-def prompt_text(prompt: str | None, prompt_file: Path | None) -> str | None:
-    """--prompt as given; --prompt-file's text less one final newline (as `dsv4 tokenize -`)."""
+# a token spells at most this many bytes of text (the releases' longest is under 64): a prompt
+# file longer than this times --ctx cannot fit the context and is refused before it is read
+PROMPT_BYTES_PER_TOKEN = 64
+
+
+def prompt_text(prompt: str | None, prompt_file: Path | None, ctx: int) -> str | None:
+    """--prompt as given; --prompt-file's text less one final newline (as `dsv4 tokenize -`).
+    The file must be a regular one (or - for stdin), of at most PROMPT_BYTES_PER_TOKEN x ctx bytes."""
     if prompt_file is None:
         if prompt is not None and not is_utf8(prompt):
             raise UsageError("--prompt: the text is not valid UTF-8; give UTF-8 text")
         return prompt
+    limit = PROMPT_BYTES_PER_TOKEN * ctx
     if str(prompt_file) == "-":
-        return strip_final_newline(stdin_text("--prompt-file -"))
+        return strip_final_newline(stdin_text(f"--prompt-file - (at most {limit:,} bytes for --ctx {ctx})", limit))
+    if not prompt_file.exists():
+        raise UsageError(f"--prompt-file {prompt_file}: no such file")
+    data = read_regular(prompt_file, f"--prompt-file (for --ctx {ctx})", UsageError, limit)
     try:
-        return strip_final_newline(prompt_file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"--prompt-file {prompt_file}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--prompt-file {prompt_file}: cannot read it as UTF-8 text ({e})") from None
+        return strip_final_newline(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"--prompt-file {prompt_file}: cannot read it as UTF-8 text (byte {e.start} is {data[e.start]:#04x})"
+        ) from None
 
 
 def id_prompt(prompt_ids: str, cfg: ModelConfig) -> list[int]:
@@ -418,7 +428,7 @@ def run(
     parts = [ImagePart(str(p), read_image_file(p)) for p in images]
     inputs = inputs_for(cfg, [(p.name, p.data) for p in parts]) if parts else []  # bad images fail now
 
-    text = prompt_text(prompt, prompt_file)
+    text = prompt_text(prompt, prompt_file, ctx)
     if prompt_ids is not None:
         tokenizer, ids = None, id_prompt(prompt_ids, cfg)
     else:

@@ -12,6 +12,8 @@ HTTP layer is `dsv4stream.server`.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import signal
 import socket
 import threading
@@ -169,7 +171,7 @@ def serve(
         origins = normalize_origins(cors_origins)
     except ValueError as e:
         raise UsageError(f"--cors-origin {e}") from None
-    hosts = tuple(h for h in (host_name(h) for value in allowed_hosts for h in value.split(",")) if h)
+    hosts = _allowed_hosts(allowed_hosts, host_name)
     if max_queue < 0:
         raise UsageError(f"--max-queue {max_queue}: give 0 (never wait) or more")
     if max_connections < 1:
@@ -197,6 +199,13 @@ def serve(
     if not is_loopback(host) and not api_key:
         _say(f"dsv4: warning: listening on {host} without --api-key: anyone who can reach it can use the model")
 
+    held: dict[str, object] = {}
+    if kv_cache is not None:
+        from ..server.cache import FolderLock
+
+        # before loading the model: a folder another running server holds is refused (CacheBusy)
+        with contextlib.suppress(OSError):  # one it cannot write: the disk cache says so at start
+            held["kv_lock"] = FolderLock(kv_cache)
     sock = bind(host, port)
     srv = ServerState(
         checkpoint.resolve().name, tokenizer, ctx, _say, chat.encoder_for(cfg.layout, cfg.family),
@@ -211,7 +220,6 @@ def serve(
     )  # fmt: skip
     server = uvicorn.Server(config)
     failure: list[BaseException] = []
-    held: dict[str, object] = {}
     _say(f'dsv4: loading {checkpoint} (GET http://{host}:{port}/health says "loading" until ready)')
 
     def load() -> None:
@@ -233,7 +241,14 @@ def serve(
             for line in [*gctx.take_messages(), *rt.plan.lines()]:
                 _say(line)
             srv.worker = _worker(
-                rt, tokenizer, banned_ids(tokenizer, allow_special), keep_states, ctx, kv_cache, kv_cache_gb
+                rt,
+                tokenizer,
+                banned_ids(tokenizer, allow_special),
+                keep_states,
+                ctx,
+                kv_cache,
+                kv_cache_gb,
+                held.get("kv_lock"),
             )
             _say(f"listening on http://{host}:{port}")
         except BaseException as e:  # noqa: BLE001  re-raised by the main thread once the server has stopped
@@ -253,7 +268,7 @@ def serve(
         loader.join()
         if srv.worker is not None:
             srv.worker.close()
-        for key in ("rt", "gpu"):
+        for key in ("rt", "gpu", "kv_lock"):
             if key in held:
                 held[key].close()  # type: ignore[attr-defined]
         sock.close()
@@ -262,8 +277,36 @@ def serve(
     _say("dsv4: server stopped")
 
 
+# what a Host header's name part may be: "*", a DNS name or IPv4 address, a bracketed IPv6 address
+_HOST = re.compile(r"\*|\[[0-9a-f:.]+\]|[a-z0-9_]([a-z0-9_.-]{0,251}[a-z0-9_])?")
+
+
+def _allowed_hosts(values: tuple[str, ...], host_name) -> tuple[str, ...]:
+    """The names of --allowed-host (comma-separated, repeatable); one that names no host (empty,
+    a bare port, spaces, other characters) is refused, never dropped: an empty list would mean
+    "the loopback names only" where a name was meant."""
+    out = []
+    for value in values:
+        for piece in value.split(","):
+            name = host_name(piece)
+            if not _HOST.fullmatch(name):
+                raise UsageError(
+                    f"--allowed-host {value[:80]!r}: {piece.strip()[:80]!r} is not a host name; "
+                    "give names such as example.com or 192.168.1.5 (comma-separated), or * for any"
+                )
+            out.append(name)
+    return tuple(out)
+
+
 def _worker(
-    rt: Runtime, tokenizer, banned: list[int], keep_states: int, ctx: int, kv_cache: Path | None, kv_cache_gb: float
+    rt: Runtime,
+    tokenizer,
+    banned: list[int],
+    keep_states: int,
+    ctx: int,
+    kv_cache: Path | None,
+    kv_cache_gb: float,
+    kv_lock=None,
 ):
     from ..server.cache import CacheUnwritable, DiskCache, StateCache, checkpoint_identity
     from ..server.worker import Worker
@@ -273,7 +316,9 @@ def _worker(
     if kv_cache is not None:
         template = rt.session().state
         try:
-            disk = DiskCache(kv_cache, int(kv_cache_gb * planner.GB), checkpoint_identity(rt.cat), template, _say)
+            disk = DiskCache(
+                kv_cache, int(kv_cache_gb * planner.GB), checkpoint_identity(rt.cat), template, _say, kv_lock
+            )
         except CacheUnwritable as e:
             _say(f"dsv4: warning: {e}; serving without the disk cache (states are kept in RAM only)")
         except OSError as e:

@@ -25,15 +25,32 @@ def strip_final_newline(text: str) -> str:
     return text.removesuffix("\n")
 
 
-def stdin_text(what: str) -> str:
-    """All of stdin as UTF-8 text, whatever the locale; anything else is one UsageError naming `what`."""
-    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+STDIN_LIMIT = 256 << 20  # bytes of text read from stdin at most (`< /dev/zero` must not fill the memory)
+
+
+def stdin_text(what: str, limit: int = STDIN_LIMIT) -> str:
+    """All of stdin as UTF-8 text, whatever the locale; anything else is one UsageError naming `what`.
+    More than `limit` bytes is refused after reading `limit + 1`."""
+    data = read_stdin(what, limit)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(
             f"{what}: stdin is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}); give UTF-8"
         ) from None
+
+
+def read_stdin(what: str, limit: int) -> bytes:
+    """Stdin's bytes, at most `limit` of them: one more is a UsageError (never an unbounded read)."""
+    stream = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else None
+    chunks, got = [], 0
+    while got <= limit:
+        b = stream.read(min(1 << 20, limit + 1 - got)) if stream is not None else sys.stdin.read(1 << 20).encode()
+        if not b:
+            return b"".join(chunks)
+        chunks.append(b)
+        got += len(b)
+    raise UsageError(f"{what}: stdin gives more than {limit:,} bytes; is it the right input?")
 
 
 def describe(tok: Tokenizer) -> str:

@@ -29,7 +29,7 @@ import numpy as np
 from .. import kernels
 from ..checkpoint.catalog import Catalog, TensorSource
 from ..checkpoint.config import V41, ModelConfig
-from ..checkpoint.spec import layer_prefix
+from ..checkpoint.tensors import layer_prefix
 from ..errors import NumericsError, UsageError
 from ..model.moe import ExpertWeights
 from ..model.scan import nonfinite_fields
@@ -178,12 +178,12 @@ class Session:
     token), before any of its reads start: a budgeted run moves bytes between the expert
     cache and the pass's activations there.
 
-    Hook for a speculative drafter (not implemented): DeepSeek-V4-Flash-0731's DSpark stages
-    read the outputs of main layers `cfg.dspark.target_layer_ids` (40-42), concatenated. Those
-    are the `trace("hidden", layer, x)` calls, (T, hc, D) per layer after each chunk, in
-    position order. A drafter keeps its own window state beside `state` (its stages are
-    window-only blocks, mtp.* in the catalog) and never changes the main model's state, so
-    verification is an ordinary `prefill` of the drafted tokens.
+    Hook for a speculative drafter: DeepSeek-V4.1's DSpark stages read the streams entering main
+    layers `cfg.dspark.target_layer_ids`, the V4.1 stack's `trace("input", layer, x)` calls,
+    (T, hc, D) per layer and pass, in position order (`engine.dspark_v41`,
+    `engine.speculate_v41`). A drafter keeps its own window state beside `state` and never
+    changes the main model's state, so verification is an ordinary `prefill` of the drafted
+    tokens (and a rejection a `restore` of the snapshot taken before it).
     """
 
     def __init__(

@@ -145,6 +145,18 @@ class Carry:
 
     board: KeyBoard = field(default_factory=KeyBoard)
     history: tuple[int, ...] = ()  # the last classes the Engram hash looks back on
+    look_back: int = 0  # the most classes `history` holds (the Engram's n-gram size - 1)
+    layers: int = 0  # the board's publisher is one of them
+
+    def check_restored(self, fresh: Carry, pos: int) -> str | None:
+        """What is wrong with this carry, read from a state file, after `pos` tokens (None: fine)."""
+        if (self.look_back, self.layers) != (fresh.look_back, fresh.layers):
+            return f"a carry for {self.layers} layers and {self.look_back} classes back, expected {fresh.layers}, {fresh.look_back}"
+        if len(self.history) > self.look_back or any(c < 0 for c in self.history):
+            return f"an Engram history of {len(self.history)} classes, at most {self.look_back}"
+        if not -1 <= self.board.publisher < self.layers:
+            return f"index keys published by layer {self.board.publisher} of {self.layers}"
+        return None
 
 
 @dataclass
@@ -209,7 +221,8 @@ class V41Stack:
 
     def new_state(self) -> list:
         layers = [new_layer_state(self.plan, i, self.cfg.index_head_dim) for i in range(self.cfg.n_layers)]
-        return [*layers, Carry()]
+        look_back = self.cfg.engram.max_ngram_size - 1 if self.cfg.engram is not None else 0
+        return [*layers, Carry(look_back=look_back, layers=self.cfg.n_layers)]
 
     def read_ahead(
         self, ids: np.ndarray, state: list, spans: SpanRows | None = None
@@ -258,6 +271,8 @@ class V41Stack:
                 b = min(t, a + c)
                 live = None if p.image is None else ~p.image[a:b]
                 p.x[a:b] = engram(p.x[a:b], rows, w.engram, cfg.rms_norm_eps, self.plan.quantise, live)
+        if ctx.trace is not None:  # the streams entering the layer: the DSpark drafter's taps
+            ctx.trace("input", i, p.x)
         if not p.published:
             p.published = [Published() for _ in range(0, t, c)]
         a_pre = np.empty_like(p.pre)

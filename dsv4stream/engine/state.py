@@ -18,7 +18,9 @@ JSON: format version, checkpoint identity, layout hash, token ids, position, the
 tree with arrays replaced by references), the arrays' bytes back to back, then the SHA-256
 of everything before it (32 bytes). Loading rebuilds objects only of the classes found in a
 fresh session's state (never arbitrary code), after checking the length, the hash, the
-identity and the layout.
+identity and the layout, then every field against a fresh session's state (a file whose
+checksum was recomputed after an edit must not reach the forward pass): each class with a
+`check_restored(fresh, pos)` says what else holds for its fields after `pos` tokens.
 """
 
 from __future__ import annotations
@@ -151,30 +153,59 @@ def peek(read: Callable[[int, int], bytes], size: int) -> dict[str, Any]:
 
 
 def from_bytes(blob: bytes, identity: str, template: Sequence[Any]) -> tuple[SessionState, list[int]]:
-    """(state, token ids) of a file; StateFileError when it is not one this session may use."""
+    """(state, token ids) of a file; StateFileError when it is not one this session may use.
+
+    The checksum proves only that the file was not damaged, not that its writer was this
+    code: every field is checked against `template` (a fresh session's state, so this
+    checkpoint's shapes) and the header's own counters before anything is allocated."""
     header = read_header(blob)
     if header.get("identity") != identity:
         raise StateFileError(f"written for another checkpoint (identity {str(header.get('identity'))[:16]}...)")
     if header.get("layout") != layout_hash(template):
         raise StateFileError("written for another state layout (another dsv4stream version)")
-    base, end = header["_payload"], len(blob) - _DIGEST
-    arrays = []
     try:
-        for dtype, shape, offset in header["arrays"]:
-            dt = np.dtype(dtype)
-            count = int(np.prod(shape, dtype=np.int64))
-            start = base + offset
-            if start + count * dt.itemsize > end:
-                raise StateFileError("array table points past the payload")
-            arrays.append(np.frombuffer(blob, dt, count, start).reshape(shape))
-        classes = {type(o).__qualname__: type(o) for o in _objects(list(template))}
-        layers = _decode(header["tree"], arrays, classes)
-        ids, pos = [int(i) for i in header["ids"]], int(header["pos"])
-    except (KeyError, TypeError, ValueError, IndexError) as e:
+        ids, pos = header["ids"], header["pos"]
+        if type(pos) is not int or not isinstance(ids, list) or len(ids) != pos or pos < 1:
+            raise ValueError(f"position {pos!r} with {len(ids) if isinstance(ids, list) else '?'} token ids")
+        if not all(type(i) is int and 0 <= i < 1 << 31 for i in ids):
+            raise ValueError("token ids that are not ids")
+        arrays = _views(blob, header["arrays"], header["_payload"], len(blob) - _DIGEST)
+        used: set[int] = set()
+        layers = _decode(header["tree"], arrays, list(template), _Check(pos, used), "state")
+        if len(used) != len(arrays):
+            raise ValueError(f"{len(arrays) - len(used)} array(s) no field refers to")
+    except (KeyError, TypeError, ValueError, IndexError, RecursionError) as e:
         raise StateFileError(f"malformed header ({type(e).__name__}: {e})") from None
-    if not isinstance(layers, list) or len(layers) != len(template) or len(ids) != pos:
-        raise StateFileError("header does not describe this model's layers")
     return capture(pos, layers), ids
+
+
+def _views(blob: bytes, table: Any, base: int, end: int) -> list[np.ndarray]:
+    """The arrays of the table as read-only views into `blob` (nothing copied): plain numeric
+    dtypes, shapes of non-negative ints, laid out back to back from the payload's start."""
+    if not isinstance(table, list):
+        raise TypeError("the array table is not a list")
+    arrays, offset = [], 0
+    for entry in table:
+        dtype, shape, at = entry
+        dt = np.dtype(dtype)
+        if dt.kind not in "biuf" or dt.fields is not None or dt.subdtype is not None:
+            raise ValueError(f"dtype {dtype!r} is not a plain number")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"shape {shape!r}")
+        if at != offset:
+            raise ValueError(f"array at offset {at!r}, expected {offset} (back to back)")
+        count = int(np.prod(shape, dtype=np.int64))
+        offset += count * dt.itemsize
+        if base + offset > end:
+            raise ValueError("array table points past the payload")
+        arrays.append(np.frombuffer(blob, dt, count, base + at).reshape(shape))
+    return arrays
+
+
+@dataclass(frozen=True)
+class _Check:
+    pos: int  # tokens the state has read (the header's, already checked against its ids)
+    used: set[int]  # arrays referred to so far: each at most once
 
 
 # ---- the walk -------------------------------------------------------------------------------
@@ -204,13 +235,6 @@ def _arrays(obj: Any):
         yield from _arrays(c)
 
 
-def _objects(obj: Any):
-    if not isinstance(obj, (*_LEAVES, list, tuple)):
-        yield obj
-    for c in _children(obj):
-        yield from _objects(c)
-
-
 def _skeleton(obj: Any) -> str:
     if isinstance(obj, np.ndarray | None):
         return "a"
@@ -235,18 +259,53 @@ def _encode(obj: Any, arrays: list[np.ndarray]) -> Any:
     return {"o": type(obj).__qualname__, "f": {k: _encode(v, arrays) for k, v in _fields(obj).items()}}
 
 
-def _decode(node: Any, arrays: list[np.ndarray], classes: dict[str, type]) -> Any:
-    if not isinstance(node, dict):
-        if not isinstance(node, _SCALARS):
-            raise TypeError(f"unexpected {type(node).__name__} in the tree")
+def _decode(node: Any, arrays: list[np.ndarray], like: Any, check: _Check, where: str) -> Any:
+    """The file's `node`, checked against `like` (the same place in a fresh session's state):
+    the same classes, fields and list lengths, scalars of the same type, arrays of the same
+    dtype and rank whose axes past the first match (the first may have grown: rows emitted so
+    far), and each object's own `check_restored(fresh, pos)` for what only it knows."""
+    if isinstance(like, np.ndarray) or like is None:
+        if node is None and like is None:
+            return None
+        if not isinstance(node, dict) or set(node) != {"a"} or type(node["a"]) is not int:
+            raise ValueError(f"{where}: expected an array")
+        i = node["a"]
+        if not 0 <= i < len(arrays) or i in check.used:
+            raise ValueError(f"{where}: array {i} is not in the table or referred to twice")
+        check.used.add(i)
+        a = arrays[i]
+        if like is None:
+            if a.dtype != np.float32 or a.ndim != 2 or a.shape[0] > check.pos:
+                raise ValueError(f"{where}: a {a.dtype} array of shape {a.shape} where open rows belong")
+        elif a.dtype != like.dtype or a.shape[1:] != like.shape[1:] or a.ndim != like.ndim:
+            raise ValueError(f"{where}: {a.dtype} {a.shape}, expected {like.dtype} (*, {like.shape[1:]})")
+        return a
+    if isinstance(like, (np.generic, *_SCALARS)):
+        want = type(like.item()) if isinstance(like, np.generic) else type(like)
+        if type(node) is not want or (want is float and not np.isfinite(node)):
+            raise ValueError(f"{where}: {node!r}, expected a {want.__name__}")
         return node
-    if "a" in node:
-        return arrays[node["a"]].copy()
-    if "l" in node:
-        return [_decode(c, arrays, classes) for c in node["l"]]
-    cls = classes.get(node["o"])
-    if cls is None:
-        raise TypeError(f"class {node['o']!r} is not part of a session's state")
+    if isinstance(like, list | tuple):
+        if not isinstance(node, dict) or set(node) != {"l"} or not isinstance(node["l"], list):
+            raise ValueError(f"{where}: expected a list")
+        items = node["l"]
+        if like:  # a fixed structure (layers, groups): the same length
+            if len(items) != len(like):
+                raise ValueError(f"{where}: {len(items)} items, expected {len(like)}")
+            out = [_decode(c, arrays, k, check, f"{where}[{j}]") for j, (c, k) in enumerate(zip(items, like))]
+        else:  # empty when fresh (a history of ids): ids, at most one per token read
+            if len(items) > check.pos or not all(type(c) is int and -1 <= c < 1 << 31 for c in items):
+                raise ValueError(f"{where}: a list of {len(items)} that is not a history of ids")
+            out = list(items)
+        return tuple(out) if isinstance(like, tuple) else out
+    cls, fields = type(like), _fields(like)
+    if not isinstance(node, dict) or set(node) != {"o", "f"} or node["o"] != cls.__qualname__:
+        raise ValueError(f"{where}: expected a {cls.__qualname__}")
+    if not isinstance(node["f"], dict) or set(node["f"]) != set(fields):
+        raise ValueError(f"{where}: fields differ from a {cls.__qualname__}'s")
     obj = cls.__new__(cls)
-    vars(obj).update({k: _decode(v, arrays, classes) for k, v in node["f"].items()})
+    vars(obj).update({k: _decode(v, arrays, fields[k], check, f"{where}.{k}") for k, v in node["f"].items()})
+    problem = obj.check_restored(like, check.pos) if hasattr(obj, "check_restored") else None
+    if problem:
+        raise ValueError(f"{where}: {problem}")
     return obj

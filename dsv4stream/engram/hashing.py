@@ -13,7 +13,7 @@ multipliers m[0..N-1] (N = engram_max_ngram_size) at position p:
 so a position yields (N-1) n-gram sizes x n_heads row ids per layer (24 for 2-,3-,4-grams x 8
 heads), each inside its own prime-sized range of the layer's table.
 
-Primes (`checkpoint.engram_layout`, which config validation shares): successive primes >=
+Primes (`engram.layout`, which config validation shares): successive primes >=
 engram_vocab_size, never reused, taken n_heads at a time for each n-gram size of each layer in
 turn; a layer's table has exactly the sum of its primes as rows, and `offset` is the running sum
 within the layer (flattened n-gram-major, head-minor).
@@ -34,8 +34,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..checkpoint.engram_layout import column_primes
 from ..errors import CheckpointError, ConfigError, InternalError
+from .layout import column_primes
 
 INT64_MAX = (1 << 63) - 1
 SEED_STRIDE = 10007

@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..checkpoint.spec import MODEL
+from ..checkpoint.tensors import MODEL
 from ..kernels import QWeight
 
 GIB = 1 << 30

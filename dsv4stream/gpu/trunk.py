@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..checkpoint.spec import MODEL, TensorSpec, block_specs, linear_names, released_nbytes
+from ..checkpoint.spec import block_specs
+from ..checkpoint.tensors import MODEL, TensorSpec, linear_names, released_nbytes
 from ..kernels import QWeight
 from .device import Device, DeviceQWeight
 from .plan import MIN_BYTES, PARAMS_PER_BYTE, Key, Matrix, Placement, device_bytes_of, plan_placement

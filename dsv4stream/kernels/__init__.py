@@ -1,7 +1,7 @@
 """Quantized matrix times vector / matrix: the one interface the model calls for linears.
 
-Owns: `QWeight` (a linear weight as stored: FP8, FP4, BF16 or F32 plus its scales) and the
-dispatch of `matvec` / `matmul` (and the two grouped forms the model uses per token:
+Owns: the dispatch of `matvec` / `matmul` over a `QWeight` (defined beside the codecs in
+`checkpoint.formats`, re-exported here) (and the two grouped forms the model uses per token:
 `matmul_pair`, one input times two weights; `matmul_grouped`, g inputs times g row blocks)
 and of attention's two products (`attend`, `index_scores`) to a backend, and the time spent
 in the linears per weight role (`kernel_seconds`: the per-token profile of `--stats`). The
@@ -15,40 +15,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 
+from ..checkpoint.formats import QWeight
 from . import reference
 
 KINDS = ("fp8", "fp4", "bf16", "f32")
-
-
-@dataclass(frozen=True)
-class QWeight:
-    """y = W @ x with W logically (rows, cols) float.
-
-    data: fp8 uint8 (R, C); fp4 uint8 (R, C//2); bf16 uint16 (R, C); f32 float32 (R, C).
-    scale: fp8 (ceil(R/br), ceil(C/bc)) for `block` (br, bc): (128, 128) in V4, (32, 32) in V4.1;
-    fp4 (R, C//32); uint8 E8M0 bytes or float32; else None.
-    """
-
-    kind: str
-    data: np.ndarray
-    scale: np.ndarray | None
-    rows: int
-    cols: int
-    role: str = "trunk"  # whose time `kernel_seconds` counts it as: "experts", "head" or "trunk"
-    block: tuple[int, int] = (128, 128)  # FP8 scale block (rows, cols); unused by the other kinds
-
-    # A subclass whose arrays live on a device (dsv4stream.gpu.DeviceQWeight) sets this and
-    # multiplies itself there: matvec / matmul / dense hand it over instead of a CPU backend.
-    on_device: ClassVar[bool] = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes + (0 if self.scale is None else self.scale.nbytes)
 
 
 _backend = None  # resolved on first use: the numba backend when it imports, else the reference

@@ -155,7 +155,7 @@ def cost(unit: str) -> float:
 
 def _sample(form: str):
     """A small weight of the form and a few tokens of input (writable arrays, as a run's are)."""
-    from . import QWeight
+    from ..checkpoint.formats import QWeight
 
     rng = np.random.default_rng(0)
     kind = form.split("/")[0].split("-")[0]

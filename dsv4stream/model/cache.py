@@ -32,6 +32,17 @@ class WindowCache:
         self.kv[slots] = kv
         self.pos[slots] = positions
 
+    def check_restored(self, fresh: WindowCache, pos: int) -> str | None:
+        """What is wrong with this ring, read from a state file, after `pos` tokens (None: fine):
+        its shapes are the fresh ring's, and each slot holds -1 or a position read, at its slot."""
+        if self.kv.shape != fresh.kv.shape or self.pos.shape != fresh.pos.shape:
+            return f"a window of {self.kv.shape}, expected {fresh.kv.shape}"
+        held = self.pos >= 0
+        slots = np.arange(self.pos.shape[0])
+        if np.any(self.pos < -1) or np.any(self.pos[held] >= pos) or np.any(self.pos[held] % len(slots) != slots[held]):
+            return f"window positions that {pos} tokens cannot have left"
+        return None
+
 
 # A full RowBuffer grows by 1/ROW_SLACK of its rows: at most 12.5% unused (doubling left up to
 # half of a long context's compressed rows allocated and unused); `planner.state_bytes_for`
@@ -64,3 +75,9 @@ class RowBuffer:
     @property
     def rows(self) -> np.ndarray:
         return self._a[: self.n]
+
+    def check_restored(self, fresh: RowBuffer, pos: int) -> str | None:
+        """What is wrong with this buffer, read from a state file, after `pos` tokens (None: fine)."""
+        if not 0 <= self.n <= min(pos, self._a.shape[0]) or self._a.shape[0] > row_capacity(pos):
+            return f"{self.n} rows in a buffer of {self._a.shape[0]} after {pos} tokens"
+        return None

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog
-from ..checkpoint.spec import drafter_summary, is_drafter, unused_summary
+from ..checkpoint.spec import drafter_summary, unused_summary
 from ..checkpoint.spec_v41 import is_vision
+from ..checkpoint.tensors import is_drafter
 from ..kernels import reference
 from ..store import ExpertStore
 from ..streaming.expert_layout import expert_layouts

@@ -32,8 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..checkpoint.config import V4, V41, ModelConfig
-from ..checkpoint.spec import block_specs, drafter_nbytes, released_nbytes, unused_summary
+from ..checkpoint.spec import block_specs, drafter_nbytes, unused_summary
 from ..checkpoint.spec_v41 import engram_nbytes, vision_nbytes
+from ..checkpoint.tensors import released_nbytes
 from ..errors import BudgetError
 from ..store.directio import ALIGN
 from . import planner_v4, planner_v41

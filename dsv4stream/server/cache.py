@@ -19,14 +19,23 @@ FIFO never blocks a request), a file larger than the cache's cap, and a file who
 removes the temporary files (`.NAME.tmpPID`) a server killed mid-write left behind, only
 those of our naming and only when that PID is no longer running; a folder it cannot write
 raises `CacheUnwritable` at start (the server then runs without the disk cache, saying so once).
+
+One server per folder: the cache evicts by its own cap and counts, so two servers sharing a
+folder would delete each other's files. `FolderLock` holds an exclusive `flock` on
+`.dsv4-kv-cache.lock` in it for the server's life (the kernel drops it when the process
+dies, so no stale lock outlives a killed server); a second server is refused with one line
+naming the holder. A file that vanishes anyway (a person cleaning up) is a miss, never an error.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import fcntl
 import hashlib
 import os
 import re
+import socket
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -49,6 +58,45 @@ Decode = Callable[[Sequence[int]], str]
 
 class CacheUnwritable(Dsv4Error):
     """The --kv-cache folder cannot take new files (read-only, not ours to write)."""
+
+
+class CacheBusy(Dsv4Error):
+    """The --kv-cache folder is held by another running server."""
+
+
+LOCK_NAME = ".dsv4-kv-cache.lock"
+
+
+class FolderLock:
+    """This process's exclusive hold on a cache folder, until `close` or the process ends.
+
+    The lock file's text (pid and host of the holder) is only for the message; the lock is
+    the `flock`, so a file left by a dead server is taken over, never trusted."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / LOCK_NAME
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 200, 0).decode("ascii", "replace").strip() or "its pid not written yet"
+            os.close(self.fd)
+            raise CacheBusy(
+                f"--kv-cache {self.root}: in use by another running dsv4 server ({holder}); "
+                "give each server its own folder"
+            ) from None
+        except BaseException:
+            os.close(self.fd)
+            raise
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # releases the flock
+            self.fd = -1
 
 
 def checkpoint_identity(cat: Catalog) -> str:
@@ -184,7 +232,11 @@ def prefix_names(identity: str, ids: Sequence[int]) -> list[str]:
 class DiskCache:
     """States in a directory; the directory is ours only for files ending in SUFFIX."""
 
-    def __init__(self, root: str | os.PathLike, limit: int, identity: str, template, log: Log) -> None:
+    def __init__(
+        self, root: str | os.PathLike, limit: int, identity: str, template, log: Log, lock: FolderLock | None = None
+    ) -> None:
+        """`lock`: the folder's, taken earlier (the server takes it before loading the model);
+        taken here when not given. CacheBusy when another process holds it."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.limit = limit
@@ -194,7 +246,11 @@ class DiskCache:
         self.reads = self.writes = self.rejected = 0
         self._bad: set[str] = set()  # names already refused: one log line each, not one per request
         self._check_writable()
+        self.lock = lock if lock is not None else FolderLock(self.root)
         self.removed_stale = self._remove_stale_temps()
+
+    def close(self) -> None:
+        self.lock.close()
 
     def _check_writable(self) -> None:
         probe = self.root / f".write-test.tmp{os.getpid()}"
@@ -221,12 +277,20 @@ class DiskCache:
             self.log(f"kv-cache: removed {removed} unfinished file(s) a stopped server left in {self.root}")
         return removed
 
-    def _files(self) -> list[Path]:
-        return [p for p in self.root.iterdir() if p.name.endswith(SUFFIX) and p.is_file()]
+    def _files(self) -> list[tuple[Path, os.stat_result]]:
+        """Our state files with their stat, those that vanish meanwhile left out."""
+        out = []
+        for p in self.root.iterdir():
+            if p.name.endswith(SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    st = p.stat()
+                    if p.is_file():
+                        out.append((p, st))
+        return out
 
     @property
     def nbytes(self) -> int:
-        return sum(p.stat().st_size for p in self._files())
+        return sum(st.st_size for _, st in self._files())
 
     def put(self, ids: Sequence[int], state: SessionState) -> Path | None:
         blob = to_bytes(state, ids, self.identity, self.template)
@@ -265,12 +329,14 @@ class DiskCache:
                 state, got = from_bytes(self._read(path), self.identity, self.template)
                 if got != [int(i) for i in ids[:k]]:
                     raise StateFileError("token ids differ from its name's")
+                os.utime(path)  # recently used: evicted last
             except (StateFileError, OSError) as e:
+                if not os.path.lexists(path):
+                    continue  # removed since the listing (another hand cleaning up): a plain miss
                 self.rejected += 1
                 self._bad.add(name)
                 self.log(f"kv-cache: ignoring {path}: {e}")
                 continue
-            os.utime(path)  # recently used: evicted last
             self.reads += 1
             return k, state
         return None
@@ -291,14 +357,14 @@ class DiskCache:
             os.close(fd)
 
     def _evict(self, keep: Path) -> None:
-        files = sorted(self._files(), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in files)
-        for p in files:
+        files = sorted(self._files(), key=lambda f: f[1].st_mtime)
+        total = sum(st.st_size for _, st in files)
+        for p, st in files:
             if total <= self.limit:
                 break
             if p == keep:
                 continue
-            total -= p.stat().st_size
+            total -= st.st_size
             p.unlink(missing_ok=True)
 
 

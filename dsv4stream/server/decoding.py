@@ -83,6 +83,8 @@ class Picker:
             forced[self.think_end] = 0.0
             x = forced
         tok = self._pick(x)
+        if self.constraint is not None:
+            tok = self.constraint.fit(tok, self.left)  # near the budget's end: keep room to close the value
         if self.c.top_logprobs is not None:
             self.logprobs.append(logprob_entry(x[: self.n_ids], self._ban, tok, self.c.top_logprobs))
         self.counts[tok] += 1
@@ -93,6 +95,11 @@ class Picker:
         if self.constraint is not None:
             self.constraint.advance(tok)
         return tok
+
+    @property
+    def complete(self) -> bool:
+        """Whether the answer is whole as the request shaped it: "stop" only then, else "length"."""
+        return self.constraint is None or self.constraint.complete
 
 
 def adjust(logits: np.ndarray, c: Controls, counts: Counter[int]) -> np.ndarray:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..text import dsml
+from . import subset
 from .grammar import JSON_OPTIONS as JSON_STYLE
 from .grammar import GrammarError, Grammars, Shape, answer_schema
 from .schemas import ChatRequest
@@ -131,7 +132,7 @@ def _invoke(g: Markup, i: int, t: ToolSpec) -> list[str]:
     if not t.strict:
         return [f"invoke_{i}: {head} any_param* {close}"]
     body, rules = [], []
-    for j, (key, schema, required) in enumerate(_strict_params(t)):
+    for j, (key, schema, required) in enumerate(_strict_params(g, t)):
         rule = f"p_{i}_{j}"
         body.append(rule if required else f"{rule}?")
         tag = lark_string(f'{g.param_head}{key}" string="')
@@ -151,30 +152,84 @@ def any_param(g: Markup) -> str:
 
 def _value(g: Markup, schema: Mapping[str, Any]) -> str:
     """The alternatives after `string="` for one parameter: raw text where the schema allows
-    any string (or is a string enum), JSON checked against the schema always."""
+    any string (or is a string enum), JSON checked against the schema always. A string enum's
+    members are written as their JSON text, a member holding the parameter's closing tag with
+    `<` as `\\u003c` (raw text has no escape, so that member is JSON only): what `parse_block`
+    reads back is the member itself."""
     close = lark_string(g.param_close)
+    values = _string_members(schema)
+    if values is not None:
+        as_json = " | ".join(lark_string(_json_text(v, g.param_close)) for v in values)
+        raws = [v for v in values if g.param_close not in v]
+        choices = f"{_TRUE} ({' | '.join(lark_string(v) for v in raws)}) {close} | " if raws else ""
+        return f"{choices}{_FALSE} ({as_json}) {close}"
     as_json = f"{_FALSE} %json {json.dumps({**schema, 'x-guidance': JSON_STYLE})} {close}"
     if schema.get("type") != "string":
         return as_json
     rest = set(schema) - _ANNOTATIONS - {"$defs", "definitions"}
     if not rest:
         return f"{_TRUE} raw | {as_json}"
-    values = schema.get("enum")
-    if rest == {"enum"} and isinstance(values, list) and values and all(isinstance(v, str) for v in values):
-        choices = " | ".join(lark_string(v) for v in values)
-        return f"{_TRUE} ({choices}) {close} | {as_json}"
     return as_json
 
 
-def _strict_params(t: ToolSpec) -> list[tuple[str, dict[str, Any], bool]]:
-    """(name, schema with the root's $defs, required) per declared property, in order."""
+def _string_members(schema: Mapping[str, Any]) -> list[str] | None:
+    """The members of a string enum (or a string const) with nothing else to check, else None."""
+    rest = set(schema) - _ANNOTATIONS - {"$defs", "definitions"}
+    values = [schema["const"]] if rest == {"const"} else schema.get("enum") if rest == {"enum"} else None
+    if not values or not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        return None
+    return values
+
+
+def _json_text(value: str, close: str) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text.replace("<", "\\u003c") if close in value else text
+
+
+def _markup_in_values(node: Any, close: str, top: bool = True) -> str | None:
+    """A string inside an `enum` or `const` of `node` (a normalized schema) that holds `close`,
+    except the members of a top-level string enum (written escaped): None if there is none."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            if key in ("enum", "const"):
+                if top and _string_members(node) is not None:
+                    continue
+                for s in _strings(value):
+                    if close in s:
+                        return s
+            else:
+                found = _markup_in_values(value, close, False)
+                if found is not None:
+                    return found
+    elif isinstance(node, list):
+        for v in node:
+            found = _markup_in_values(v, close, False)
+            if found is not None:
+                return found
+    return None
+
+
+def _strings(value: Any):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield k
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def _strict_params(g: Markup, t: ToolSpec) -> list[tuple[str, dict[str, Any], bool]]:
+    """(name, schema with every `$ref` target it needs, required) per declared property, in order."""
     where = f"tools: {t.name}: parameters"
     p = t.parameters
     if p is None:
         return []
     if not isinstance(p, Mapping) or p.get("type", "object") != "object":
         raise GrammarError(f"{where}: a strict tool's parameters must be a JSON schema of type object")
-    extra = sorted(set(p) - _OBJECT_KEYS)
+    extra = sorted(set(p) - _OBJECT_KEYS - subset.ANNOTATIONS)
     if extra:
         raise GrammarError(f"{where}: {extra[0]!r} at the top level cannot be enforced on a call's named"
                            " parameters; drop it or make the tool non-strict")  # fmt: skip
@@ -185,14 +240,23 @@ def _strict_params(t: ToolSpec) -> list[tuple[str, dict[str, Any], bool]]:
     missing = [r for r in required if r not in props]
     if missing:
         raise GrammarError(f"{where}: required names {missing[0]!r}, which is not a property")
-    defs = {k: p[k] for k in ("$defs", "definitions") if k in p}
-    out = []
-    for key, schema in props.items():
-        if '"' in key or "\n" in key or not key:
+    for key in props:
+        if not isinstance(key, str) or '"' in key or "\n" in key or not key:
             raise GrammarError(f"{where}: the property name {key!r} cannot be written in a call")
+    # the whole object at once: a `$ref` may point anywhere in it (`#/properties/a`, `#/$defs/x`)
+    norm = subset.normalize({k: v for k, v in p.items() if k != "strict"}, where)
+    defs = {"$defs": norm["$defs"]} if "$defs" in norm else {}
+    out = []
+    for key, schema in (norm.get("properties") or {}).items():
         if not isinstance(schema, Mapping):
-            raise GrammarError(f"{where}.properties.{key}: not a JSON schema object")
-        out.append((key, {**schema, **defs}, key in required))
+            raise GrammarError(f"{where}.properties.{key}: a strict tool's parameter needs an object schema")
+        schema = {**schema, **defs}
+        bad = _markup_in_values(schema, g.param_close)
+        if bad is not None:
+            raise GrammarError(f"{where}.properties.{key}: the value {bad[:60]!r} holds the call markup"
+                               f" {g.param_close!r}, which a nested value cannot escape; move it to a top-level"
+                               " string enum or drop it")  # fmt: skip
+        out.append((key, schema, key in required))
     return out
 
 

@@ -278,7 +278,7 @@ class Worker:
         if job.cancelled.is_set():
             self._keep(kept)
             raise Cancelled
-        outcomes = [self._finish(job, 0, "stop" if got and got[-1] == eos else "length")]
+        outcomes = [self._finish(job, 0, "stop" if got and got[-1] == eos and pick.complete else "length")]
         if job.more_replies:
             at_prompt_end = next(st for k, st in kept if len(k) == len(ids))
             for i in range(1, len(job.replies)):
@@ -355,7 +355,7 @@ class Worker:
             self.ram.remember(ids + got)
         if job.cancelled.is_set():
             raise Cancelled
-        return self._finish(job, i, "stop" if got and got[-1] == reply.eos else "length")
+        return self._finish(job, i, "stop" if got and got[-1] == reply.eos and pick.complete else "length")
 
 
 def request_seconds(turns: Sequence[Turn | None]) -> tuple[float, float]:

@@ -18,8 +18,8 @@ import numpy as np
 
 from ..checkpoint.catalog import NP_DTYPE, Catalog
 from ..checkpoint.formats import e4m3_to_f32, scale_to_f32
-from ..checkpoint.spec import linear_names
 from ..checkpoint.spec_v41 import engram_names
+from ..checkpoint.tensors import linear_names
 from ..errors import CheckpointError
 from ..store.rowcache import RowArray, RowCache, RowStats, RowTable
 

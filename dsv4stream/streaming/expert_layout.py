@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checkpoint.catalog import NP_DTYPE, TensorEntry
-from ..checkpoint.spec import EXPERT_NAME, EXPERT_TENSORS, MTP, SCALE, WEIGHT
+from ..checkpoint.tensors import EXPERT_NAME, EXPERT_TENSORS, MTP, SCALE, WEIGHT
 from ..errors import CheckpointError
 from ..store.runs import Layout, Piece, layout_pieces, merge_pieces
 from ..weights.providers import ExpertKey

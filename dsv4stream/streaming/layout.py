@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checkpoint.catalog import NP_DTYPE, Catalog, TensorEntry
-from ..checkpoint.spec import MODEL, block_specs, hc_names, model_specs
+from ..checkpoint.spec import block_specs, model_specs
+from ..checkpoint.tensors import MODEL, hc_names
 from ..store import Layout, Piece, merge_pieces
 from ..store.directio import ALIGN, SlotPlan, plan_slot
 from ..trunkpack.reader import TrunkFile

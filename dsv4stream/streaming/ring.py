@@ -23,7 +23,7 @@ import numpy as np
 
 from ..checkpoint.catalog import Catalog, TensorEntry, linear_of, read_entry, vector_of
 from ..checkpoint.config import ModelConfig
-from ..checkpoint.spec import block_names
+from ..checkpoint.tensors import block_names
 from ..errors import CheckpointError, InternalError
 from ..kernels import QWeight
 from ..store.directio import aligned_buffer

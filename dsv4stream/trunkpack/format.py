@@ -43,7 +43,8 @@ from dataclasses import dataclass
 import xxhash
 
 from ..checkpoint.catalog import Catalog, TensorEntry
-from ..checkpoint.spec import TensorSpec, layer_prefix, model_specs
+from ..checkpoint.spec import model_specs
+from ..checkpoint.tensors import TensorSpec, layer_prefix
 from ..errors import ReadError, ShortReadError
 from ..store.directio import ALIGN  # runs are read with O_DIRECT: its alignment, defined once
 

@@ -29,11 +29,12 @@ from .. import jsonio
 from ..checkpoint.catalog import NP_DTYPE, Catalog, pread_exact
 from ..errors import CheckpointError, Dsv4Error, ReadError
 from ..files import describe, open_regular
-from .format import ALIGN, FORMAT, MANIFEST, UPGRADABLE, fast_hash, hash_range, valid_file_name
+from .format import ALIGN, FORMAT, MANIFEST, UPGRADABLE, fast_hash, hash_range, plan_runs, valid_file_name
 from .packdir import MANIFEST_LIMIT, default_out_dir, staging_dir
 
 CHECK_CHUNK = 16 << 20  # bytes read at a time by check_runs: bounds its memory
 PROBE_BYTES = 32 << 10  # per run, compared with the shards at open: cheap, yet tells twins apart
+TENSOR_PROBE_BYTES = 4 << 10  # per tensor with --verify: binds each name to its bytes (a swapped manifest)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,25 @@ class TrunkFile:
                 + ("; an interrupted pack is in " + str(staging_dir(root)) if unfinished else "")
                 + f"); run `dsv4 pack-trunk {catalog.root} {root}`"
             )
-        m = read_pack_manifest(root)
+        tf = cls.checked(root, read_pack_manifest(root), catalog, every_tensor=verify)
+        if verify:
+            tf.verify()
+        else:
+            # the embedding is only ever read row by row, so no later read can check it whole
+            tf.check_runs([k for k in ("embed",) if k in tf.runs])
+        return tf
+
+    @classmethod
+    def checked(
+        cls, root: Path, m: dict, catalog: Catalog, every_tensor: bool = False, probe: bool = True
+    ) -> TrunkFile:
+        """The pack of manifest `m` (its runs' checksums not read yet), refused unless every
+        field is consistent: run keys and tensor names once each, runs and tensors placed
+        inside the data file as their sizes say, names, dtypes and shapes as in `catalog`, and
+        bytes as in the shards (one tensor per run; `every_tensor`: slices of each tensor, so
+        two same-shape tensors swapped in the manifest are told apart; `probe=False`: no bytes
+        compared). `upgrade-trunk` checks an old manifest with this before it reads the runs."""
+        mpath = root / MANIFEST
         try:
             runs = {
                 d["key"]: TrunkRun(
@@ -131,6 +150,10 @@ class TrunkFile:
                 )
                 for d in m["runs"]
             }
+            names = [t.name for r in runs.values() for t in r.tensors]
+            if len(runs) != len(m["runs"]) or len(set(names)) != len(names):
+                twice = next((n for n in names if names.count(n) > 1), "a run key")
+                raise ValueError(f"{twice!r} is listed twice")
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{mpath}: unreadable manifest ({type(e).__name__}: {e}); {_restart(root)}") from None
         if m.get("fingerprint") != catalog.fingerprint:
@@ -140,14 +163,29 @@ class TrunkFile:
                 f" `dsv4 pack-trunk {catalog.root} OUT_DIR` or pass the right --trunk"
             )
         tf = cls(root, m, runs)
+        tf._check_runs_planned(catalog)
         tf._check_file()
-        tf._check_against(catalog)
-        if verify:
-            tf.verify()
-        else:
-            # the embedding is only ever read row by row, so no later read can check it whole
-            tf.check_runs([k for k in ("embed",) if k in tf.runs])
+        tf._check_against(catalog, every_tensor, probe)
         return tf
+
+    def _check_runs_planned(self, cat: Catalog) -> None:
+        """Each run is one the packer plans for this checkpoint and depth (its key and layer),
+        holding only tensors that the plan puts in it: a tensor listed in another run than its
+        own is refused here, not when a layer finds its weights missing."""
+        planned = {p.key: p for p in plan_runs(cat, self.layers_packed)}
+        for r in self.runs.values():
+            p = planned.get(r.key)
+            if p is None or p.layer != r.layer:
+                raise CheckpointError(
+                    f"{self.root / MANIFEST}: {r.what} is not a run of this checkpoint's pack; {_restart(self.root)}"
+                )
+            own = {t.src.name for t in p.tensors}
+            stray = next((t.name for t in r.tensors if t.name not in own), None)
+            if stray is not None:
+                raise CheckpointError(
+                    f"{self.root / MANIFEST}: {r.what} lists '{stray}', which is not one of its tensors;"
+                    f" {_restart(self.root)}"
+                )
 
     def _check_file(self) -> None:
         fd = open_regular(self.path, "the packed trunk's data file", CheckpointError)
@@ -202,8 +240,9 @@ class TrunkFile:
             " longer be trusted — stop whatever rewrites it and start the run again"
         )
 
-    def _check_against(self, cat: Catalog) -> None:
-        """Names, dtypes and shapes as in the shards; and one small tensor per run byte for byte."""
+    def _check_against(self, cat: Catalog, every_tensor: bool = False, probe: bool = True) -> None:
+        """Names, dtypes and shapes as in the shards; and one small tensor per run byte for byte
+        (`every_tensor`: a head and a tail slice of each tensor too)."""
         for r in self.runs.values():
             for t in r.tensors:
                 e = cat.entries.get(t.name)
@@ -211,17 +250,22 @@ class TrunkFile:
                     raise CheckpointError(
                         f"{self.root}: '{t.name}' in the trunk does not match the checkpoint; {_restart(self.root)}"
                     )
+            if not probe:
+                continue
             # one small tensor per run (a head and a tail slice of embed/head), compared with the shards
-            probe = min(r.tensors, key=lambda t: (t.nbytes, t.name))
-            e = cat.entries[probe.name]
-            n = min(probe.nbytes, PROBE_BYTES)
-            for at in sorted({0, probe.nbytes - n}):
-                if _pread(self.path, probe.offset + at, n).tobytes() != _pread(e.path, e.offset + at, n).tobytes():
-                    raise CheckpointError(
-                        f"{self.path}: '{probe.name}' of {r.what} differs from {cat.root} — the trunk comes from"
-                        f" another checkpoint with the same shapes, or the run is corrupted (fails its checksum);"
-                        f" {_restart(self.root)}"
-                    )
+            probes = [(min(r.tensors, key=lambda t: (t.nbytes, t.name)), PROBE_BYTES)]
+            if every_tensor:
+                probes += [(t, TENSOR_PROBE_BYTES) for t in r.tensors]
+            for pt, most in probes:
+                e = cat.entries[pt.name]
+                n = min(pt.nbytes, most)
+                for at in sorted({0, pt.nbytes - n}):
+                    if _pread(self.path, pt.offset + at, n).tobytes() != _pread(e.path, e.offset + at, n).tobytes():
+                        raise CheckpointError(
+                            f"{self.path}: '{pt.name}' of {r.what} differs from {cat.root} — the trunk comes from"
+                            " another checkpoint with the same shapes, its manifest puts the tensor at another's"
+                            f" place, or the run is corrupted (fails its checksum); {_restart(self.root)}"
+                        )
 
     # ---- queries ------------------------------------------------------------------------
     def has(self, name: str) -> bool:

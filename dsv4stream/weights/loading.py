@@ -12,7 +12,7 @@ import numpy as np
 from ..checkpoint.catalog import TensorSource
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.formats import fp4_scale_shape, fp8_scale_shape
-from ..checkpoint.spec import EXPERT_LINEARS, expert_prefix
+from ..checkpoint.tensors import EXPERT_LINEARS, expert_prefix
 from ..kernels import QWeight, dense
 from ..model.moe import ExpertWeights
 

@@ -16,7 +16,8 @@ import numpy as np
 
 from ..checkpoint.catalog import TensorSource
 from ..checkpoint.config import CSA
-from ..checkpoint.spec import COMPRESSOR, EXPERT_LINEARS, MODEL, block_names, hc_names
+from ..checkpoint.spec_v4 import COMPRESSOR
+from ..checkpoint.tensors import EXPERT_LINEARS, MODEL, block_names, hc_names
 from ..model.mhc import HcHeadWeights, HcWeights
 from ..model.moe import ExpertWeights, MoeWeights
 from ..model.v4.attention import AttnWeights

@@ -19,8 +19,8 @@ import ml_dtypes
 import numpy as np
 
 from ..checkpoint.catalog import TensorSource
-from ..checkpoint.spec import EXPERT_LINEARS, block_names, hc_names, layer_prefix
 from ..checkpoint.spec_v41 import BLOCK_V41, COMPRESSOR_V41, MODEL_V41, engram_names
+from ..checkpoint.tensors import EXPERT_LINEARS, block_names, hc_names, layer_prefix
 from ..model.mhc import HcWeights
 from ..model.moe import ExpertWeights
 from ..model.v41.attention import V41AttnWeights

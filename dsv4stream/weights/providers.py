@@ -15,8 +15,8 @@ import numpy as np
 
 from ..checkpoint.catalog import Catalog
 from ..checkpoint.formats import bf16_to_f32, e4m3_to_f32, scale_to_f32
-from ..checkpoint.spec import MODEL, linear_names
 from ..checkpoint.spec_v41 import engram_names
+from ..checkpoint.tensors import MODEL, linear_names
 from ..model.moe import ExpertWeights
 from .family import BlockWeights, TopWeights, load_block, load_top
 from .loading import load_expert

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...checkpoint.config import CSA, WINDOW, ModelConfig
-from ...kernels import QWeight, attend, matmul, matmul_grouped
+from ...kernels import attend, matmul, matmul_grouped
 from ..cache import WindowCache
 from ..ops import rms_norm
+from ..projections import AttnProjections
 from ..rope import Rope, apply_rope
 from .compressor import CompressorState, CompressorWeights, compress
 from .indexer import IndexerWeights, select_rows
@@ -34,15 +35,7 @@ F32 = np.float32
 
 
 @dataclass(frozen=True)
-class AttnWeights:
-    wq_a: QWeight  # (q_lora_rank, D)
-    q_norm: np.ndarray  # (q_lora_rank,)
-    wq_b: QWeight  # (H * hd, q_lora_rank)
-    wkv: QWeight  # (hd, D)
-    kv_norm: np.ndarray  # (hd,)
-    wo_a: tuple[QWeight, ...]  # o_groups x (o_lora_rank, H * hd / o_groups)
-    wo_b: QWeight  # (D, o_groups * o_lora_rank)
-    sink: np.ndarray  # (H,)
+class AttnWeights(AttnProjections):
     ratio: int  # 0 window-only, 4 with indexer, else heavily compressed
     compressor: CompressorWeights | None
     indexer: IndexerWeights | None

@@ -59,6 +59,24 @@ class CompressorState:
     def rows(self) -> np.ndarray:
         return self.out.rows
 
+    def check_restored(self, fresh: CompressorState, pos: int) -> str | None:
+        """What is wrong with this state, read from a state file, after `pos` tokens (None: fine)."""
+        if (self.d, self.overlap) != (fresh.d, fresh.overlap) or self.out._a.shape[1] != self.d:
+            return f"a compressor of width {self.d} (overlap {self.overlap}), expected {fresh.d} ({fresh.overlap})"
+        width = 2 * self.d if self.overlap else self.d
+        if not _pair(self.pend_kv, self.pend_gate, width) or not _pair(self.prev_kv, self.prev_gate, self.d):
+            return "open or last window rows of another width, or only half of a pair"
+        if self.prev_kv is not None and not self.overlap:
+            return "a last window kept without overlap"
+        return None
+
+
+def _pair(kv: np.ndarray | None, gate: np.ndarray | None, width: int) -> bool:
+    """Both None, or two arrays of one shape (n, width)."""
+    if kv is None or gate is None:
+        return kv is None and gate is None
+    return kv.shape == gate.shape and kv.shape[1] == width
+
 
 def pool_windows(
     kv: np.ndarray, gate: np.ndarray, prev_kv: np.ndarray | None, prev_gate: np.ndarray | None, overlap: bool

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import InternalError
-from ...kernels import QWeight, attend, matmul, matmul_grouped
+from ...kernels import attend, matmul, matmul_grouped
 from ..cache import WindowCache
 from ..ops import rms_norm
+from ..projections import AttnProjections
 from ..rope import Rope, apply_rope
 from .indexer import (
     V41IndexerWeights,
@@ -54,15 +55,7 @@ F32 = np.float32
 
 
 @dataclass(frozen=True)
-class V41AttnWeights:
-    wq_a: QWeight  # (q_lora_rank, D)
-    q_norm: np.ndarray  # (q_lora_rank,)
-    wq_b: QWeight  # (H * hd, q_lora_rank)
-    wkv: QWeight  # (hd, D)
-    kv_norm: np.ndarray  # (hd,)
-    wo_a: tuple[QWeight, ...]  # o_groups x (o_lora_rank, H * hd / o_groups)
-    wo_b: QWeight  # (D, o_groups * o_lora_rank)
-    sink: np.ndarray  # (H,)
+class V41AttnWeights(AttnProjections):
     compressor: V41CompressorWeights | None  # KV sources
     keys: IndexKeyWeights | None  # KV sources that are index sources
     indexer: V41IndexerWeights | None  # index sources

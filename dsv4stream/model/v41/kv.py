@@ -69,6 +69,20 @@ class SourceState:
     def n(self) -> int:
         return self.rows.n
 
+    def check_restored(self, fresh: SourceState, pos: int) -> str | None:
+        """What is wrong with this state, read from a state file, after `pos` tokens (None: fine)."""
+        if (self.hd, self.index_dim) != (fresh.hd, fresh.index_dim):
+            return f"a KV source of widths {self.hd}, {self.index_dim}, expected {fresh.hd}, {fresh.index_dim}"
+        if self.rows._a.shape[1] != self.hd or self.keys._a.shape[1] != self.index_dim:
+            return "rows or keys of another width"
+        if (self.pend_kv is None) != (self.pend_score is None):
+            return "only half of the open group"
+        if self.pend_kv is not None and (
+            self.pend_kv.shape != self.pend_score.shape or self.pend_kv.shape[1] != self.hd
+        ):
+            return f"an open group of shape {self.pend_kv.shape}, expected (n, {self.hd})"
+        return None
+
 
 def latents(st: SourceState, x: np.ndarray, w: V41CompressorWeights, eps: float) -> np.ndarray:
     """Block inputs x (T, D) of the next T positions -> the latents of the groups they close (m, hd).

@@ -3,7 +3,8 @@
 Owns: the prime bucket sizes and the flat offsets of every (n-gram size, head) column, the
 fact that a layer's table has exactly the sum of its primes as rows (what config.json's
 `engram_num_embeddings` must say), and the bytes of one row. Pure arithmetic: the hashing
-of token ids into these buckets is `engram`'s.
+of token ids into these buckets is `hashing`'s. `checkpoint.config` imports this module to
+check `engram_num_embeddings`, so it imports nothing of the project.
 
 The rule (DeepSeek's inference/engram.py, EngramLayout): for each Engram layer in order, for
 each n-gram size 2..max_ngram_size, for each head, the bucket size is the smallest prime

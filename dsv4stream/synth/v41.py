@@ -1,4 +1,5 @@
-"""Generated DeepSeek-V4.1 checkpoints: configs, layer plans and shard layout (`synth` writes them).
+"""Generated DeepSeek-V4.1 checkpoints: configs, layer plans and shard layout (`dsv4stream.synth`
+writes them).
 
 Owns: the V4.1 presets (`PRESETS_V41`), the released config with a preset's shapes and the
 caller's overrides (`release_config_v41`), a consistent layer plan for any depth
@@ -38,13 +39,14 @@ from typing import Any
 import numpy as np
 
 from .. import jsonio
+from ..checkpoint.config import ModelConfig
+from ..checkpoint.spec import model_specs
+from ..checkpoint.tensors import TensorSpec
+from ..engram.layout import table_rows
 from ..errors import UsageError
-from .config import ModelConfig
-from .engram_layout import table_rows
-from .spec import TensorSpec, model_specs
+from .common import REAL_VOCAB
 
 V41_CONFIG = Path(__file__).resolve().parents[1] / "v41_flash_config.json"
-REAL_VOCAB = 129280
 
 # Keys of the released config.json outside text_config.
 TOP_LEVEL = (

@@ -1,18 +1,12 @@
-"""Generated checkpoints in exactly the official release format, for tests and benchmarks.
+"""What the generators of both families share: random weights in the release dtypes, and
+safetensors files whose routed experts may be sparse-file holes.
 
-Owns: a release-schema `config.json` for a chosen size, random weights for every tensor in
-`spec.model_specs` stored with the release dtypes, and shards written with the
-`safetensors` library, which orders tensors as the release does (by dtype, then name). That
-order is what puts an expert's three scale tensors in one run and its three weight tensors
-in another run far away, at offsets that are not 4096-aligned; tests assert it.
-
-Exact-structure checkpoints (presets `flash`, `flash-0731`) have every tensor of the released
-V4-Flash (preview: 46 shards, 69,187 tensors; 0731: 48 shards, 72,317 tensors, 166,878,536,440
-bytes) with routed experts as sparse-file holes (`sparse_experts`): the index and headers are
-the release's, the experts read as zeros and take no disk, so a full-size dry run (validation,
-planner, trunk ring, real-dimension attention and head, peak RSS) fits on a laptop.
-
-Weights are random: text generated from them is random too.
+Owns: the generator options (`GENERATOR_OPTIONS`), the real vocabulary's size (`REAL_VOCAB`:
+a preset with it gets the real tokenizer), `RandomWeights` (random values for each
+`TensorSpec`, stored with the release dtype or the chosen override; FP8 / FP4 codes drawn
+directly so a full-size dense trunk is quick to write), `Hole` (a tensor left as a sparse-file
+hole: it reads as zeros and takes no disk) and `save_sparse` (a safetensors file written in
+the library's order, or in the order given, with its holes unwritten).
 """
 
 from __future__ import annotations
@@ -20,125 +14,18 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import safetensors.numpy
 
-from .. import jsonio
-from ..errors import UsageError
-from . import formats
-from .config import V41, ModelConfig
-from .formats import fp4_scale_shape
-from .spec import ITEMSIZE, TensorSpec, model_specs
-from .synth_v41 import (
-    EXACT_PRESETS_V41,
-    PRESETS_V41,
-    engram_class_count,
-    release_config_v41,
-    shard_groups,
-    small_tokenizer_json,
-)
+from ..checkpoint import formats
+from ..checkpoint.config import ModelConfig
+from ..checkpoint.formats import fp4_scale_shape
+from ..checkpoint.tensors import ITEMSIZE, TensorSpec
 
-FLASH_CONFIG = Path(__file__).resolve().parents[1] / "v4_flash_config.json"
 REAL_VOCAB = 129280
-
-# The keys DeepSeek-V4-Flash-0731 adds to the preview's config.json (its drafter, unused here),
-# as public loaders of the 0731 config report them; the rest of that config is the preview's,
-# which is a report, not checked here byte for byte (the official file was not at hand).
-DSPARK_0731 = {
-    "dspark_block_size": 5,
-    "dspark_noise_token_id": 128799,
-    "dspark_target_layer_ids": [40, 41, 42],
-    "dspark_markov_rank": 256,
-}
-FLASH_RATIOS = jsonio.read_json(FLASH_CONFIG, "the packaged V4-Flash config")["compress_ratios"]
-
-# Shapes per preset (config keys as released).  "tiny" builds in milliseconds; "demo" has
-# experts of ~3.3 MB so a budget below the checkpoint matters; "flash-experts" has routed
-# experts of exactly V4-Flash's shape (2048x4096 FP4, 13,369,344 bytes) for I/O benches.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "num_nextn_predict_layers": 1,
-        "num_attention_heads": 4,
-        "head_dim": 32,
-        "qk_rope_head_dim": 16,
-        "q_lora_rank": 32,
-        "o_groups": 2,
-        "o_lora_rank": 16,
-        "sliding_window": 8,
-        "compress_ratios": [0, 4, 8, 4, 0],
-        "index_n_heads": 2,
-        "index_head_dim": 16,
-        "index_topk": 2,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "num_hash_layers": 1,
-    },
-    "demo": {
-        "vocab_size": REAL_VOCAB,
-        "hidden_size": 1024,
-        "num_hidden_layers": 6,
-        "num_nextn_predict_layers": 1,
-        "num_attention_heads": 8,
-        "head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "q_lora_rank": 256,
-        "o_groups": 2,
-        "o_lora_rank": 256,
-        "sliding_window": 64,
-        "compress_ratios": [0, 4, 128, 4, 128, 0, 0],
-        "index_n_heads": 4,
-        "index_head_dim": 64,
-        "index_topk": 16,
-        "n_routed_experts": 48,
-        "num_experts_per_tok": 6,
-        "moe_intermediate_size": 2048,
-        "num_hash_layers": 1,
-    },
-    "flash-experts": {
-        "vocab_size": REAL_VOCAB,
-        "hidden_size": 4096,
-        "num_hidden_layers": 4,
-        "num_nextn_predict_layers": 1,
-        "num_attention_heads": 4,
-        "head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "q_lora_rank": 256,
-        "o_groups": 2,
-        "o_lora_rank": 256,
-        "sliding_window": 128,
-        "compress_ratios": [0, 4, 128, 4, 0],
-        "index_n_heads": 4,
-        "index_head_dim": 64,
-        "index_topk": 64,
-        "n_routed_experts": 64,
-        "num_experts_per_tok": 6,
-        "moe_intermediate_size": 2048,
-        "num_hash_layers": 1,
-    },
-}
-# The 0731 layout at tiny size: three DSpark stages (window-only) reading the last three layers.
-PRESETS["tiny-0731"] = {
-    **PRESETS["tiny"],
-    "compress_ratios": [0, 4, 8, 4, 0, 0, 0],
-    "dspark_block_size": 5,
-    "dspark_noise_token_id": 511,
-    "dspark_target_layer_ids": [1, 2, 3],
-    "dspark_markov_rank": 8,
-}
-# Every tensor of the release at its real shape (routed experts as holes unless asked otherwise).
-PRESETS["flash"] = {}
-PRESETS["flash-0731"] = {**DSPARK_0731, "compress_ratios": [*FLASH_RATIOS, 0, 0]}
-EXACT_PRESETS = ("flash", "flash-0731")
 GENERATOR_OPTIONS = (
     "scale_fmt",
     "dense_dtype",
@@ -151,124 +38,6 @@ GENERATOR_OPTIONS = (
 )
 # The projections whose outputs are added to the residual streams (`output_gain_log2` scales them).
 OUTPUT_PROJECTIONS = (".attn.wo_b.weight", ".w2.weight", ".engram.wkv.weight")
-
-
-def release_config(preset: str = "tiny", **overrides: Any) -> dict[str, Any]:
-    """A config.json dict in the release schema: V4-Flash's fields with a preset's shapes (a
-    V4.1 preset: V4.1-Flash's, see `synth_v41.release_config_v41`)."""
-    if preset in PRESETS_V41:
-        return release_config_v41(preset, {k: v for k, v in overrides.items() if k not in GENERATOR_OPTIONS})
-    if preset not in PRESETS:
-        raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    d = jsonio.read_json(FLASH_CONFIG, "the packaged V4-Flash config")
-    d.update(PRESETS[preset])
-    for k, v in overrides.items():
-        if k not in GENERATOR_OPTIONS:
-            d[k] = v
-    if "scale_fmt" in overrides:
-        d["quantization_config"] = dict(d["quantization_config"], scale_fmt=overrides["scale_fmt"])
-    return d
-
-
-def all_presets() -> list[str]:
-    """Every preset name, V4 then V4.1."""
-    return [*PRESETS, *PRESETS_V41]
-
-
-def make_checkpoint(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0, **overrides: Any) -> Path:
-    """Write a complete checkpoint directory; returns its path.
-
-    Config overrides use release field names (e.g. compress_ratios=[...], swiglu_limit=1.0).
-    Generator options: scale_fmt "ue8m0" (release) | "float" (F32 scales); dense_dtype
-    "fp8" (release) | "bf16" | "f32"; compressor_dtype "bf16" (release) | "fp8";
-    route_skew (power-law strength of expert popularity through the gate bias and the hash
-    table, 0 = uniform); tokenizer (copy the real V4 tokenizer; default when vocab is the
-    real one); expert_gain (multiplies expert weights, to make the SwiGLU clamp bite);
-    sparse_experts (routed experts as sparse-file holes that read as zeros; default for the
-    exact-structure presets, which also shard as the release does: embed and head alone);
-    output_gain_log2 (an integer k: the projections whose outputs join the residual streams,
-    attn.wo_b, every w2 and V4.1's engram.wkv, get their scales times 2^k, exactly; k < 0 damps
-    what each sublayer adds, so random weights stay in the range trained weights keep).
-    """
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"{out}: already exists and is not empty; choose a new directory")
-    cfg_dict = release_config(preset, **overrides)
-    small_tok = None
-    if preset in PRESETS_V41:
-        if "scale_fmt" in overrides:
-            cfg_dict["quantization_config"] = dict(cfg_dict["quantization_config"], scale_fmt=overrides["scale_fmt"])
-        text = cfg_dict["text_config"]
-        if text["vocab_size"] != REAL_VOCAB and overrides.get("tokenizer") is not False:
-            small_tok = small_tokenizer_json(text["vocab_size"], seed)
-            if text.get("engram_layer_ids") and "engram_compressed_vocab_size" not in overrides:
-                text["engram_compressed_vocab_size"] = engram_class_count(small_tok)
-    cfg = ModelConfig.from_dict(cfg_dict, source=f"preset {preset}")
-    opts = {k: overrides.get(k) for k in GENERATOR_OPTIONS}
-    # Provenance for benches (which routing a hit rate was measured on); loaders ignore it.
-    cfg_dict["dsv4stream_generator"] = {
-        "preset": preset,
-        "seed": seed,
-        **{k: v for k, v in opts.items() if v is not None},
-    }
-    tok = opts["tokenizer"] if opts["tokenizer"] is not None else cfg.vocab_size == REAL_VOCAB
-    exact = preset in EXACT_PRESETS or preset in EXACT_PRESETS_V41
-    if opts["sparse_experts"] is None:
-        opts["sparse_experts"] = exact
-    rng = np.random.default_rng(seed)
-    gen = _Gen(cfg, rng, opts, codes=preset in EXACT_PRESETS_V41)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is ordinary shared data
-    try:
-        (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
-        groups = shard_groups(cfg, ends_alone=exact) if cfg.family == V41 else _shard_groups(cfg, ends_alone=exact)
-        n = len(groups)
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i, names in enumerate(groups):
-            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            tensors = {s.name: gen.tensor(s) for s in names}
-            tensors = {k: v for k, v in tensors.items() if v is not None}
-            if any(isinstance(v, Hole) for v in tensors.values()) or any(".engram." in k for k in tensors):
-                save_sparse(tensors, tmp / fname, keep_order=any(".engram." in k for k in tensors))
-            else:
-                safetensors.numpy.save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-            (tmp / fname).chmod(0o644)  # safetensors creates it 0600; the other files are 0644
-            for k, v in tensors.items():
-                weight_map[k] = fname
-                total += v.nbytes
-            del tensors
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
-        if small_tok is not None:
-            (tmp / "tokenizer.json").write_text(small_tok, encoding="utf-8")
-        elif tok:
-            _copy_tokenizer(tmp, cfg)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def _shard_groups(cfg: ModelConfig, ends_alone: bool = False) -> list[list[TensorSpec]]:
-    """One shard per main layer and per MTP block; the embed in the first layer's shard and the
-    head's tensors in the last's, or (ends_alone, as the release: 46 / 48 shards) each alone."""
-    n = cfg.n_layers + cfg.n_mtp
-    groups: list[list[TensorSpec]] = [[] for _ in range(n + (2 if ends_alone else 0))]
-    for s in model_specs(cfg):
-        if s.layer is None:
-            if ends_alone:
-                groups[0 if s.role == "embed" else n + 1].append(s)
-            else:
-                groups[0 if s.role == "embed" else cfg.n_layers - 1].append(s)
-        else:
-            groups[s.layer + (1 if ends_alone else 0)].append(s)
-    return groups
 
 
 @dataclass(frozen=True)
@@ -325,18 +94,7 @@ def save_sparse(tensors: dict[str, np.ndarray | Hole], path: Path, keep_order: b
         f.truncate(8 + len(raw) + pos)
 
 
-def _copy_tokenizer(dst: Path, cfg: ModelConfig) -> None:
-    from ..text import tokenizer
-
-    # V4.1's tokenizer.json is V4's with 9 added tokens changed (text.vocab derives it)
-    if cfg.family == V41:
-        tokenizer.write_tokenizer_files(dst, family="v41")
-        return
-    for src in tokenizer.real_tokenizer_files():
-        shutil.copyfile(src, dst / src.name)
-
-
-class _Gen:
+class RandomWeights:
     """Random values for each spec, stored with the release dtype (or the chosen override)."""
 
     def __init__(self, cfg: ModelConfig, rng: np.random.Generator, opts: dict[str, Any], codes: bool = False):
