@@ -71,7 +71,7 @@ def chat_ck(tmp_path_factory) -> Path:
     chat format's tokens, the image placeholder at 129264)."""
     from PIL import Image
 
-    from dsv4stream.checkpoint import synth
+    from dsv4stream import synth
 
     root = tmp_path_factory.mktemp("v41chat")
     ck = synth.make_checkpoint(
@@ -115,7 +115,7 @@ def one_line(code: int, err: str) -> str:
 
 def test_run_image_refusals(tmp_path, tiny_v41, real_vocab_ckpt) -> None:
     assert "DeepSeek-V4 " in one_line(*_refused(real_vocab_ckpt, "--prompt", "hi", "--image", str(A)))
-    from dsv4stream.checkpoint.synth import make_checkpoint
+    from dsv4stream.synth import make_checkpoint
 
     nv = make_checkpoint(tmp_path / "nv", "tiny-v41", seed=1, vision_config=None)
     assert "no vision tower" in one_line(*_refused(nv, "--prompt-ids", "0,5", "--image", str(A)))
