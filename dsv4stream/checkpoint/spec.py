@@ -56,7 +56,7 @@ def unused_summary(cfg: ModelConfig, drafter_bytes: int, vision_bytes: int = 0) 
         v = cfg.vision
         parts.append(
             f"vision tower (vision.*, {v.num_hidden_layers} blocks; aligner.*, image_*): present, unused"
-            f" (text only: not read, not budgeted), {vision_bytes / 1e9:.2f} GB"
+            f" (in a text-only run: not read, not budgeted; --image plans it), {vision_bytes / 1e9:.2f} GB"
         )
     return "; ".join(p for p in parts if p) or None
 

@@ -18,7 +18,7 @@ from ..errors import CheckpointError, UsageError
 from ..gpu.plan import Matrix, moved_bytes, plan_placement
 from ..gpu.trunk import HEAD, candidates, candidates_from_config
 from ..run.memory import needs_of
-from ..run.planner import GB, gb_up, minimum_budget, plan
+from ..run.planner import GB, family_planner, gb_up, minimum_budget, plan
 from ..trunkpack.format import MANIFEST
 from ..trunkpack.packdir import default_out_dir
 from ..trunkpack.reader import TrunkFile
@@ -73,6 +73,14 @@ def config_summary(cfg: ModelConfig, drafter_bytes: int | None = None, vision_by
             f"engram: layers {list(e.layer_ids)}, tables of {', '.join(f'{r:,}' for r in e.rows)} rows x"
             f" {e.head_dim} (FP8 + E8M0 per 32 = {e.row_bytes} bytes a row), {_gib(e.table_bytes)} on disk,"
             f" never resident; {e.columns} rows per token per layer ({e.columns * e.row_bytes:,} bytes)"
+        )
+    if cfg.vision is not None:
+        v, tower = cfg.vision, vision_nbytes(cfg) if vision_bytes is None else vision_bytes
+        acts = family_planner(cfg).vision_activation_bytes(cfg)
+        out.append(
+            f"vision: {v.num_hidden_layers} blocks x {v.hidden_size}, patch {v.patch_size}, up to"
+            f" {v.max_image_tokens} tokens an image; tower {_gib(tower)} (BF16) + {_gib(acts)} of activations"
+            " for the largest image, planned in --budget when a run takes images (--image, a chat)"
         )
     return out + [
         (

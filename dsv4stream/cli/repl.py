@@ -15,6 +15,11 @@ keeps the model's own tokens. When the text does not extend it (think mode drops
 reasoning, /system or the mode changed) a fresh session reads the whole conversation.
 Prompts are encoded by `Tokenizer.encode_prompt` (message text never becomes a control
 token); the new suffix starts after the EOS that closed the last reply, a piece boundary.
+
+Images (V4.1): `/image FILE` attaches an image to the next user turn, as an image part
+before its text. Images go only in a sequence's first prefill (DeepSeek's reference), so a
+turn that brings one re-reads the whole conversation in a fresh session, every earlier image
+with it; later text-only turns continue that session.
 """
 
 from __future__ import annotations
@@ -29,14 +34,18 @@ from types import FrameType
 from typing import Self, TextIO
 
 import click
+import numpy as np
 
+from ..engine.images import expanded_length, image_prompt, inputs_for
 from ..engine.session import PrefillStep, Session
-from ..errors import UsageError
+from ..engine.stack_v41 import SpanRows
+from ..errors import Dsv4Error, UsageError
 from ..run.report import PrefillBar, Reads, stop_text
 from ..run.runtime import Pick, Runtime
 from ..text import chat
 from ..text.chat import Message
-from ..text.messages import Pieces
+from ..text.image import read_image_file
+from ..text.messages import ImagePart, Pieces, images_of, with_images
 from ..text.tokenizer import EOS, THINK_END, Tokenizer
 
 Say = Callable[[str], None]
@@ -44,6 +53,7 @@ Say = Callable[[str], None]
 HELP = (
     "/think [EFFORT]  thinking on (at that effort: low|high|max, or 1-100 on V4.1)    /nothink  thinking off\n"
     "/system TEXT  set the system prompt (/system alone clears it)\n"
+    "/image FILE  attach an image to your next message (V4.1; /image alone drops the attached ones)\n"
     "/reset  forget the conversation    /stats  figures so far    /quit  leave (also Ctrl-D)\n"
     'Several lines: end a line with \\ to go on, or put them between two lines of """.\n'
     "Ctrl-C stops the current answer; at the prompt it leaves."
@@ -126,13 +136,15 @@ def answer(
     interrupt: Interrupt | None = None,
     out: TextIO | None = None,
     leave_bar: bool = True,
+    spans: SpanRows | None = None,
 ) -> Reply:
     """Prefill `ids` (progress bar on stderr), then stream up to `gen` tokens to `out`.
 
     With a tokenizer, stops at EOS (not printed) and prints text; `thinking` (the prompt
     opened <think>) shows the reasoning dim until </think>. Without one, prints each id as
     it comes (comma-separated, flushed; the caller ends the line) and stops at the config's
-    EOS (printed). Raises Stopped when Ctrl-C came during the prefill."""
+    EOS (printed). Raises Stopped when Ctrl-C came during the prefill. `spans`: the image
+    spans of `ids` (V4.1, a fresh session)."""
     out = out if out is not None else sys.stdout
     stop = (tok.special.eos,) if tok is not None else (rt.cfg.eos_token_id,)
     flag = interrupt if interrupt is not None else Interrupt()
@@ -147,7 +159,7 @@ def answer(
     got: list[int] = []
     flag.phase = "prefill"
     bar.start(len(ids))
-    tokens = rt.generate(session, ids, gen, pick, stop, on_layer=on_layer)
+    tokens = rt.generate(session, ids, gen, pick, stop, on_layer=on_layer, spans=spans)
     try:
         with no_echo(sys.stdin):
             for t in tokens:
@@ -249,16 +261,18 @@ class Conversation:
         self.session: Session | None = None
         self.fed_text = ""
         self.pending: list[int] = []
+        self.attached: list[ImagePart] = []  # images for the next user turn (/image, --image)
 
     def render(self, messages: Sequence[Message]) -> Pieces:
         head = [Message("system", self.system)] if self.system else []
         return chat.pieces([*head, *messages], self.mode, effort=self.effort, encoder=self.encoder)
 
     def prepare(self, user: str) -> Turn:
-        messages = [*self.messages, Message("user", user)]
+        messages = [*self.messages, Message("user", with_images(user, self.attached))]
         pieces = self.render(messages)
         text = pieces.text
-        if self.session is not None and text.startswith(self.fed_text):
+        # a new image goes in a first prefill: the whole conversation again, in a fresh session
+        if self.session is not None and not self.attached and text.startswith(self.fed_text):
             rest = pieces.after(len(self.fed_text))
             if rest is not None:
                 return Turn(messages, text, self.pending + self.tok.encode_prompt(rest), fresh=False)
@@ -275,6 +289,7 @@ class Conversation:
         # the reply is closed with EOS in the text whether the model wrote it or not
         self.fed_text = turn.text + text + EOS
         self.pending = [reply[-1]] if reply[-1] == eos else [reply[-1], eos]
+        self.attached = []
 
     def drop_session(self) -> None:
         """Forget what was fed (the history stays): the next turn reads it all again."""
@@ -282,6 +297,7 @@ class Conversation:
 
     def reset(self) -> None:
         self.messages = []
+        self.attached = []
         self.drop_session()
 
 
@@ -402,6 +418,8 @@ def chat_loop(
             elif cmd == "/system":
                 conv.system, note = (arg.strip() or None), "the system prompt changed"
                 say("(system prompt set)" if conv.system else "(system prompt cleared)")
+            elif cmd == "/image":
+                say(attach(rt, conv, arg.strip()))
             elif cmd == "/reset":
                 conv.reset()
                 say("(conversation cleared)")
@@ -414,23 +432,53 @@ def chat_loop(
         note = ""
 
 
+def attach(rt: Runtime, conv: Conversation, path: str) -> str:
+    """/image FILE: read and check the image now (one `dsv4:` line if it will not do); it goes
+    with the next user turn. /image alone drops what was attached."""
+    if not path:
+        n, conv.attached = len(conv.attached), []
+        return f"({n} attached image{'s' if n != 1 else ''} dropped)" if n else "(no image attached; /image FILE)"
+    try:
+        part = ImagePart(path, read_image_file(path))
+        plan = inputs_for(rt.cfg, [(part.name, part.data)])[0].plan
+    except Dsv4Error as e:
+        return f"dsv4: {e}"
+    conv.attached.append(part)
+    return f"(image {path} attached to your next message: {plan.span_len} tokens)"
+
+
 def _turn(rt: Runtime, conv: Conversation, settings: ChatSettings, user: str, say: Say, out: TextIO, note: str) -> None:
     turn = conv.prepare(user)
     held = 0 if turn.fresh or conv.session is None else conv.session.pos
-    if held + len(turn.ids) >= settings.ctx:
-        say(context_refusal(conv, user, held, len(turn.ids), settings.ctx))
+    ids, spans = turn.ids, None
+    images = images_of(turn.messages) if turn.fresh else []
+    if images:
+        try:
+            # the placeholders become their spans; the tower runs only once the length fits
+            inputs = inputs_for(rt.cfg, [(p.name, p.data) for p in images])
+            n = expanded_length(ids, rt.cfg, inputs)
+            if n >= settings.ctx:
+                say(context_refusal(conv, user, 0, n, settings.ctx))
+                return
+            ip = image_prompt(rt.engine, np.asarray(ids, dtype=np.int64), inputs)
+        except Dsv4Error as e:
+            say(f"dsv4: {e}")
+            return
+        ids, spans = [int(i) for i in ip.ids], ip.spans
+    if held + len(ids) >= settings.ctx:
+        say(context_refusal(conv, user, held, len(ids), settings.ctx))
         return
     if turn.fresh and conv.session is not None:
         why = note or ("think mode drops earlier turns' reasoning" if conv.mode == "think" else "the history changed")
-        say(f"({why}: re-reading the whole conversation, {len(turn.ids)} tokens)")
+        say(f"({why}: re-reading the whole conversation, {len(ids)} tokens)")
     session = conv.session if not turn.fresh and conv.session is not None else rt.session()
     # without --gen the answer runs to EOS or until the context is full (the runtime stops there)
     gen = settings.gen if settings.gen is not None else settings.ctx
     try:
         with Interrupt() as flag:
             reply = answer(
-                rt, session, turn.ids, gen=gen, pick=settings.pick, tok=conv.tok,
-                thinking=conv.mode == "think", interrupt=flag, out=out, leave_bar=False,
+                rt, session, ids, gen=gen, pick=settings.pick, tok=conv.tok,
+                thinking=conv.mode == "think", interrupt=flag, out=out, leave_bar=False, spans=spans,
             )  # fmt: skip
     except Stopped as e:
         conv.drop_session()

@@ -19,12 +19,19 @@ except those a reply is made of: EOS, <think>, </think> and ｜DSML｜ (`Tokeniz
 --chat/--think prompts are encoded by `chat.encode`: the prompt and system text are only
 ever text (`<｜User｜>` typed in them stays characters). A raw --prompt is parsed as the
 tokenizer does, so it may spell the chat format itself.
+
+Images (`--image FILE`, repeatable; V4.1 with a vision tower): with --chat/--think they are
+image parts of the user turn, before its text (an interactive chat: of the first turn);
+a raw --prompt or --prompt-ids takes them at its image markers in order, or before the text
+(after BOS) when it holds none. Each marker becomes its image's span (`engine.images`),
+which goes in the first prefill.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Self
@@ -34,6 +41,7 @@ import numpy as np
 
 from .. import gpu
 from ..checkpoint.config import ModelConfig
+from ..engine.images import expanded_length, image_prompt, inputs_for, with_markers
 from ..engine.numerics import RUN_DEFAULT
 from ..errors import BudgetError, Dsv4Error, InternalError, TokenizerError, UsageError
 from ..files import AtomicFile, atomic_write, read_regular
@@ -42,6 +50,8 @@ from ..run.report import report_lines
 from ..run.runinfo import RunOptions, RunStats
 from ..run.runtime import Pick, Runtime
 from ..text import chat
+from ..text.image import ImageInput, read_image_file
+from ..text.messages import ImagePart, with_images
 from ..text.sampler import SamplingParams, banned_ids, make_pick
 from ..text.tokenizer import Tokenizer, default_pack_path
 from ..text.vocab import family_name
@@ -160,14 +170,16 @@ def text_prompt(
     system: str | None,
     effort: str | int | None = None,
     encoder: str = chat.LATEST,
+    images: Sequence[ImagePart] = (),
 ) -> list[int]:
     """Raw completion (mode None): BOS + text, control-token text parsed as such. Chat: the
-    one-turn conversation as rendered, its text never read as control tokens."""
+    one-turn conversation as rendered, its text never read as control tokens, `images` as
+    image parts before the text (their placeholders come from the parts only)."""
     if not text:
         raise UsageError("the prompt is empty; give some text")
     if mode is None:
         return [tok.special.bos, *tok.encode(text)]
-    return chat.encode(tok, chat.one_turn(text, system), mode, effort=effort, encoder=encoder)
+    return chat.encode(tok, chat.one_turn(with_images(text, images), system), mode, effort=effort, encoder=encoder)
 
 
 def sampling_params(
@@ -216,6 +228,14 @@ def sampling_params(
     help="Read the prompt text from a file (- for stdin); one final newline is dropped.",
 )
 @click.option("--prompt-ids", help="Prompt as token ids: 1,2,3 (no tokenizer; prints ids).")
+@click.option(
+    "--image",
+    "images",
+    multiple=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="V4.1: an image for the prompt (repeat, in order): at its image markers, else before the text;"
+    " with --chat/--think an image part of the (first) user turn.",
+)
 @click.option(
     "--chat", "chat_flag", is_flag=True, help="Chat format; without a prompt, an interactive chat reading stdin."
 )
@@ -330,6 +350,7 @@ def run(
     prompt: str | None,
     prompt_file: Path | None,
     prompt_ids: str | None,
+    images: tuple[Path, ...],
     chat_flag: bool,
     think: bool,
     system: str | None,
@@ -408,16 +429,22 @@ def run(
     check_output(route_log, "--route-log")
     budget_b = budget_bytes(budget)
     check_ctx(ctx, cfg, budget_b)
+    parts = [ImagePart(str(p), read_image_file(p)) for p in images]
+    inputs = inputs_for(cfg, [(p.name, p.data) for p in parts]) if parts else []  # bad images fail now
 
     text = prompt_text(prompt, prompt_file, ctx)
     if prompt_ids is not None:
         tokenizer, ids = None, id_prompt(prompt_ids, cfg)
     else:
         tokenizer = load_tokenizer(checkpoint, tok, cfg)
-        ids = None if text is None else text_prompt(tokenizer, text, mode, system, effort, encoder)
-    if ids is not None and len(ids) >= ctx:
+        ids = None if text is None else text_prompt(tokenizer, text, mode, system, effort, encoder, parts)
+    n_prompt = len(ids) if ids is not None else 0
+    if ids is not None and inputs:
+        ids = with_markers(ids, cfg, len(inputs)) if mode is None else ids
+        n_prompt = expanded_length(ids, cfg, inputs)
+    if ids is not None and n_prompt >= ctx:
         raise UsageError(
-            f"the prompt ({len(ids)} tokens) leaves no room to answer within --ctx {ctx}; raise --ctx above {len(ids)}"
+            f"the prompt ({n_prompt} tokens) leaves no room to answer within --ctx {ctx}; raise --ctx above {n_prompt}"
         )
 
     say = lambda msg: click.echo(msg, err=True)
@@ -438,6 +465,7 @@ def run(
             budget=budget_b, io=io, verify=verify, threads=gctx.threads,
             io_threads=io_threads, trunk=trunk, route_log=route_file, ctx=ctx, prefill_segment=prefill_segment,
             gpu=gctx if gctx.enabled else None, numerics=numerics,
+            images=bool(parts) or (ids is None and cfg.vision is not None),
         )  # fmt: skip
         with stats_out, Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}")) as rt:
             stats_out.rt = rt
@@ -467,9 +495,11 @@ def run(
                 if tokenizer is None or mode is None:
                     raise InternalError("a chat without a tokenizer or chat mode")
                 conv = Conversation(tokenizer, mode, system, effort=effort, encoder=encoder)
+                conv.attached = parts  # --image: parts of the first turn
                 chat_loop(rt, conv, ChatSettings(gen, ctx, pick), say, figures)
             else:
-                stopped = _one_shot(rt, ids, gen if gen is not None else ctx, pick, tokenizer, mode, say)
+                limit = gen if gen is not None else ctx
+                stopped = _one_shot(rt, ids, limit, pick, tokenizer, mode, say, inputs)
             stats_out.stats = figures()
             if stopped:
                 stats_out.status = "interrupted"
@@ -532,12 +562,28 @@ class StatsOut:
         atomic_write(self.path, json.dumps(doc, indent=1) + "\n")
 
 
-def _one_shot(rt: Runtime, ids: list[int], gen: int, pick: Pick, tok: Tokenizer | None, mode: str | None, say) -> bool:
+def _one_shot(
+    rt: Runtime,
+    ids: list[int],
+    gen: int,
+    pick: Pick,
+    tok: Tokenizer | None,
+    mode: str | None,
+    say,
+    images: Sequence[ImageInput] = (),
+) -> bool:
     """One answer to stdout (ids as they come without a tokenizer); True when Ctrl-C stopped it. Why it
-    ended is in the report."""
+    ended is in the report. `images`: one per image marker in `ids`, expanded to their spans here."""
+    spans = None
+    if images:
+        ip = image_prompt(rt.engine, np.asarray(ids, dtype=np.int64), list(images))
+        ids, spans = [int(i) for i in ip.ids], ip.spans
     try:
         with Interrupt() as flag:
-            reply = answer(rt, rt.session(), ids, gen=gen, pick=pick, tok=tok, thinking=mode == "think", interrupt=flag)
+            reply = answer(
+                rt, rt.session(), ids, gen=gen, pick=pick, tok=tok, thinking=mode == "think", interrupt=flag,
+                spans=spans,
+            )  # fmt: skip
     except Stopped as e:
         say(f"dsv4: stopped during the prefill after {e.done} of {e.total} prompt tokens")
         return True

@@ -9,6 +9,7 @@ checkpoint's `vision.*` / `aligner.*` / `image_*` weights under the engine's num
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,19 +38,47 @@ class ImagePrompt:
         return self.prompt.types
 
 
-def check_vision(engine) -> None:
-    """Refuse images on a checkpoint that cannot take them (one line)."""
-    cfg = engine.cfg
+def check_image_config(cfg) -> None:
+    """Refuse images on a model whose config.json cannot take them (one line)."""
     if cfg.family != V41:
         raise UsageError("images need a DeepSeek-V4.1 checkpoint; this one is DeepSeek-V4 (text only)")
-    if cfg.vision is None or cfg.image_token_id is None or engine.catalog is None:
+    if cfg.vision is None or cfg.image_token_id is None:
         raise UsageError("this checkpoint has no vision tower (no vision_config in config.json); it takes no images")
+
+
+def check_vision(engine) -> None:
+    """Refuse images on a checkpoint that cannot take them (one line)."""
+    check_image_config(engine.cfg)
+    if engine.catalog is None:
+        raise UsageError("this checkpoint has no vision tower (no vision_config in config.json); it takes no images")
+
+
+def with_markers(ids: Sequence[int], cfg, count: int) -> list[int]:
+    """`ids` as given when they hold an image marker; else `count` markers put before the text
+    (after a leading BOS): where `dsv4 run --image` places images the prompt does not place."""
+    ids = [int(i) for i in ids]
+    if count == 0 or cfg.image_token_id in ids:
+        return ids
+    at = 1 if ids and ids[0] == cfg.bos_token_id else 0
+    return [*ids[:at], *[cfg.image_token_id] * count, *ids[at:]]
+
+
+def expanded_length(ids: Sequence[int], cfg, images: list[ImageInput]) -> int:
+    """The prompt's length once its markers take their images' spans (UsageError on a count
+    mismatch): known before the tower runs, for the --ctx check."""
+    return expand_prompt(np.asarray(ids, dtype=np.int64), cfg.image_token_id, [im.plan for im in images]).ids.size
 
 
 def decode_images(engine, files: list[tuple[str, bytes]]) -> list[ImageInput]:
     """(name, bytes) per image -> the tower's inputs, planned by the checkpoint's vision_config."""
     check_vision(engine)
-    return [image_input(data, name, engine.cfg.vision) for name, data in files]
+    return inputs_for(engine.cfg, files)
+
+
+def inputs_for(cfg, files: list[tuple[str, bytes]]) -> list[ImageInput]:
+    """As `decode_images`, from config.json alone (before the checkpoint is opened)."""
+    check_image_config(cfg)
+    return [image_input(data, name, cfg.vision) for name, data in files]
 
 
 def image_prompt(engine, ids: np.ndarray, images: list[ImageInput]) -> ImagePrompt:

@@ -302,6 +302,7 @@ class Session:
         on_layer: LayerHook | None = None,
         boundaries: Collection[int] = (),
         logits: np.ndarray | None = None,
+        spans: SpanRows | None = None,
     ) -> Iterator[int]:
         """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick(logits)`
         (default: greedy, ties to the lower id); stop after a token in `stop_ids`, or when
@@ -312,7 +313,7 @@ class Session:
         says why it ended (STOP_REASONS; "interrupted" when the caller closed the generator or
         a forward pass raised). A token's reads that depend on it alone start as soon as it is
         picked, while the caller handles it (`read_ahead`). `progress`, `on_layer` and
-        `boundaries` go to `prefill`.
+        `boundaries` go to `prefill`, as do `spans` (V4.1's image spans of the prompt).
 
         `logits`: continue without a prefill from the logits of this session's last position
         (kept from the session a restored state was taken from; `prompt_ids` then empty): one
@@ -334,7 +335,7 @@ class Session:
         mark = meter() if logits is not None else None
         try:
             if logits is None:
-                logits = self._timed_prefill(turn, t0, prompt_ids, progress, on_layer, boundaries)
+                logits = self._timed_prefill(turn, t0, prompt_ids, progress, on_layer, boundaries, spans)
                 mark = meter()  # the decode's reads start here
             if max_new_tokens <= 0:
                 self.stop_reason = "gen_limit"
@@ -400,12 +401,16 @@ class Session:
         self._ahead = _ReadAhead(self.pos, ids, self.stack.read_ahead(ids, self.state))
 
     # ---- internals -------------------------------------------------------------
-    def _timed_prefill(self, turn: Turn, t0: float, prompt_ids, progress, on_layer, boundaries) -> np.ndarray:
+    def _timed_prefill(
+        self, turn: Turn, t0: float, prompt_ids, progress, on_layer, boundaries, spans=None
+    ) -> np.ndarray:
         """`generate`'s prefill: its seconds since `t0` and the tokens it fed go to `turn`, and
         where it stopped when it raised."""
         pos0, self._last_step = self.pos, None
         try:
-            return self.prefill(prompt_ids, last_only=True, progress=progress, on_layer=on_layer, boundaries=boundaries)
+            return self.prefill(
+                prompt_ids, last_only=True, progress=progress, on_layer=on_layer, boundaries=boundaries, spans=spans
+            )
         except BaseException:
             if self._last_step is not None:
                 where = self._last_step.where()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog
-from ..checkpoint.spec import unused_summary
+from ..checkpoint.spec import drafter_summary, unused_summary
 from ..checkpoint.spec_v41 import is_vision
 from ..checkpoint.tensors import is_drafter
 from ..kernels import reference
@@ -122,15 +122,31 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         segment_token_bytes=planner.segment_token_bytes(cfg),
         segment_min=opts.chunk,
         segment=opts.prefill_segment,
-        unused=unused_summary(
-            cfg,
-            sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n)),
-            sum(e.nbytes for n, e in cat.entries.items() if is_vision(n)),
-        ),
+        unused=_unused(cat, opts.images),
         engram_slot_bytes=planner.family_planner(cfg).engram_slot_bytes(cfg),
         engram_rows_per_token=planner.family_planner(cfg).engram_rows_per_token(cfg),
         engram_table_bytes=sum(e.nbytes for n, e in cat.entries.items() if ".engram.embed." in n),
+        **vision_needs(cat, opts.images),
     )
+
+
+def _unused(cat: Catalog, images: bool) -> str | None:
+    """What is not run: mtp.*, and the vision tower unless this run takes images."""
+    drafter = sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n))
+    if images:
+        return drafter_summary(cat.config, drafter) or None
+    return unused_summary(cat.config, drafter, sum(e.nbytes for n, e in cat.entries.items() if is_vision(n)))
+
+
+def vision_needs(cat: Catalog, images: bool) -> dict[str, int]:
+    """The tower's bytes as stored (BF16) and its activations, when the run takes images."""
+    cfg = cat.config
+    if not images or cfg.vision is None:
+        return {}
+    return {
+        "vision_weight_bytes": sum(e.nbytes for n, e in cat.entries.items() if is_vision(n)),
+        "vision_activation_bytes": planner.family_planner(cfg).vision_activation_bytes(cfg),
+    }
 
 
 def main_expert_layouts(cat: Catalog) -> tuple[dict, dict]:

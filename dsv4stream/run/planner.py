@@ -90,11 +90,22 @@ class MemoryNeeds:
     engram_rows_per_token: int = 0  # rows one token reads over all Engram layers (48 in the release)
     engram_table_bytes: int = 0  # the tables on disk (for the plan's line)
     engram_rows: int | None = None  # a fixed row-cache size instead of the planner's share
+    # V4.1 runs that take images: the tower's weights (BF16, read for each prompt with images)
+    # and its activations for the largest image, held while it is encoded (0: no images)
+    vision_weight_bytes: int = 0
+    vision_activation_bytes: int = 0
 
     @property
     def fixed_bytes(self) -> int:
         """What every plan holds whatever the budget: overhead, state, staging, the head."""
-        return self.overhead_bytes + self.state_bytes + self.staging_bytes + self.head_bytes
+        return (
+            self.overhead_bytes
+            + self.state_bytes
+            + self.staging_bytes
+            + self.head_bytes
+            + self.vision_weight_bytes
+            + self.vision_activation_bytes
+        )
 
     @property
     def trunk_resident_bytes(self) -> int:
@@ -198,6 +209,11 @@ class Plan:
                 f"  engram: row cache {self.engram_rows:,} rows x {n.engram_slot_bytes} B = {_gb(self.engram_bytes)}"
                 f" ({n.engram_rows_per_token} rows per token; the tables' {_gb(n.engram_table_bytes)} stay on disk)"
             )
+        if n.vision_weight_bytes:
+            out.append(
+                f"  vision: tower {_gb(n.vision_weight_bytes)} (BF16, read for each prompt with images)"
+                f" + {_gb(n.vision_activation_bytes)} of activations for the largest image"
+            )
         out.append(f"  planned total {_gb(self.planned_bytes)} of {_gb(self.budget)}")
         if n.unused:
             out.append(f"  {n.unused}")
@@ -265,7 +281,13 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
         raise BudgetError(
             f"--budget {budget / GB:.2f} GB is below the minimum of {gb_up(floor)}"
             f" for this model (head {_gb(needs.head_bytes)}, overhead {_gb(needs.overhead_bytes)},"
-            f" state for --ctx {_gb(needs.state_bytes)}, two streamed layers, {2 * needs.experts_per_token}"
+            f" state for --ctx {_gb(needs.state_bytes)},"
+            + (
+                f" the vision tower and an image's activations {_gb(needs.vision_weight_bytes + needs.vision_activation_bytes)},"
+                if needs.vision_weight_bytes
+                else ""
+            )
+            + f" two streamed layers, {2 * needs.experts_per_token}"
             f" expert slots{seg}); raise --budget (or lower --ctx"
             + (" or --prefill-segment)" if needs.segment is not None else ")")
         )

@@ -83,6 +83,28 @@ def staging_extra_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
     return out
 
 
+def vision_activation_bytes(cfg: ModelConfig) -> int:
+    """The vision tower's float32 activations for the largest image (`model.v41.vision`): its
+    patches (max_image_tokens cells of downsample^2 patches each) times ~12 hidden rows during
+    attention (x, qkv, the per-head copies, the rotated q and k and their halves, the output)
+    or 3 MLP rows (w1's gate+up, silu and the product, each with its bf16 rounding temporary),
+    whichever is more, plus one block of attention scores and its softmax temporary, one BF16
+    weight block widened, and the aligner's cells."""
+    from ..model.v41.vision import ATTN_ROWS, W_ROWS
+
+    v = cfg.vision
+    if v is None:
+        return 0
+    r = v.downsample_ratio
+    n = v.max_image_tokens * r * r
+    c, i2 = v.hidden_size, 2 * v.intermediate_size
+    per_patch = 4 * max(12 * c, 2 * c + 3 * i2)
+    scores = 2 * 4 * v.num_attention_heads * min(n, ATTN_ROWS) * n
+    widened = 4 * min(W_ROWS, max(i2, cfg.hidden_size)) * max(c * r * r, v.intermediate_size)
+    cells = 4 * v.max_image_tokens * (2 * c * r * r + 3 * cfg.hidden_size)
+    return n * per_patch + scores + widened + cells
+
+
 def engram_token_bytes(cfg: ModelConfig) -> int:
     """Peak bytes per token of an Engram layer's sub-chunk (`engine.stack_v41`: the rows are gathered,
     dequantised and gated one attention sub-chunk at a time, never a whole segment): the gathered

@@ -36,6 +36,7 @@ class RunOptions:
     overhead: int = planner.DEFAULT_OVERHEAD
     kept_states: int = 0  # session states a server keeps besides the live one (prefix reuse)
     prefill_segment: int | None = None  # tokens per prefill segment (None: the planner's choice)
+    images: bool = False  # V4.1: the plan holds the vision tower and an image's activations
     gpu: GpuContext | None = None  # --gpu: trunk matrices in VRAM (None, or one not enabled: all on the CPU)
     # --numerics (`engine.numerics`): exact, official or fast, set by the engine for the process;
     # None: the family's reference mode (V4 exact, V4.1 official). The commands pass theirs (fast).

@@ -26,6 +26,7 @@ from ..engine.numerics import canonical as canonical_numerics
 from ..engine.numerics import label as numerics_label
 from ..engine.phases import Counters
 from ..engine.session import Engine, LayerHook, Session
+from ..engine.stack_v41 import SpanRows
 from ..engine.threads import ThreadGovernor
 from ..errors import UsageError
 from ..store import ExpertStore
@@ -213,6 +214,7 @@ class Runtime:
         on_layer: LayerHook | None = None,
         boundaries: Sequence[int] = (),
         logits: np.ndarray | None = None,
+        spans: SpanRows | None = None,
     ) -> Iterator[int]:
         """`session.generate` (the one generation loop) within this run: it also stops when the
         session holds `opts.ctx` positions (the context the plan covers is full).
@@ -224,11 +226,12 @@ class Runtime:
         (`boundaries`: where a segment must also end, as `Session.prefill`); an exception either
         raises stops the prefill (within one layer from `on_layer`), and the tokens fully fed
         still count, with where it stopped (`prefill_stopped`). `logits`: continue from a
-        restored state's logits without a prefill (the server's `n` > 1 choices)."""
+        restored state's logits without a prefill (the server's `n` > 1 choices); `spans`: the
+        prompt's V4.1 image spans (`engine.images.image_prompt`)."""
         report = (lambda done: progress(done, len(prompt_ids))) if progress is not None else None
         return session.generate(
             prompt_ids, max_new_tokens, pick or greedy, stop_ids=stop_ids, max_pos=self.opts.ctx,
-            progress=report, on_layer=on_layer, boundaries=boundaries, logits=logits,
+            progress=report, on_layer=on_layer, boundaries=boundaries, logits=logits, spans=spans,
         )  # fmt: skip
 
     @property

@@ -4,7 +4,7 @@ Owns: the layout rules of DeepSeek-V4.1-Flash's encoder, as `Pieces` (the encode
 vs message content), for the roles system, user, assistant, tool and latest_reminder.
 A sibling of `chat_v4.py`, not a variant of it: the rules differ in many small places (the
 turns both write alike are in `turns.py`).
-Not here: images (`<｜deepseek_image｜>` input is refused, vision is not supported), the
+Not here: the images themselves (`engine.images` expands each placeholder to its span), the
 internal "task" tokens, the shared message types (`messages.py`), tokenization.
 
 Layout (modes "chat" and "think"; the official names are "chat" and "thinking"):
@@ -31,8 +31,10 @@ The `developer` role of V4 is gone: it is refused (the official encoder raises o
 Reasoning effort: an int 1-100, or low/high/max = 50/75/100; the default is 75 ("high").
 Tool-call arguments: a JSON object (as text, even text encoding JSON text, or as a value)
 gives one parameter per key; anything else one parameter named "arguments" with the text as
-sent. Content that holds the image placeholder `<｜deepseek_image｜>` is refused, as by the
-official encoder (images come only as image parts, which are not supported here).
+sent. Images: an image part of a user message (`messages.ImagePart`) is the block
+`<｜deepseek_image｜>`, joined to the other parts by a blank line as the encoder flattens
+content parts; the placeholder typed in text is refused, as by the official encoder (so text
+can never make one), as is an image part in any other role.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 
 from ..errors import UsageError
 from . import dsml
-from .messages import Message, Pieces, ToolCall, joined
+from .messages import Message, Pieces, ToolCall, images_of, joined, text_of
 from .turns import Tools, Turn, render_turn, sort_tool_results
 from .vocab import ASSISTANT, BOS, IMAGE, SYSTEM, THINK, THINK_END
 
@@ -101,9 +103,13 @@ def _check(i: int, m: Message) -> None:
     if m.role not in ROLES:
         hint = "; put its text in a system message" if m.role == "developer" else ""
         raise UsageError(f"message {i}: role {m.role!r} is not one of {', '.join(ROLES)} (V4.1 chat format){hint}")
-    for what, text in (("content", joined(m.content)), ("reasoning", m.reasoning)):
+    if m.role != "user" and images_of([m]):
+        raise UsageError(f"message {i}: an image can only be part of a user message, not of a {m.role} message")
+    for what, text in (("content", text_of(m.content)), ("reasoning", m.reasoning)):
         if IMAGE in text:
-            raise UsageError(f"message {i}: its {what} holds the image placeholder {IMAGE}; images are not supported")
+            raise UsageError(
+                f"message {i}: its {what} holds the image placeholder {IMAGE} as text; give images as image parts"
+            )
 
 
 def _merge_tool_results(messages: Sequence[Message]) -> list[Turn]:

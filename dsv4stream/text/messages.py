@@ -12,12 +12,22 @@ Not here: the layout of either release (`chat_v4.py`, `chat_v41.py`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UsageError
 
-Content = str | tuple[str, ...]  # a tuple: the text parts of OpenAI list content
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image in a user message (V4.1): rendered as the image placeholder, a control token
+    that only a structured part (never typed text) can produce. `data` is the file's bytes."""
+
+    name: str
+    data: bytes = field(repr=False)
+
+
+Content = str | tuple[str | ImagePart, ...]  # a tuple: the parts of list content (text, V4.1 images)
 
 
 @dataclass(frozen=True)
@@ -44,14 +54,34 @@ class Message:
     response_format: Any = None  # system: a schema the reply must follow, appended as JSON
 
 
-def one_turn(user: str, system: str | None = None) -> list[Message]:
+def one_turn(user: Content, system: str | None = None) -> list[Message]:
     msgs = [Message("system", system)] if system is not None else []
     return msgs + [Message("user", user)]
 
 
 def joined(content: Content) -> str:
-    """The text of content: parts joined by a blank line, as the official encoders join them."""
-    return content if isinstance(content, str) else "\n\n".join(content)
+    """The text of content: parts joined by a blank line, as the official encoders join them.
+    Image parts have no text: only a V4.1 user message renders them (`chat_v41`)."""
+    if isinstance(content, str):
+        return content
+    if any(isinstance(p, ImagePart) for p in content):
+        raise UsageError("an image can only be part of a user message, and only with a DeepSeek-V4.1 checkpoint")
+    return "\n\n".join(content)  # type: ignore[arg-type]
+
+
+def text_of(content: Content) -> str:
+    """The text parts of content joined (image parts left out)."""
+    return content if isinstance(content, str) else "\n\n".join(p for p in content if isinstance(p, str))
+
+
+def images_of(messages: Sequence[Message]) -> list[ImagePart]:
+    """The image parts of `messages`, in the order their placeholders are rendered."""
+    return [p for m in messages if not isinstance(m.content, str) for p in m.content if isinstance(p, ImagePart)]
+
+
+def with_images(text: str, images: Sequence[ImagePart]) -> Content:
+    """A user message's content: the images, then the text (as `dsv4 run --image`)."""
+    return (*images, text) if images else text
 
 
 class Pieces:

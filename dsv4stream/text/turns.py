@@ -18,8 +18,8 @@ from typing import Any
 
 from ..errors import InternalError
 from . import dsml
-from .messages import Message, Pieces, ToolCall, joined
-from .vocab import EOS, LATEST_REMINDER, THINK_END, USER
+from .messages import ImagePart, Message, Pieces, ToolCall, joined
+from .vocab import EOS, IMAGE, LATEST_REMINDER, THINK_END, USER
 
 RESPONSE_FORMAT = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
@@ -29,8 +29,8 @@ class Turn:
     """A message after tool results have been folded into user turns."""
 
     msg: Message
-    # user turns only: (is_tool_result, text, tool_call_id) in arrival order
-    blocks: list[tuple[bool, str, str]] = field(default_factory=list)
+    # user turns only: (is_tool_result, text or a V4.1 image, tool_call_id) in arrival order
+    blocks: list[tuple[bool, str | ImagePart, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,8 @@ def render_turn(out: Pieces, turn: Turn, with_reasoning: bool, tools: Tools) -> 
                 out.ctl("<tool_result>")
                 out.txt(text)
                 out.ctl("</tool_result>")
+            elif isinstance(text, ImagePart):
+                out.ctl(IMAGE)  # V4.1: the placeholder of a structured image part, never typed text
             else:
                 out.txt(text)
     elif m.role == "latest_reminder":

@@ -36,6 +36,7 @@ F32 = np.float32
 NORM_EPS = 1e-6
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 ATTN_ROWS = 512  # queries per attention block: bounds the (heads, rows, N) scores
+W_ROWS = 1024  # rows of a BF16 weight widened to float32 at once
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ class VisionBlockWeights:
 
 @dataclass(frozen=True)
 class VisionWeights:
-    """The tower, aligner and span delimiters, float32 (their bf16 values)."""
+    """The tower, aligner and span delimiters: vectors float32 (their bf16 values), matrices
+    float32 or, as `weights.loading_v41` keeps them, BF16 (widened exactly where used)."""
 
     patch_w: np.ndarray  # (C, 3 p p)
     patch_b: np.ndarray  # (C,)
@@ -85,7 +87,12 @@ def _round(x: np.ndarray, on: bool) -> np.ndarray:
 
 
 def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, rnd: bool) -> np.ndarray:
-    y = x @ w.T
+    if w.dtype == F32:
+        y = x @ w.T
+    else:  # stored BF16: widened W_ROWS output rows at a time (exact), a bounded scratch
+        y = np.empty((x.shape[0], w.shape[0]), dtype=F32)
+        for a in range(0, w.shape[0], W_ROWS):
+            y[:, a : a + W_ROWS] = x @ w[a : a + W_ROWS].astype(F32).T
     if b is not None:
         y += b
     return _round(y, rnd)
