@@ -194,3 +194,76 @@ def test_a_changed_shared_helper_recompiles_every_kernel_that_inlines_it(tmp_pat
     for got in (first, changed):
         assert got["cached_in"] == got["dir"] and Path(got["dir"]).parent == tmp_path / "cache"
         assert got["every_kernel_in"] == [got["dir"]]  # every kernel of the package: one folder
+
+
+def test_a_fast_run_adds_the_fast_kernels_of_its_kinds_and_an_exact_run_none(ckpts, monkeypatch):
+    from dsv4stream.kernels import cpu
+
+    v4 = Catalog.open(ckpts["v4"])
+    exact = kcompile.checkpoint_forms(v4)
+    assert kcompile.checkpoint_forms(v4, "official") == exact and not any(f.startswith("fast-") for f in exact)
+    fast = kcompile.checkpoint_forms(v4, "fast")
+    assert fast == tuple(f for f in warm.FORMS if f in {*exact, *warm.fast_forms(exact)})
+    if all(cpu.variant(k) for k in ("fp4", "fp8", "bf16")):
+        assert set(fast) - set(exact) == {"fast-fp4/e8m0", "fast-fp8/e8m0", "fast-bf16"}
+        floats = kcompile.checkpoint_forms(Catalog.open(ckpts["v4-float-scales"]), "fast")
+        assert {"fast-fp4/f32", "fast-fp8/f32"} <= set(floats)
+        v41 = kcompile.checkpoint_forms(Catalog.open(ckpts["v41"]), "fast")
+        assert "fast-fp8/e8m0" in v41  # its 32x32 blocks: the same driver, the block an argument
+        units = warm.units(set(fast) - set(exact))
+        assert units and all(u in warm.COST for u in units)
+    monkeypatch.setattr(cpu, "variant", lambda kind: None)  # a target without AVX2: exact kernels only
+    assert kcompile.checkpoint_forms(v4, "fast") == exact
+
+
+_FAST_RUN = r"""
+import json, sys
+from dsv4stream.kernels import bf16, q8
+from dsv4stream.run.runinfo import RunOptions
+from dsv4stream.run.runtime import Runtime
+
+def fast_kernels():
+    ds = {f"q8.{v}": d for v, d in q8._DRIVERS.items()} | {f"bf16.{k}.{v}": d for (k, v), d in bf16._DRIVERS.items()}
+    return ds | {"q8._quantize": q8._quantize, "bf16._round_rows": bf16._round_rows}
+
+def sigs():
+    return {k: sorted(map(str, d.signatures)) for k, d in fast_kernels().items()}
+
+out = {}
+for mode in ("exact", "fast"):
+    with Runtime.open(sys.argv[1], RunOptions(budget=int(3e9), numerics=mode)) as rt:
+        ready = sigs()
+        got = list(rt.generate(rt.session(), list(range(5, 75)), 4))  # a long prefill, then decode
+    out[mode] = {"tokens": len(got), "ready": ready, "grown": {k: v for k, v in sigs().items() if v != ready.get(k)}}
+out["misses"] = {k: sum(d.stats.cache_misses.values()) for k, d in fast_kernels().items()}
+print(json.dumps(out))
+"""
+
+
+def test_a_fast_run_loads_its_fast_kernels_compiled_apart_and_an_exact_run_compiles_none(ckpts):
+    """Runtime.open warms the forms of its numerics (children compile what the cache lacks): an
+    exact run must not touch the fast kernels, a fast run must have loaded every fast kernel its
+    first tokens use from the cache before them (none compiled in this process: no cache miss)."""
+    from dsv4stream.kernels import cpu
+
+    if not all(cpu.variant(k) for k in ("fp4", "fp8", "bf16")):
+        pytest.skip("this CPU target has no fast kernel for every kind")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-c", _FAST_RUN, str(ckpts["v4"])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["exact"] == {"tokens": 4, "ready": {"q8._quantize": [], "bf16._round_rows": []}, "grown": {}}
+    fast = out["fast"]
+    assert fast["tokens"] == 4 and fast["grown"] == {}
+    v = cpu.variant
+    used = {f"q8.{v('fp4')}", f"bf16.fp8.{v('fp8')}", f"bf16.bf16.{v('bf16')}", "q8._quantize", "bf16._round_rows"}
+    assert set(fast["ready"]) == used  # every kind's driver, created at open
+    assert all(fast["ready"].values())  # each fast kernel warmed before the first token
+    assert out["misses"] and set(out["misses"].values()) == {0}  # loaded, never compiled, in the run

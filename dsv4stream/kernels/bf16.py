@@ -33,7 +33,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from . import cpu, simd
+# jit: imported for its side effect, numba's cache locator for the kernels below (`jit.cache_dir`)
+from . import cpu, jit, simd  # noqa: F401
 from .q8 import E8M0
 from .simd import BF, F32, I8, I16, I32, c64, vec
 

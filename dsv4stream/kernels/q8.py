@@ -29,7 +29,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from . import cpu, simd
+# jit: imported for its side effect, numba's cache locator for the kernels below (`jit.cache_dir`)
+from . import cpu, jit, simd  # noqa: F401
 from .simd import F32, I8, I16, I32, c64, vec
 
 GROUP = 32

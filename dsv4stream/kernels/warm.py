@@ -16,6 +16,9 @@ A checkpoint reaches only some forms: V4 as released has FP4 experts and FP8 128
 both with E8M0 scales, BF16 and float32 weights; V4.1 has FP8 with 32x32 E8M0 blocks instead;
 float32 scales come from generated checkpoints. Compiling every form costs about twice what
 one checkpoint needs (docs/kernels.md has the figures).
+
+The `fast-*` forms are the fast-numerics drivers (`q8.py`, `bf16.py`) at this CPU's variant:
+only runs whose numerics are fast need them (`fast_forms`, `run/compile.checkpoint_forms`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import numba
 import numpy as np
 
 from . import jit
@@ -66,7 +70,19 @@ _PRODUCTS: dict[str, tuple[tuple[str, str], ...]] = {
 # attention's kernels share a helper (`attn._attend_item`, `_index_item`), so they are one unit:
 # two processes adding signatures to one function's cache index would lose one of them
 _BASE = ("attn", "qdq", "sinkhorn")
-FORMS = ("base", *_PRODUCTS)
+# `--numerics fast` (kernels/numerics.py): one numba driver per weight kind and CPU variant
+# (`q8._driver`, `bf16._driver`), the activation rounding it calls with it (`q8._quantize`,
+# `bf16._round_rows`). A form names no variant: the variant follows the CPU target, and so does
+# the cache folder (`jit.cache_stamp`). FP8's block is an argument of the driver, so V4's
+# 128x128 and V4.1's 32x32 blocks share one form. Only runs whose numerics are fast reach them.
+_FAST: dict[str, str] = {
+    "fast-fp4/e8m0": "fp4q8",
+    "fast-fp4/f32": "fp4q8",
+    "fast-fp8/e8m0": "fp8bf16",
+    "fast-fp8/f32": "fp8bf16",
+    "fast-bf16": "bf16bf16",
+}
+FORMS = ("base", *_PRODUCTS, *_FAST)
 
 # CPU seconds to compile each unit: one process, empty NUMBA_CACHE_DIR, idle 2-core AMD EPYC
 # (Zen 4, AVX-512), numba 0.63, 2026-12-04 (`bench/cold_compile.py --units` prints them again;
@@ -115,6 +131,14 @@ COST: dict[str, float] = {
     "_plain_mv:f32": 0.78,
     "_plain_mv_serial:f32": 0.26,
     "_plain_mm:f32": 4.06,
+    # the fast-numerics drivers (avx512 variant) measured at 07:27 on 2026-12-06: one child, empty
+    # NUMBA_CACHE_DIR, 2-vCPU Intel Emerald Rapids, load 1.3 (`_plain_mm:bf16` took 4.84 s there,
+    # so the figures above hold for it); fp4's first figure less the child's kernel imports
+    "fp4q8:fast-fp4/e8m0": 1.90,
+    "fp4q8:fast-fp4/f32": 1.53,
+    "fp8bf16:fast-fp8/e8m0": 2.59,
+    "fp8bf16:fast-fp8/f32": 2.24,
+    "bf16bf16:fast-bf16": 1.33,
 }
 START_SECONDS = 0.5  # a child's python, numba and kernel imports (0.4-0.5 s wall, same machine)
 
@@ -132,6 +156,20 @@ def form_of(kind: str, scale_itemsize: int | None = None, block: tuple[int, int]
     raise ValueError(f"unknown weight kind {kind!r}")
 
 
+def fast_forms(forms: Iterable[str]) -> tuple[str, ...]:
+    """The fast-numerics forms that the products of (exact) `forms` reach on this CPU target, in
+    FORMS order: none for float32 weights, nor for a kind `cpu.variant` gives no fast kernel
+    (those products run the exact kernels)."""
+    from . import cpu
+
+    want = set()
+    for form in forms:
+        kind = form.split("/")[0].split("-")[0]
+        if kind in ("fp4", "fp8", "bf16") and cpu.variant(kind) is not None:
+            want.add("fast-" + form.replace("fp8-32/", "fp8/"))
+    return tuple(f for f in _FAST if f in want)
+
+
 def units(forms: Iterable[str]) -> list[str]:
     """The units ("function:form") that the forms need, in a fixed order."""
     want = set(forms)
@@ -142,6 +180,7 @@ def units(forms: Iterable[str]) -> list[str]:
     for form, products in _PRODUCTS.items():
         if form in want:
             out += [f"{fn}:{form}" for fn, _ in products]
+    out += [f"{fn}:{form}" for form, fn in _FAST.items() if form in want]
     return out
 
 
@@ -187,6 +226,9 @@ def warm_unit(unit: str) -> float:
 
         {"attn": attn.warmup, "qdq": qdq.warmup, "sinkhorn": sinkhorn.warmup}[name]()
         return time.perf_counter() - t0
+    if form in _FAST:
+        _warm_fast(name, form)
+        return time.perf_counter() - t0
     how = dict(_PRODUCTS[form])[name]
     w, x = _sample(form)
     keep = fast.PARALLEL_MIN_BYTES
@@ -205,6 +247,30 @@ def warm_unit(unit: str) -> float:
     finally:
         fast.PARALLEL_MIN_BYTES = keep
     return time.perf_counter() - t0
+
+
+def _warm_fast(name: str, form: str) -> None:
+    """One token through the fast product of `form`, the way a run's `numerics.Router` goes
+    (prepared activations, the variant's driver); nothing where this target has no variant."""
+    from ..checkpoint.formats import QWeight
+    from . import cpu, fast
+    from .numerics import Router
+
+    if _FAST[form] != name:
+        raise KeyError(f"no fast kernel {name!r} for form {form!r}")
+    kind = form.removeprefix("fast-").split("/")[0]
+    if cpu.variant(kind) is None:
+        return  # these products run the exact kernels on this target
+    rng = np.random.default_rng(0)
+    sdt = np.uint8 if form.endswith("e8m0") else np.float32
+    if kind == "fp4":  # the widths the kernels take: 256 columns (q8.supports), 64 (bf16.supports)
+        w = QWeight("fp4", rng.integers(0, 256, (4, 128), dtype=np.uint8), np.full((4, 8), 127, sdt), 4, 256)
+    elif kind == "fp8":
+        w = QWeight("fp8", rng.integers(0, 126, (4, 64), dtype=np.uint8), np.full((1, 1), 127, sdt), 4, 64)
+    else:
+        w = QWeight("bf16", np.zeros((4, 64), np.uint16), None, 4, 64)
+    router = Router("fast", lambda: fast, numba.get_num_threads)
+    router.matmul(w, rng.standard_normal((1, w.cols)).astype(np.float32))
 
 
 def warmup(forms: Iterable[str] | None = None) -> float:

@@ -33,12 +33,14 @@ from . import ticker
 Warn = Callable[[str], None]
 
 
-def checkpoint_forms(cat: Catalog) -> tuple[str, ...]:
-    """The kernel forms (`warm.FORMS`) that the products of `cat`'s weights reach, in FORMS order.
+def checkpoint_forms(cat: Catalog, numerics: str = "exact") -> tuple[str, ...]:
+    """The kernel forms (`warm.FORMS`) that the products of `cat`'s weights reach under the
+    kernels' `numerics` (what `kernels.set_numerics` gets), in FORMS order.
 
     Every model runs attention ("base") and mHC's float32 products ("f32"); the rest follows the
     stored dtypes of its 2-D tensors (a quantised weight's form also takes its scale's dtype and
-    the config's FP8 block)."""
+    the config's FP8 block). Under "fast" the fast kernels of those kinds join them
+    (`warm.fast_forms`): the exact ones stay, for the products the fast kernels do not take."""
     need = {"base", "f32"}
     for name, e in cat.entries.items():
         if len(e.shape) != 2:
@@ -51,6 +53,8 @@ def checkpoint_forms(cat: Catalog) -> tuple[str, ...]:
             need.add(warm.form_of(kind, 1 if s.dtype in ("F8_E8M0", "U8", "I8") else 4, cat.config.fp8_block))
         elif e.dtype == "BF16":
             need.add("bf16")
+    if numerics == "fast":
+        need.update(warm.fast_forms(need))
     return tuple(f for f in warm.FORMS if f in need)
 
 

@@ -22,7 +22,9 @@ import numpy as np
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog
+from ..engine.numerics import DEFAULTS as NUMERICS_DEFAULTS
 from ..engine.numerics import canonical as canonical_numerics
+from ..engine.numerics import kernel_mode as kernel_numerics
 from ..engine.numerics import label as numerics_label
 from ..engine.phases import Counters
 from ..engine.session import Engine, LayerHook, Session
@@ -129,7 +131,10 @@ class Runtime:
             )
         if opts.threads is not None:
             kernels.set_threads(opts.threads)
-        forms = checkpoint_forms(cat)
+        # the kernels the engine's numerics reach (its default when none is given), so that a
+        # fast run's kernels compile in the children too and not at its first token
+        mode = kernel_numerics(cfg.family, opts.numerics or NUMERICS_DEFAULTS[cfg.family])
+        forms = checkpoint_forms(cat, mode)
         compile_kernels_apart(forms, once)
         warmup_seconds = kernels.warmup(forms)
         store = ExpertStore(
