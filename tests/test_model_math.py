@@ -121,10 +121,10 @@ def test_compressor_any_split_gives_the_same_rows(ratio: int, overlap: bool) -> 
     w = _comp_weights(ratio, d, dim, overlap)
     rope = Rope(plain_inv_freq(160000.0, 4))
     x = randn(n, dim)
-    whole = CompressorState(d, overlap)
+    whole = CompressorState(d, overlap, ratio)
     compress(whole, x, w, rope, 1e-6)
     assert whole.rows.shape == (n // ratio, d)
-    pieces = CompressorState(d, overlap)
+    pieces = CompressorState(d, overlap, ratio)
     cuts = [0, 1, 2, 7, 8, 9, 30, n]
     for a, b in itertools.pairwise(cuts):
         compress(pieces, x[a:b], w, rope, 1e-6)
@@ -136,7 +136,7 @@ def test_compressor_row_is_gated_softmax_pool_roped_at_window_start() -> None:
     w = _comp_weights(ratio, d, dim, overlap=False)
     rope = Rope(plain_inv_freq(10000.0, 2))
     x = randn(8, dim)
-    st = CompressorState(d, overlap=False)
+    st = CompressorState(d, overlap=False, ratio=ratio)
     rows = compress(st, x, w, rope, 1e-6)
     kv, g = dense(w.wkv) @ x[4:].T, (dense(w.wgate) @ x[4:].T).T + w.ape  # window 1
     p = np.exp(g - g.max(0)) / np.exp(g - g.max(0)).sum(0)
@@ -152,11 +152,11 @@ def test_overlap_first_window_has_no_previous_half() -> None:
     wkv = dense(w.wkv).copy()
     rope = Rope(plain_inv_freq(10000.0, 2))
     x = randn(8, dim)
-    base = CompressorState(d, True)
+    base = CompressorState(d, True, ratio)
     compress(base, x, w, rope, 1e-6)
     wkv[:d] *= 2.0  # change Ca only
     w2 = CompressorWeights(f32w(wkv), w.wgate, w.ape, w.norm)
-    other = CompressorState(d, True)
+    other = CompressorState(d, True, ratio)
     compress(other, x, w2, rope, 1e-6)
     np.testing.assert_allclose(other.rows[0], base.rows[0], rtol=1e-6)
     assert not np.allclose(other.rows[1], base.rows[1])

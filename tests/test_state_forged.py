@@ -96,7 +96,9 @@ def test_an_edited_state_file_is_refused_or_runs(engine) -> None:
     template = engine.session().state
     blob = st.to_bytes(s.snapshot(), IDS[:19], "ck", template)
     header, payload = _split(blob)
-    assert st.from_bytes(_forge(header, payload), "ck", template)[0].pos == 19  # the forger itself is faithful
+    faithful = st.from_bytes(_forge(header, payload), "ck", template)[0]
+    assert faithful.pos == 19  # the forger itself is faithful
+    same = st.to_bytes(faithful, IDS[:19], "ck", template)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     refused = ran = 0
     for what, h in _edits(header):
@@ -105,6 +107,9 @@ def test_an_edited_state_file_is_refused_or_runs(engine) -> None:
         except st.StateFileError:
             refused += 1
             continue
+        ran += 1
+        if len(ids) == 19 and st.to_bytes(snap, IDS[:19], "ck", template) == same:
+            continue  # the state written, bit for bit (an edited id: the forward pass never reads them)
         r = engine.session(chunk_size=8)
         r.restore(snap)
         try:
@@ -113,8 +118,69 @@ def test_an_edited_state_file_is_refused_or_runs(engine) -> None:
                 r.step(IDS[0])
         except Exception as e:  # noqa: BLE001 - what the test is about: nothing but StateFileError
             pytest.fail(f"{what}: accepted, then {type(e).__name__}: {e}")
-        ran += 1
     assert refused > 100 and ran < refused
     assert (
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10
     )  # no edited counter sized an allocation
+
+
+def _counters(node, path=()):
+    """(path, value) of every integer of the header's position, ids, object tree and array table
+    (bools excluded: they are flags, not counts)."""
+    if isinstance(node, int) and not isinstance(node, bool):
+        yield list(path), node
+    elif isinstance(node, list):
+        for i, c in enumerate(node):
+            yield from _counters(c, (*path, i))
+    elif isinstance(node, dict):
+        for k, c in node.items():
+            yield from _counters(c, (*path, k))
+
+
+def _is_history(path: list) -> bool:
+    """An Engram history entry: a token class, not a count (checked for range and length only; a
+    valid other class is a state the session could have reached on other text)."""
+    return "history" in path
+
+
+def _continue(engine, snap, ids) -> np.ndarray:
+    r = engine.session(chunk_size=8)
+    r.restore(snap)
+    out = r.prefill(IDS[len(ids) : len(ids) + 3])
+    return np.concatenate([np.asarray(out).ravel(), r.step(IDS[0])])
+
+
+def test_every_counter_one_off_is_refused_or_changes_nothing(engine) -> None:
+    """Each integer of a saved state's header, +1 and -1 (checksum recomputed): refused, or the
+    restored session gives the same logits bit for bit. Row counts, open-window rows, index keys,
+    ring positions and array shapes are all tied to the position, so none can drift."""
+    s = engine.session(chunk_size=8)
+    s.prefill(IDS[:19])
+    template = engine.session().state
+    header, payload = _split(st.to_bytes(s.snapshot(), IDS[:19], "ck", template))
+    snap, ids = st.from_bytes(_forge(header, payload), "ck", template)
+    same, want = st.to_bytes(snap, IDS[:19], "ck", template), _continue(engine, snap, ids)
+    tried = refused = 0
+    for path, value in _counters({k: header[k] for k in ("pos", "ids", "tree", "arrays")}):
+        for v in (value + 1, value - 1):
+            h = json.loads(json.dumps(header))
+            node = h
+            for k in path[:-1]:
+                node = node[k]
+            node[path[-1]] = v
+            tried += 1
+            try:
+                snap, ids = st.from_bytes(_forge(h, payload), "ck", template)
+            except st.StateFileError:
+                refused += 1
+                continue
+            if st.to_bytes(snap, IDS[:19], "ck", template) == same:
+                continue  # the very state written (an edit of the ids the forward pass never reads)
+            with np.errstate(all="ignore"):
+                try:
+                    got = _continue(engine, snap, ids)
+                except Exception as e:  # noqa: BLE001 - what the test is about: nothing but StateFileError
+                    pytest.fail(f"{path}={v}: accepted, then {type(e).__name__}: {e}")
+            if not _is_history(path):
+                assert np.array_equal(got, want, equal_nan=True), f"{path}={v}: accepted, and the logits differ"
+    assert tried > 100 and refused > tried // 2

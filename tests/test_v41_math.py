@@ -61,7 +61,7 @@ def test_compressor_latents_match_the_rule_in_any_chunking(ratio, rng):
         e = np.exp(g[: 2 * n].reshape(n, 2, hd) - g[: 2 * n].reshape(n, 2, hd).max(axis=1, keepdims=True))
         want = rms(np.sum(e / e.sum(axis=1, keepdims=True) * kv[: 2 * n].reshape(n, 2, hd), axis=1), w.norm)
     for cuts in ([t], [1] * t, [3, 5, 3], [2, 2, 7]):
-        st, got, a = SourceState(hd, 16), [], 0
+        st, got, a = SourceState(hd, 16, ratio, False), [], 0
         for c in cuts:
             got.append(latents(st, x[a : a + c], w, 1e-20))
             a += c
@@ -75,7 +75,7 @@ def test_rows_and_keys_are_rotated_at_the_first_position_of_their_group_then_put
     hd, ihd, ratio = 32, 32, 2
     rope = Rope(plain_inv_freq(10000.0, 8))
     keys = IndexKeyWeights(wk=f32w(rng.standard_normal((ihd, hd))), k_norm=np.ones(ihd, F32))
-    st = SourceState(hd, ihd)
+    st = SourceState(hd, ihd, ratio, True)
     lat = rng.standard_normal((3, hd)).astype(F32)
     append_rows(st, lat[:1], ratio, rope, keys, 1e-20, quantise=True)
     append_rows(st, lat[1:], ratio, rope, keys, 1e-20, quantise=True)

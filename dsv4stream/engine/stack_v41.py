@@ -145,21 +145,28 @@ class SpanRows:
 
 @dataclass
 class Carry:
-    """Session state beside the layers': the index-key board and the Engram n-gram history."""
+    """Session state beside the layers': the index-key board and the Engram n-gram history, with
+    the facts a state file's copy is checked against (the fresh carry's)."""
 
     board: KeyBoard = field(default_factory=KeyBoard)
     history: tuple[int, ...] = ()  # the last classes the Engram hash looks back on
     look_back: int = 0  # the most classes `history` holds (the Engram's n-gram size - 1)
     layers: int = 0  # the board's publisher is one of them
+    classes: int = 0  # the Engram's class count: each class of `history` is below it
+    keyed: tuple[tuple[int, int], ...] = ()  # (layer, ratio) of the KV sources that publish index keys
 
     def check_restored(self, fresh: Carry, pos: int) -> str | None:
         """What is wrong with this carry, read from a state file, after `pos` tokens (None: fine)."""
-        if (self.look_back, self.layers) != (fresh.look_back, fresh.layers):
-            return f"a carry for {self.layers} layers and {self.look_back} classes back, expected {fresh.layers}, {fresh.look_back}"
-        if len(self.history) > self.look_back or any(c < 0 for c in self.history):
-            return f"an Engram history of {len(self.history)} classes, at most {self.look_back}"
-        if not -1 <= self.board.publisher < self.layers:
-            return f"index keys published by layer {self.board.publisher} of {self.layers}"
+        facts = (self.look_back, self.layers, self.classes, self.keyed)
+        want = (fresh.look_back, fresh.layers, fresh.classes, fresh.keyed)
+        if facts != want:
+            return f"a carry for (classes back, layers, classes, keyed sources) {facts}, expected {want}"
+        if len(self.history) > min(pos, self.look_back) or any(not 0 <= c < self.classes for c in self.history):
+            return f"an Engram history of {len(self.history)} classes after {pos} tokens, at most {self.look_back}"
+        # the publisher is the last keyed source that emitted a row: -1 only before any emitted
+        emitted = [layer for layer, ratio in self.keyed if pos >= ratio]
+        if self.board.publisher not in (emitted or [-1]):
+            return f"index keys published by layer {self.board.publisher} after {pos} tokens"
         return None
 
 
@@ -225,8 +232,10 @@ class V41Stack:
 
     def new_state(self) -> list:
         layers = [new_layer_state(self.plan, i, self.cfg.index_head_dim) for i in range(self.cfg.n_layers)]
-        look_back = self.cfg.engram.max_ngram_size - 1 if self.cfg.engram is not None else 0
-        return [*layers, Carry(look_back=look_back, layers=self.cfg.n_layers)]
+        e = self.cfg.engram
+        look_back, classes = (e.max_ngram_size - 1, e.compressed_vocab_size) if e is not None else (0, 0)
+        keyed = tuple((i, s.source.ratio) for i, s in enumerate(layers) if s.source is not None and s.source.keyed)
+        return [*layers, Carry(look_back=look_back, layers=self.cfg.n_layers, classes=classes, keyed=keyed)]
 
     def read_ahead(
         self, ids: np.ndarray, state: list, spans: SpanRows | None = None

@@ -20,7 +20,9 @@ of everything before it (32 bytes). Loading rebuilds objects only of the classes
 fresh session's state (never arbitrary code), after checking the length, the hash, the
 identity and the layout, then every field against a fresh session's state (a file whose
 checksum was recomputed after an edit must not reach the forward pass): each class with a
-`check_restored(fresh, pos)` says what else holds for its fields after `pos` tokens.
+`check_restored(fresh, pos)` says what else holds for its fields after `pos` tokens: every
+counter a class keeps (rows emitted, open-window rows, ring positions) is tied to `pos` by the
+facts its fresh copy carries (ratio, window, keyed), so no counter can drift by one.
 """
 
 from __future__ import annotations

@@ -34,12 +34,15 @@ class WindowCache:
 
     def check_restored(self, fresh: WindowCache, pos: int) -> str | None:
         """What is wrong with this ring, read from a state file, after `pos` tokens (None: fine):
-        its shapes are the fresh ring's, and each slot holds -1 or a position read, at its slot."""
+        its shapes are the fresh ring's, and it holds exactly the last min(pos, size) positions,
+        each at its slot, the other slots -1."""
         if self.kv.shape != fresh.kv.shape or self.pos.shape != fresh.pos.shape:
             return f"a window of {self.kv.shape}, expected {fresh.kv.shape}"
-        held = self.pos >= 0
-        slots = np.arange(self.pos.shape[0])
-        if np.any(self.pos < -1) or np.any(self.pos[held] >= pos) or np.any(self.pos[held] % len(slots) != slots[held]):
+        size = self.pos.shape[0]
+        want = np.full(size, -1, dtype=np.int64)
+        last = np.arange(max(0, pos - size), pos)
+        want[last % size] = last
+        if not np.array_equal(self.pos, want):
             return f"window positions that {pos} tokens cannot have left"
         return None
 

@@ -51,9 +51,9 @@ class AttnState:
 def new_attn_state(cfg: ModelConfig, layer: int) -> AttnState:
     """Layer `layer`'s empty state: its window, and the compressors its kind has (CSA: the main
     one with overlapping windows and the indexer's; HCA: the main one)."""
-    hd, kind = cfg.head_dim, cfg.layer_kind(layer)
-    comp = CompressorState(hd, overlap=kind == CSA) if kind != WINDOW else None
-    index_comp = CompressorState(cfg.index_head_dim, overlap=True) if kind == CSA else None
+    hd, kind, ratio = cfg.head_dim, cfg.layer_kind(layer), cfg.ratio(layer)
+    comp = CompressorState(hd, overlap=kind == CSA, ratio=ratio) if kind != WINDOW else None
+    index_comp = CompressorState(cfg.index_head_dim, overlap=True, ratio=ratio) if kind == CSA else None
     return AttnState(WindowCache(cfg.sliding_window, hd), comp, index_comp)
 
 

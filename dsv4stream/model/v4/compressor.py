@@ -44,8 +44,13 @@ class CompressorWeights:
 
 @dataclass
 class CompressorState:
+    """One compressor's state. After `pos` tokens it holds pos // ratio rows, the pos % ratio
+    tokens of the open window, and with overlap the last closed window's Ca (once one closed):
+    what a state file's counters are checked against."""
+
     d: int  # width of an emitted row
     overlap: bool
+    ratio: int  # tokens per row
     pend_kv: np.ndarray | None = None  # (n < ratio, width) tokens of the open window
     pend_gate: np.ndarray | None = None
     prev_kv: np.ndarray | None = None  # (ratio, d) Ca of the last closed window
@@ -61,13 +66,21 @@ class CompressorState:
 
     def check_restored(self, fresh: CompressorState, pos: int) -> str | None:
         """What is wrong with this state, read from a state file, after `pos` tokens (None: fine)."""
-        if (self.d, self.overlap) != (fresh.d, fresh.overlap) or self.out._a.shape[1] != self.d:
-            return f"a compressor of width {self.d} (overlap {self.overlap}), expected {fresh.d} ({fresh.overlap})"
+        facts, want = (self.d, self.overlap, self.ratio), (fresh.d, fresh.overlap, fresh.ratio)
+        if facts != want or self.out._a.shape[1] != self.d:
+            return f"a compressor of width, overlap and ratio {facts}, expected {want}"
         width = 2 * self.d if self.overlap else self.d
         if not _pair(self.pend_kv, self.pend_gate, width) or not _pair(self.prev_kv, self.prev_gate, self.d):
             return "open or last window rows of another width, or only half of a pair"
-        if self.prev_kv is not None and not self.overlap:
-            return "a last window kept without overlap"
+        n, left = divmod(pos, self.ratio)
+        if self.out.n != n:
+            return f"{self.out.n} rows after {pos} tokens, expected {n}"
+        held = 0 if self.pend_kv is None else self.pend_kv.shape[0]
+        if held != left:
+            return f"an open window of {held} tokens after {pos} tokens, expected {left}"
+        kept = 0 if self.prev_kv is None else self.prev_kv.shape[0]
+        if kept != (self.ratio if self.overlap and n else 0):
+            return f"a last window of {kept} tokens kept after {n} rows (overlap {self.overlap})"
         return None
 
 

@@ -131,7 +131,9 @@ class Published:
 
 
 def new_layer_state(plan: V41Plan, layer: int, index_head_dim: int) -> V41LayerState:
-    src = SourceState(plan.head_dim, index_head_dim) if plan.kv_source[layer] == layer else None
+    src = None
+    if plan.kv_source[layer] == layer:  # keyed: a KV source that is also an index source (its key weights)
+        src = SourceState(plan.head_dim, index_head_dim, plan.ratios[layer], plan.index_source[layer] == layer)
     return V41LayerState(WindowCache(plan.window, plan.head_dim), src)
 
 

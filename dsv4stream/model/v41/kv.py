@@ -52,10 +52,15 @@ class IndexKeyWeights:
 @dataclass
 class SourceState:
     """A KV source's state between forward passes: no full-length history of tokens, only
-    the open group's per-token kv and score, and the rows and keys emitted so far."""
+    the open group's per-token kv and score, and the rows and keys emitted so far. Its
+    `ratio` and `keyed` are what a state file's counters are checked against: after `pos`
+    tokens it holds pos // ratio rows, as many keys when keyed (else none), and the
+    pos % ratio tokens of the open group."""
 
     hd: int
     index_dim: int
+    ratio: int  # tokens per compressed row (1 or 2)
+    keyed: bool  # a KV source that is an index source: it derives an index key per row
     pend_kv: np.ndarray | None = None  # (n < ratio, hd) float32: tokens of the open group
     pend_score: np.ndarray | None = None
     rows: RowBuffer = field(init=False)  # compressed rows (n, hd), rotated and (official) QDQ'd
@@ -71,16 +76,25 @@ class SourceState:
 
     def check_restored(self, fresh: SourceState, pos: int) -> str | None:
         """What is wrong with this state, read from a state file, after `pos` tokens (None: fine)."""
-        if (self.hd, self.index_dim) != (fresh.hd, fresh.index_dim):
-            return f"a KV source of widths {self.hd}, {self.index_dim}, expected {fresh.hd}, {fresh.index_dim}"
+        facts = (self.hd, self.index_dim, self.ratio, self.keyed)
+        want = (fresh.hd, fresh.index_dim, fresh.ratio, fresh.keyed)
+        if facts != want:
+            return f"a KV source of widths, ratio and keys {facts}, expected {want}"
         if self.rows._a.shape[1] != self.hd or self.keys._a.shape[1] != self.index_dim:
             return "rows or keys of another width"
+        n = pos // self.ratio
+        if self.rows.n != n or self.keys.n != (n if self.keyed else 0):
+            return f"{self.rows.n} rows and {self.keys.n} index keys after {pos} tokens, expected {n} and {n if self.keyed else 0}"
         if (self.pend_kv is None) != (self.pend_score is None):
             return "only half of the open group"
+        # latents() leaves the open group as arrays (maybe of no rows) at ratio 2, None at ratio 1
+        held = 0 if self.pend_kv is None else self.pend_kv.shape[0]
         if self.pend_kv is not None and (
-            self.pend_kv.shape != self.pend_score.shape or self.pend_kv.shape[1] != self.hd
+            self.ratio == 1 or self.pend_kv.shape != self.pend_score.shape or self.pend_kv.shape[1] != self.hd
         ):
-            return f"an open group of shape {self.pend_kv.shape}, expected (n, {self.hd})"
+            return f"an open group of shape {self.pend_kv.shape}, expected ({pos % self.ratio}, {self.hd})"
+        if held != pos % self.ratio:
+            return f"an open group of {held} tokens after {pos} tokens, expected {pos % self.ratio}"
         return None
 
 
