@@ -83,6 +83,13 @@ def bind(host: str, port: int) -> socket.socket:
 @click.option("--max-connections", type=int, default=64, show_default=True, help="Open connections at most.")
 @click.option("--header-timeout", type=float, default=10.0, show_default=True, help="Seconds to send the headers.")
 @click.option("--body-timeout", type=float, default=60.0, show_default=True, help="Seconds to send the body.")
+@click.option(
+    "--min-body-rate",
+    type=float,
+    default=500.0,
+    show_default=True,
+    help="Bytes/s: a body sent slower may be replaced by a new connection at --max-connections.",
+)
 @click.option("--budget", type=float, default=None, help="GB the whole process may hold. [default: 80% of available]")
 @click.option("--ctx", type=int, default=4096, show_default=True, help="Longest sequence (prompt + answer) served.")
 @click.option(
@@ -128,6 +135,7 @@ def serve(
     max_connections: int,
     header_timeout: float,
     body_timeout: float,
+    min_body_rate: float,
     budget: float | None,
     ctx: int,
     keep_states: int,
@@ -184,7 +192,7 @@ def serve(
         raise UsageError(f"--keep-states {keep_states}: give 0 (no reuse) or more")
     positive = (
         ("--kv-cache-gb", kv_cache_gb), ("--max-body-mb", max_body_mb), ("--keep-alive", keep_alive),
-        ("--header-timeout", header_timeout), ("--body-timeout", body_timeout),
+        ("--header-timeout", header_timeout), ("--body-timeout", body_timeout), ("--min-body-rate", min_body_rate),
     )  # fmt: skip
     for name, value in positive:
         if not 0 < value < float("inf"):
@@ -216,7 +224,7 @@ def serve(
         keep_alive, int(max_body_mb * 1e6), max_queue,
     )  # fmt: skip
     policy = Policy(api_key, is_loopback(host), hosts, origins)
-    limits = Limits(header_timeout, body_timeout, max_connections)
+    limits = Limits(header_timeout, body_timeout, max_connections, min_body_rate)
     app = create_app(srv)
     config = uvicorn.Config(
         AccessLog(counting(Guard(app, policy), srv.metrics), _say), log_level="warning", access_log=False, lifespan="off",

@@ -8,10 +8,13 @@ time holds a connection for ever, and enough of them hold them all. Here:
   opening (later requests on a kept-alive connection: uvicorn's keep-alive timeout);
 - its body within `body_timeout` seconds of its headers;
 - at most `max_connections` connections are open at once. A new one past the cap takes the
-  place of the connection that has waited longest for a request's headers (still sending
-  them slowly, or idle between keep-alive requests); only when every open connection has a
-  request under way is the new one closed at once. So slow clients cannot lock others out:
-  each waits out its own deadline, but a newcomer does not wait behind them (issue 40).
+  place of the slow reader that has waited longest for its request: one still sending its
+  headers (or idle between keep-alive requests), or one sending its body for over
+  `BODY_GRACE` seconds at under `min_body_rate` bytes a second on average (a body the server
+  itself stopped reading, by flow control, is not slow). Only when every open connection has
+  a request under way (read, or its body arriving at a fair rate) is the new one closed at
+  once. So slow clients cannot lock others out, whichever part they trickle: each waits out
+  its own deadline, but a newcomer does not wait behind them (issue 40).
 
 A deadline missed closes the connection (a route waiting for the body sees the client
 gone). Time spent generating an answer is not limited: a request counts as read once its
@@ -26,12 +29,17 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+# Seconds a body may take before its rate is judged: a request whose body is on its way (a
+# network round trip, a client still serialising) is not slow yet.
+BODY_GRACE = 1.0
+
 
 @dataclass(frozen=True)
 class Limits:
     header_timeout: float = 10.0
     body_timeout: float = 60.0
     max_connections: int = 64
+    min_body_rate: float = 500.0  # bytes/s: a body slower than this (after BODY_GRACE) may be replaced
 
 
 def guarded_protocol(limits: Limits, log=None) -> type[H11Protocol]:
@@ -40,7 +48,9 @@ def guarded_protocol(limits: Limits, log=None) -> type[H11Protocol]:
     class GuardedH11(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
         _seen_cycle: object = None
-        _waiting_since = 0.0  # monotonic time since which it has waited for a request's headers
+        _waiting_since = 0.0  # monotonic time since which it has waited for a request (headers first)
+        _received = 0  # bytes received on this connection
+        _body_mark: tuple[float, int] | None = None  # (time, _received) when the body began; None: no body under way
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -57,21 +67,40 @@ def guarded_protocol(limits: Limits, log=None) -> type[H11Protocol]:
             cycle = self.cycle
             return (cycle is None or cycle.response_complete) and not self.transport.is_closing()
 
-        def _make_room(self) -> bool:
-            """Close the open connection that has waited longest for headers; False if none is."""
-            waiting = [
-                c for c in self.connections if c is not self and isinstance(c, GuardedH11) and c._awaits_headers()
-            ]
-            if not waiting:
+        def _slow_body(self, now: float) -> bool:
+            """Its request's body is still arriving, for over BODY_GRACE seconds at under
+            min_body_rate on average, and not because the server paused reading it."""
+            cycle, mark = self.cycle, self._body_mark
+            if cycle is None or mark is None or not cycle.more_body or cycle.response_started:
                 return False
-            victim = min(waiting, key=lambda c: c._waiting_since)
+            if self.transport.is_closing() or self.flow.read_paused:
+                return False
+            elapsed = now - mark[0]
+            return elapsed > BODY_GRACE and self._received - mark[1] < limits.min_body_rate * elapsed
+
+        def _make_room(self) -> bool:
+            """Close the slow reader (headers, or a slow body) that has waited longest for its
+            request; False if no open connection is one."""
+            now = time.monotonic()
+            slow = [
+                c
+                for c in self.connections
+                if c is not self and isinstance(c, GuardedH11) and (c._awaits_headers() or c._slow_body(now))
+            ]
+            if not slow:
+                return False
+            victim = min(slow, key=lambda c: c._waiting_since)
             if log is not None:
-                idle = time.monotonic() - victim._waiting_since
-                log(f"dsv4: closed a connection waiting {idle:.1f} s for request headers to admit a new one"
-                    " (--max-connections)")  # fmt: skip
+                what = "request headers" if victim._awaits_headers() else "a slow request body"
+                log(f"dsv4: closed a connection waiting {now - victim._waiting_since:.1f} s for {what} to admit"
+                    " a new one (--max-connections)")  # fmt: skip
             victim._disarm()
             victim.transport.close()
             return True
+
+        def data_received(self, data: bytes) -> None:
+            self._received += len(data)
+            super().data_received(data)
 
         def connection_lost(self, exc) -> None:
             self._disarm()
@@ -82,8 +111,10 @@ def guarded_protocol(limits: Limits, log=None) -> type[H11Protocol]:
             cycle = self.cycle
             if cycle is not None and cycle is not self._seen_cycle:  # headers of a new request are in
                 self._seen_cycle = cycle
+                self._body_mark = (time.monotonic(), self._received)
                 self._arm(limits.body_timeout)
             if cycle is not None and not cycle.more_body:
+                self._body_mark = None
                 self._disarm()
 
         def on_response_complete(self) -> None:
