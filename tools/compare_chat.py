@@ -15,10 +15,12 @@ calls with nested JSON arguments (also as text that is not JSON, double-encoded 
 parsed values), tool results in and out of call order, reasoning, content as text or text
 parts, unicode, text that spells control tokens and DSML tags), thinking on or off, a
 random reasoning effort (valid or not) and `drop_thinking` on or off. Both sides render it;
-a case agrees when both give the same text or both refuse it. The one deliberate
-difference is counted apart, not as agreement: V4.1 has no `developer` role and we refuse
+a case agrees when both give the same text or both refuse it. The two deliberate
+differences are counted apart, not as agreement: V4.1 has no `developer` role and we refuse
 it everywhere, while the official encoder drops such a message silently when it lies
-before the last user turn in thinking mode (and raises elsewhere).
+before the last user turn in thinking mode (and raises elsewhere); and a tool-call argument
+holding the closing parameter tag is written as JSON with its '<' escaped, where the official
+encoder writes it raw and its block no longer parses (issue 40).
 
 Prints the counts and the first differences; exits 1 on any difference. `--fixture` writes
 K cases (conversation, options, the official text or its refusal) as gzipped JSON lines for
@@ -259,7 +261,29 @@ def classify(expected: str | None, got: str | None, case: dict[str, Any], releas
         return "same text" if got is not None else "both refuse"
     if release == "v41" and got is None and any(m["role"] == "developer" for m in case["messages"]):
         return "developer refused (deliberate)"
+    if expected is not None and got is not None and _holds_param_close(case, release):
+        return "closing tag escaped (deliberate)"
     return "DIFFERENT"
+
+
+def _holds_param_close(case: dict[str, Any], release: str) -> bool:
+    """Whether a tool call's argument (as the encoders decode it: JSON text up to twice) holds
+    the release's closing parameter tag: the official encoder writes it raw, so its block cannot
+    be read back; ours writes such a value as JSON with '<' escaped (`dsml.param_text`)."""
+    close = chat.grammar(release).param_close
+    for m in case["messages"]:
+        for call in m.get("tool_calls") or []:
+            args = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
+            for _ in range(2):
+                if not isinstance(args, str):
+                    break
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    break
+            if close in json.dumps(args, ensure_ascii=False):
+                return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -167,14 +167,14 @@ def _function(tool: Any) -> Any:
 
 
 def _params(call: ToolCall) -> list[tuple[str, str, bool]]:
-    # Strings go in raw (string="true"); anything else as JSON.
+    # Strings go in raw (string="true"); anything else as JSON (`dsml.param_text`).
     try:
         args = json.loads(call.arguments)
     except (TypeError, ValueError, RecursionError):  # the encoder catches every exception here
         args = {"arguments": call.arguments}
     if not isinstance(args, dict):
         raise UsageError(f"tool call {call.name!r}: arguments must be a JSON object, got {call.arguments!r}")
-    return [(str(k), v, True) if isinstance(v, str) else (str(k), dsml.to_json(v), False) for k, v in args.items()]
+    return [(str(k), *dsml.param_text(v, dsml.V4)) for k, v in args.items()]
 
 
 _TOOLS = Tools(dsml.V4, _function, str, _params)  # names as sent

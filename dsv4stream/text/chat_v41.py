@@ -176,7 +176,7 @@ def qualified_name(name: str, namespace: Any = None) -> str:
 
 
 def _params(call: ToolCall) -> list[tuple[str, str, bool]]:
-    # Strings go in raw (string="true"); anything else as JSON. JSON text is decoded up to
+    # Strings go in raw (string="true"); anything else as JSON (`dsml.param_text`). JSON text is decoded up to
     # twice (clients send double-encoded arguments); what is still not an object becomes one
     # "arguments" parameter holding the arguments as sent.
     args = call.arguments
@@ -189,7 +189,7 @@ def _params(call: ToolCall) -> list[tuple[str, str, bool]]:
             break
     if not isinstance(args, dict):
         args = {"arguments": call.arguments}
-    return [(str(k), v, True) if isinstance(v, str) else (str(k), dsml.to_json(v), False) for k, v in args.items()]
+    return [(str(k), *dsml.param_text(v, dsml.V41)) for k, v in args.items()]
 
 
 _TOOLS = Tools(dsml.V41, _function, qualified_name, _params)

@@ -14,6 +14,12 @@ The block, as the encoders write it (and the model is trained to answer), with V
   param:  '<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>'
 with V raw text when string="true", else a JSON value. Arguments come back as one JSON
 object text (OpenAI style), keys in the order written.
+
+Any value round-trips (`param_text` writes, `parse_block` reads): raw text cannot hold the
+parameter's closing tag, so a string that contains it is written as a JSON string instead, and
+JSON text that would contain it (a string inside) has its '<' written as the JSON escape
+\u003c. The reader takes a JSON value up to the first closing tag after which it parses, so a
+model's unescaped JSON string holding the tag's text reads back too.
 """
 
 from __future__ import annotations
@@ -130,6 +136,17 @@ def to_json(value: Any) -> str:
         return json.dumps(value, ensure_ascii=True)
 
 
+def param_text(value: Any, grammar: Grammar = V4) -> tuple[str, bool]:
+    """(the text a parameter's value is written as, whether as raw text: string="true").
+
+    Strings go in raw, as the official encoders write them, unless they hold the closing tag;
+    anything else (and such a string) as JSON, its '<' escaped where the text would hold the tag."""
+    if isinstance(value, str) and grammar.param_close not in value:
+        return value, True
+    text = to_json(value)
+    return (text.replace("<", "\\u003c") if grammar.param_close in text else text), False
+
+
 def parse_reply(text: str, thinking: bool, tools: bool = True, grammar: Grammar = V4) -> ParsedReply:
     """Reasoning (thinking: up to the first </think>, all of it when there is none), content,
     and the calls of a well-formed block; a malformed block stays in the content as text."""
@@ -165,11 +182,16 @@ def parse_block(rest: str, grammar: Grammar = V4) -> tuple[ToolCall, ...]:
             p.expect(g.param_head)
             key = p.until('" string="')
             flag = p.until('">')
-            value = p.until(g.param_close)
+            if flag == "false":
+                value = _json_value(p, g.param_close, key)
+            elif flag == "true":
+                value = p.until(g.param_close)
+            else:
+                raise DsmlError(f"parameter {key!r}: string={flag!r}, expected true or false")
             p.expect("\n")
             if key in args:
                 raise DsmlError(f"parameter {key!r} given twice")
-            args[key] = _value(key, flag, value)
+            args[key] = value
         p.expect("\n")
         if not name:
             raise DsmlError("an invoke without a name")
@@ -181,15 +203,19 @@ def parse_block(rest: str, grammar: Grammar = V4) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def _value(key: str, flag: str, value: str) -> Any:
-    if flag == "true":
-        return value
-    if flag != "false":
-        raise DsmlError(f"parameter {key!r}: string={flag!r}, expected true or false")
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        raise DsmlError(f"parameter {key!r}: not a JSON value: {value[:40]!r}") from None
+def _json_value(p: _Cursor, close: str, key: str) -> Any:
+    """A JSON value up to its closing tag: the first `close` before which the text parses (a
+    JSON string may hold the tag's text unescaped)."""
+    start = p.i
+    while True:
+        end = p.text.find(close, p.i)
+        if end < 0:
+            raise DsmlError(f"parameter {key!r}: not a JSON value: {p.text[start : start + 40]!r}")
+        p.i = end + len(close)
+        try:
+            return json.loads(p.text[start:end])
+        except (json.JSONDecodeError, RecursionError):
+            continue
 
 
 class _Cursor:
