@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
@@ -70,6 +72,52 @@ class Server:
                 self.proc.wait()
         self._reader.join(timeout=5)
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def trickling(port: int, opening: bytes, count: int, every: float, byte: bytes = b"X") -> Iterator[list[socket.socket]]:
+    """`count` slow clients of 127.0.0.1:`port`: each sends `opening`, then `byte` every `every`
+    seconds while the block runs (the sockets are yielded oldest first, closed after)."""
+    slow: list[socket.socket] = []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(every):
+            for s in slow:
+                try:
+                    s.sendall(byte)
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=trickle, daemon=True)
+    try:
+        for _ in range(count):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(opening)
+            slow.append(s)
+            time.sleep(0.02)  # distinct arrival times: slow[0] has waited longest
+        t.start()
+        yield slow
+    finally:
+        stop.set()
+        if t.is_alive():
+            t.join(5)
+        for s in slow:
+            s.close()
+
+
+def health_seconds(srv: Server, timeout: float = 5.0) -> float:
+    """Seconds a new connection's GET /health takes; AssertionError unless it answers 200."""
+    import http.client
+
+    t0 = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=timeout)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+    return time.monotonic() - t0
 
 
 def one_thread_engine(ckpt: Path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from server_proc import Server, free_port
+from server_proc import Server, free_port, health_seconds, trickling
 
 from dsv4stream import synth
 from dsv4stream.errors import UsageError
@@ -292,40 +292,13 @@ def test_slow_header_senders_do_not_lock_out_a_new_client(ckpt) -> None:
     # issue 40: 64 connections (the default cap) send their headers a byte at a time, each well
     # within its deadline; a new /health request is still answered at once, in place of the one
     # that has waited longest, and the others keep trickling until their own deadline
-    slow: list[socket.socket] = []
-    stop = threading.Event()
-
-    def trickle() -> None:
-        while not stop.wait(0.5):
-            for s in slow:
-                try:
-                    s.sendall(b"X")
-                except OSError:
-                    pass
-
-    with Server(ckpt, "--ctx", "64", "--header-timeout", "8") as srv:
-        t = threading.Thread(target=trickle, daemon=True)
-        try:
-            for _ in range(64):
-                s = socket.create_connection(("127.0.0.1", srv.port))
-                s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
-                slow.append(s)
-            t.start()
-            time.sleep(1.0)  # all 64 open and trickling
-            for _ in range(3):
-                t0 = time.monotonic()
-                conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=3)
-                conn.request("GET", "/health")
-                assert conn.getresponse().status == 200
-                conn.close()
-                assert time.monotonic() - t0 < 2
-            assert "for request headers to admit a new one" in srv.log
-            assert "refused a connection" not in srv.log
-        finally:
-            stop.set()
-            t.join(5)
-            for s in slow:
-                s.close()
+    opening = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: "
+    with Server(ckpt, "--ctx", "64", "--header-timeout", "8") as srv, trickling(srv.port, opening, 64, 0.5):
+        time.sleep(1.0)  # all 64 open and trickling
+        for _ in range(3):
+            assert health_seconds(srv, timeout=3) < 2
+        assert "for request headers to admit a new one" in srv.log
+        assert "refused a connection" not in srv.log
 
 
 def test_a_full_queue_answers_429_with_retry_after(server) -> None:

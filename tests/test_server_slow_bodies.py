@@ -5,14 +5,12 @@ reader that has waited longest; the others keep trickling until their own deadli
 
 from __future__ import annotations
 
-import http.client
 import socket
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from server_proc import Server
+from server_proc import Server, health_seconds, trickling
 
 from dsv4stream import synth
 
@@ -40,44 +38,17 @@ def _open(sock: socket.socket) -> bool:
 
 
 def test_slow_body_senders_do_not_lock_out_a_new_client(ckpt) -> None:
-    slow: list[socket.socket] = []
-    stop = threading.Event()
-
-    def trickle() -> None:  # one byte a connection every 0.3 s: ~3 B/s, far under the 500 B/s floor
-        while not stop.wait(0.3):
-            for s in slow:
-                try:
-                    s.sendall(b" ")
-                except OSError:
-                    pass
-
     args = ("--ctx", "64", "--max-connections", str(CAP), "--header-timeout", "5", "--body-timeout", "30")
-    with Server(ckpt, *args) as srv:
-        t = threading.Thread(target=trickle, daemon=True)
-        try:
-            for _ in range(CAP):
-                s = socket.create_connection(("127.0.0.1", srv.port))
-                s.sendall(
-                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: 100000\r\n\r\n{"
-                )
-                slow.append(s)
-                time.sleep(0.05)  # slow[0] has waited longest
-            t.start()
-            time.sleep(2.0)  # every slot holds a body past its grace second, all trickling
-            assert all(_open(s) for s in slow)
-            t0 = time.monotonic()
-            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
-            conn.request("GET", "/health")
-            assert conn.getresponse().status == 200
-            conn.close()
-            assert time.monotonic() - t0 < 2
-            assert "for a slow request body to admit a new one" in srv.log
-            assert "refused a connection" not in srv.log
-            assert not _open(slow[0])  # the oldest slow reader made room
-            assert sum(_open(s) for s in slow[1:]) == CAP - 1  # the others go on until their deadline
-        finally:
-            stop.set()
-            t.join(5)
-            for s in slow:
-                s.close()
+    opening = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100000\r\n\r\n{"
+    )
+    with Server(ckpt, *args) as srv, trickling(srv.port, opening, CAP, 0.3, b" ") as slow:
+        # one byte a connection every 0.3 s: ~3 B/s, far under the 500 B/s floor
+        time.sleep(2.0)  # every slot holds a body past its grace second, all trickling
+        assert all(_open(s) for s in slow)
+        assert health_seconds(srv) < 2
+        assert "for a slow request body to admit a new one" in srv.log
+        assert "refused a connection" not in srv.log
+        assert not _open(slow[0])  # the oldest slow reader made room
+        assert sum(_open(s) for s in slow[1:]) == CAP - 1  # the others go on until their deadline

@@ -1,6 +1,6 @@
 """Named weights both families build the same way: linears as `QWeight`s, a linear split into row
-blocks (the grouped output projection), and the routed experts (from a catalog or a store's raw
-arrays). Each family's blocks and head are `loading_v4` / `loading_v41`; `family` picks one.
+blocks (the grouped output projection), the mHC mixings and attention projections, and the routed experts (from
+a catalog or a store's raw arrays). Each family's blocks and head are `loading_v4` / `loading_v41`; `family` picks one.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import numpy as np
 from ..checkpoint.catalog import TensorSource
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.formats import fp4_scale_shape, fp8_scale_shape
-from ..checkpoint.tensors import EXPERT_LINEARS, expert_prefix
+from ..checkpoint.tensors import EXPERT_LINEARS, expert_prefix, hc_names
 from ..kernels import QWeight, dense
+from ..model.mhc import HcWeights
 from ..model.moe import ExpertWeights
 
 
@@ -40,6 +41,28 @@ def split_rows(w: QWeight, parts: int) -> tuple[QWeight, ...]:
             scale = w.scale[i * r // br : (i + 1) * r // br]
         out.append(replace(w, data=data, scale=scale, rows=r))
     return tuple(out)
+
+
+def hc_weights(src: TensorSource, stem: str, kind: type = HcWeights):
+    """The mHC mixing weights under `stem` (a block's hc_attn / hc_ffn, V4's hc_head with `kind`)."""
+    fn, base, scale = hc_names(stem)
+    return kind(fn=f32_qweight(src.f32(fn)), base=src.f32(base), scale=src.f32(scale))
+
+
+def attn_projections(src: TensorSource, names: dict[str, str]) -> dict[str, object]:
+    """The `model.projections.AttnProjections` fields of one layer, by its `block_names`: the keyword arguments each
+    family's attention weights start from (they add what only they have)."""
+    fields = {
+        "wq_a": src.qweight(names["attn.wq_a"]),
+        "q_norm": src.f32(names["attn.q_norm"]),
+        "wq_b": src.qweight(names["attn.wq_b"]),
+        "wkv": src.qweight(names["attn.wkv"]),
+        "kv_norm": src.f32(names["attn.kv_norm"]),
+        "wo_a": split_rows(src.qweight(names["attn.wo_a"]), src.config.o_groups),
+        "wo_b": src.qweight(names["attn.wo_b"]),
+        "sink": src.f32(names["attn.sink"]),
+    }
+    return fields
 
 
 def load_expert(cat: TensorSource, layer: int, expert: int) -> ExpertWeights:

@@ -17,19 +17,14 @@ import numpy as np
 from ..checkpoint.catalog import TensorSource
 from ..checkpoint.config import CSA
 from ..checkpoint.spec_v4 import COMPRESSOR
-from ..checkpoint.tensors import EXPERT_LINEARS, MODEL, block_names, hc_names
-from ..model.mhc import HcHeadWeights, HcWeights
+from ..checkpoint.tensors import EXPERT_LINEARS, MODEL, block_names
+from ..model.mhc import HcHeadWeights
 from ..model.moe import ExpertWeights, MoeWeights
 from ..model.v4.attention import AttnWeights
 from ..model.v4.compressor import CompressorWeights
 from ..model.v4.indexer import IndexerWeights
 from ..model.v4.layer import HeadWeights, LayerWeights
-from .loading import f32_qweight, split_rows
-
-
-def _hc(cat: TensorSource, stem: str, kind=HcWeights):
-    fn, base, scale = hc_names(stem)
-    return kind(fn=f32_qweight(cat.f32(fn)), base=cat.f32(base), scale=cat.f32(scale))
+from .loading import attn_projections, hc_weights
 
 
 def _compressor(cat: TensorSource, p: str) -> CompressorWeights:
@@ -55,14 +50,7 @@ def load_layer(cat: TensorSource, layer: int) -> LayerWeights:
             compressor=_compressor(cat, n["attn.indexer.compressor"]),
         )
     attn = AttnWeights(
-        wq_a=cat.qweight(n["attn.wq_a"]),
-        q_norm=cat.f32(n["attn.q_norm"]),
-        wq_b=cat.qweight(n["attn.wq_b"]),
-        wkv=cat.qweight(n["attn.wkv"]),
-        kv_norm=cat.f32(n["attn.kv_norm"]),
-        wo_a=split_rows(cat.qweight(n["attn.wo_a"]), cfg.o_groups),
-        wo_b=cat.qweight(n["attn.wo_b"]),
-        sink=cat.f32(n["attn.sink"]),
+        **attn_projections(cat, n),
         ratio=ratio,
         compressor=_compressor(cat, n["attn.compressor"]) if ratio else None,
         indexer=indexer,
@@ -78,8 +66,8 @@ def load_layer(cat: TensorSource, layer: int) -> LayerWeights:
         index=layer,
         attn_norm=cat.f32(n["attn_norm"]),
         ffn_norm=cat.f32(n["ffn_norm"]),
-        hc_attn=_hc(cat, n["hc_attn"]),
-        hc_ffn=_hc(cat, n["hc_ffn"]),
+        hc_attn=hc_weights(cat, n["hc_attn"]),
+        hc_ffn=hc_weights(cat, n["hc_ffn"]),
         attn=attn,
         moe=moe,
     )
@@ -87,7 +75,7 @@ def load_layer(cat: TensorSource, layer: int) -> LayerWeights:
 
 def load_head(cat: TensorSource) -> HeadWeights:
     return HeadWeights(
-        hc=_hc(cat, MODEL["hc_head"], HcHeadWeights),
+        hc=hc_weights(cat, MODEL["hc_head"], HcHeadWeights),
         norm=cat.f32(MODEL["norm"]),
         head=replace(cat.qweight(MODEL["head"]), role="head"),
     )

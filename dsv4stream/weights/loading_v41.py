@@ -20,8 +20,7 @@ import numpy as np
 
 from ..checkpoint.catalog import TensorSource
 from ..checkpoint.spec_v41 import BLOCK_V41, COMPRESSOR_V41, MODEL_V41, engram_names
-from ..checkpoint.tensors import EXPERT_LINEARS, block_names, hc_names, layer_prefix
-from ..model.mhc import HcWeights
+from ..checkpoint.tensors import EXPERT_LINEARS, block_names, layer_prefix
 from ..model.moe import ExpertWeights
 from ..model.v41.attention import V41AttnWeights
 from ..model.v41.block import V41HeadWeights, V41LayerWeights
@@ -30,14 +29,9 @@ from ..model.v41.indexer import V41IndexerWeights
 from ..model.v41.kv import IndexKeyWeights, V41CompressorWeights
 from ..model.v41.moe import V41MoeWeights
 from ..model.v41.vision import VisionBlockWeights, VisionWeights
-from .loading import f32_qweight, split_rows
+from .loading import attn_projections, hc_weights
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _hc(src: TensorSource, stem: str) -> HcWeights:
-    fn, base, scale = hc_names(stem)
-    return HcWeights(fn=f32_qweight(src.f32(fn)), base=src.f32(base), scale=src.f32(scale))
 
 
 def load_layer(src: TensorSource, layer: int) -> V41LayerWeights:
@@ -65,14 +59,7 @@ def load_layer(src: TensorSource, layer: int) -> V41LayerWeights:
             wq_b=src.qweight(n["attn.indexer.wq_b"]), weights_proj=src.qweight(n["attn.indexer.weights_proj"])
         )
     attn = V41AttnWeights(
-        wq_a=src.qweight(n["attn.wq_a"]),
-        q_norm=src.f32(n["attn.q_norm"]),
-        wq_b=src.qweight(n["attn.wq_b"]),
-        wkv=src.qweight(n["attn.wkv"]),
-        kv_norm=src.f32(n["attn.kv_norm"]),
-        wo_a=split_rows(src.qweight(n["attn.wo_a"]), cfg.o_groups),
-        wo_b=src.qweight(n["attn.wo_b"]),
-        sink=src.f32(n["attn.sink"]),
+        **attn_projections(src, n),
         compressor=compressor,
         keys=keys,
         indexer=indexer,
@@ -92,8 +79,8 @@ def load_layer(src: TensorSource, layer: int) -> V41LayerWeights:
         index=layer,
         attn_norm=src.f32(n["attn_norm"]),
         ffn_norm=src.f32(n["ffn_norm"]),
-        hc_attn=_hc(src, n["hc_attn"]),
-        hc_ffn=_hc(src, n["hc_ffn"]),
+        hc_attn=hc_weights(src, n["hc_attn"]),
+        hc_ffn=hc_weights(src, n["hc_ffn"]),
         attn=attn,
         moe=moe,
         engram=engram,
