@@ -45,7 +45,7 @@ def test_slow_body_senders_do_not_lock_out_a_new_client(ckpt) -> None:
     )
     with Server(ckpt, *args) as srv, trickling(srv.port, opening, CAP, 0.3, b" ") as slow:
         # one byte a connection every 0.3 s: ~3 B/s, far under the 500 B/s floor
-        time.sleep(2.0)  # every slot holds a body past its grace second, all trickling
+        time.sleep(3.0)  # every slot holds a body past its grace (2 s), all trickling
         assert all(_open(s) for s in slow)
         assert health_seconds(srv) < 2
         assert "for a slow request body to admit a new one" in srv.log

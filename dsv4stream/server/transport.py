@@ -31,7 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 # Seconds a body may take before its rate is judged: a request whose body is on its way (a
 # network round trip, a client still serialising) is not slow yet.
-BODY_GRACE = 1.0
+BODY_GRACE = 2.0
 
 
 @dataclass(frozen=True)
