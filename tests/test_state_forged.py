@@ -93,17 +93,17 @@ def _edits(header: dict):
 def test_an_edited_state_file_is_refused_or_runs(engine) -> None:
     s = engine.session(chunk_size=8)
     s.prefill(IDS[:19])
-    template = engine.session().state
+    template, agrees = engine.session().state, engine.stack.agrees
     blob = st.to_bytes(s.snapshot(), IDS[:19], "ck", template)
     header, payload = _split(blob)
-    faithful = st.from_bytes(_forge(header, payload), "ck", template)[0]
+    faithful = st.from_bytes(_forge(header, payload), "ck", template, agrees)[0]
     assert faithful.pos == 19  # the forger itself is faithful
     same = st.to_bytes(faithful, IDS[:19], "ck", template)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     refused = ran = 0
     for what, h in _edits(header):
         try:
-            snap, ids = st.from_bytes(_forge(h, payload), "ck", template)
+            snap, ids = st.from_bytes(_forge(h, payload), "ck", template, agrees)
         except st.StateFileError:
             refused += 1
             continue
@@ -137,12 +137,6 @@ def _counters(node, path=()):
             yield from _counters(c, (*path, k))
 
 
-def _is_history(path: list) -> bool:
-    """An Engram history entry: a token class, not a count (checked for range and length only; a
-    valid other class is a state the session could have reached on other text)."""
-    return "history" in path
-
-
 def _continue(engine, snap, ids) -> np.ndarray:
     r = engine.session(chunk_size=8)
     r.restore(snap)
@@ -153,12 +147,13 @@ def _continue(engine, snap, ids) -> np.ndarray:
 def test_every_counter_one_off_is_refused_or_changes_nothing(engine) -> None:
     """Each integer of a saved state's header, +1 and -1 (checksum recomputed): refused, or the
     restored session gives the same logits bit for bit. Row counts, open-window rows, index keys,
-    ring positions and array shapes are all tied to the position, so none can drift."""
+    ring positions and array shapes are all tied to the position, and V4.1's Engram history to
+    the last token ids (`Stack.agrees`), so none can drift."""
     s = engine.session(chunk_size=8)
     s.prefill(IDS[:19])
-    template = engine.session().state
+    template, agrees = engine.session().state, engine.stack.agrees
     header, payload = _split(st.to_bytes(s.snapshot(), IDS[:19], "ck", template))
-    snap, ids = st.from_bytes(_forge(header, payload), "ck", template)
+    snap, ids = st.from_bytes(_forge(header, payload), "ck", template, agrees)
     same, want = st.to_bytes(snap, IDS[:19], "ck", template), _continue(engine, snap, ids)
     tried = refused = 0
     for path, value in _counters({k: header[k] for k in ("pos", "ids", "tree", "arrays")}):
@@ -170,7 +165,7 @@ def test_every_counter_one_off_is_refused_or_changes_nothing(engine) -> None:
             node[path[-1]] = v
             tried += 1
             try:
-                snap, ids = st.from_bytes(_forge(h, payload), "ck", template)
+                snap, ids = st.from_bytes(_forge(h, payload), "ck", template, agrees)
             except st.StateFileError:
                 refused += 1
                 continue
@@ -181,6 +176,5 @@ def test_every_counter_one_off_is_refused_or_changes_nothing(engine) -> None:
                     got = _continue(engine, snap, ids)
                 except Exception as e:  # noqa: BLE001 - what the test is about: nothing but StateFileError
                     pytest.fail(f"{path}={v}: accepted, then {type(e).__name__}: {e}")
-            if not _is_history(path):
-                assert np.array_equal(got, want, equal_nan=True), f"{path}={v}: accepted, and the logits differ"
+            assert np.array_equal(got, want, equal_nan=True), f"{path}={v}: accepted, and the logits differ"
     assert tried > 100 and refused > tried // 2

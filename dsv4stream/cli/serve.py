@@ -326,11 +326,12 @@ def _worker(
     ram = StateCache(keep_states * planner.state_bytes_for(rt.cfg, ctx))
     disk = None
     if kv_cache is not None:
-        template = rt.session().state
+        fresh = rt.session()
         try:
             disk = DiskCache(
-                kv_cache, int(kv_cache_gb * planner.GB), checkpoint_identity(rt.cat), template, _say, kv_lock
-            )
+                kv_cache, int(kv_cache_gb * planner.GB), checkpoint_identity(rt.cat), fresh.state, _say, kv_lock,
+                fresh.stack.agrees,
+            )  # fmt: skip
         except CacheUnwritable as e:
             _say(f"dsv4: warning: {e}; serving without the disk cache (states are kept in RAM only)")
         except OSError as e:

@@ -8,7 +8,7 @@ collapse). The segment loop, hooks, error handling and the public API are the se
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -70,6 +70,9 @@ class V4Stack:
 
     def head_weights(self):
         return self.trunk.head()
+
+    def agrees(self, state: list, ids: Sequence[int]) -> str | None:
+        return None  # nothing of V4's state derives from the ids but through the position
 
 
 def build(cfg: ModelConfig, trunk: Trunk, experts: Experts, catalog=None, *, v41=None, **_v41_inputs) -> V4Stack:

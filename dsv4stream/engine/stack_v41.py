@@ -19,14 +19,14 @@ n-gram crosses them (DeepSeek's `Transformer.forward` with token types).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..checkpoint.config import V41, ModelConfig
-from ..errors import CheckpointError, UsageError
+from ..errors import CheckpointError, Dsv4Error, UsageError
 from ..model.rope import Rope, rope_tables
 from ..model.v41.attention import KeyBoard, Published, V41Plan, new_layer_state
 from ..model.v41.block import HcParams, attention_half, ffn_half, head_forward, identity_pre
@@ -306,6 +306,21 @@ class V41Stack:
 
     def head_weights(self):
         return self.trunk.head()
+
+    def agrees(self, state: list, ids: Sequence[int]) -> str | None:
+        """The Engram history must be the classes of the last ids (as many as it holds: an image
+        span cuts it, so it may hold fewer than the n-gram looks back on)."""
+        carry: Carry = state[-1]
+        if not carry.history or self.engram_ids is None:
+            return None
+        tail = np.asarray(ids[len(ids) - len(carry.history) :], dtype=np.int64)
+        try:
+            want = tuple(int(c) for c in self.engram_ids.classes.of(tail))
+        except Dsv4Error as e:
+            return f"token ids the tokenizer does not have ({e})"
+        if carry.history != want:
+            return f"an Engram history {carry.history} that is not the classes {want} of its last token ids"
+        return None
 
 
 def build(

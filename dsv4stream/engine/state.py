@@ -123,6 +123,9 @@ def read_header(blob: bytes) -> dict[str, Any]:
     return header
 
 
+# (the layers of a decoded state, its token ids) -> what is wrong between them, or None
+Agrees = Callable[[list[Any], list[int]], str | None]
+
 HEADER_LIMIT = 64 << 20  # bytes of a file's JSON header: token ids and the object tree, never near this
 
 
@@ -154,12 +157,16 @@ def peek(read: Callable[[int, int], bytes], size: int) -> dict[str, Any]:
     return header
 
 
-def from_bytes(blob: bytes, identity: str, template: Sequence[Any]) -> tuple[SessionState, list[int]]:
+def from_bytes(
+    blob: bytes, identity: str, template: Sequence[Any], agrees: Agrees | None = None
+) -> tuple[SessionState, list[int]]:
     """(state, token ids) of a file; StateFileError when it is not one this session may use.
 
     The checksum proves only that the file was not damaged, not that its writer was this
     code: every field is checked against `template` (a fresh session's state, so this
-    checkpoint's shapes) and the header's own counters before anything is allocated."""
+    checkpoint's shapes) and the header's own counters before anything is allocated, then
+    against the token ids by `agrees` (the engine's `Stack.agrees`: what the state derives
+    from the ids themselves, V4.1's Engram history)."""
     header = read_header(blob)
     if header.get("identity") != identity:
         raise StateFileError(f"written for another checkpoint (identity {str(header.get('identity'))[:16]}...)")
@@ -176,6 +183,9 @@ def from_bytes(blob: bytes, identity: str, template: Sequence[Any]) -> tuple[Ses
         layers = _decode(header["tree"], arrays, list(template), _Check(pos, used), "state")
         if len(used) != len(arrays):
             raise ValueError(f"{len(arrays) - len(used)} array(s) no field refers to")
+        problem = agrees(layers, ids) if agrees is not None else None
+        if problem:
+            raise ValueError(problem)
     except (KeyError, TypeError, ValueError, IndexError, RecursionError) as e:
         raise StateFileError(f"malformed header ({type(e).__name__}: {e})") from None
     return capture(pos, layers), ids

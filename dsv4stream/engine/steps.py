@@ -8,7 +8,7 @@ hook of a layer) and the `Stack` protocol each family (`engine.stack_v4`, `engin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -68,4 +68,9 @@ class Stack(Protocol):
 
     def head_weights(self) -> object:
         """The head's named weights (read when the logits are not finite, for the message)."""
+        ...
+
+    def agrees(self, state: list, ids: Sequence[int]) -> str | None:
+        """What is wrong between a state read from a file and the token ids it says it has read
+        (None: nothing): what the state derives from the ids themselves, not from the position."""
         ...

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..checkpoint.catalog import Catalog
-from ..engine.state import SessionState, StateFileError, from_bytes, peek, to_bytes
+from ..engine.state import Agrees, SessionState, StateFileError, from_bytes, peek, to_bytes
 from ..errors import Dsv4Error
 from ..files import open_regular
 
@@ -233,15 +233,24 @@ class DiskCache:
     """States in a directory; the directory is ours only for files ending in SUFFIX."""
 
     def __init__(
-        self, root: str | os.PathLike, limit: int, identity: str, template, log: Log, lock: FolderLock | None = None
+        self,
+        root: str | os.PathLike,
+        limit: int,
+        identity: str,
+        template,
+        log: Log,
+        lock: FolderLock | None = None,
+        agrees: Agrees | None = None,
     ) -> None:
         """`lock`: the folder's, taken earlier (the server takes it before loading the model);
-        taken here when not given. CacheBusy when another process holds it."""
+        taken here when not given. CacheBusy when another process holds it. `template`, `agrees`:
+        a fresh session's state and its stack's `agrees`, what a file is checked against."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.limit = limit
         self.identity = identity
         self.template = template
+        self.agrees = agrees
         self.log = log
         self.reads = self.writes = self.rejected = 0
         self._bad: set[str] = set()  # names already refused: one log line each, not one per request
@@ -326,7 +335,7 @@ class DiskCache:
                 continue
             path = self.root / name
             try:
-                state, got = from_bytes(self._read(path), self.identity, self.template)
+                state, got = from_bytes(self._read(path), self.identity, self.template, self.agrees)
                 if got != [int(i) for i in ids[:k]]:
                     raise StateFileError("token ids differ from its name's")
                 os.utime(path)  # recently used: evicted last
