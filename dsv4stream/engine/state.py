@@ -22,7 +22,9 @@ identity and the layout, then every field against a fresh session's state (a fil
 checksum was recomputed after an edit must not reach the forward pass): each class with a
 `check_restored(fresh, pos)` says what else holds for its fields after `pos` tokens: every
 counter a class keeps (rows emitted, open-window rows, ring positions) is tied to `pos` by the
-facts its fresh copy carries (ratio, window, keyed), so no counter can drift by one.
+facts its fresh copy carries (ratio, window, keyed), so no counter can drift by one; and what
+a state derives from the token ids themselves (V4.1's Engram history) is checked against the
+header's ids by the engine's `Stack.agrees`.
 """
 
 from __future__ import annotations
