@@ -64,6 +64,7 @@ REFUSED = {
     "generate_summary": "reasoning is given whole, not summarised",
     "summary": "reasoning is given whole, not summarised",
     "verbosity": "not a setting of this model",
+    "file_id": "files are not stored here: send the image inline, a data: URI in image_url",
 }
 
 
@@ -85,7 +86,7 @@ def only(value: bool | int) -> Any:
     return Annotated[type(value), AfterValidator(check)]
 
 
-TEXT_ONLY = "this model reads text only"  # the answer to an image, audio or file part
+TEXT_ONLY = "this model reads text and (V4.1) images only"  # the answer to an audio or file part
 
 
 def _kind(value: Any, known: tuple[str, ...], default: str | None = None) -> str:
@@ -155,7 +156,19 @@ class TextPart(_Body):
     text: str
 
 
-ChatPart = union_of({"text": TextPart}, _unsupported("content part", TEXT_ONLY))
+class ImageUrl(_Body):
+    url: str  # a data: URI (base64), or an http(s) URL with `dsv4 serve --allow-image-urls`
+    detail: Literal["auto", "low", "high"] | None = None  # one size plan here: the checkpoint's
+
+
+class ImageUrlPart(_Body):
+    """An image (V4.1 checkpoints with a vision tower; `server.images` decodes it)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ChatPart = union_of({"text": TextPart, "image_url": ImageUrlPart}, _unsupported("content part", TEXT_ONLY))
 
 
 class ChatMessage(_Body):
@@ -335,6 +348,23 @@ class AnthropicToolUse(_Body):
     cache_control: CacheControl | None = None
 
 
+class AnthropicBase64Source(_Body):
+    type: Literal["base64"]
+    media_type: str  # checked against the image's bytes (server.images)
+    data: str
+
+
+class AnthropicUrlSource(_Body):
+    type: Literal["url"]
+    url: str  # fetched only with `dsv4 serve --allow-image-urls`
+
+
+class AnthropicImage(_Body):
+    type: Literal["image"]
+    source: Annotated[AnthropicBase64Source | AnthropicUrlSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+
 AnthropicTextBlocks = list[union_of({"text": AnthropicText}, _unsupported("content block", TEXT_ONLY))]
 
 
@@ -348,7 +378,7 @@ class AnthropicToolResult(_Body):
 
 AnthropicBlock = union_of(
     {"text": AnthropicText, "thinking": AnthropicThinkingBlock, "tool_use": AnthropicToolUse,
-     "tool_result": AnthropicToolResult},
+     "tool_result": AnthropicToolResult, "image": AnthropicImage},
     _unsupported("content block", TEXT_ONLY),
 )  # fmt: skip
 
