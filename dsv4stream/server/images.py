@@ -34,7 +34,6 @@ from .cache import KEY_BASE, image_keys
 MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF"}
 MAX_REDIRECTS = 3
 FETCH_SECONDS = 10.0  # a remote image: the whole fetch, redirects included
-CHUNK = 64 << 10
 
 
 class ImageError(UsageError):
@@ -167,7 +166,7 @@ def fetch(url: str, param: str, max_bytes: int, seconds: float) -> bytes:
                     if size.isdigit() and int(size) > max_bytes:
                         raise ImageError(param, f"the image is {int(size):,} bytes, over the limit of {max_bytes:,}")
                     got, n = [], 0
-                    for chunk in r.iter_bytes(CHUNK):
+                    for chunk in r.iter_bytes():  # as it arrives: the deadline is looked at each time
                         n += len(chunk)
                         if n > max_bytes:
                             raise ImageError(param, f"the image is over the limit of {max_bytes:,} bytes")
