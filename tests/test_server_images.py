@@ -15,6 +15,7 @@ import json
 import re
 import threading
 import time
+from typing import ClassVar
 
 import pytest
 from PIL import Image
@@ -199,7 +200,9 @@ def test_v4_and_towerless_checkpoints_take_no_images(tok) -> None:
         toolkit.build(lambda: prompt(tok, [image_part(png())], v4))
     assert e.value.status == 400 and "DeepSeek-V4" in e.value.message and "takes no images" not in e.value.message
     with pytest.raises(toolkit.ApiError, match="no vision tower"):
-        toolkit.build(lambda: prompt(tok, [image_part(png())], ImagePolicy(None, "this checkpoint has no vision tower")))
+        toolkit.build(
+            lambda: prompt(tok, [image_part(png())], ImagePolicy(None, "this checkpoint has no vision tower"))
+        )
 
 
 def _v4_config():
@@ -212,9 +215,9 @@ def _v4_config():
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    routes: dict = {}
+    routes: ClassVar[dict] = {}
 
-    def do_GET(self):  # noqa: N802  http.server's name
+    def do_GET(self):
         kind, value = self.routes.get(self.path, ("status", 404))
         if kind == "status":
             self.send_response(value)
