@@ -86,7 +86,8 @@ def only(value: bool | int) -> Any:
     return Annotated[type(value), AfterValidator(check)]
 
 
-TEXT_ONLY = "this model reads text and (V4.1) images only"  # the answer to an audio or file part
+# the answer to an audio or file part, or an image where no image goes (a tool result, say)
+TEXT_ONLY = "this model reads text only here (a V4.1 image goes in an image part of a user message)"
 
 
 def _kind(value: Any, known: tuple[str, ...], default: str | None = None) -> str:
