@@ -349,20 +349,28 @@ class AnthropicToolUse(_Body):
     cache_control: CacheControl | None = None
 
 
-class AnthropicBase64Source(_Body):
-    type: Literal["base64"]
-    media_type: str  # checked against the image's bytes (server.images)
-    data: str
+class AnthropicImageSource(_Body):
+    type: Literal["base64", "url"]
+    media_type: str | None = None  # base64: checked against the image's bytes (server.images)
+    data: str | None = None  # base64
+    url: str | None = None  # url: fetched only with `dsv4 serve --allow-image-urls`
 
-
-class AnthropicUrlSource(_Body):
-    type: Literal["url"]
-    url: str  # fetched only with `dsv4 serve --allow-image-urls`
+    @model_validator(mode="after")
+    def _fields_of_the_type(self):
+        need = ("media_type", "data") if self.type == "base64" else ("url",)
+        other = ("url",) if self.type == "base64" else ("media_type", "data")
+        for name in need:
+            if getattr(self, name) is None:
+                raise ValueError(f"{name}: a {self.type} source needs it")
+        for name in other:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not a field of a {self.type} source")
+        return self
 
 
 class AnthropicImage(_Body):
     type: Literal["image"]
-    source: Annotated[AnthropicBase64Source | AnthropicUrlSource, Field(discriminator="type")]
+    source: AnthropicImageSource
     cache_control: CacheControl | None = None
 
 
