@@ -237,3 +237,87 @@ def test_bad_images_are_a_400_and_the_server_lives(server) -> None:
     assert r.status_code == 400 and r.json()["type"] == "error" and "source.data" in r.json()["error"]["message"]
     assert httpx.get(server.url + "/health").status_code == 200
     assert ask(server, [{"role": "user", "content": "hi"}])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+# ---- the chat page in a headless browser (Debian's chromium + chromedriver) ----------------------
+
+
+@pytest.fixture(scope="module")
+def browser():
+    import shutil
+
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    chromium, driver = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip("no chromium/chromedriver here: `sudo apt-get install chromium chromium-driver`")
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,860"):
+        opts.add_argument(arg)
+    d = webdriver.Chrome(service=Service(driver), options=opts)
+    yield d
+    d.quit()
+
+
+def _until(cond, timeout: float = 120.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def _ready(d) -> None:
+    js = "return document.getElementById('status').textContent === 'connected' && !!document.getElementById('stop').disabled;"
+    _until(lambda: d.execute_script(js))
+
+
+def test_page_drop_an_image_ask_reload(server, browser, ck, red_answer) -> None:
+    """Drop an image on the page, ask: the answer is the engine's for that image and text; after
+    a reload the image is still in the conversation (the data URI as sent). A file that only
+    claims to be an image is refused, and a stored non-image data: URI is never shown."""
+    d = browser
+    d.get(server.url + "/")
+    d.execute_async_script(
+        "const done = arguments[arguments.length - 1]; localStorage.clear();"
+        " const r = indexedDB.deleteDatabase('dsv4stream'); r.onsuccess = r.onerror = r.onblocked = () => done();"
+    )
+    d.refresh()
+    _ready(d)
+    _until(lambda: d.execute_script("return document.getElementById('attach').title.includes('image');"))
+    for k, v in (("max_tokens", str(GEN)), ("temperature", "0")):
+        d.execute_script(
+            "const e = document.getElementById(arguments[0]); e.value = arguments[1]; e.dispatchEvent(new Event('change'));",
+            k, v,
+        )  # fmt: skip
+    drop = (
+        "const dt = new DataTransfer();"
+        " dt.items.add(new File([new Uint8Array(arguments[0])], arguments[1], {type: 'image/png'}));"
+        " document.getElementById('input').dispatchEvent(new DragEvent('drop', {dataTransfer: dt, bubbles: true,"
+        " cancelable: true}));"
+    )
+    d.execute_script(drop, list(b"<svg onload=alert(1)>"), "fake.png")
+    _until(lambda: "fake.png: not a PNG, JPEG, WebP or GIF" in d.find_element("id", "composer-note").text)
+    d.execute_script(drop, list(RED), "red.png")
+    _until(lambda: d.execute_script("return document.querySelectorAll('#attachments img.thumb').length;") == 1)
+    d.find_element("id", "input").send_keys(ASK)
+    d.find_element("id", "send").click()
+    content = "return [...document.querySelectorAll('.msg.assistant .content')].map(e => e.textContent);"
+    _until(lambda: d.execute_script(content) and d.execute_script("return !!document.getElementById('stop').disabled;"))
+    want = Tokenizer.from_checkpoint(ck).decode(red_answer[0])
+    assert d.execute_script(content) == [want.strip()] or d.execute_script(content) == [want]
+    stats = d.execute_script("return document.querySelector('.msg.assistant .stats').textContent;")
+    assert f"prompt {red_answer[2]} tokens" in stats
+    d.refresh()
+    _ready(d)
+    thumbs = "return [...document.querySelectorAll('.msg.user img.thumb')].map(e => e.getAttribute('src'));"
+    assert _until(lambda: d.execute_script(thumbs)) == [uri(RED)]
+    assert d.execute_script("return document.querySelector('.msg.user .content').textContent;") == ASK
+    for bad in ("data:text/html;base64,PHNjcmlwdD4=", 'data:image/png;base64,AA" onerror="alert(1)', "javascript:1"):
+        assert d.execute_script("return Images.safe(arguments[0]);", bad) == ""
