@@ -68,12 +68,18 @@ def policy_for(cfg, allow_urls: bool = False, max_bytes: int = MAX_FILE_BYTES) -
     return ImagePolicy(cfg.vision, "", cfg.image_token_id, allow_urls, max_bytes)
 
 
+def no_images(policy: ImagePolicy | None) -> str:
+    """Why a server takes no images, in one line."""
+    why = policy.refusal if policy is not None and policy.refusal else "this server takes no images"
+    why = why if "takes no images" in why else f"this model takes no images: {why}"
+    return f"{why}; send text only"
+
+
 def load(policy: ImagePolicy | None, url: str, param: str, media_type: str | None = None) -> tuple[bytes, ImageInput]:
     """An image part's bytes and the tower's input: `url` a data: URI or (if allowed) an http(s)
     URL; `media_type` what the part declares besides (Anthropic's). ImageError naming `param`."""
     if policy is None or policy.vision is None:
-        why = policy.refusal if policy is not None else "this server takes no images"
-        raise ImageError(param, f"{why}; send text only")
+        raise ImageError(param, no_images(policy))
     if not isinstance(url, str) or not url:
         raise ImageError(param, "an image needs a data: URI (or an http(s) URL with --allow-image-urls)")
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
@@ -190,7 +196,7 @@ def inline(
     request it is translated into (decoded again there: a remote image is fetched once)."""
     if data is not None:
         if policy is None or policy.vision is None:
-            raise ImageError(param, f"{policy.refusal if policy else 'this server takes no images'}; send text only")
+            raise ImageError(param, no_images(policy))
         raw = base64_data(data, param, policy.max_bytes)
         checked(raw, param, media_type, policy)
     else:
