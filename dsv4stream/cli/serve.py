@@ -123,6 +123,11 @@ def bind(host: str, port: int) -> socket.socket:
     is_flag=True,
     help="Let the sampler pick special tokens (placeholders, unused ids), as `dsv4 run` does.",
 )
+@click.option(
+    "--allow-image-urls",
+    is_flag=True,
+    help="V4.1: fetch http(s) image URLs in requests (size and time limited); without it only data: URIs.",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def serve(
     checkpoint: Path,
@@ -154,6 +159,7 @@ def serve(
     tok: Path | None,
     prefill_segment: int | None,
     allow_special: bool,
+    allow_image_urls: bool,
     debug: bool,
 ) -> None:
     """Serve CHECKPOINT over HTTP: OpenAI's /v1/chat/completions, /v1/completions, /v1/models,
@@ -161,6 +167,7 @@ def serve(
     import uvicorn
 
     from ..server.app import create_app
+    from ..server.images import policy_for
     from ..server.metrics import counting
     from ..server.security import Guard, Policy, host_name, normalize_origins
     from ..server.toolkit import AccessLog, ServerState
@@ -223,6 +230,7 @@ def serve(
         checkpoint.resolve().name, tokenizer, ctx, _say, chat.encoder_for(cfg.layout, cfg.family),
         keep_alive, int(max_body_mb * 1e6), max_queue,
     )  # fmt: skip
+    srv.images = policy_for(cfg, allow_image_urls)
     policy = Policy(api_key, is_loopback(host), hosts, origins)
     limits = Limits(header_timeout, body_timeout, max_connections, min_body_rate)
     app = create_app(srv)
@@ -247,6 +255,7 @@ def serve(
                 trunk=trunk, ctx=ctx, kept_states=keep_states, prefill_segment=prefill_segment,
                 gpu=gctx if gctx.enabled else None, numerics=numerics,
                 overhead=planner.DEFAULT_OVERHEAD + SERVER_OVERHEAD + disk_io,
+                images=srv.images.vision is not None,  # the tower and an image's activations, planned
             )  # fmt: skip
             rt = Runtime.open(checkpoint, opts, warn=lambda m: _say(f"dsv4: {m}"))
             held["rt"] = rt
@@ -320,7 +329,7 @@ def _worker(
     kv_cache_gb: float,
     kv_lock=None,
 ):
-    from ..server.cache import CacheUnwritable, DiskCache, StateCache, checkpoint_identity
+    from ..server.cache import CacheUnwritable, DiskCache, StateCache, checkpoint_identity, keyed_decode
     from ..server.worker import Worker
 
     ram = StateCache(keep_states * planner.state_bytes_for(rt.cfg, ctx))
@@ -337,5 +346,12 @@ def _worker(
         except OSError as e:
             raise UsageError(f"--kv-cache {kv_cache}: cannot use it ({e.strerror})") from None
     return Worker(
-        rt, tokenizer.n_tokens, ram, disk, _say, banned, decode=tokenizer.decode, turn_id=tokenizer.special.user
+        rt,
+        tokenizer.n_tokens,
+        ram,
+        disk,
+        _say,
+        banned,
+        decode=keyed_decode(tokenizer.decode),
+        turn_id=tokenizer.special.user,
     )

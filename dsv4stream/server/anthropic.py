@@ -10,8 +10,9 @@ cache, the same in message_start and message_delta: message_start waits for the 
 have looked the prompt up, with SSE comments meanwhile), the streaming events
 (message_start, content_block_*, message_delta, message_stop; `ping` while a prefill
 runs), `POST /v1/messages/count_tokens`, and errors in Anthropic's shape (`errors`).
-Content is text only: an image, a document or any other block, at the top level or inside
-a tool_result, is a 400.
+Content is text, and on a V4.1 checkpoint with a vision tower `image` blocks of user messages
+(source base64, or url with `dsv4 serve --allow-image-urls`; `server.images`); a document or
+any other block, at the top level or inside a tool_result, is a 400.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fastapi import FastAPI, Request
 
 from . import toolkit
 from .errors import anthropic_error
+from .images import ImagePolicy, inline
 from .prompt import chat_prompt
 from .reply import Outcome
 from .schemas import AnthropicRequest, AnthropicText, ChatRequest, CountRequest
@@ -42,9 +44,9 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
         def parse():
             req = toolkit.validate(AnthropicRequest, body)
             toolkit.check_length(srv, body["messages"], body.get("system"))
-            chat_body = to_openai(req)
+            chat_body = toolkit.build(lambda: to_openai(req, images=srv.images))
             creq = toolkit.validate(ChatRequest, chat_body, RENAMES)
-            prompt = toolkit.build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
+            prompt = toolkit.build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder, srv.images))
             return (
                 req,
                 creq,
@@ -79,9 +81,9 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
 
         def count() -> int:
             req = toolkit.validate(CountRequest, body)
-            chat_body = to_openai(req)
+            chat_body = toolkit.build(lambda: to_openai(req, images=srv.images))
             creq = toolkit.validate(ChatRequest, chat_body, RENAMES)
-            return len(toolkit.build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder)).ids)
+            return len(toolkit.build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder, srv.images)).ids)
 
         return {"input_tokens": await asyncio.to_thread(count)}
 
@@ -100,19 +102,29 @@ RENAMES = (
 )
 
 
-def to_openai(req: CountRequest, max_tokens: int = 1) -> dict[str, Any]:
-    """The chat body of an Anthropic request (a count_tokens one has no max_tokens: any will do)."""
+def to_openai(req: CountRequest, max_tokens: int = 1, images: ImagePolicy | None = None) -> dict[str, Any]:
+    """The chat body of an Anthropic request (a count_tokens one has no max_tokens: any will do).
+    Image blocks of user messages become image_url parts in place (`images.inline` checks them
+    under their own field names first)."""
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system)})
     for i, m in enumerate(req.messages):
         role = m.role
         blocks = [AnthropicText(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-        texts, calls, reasoning = [], [], ""
+        texts, calls, reasoning, parts = [], [], "", []
         for j, b in enumerate(blocks):
             kind = b.type
             if kind == "text":
                 texts.append(b.text)
+                parts.append({"type": "text", "text": b.text})
+            elif kind == "image" and role == "user":
+                src, where = b.source, f"messages.{i}.content.{j}.source"
+                if src.type == "base64":
+                    url = inline(images, f"{where}.data", data=src.data, media_type=src.media_type)
+                else:
+                    url = inline(images, f"{where}.url", url=src.url)
+                parts.append({"type": "image_url", "image_url": {"url": url}})
             elif kind == "thinking" and role == "assistant":
                 reasoning += b.thinking
             elif kind == "tool_use" and role == "assistant":
@@ -130,6 +142,8 @@ def to_openai(req: CountRequest, max_tokens: int = 1) -> dict[str, Any]:
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
+        elif len(parts) > len(texts):  # images: the parts in order (joined by blank lines, as the text is)
+            out.append({"role": "user", "content": parts})
         elif texts:
             out.append({"role": "user", "content": "\n\n".join(texts)})
     body: dict[str, Any] = {"messages": out, "max_tokens": getattr(req, "max_tokens", max_tokens)}

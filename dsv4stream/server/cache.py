@@ -20,6 +20,14 @@ removes the temporary files (`.NAME.tmpPID`) a server killed mid-write left behi
 those of our naming and only when that PID is no longer running; a folder it cannot write
 raises `CacheUnwritable` at start (the server then runs without the disk cache, saying so once).
 
+Images (V4.1): every position of an image's span carries the same `image_token_id`, so two
+different images of one size give the same ids. The ids a job is kept and looked up by
+(`image_keys`) put in each span position a surrogate id derived from a hash of the image's
+pixels as the tower reads them (the decoded, resized, normalised patches): at least KEY_BASE,
+so above any vocabulary, and below the state file's 2**31 limit on ids. A conversation that
+resends an image finds its states; another image of the same size does not. `keyed_decode`
+gives each surrogate a text of its own, so `splice` never takes one image's key for another's.
+
 One server per folder: the cache evicts by its own cap and counts, so two servers sharing a
 folder would delete each other's files. `FolderLock` holds an exclusive `flock` on
 `.dsv4-kv-cache.lock` in it for the server's life (the kernel drops it when the process
@@ -50,10 +58,46 @@ SUFFIX = ".dsv4state"
 _TEMP = re.compile(r"^\.([0-9a-f]{40}" + re.escape(SUFFIX) + r")\.tmp([0-9]+)$")  # what put() writes first
 _SAMPLE = 1 << 16  # bytes read from three places of each shard for the identity
 
+KEY_BASE = 1 << 30  # surrogate ids of image span positions start here (`image_keys`)
 SAMPLED_KEPT = 64  # sequences remembered for splice (ids only: a few KB each)
 
 Log = Callable[[str], None]
 Decode = Callable[[Sequence[int]], str]
+
+
+def image_keys(
+    ids: Sequence[int], starts: Sequence[int], lengths: Sequence[int], digests: Sequence[bytes]
+) -> list[int]:
+    """`ids` (an expanded prompt) with the span of image k (starts[k], lengths[k] positions)
+    keyed by its digest: position j of the span holds KEY_BASE + (h + j) mod 2**30, h from the
+    digest, so spans of other images differ from their first position on."""
+    out = [int(i) for i in ids]
+    for start, n, digest in zip(starts, lengths, digests, strict=True):
+        h = int.from_bytes(hashlib.sha256(digest).digest()[:8], "little")
+        for j in range(n):
+            out[start + j] = KEY_BASE + (h + j) % KEY_BASE
+    return out
+
+
+def keyed_decode(decode: Decode) -> Decode:
+    """`decode` that takes keyed ids: each surrogate becomes a text of its own (a private-use
+    character and its number), never the text of a token."""
+
+    def run(ids: Sequence[int]) -> str:
+        out, plain = [], []
+        for i in ids:
+            if i >= KEY_BASE:
+                if plain:
+                    out.append(decode(plain))
+                    plain = []
+                out.append(f"\ue000{i}\ue001")
+            else:
+                plain.append(i)
+        if plain:
+            out.append(decode(plain))
+        return "".join(out)
+
+    return run
 
 
 class CacheUnwritable(Dsv4Error):

@@ -57,7 +57,7 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
         def parse() -> tuple[ChatRequest, Prompt, Shape | None]:
             req = toolkit.validate(ChatRequest, body)
             toolkit.check_length(srv, body["messages"])
-            prompt = toolkit.build(lambda: chat_prompt(srv.tok, req, body, srv.encoder))
+            prompt = toolkit.build(lambda: chat_prompt(srv.tok, req, body, srv.encoder, srv.images))
             return (
                 req,
                 prompt,

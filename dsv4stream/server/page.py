@@ -2,7 +2,8 @@
 `/v1/page/` (so the API key guards them like the rest of /v1/), and the SSE comments that
 carry the page's per-answer figures.
 
-Owns: `GET /v1/page/info` (model, --ctx, the chat format's reasoning-effort range, the
+Owns: `GET /v1/page/info` (model, --ctx, the chat format's reasoning-effort range, whether
+the model reads images, the
 model's shape for the expert picture), `POST /v1/page/tokens` (`TokensRequest`: token count of a text the
 user is about to send, e.g. a dropped file; tokenized off the event loop),
 `GET /v1/page/experts` (which (layer, expert) pairs hold a cache slot, most recently used
@@ -60,6 +61,7 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
             "chat_format": srv.encoder,
             "reasoning_effort": effort_range(srv.encoder),
             "max_body_bytes": srv.max_body,
+            "images": srv.images is not None and srv.images.vision is not None,  # V4.1 with a vision tower
             "ready": srv.worker is not None,
         }
         if srv.worker is not None:

@@ -7,7 +7,9 @@ with empty text is added when there is none; the grammar that enforces the forma
 `server/grammar.py`'s), thinking on or off,
 the reasoning effort, the sampling parameters, and the `max_tokens` left within `--ctx`.
 Chat prompts are encoded by `chat.encode`: message content is only ever text, whatever
-control tokens it spells. Raw completions are BOS + text parsed as the tokenizer does
+control tokens it spells; a V4.1 image part (`image_url`, decoded by `server.images`) is the
+image placeholder, joined to the parts around it by a blank line as DeepSeek's encoder joins
+content blocks, and then its span, keyed by the image for the prefix cache (`Prompt.images`). Raw completions are BOS + text parsed as the tokenizer does
 (control-token text becomes those tokens), as `dsv4 run --prompt`.
 
 Thinking: DeepSeek's `thinking: {"type": "enabled"}` turns it on; without `thinking`, a
@@ -29,8 +31,11 @@ import numpy as np
 from ..errors import UsageError
 from ..text import chat, dsml
 from ..text.chat import Message
+from ..text.image import ImageInput
+from ..text.messages import ImagePart, images_of
 from ..text.sampler import SamplingParams
 from ..text.tokenizer import Tokenizer
+from .images import ImagePolicy, PromptImages, keyed_prompt, load
 from .schemas import ChatRequest, CompletionRequest, Sampling
 
 # OpenAI's effort levels the V4 chat formats do not name: the format's default, or its top
@@ -45,14 +50,35 @@ class Prompt:
     tools: bool  # tool schemas were declared: parse DSML blocks into tool calls
     stops: tuple[str, ...]
     grammar: dsml.Grammar = dsml.V4  # the release's DSML tags, to read the reply's calls
+    images: PromptImages | None = None  # V4.1: the images; `ids` then hold their keyed spans
 
 
-def chat_prompt(tok: Tokenizer, req: ChatRequest, body: Mapping[str, Any], encoder: str = chat.LATEST) -> Prompt:
+def _image_reader(policy: ImagePolicy | None, inputs: dict[int, ImageInput]):
+    """`chat.from_openai`'s hook: an image_url part -> an ImagePart, its decoded image kept in
+    `inputs` by the part's id (a bad image: ImageError naming the part's url field)."""
+
+    def read(part: Mapping[str, Any], where: str) -> ImagePart:
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, Mapping) else url
+        data, inp = load(policy, url, f"{where}.image_url.url")
+        p = ImagePart(where, data)
+        inputs[id(p)] = inp
+        return p
+
+    return read
+
+
+def chat_prompt(
+    tok: Tokenizer, req: ChatRequest, body: Mapping[str, Any], encoder: str = chat.LATEST,
+    images: ImagePolicy | None = None,
+) -> Prompt:  # fmt: skip
     """`body` is the request's JSON that `req` was validated from: messages and tool schemas
     are read from it as sent (the model reads the schemas' JSON text, keys in their order).
-    `encoder`: the checkpoint's chat-format release (`chat.encoder_for`), for the effort."""
+    `encoder`: the checkpoint's chat-format release (`chat.encoder_for`), for the effort.
+    `images`: the server's image policy (image parts are refused without one)."""
     thinking = _thinking(req)
-    messages = chat.from_openai(body["messages"])
+    inputs: dict[int, ImageInput] = {}
+    messages = chat.from_openai(body["messages"], _image_reader(images, inputs))
     tools_on = bool(req.tools) and req.tool_choice != "none"
     declared: dict[str, Any] = {}
     if tools_on:
@@ -67,7 +93,13 @@ def chat_prompt(tok: Tokenizer, req: ChatRequest, body: Mapping[str, Any], encod
             messages.insert(0, Message("system", **declared))
     effort = _effort(req.reasoning_effort, encoder) if thinking else None
     ids = chat.encode(tok, messages, "think" if thinking else "chat", effort=effort, encoder=encoder)
-    return Prompt(ids, thinking, tools_on, _stops(req.stop), chat.grammar(encoder))
+    parts = images_of(messages)  # in the order the prompt holds their placeholders
+    if not parts or images is None or images.image_token_id is None:
+        return Prompt(ids, thinking, tools_on, _stops(req.stop), chat.grammar(encoder))
+    found = tuple(inputs[id(p)] for p in parts)
+    keyed = keyed_prompt(ids, found, images.image_token_id)
+    return Prompt(keyed, thinking, tools_on, _stops(req.stop), chat.grammar(encoder),
+                  PromptImages(found, images.image_token_id))  # fmt: skip
 
 
 def completion_prompt(tok: Tokenizer, req: CompletionRequest) -> Prompt:

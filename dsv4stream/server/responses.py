@@ -3,7 +3,7 @@
 Owns: translating a Responses request (`input` as text or items: messages with
 input_text/output_text parts, function_call, function_call_output, reasoning;
 `instructions`; function `tools`; `tool_choice`; `reasoning.effort`; `text.format`;
-`max_output_tokens`; `previous_response_id`) into the chat body `prompt` renders, and the
+`max_output_tokens`; `previous_response_id`; V4.1 `input_image` parts, `server.images`) into the chat body `prompt` renders, and the
 answer back: output items (reasoning, message, function_call), `status` / `incomplete_details`,
 usage with cached and reasoning tokens, and the streaming events (response.created,
 response.in_progress, output_item.added/done, content_part.added/done,
@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field, TypeAdapter, model_validator
 from ..text.tokenizer import Tokenizer
 from . import toolkit
 from .decoding import logprob_json
+from .images import ImagePolicy, inline
 from .prompt import chat_prompt
 from .reply import Outcome
 from .schemas import TEXT_ONLY, ChatRequest, Seed, _Body, _unsupported, only, union_of
@@ -111,7 +112,18 @@ class InputText(_Body):
     logprobs: list[Any] | None = None
 
 
-Parts = list[union_of({k: InputText for k in ("input_text", "output_text", "text")}, _unsupported("part", TEXT_ONLY))]
+class InputImage(_Body):
+    """An image (V4.1 with a vision tower): a data: URI, or an http(s) URL with --allow-image-urls."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None  # one size plan here: the checkpoint's
+
+
+Parts = list[
+    union_of({**{k: InputText for k in ("input_text", "output_text", "text")}, "input_image": InputImage},
+             _unsupported("part", TEXT_ONLY))
+]  # fmt: skip
 
 
 class MessageItem(_Body):
@@ -241,10 +253,10 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
                     raise ApiError(404, f"no response {req.previous_response_id!r} is kept here (the server keeps the"
                                    f" last {MAX_KEPT}, in memory)", code="previous_response_not_found",
                                    param="previous_response_id")  # fmt: skip
-            conversation = [*history, *input_messages(req.input)]
+            conversation = [*history, *toolkit.build(lambda: input_messages(req.input, srv.images))]
             chat_body = to_chat(req, conversation)
             creq = toolkit.validate(ChatRequest, chat_body, RENAMES)
-            prompt = toolkit.build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder))
+            prompt = toolkit.build(lambda: chat_prompt(srv.tok, creq, chat_body, srv.encoder, srv.images))
             grammar = toolkit.build(lambda: request_shape(srv.grammars, creq, chat_body, prompt.tools, prompt.grammar))
             return req, creq, conversation, prompt, grammar
 
@@ -268,8 +280,9 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
         return _final(shell, job, outcome, meta, prompt.thinking, show)
 
 
-def input_messages(given: str | list) -> list[dict[str, Any]]:
-    """Responses input items (`InputItem`s, or their JSON, checked here) -> chat messages (OpenAI chat JSON)."""
+def input_messages(given: str | list, images: ImagePolicy | None = None) -> list[dict[str, Any]]:
+    """Responses input items (`InputItem`s, or their JSON, checked here) -> chat messages (OpenAI chat JSON).
+    `input_image` parts become image_url parts in place (checked first by `images.inline`)."""
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
     out: list[dict[str, Any]] = []
@@ -278,7 +291,7 @@ def input_messages(given: str | list) -> list[dict[str, Any]]:
         if isinstance(item, dict):
             item = _ITEM.validate_python(item)
         if isinstance(item, MessageItem):
-            msg: dict[str, Any] = {"role": item.role, "content": _parts_text(item.content)}
+            msg: dict[str, Any] = {"role": item.role, "content": _content(item.content, f"input.{i}.content", images)}
             if item.role == "assistant" and reasoning:
                 msg["reasoning_content"], reasoning = reasoning, ""
             out.append(msg)
@@ -309,6 +322,24 @@ def input_messages(given: str | list) -> list[dict[str, Any]]:
 
 def _parts_text(content: str | list[InputText]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def _content(content: str | list, where: str, images: ImagePolicy | None) -> str | list[dict[str, Any]]:
+    """A message's content: its text parts joined; with images, chat parts in order (each run
+    of text parts joined as before, an image_url part for each image)."""
+    if isinstance(content, str) or not any(isinstance(p, InputImage) for p in content):
+        return _parts_text(content)
+    out: list[dict[str, Any]] = []
+    for j, p in enumerate(content):
+        if isinstance(p, InputImage):
+            out.append(
+                {"type": "image_url", "image_url": {"url": inline(images, f"{where}.{j}.image_url", p.image_url)}}
+            )
+        elif out and out[-1]["type"] == "text":
+            out[-1]["text"] += p.text
+        else:
+            out.append({"type": "text", "text": p.text})
+    return out
 
 
 # a field of the chat request translated from a Responses one -> the Responses field it came from

@@ -64,6 +64,7 @@ REFUSED = {
     "generate_summary": "reasoning is given whole, not summarised",
     "summary": "reasoning is given whole, not summarised",
     "verbosity": "not a setting of this model",
+    "file_id": "files are not stored here: send the image inline, a data: URI in image_url",
 }
 
 
@@ -85,7 +86,8 @@ def only(value: bool | int) -> Any:
     return Annotated[type(value), AfterValidator(check)]
 
 
-TEXT_ONLY = "this model reads text only"  # the answer to an image, audio or file part
+# the answer to an audio or file part, or an image where no image goes (a tool result, say)
+TEXT_ONLY = "this model reads text only here (a V4.1 image goes in an image part of a user message)"
 
 
 def _kind(value: Any, known: tuple[str, ...], default: str | None = None) -> str:
@@ -155,7 +157,19 @@ class TextPart(_Body):
     text: str
 
 
-ChatPart = union_of({"text": TextPart}, _unsupported("content part", TEXT_ONLY))
+class ImageUrl(_Body):
+    url: str  # a data: URI (base64), or an http(s) URL with `dsv4 serve --allow-image-urls`
+    detail: Literal["auto", "low", "high"] | None = None  # one size plan here: the checkpoint's
+
+
+class ImageUrlPart(_Body):
+    """An image (V4.1 checkpoints with a vision tower; `server.images` decodes it)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ChatPart = union_of({"text": TextPart, "image_url": ImageUrlPart}, _unsupported("content part", TEXT_ONLY))
 
 
 class ChatMessage(_Body):
@@ -335,6 +349,31 @@ class AnthropicToolUse(_Body):
     cache_control: CacheControl | None = None
 
 
+class AnthropicImageSource(_Body):
+    type: Literal["base64", "url"]
+    media_type: str | None = None  # base64: checked against the image's bytes (server.images)
+    data: str | None = None  # base64
+    url: str | None = None  # url: fetched only with `dsv4 serve --allow-image-urls`
+
+    @model_validator(mode="after")
+    def _fields_of_the_type(self):
+        need = ("media_type", "data") if self.type == "base64" else ("url",)
+        other = ("url",) if self.type == "base64" else ("media_type", "data")
+        for name in need:
+            if getattr(self, name) is None:
+                raise ValueError(f"{name}: a {self.type} source needs it")
+        for name in other:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not a field of a {self.type} source")
+        return self
+
+
+class AnthropicImage(_Body):
+    type: Literal["image"]
+    source: AnthropicImageSource
+    cache_control: CacheControl | None = None
+
+
 AnthropicTextBlocks = list[union_of({"text": AnthropicText}, _unsupported("content block", TEXT_ONLY))]
 
 
@@ -348,7 +387,7 @@ class AnthropicToolResult(_Body):
 
 AnthropicBlock = union_of(
     {"text": AnthropicText, "thinking": AnthropicThinkingBlock, "tool_use": AnthropicToolUse,
-     "tool_result": AnthropicToolResult},
+     "tool_result": AnthropicToolResult, "image": AnthropicImage},
     _unsupported("content block", TEXT_ONLY),
 )  # fmt: skip
 

@@ -34,6 +34,7 @@ from ..text import chat
 from ..text.tokenizer import Tokenizer
 from .decoding import Controls
 from .grammar import Grammars, Shape
+from .images import ImagePolicy
 from .metrics import Metrics
 from .prompt import Prompt, max_new_tokens, sampling
 from .reply import Outcome, ReplyStream
@@ -43,6 +44,8 @@ from .worker import Job, Usage, Worker
 Log = Callable[[str], None]
 MAX_DEPTH = 100  # nesting of a request body: far past any tool schema, far below Python's recursion limit
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+IMAGE_PARTS = ("image_url", "image", "input_image")  # OpenAI chat's, Anthropic's and Responses' image parts
 
 
 @dataclass
@@ -61,6 +64,7 @@ class ServerState:
     started: float = field(default_factory=time.time)
     grammars: Grammars = field(init=False)
     metrics: Metrics | None = None  # set by create_app
+    images: ImagePolicy | None = None  # V4.1 image parts: the checkpoint's vision config, --allow-image-urls
 
     def __post_init__(self) -> None:
         self.grammars = Grammars(self.tok, max(self.tok.vocab_size, self.tok.n_tokens))
@@ -144,7 +148,8 @@ def check_length(srv: ServerState, *parts: Any) -> None:
         if isinstance(node, str):
             chars += len(node)
         elif isinstance(node, dict):
-            todo.extend(node.values())
+            if node.get("type") not in IMAGE_PARTS:  # an image's base64 is no text: its span is counted later
+                todo.extend(node.values())
         elif isinstance(node, list):
             todo.extend(node)
     at_least = chars // srv.tok.longest_token_chars
@@ -221,11 +226,13 @@ def field_path(loc: tuple, body: Any, kind: str) -> list:
     return path
 
 
-def build(make: Callable[[], Prompt]) -> Prompt:
+def build(make: Callable[[], T]) -> T:
+    """`make()`, a Dsv4Error from it a 400 (its `code` and `param` when it names them)."""
     try:
         return make()
     except Dsv4Error as e:
-        raise ApiError(400, str(e), code=getattr(e, "code", None) or "invalid_request") from None
+        code, param = getattr(e, "code", None) or "invalid_request", getattr(e, "param", None)
+        raise ApiError(400, str(e), code=code, param=param) from None
 
 
 class Events:
@@ -271,7 +278,8 @@ def make_job(
         )  # fmt: skip
 
     job = Job(list(prompt.ids), budget, sampling(req), reply(), events.emit, controls=controls,
-              more_replies=[reply() for _ in range(req.n - 1)], grammars=srv.grammars, thinking=prompt.thinking)  # fmt: skip
+              more_replies=[reply() for _ in range(req.n - 1)], grammars=srv.grammars, thinking=prompt.thinking,
+              images=prompt.images)  # fmt: skip
     return job, events
 
 

@@ -42,6 +42,7 @@ from ..text.sampler import SamplingParams
 from .cache import DiskCache, StateCache
 from .decoding import Controls, Picker
 from .grammar import Grammars
+from .images import PromptImages
 from .reply import Outcome, ReplyStream
 from .stats import LiveStats
 
@@ -87,6 +88,7 @@ class Job:
     pickers: list[Picker] = field(default_factory=list)  # one per choice, once it has started
     logprobs: dict[int, list] = field(default_factory=dict)  # per choice: the answer's tokens' entries
     lp_unsent: dict[int, list] = field(default_factory=dict)  # per choice: entries not yet in a delta
+    images: PromptImages | None = None  # V4.1: the prompt's images; `ids` hold their spans keyed by image
 
     @property
     def replies(self) -> list[ReplyStream]:
@@ -225,6 +227,9 @@ class Worker:
         rt, u = self.rt, job.usage
         ids = self.ram.splice(job.ids, self.decode) if self.decode is not None else job.ids
         cached, state, u.cache_source = self._lookup(ids)
+        images = job.images
+        if images is not None and cached < images.end(ids):  # images go in a first prefill only (the reference's rule)
+            cached, state, u.cache_source = 0, None, ""
         u.prompt_tokens, u.cached_tokens = len(ids), cached
         job.emit("started", (cached, len(ids)))
         self.stats.begin(len(ids), cached)
@@ -252,9 +257,12 @@ class Worker:
                 raise Cancelled
 
         boundaries = [p - cached for p in keep_at]
+        spans = images.spans(rt.engine, ids) if images is not None and cached == 0 else None
+        fed = images.real(new) if images is not None else new
         steps = rt.generate(
-            session, new, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done, boundaries=boundaries
-        )
+            session, fed, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done, boundaries=boundaries,
+            spans=spans,
+        )  # fmt: skip
         try:
             for tok in steps:
                 if not got:

@@ -11,7 +11,7 @@ Not here: the layout of either release (`chat_v4.py`, `chat_v41.py`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,11 +113,15 @@ class Pieces:
         return [] if at == offset else None
 
 
-def from_openai(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
+def from_openai(
+    messages: Sequence[Mapping[str, Any]], image: Callable[[Mapping[str, Any], str], ImagePart] | None = None
+) -> list[Message]:
     """Messages from OpenAI chat JSON (`reasoning_content`, `tool_calls`, `tool_call_id`).
 
-    Content may be text or a list of text parts; other parts (images, audio) are refused, as
-    is null content where the official encoders cannot render it (user and tool messages).
+    Content may be text or a list of text parts; other parts (audio) are refused, and so are
+    image parts unless `image` is given: it turns an `image_url` part (and the part's field
+    name, `messages.I.content.J`) into an `ImagePart`. Null content is refused where the
+    official encoders cannot render it (user and tool messages).
     Tool definitions are not messages: callers put them on a system message (`tools`).
     """
     out = []
@@ -133,7 +137,7 @@ def from_openai(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
         out.append(
             Message(
                 role=role,
-                content=_content(content, i),
+                content=_content(content, i, image),
                 reasoning=m.get("reasoning_content") or "",
                 tool_calls=calls,
                 tool_call_id=m.get("tool_call_id") or "",
@@ -142,12 +146,15 @@ def from_openai(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
     return out
 
 
-def _content(content: Any, index: int) -> Content:
+def _content(content: Any, index: int, image=None) -> Content:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        texts = []
-        for part in content:
+        texts: list[str | ImagePart] = []
+        for j, part in enumerate(content):
+            if image is not None and isinstance(part, Mapping) and part.get("type") == "image_url":
+                texts.append(image(part, f"messages.{index}.content.{j}"))
+                continue
             if not isinstance(part, Mapping) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                 raise UsageError(f"message {index}: content part of type {kind!r}; only text is supported")

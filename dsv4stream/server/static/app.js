@@ -80,9 +80,18 @@ function save(c, soon = false) {
   c.updated = Date.now();
   convs.set(c.id, c);
   const copy = JSON.parse(JSON.stringify(c)); // a snapshot: the answer may still be growing
-  saving = saving.then(() => Store.put(copy)).catch((e) => note("could not save the conversation: " + e.message, true));
+  saving = saving.then(() => Store.put(copy)).catch((e) => note(saveFailed(e), true));
   renderList();
   return saving;
+}
+
+// Images make conversations large: when the browser's storage is full the conversation stays
+// in this tab (and is still sent whole) but is not kept across a reload.
+function saveFailed(e) {
+  if (e && (e.name === "QuotaExceededError" || /quota/i.test(e.message || ""))) {
+    return "this browser's storage is full: the conversation is kept in this tab only; delete or export old conversations (images take the most room)";
+  }
+  return "could not save the conversation: " + (e && e.message);
 }
 
 function note(text, error = false) {
@@ -218,7 +227,9 @@ function fill(box, node) {
   } else {
     body.textContent = node.content;
     box.querySelector(".files").replaceChildren(
-      ...(node.files || []).map((f) => make("span", "chip", `${f.name}${typeof f.tokens === "number" ? ` · ${f.tokens} tokens` : ""}`))
+      ...(node.files || []).map((f) =>
+        f.image ? Images.thumb(f) : make("span", "chip", `${f.name}${typeof f.tokens === "number" ? ` · ${f.tokens} tokens` : ""}`)
+      )
     );
   }
 }
@@ -276,7 +287,7 @@ function requestBody(c, history) {
   const s = c.settings;
   const messages = history.map((n) => ({
     role: n.role,
-    content: n.role === "user" ? Files.messageText(n.files, n.content) : n.content || "",
+    content: n.role === "user" ? Files.messageContent(n.files, n.content) : n.content || "",
   }));
   const body = {
     model: info ? info.model : $("model").textContent,
@@ -382,6 +393,10 @@ function renderFiles() {
   $("attachments").replaceChildren(
     ...Files.list.map((f, i) => {
       const chip = make("span", "chip");
+      if (f.image) {
+        chip.append(Images.thumb(f), make("span", "name", f.name), button("×", "remove", () => Files.remove(i), "Remove"));
+        return chip;
+      }
       const n = f.tokens === null ? "counting tokens…" : f.tokens === "?" ? "tokens: unknown" : `${f.tokens} tokens`;
       chip.append(make("span", "name", `${f.name} · ${n}`), button("×", "remove", () => Files.remove(i), "Remove"));
       chip.dataset.tokens = f.tokens === null ? "" : String(f.tokens);

@@ -1,14 +1,16 @@
-// Text files added to the next message (attach button, drop, paste): each is read in the
-// browser, refused when it is an image (the model reads text only) or not text, and its
-// token count is asked from this server (POST /v1/page/tokens) before anything is sent.
-// A message's files go before its text, each as a fenced block under its name.
+// Files added to the next message (attach button, drop, paste): each is read in the
+// browser. Text files: refused when not text, their token count asked from this server
+// (POST /v1/page/tokens) before anything is sent; a message's text files go before its text,
+// each as a fenced block under its name. Images (images.js): taken when the server's model
+// reads them (V4.1 with a vision tower), refused otherwise; they go as image_url parts.
 "use strict";
 
 const Files = (() => {
-  const list = []; // {name, text, tokens: number | null | "?"}
+  const list = []; // {name, text, tokens: number | null | "?"} or {name, image: data URI}
   let onChange = () => {};
   let headers = () => ({ "Content-Type": "application/json" });
   let maxBytes = 8e6;
+  let images = false; // the server's model reads images
 
   function setup(opts) {
     onChange = opts.onChange;
@@ -16,6 +18,7 @@ const Files = (() => {
   }
 
   const setLimit = (n) => (maxBytes = n || maxBytes);
+  const setImages = (on) => (images = !!on);
 
   function isImage(f) {
     return (f.type || "").startsWith("image/") || /\.(png|jpe?g|gif|webp|bmp|tiff?|heic|avif|svgz)$/i.test(f.name || "");
@@ -33,7 +36,13 @@ const Files = (() => {
     const refused = [];
     for (const f of files) {
       if (isImage(f)) {
-        refused.push(`${f.name}: images cannot be sent, this model reads text only (no vision support yet)`);
+        if (!images) {
+          refused.push(`${f.name}: images cannot be sent, this model reads text only (a DeepSeek-V4.1 checkpoint with a vision tower reads them)`);
+          continue;
+        }
+        const got = await Images.read(f, (maxBytes * 3) / 4 - 4096); // base64 grows it by 4/3
+        if (got instanceof Error) refused.push(got.message);
+        else list.push(got), onChange();
         continue;
       }
       if (f.size > maxBytes / 2) {
@@ -69,7 +78,7 @@ const Files = (() => {
   }
 
   function take() {
-    const out = list.map(({ name, text, tokens }) => ({ name, text, tokens }));
+    const out = list.map((f) => (f.image ? { name: f.name, image: f.image } : { name: f.name, text: f.text, tokens: f.tokens }));
     list.length = 0;
     onChange();
     return out;
@@ -77,7 +86,7 @@ const Files = (() => {
 
   // What the model reads for a user turn with files.
   function messageText(files, text) {
-    const blocks = (files || []).map((f) => {
+    const blocks = (files || []).filter((f) => !f.image).map((f) => {
       const runs = f.text.match(/`{3,}/g) || [];
       const fence = "`".repeat(Math.max(3, ...runs.map((r) => r.length + 1))); // longer than any inside
       return `${f.name}:\n${fence}\n${f.text.replace(/\n$/, "")}\n${fence}`;
@@ -85,5 +94,15 @@ const Files = (() => {
     return [...blocks, text].filter((s) => s).join("\n\n");
   }
 
-  return { setup, setLimit, add, remove, take, list, messageText, isImage };
+  // A user turn's content: its text (with the text files), or with images the OpenAI parts,
+  // the images first (as `dsv4 run --chat --image` puts them), each a checked data URI.
+  function messageContent(files, text) {
+    const shown = (files || []).filter((f) => f.image && Images.safe(f.image));
+    const body = messageText(files, text);
+    if (!shown.length) return body;
+    const parts = shown.map((f) => ({ type: "image_url", image_url: { url: f.image } }));
+    return body ? [...parts, { type: "text", text: body }] : parts;
+  }
+
+  return { setup, setLimit, setImages, add, remove, take, list, messageText, messageContent, isImage };
 })();

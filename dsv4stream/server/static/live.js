@@ -33,6 +33,8 @@ async function loadInfo() {
     info = await r.json();
     $("model").textContent = info.model;
     Files.setLimit(info.max_body_bytes);
+    Files.setImages(info.images);
+    $("attach").title = info.images ? "Attach a text file or an image (or drop / paste one)" : "Attach a text file (or drop / paste one)";
     effortControl();
     if (conv) loadSettings();
   } catch (e) {
