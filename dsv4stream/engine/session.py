@@ -182,6 +182,13 @@ _NAN_ADVICE = (
 )
 
 
+def layer_numerics_error(cfg: ModelConfig, i: int, w, e: NumericsError) -> NumericsError:
+    """A NumericsError raised in layer i (weights w), naming the layer's weights that hold NaN/inf."""
+    bad = nonfinite_fields(w)
+    where = f" (non-finite values in {', '.join(layer_prefix(cfg, i) + b for b in bad[:4])})" if bad else ""
+    return NumericsError(f"layer {i}: {e}{where}; {_NAN_ADVICE}")
+
+
 class Session:
     """One sequence: owns its state and position; tokens go in, logits come out.
 
@@ -390,14 +397,15 @@ class Session:
         self.state, self.pos = thaw(snap), snap.pos
         self._ahead = None
 
-    def read_ahead(self, token_ids: Sequence[int] | np.ndarray) -> None:
+    def read_ahead(self, token_ids: Sequence[int] | np.ndarray, pass_tokens: int | None = None) -> None:
         """Start the reads that the next forward pass's token ids alone decide (V4's hash-layer
         experts; V4.1's Engram rows) while the caller still holds them: `generate` calls it as
         soon as a token is picked. The next `prefill` / `step` of exactly these ids, at this
-        position, uses what was started instead of asking again."""
+        position, uses what was started instead of asking again. `pass_tokens`: the tokens of
+        that pass when it carries other sequences' too (`engine.batch.step_many`; default these ids')."""
         ids = self._check_ids(token_ids)
         if self.before_pass is not None:
-            self.before_pass(ids.size)  # the pass's memory first: these reads go into its slots
+            self.before_pass(pass_tokens or ids.size)  # the pass's memory first: these reads go into its slots
         self._ahead = _ReadAhead(self.pos, ids, self.stack.read_ahead(ids, self.state))
 
     # ---- internals -------------------------------------------------------------
@@ -475,15 +483,14 @@ class Session:
     def _layer(self, p: Pass, i: int) -> None:
         """Layer i on the pass; a NumericsError names the layer's weights that hold NaN/inf."""
         w = self.engine.trunk.layer(i)
-        ctx = PassContext(self.chunk_size, self.trace, self._experts_of, self._routed)
         try:
-            self.stack.layer(ctx, p, i, w, self.state)
+            self.stack.layer(self.pass_context(), p, i, w, self.state)
         except NumericsError as e:
-            bad = nonfinite_fields(w)
-            where = (
-                f" (non-finite values in {', '.join(layer_prefix(self.cfg, i) + b for b in bad[:4])})" if bad else ""
-            )
-            raise NumericsError(f"layer {i}: {e}{where}; {_NAN_ADVICE}") from None
+            raise layer_numerics_error(self.cfg, i, w, e) from None
+
+    def pass_context(self) -> PassContext:
+        """What this session lends its stack for a pass (sub-chunk, trace, expert source, routing hook)."""
+        return PassContext(self.chunk_size, self.trace, self._experts_of, self._routed)
 
     def _logits(self, p: Pass, last_only: bool) -> np.ndarray:
         """The head on the pass's streams; NaN/inf logits are an error naming what holds them."""
