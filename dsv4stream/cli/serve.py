@@ -41,6 +41,9 @@ from .run import check_trunk, checkpoint_dir, load_tokenizer
 SERVER_OVERHEAD = 60 * 1000 * 1000
 
 
+DEFAULT_MAX_BATCH = 4  # requests decoded together when --max-batch is not given (and the budget allows)
+
+
 def _say(msg: str) -> None:
     click.echo(msg, err=True)
 
@@ -80,6 +83,13 @@ def bind(host: str, port: int) -> socket.socket:
     " 127.0.0.1 and [::1] are answered otherwise.",
 )
 @click.option("--max-queue", type=int, default=64, show_default=True, help="Requests waiting before 429.")
+@click.option(
+    "--max-batch",
+    type=int,
+    default=None,
+    help="Requests decoded together, one pass for all; more wait in the queue. [default: what the budget holds, at most"
+    f" {DEFAULT_MAX_BATCH}]",
+)
 @click.option("--max-connections", type=int, default=64, show_default=True, help="Open connections at most.")
 @click.option("--header-timeout", type=float, default=10.0, show_default=True, help="Seconds to send the headers.")
 @click.option("--body-timeout", type=float, default=60.0, show_default=True, help="Seconds to send the body.")
@@ -125,6 +135,7 @@ def serve(
     cors_origins: tuple[str, ...],
     allowed_hosts: tuple[str, ...],
     max_queue: int,
+    max_batch: int | None,
     max_connections: int,
     header_timeout: float,
     body_timeout: float,
@@ -178,6 +189,8 @@ def serve(
     hosts = _allowed_hosts(allowed_hosts, host_name)
     if max_queue < 0:
         raise UsageError(f"--max-queue {max_queue}: give 0 (never wait) or more")
+    if max_batch is not None and max_batch < 1:
+        raise UsageError(f"--max-batch {max_batch}: give 1 (one request at a time) or more")
     if max_connections < 1:
         raise UsageError(f"--max-connections {max_connections}: give at least 1")
     if keep_states < 0:
@@ -199,6 +212,7 @@ def serve(
     cfg = ModelConfig.from_json(checkpoint / "config.json")
     check_trunk(trunk)
     budget_b = budget_bytes(budget)
+    batch = max_batch or default_max_batch(cfg, ctx, budget_b)
     tokenizer = load_tokenizer(checkpoint, tok, cfg)
     if not is_loopback(host) and not api_key:
         _say(f"dsv4: warning: listening on {host} without --api-key: anyone who can reach it can use the model")
@@ -236,7 +250,7 @@ def serve(
             disk_io = 2 * planner.state_bytes_for(cfg, ctx) if kv_cache is not None else 0
             opts = RunOptions(
                 budget=budget_b, io=io, verify=verify, threads=gctx.threads, io_threads=io_threads,
-                trunk=trunk, ctx=ctx, kept_states=keep_states, prefill_segment=prefill_segment,
+                trunk=trunk, ctx=ctx, kept_states=keep_states, prefill_segment=prefill_segment, live_sequences=batch,
                 gpu=gctx if gctx.enabled else None, numerics=numerics,
                 overhead=planner.DEFAULT_OVERHEAD + SERVER_OVERHEAD + disk_io,
             )  # fmt: skip
@@ -244,6 +258,9 @@ def serve(
             held["rt"] = rt
             for line in [*gctx.take_messages(), *rt.plan.lines()]:
                 _say(line)
+            _say(
+                f"  serving: up to {batch} requests decoded together (--max-batch), each with its state for --ctx {ctx}"
+            )
             srv.worker = _worker(
                 rt,
                 tokenizer,
@@ -253,6 +270,7 @@ def serve(
                 kv_cache,
                 kv_cache_gb,
                 held.get("kv_lock"),
+                batch,
             )
             _say(f"listening on http://{host}:{port}")
         except BaseException as e:  # noqa: BLE001  re-raised by the main thread once the server has stopped
@@ -302,6 +320,13 @@ def _allowed_hosts(values: tuple[str, ...], host_name) -> tuple[str, ...]:
     return tuple(out)
 
 
+def default_max_batch(cfg, ctx: int, budget: int) -> int:
+    """--max-batch's default: DEFAULT_MAX_BATCH, fewer where the sequences' states for --ctx would
+    take more than a tenth of the budget (the rest is the trunk's and the experts')."""
+    state = planner.state_bytes_for(cfg, ctx)
+    return max(1, min(DEFAULT_MAX_BATCH, budget // 10 // max(state, 1)))
+
+
 def _worker(
     rt: Runtime,
     tokenizer,
@@ -311,6 +336,7 @@ def _worker(
     kv_cache: Path | None,
     kv_cache_gb: float,
     kv_lock=None,
+    max_batch: int = 1,
 ):
     from ..server.cache import CacheUnwritable, DiskCache, StateCache, checkpoint_identity
     from ..server.worker import Worker
@@ -328,5 +354,6 @@ def _worker(
         except OSError as e:
             raise UsageError(f"--kv-cache {kv_cache}: cannot use it ({e.strerror})") from None
     return Worker(
-        rt, tokenizer.n_tokens, ram, disk, _say, banned, decode=tokenizer.decode, turn_id=tokenizer.special.user
-    )
+        rt, tokenizer.n_tokens, ram, disk, _say, banned, decode=tokenizer.decode, turn_id=tokenizer.special.user,
+        max_batch=max_batch,
+    )  # fmt: skip

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -310,7 +310,8 @@ class Session:
         boundaries: Collection[int] = (),
         logits: np.ndarray | None = None,
         spans: SpanRows | None = None,
-    ) -> Iterator[int]:
+        batched: bool = False,
+    ) -> Generator[int, tuple | None, None]:
         """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick(logits)`
         (default: greedy, ties to the lower id); stop after a token in `stop_ids`, or when
         feeding the token would take the session past `max_pos` positions.
@@ -329,7 +330,13 @@ class Session:
         The call's phases go to `turn` (and `engine.phases`) as they happen: the prefill (to the
         first logits; where it stopped if it raised), the time to the first token, each decode
         step's forward pass split by phase, each later pick (the sampler), the reads from the
-        end of the prefill on, why it ended."""
+        end of the prefill on, why it ended.
+
+        `batched`: the caller feeds each token with others' in one pass (`engine.batch.step_many`,
+        the server's continuous batching) and sends this generator that step's result,
+        `(logits, wall seconds, seconds by phase)`, instead of calling `next`; the reads ahead
+        are then the caller's (`engine.batch.read_ahead_many`) and no thread count is tried. A
+        plain `next` still steps the token here."""
         pick = pick or greedy
         if logits is not None and len(prompt_ids):
             raise UsageError("generate: give the prompt ids or the logits to continue from, not both")
@@ -337,7 +344,7 @@ class Session:
         turn = self.turn = Turn()
         self.engine.phases.turns.append(turn)
         meter, clock = self.engine.meter, StepClock(self.engine.meter)
-        gov, threads = self.engine.governor, 0
+        gov, threads = (None if batched else self.engine.governor), 0
         self.stop_reason = "interrupted"
         mark = meter() if logits is not None else None
         try:
@@ -347,8 +354,12 @@ class Session:
             if max_new_tokens <= 0:
                 self.stop_reason = "gen_limit"
                 return
+            fed: tuple | None = None
             for n in range(max_new_tokens):
-                if n:
+                if fed is not None:  # the caller's batched pass fed the previous token
+                    logits, wall, spent = fed
+                    turn.add_step(wall, spent)
+                elif n:
                     wall, spent = clock.end()  # the step that fed the previous token
                     turn.add_step(wall, spent)
                     if gov is not None:  # its compute: threads do not change the waits on reads
@@ -367,8 +378,11 @@ class Session:
                     self.stop_reason = stop
                     yield tok
                     return
-                self.read_ahead([tok])
-                yield tok
+                if not batched:
+                    self.read_ahead([tok])
+                fed = yield tok
+                if fed is not None:
+                    continue
                 if gov is not None:
                     want = gov.next_threads()  # may start a try: ask once per step
                     if want != threads:

@@ -113,7 +113,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         layer_bytes=layout.layer_bytes,
         head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,  # V4.1: head and final norm only (no hc_head)
         slot_bytes=slot_bytes,
-        state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (1 + opts.kept_states),
+        state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (opts.live_sequences + opts.kept_states),
         staging_bytes=planner.staging_bytes_for(cfg, opts.chunk, opts.ctx) + kernel_scratch_bytes(cat),
         overhead_bytes=opts.overhead,
         working_set=cfg.working_set_experts,

@@ -96,7 +96,7 @@ def ready(srv: ServerState) -> Worker:
 
 def submit(srv: ServerState, worker: Worker, job: Job) -> None:
     """Queue the job, or 429 when --max-queue requests already wait."""
-    if worker.queued > srv.max_queue:  # it would wait behind max_queue others (the running one included)
+    if worker.ahead > srv.max_queue:  # it would wait behind max_queue others (a full batch counting one)
         wait = worker.retry_after()
         raise ApiError(429, f"{worker.waiting} requests are waiting (--max-queue {srv.max_queue}); retry in about"
                        f" {wait} s", "rate_limit_error", "queue_full", headers={"Retry-After": str(wait)})  # fmt: skip
