@@ -90,6 +90,18 @@ def test_concurrent_requests_get_their_solo_answers(server, no_eos) -> None:
     b = batch_stats(server)
     assert b["largest"] >= 2 and b["max_batch"] == 4, b  # the passes really carried several requests
     assert b["running"] == 0 and b["requests"] == []
+    metrics = scrape(server)
+    assert metrics["dsv4_max_batch"] == 4
+    assert metrics["dsv4_decode_pass_rows_total"] > metrics["dsv4_decode_passes_total"] > 0
+    server.wait_for("requests a pass")  # the access log says how many shared its passes
+
+
+def scrape(srv: Server) -> dict[str, float]:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#"))}
 
 
 def test_a_client_gone_mid_answer_leaves_the_others_unchanged(server, no_eos) -> None:

@@ -40,13 +40,13 @@ Coroutine = Generator[Step, tuple | None, None]
 class Batch:
     """The requests decoding now, in the order they joined (see the module docstring).
 
-    `serve(job)` makes a request's coroutine; `passed(rows)` hears of each pass and its rows;
+    `serve(job)` makes a request's coroutine; `passed(jobs)` hears of each pass and whose rows it carried;
     `ended(job, error)` of each request that ended (error None: it returned)."""
 
     def __init__(
         self,
         serve: Callable[[object], Coroutine],
-        passed: Callable[[int], None],
+        passed: Callable[[list], None],
         ended: Callable[[object, BaseException | None], None],
         meter=None,
     ) -> None:
@@ -86,7 +86,7 @@ class Batch:
                 self._resume(gen, job, lambda g=gen, err=e: g.throw(err))
             return
         wall, spent = clock.end()
-        self.passed(len(live))
+        self.passed([job for _, job, _ in live])
         for b, (gen, job, _) in enumerate(live):
             self._resume(gen, job, lambda g=gen, row=logits[b]: g.send((row, wall, spent)))
 

@@ -1,14 +1,19 @@
 """Live figures of the server behind `GET /v1/stats` and the chat page's panel.
 
 Owns: what the engine thread reports as it works (the request's phase, prefill progress by
-tokens and by layer, one sample per generated token: its expert hit rate and read rate)
+tokens and by layer, one history sample per decode pass and per first token: the expert hit
+rate and read rate since the last one)
 and the published snapshot the HTTP side reads. Only the engine thread calls the update
 methods; `snapshot()` and `counters()` take the lock and copy, and read the run's live
 counters (`Runtime.counters`: one call, which waits for no read in flight), so handlers
 never touch engine state. Request times are the sessions' own (`worker.request_seconds`).
 
-Per-token figures: hit rate = expert hits / requests of that token's forward pass; read
-rate = routed-expert bytes read during it / its wall time (GB/s, 10^9 bytes).
+History figures: hit rate = expert hits / requests of that pass; read rate = routed-expert
+bytes read during it / its wall time (GB/s, 10^9 bytes).
+
+Several requests run at once (continuous batching): each has its `RequestStats` (the worker
+holds it); the snapshot's `batch` lists them (prompt progress, tokens, decode tok/s so far) with
+the passes run and their mean rows; `phase` is prefill while a request reads its prompt.
 
 Per request (for the chat page, through the job's events): one sample per prefill segment
 and per generated token (`t` seconds since the request was taken from the queue, tokens/s,
@@ -222,7 +227,8 @@ class LiveStats:
                 **self._counts, "requests_served": self._served, "prefill_seconds": self._totals["prefill_seconds"],
                 "decode_seconds": self._totals["decode_seconds"], "expert_requests": c.expert_requests,
                 "expert_hits": c.expert_hits, "expert_bytes_read": c.expert_bytes_read,
-                "trunk_bytes_read": self._trunk_bytes,
+                "trunk_bytes_read": self._trunk_bytes, "batch_passes": self._batch["passes"],
+                "batch_rows": self._batch["rows"],
             }  # fmt: skip
 
     def snapshot(self, queued: int, max_batch: int = 1) -> dict[str, Any]:

@@ -410,6 +410,8 @@ def access_line(scope, status: int, seconds: float, usage: Usage | None) -> str:
             f" generated {usage.completion_tokens} in {usage.seconds:.2f} s (queued {usage.queued_seconds:.2f} s),"
             f" prefill {usage.prefill_seconds:.2f} s, {rate:.1f} tokens/s"
         )
+        if usage.batch_passes:
+            line += f", decoded with {usage.mean_batch:.1f} requests a pass"
     if status == 0:
         line += "; client gone"
     return line

@@ -1,10 +1,19 @@
-"""The one thread that owns the engine: requests queue up and are served one at a time.
+"""The one thread that owns the engine: requests queue up and are decoded together, up to --max-batch.
 
 Owns: the job queue, finding the longest kept state a prompt extends (RAM, then disk),
 restoring it into a fresh session, `Runtime.generate` over the new tokens only, feeding
 each token to the job's `ReplyStream`, stopping at the next token (or prefill chunk) once
 the client has gone, keeping states after the request, and the figures of each request.
 Handlers never touch the runtime; they get events through the job's `emit`.
+
+Continuous batching (`batching.Batch`): each request runs as a coroutine (`_serve`), written as
+one request served alone would be, that yields each token it wants fed and gets back its row of
+one decode pass shared by every running request (`engine.batch.step_many`: the same logits as
+its own step, bit for bit). Requests join between passes while fewer than `max_batch` run (the
+rest wait in the queue); a new request's prefill runs as it joins, the others getting one pass
+after each of its segments; a request leaves when it ends, fails or its client goes, and the
+others' rows are untouched. Each keeps its own picker (sampling, seed, logit bias, grammar,
+logprobs), stops and kept states.
 
 States kept per request, each one a segment boundary of the prefill (`boundaries`, so that
 taking them changes no logits beyond what any segmentation does): one token short of the
@@ -18,8 +27,8 @@ same ids, and then the state after the reply would never match.
 `n` > 1 choices share the prompt: the first choice runs as a single one would; each other
 choice restores the state the first kept at the prompt's end and starts from the prompt's
 own logits (kept by the first choice's picker), so the prompt is read once. Every choice
-goes through `Runtime.generate` (its steps in the run's figures, the hash layers' experts
-prefetched as soon as a token is picked), and its sampled ids are remembered for the splice.
+goes through `Runtime.generate` (its steps in the run's figures), its tokens fed in the
+batch's passes, and its sampled ids are remembered for the splice.
 """
 
 from __future__ import annotations
@@ -62,6 +71,12 @@ class Usage:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     cache_source: str = ""  # "ram", "disk" or ""
+    batch_passes: int = 0  # decode passes that carried its tokens
+    batch_rows: int = 0  # requests those passes carried, summed (with batch_passes: its mean batch)
+
+    @property
+    def mean_batch(self) -> float:
+        return self.batch_rows / self.batch_passes if self.batch_passes else 0.0
 
     @property
     def seconds(self) -> float:
@@ -121,7 +136,7 @@ class Worker:
         self.log = log
         self.max_batch = max_batch  # requests decoded together at most (`dsv4 serve --max-batch`)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.batch = Batch(self._serve, self.stats.passed, self._ended)
+        self.batch = Batch(self._serve, self._passed, self._ended)
         self._live: set[int] = set()  # id() of the jobs running (taken, not answered yet)
         self.served = 0
         self.recent_seconds: deque[float] = deque(maxlen=8)  # wall time of the last requests, for Retry-After
@@ -199,6 +214,13 @@ class Worker:
                 self._live.add(id(job))
                 self.batch.start(job)
             self.batch.step()
+
+    def _passed(self, jobs: list[Job]) -> None:
+        """A decode pass carried these jobs' tokens: the live stats, each one's share of the batch."""
+        self.stats.passed(len(jobs))
+        for job in jobs:
+            job.usage.batch_passes += 1
+            job.usage.batch_rows += len(jobs)
 
     def _ended(self, job: Job, error: BaseException | None) -> None:
         """A request's coroutine ended (answered, stopped or failed): report and count it."""
