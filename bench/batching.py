@@ -135,13 +135,11 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures here")
     a = ap.parse_args()
     clients = [int(c) for c in a.clients.split(",")]
-    eos = None
-    try:
+    eos = None  # a checkpoint without a tokenizer: no bias, answers may end early
+    if os.path.exists(os.path.join(a.checkpoint, "tokenizer.json")):
         from dsv4stream.text.tokenizer import Tokenizer
 
         eos = Tokenizer.from_checkpoint(a.checkpoint).special.eos
-    except Exception:  # noqa: BLE001  a checkpoint without a tokenizer: no bias, answers may end early
-        pass
     load = os.getloadavg()
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     out = {"checkpoint": a.checkpoint, "tokens": a.tokens, "load_before": load, "budgets": []}

@@ -26,6 +26,7 @@ from ..checkpoint.config import ModelConfig
 from ..engine.numerics import RUN_DEFAULT
 from ..errors import UsageError
 from ..run import planner
+from ..run.memory import DEFAULT_MAX_BATCH, max_batch_for
 from ..run.runinfo import RunOptions
 from ..run.runtime import Runtime
 from ..server.security import is_loopback
@@ -39,9 +40,6 @@ from .run import check_trunk, checkpoint_dir, load_tokenizer
 # `dsv4 serve` after three streamed requests minus that of the same `dsv4 run` on the tiny
 # test checkpoint (270.5 MB vs 222.1 MB, python 3.11), plus a margin.
 SERVER_OVERHEAD = 60 * 1000 * 1000
-
-
-DEFAULT_MAX_BATCH = 4  # requests decoded together when --max-batch is not given (and the budget allows)
 
 
 def _say(msg: str) -> None:
@@ -212,7 +210,7 @@ def serve(
     cfg = ModelConfig.from_json(checkpoint / "config.json")
     check_trunk(trunk)
     budget_b = budget_bytes(budget)
-    batch = max_batch or default_max_batch(cfg, ctx, budget_b)
+    batch = max_batch or max_batch_for(planner.state_bytes_for(cfg, ctx), budget_b)
     tokenizer = load_tokenizer(checkpoint, tok, cfg)
     if not is_loopback(host) and not api_key:
         _say(f"dsv4: warning: listening on {host} without --api-key: anyone who can reach it can use the model")
@@ -318,13 +316,6 @@ def _allowed_hosts(values: tuple[str, ...], host_name) -> tuple[str, ...]:
                 )
             out.append(name)
     return tuple(out)
-
-
-def default_max_batch(cfg, ctx: int, budget: int) -> int:
-    """--max-batch's default: DEFAULT_MAX_BATCH, fewer where the sequences' states for --ctx would
-    take more than a tenth of the budget (the rest is the trunk's and the experts')."""
-    state = planner.state_bytes_for(cfg, ctx)
-    return max(1, min(DEFAULT_MAX_BATCH, budget // 10 // max(state, 1)))
 
 
 def _worker(

@@ -334,9 +334,8 @@ class Session:
 
         `batched`: the caller feeds each token with others' in one pass (`engine.batch.step_many`,
         the server's continuous batching) and sends this generator that step's result,
-        `(logits, wall seconds, seconds by phase)`, instead of calling `next`; the reads ahead
-        are then the caller's (`engine.batch.read_ahead_many`) and no thread count is tried. A
-        plain `next` still steps the token here."""
+        `(logits, wall seconds, seconds by phase)`, instead of calling `next`; no thread count
+        is tried then. A plain `next` still steps the token here."""
         pick = pick or greedy
         if logits is not None and len(prompt_ids):
             raise UsageError("generate: give the prompt ids or the logits to continue from, not both")
@@ -378,8 +377,7 @@ class Session:
                     self.stop_reason = stop
                     yield tok
                     return
-                if not batched:
-                    self.read_ahead([tok])
+                self.read_ahead([tok])  # batched too: the reads overlap the caller's handling of the token
                 fed = yield tok
                 if fed is not None:
                     continue

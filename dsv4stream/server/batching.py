@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
-from ..engine.batch import read_ahead_many, step_many
+from ..engine.batch import step_many
 from ..engine.phases import StepClock
 from ..engine.session import Session
 
@@ -77,8 +77,7 @@ class Batch:
         sessions = [want.session for _, _, want in live]
         tokens = [want.token for _, _, want in live]
         clock = StepClock(self.meter or sessions[0].engine.meter)
-        try:
-            read_ahead_many(sessions, tokens)
+        try:  # (each token's reads ahead started when it was picked: `Session.generate`)
             clock.begin()
             logits = step_many(sessions, tokens)
         except Exception as e:  # noqa: BLE001  every request of the pass gets it (its sessions are torn)
