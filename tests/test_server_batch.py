@@ -4,7 +4,9 @@ answer they get alone, the stats show the passes really carried several of them,
 that goes away mid-answer leaves the others' answers unchanged.
 
 The server keeps no states (`--keep-states 0`), so a request sent again prefills its prompt the
-same way as the first time: the only difference between the runs is who shares the passes."""
+same way as the first time: the only difference between the runs is who shares the passes. Its
+prefill segments are 8 tokens, so a prompt joining the batch is read in several segments with
+the running requests' decode passes between them."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ def ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    with Server(ckpt, "--ctx", "1024", "--max-batch", "4", "--keep-states", "0") as s:
+    # segments of 8 tokens: a prompt joining the batch is read in several, the others decoding between them
+    with Server(ckpt, "--ctx", "1024", "--max-batch", "4", "--keep-states", "0", "--prefill-segment", "8") as s:
         yield s
 
 
