@@ -17,7 +17,7 @@ from ..checkpoint.tensors import is_drafter
 from ..errors import CheckpointError, UsageError
 from ..gpu.plan import Matrix, moved_bytes, plan_placement
 from ..gpu.trunk import HEAD, candidates, candidates_from_config
-from ..run.memory import needs_of
+from ..run.memory import max_batch_for, needs_of
 from ..run.planner import GB, family_planner, gb_up, minimum_budget, plan
 from ..trunkpack.format import MANIFEST
 from ..trunkpack.packdir import default_out_dir
@@ -219,3 +219,8 @@ def _plans(
             raise UsageError(f"--budget {b}: give a positive number of GB")
         for line in plan(needs, int(b * GB)).lines():
             click.echo(line)
+        fit = max_batch_for(needs.state_bytes, int(b * GB))
+        click.echo(
+            f"  serving: {fit} request{'s' if fit > 1 else ''} decoded together (`dsv4 serve --max-batch` default),"
+            f" each holding a {gb_up(needs.state_bytes)} state for --ctx {ctx}; more wait in the queue"
+        )

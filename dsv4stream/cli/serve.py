@@ -26,6 +26,7 @@ from ..checkpoint.config import ModelConfig
 from ..engine.numerics import RUN_DEFAULT
 from ..errors import UsageError
 from ..run import planner
+from ..run.memory import DEFAULT_MAX_BATCH, max_batch_for
 from ..run.runinfo import RunOptions
 from ..run.runtime import Runtime
 from ..server.security import is_loopback
@@ -80,6 +81,13 @@ def bind(host: str, port: int) -> socket.socket:
     " 127.0.0.1 and [::1] are answered otherwise.",
 )
 @click.option("--max-queue", type=int, default=64, show_default=True, help="Requests waiting before 429.")
+@click.option(
+    "--max-batch",
+    type=int,
+    default=None,
+    help="Requests decoded together, one pass for all; more wait in the queue. [default: what the budget holds, at most"
+    f" {DEFAULT_MAX_BATCH}]",
+)
 @click.option("--max-connections", type=int, default=64, show_default=True, help="Open connections at most.")
 @click.option("--header-timeout", type=float, default=10.0, show_default=True, help="Seconds to send the headers.")
 @click.option("--body-timeout", type=float, default=60.0, show_default=True, help="Seconds to send the body.")
@@ -137,6 +145,7 @@ def serve(
     cors_origins: tuple[str, ...],
     allowed_hosts: tuple[str, ...],
     max_queue: int,
+    max_batch: int | None,
     max_connections: int,
     header_timeout: float,
     body_timeout: float,
@@ -193,6 +202,8 @@ def serve(
     hosts = _allowed_hosts(allowed_hosts, host_name)
     if max_queue < 0:
         raise UsageError(f"--max-queue {max_queue}: give 0 (never wait) or more")
+    if max_batch is not None and max_batch < 1:
+        raise UsageError(f"--max-batch {max_batch}: give 1 (one request at a time) or more")
     if max_connections < 1:
         raise UsageError(f"--max-connections {max_connections}: give at least 1")
     if keep_states < 0:
@@ -214,6 +225,7 @@ def serve(
     cfg = ModelConfig.from_json(checkpoint / "config.json")
     check_trunk(trunk)
     budget_b = budget_bytes(budget)
+    batch = max_batch or max_batch_for(planner.state_bytes_for(cfg, ctx), budget_b)
     tokenizer = load_tokenizer(checkpoint, tok, cfg)
     if not is_loopback(host) and not api_key:
         _say(f"dsv4: warning: listening on {host} without --api-key: anyone who can reach it can use the model")
@@ -252,7 +264,7 @@ def serve(
             disk_io = 2 * planner.state_bytes_for(cfg, ctx) if kv_cache is not None else 0
             opts = RunOptions(
                 budget=budget_b, io=io, verify=verify, threads=gctx.threads, io_threads=io_threads,
-                trunk=trunk, ctx=ctx, kept_states=keep_states, prefill_segment=prefill_segment,
+                trunk=trunk, ctx=ctx, kept_states=keep_states, prefill_segment=prefill_segment, live_sequences=batch,
                 gpu=gctx if gctx.enabled else None, numerics=numerics,
                 overhead=planner.DEFAULT_OVERHEAD + SERVER_OVERHEAD + disk_io,
                 images=srv.images.vision is not None,  # the tower and an image's activations, planned
@@ -261,6 +273,9 @@ def serve(
             held["rt"] = rt
             for line in [*gctx.take_messages(), *rt.plan.lines()]:
                 _say(line)
+            _say(
+                f"  serving: up to {batch} requests decoded together (--max-batch), each with its state for --ctx {ctx}"
+            )
             srv.worker = _worker(
                 rt,
                 tokenizer,
@@ -270,6 +285,7 @@ def serve(
                 kv_cache,
                 kv_cache_gb,
                 held.get("kv_lock"),
+                batch,
             )
             _say(f"listening on http://{host}:{port}")
         except BaseException as e:  # noqa: BLE001  re-raised by the main thread once the server has stopped
@@ -328,6 +344,7 @@ def _worker(
     kv_cache: Path | None,
     kv_cache_gb: float,
     kv_lock=None,
+    max_batch: int = 1,
 ):
     from ..server.cache import CacheUnwritable, DiskCache, StateCache, checkpoint_identity, keyed_decode
     from ..server.worker import Worker
@@ -346,12 +363,6 @@ def _worker(
         except OSError as e:
             raise UsageError(f"--kv-cache {kv_cache}: cannot use it ({e.strerror})") from None
     return Worker(
-        rt,
-        tokenizer.n_tokens,
-        ram,
-        disk,
-        _say,
-        banned,
-        decode=keyed_decode(tokenizer.decode),
-        turn_id=tokenizer.special.user,
-    )
+        rt, tokenizer.n_tokens, ram, disk, _say, banned, decode=keyed_decode(tokenizer.decode),
+        turn_id=tokenizer.special.user, max_batch=max_batch,
+    )  # fmt: skip

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -182,6 +182,13 @@ _NAN_ADVICE = (
 )
 
 
+def layer_numerics_error(cfg: ModelConfig, i: int, w, e: NumericsError) -> NumericsError:
+    """A NumericsError raised in layer i (weights w), naming the layer's weights that hold NaN/inf."""
+    bad = nonfinite_fields(w)
+    where = f" (non-finite values in {', '.join(layer_prefix(cfg, i) + b for b in bad[:4])})" if bad else ""
+    return NumericsError(f"layer {i}: {e}{where}; {_NAN_ADVICE}")
+
+
 class Session:
     """One sequence: owns its state and position; tokens go in, logits come out.
 
@@ -303,7 +310,8 @@ class Session:
         boundaries: Collection[int] = (),
         logits: np.ndarray | None = None,
         spans: SpanRows | None = None,
-    ) -> Iterator[int]:
+        batched: bool = False,
+    ) -> Generator[int, tuple | None, None]:
         """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick(logits)`
         (default: greedy, ties to the lower id); stop after a token in `stop_ids`, or when
         feeding the token would take the session past `max_pos` positions.
@@ -322,7 +330,12 @@ class Session:
         The call's phases go to `turn` (and `engine.phases`) as they happen: the prefill (to the
         first logits; where it stopped if it raised), the time to the first token, each decode
         step's forward pass split by phase, each later pick (the sampler), the reads from the
-        end of the prefill on, why it ended."""
+        end of the prefill on, why it ended.
+
+        `batched`: the caller feeds each token with others' in one pass (`engine.batch.step_many`,
+        the server's continuous batching) and sends this generator that step's result,
+        `(logits, wall seconds, seconds by phase)`, instead of calling `next`; no thread count
+        is tried then. A plain `next` still steps the token here."""
         pick = pick or greedy
         if logits is not None and len(prompt_ids):
             raise UsageError("generate: give the prompt ids or the logits to continue from, not both")
@@ -330,7 +343,7 @@ class Session:
         turn = self.turn = Turn()
         self.engine.phases.turns.append(turn)
         meter, clock = self.engine.meter, StepClock(self.engine.meter)
-        gov, threads = self.engine.governor, 0
+        gov, threads = (None if batched else self.engine.governor), 0
         self.stop_reason = "interrupted"
         mark = meter() if logits is not None else None
         try:
@@ -340,8 +353,12 @@ class Session:
             if max_new_tokens <= 0:
                 self.stop_reason = "gen_limit"
                 return
+            fed: tuple | None = None
             for n in range(max_new_tokens):
-                if n:
+                if fed is not None:  # the caller's batched pass fed the previous token
+                    logits, wall, spent = fed
+                    turn.add_step(wall, spent)
+                elif n:
                     wall, spent = clock.end()  # the step that fed the previous token
                     turn.add_step(wall, spent)
                     if gov is not None:  # its compute: threads do not change the waits on reads
@@ -360,8 +377,10 @@ class Session:
                     self.stop_reason = stop
                     yield tok
                     return
-                self.read_ahead([tok])
-                yield tok
+                self.read_ahead([tok])  # batched too: the reads overlap the caller's handling of the token
+                fed = yield tok
+                if fed is not None:
+                    continue
                 if gov is not None:
                     want = gov.next_threads()  # may start a try: ask once per step
                     if want != threads:
@@ -390,14 +409,15 @@ class Session:
         self.state, self.pos = thaw(snap), snap.pos
         self._ahead = None
 
-    def read_ahead(self, token_ids: Sequence[int] | np.ndarray) -> None:
+    def read_ahead(self, token_ids: Sequence[int] | np.ndarray, pass_tokens: int | None = None) -> None:
         """Start the reads that the next forward pass's token ids alone decide (V4's hash-layer
         experts; V4.1's Engram rows) while the caller still holds them: `generate` calls it as
         soon as a token is picked. The next `prefill` / `step` of exactly these ids, at this
-        position, uses what was started instead of asking again."""
+        position, uses what was started instead of asking again. `pass_tokens`: the tokens of
+        that pass when it carries other sequences' too (`engine.batch.step_many`; default these ids')."""
         ids = self._check_ids(token_ids)
         if self.before_pass is not None:
-            self.before_pass(ids.size)  # the pass's memory first: these reads go into its slots
+            self.before_pass(pass_tokens or ids.size)  # the pass's memory first: these reads go into its slots
         self._ahead = _ReadAhead(self.pos, ids, self.stack.read_ahead(ids, self.state))
 
     # ---- internals -------------------------------------------------------------
@@ -475,15 +495,14 @@ class Session:
     def _layer(self, p: Pass, i: int) -> None:
         """Layer i on the pass; a NumericsError names the layer's weights that hold NaN/inf."""
         w = self.engine.trunk.layer(i)
-        ctx = PassContext(self.chunk_size, self.trace, self._experts_of, self._routed)
         try:
-            self.stack.layer(ctx, p, i, w, self.state)
+            self.stack.layer(self.pass_context(), p, i, w, self.state)
         except NumericsError as e:
-            bad = nonfinite_fields(w)
-            where = (
-                f" (non-finite values in {', '.join(layer_prefix(self.cfg, i) + b for b in bad[:4])})" if bad else ""
-            )
-            raise NumericsError(f"layer {i}: {e}{where}; {_NAN_ADVICE}") from None
+            raise layer_numerics_error(self.cfg, i, w, e) from None
+
+    def pass_context(self) -> PassContext:
+        """What this session lends its stack for a pass (sub-chunk, trace, expert source, routing hook)."""
+        return PassContext(self.chunk_size, self.trace, self._experts_of, self._routed)
 
     def _logits(self, p: Pass, last_only: bool) -> np.ndarray:
         """The head on the pass's streams; NaN/inf logits are an error naming what holds them."""

@@ -57,12 +57,34 @@ class V4Stack:
 
     def layer(self, ctx: PassContext, p: Pass, i: int, w, state: list) -> None:
         """Layer i on the pass's streams: attention in sub-chunks, then one MoE pass."""
-        cfg, x, t = self.cfg, p.x, p.ids.size
+        self.attend(ctx, p, i, w, state)
+        self.ffn(ctx, p, i, w)
+
+    def attend(self, ctx: PassContext, p: Pass, i: int, w, state: list) -> None:
+        """Layer i's first half, the one that reads and updates the sequence's state: attention
+        in sub-chunks of the pass's streams."""
+        x, t = p.x, p.ids.size
         c, rope = min(ctx.chunk, t), self.rope_for(i)
         for a in range(0, t, c):
-            x[a : a + c] = attention_half(x[a : a + c], p.positions[a : a + c], w, state[i], cfg, rope, ctx.trace)
-        hook = ctx.routed(i, p.positions, prefetch=not cfg.is_hash_layer(i))
-        p.x = ffn_half(x, p.ids, w, cfg, ctx.experts(i), hook, ctx.trace, rows=c)
+            x[a : a + c] = attention_half(x[a : a + c], p.positions[a : a + c], w, state[i], self.cfg, rope, ctx.trace)
+
+    def ffn(self, ctx: PassContext, p: Pass, i: int, w) -> None:
+        """Layer i's second half, stateless and row by row: one MoE pass over the pass's tokens
+        (those of several sequences in a batched pass, `engine.batch`)."""
+        hook = ctx.routed(i, p.positions, prefetch=not self.cfg.is_hash_layer(i))
+        p.x = ffn_half(p.x, p.ids, w, self.cfg, ctx.experts(i), hook, ctx.trace, rows=min(ctx.chunk, p.ids.size))
+
+    def join(self, passes: list[Pass]) -> Pass:
+        """One pass holding the rows of `passes` in order (for the stateless half and the head)."""
+        cat = np.concatenate
+        return Pass(cat([p.ids for p in passes]), cat([p.positions for p in passes]), cat([p.x for p in passes]))
+
+    def split(self, joined: Pass, passes: list[Pass]) -> None:
+        """The rows of `joined` back into the passes it was joined from."""
+        a = 0
+        for p in passes:
+            p.x = joined.x[a : a + p.ids.size]
+            a += p.ids.size
 
     def logits(self, p: Pass, last_only: bool) -> np.ndarray:
         x = p.x[-1:] if last_only else p.x

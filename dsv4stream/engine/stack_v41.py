@@ -177,6 +177,7 @@ class V41Pass(Pass):
     history: tuple[int, ...] = ()  # the Engram history after this pass
     published: list[Published] = field(default_factory=list)  # per attention sub-chunk
     image: np.ndarray | None = None  # (T,) bool: image-span tokens (None: none)
+    a_pre: np.ndarray | None = None  # (T, hc): the FFN's pre, from attention to the MoE half
 
 
 class V41Stack:
@@ -271,6 +272,12 @@ class V41Stack:
 
     def layer(self, ctx: PassContext, p: V41Pass, i: int, w, state: list) -> None:
         """Layer i: Engram (on its layers), attention in sub-chunks, then one MoE pass."""
+        self.attend(ctx, p, i, w, state)
+        self.ffn(ctx, p, i, w)
+
+    def attend(self, ctx: PassContext, p: V41Pass, i: int, w, state: list) -> None:
+        """Layer i's first half, the one that reads and updates the sequence's state: Engram (on
+        its layers) and attention in sub-chunks; leaves the FFN's pre in `p.a_pre`."""
         cfg, t = self.cfg, p.ids.size
         carry: Carry = state[-1]
         layers = state[:-1]
@@ -288,17 +295,43 @@ class V41Stack:
             ctx.trace("input", i, p.x)
         if not p.published:
             p.published = [Published() for _ in range(0, t, c)]
-        a_pre = np.empty_like(p.pre)
+        p.a_pre = np.empty_like(p.pre)
         x = p.x
         for j, a in enumerate(range(0, t, c)):
             b = min(t, a + c)
-            x[a:b], a_pre[a:b] = attention_half(
+            x[a:b], p.a_pre[a:b] = attention_half(
                 x[a:b], p.pre[a:b], p.positions[a:b], w, layers, self.plan, p.published[j], carry.board, rope, self.hc
             )
-        hook = ctx.routed(i, p.positions)
-        p.x, p.pre = ffn_half(x, a_pre, w, ctx.experts(i), self.moe, self.hc, hook, rows=c, image=p.image)
         if i == cfg.n_layers - 1:
             carry.history = tuple(p.history)
+
+    def ffn(self, ctx: PassContext, p: V41Pass, i: int, w) -> None:
+        """Layer i's second half, stateless and row by row: one MoE pass over the pass's tokens
+        (those of several sequences in a batched pass, `engine.batch`)."""
+        hook = ctx.routed(i, p.positions)
+        rows = min(ctx.chunk, p.ids.size)
+        p.x, p.pre = ffn_half(p.x, p.a_pre, w, ctx.experts(i), self.moe, self.hc, hook, rows=rows, image=p.image)
+
+    def join(self, passes: list[V41Pass]) -> V41Pass:
+        """One pass holding the rows of `passes` in order (for the stateless half and the head)."""
+        cat = np.concatenate
+        joined = V41Pass(
+            cat([p.ids for p in passes]), cat([p.positions for p in passes]), cat([p.x for p in passes]),
+            pre=cat([p.pre for p in passes]),
+        )  # fmt: skip
+        if passes[0].a_pre is not None:
+            joined.a_pre = cat([p.a_pre for p in passes])
+        if any(p.image is not None for p in passes):
+            joined.image = cat([np.zeros(p.ids.size, bool) if p.image is None else p.image for p in passes])
+        return joined
+
+    def split(self, joined: V41Pass, passes: list[V41Pass]) -> None:
+        """The rows of `joined` back into the passes it was joined from."""
+        a = 0
+        for p in passes:
+            b = a + p.ids.size
+            p.x, p.pre, p.a_pre = joined.x[a:b], joined.pre[a:b], None
+            a = b
 
     def logits(self, p: V41Pass, last_only: bool) -> np.ndarray:
         x, pre = (p.x[-1:], p.pre[-1:]) if last_only else (p.x, p.pre)

@@ -62,6 +62,23 @@ class Stack(Protocol):
         """Layer i (weights w) on the pass's streams, updating `state`."""
         ...
 
+    def attend(self, ctx: PassContext, p: Pass, i: int, w, state: list) -> None:
+        """Layer i's half that reads and updates `state` (`layer` = `attend`, then `ffn`)."""
+        ...
+
+    def ffn(self, ctx: PassContext, p: Pass, i: int, w) -> None:
+        """Layer i's stateless half, each row on its own: what a batched pass runs once over the
+        rows of every sequence in it (`engine.batch`)."""
+        ...
+
+    def join(self, passes: list[Pass]) -> Pass:
+        """One pass of the rows of `passes`, in order, for `ffn` and `logits`."""
+        ...
+
+    def split(self, joined: Pass, passes: list[Pass]) -> None:
+        """The rows of `joined` back into the passes it was joined from."""
+        ...
+
     def logits(self, p: Pass, last_only: bool) -> np.ndarray:
         """(T, vocab), or (1, vocab) for the last position."""
         ...

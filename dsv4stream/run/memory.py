@@ -1,9 +1,10 @@
 """Memory: what this process holds (`peak_rss_bytes`) and what a run on a checkpoint will hold.
 
 Owns: measuring the plan's inputs from the actual checkpoint (`memory_needs`: layer and head
-groups as they are read, the expert slot size, state and staging estimates, the baseline
-overhead), the one answer inspect, doctor and bench give (`needs_of`). Placing them is
-`planner`'s job; opening the run is `runtime`'s.
+groups as they are read, the expert slot size, state and staging estimates (one state per
+sequence decoded together and per kept state), the baseline overhead), the one answer inspect,
+doctor and bench give (`needs_of`), and how many requests a server decodes together by
+default (`max_batch_for`). Placing them is `planner`'s job; opening the run is `runtime`'s.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ from ..trunkpack.reader import open_trunk_file
 from . import planner
 from .planner import MemoryNeeds
 from .runinfo import RunOptions
+
+DEFAULT_MAX_BATCH = 4  # requests `dsv4 serve` decodes together when --max-batch is not given
+
+
+def max_batch_for(state_bytes: int, budget: int, most: int = DEFAULT_MAX_BATCH) -> int:
+    """How many requests `dsv4 serve` decodes together by default: `most`, fewer where their states
+    for --ctx (`state_bytes` each) would take more than a tenth of the budget, which the trunk
+    and the experts need. The plan then holds that many states (`RunOptions.live_sequences`)."""
+    return max(1, min(most, budget // 10 // max(state_bytes, 1)))
 
 
 def peak_rss_bytes() -> int:
@@ -113,7 +123,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         layer_bytes=layout.layer_bytes,
         head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,  # V4.1: head and final norm only (no hc_head)
         slot_bytes=slot_bytes,
-        state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (1 + opts.kept_states),
+        state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (opts.live_sequences + opts.kept_states),
         staging_bytes=planner.staging_bytes_for(cfg, opts.chunk, opts.ctx) + kernel_scratch_bytes(cat),
         overhead_bytes=opts.overhead,
         working_set=cfg.working_set_experts,

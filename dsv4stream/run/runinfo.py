@@ -35,6 +35,7 @@ class RunOptions:
     chunk: int = planner.DEFAULT_CHUNK  # attention sub-chunk of a prefill segment
     overhead: int = planner.DEFAULT_OVERHEAD
     kept_states: int = 0  # session states a server keeps besides the live one (prefix reuse)
+    live_sequences: int = 1  # sequences decoded together (`dsv4 serve --max-batch`): each holds a state
     prefill_segment: int | None = None  # tokens per prefill segment (None: the planner's choice)
     images: bool = False  # V4.1: the plan holds the vision tower and an image's activations
     gpu: GpuContext | None = None  # --gpu: trunk matrices in VRAM (None, or one not enabled: all on the CPU)

@@ -220,6 +220,7 @@ class Runtime:
         boundaries: Sequence[int] = (),
         logits: np.ndarray | None = None,
         spans: SpanRows | None = None,
+        batched: bool = False,
     ) -> Iterator[int]:
         """`session.generate` (the one generation loop) within this run: it also stops when the
         session holds `opts.ctx` positions (the context the plan covers is full).
@@ -232,11 +233,12 @@ class Runtime:
         raises stops the prefill (within one layer from `on_layer`), and the tokens fully fed
         still count, with where it stopped (`prefill_stopped`). `logits`: continue from a
         restored state's logits without a prefill (the server's `n` > 1 choices); `spans`: the
-        prompt's V4.1 image spans (`engine.images.image_prompt`)."""
+        prompt's V4.1 image spans (`engine.images.image_prompt`); `batched`: the caller steps
+        the tokens with others' (`Session.generate`)."""
         report = (lambda done: progress(done, len(prompt_ids))) if progress is not None else None
         return session.generate(
             prompt_ids, max_new_tokens, pick or greedy, stop_ids=stop_ids, max_pos=self.opts.ctx,
-            progress=report, on_layer=on_layer, boundaries=boundaries, logits=logits, spans=spans,
+            progress=report, on_layer=on_layer, boundaries=boundaries, logits=logits, spans=spans, batched=batched,
         )  # fmt: skip
 
     @property

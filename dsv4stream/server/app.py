@@ -65,7 +65,7 @@ def create_app(srv: ServerState) -> FastAPI:
         worker = srv.worker
         if worker is None:
             return {"model": srv.model, "phase": "loading"}
-        return {"model": srv.model, "ctx": srv.ctx, **worker.stats.snapshot(worker.queued)}
+        return {"model": srv.model, "ctx": srv.ctx, **worker.stats.snapshot(worker.queued, worker.max_batch)}
 
     metrics = Metrics(srv)
     srv.metrics = metrics

@@ -2,8 +2,9 @@
 
 Owns: the request counter (by route and status, counted as each response starts) and a
 collector that reads the live figures at scrape time: tokens (prompt, cached, generated),
-prefill and decode seconds, prefix-cache hits by source, the queue (waiting, running),
-expert-store requests / hits / bytes read and trunk bytes read from disk, and the
+prefill and decode seconds, prefix-cache hits by source, the queue (waiting, running), the
+batch (--max-batch, decode passes and the request tokens they carried, each running request's
+decode rate by slot), expert-store requests / hits / bytes read and trunk bytes read from disk, and the
 process's resident memory (now and peak). One registry per app, so two servers in one
 process (the tests) do not share counters. Names start with `dsv4_`; counters end in
 `_total` as Prometheus expects.
@@ -36,6 +37,8 @@ _COUNTERS = (
     ("expert_hits", "expert_hits", "Routed experts found in the expert cache"),
     ("expert_bytes_read", "expert_disk_read_bytes", "Bytes of routed experts read from disk"),
     ("trunk_bytes_read", "trunk_disk_read_bytes", "Bytes of streamed trunk layers read from disk"),
+    ("batch_passes", "decode_passes", "Decode passes run (each carries the next token of every request in the batch)"),
+    ("batch_rows", "decode_pass_rows", "Request tokens those passes carried (over decode_passes: the mean batch)"),
 )
 
 
@@ -57,6 +60,16 @@ class _Live:
         queue.add_metric(["waiting"], w.waiting if w is not None else 0)
         queue.add_metric(["running"], w.running if w is not None else 0)
         yield queue
+        if w is not None:
+            yield GaugeMetricFamily(
+                "dsv4_max_batch", "Requests decoded together at most (--max-batch)", value=w.max_batch
+            )
+            rates = GaugeMetricFamily(
+                "dsv4_request_decode_tokens_per_second", "Decode rate so far of each running request", labels=["slot"]
+            )
+            for k, r in enumerate(w.stats.running()):
+                rates.add_metric([str(k)], r["decode_tokens_per_s"])
+            yield rates
         yield GaugeMetricFamily("dsv4_model_loaded", "1 once the model is loaded", value=1 if w is not None else 0)
         yield GaugeMetricFamily(
             "dsv4_resident_memory_bytes", "Resident set size now", value=psutil.Process().memory_info().rss

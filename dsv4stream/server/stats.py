@@ -1,14 +1,19 @@
 """Live figures of the server behind `GET /v1/stats` and the chat page's panel.
 
 Owns: what the engine thread reports as it works (the request's phase, prefill progress by
-tokens and by layer, one sample per generated token: its expert hit rate and read rate)
+tokens and by layer, one history sample per decode pass and per first token: the expert hit
+rate and read rate since the last one)
 and the published snapshot the HTTP side reads. Only the engine thread calls the update
 methods; `snapshot()` and `counters()` take the lock and copy, and read the run's live
 counters (`Runtime.counters`: one call, which waits for no read in flight), so handlers
 never touch engine state. Request times are the sessions' own (`worker.request_seconds`).
 
-Per-token figures: hit rate = expert hits / requests of that token's forward pass; read
-rate = routed-expert bytes read during it / its wall time (GB/s, 10^9 bytes).
+History figures: hit rate = expert hits / requests of that pass; read rate = routed-expert
+bytes read during it / its wall time (GB/s, 10^9 bytes).
+
+Several requests run at once (continuous batching): each has its `RequestStats` (the worker
+holds it); the snapshot's `batch` lists them (prompt progress, tokens, decode tok/s so far) with
+the passes run and their mean rows; `phase` is prefill while a request reads its prompt.
 
 Per request (for the chat page, through the job's events): one sample per prefill segment
 and per generated token (`t` seconds since the request was taken from the queue, tokens/s,
@@ -23,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,101 +39,139 @@ from ..run.runtime import Runtime
 HISTORY_SECONDS = 300.0
 
 
+@dataclass
+class RequestStats:
+    """One request's marks, held by the worker while it runs (`LiveStats.begin`)."""
+
+    n_prompt: int
+    cached: int
+    t0: float  # monotonic, when it was taken from the queue
+    store0: tuple[int, int, int]  # the store's counts then
+    trunk0: int
+    mark: tuple[int, int, int]  # the store's counts at its last sample
+    mark_t: float
+    fed: int  # prompt position at its last sample
+    done: int = 0  # prompt tokens read so far
+    generated: int = 0
+    first_t: float | None = None  # monotonic, at its first token
+
+    def tok_s(self, now: float) -> float:
+        """Its decode rate so far (tokens after the first over the time since the first)."""
+        if self.first_t is None or self.generated < 2:
+            return 0.0
+        return round((self.generated - 1) / max(now - self.first_t, 1e-9), 3)
+
+
 class LiveStats:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self._history: deque[dict[str, float]] = deque()
-        self._phase = "idle"
-        self._progress: dict[str, int] | None = None
+        self._live: list[RequestStats] = []  # the requests running now, in the order they started
         self._layer = -1
         self._last: dict[str, Any] | None = None
         self._served = 0
+        self._batch = {"passes": 0, "rows": 0, "largest": 0}  # batched decode passes and the rows they carried
         self._totals = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0}
         # for /metrics: whole-run counters
         self._counts = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "cache_hits_ram": 0,
                         "cache_hits_disk": 0}  # fmt: skip
-        self._mark = self._store_counts()
+        self._mark = self._store_counts()  # the history's mark (one sample per pass)
         self._mark_t = time.monotonic()
         pinned = rt.trunk.pinned
         self._trunk = {"pinned_layers": pinned, "streamed_layers": rt.cfg.n_layers - pinned}
         self._trunk_bytes = rt.counters().trunk_bytes_read
-        # this request: (start time, store counts, trunk bytes) and the prompt position at the last sample
-        self._req: tuple[float, tuple[int, int, int], int] = (self._mark_t, self._mark, self._trunk_bytes)
-        self._fed = 0
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _store_counts(self) -> tuple[int, int, int]:
         c = self.rt.counters()
         return c.expert_requests, c.expert_hits, c.expert_bytes_read
 
-    def begin(self, n_prompt: int, cached: int) -> None:
+    def begin(self, n_prompt: int, cached: int) -> RequestStats:
+        """A request is taken from the queue: its marks (handed back to the calls below)."""
+        now, counts = time.monotonic(), self._store_counts()
+        r = RequestStats(
+            n_prompt, cached, now, counts, self.rt.counters().trunk_bytes_read, counts, now, cached, cached
+        )
         with self._lock:
-            self._phase = "prefill"
-            self._progress = {"done": cached, "total": n_prompt, "cached": cached}
+            self._live.append(r)
             self._layer = -1
-        self._mark, self._mark_t = self._store_counts(), time.monotonic()
-        self._req = (self._mark_t, self._mark, self.rt.counters().trunk_bytes_read)
-        self._fed = cached
+        return r
 
-    def _sample(self, phase: str, tokens: int) -> tuple[dict[str, float | str], float, float]:
-        """Figures since the last sample: (the request's sample, read GB/s, hit rate); moves the mark."""
+    def _sample(self, r: RequestStats, phase: str, tokens: int) -> dict[str, float | str]:
+        """The request's figures since its last sample (reads and hits are the process's, shared
+        by the requests of a batch); moves its mark."""
+        now, counts = time.monotonic(), self._store_counts()
+        req, hits, nbytes = (c - m for c, m in zip(counts, r.mark, strict=True))
+        dt = max(now - r.mark_t, 1e-9)
+        r.mark, r.mark_t = counts, now
+        return {
+            "t": round(now - r.t0, 4),
+            "phase": phase,
+            "tok_s": round(tokens / dt, 3),
+            "read_mb_s": round(nbytes / dt / 1e6, 3),
+            "hit_rate": round(hits / req if req else 1.0, 4),
+        }
+
+    def _history_sample(self, kind: str) -> None:
+        """One history sample (hit rate and read rate since the last one) for the page's chart."""
         now, counts = time.monotonic(), self._store_counts()
         req, hits, nbytes = (c - m for c, m in zip(counts, self._mark, strict=True))
         dt = max(now - self._mark_t, 1e-9)
         self._mark, self._mark_t = counts, now
-        hit_rate = hits / req if req else 1.0
-        sample = {
-            "t": round(now - self._req[0], 4),
-            "phase": phase,
-            "tok_s": round(tokens / dt, 3),
-            "read_mb_s": round(nbytes / dt / 1e6, 3),
-            "hit_rate": round(hit_rate, 4),
-        }
-        return sample, nbytes / dt / 1e9, hit_rate
+        sample = {"t": round(now - self._t0, 3), "kind": kind, "hit_rate": hits / req if req else 1.0,
+                  "read_gbps": nbytes / dt / 1e9}  # fmt: skip
+        with self._lock:
+            self._history.append(sample)
+            while self._history and sample["t"] - self._history[0]["t"] > HISTORY_SECONDS:
+                self._history.popleft()
 
     def on_route(self, layer: int, positions: np.ndarray, experts: np.ndarray) -> None:
         """Session hook, before each layer's experts are fetched: where the forward pass is."""
         self._layer = layer
 
-    def prefilled(self, done: int, total: int) -> dict[str, float | str]:
+    def prefilled(self, r: RequestStats, done: int, total: int) -> dict[str, float | str]:
         """After each prefill segment (`done` prompt tokens read in all): the request's sample."""
         with self._lock:
-            if self._progress is not None:
-                self._progress["done"] = done
-        sample, _, _ = self._sample("prefill", done - self._fed)
-        self._fed = done
+            r.done = done
+        sample = self._sample(r, "prefill", done - r.fed)
+        r.fed = done
         return sample
 
-    def token(self, first: bool, n_prompt: int = 0) -> dict[str, float | str]:
-        """After each generated token: one history sample; returns the request's. The first token's
-        covers the prompt tokens up to `n_prompt` that no segment reported yet, if any (a prefill
-        sample), else it is the first decode sample."""
-        rest = n_prompt - self._fed if first else 0
-        mine, gbps, hit_rate = self._sample("prefill" if rest > 0 else "decode", rest if rest > 0 else 1)
-        self._fed = max(self._fed, n_prompt)
-        sample = {
-            "t": round(self._mark_t - self._t0, 3),
-            "kind": "prefill" if first else "decode",
-            "hit_rate": hit_rate,
-            "read_gbps": gbps,
-        }
+    def token(self, r: RequestStats, first: bool) -> dict[str, float | str]:
+        """After each generated token: returns the request's sample. The first token's covers the
+        prompt tokens that no segment reported yet, if any (a prefill sample, also one of the
+        history), else it is the first decode sample."""
+        rest = r.n_prompt - r.fed if first else 0
+        mine = self._sample(r, "prefill" if rest > 0 else "decode", rest if rest > 0 else 1)
         with self._lock:
-            self._phase = "decode"
-            self._history.append(sample)
-            while self._history and sample["t"] - self._history[0]["t"] > HISTORY_SECONDS:
-                self._history.popleft()
+            r.fed = r.done = max(r.fed, r.n_prompt)
+            r.generated += 1
+            if first:
+                r.first_t = r.mark_t
+        if first:
+            self._history_sample("prefill")
         return mine
 
-    def end(self, usage) -> dict[str, Any]:
+    def passed(self, rows: int) -> None:
+        """A decode pass carried `rows` requests' tokens: one history sample, the batch's figures."""
+        self._history_sample("decode")
+        with self._lock:
+            b = self._batch
+            b["passes"] += 1
+            b["rows"] += rows
+            b["largest"] = max(b["largest"], rows)
+
+    def end(self, usage, r: RequestStats) -> dict[str, Any]:
         """The request is over (answered or stopped): totals, and its summary (returned)."""
         now = self.rt.counters()
-        t0, store0, trunk0 = self._req
         counts = (now.expert_requests, now.expert_hits, now.expert_bytes_read)
-        req, hits, nbytes = (c - m for c, m in zip(counts, store0, strict=True))
+        req, hits, nbytes = (c - m for c, m in zip(counts, r.store0, strict=True))
         with self._lock:
-            self._phase, self._progress, self._layer = "idle", None, -1
+            if r in self._live:
+                self._live.remove(r)
+            self._layer = -1 if not self._live else self._layer
             self._served += 1
             t = self._totals
             fed = usage.prompt_tokens - usage.cached_tokens
@@ -152,15 +196,27 @@ class LiveStats:
                 "prefill_tokens_per_s": _rate(fed, usage.prefill_seconds),
                 "decode_tokens_per_s": _rate(usage.completion_tokens - 1, usage.decode_seconds),
                 "cache_source": usage.cache_source,
+                "queued_s": round(usage.queued_seconds, 4),
             }
             return {
                 **self._last,
-                "seconds": round(time.monotonic() - t0, 4),
+                "seconds": round(time.monotonic() - r.t0, 4),
                 "expert_requests": req,
                 "expert_hits": hits,
                 "expert_hit_rate": round(hits / req, 4) if req else None,
-                "disk_mb": round((nbytes + now.trunk_bytes_read - trunk0) / 1e6, 3),
+                "disk_mb": round((nbytes + now.trunk_bytes_read - r.trunk0) / 1e6, 3),
             }
+
+    def running(self) -> list[dict[str, float]]:
+        """The requests running now: prompt progress, tokens generated, decode tok/s so far."""
+        now = time.monotonic()
+        with self._lock:
+            return [
+                {"prompt_tokens": r.n_prompt, "cached_tokens": r.cached, "prefilled": r.done,
+                 "completion_tokens": r.generated, "decode_tokens_per_s": r.tok_s(now),
+                 "seconds": round(now - r.t0, 3)}
+                for r in self._live
+            ]  # fmt: skip
 
     # ---- any thread -------------------------------------------------------------------------------
     def counters(self) -> dict[str, float]:
@@ -171,19 +227,34 @@ class LiveStats:
                 **self._counts, "requests_served": self._served, "prefill_seconds": self._totals["prefill_seconds"],
                 "decode_seconds": self._totals["decode_seconds"], "expert_requests": c.expert_requests,
                 "expert_hits": c.expert_hits, "expert_bytes_read": c.expert_bytes_read,
-                "trunk_bytes_read": self._trunk_bytes,
+                "trunk_bytes_read": self._trunk_bytes, "batch_passes": self._batch["passes"],
+                "batch_rows": self._batch["rows"],
             }  # fmt: skip
 
-    def snapshot(self, queued: int) -> dict[str, Any]:
+    def snapshot(self, queued: int, max_batch: int = 1) -> dict[str, Any]:
         c = self.rt.counters()
+        running = self.running()
         with self._lock:
             t = self._totals
-            progress = dict(self._progress) if self._progress is not None else None
-            if progress is not None:
-                progress["layer"], progress["layers"] = self._layer, self.rt.cfg.n_layers
+            filling = next((r for r in self._live if r.first_t is None), None)
+            progress = None
+            if filling is not None:  # the request whose prompt is being read (the earliest, if several)
+                progress = {"done": filling.done, "total": filling.n_prompt, "cached": filling.cached,
+                            "layer": self._layer, "layers": self.rt.cfg.n_layers}  # fmt: skip
+            phase = "prefill" if filling is not None else ("decode" if self._live else "idle")
+            b = self._batch
+            batch = {
+                "running": len(running),
+                "max_batch": max_batch,
+                "requests": running,
+                "passes": b["passes"],
+                "mean_rows": round(b["rows"] / b["passes"], 3) if b["passes"] else 0.0,
+                "largest": b["largest"],
+            }
             return {
-                "phase": self._phase,
+                "phase": phase,
                 "queue": queued,
+                "batch": batch,
                 "requests_served": self._served,
                 "prefill": progress,
                 "last_request": dict(self._last) if self._last else None,

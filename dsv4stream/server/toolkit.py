@@ -100,7 +100,7 @@ def ready(srv: ServerState) -> Worker:
 
 def submit(srv: ServerState, worker: Worker, job: Job) -> None:
     """Queue the job, or 429 when --max-queue requests already wait."""
-    if worker.queued > srv.max_queue:  # it would wait behind max_queue others (the running one included)
+    if worker.ahead > srv.max_queue:  # it would wait behind max_queue others (a full batch counting one)
         wait = worker.retry_after()
         raise ApiError(429, f"{worker.waiting} requests are waiting (--max-queue {srv.max_queue}); retry in about"
                        f" {wait} s", "rate_limit_error", "queue_full", headers={"Retry-After": str(wait)})  # fmt: skip
@@ -418,6 +418,8 @@ def access_line(scope, status: int, seconds: float, usage: Usage | None) -> str:
             f" generated {usage.completion_tokens} in {usage.seconds:.2f} s (queued {usage.queued_seconds:.2f} s),"
             f" prefill {usage.prefill_seconds:.2f} s, {rate:.1f} tokens/s"
         )
+        if usage.batch_passes:
+            line += f", decoded with {usage.mean_batch:.1f} requests a pass"
     if status == 0:
         line += "; client gone"
     return line

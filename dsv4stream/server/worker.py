@@ -1,10 +1,19 @@
-"""The one thread that owns the engine: requests queue up and are served one at a time.
+"""The one thread that owns the engine: requests queue up and are decoded together, up to --max-batch.
 
 Owns: the job queue, finding the longest kept state a prompt extends (RAM, then disk),
 restoring it into a fresh session, `Runtime.generate` over the new tokens only, feeding
 each token to the job's `ReplyStream`, stopping at the next token (or prefill chunk) once
 the client has gone, keeping states after the request, and the figures of each request.
 Handlers never touch the runtime; they get events through the job's `emit`.
+
+Continuous batching (`batching.Batch`): each request runs as a coroutine (`_serve`), written as
+one request served alone would be, that yields each token it wants fed and gets back its row of
+one decode pass shared by every running request (`engine.batch.step_many`: the same logits as
+its own step, bit for bit). Requests join between passes while fewer than `max_batch` run (the
+rest wait in the queue); a new request's prefill runs as it joins, the others getting one pass
+after each of its segments; a request leaves when it ends, fails or its client goes, and the
+others' rows are untouched. Each keeps its own picker (sampling, seed, logit bias, grammar,
+logprobs), stops and kept states.
 
 States kept per request, each one a segment boundary of the prefill (`boundaries`, so that
 taking them changes no logits beyond what any segmentation does): one token short of the
@@ -18,8 +27,8 @@ same ids, and then the state after the reply would never match.
 `n` > 1 choices share the prompt: the first choice runs as a single one would; each other
 choice restores the state the first kept at the prompt's end and starts from the prompt's
 own logits (kept by the first choice's picker), so the prompt is read once. Every choice
-goes through `Runtime.generate` (its steps in the run's figures, the hash layers' experts
-prefetched as soon as a token is picked), and its sampled ids are remembered for the splice.
+goes through `Runtime.generate` (its steps in the run's figures), its tokens fed in the
+batch's passes, and its sampled ids are remembered for the splice.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,12 +48,13 @@ from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
 from ..run.runtime import Runtime
 from ..text.sampler import SamplingParams
+from .batching import Batch, Coroutine, Step
 from .cache import DiskCache, StateCache
 from .decoding import Controls, Picker
 from .grammar import Grammars
 from .images import PromptImages
 from .reply import Outcome, ReplyStream
-from .stats import LiveStats
+from .stats import LiveStats, RequestStats
 
 Log = Callable[[str], None]
 
@@ -62,6 +72,12 @@ class Usage:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     cache_source: str = ""  # "ram", "disk" or ""
+    batch_passes: int = 0  # decode passes that carried its tokens
+    batch_rows: int = 0  # requests those passes carried, summed (with batch_passes: its mean batch)
+
+    @property
+    def mean_batch(self) -> float:
+        return self.batch_rows / self.batch_passes if self.batch_passes else 0.0
 
     @property
     def seconds(self) -> float:
@@ -89,6 +105,7 @@ class Job:
     logprobs: dict[int, list] = field(default_factory=dict)  # per choice: the answer's tokens' entries
     lp_unsent: dict[int, list] = field(default_factory=dict)  # per choice: entries not yet in a delta
     images: PromptImages | None = None  # V4.1: the prompt's images; `ids` hold their spans keyed by image
+    live: RequestStats | None = None  # its live figures while it runs
 
     @property
     def replies(self) -> list[ReplyStream]:
@@ -106,7 +123,10 @@ class Worker:
         banned: list[int] | None = None,
         decode: Callable[[Sequence[int]], str] | None = None,
         turn_id: int | None = None,
+        max_batch: int = 1,
     ) -> None:
+        if max_batch < 1:
+            raise InternalError(f"max_batch {max_batch}: at least 1")
         self.rt = rt
         self.decode = decode  # the tokenizer's decode, for splicing sampled ids back (None: no splice)
         self.turn_id = turn_id  # the id that opens a user turn (<｜User｜>): a state is kept before the last one
@@ -116,35 +136,48 @@ class Worker:
         self.ram = ram
         self.disk = disk
         self.log = log
+        self.max_batch = max_batch  # requests decoded together at most (`dsv4 serve --max-batch`)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.busy = False
+        self.batch = Batch(self._serve, self._passed, self._ended)
+        self._live: set[int] = set()  # id() of the jobs running (taken, not answered yet)
         self.served = 0
         self.recent_seconds: deque[float] = deque(maxlen=8)  # wall time of the last requests, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
         self._thread.start()
 
     @property
+    def busy(self) -> bool:
+        return bool(self._live)
+
+    @property
     def queued(self) -> int:
         """Requests submitted and not answered yet (waiting, or being generated)."""
-        return self.jobs.qsize() + (1 if self.busy else 0)
+        return self.jobs.qsize() + self.running
 
     @property
     def waiting(self) -> int:
-        """Requests in the queue behind the one being generated."""
+        """Requests in the queue, behind the batch."""
         return self.jobs.qsize()
 
     @property
     def running(self) -> int:
-        return 1 if self.busy else 0
+        """Requests being generated (at most `max_batch`)."""
+        return len(self._live)
+
+    @property
+    def ahead(self) -> int:
+        """Requests a new one would wait behind: the queue, and one more while the batch is full
+        (with --max-batch 1: every request not answered yet)."""
+        return self.jobs.qsize() + (1 if self.running >= self.max_batch else 0)
 
     def retry_after(self) -> int:
         """Seconds until the queue has likely moved by one place: the mean time of the
-        recent requests times the requests ahead (at least 1)."""
+        recent requests times the requests ahead (at least 1), over the batch's places."""
         recent = self.recent_seconds or [1.0]
-        return max(1, round(sum(recent) / len(recent) * max(self.queued, 1)))
+        return max(1, round(sum(recent) / len(recent) * max(self.ahead, 1) / self.max_batch))
 
     def submit(self, job: Job) -> None:
-        ahead = self.jobs.qsize() + (1 if self.busy else 0)  # shown to the user; the next take corrects it
+        ahead = self.ahead  # shown to the user; the next take corrects it
         self.jobs.put(job)
         if ahead:
             job.emit("queued", ahead)
@@ -162,40 +195,56 @@ class Worker:
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
+        """Take requests while the batch has room (waiting for one only when nothing runs), then
+        run one decode pass of the batch; a new request's prefill runs when it is taken, one
+        decode pass of the others after each of its segments (`_serve`'s progress)."""
         while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            self.busy = True
-            self._tell_positions()
-            try:
+            while self.running < self.max_batch:
+                try:
+                    job = self.jobs.get(block=not self.batch.rows)
+                except queue.Empty:
+                    break
+                if job is None:
+                    self.batch.close_all()
+                    return
+                self._tell_positions()
                 if job.cancelled.is_set():
+                    self.served += 1
                     continue
                 job.emit("queued", 0)
                 job.usage.queued_seconds = time.perf_counter() - job.submitted
-                try:
-                    self._run(job)
-                finally:
-                    self._count(job)
-            except Cancelled:
-                u = job.usage
-                self.log(f"dsv4: request stopped, the client went away: {u.completion_tokens} tokens generated")
-            except Dsv4Error as e:
-                job.emit("error", e)
-            except Exception as e:  # noqa: BLE001  a programming error: traceback to the log, a 500 to the client
-                self.log(traceback.format_exc().rstrip())
-                job.emit("error", e)
-            finally:
-                self.recent_seconds.append(job.usage.seconds)
-                self.busy = False
-                self.served += 1
+                self._live.add(id(job))
+                self.batch.start(job)
+            self.batch.step()
+
+    def _passed(self, jobs: list[Job]) -> None:
+        """A decode pass carried these jobs' tokens: the live stats, each one's share of the batch."""
+        self.stats.passed(len(jobs))
+        for job in jobs:
+            job.usage.batch_passes += 1
+            job.usage.batch_rows += len(jobs)
+
+    def _ended(self, job: Job, error: BaseException | None) -> None:
+        """A request's coroutine ended (answered, stopped or failed): report and count it."""
+        if isinstance(error, Cancelled):
+            u = job.usage
+            self.log(f"dsv4: request stopped, the client went away: {u.completion_tokens} tokens generated")
+        elif isinstance(error, Dsv4Error):
+            job.emit("error", error)
+        elif error is not None:  # a programming error: traceback to the log, a 500 to the client
+            self.log("".join(traceback.format_exception(error)).rstrip())
+            job.emit("error", error)
+        self._count(job)
+        self.recent_seconds.append(job.usage.seconds)
+        self._live.discard(id(job))
+        self.served += 1
 
     def _count(self, job: Job) -> dict | None:
         """The job's figures to the live stats, once; returns its summary the first time."""
         if job.counted:
             return None
         job.counted = True
-        return self.stats.end(job.usage)
+        return self.stats.end(job.usage, job.live) if job.live is not None else None
 
     def _lookup(self, ids: list[int]) -> tuple[int, SessionState | None, str]:
         hit = self.ram.lookup(ids)
@@ -223,7 +272,10 @@ class Worker:
                 points.add(last)
         return sorted(p for p in points if cached < p < len(ids))
 
-    def _run(self, job: Job) -> None:
+    def _serve(self, job: Job) -> Coroutine:
+        """One request, as the batch runs it (`batching.Batch`): its prefill here, after each
+        segment of which the others get a decode pass; then each token it wants fed is yielded
+        as a `Step`, and the pass's row comes back (None: dropped, its client gone)."""
         rt, u = self.rt, job.usage
         ids = self.ram.splice(job.ids, self.decode) if self.decode is not None else job.ids
         cached, state, u.cache_source = self._lookup(ids)
@@ -232,7 +284,7 @@ class Worker:
             cached, state, u.cache_source = 0, None, ""
         u.prompt_tokens, u.cached_tokens = len(ids), cached
         job.emit("started", (cached, len(ids)))
-        self.stats.begin(len(ids), cached)
+        job.live = live = self.stats.begin(len(ids), cached)
         session = rt.session(on_route=self.stats.on_route)  # the plan's prefill segment
         if state is not None:
             session.restore(state)
@@ -245,8 +297,10 @@ class Worker:
                 raise Cancelled
             if cached + done in keep_at:
                 kept.append((ids[: cached + done], session.snapshot()))
-            job.emit("sample", self.stats.prefilled(cached + done, len(ids)))
+            job.emit("sample", self.stats.prefilled(live, cached + done, len(ids)))
             job.emit("progress", (cached + done, len(ids)))
+            if cached + done < len(ids):
+                self.batch.step()  # the others' next tokens between two segments of this prompt
 
         pick = self._picker(job, 0)
         eos = job.reply.eos
@@ -261,17 +315,24 @@ class Worker:
         fed = images.real(new) if images is not None else new
         steps = rt.generate(
             session, fed, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done, boundaries=boundaries,
-            spans=spans,
+            spans=spans, batched=True,
         )  # fmt: skip
         try:
-            for tok in steps:
+            tok = next(steps, None)
+            while tok is not None:
                 if not got:
                     kept.append((list(ids), session.snapshot()))
-                job.emit("sample", self.stats.token(first=not got, n_prompt=len(ids)))
+                job.emit("sample", self.stats.token(live, first=not got))
                 got.append(tok)
                 self._push(job, 0, tok)
-                if job.reply.stopped or job.cancelled.is_set():
+                if job.reply.stopped or job.cancelled.is_set() or session.stop_reason != "interrupted":
+                    break  # (a stop reason is set once `generate` has yielded its last token)
+                fed = yield Step(session, tok)
+                if fed is None:
                     break
+                tok = steps.send(fed)
+        except StopIteration:
+            pass
         finally:
             steps.close()  # the session's record of this call is complete
         turns = [session.turn]
@@ -290,13 +351,13 @@ class Worker:
         if job.more_replies:
             at_prompt_end = next(st for k, st in kept if len(k) == len(ids))
             for i in range(1, len(job.replies)):
-                outcomes.append(self._more(job, i, ids, at_prompt_end, pick.first_logits, turns))
+                outcomes.append((yield from self._more(job, i, ids, at_prompt_end, pick.first_logits, turns)))
         u.prefill_seconds, u.decode_seconds = request_seconds(turns)
-        # counted and out of the queue before "done": a client that asks /v1/stats next sees it
+        # counted and out of the running set before "done": a client that asks /v1/stats next sees it
         summary = self._count(job)
         if summary is not None:
             job.emit("summary", summary)
-        self.busy = False  # answered, though the kept states are still to be written
+        self._live.discard(id(job))  # answered, though the kept states are still to be written
         job.emit("done", outcomes)
         self._keep(kept)  # after "done": the client does not wait for the disk
 
@@ -337,24 +398,32 @@ class Worker:
 
     def _more(
         self, job: Job, i: int, ids: list[int], state: SessionState, logits: np.ndarray | None, turns: list[Turn]
-    ) -> Outcome:
+    ) -> Generator[Step, tuple | None, Outcome]:
         """Choice i > 0 from the first choice's state at the end of the prompt `ids` and its logits there,
         through `Runtime.generate` as the first: timed by its session (its record joins `turns`),
-        each picked token's hash-layer experts asked for before the reply handles it, stopped at --ctx."""
+        its tokens fed in the batch's passes, stopped at --ctx."""
         if logits is None:
             raise InternalError("the first choice kept no logits of the prompt's end")
         session = self.rt.session(on_route=self.stats.on_route)
         session.restore(state)
         pick, reply = self._picker(job, i), job.replies[i]
         got: list[int] = []
-        steps = self.rt.generate(session, [], job.max_tokens, pick, (reply.eos,), logits=logits)
+        steps = self.rt.generate(session, [], job.max_tokens, pick, (reply.eos,), logits=logits, batched=True)
         try:
-            for tok in steps:
+            tok = next(steps, None)
+            while tok is not None:
                 got.append(tok)
-                self.stats.token(first=False)
+                if job.live is not None:
+                    self.stats.token(job.live, first=False)
                 self._push(job, i, tok)
-                if reply.stopped or job.cancelled.is_set():
+                if reply.stopped or job.cancelled.is_set() or session.stop_reason != "interrupted":
                     break
+                fed = yield Step(session, tok)
+                if fed is None:
+                    break
+                tok = steps.send(fed)
+        except StopIteration:
+            pass
         finally:
             steps.close()
             turns.append(session.turn)

@@ -71,7 +71,8 @@ function banner(status) {
   }
   else if (server.phase === "loading") text = "The server is loading the model. Sending is possible once it is ready.";
   else if (active && active.queued) text = `The server is busy: ${active.queued} request(s) ahead of yours.`;
-  else if (!active && server.queue > 0) text = `The server is busy with ${server.queue} request(s); a message sent now waits its turn.`;
+  else if (!active && server.queue > 0 && server.full) text = `The server is busy with ${server.queue} request(s); a message sent now waits its turn.`;
+  else if (!active && server.queue > 0) text = `The server is answering ${server.queue} request(s); a message sent now joins them.`;
   $("banner").textContent = text;
   $("banner").hidden = !text;
 }
@@ -85,6 +86,13 @@ function showStats(s) {
   // requests in the server's hands: where /v1/stats says "running", "queue" counts only those waiting
   server.queue = "running" in s ? s.queue + (s.running ? 1 : 0) : s.queue;
   $("stat-queue").textContent = s.queue;
+  const b = s.batch;
+  server.full = !b || b.running >= b.max_batch;
+  if (b) {
+    const rates = b.requests.filter((r) => r.completion_tokens > 1).map((r) => `${fmt(r.decode_tokens_per_s)}`);
+    $("stat-batch").textContent = `${b.running} of ${b.max_batch} running` + (rates.length ? ` (${rates.join(", ")} tok/s each)` : "")
+      + (b.passes ? `; ${fmt(b.mean_rows, 2)} per pass` : "");
+  }
   $("stat-served").textContent = s.requests_served;
   $("stat-prefill").textContent = `${fmt(s.prefill_tokens_per_s)} tok/s`;
   $("stat-decode").textContent = `${fmt(s.decode_tokens_per_s)} tok/s`;
