@@ -74,7 +74,9 @@ def reply(seed: int, k: int | None, drafts=None) -> tuple[int, ...]:
             lg = s.prefill(out[-1:])[-1]
         return tuple(out)
     rng = np.random.default_rng(seed + 10**6)
-    guess = drafts or (lambda pos, tok, n: [int(rng.integers(V)) if rng.random() < 0.5 else (tok + 1) % V for _ in range(n)])
+    guess = drafts or (
+        lambda pos, tok, n: [int(rng.integers(V)) if rng.random() < 0.5 else (tok + 1) % V for _ in range(n)]
+    )
     return tuple(speculative_generate(s, PROMPT, 3, pick, ScriptedDrafter(guess, 4), FixedDrafts(k), uniforms=u))
 
 

@@ -49,9 +49,10 @@ def drafter_summary(cfg: ModelConfig, nbytes: int) -> str | None:
     return f"{what}: present, unused (not read, not budgeted), {nbytes / 1e9:.2f} GB"
 
 
-def unused_summary(cfg: ModelConfig, drafter_bytes: int, vision_bytes: int = 0) -> str | None:
-    """One line: every part the checkpoint holds that is validated and not run (mtp.*, V4.1's vision)."""
-    parts = [drafter_summary(cfg, drafter_bytes)]
+def unused_summary(cfg: ModelConfig, drafter_bytes: int | None, vision_bytes: int = 0) -> str | None:
+    """One line: every part the checkpoint holds that is validated and not run (mtp.*, V4.1's vision;
+    `drafter_bytes` None: the drafter runs, --speculate)."""
+    parts = [drafter_summary(cfg, drafter_bytes) if drafter_bytes is not None else None]
     if cfg.vision is not None:
         v = cfg.vision
         parts.append(

@@ -94,9 +94,13 @@ class SpecCounts:
         lengths = ", ".join(f"{k}: {v}" for k, v in sorted(self.lengths.items()))
         without = f"{self.seconds_without:.2f} s estimated" if self.steps else "not measured (no plain step)"
         return [
-            f"speculate {self.setting}: acceptance {self.acceptance:.0%} ({self.accepted} of {self.drafted} drafts),"
-            f" mean accepted length {self.mean_accepted_length:.2f}, {self.verified_tokens} tokens verified in"
-            f" {self.verify_passes} passes, {self.refeeds} re-feeds ({self.refeed_tokens} tokens)",
-            f"speculate: draft lengths {{{lengths}}}; {self.expert_bytes_per_token / 1e6:.2f} MB of experts read"
-            f" per token; decode {self.seconds:.2f} s with drafts (drafter {self.draft_seconds:.2f} s), without {without}",
+            (
+                f"speculate {self.setting}: acceptance {self.acceptance:.0%} ({self.accepted} of {self.drafted} drafts),"
+                f" mean accepted length {self.mean_accepted_length:.2f}, {self.verified_tokens} tokens verified in"
+                f" {self.verify_passes} passes, {self.refeeds} re-feeds ({self.refeed_tokens} tokens)"
+            ),
+            (
+                f"speculate: draft lengths {{{lengths}}}; {self.expert_bytes_per_token / 1e6:.2f} MB of experts read"
+                f" per token; decode {self.seconds:.2f} s with drafts (drafter {self.draft_seconds:.2f} s), without {without}"
+            ),
         ]

@@ -19,29 +19,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checkpoint.config import DSPARK, DSPARK_V41, LAYOUTS
 from ..errors import UsageError
-from ..model.v41.dspark import DSparkParams, DSparkWeights, Draft, draft, markov, new_state, observe
+from ..model.v41.dspark import Draft, DSparkParams, DSparkWeights, draft, markov, new_state, observe
 from ..text.sampler import greedy
-from ..weights.loading_dspark import dspark_params, load_dspark
+from ..weights.loading_dspark import drafter_reason, dspark_params, load_dspark
 from .dspark_v41 import expert_source
 from .spec_policy import FixedDrafts
 from .spec_stats import SpecCounts
 from .speculate import speculative_generate
 
 F32 = np.float32
-
-
-def drafter_reason(cfg) -> str | None:
-    """Why this checkpoint has no drafter `--speculate` runs (None: it has one)."""
-    if cfg.layout == DSPARK_V41 and cfg.dspark is not None:
-        return None
-    if cfg.layout == DSPARK:
-        return (
-            "its drafter is the V4-Flash-0731 layout, a different design (V4 stages with their own"
-            " hyper-connection heads and a Markov head stored as markov_w1/markov_w2) that dsv4 does not run"
-        )
-    return f"it has {LAYOUTS.get(cfg.layout, 'no mtp.* blocks')}, not a DSpark drafter"
 
 
 @dataclass(frozen=True)

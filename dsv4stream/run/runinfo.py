@@ -41,6 +41,10 @@ class RunOptions:
     # --numerics (`engine.numerics`): exact, official or fast, set by the engine for the process;
     # None: the family's reference mode (V4 exact, V4.1 official). The commands pass theirs (fast).
     numerics: str | None = None
+    # --speculate: "auto", "off" or a draft length N (`engine.speculate`); where the checkpoint has a
+    # drafter this code runs and it is not "off", the plan holds its dense weights and its experts
+    # share the expert slots
+    speculate: str | int = "auto"
 
 
 class _Figure:
