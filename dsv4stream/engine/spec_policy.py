@@ -35,12 +35,17 @@ COMPUTE_SHARE = 0.25  # prior: an extra token of a pass costs this share of a st
 
 
 class FixedDrafts:
-    """`--speculate N`: N drafts every cycle (fewer where the reply or the context ends)."""
+    """`--speculate N`: N drafts every cycle (fewer where the reply or the context ends) but the
+    first, a plain step: the one-token pass the figures' time without drafts is estimated from."""
 
     def __init__(self, n: int) -> None:
         self.n = n
+        self.first = True
 
     def most(self, kmax: int) -> int:
+        if self.first:
+            self.first = False
+            return 0
         return min(self.n, kmax)
 
     def cut(self, confidence: Sequence[float], kmax: int) -> int:

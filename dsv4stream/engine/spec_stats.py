@@ -26,8 +26,9 @@ class SpecCounts:
     tokens: int = 0  # tokens picked after the prompt's own (the first)
     seconds: float = 0.0  # every cycle's wall time: drafter, passes, re-feeds, picks
     draft_seconds: float = 0.0
-    step_seconds: float = 0.0  # the plain one-token passes...
-    steps: int = 0  # ... and their count (the estimate of the time without drafts)
+    steps: int = 0  # plain one-token cycles (no draft)
+    one_seconds: float = 0.0  # every one-token pass (plain steps, one-token re-feeds)...
+    ones: int = 0  # ... and their count: the estimate of the time without drafts
     expert_bytes: int = 0  # read from disk while decoding
     lengths: Counter[int] = field(default_factory=Counter)  # draft length -> cycles
 
@@ -42,7 +43,7 @@ class SpecCounts:
 
     @property
     def one_token_seconds(self) -> float:
-        return self.step_seconds / self.steps if self.steps else 0.0
+        return self.one_seconds / self.ones if self.ones else 0.0
 
     @property
     def seconds_without(self) -> float:
@@ -61,7 +62,7 @@ class SpecCounts:
         for p in parts:
             for name in (
                 "cycles", "verify_passes", "drafted", "accepted", "verified_tokens", "refeeds", "refeed_tokens",
-                "tokens", "seconds", "draft_seconds", "step_seconds", "steps", "expert_bytes",
+                "tokens", "seconds", "draft_seconds", "steps", "one_seconds", "ones", "expert_bytes",
             ):  # fmt: skip
                 setattr(out, name, getattr(out, name) + getattr(p, name))
             out.lengths.update(p.lengths)
@@ -92,7 +93,7 @@ class SpecCounts:
         if not self.tokens:
             return [f"speculate {self.setting}: no token after the first"]
         lengths = ", ".join(f"{k}: {v}" for k, v in sorted(self.lengths.items()))
-        without = f"{self.seconds_without:.2f} s estimated" if self.steps else "not measured (no plain step)"
+        without = f"{self.seconds_without:.2f} s estimated" if self.ones else "not measured (no one-token pass)"
         return [
             (
                 f"speculate {self.setting}: acceptance {self.acceptance:.0%} ({self.accepted} of {self.drafted} drafts),"

@@ -209,11 +209,13 @@ def speculative_generate(
                 spent = time.perf_counter() - d0
                 policy.drafted(spent)
                 spec.draft_seconds += spent
+                turn.decode_seconds += spent  # decode time is every pass's and the drafter's
+                turn.profile["other"] += spent
                 k = min(policy.cut(conf, k), k)
                 drafts = drafts[:k]
             snap = session.snapshot() if k else None
             fed = [tok, *drafts]
-            rows, c1 = _pass(session, clock, taps, fed, turn, policy, meter)
+            rows = _pass(session, clock, taps, fed, turn, policy, meter, spec)
             outs: list[int] = []
             t_pick = time.perf_counter()
             for j in range(k + 1):
@@ -234,14 +236,13 @@ def speculative_generate(
                 spec.verified_tokens += k + 1
             else:
                 spec.steps += 1
-                spec.step_seconds += c1
             spec.lengths[k] += 1
             spec.cycles += 1
             spec.tokens += len(outs)
             observe(len(outs), p0)
             if len(outs) < len(fed):  # a rejection (or a stop inside the pass): back to the kept tokens
                 session.restore(snap)
-                _pass(session, clock, taps, fed[: len(outs)], turn, policy, meter)
+                _pass(session, clock, taps, fed[: len(outs)], turn, policy, meter, spec)
                 spec.refeeds += 1
                 spec.refeed_tokens += len(outs)
             turn.tokens.extend(outs)
@@ -268,8 +269,8 @@ def speculative_generate(
             spec.expert_bytes = turn.decode_expert_bytes
 
 
-def _pass(session, clock: StepClock, taps: _Taps, ids: list[int], turn: Turn, policy, meter):
-    """One main-model pass of `ids`, timed into the turn and the policy: (logits rows, seconds)."""
+def _pass(session, clock: StepClock, taps: _Taps, ids: list[int], turn: Turn, policy, meter, spec: SpecCounts):
+    """One main-model pass of `ids`, timed into the turn, the figures and the policy: its logits rows."""
     taps.clear()
     c0 = meter()
     clock.begin()
@@ -280,7 +281,10 @@ def _pass(session, clock: StepClock, taps: _Taps, ids: list[int], turn: Turn, po
     turn.decode_steps -= 1  # counted per token fed by the caller
     read = c1.expert_bytes_read - c0.expert_bytes_read
     policy.passed(len(ids), wall, read, c1.expert_read_seconds - c0.expert_read_seconds)
-    return rows, wall
+    if len(ids) == 1:
+        spec.ones += 1
+        spec.one_seconds += wall
+    return rows
 
 
 def _stop(eos: bool, context_full: bool, gen_limit: bool) -> str | None:
