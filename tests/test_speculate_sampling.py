@@ -55,6 +55,9 @@ class ChainSession:
         turn.prompt_tokens = len(ids)
         return self.prefill(ids)[-1]
 
+    def read_ahead(self, ids) -> None:
+        pass
+
     def snapshot(self) -> list[int]:
         return list(self.ids)
 

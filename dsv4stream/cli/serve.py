@@ -33,7 +33,7 @@ from ..text import chat
 from ..text.sampler import banned_ids
 from .budget import budget_bytes
 from .numerics_option import numerics_option
-from .run import check_trunk, checkpoint_dir, load_tokenizer
+from .run import check_trunk, checkpoint_dir, load_tokenizer, speculate_setting
 
 # FastAPI, pydantic, uvicorn and the event loop on top of what `dsv4 run` holds: peak RSS of
 # `dsv4 serve` after three streamed requests minus that of the same `dsv4 run` on the tiny
@@ -116,6 +116,13 @@ def bind(host: str, port: int) -> socket.socket:
     is_flag=True,
     help="Let the sampler pick special tokens (placeholders, unused ids), as `dsv4 run` does.",
 )
+@click.option(
+    "--speculate",
+    default="auto",
+    show_default=True,
+    help="Speculative decoding with the checkpoint's DSpark drafter: auto, off or N drafts; the server-wide"
+    " default, which a request's `speculate` field overrides.",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def serve(
     checkpoint: Path,
@@ -146,6 +153,7 @@ def serve(
     tok: Path | None,
     prefill_segment: int | None,
     allow_special: bool,
+    speculate: str,
     debug: bool,
 ) -> None:
     """Serve CHECKPOINT over HTTP: OpenAI's /v1/chat/completions, /v1/completions, /v1/models,
@@ -197,6 +205,7 @@ def serve(
         raise UsageError(f"--kv-cache {kv_cache}: is a file; give a directory (created if missing)")
     checkpoint = checkpoint_dir(checkpoint)
     cfg = ModelConfig.from_json(checkpoint / "config.json")
+    spec = speculate_setting(speculate, cfg)
     check_trunk(trunk)
     budget_b = budget_bytes(budget)
     tokenizer = load_tokenizer(checkpoint, tok, cfg)
@@ -238,7 +247,7 @@ def serve(
                 budget=budget_b, io=io, verify=verify, threads=gctx.threads, io_threads=io_threads,
                 trunk=trunk, ctx=ctx, kept_states=keep_states, prefill_segment=prefill_segment,
                 gpu=gctx if gctx.enabled else None, numerics=numerics,
-                overhead=planner.DEFAULT_OVERHEAD + SERVER_OVERHEAD + disk_io,
+                overhead=planner.DEFAULT_OVERHEAD + SERVER_OVERHEAD + disk_io, speculate=spec,
             )  # fmt: skip
             rt = Runtime.open(checkpoint, opts, warn=lambda m: _say(f"dsv4: {m}"))
             held["rt"] = rt

@@ -19,8 +19,9 @@ and it drafts the k in 0..kmax with the most tokens per second, tokens(k) / cost
   rejections: the geometric model's estimate), scaled per slot by the drafter's confidence head
   (sigmoid of its raw output) relative to the confidence of recent drafts.
 It never makes a prompt slower than `off` beyond noise: it starts with plain steps (measuring
-t(1)), falls back to k = 0 when drafting does not pay, and then re-probes with one short draft
-only every `probe` cycles, the interval doubling each time the probe did not pay (16 .. 256).
+t(1); its prior acceptance is 0), drafts once `PROBE_FIRST` of them have passed (a one-token
+probe), falls back to k = 0 whenever drafting does not pay, and then re-probes with one short
+draft only every `probe` cycles, the interval doubling each time the probe did not pay (16 .. 256).
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ class AutoDrafts:
     step_bytes: _Mean = field(default_factory=_Mean)  # expert bytes a one-token pass reads
     read_rate: _Mean = field(default_factory=_Mean)  # bytes per second of read time
     slope: _Mean = field(default_factory=_Mean)  # seconds per extra token of a pass, measured
-    accepted: float = 1.0  # decaying counts; the prior: one of each, alpha = 0.5
+    # decaying counts; the prior: one rejection, alpha = 0, so it drafts nothing before the first
+    # probe (PROBE_FIRST plain steps: a short reply runs exactly as off)
+    accepted: float = 0.0
     rejected: float = 1.0
     conf_mean: _Mean = field(default_factory=_Mean)
     idle: int = 0  # cycles since the last draft

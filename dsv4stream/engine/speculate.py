@@ -195,8 +195,7 @@ def speculative_generate(
                 session.stop_reason = stop
                 yield tok
                 return
-            yield tok
-            # one cycle: tok (picked at session.pos) is fed with its drafts
+            # the next cycle's drafts, and its pass's reads started, before tok is handed on
             c0 = time.perf_counter()
             p0 = session.pos
             kmax = min(drafter.block, max_new_tokens - done - 1, max_pos - p0 - 1 if max_pos is not None else 1 << 30)
@@ -204,17 +203,20 @@ def speculative_generate(
             drafts: list[int] = []
             conf: list[float] = []
             if k > 0:
-                d0 = time.perf_counter()
                 drafts, conf = drafter.propose(tok, k)
-                spent = time.perf_counter() - d0
+                spent = time.perf_counter() - c0
                 policy.drafted(spent)
                 spec.draft_seconds += spent
                 turn.decode_seconds += spent  # decode time is every pass's and the drafter's
                 turn.profile["other"] += spent
                 k = min(policy.cut(conf, k), k)
                 drafts = drafts[:k]
-            snap = session.snapshot() if k else None
             fed = [tok, *drafts]
+            session.read_ahead(fed)
+            spec.seconds += time.perf_counter() - c0
+            yield tok
+            c0 = time.perf_counter()
+            snap = session.snapshot() if k else None
             rows = _pass(session, clock, taps, fed, turn, policy, meter, spec)
             outs: list[int] = []
             t_pick = time.perf_counter()

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..engine.phases import Turn
+from ..engine.spec_draws import PositionUniforms
 from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
 from ..run.runtime import Runtime
@@ -87,6 +88,7 @@ class Job:
     pickers: list[Picker] = field(default_factory=list)  # one per choice, once it has started
     logprobs: dict[int, list] = field(default_factory=dict)  # per choice: the answer's tokens' entries
     lp_unsent: dict[int, list] = field(default_factory=dict)  # per choice: entries not yet in a delta
+    speculate: str | int | None = None  # the request's speculative decoding (None: the server's --speculate)
 
     @property
     def replies(self) -> list[ReplyStream]:
@@ -253,8 +255,9 @@ class Worker:
 
         boundaries = [p - cached for p in keep_at]
         steps = rt.generate(
-            session, new, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done, boundaries=boundaries
-        )
+            session, new, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done, boundaries=boundaries,
+            speculate=job.speculate, uniforms=pick.rng,
+        )  # fmt: skip
         try:
             for tok in steps:
                 if not got:
@@ -294,7 +297,8 @@ class Worker:
 
     def _picker(self, job: Job, i: int) -> Picker:
         seed = job.params.seed
-        rng = np.random.default_rng(seed if i == 0 or seed is None else [seed, i])
+        # position-keyed draws (`engine.spec_draws`): the same ids for a seed with or without drafts
+        rng = PositionUniforms(seed if i == 0 or seed is None else [seed, i])
         constraint = None
         if job.controls.grammar is not None and job.grammars is not None:
             constraint = job.grammars.constraint(job.controls.grammar, job.thinking)
@@ -339,7 +343,9 @@ class Worker:
         session.restore(state)
         pick, reply = self._picker(job, i), job.replies[i]
         got: list[int] = []
-        steps = self.rt.generate(session, [], job.max_tokens, pick, (reply.eos,), logits=logits)
+        steps = self.rt.generate(
+            session, [], job.max_tokens, pick, (reply.eos,), logits=logits, speculate=job.speculate, uniforms=pick.rng
+        )
         try:
             for tok in steps:
                 got.append(tok)
