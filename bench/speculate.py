@@ -9,12 +9,16 @@ the same prompt (ids 3, 4, ...); every setting must give off's ids (checked, the
 
 Random weights make the checkpoint's drafter accept almost nothing, so the bench also runs a
 STAND-IN drafter (rows marked `drafter=STAND-IN-accXX`, never the checkpoint's): it proposes off's
-own greedy ids, each one replaced by a wrong id with probability `miss` (0.7, 0.4, 0.1: about 30,
-60 and 90 % of drafts accepted), to show what `auto` decides at those acceptances next to a fixed N.
+own greedy ids, each one replaced by a wrong id with probability `miss` (0.7, 0.4, 0.1: each draft
+right with probability 30, 60 or 90 %, `STAND-IN-p30` etc.; `acceptance` counts the drafts after a
+first miss as not accepted, so it reads lower), to show what `auto` decides there next to a fixed N.
 
 Timed window of a row: the decode of one generation, from the first token yielded (the prefill
-excluded) to the last (every drafter run, verification pass, re-feed and pick). Ratio: decode
-tokens/s against `off` at the same budget in the same process (`x_off`). Also per row: acceptance,
+excluded) to the last (every drafter run, verification pass, re-feed and pick). Ratios: decode
+tokens/s against `off` at the same budget in the same process (`x_off`; off runs once first to warm
+the kernels and the cache, untimed), and against the row's own estimate of its time without drafts
+(`x_est` = tokens x the one-token passes it measured / its decode time: on a shared machine whose
+load moves between rows, the steadier of the two). Also per row: acceptance,
 mean accepted length (tokens per verification pass), drafted and verified tokens, expert MB read
 per token, auto's draft lengths ({k: cycles}) and its time estimate without drafts.
 Prints a header (machine, load) and one line per row.
@@ -74,17 +78,18 @@ def main() -> None:
     for where in a.budgets.split(","):
         opts = RunOptions(budget=budgets[where], threads=a.threads, trunk="")
         with Runtime.open(a.checkpoint, opts) as rt:
-            rows = []
 
-            def row(drafter: str, setting, ids, seconds, spec, base) -> None:
+            def row(drafter: str, setting, ids, seconds, spec, base, where=where) -> None:
                 rate = (len(ids) - 1) / seconds
                 same = "same-ids" if ids == base[0] else "IDS-DIFFER"
                 x = rate / base[1] if base[1] else 1.0
                 s = spec or None
                 extra = ""
+                if s is not None and s.seconds_without:
+                    extra = f" x_est={s.seconds_without / seconds:.2f}"
                 if s is not None:
                     lengths = ",".join(f"{k}:{v}" for k, v in sorted(s.lengths.items()))
-                    extra = (
+                    extra += (
                         f" acceptance={s.acceptance:.2f} mean_len={s.mean_accepted_length:.2f} drafted={s.drafted}"
                         f" verified={s.verified_tokens} refeeds={s.refeeds} MB_per_tok={s.expert_bytes_per_token / 1e6:.2f}"
                         f" est_without_s={s.seconds_without:.2f} lengths={{{lengths}}}"
@@ -93,9 +98,9 @@ def main() -> None:
                     f"budget={where}({budgets[where] / 1e9:.2f}GB) drafter={drafter} speculate={setting}"
                     f" tok_s={rate:.2f} x_off={x:.2f} decode_s={seconds:.2f} {same}{extra}"
                 )
-                rows.append(line)
                 print(line, flush=True)
 
+            list(rt.generate(rt.session(), prompt, a.gen, speculate="off"))  # warm-up, untimed
             s0 = rt.session()
             off, t_off = timed(rt.generate(s0, prompt, a.gen, speculate="off"))
             base = (off, (len(off) - 1) / t_off)
@@ -111,7 +116,7 @@ def main() -> None:
                 for setting in ("auto", 3):
                     rng = np.random.default_rng(7)
 
-                    def propose(pos: int, token: int, k: int, rng=rng, miss=miss) -> list[int]:
+                    def propose(pos: int, token: int, k: int, rng=rng, miss=miss, full=full) -> list[int]:
                         want = full[pos + 2 : pos + 2 + k]
                         return [t if rng.random() >= miss else (t + 1) % cfg.vocab_size for t in want]
 
@@ -122,7 +127,7 @@ def main() -> None:
                         setting=setting, max_pos=opts.ctx,
                     )  # fmt: skip
                     ids, sec = timed(gen)
-                    row(f"STAND-IN-acc{round(100 * (1 - miss))}", setting, ids, sec, s.turn.speculation, base)
+                    row(f"STAND-IN-p{round(100 * (1 - miss))}", setting, ids, sec, s.turn.speculation, base)
 
 
 if __name__ == "__main__":

@@ -144,3 +144,17 @@ def test_stop_inside_a_pass() -> None:
     )
     assert got == want[: want.index(stop) + 1] and s.stop_reason == "eos"
     assert s.pos == len(prompt()) + len(got) - 1
+
+
+@pytest.mark.parametrize("after", [2, 3, 5, 8])
+def test_closing_after_rejections_leaves_the_session_as_without_drafts(after: int) -> None:
+    """Kept tokens of a rejected pass wait to open the next pass; a caller that stops at any token
+    still finds every token before it fed (the carried ones included)."""
+    want = off("fp32")
+    s = engine("fp32").session(chunk_size=64)
+    drafter = ScriptedDrafter(stand_in(0.3, after), 5)
+    gen = speculative_generate(s, prompt(), N, lambda lg: int(np.argmax(lg)), drafter, FixedDrafts(3))
+    got = [next(gen) for _ in range(after)]
+    gen.close()
+    assert got == want[:after] and s.pos == len(prompt()) + after - 1
+    assert list(s.generate([got[-1]], 3)) == want[after : after + 3]

@@ -7,7 +7,8 @@ cycle by `engine.speculate`: `most(kmax)` before the drafter runs (0: do not eve
 `verified(k, accepted)`.
 
 `auto`'s model of one cycle that drafts k tokens (k = 0: a plain one-token step):
-  cost(k)   = t_draft + t(k + 1) + sum_{a<k} P(first reject at a) * t(a + 1)   (re-feed)
+  cost(k)   = t_draft + t(k + 1) + sum_{a<k} P(first reject at a) * (t(a + 2) - t(1))
+  (after a rejection at a, the a + 1 kept tokens are fed again at the start of the next pass)
   tokens(k) = 1 + sum_{j=1..k} prod_{i<j} alpha_i
 and it drafts the k in 0..kmax with the most tokens per second, tokens(k) / cost(k).
 - t(n): the measured seconds of main-model passes of n tokens (a decaying mean per n); an n not
@@ -21,7 +22,7 @@ and it drafts the k in 0..kmax with the most tokens per second, tokens(k) / cost
 It never makes a prompt slower than `off` beyond noise: it starts with plain steps (measuring
 t(1); its prior acceptance is 0), drafts once `PROBE_FIRST` of them have passed (a one-token
 probe), falls back to k = 0 whenever drafting does not pay, and then re-probes with one short
-draft only every `probe` cycles, the interval doubling each time the probe did not pay (16 .. 256).
+draft only every `probe` cycles, the interval doubling each time the probe did not pay (8 .. 256).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DECAY = 0.9  # per observation: recent drafts and passes weigh most
-PROBE_FIRST, PROBE_MOST = 16, 256
+PROBE_FIRST, PROBE_MOST = 8, 256
 COMPUTE_SHARE = 0.25  # prior: an extra token of a pass costs this share of a step's compute
 
 
@@ -154,7 +155,8 @@ class AutoDrafts:
         for k in range(1, kmax + 1):
             tokens, reach, refeed = 1.0, 1.0, 0.0
             for j in range(k):  # reach: P(drafts 0..j-1 all accepted)
-                refeed += reach * (1.0 - alphas[j]) * self.t(j + 1)
+                # a rejection at j: its j + 1 kept tokens open the next pass (its extra tokens)
+                refeed += reach * (1.0 - alphas[j]) * max(0.0, self.t(j + 2) - self.t(1))
                 reach *= alphas[j]
                 tokens += reach
             r = tokens / (draft + self.t(k + 1) + refeed)

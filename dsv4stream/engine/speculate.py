@@ -11,8 +11,11 @@ One cycle, with t the picked token not yet fed and d_0..d_{k-1} its drafts (k = 
 2. for j = 0, 1, ...: pick x_j from r_j with the caller's pick function (every sampling control,
    in the same order, on the same state as without drafts, since the state has seen exactly the
    tokens kept so far), at position P + 1 + j, and keep it; go on while x_j == d_j;
-3. if fewer than k + 1 tokens were kept, restore the snapshot and feed the kept ones again
-   (t, d_0..d_{a-1}): the session then holds exactly what a run without drafts holds.
+3. if fewer than k + 1 tokens were kept, restore the snapshot; the kept ones (t, d_0..d_{a-1})
+   open the next cycle's pass, before its token and drafts (one pass, not a re-feed pass and a
+   verification pass: the trunk and the experts are read once for both). Whenever the caller
+   holds a yielded token (the reply ended, or it closed the generator) the session holds exactly
+   what a run without drafts holds: every token before it, fed.
 Picking x_j and keeping d_j only when x_j == d_j is standard speculative sampling with a drafter
 that proposes one token d (q = its point mass): it is accepted with probability p(d) = min(1, p/q),
 and when it is not, x_j is distributed as p less d, renormalised: the residual max(0, p - q). With
@@ -161,10 +164,10 @@ def speculative_generate(
         if uniforms is not None:
             uniforms.at(pos)
 
-    def observe(n: int, start: int) -> None:
-        """The drafter sees the first n rows of the taps collected, positions start.."""
+    def observe(n: int, start: int, skip: int = 0) -> None:
+        """The drafter sees n rows of the taps collected (after the first `skip`), positions start.."""
         if drafter.targets and n:
-            rows = taps.take(n)
+            rows = taps.take(skip + n)[skip:] if skip else taps.take(n)
             drafter.observe(rows, np.arange(start + n - rows.shape[0], start + n, dtype=np.int64))
         else:
             drafter.last = start + n - 1
@@ -190,6 +193,7 @@ def speculative_generate(
         turn.tokens.append(tok)
         done = 1
         stop = _stop(tok in stop_ids, max_pos is not None and session.pos >= max_pos, done == max_new_tokens)
+        carry: list[int] = []  # kept tokens not fed yet (after a rejection): they open the next pass
         while True:
             if stop is not None:
                 session.stop_reason = stop
@@ -197,7 +201,7 @@ def speculative_generate(
                 return
             # the next cycle's drafts, and its pass's reads started, before tok is handed on
             c0 = time.perf_counter()
-            p0 = session.pos
+            p0 = session.pos + len(carry)  # tok's position
             kmax = min(drafter.block, max_new_tokens - done - 1, max_pos - p0 - 1 if max_pos is not None else 1 << 30)
             k = policy.most(max(0, kmax))
             drafts: list[int] = []
@@ -211,10 +215,16 @@ def speculative_generate(
                 turn.profile["other"] += spent
                 k = min(policy.cut(conf, k), k)
                 drafts = drafts[:k]
-            fed = [tok, *drafts]
+            off = len(carry)
+            fed = [*carry, tok, *drafts]
             session.read_ahead(fed)
             spec.seconds += time.perf_counter() - c0
-            yield tok
+            try:
+                yield tok
+            except GeneratorExit:  # the caller keeps tok: the session holds what is before it
+                if carry:
+                    session.prefill(np.asarray(carry, dtype=np.int64))
+                raise
             c0 = time.perf_counter()
             snap = session.snapshot() if k else None
             rows = _pass(session, clock, taps, fed, turn, policy, meter, spec)
@@ -222,7 +232,7 @@ def speculative_generate(
             t_pick = time.perf_counter()
             for j in range(k + 1):
                 at(p0 + 1 + j)
-                x = pick(rows[j])
+                x = pick(rows[off + j])
                 outs.append(x)
                 done += 1
                 stop = _stop(x in stop_ids, max_pos is not None and p0 + 1 + j >= max_pos, done == max_new_tokens)
@@ -241,12 +251,17 @@ def speculative_generate(
             spec.lengths[k] += 1
             spec.cycles += 1
             spec.tokens += len(outs)
-            observe(len(outs), p0)
-            if len(outs) < len(fed):  # a rejection (or a stop inside the pass): back to the kept tokens
+            spec.refeed_tokens += off
+            observe(len(outs), p0, skip=off)  # positions p0.. (tok and the drafts kept)
+            carry = []
+            if off + len(outs) < len(fed):  # a rejection (or a stop inside the pass): back to the kept tokens
                 session.restore(snap)
-                _pass(session, clock, taps, fed[: len(outs)], turn, policy, meter, spec)
+                carry = fed[: off + len(outs)]
                 spec.refeeds += 1
-                spec.refeed_tokens += len(outs)
+                if stop is not None:  # the reply ends here: the session must hold them now
+                    _pass(session, clock, taps, carry, turn, policy, meter, spec)
+                    spec.refeed_tokens += len(carry)
+                    carry = []
             turn.tokens.extend(outs)
             turn.decode_steps += len(outs)  # one per token fed: as many as without drafts
             spec.seconds += time.perf_counter() - c0
@@ -254,9 +269,9 @@ def speculative_generate(
             try:
                 for i, x in enumerate(outs[:-1]):
                     yield x
-            except GeneratorExit:  # the caller stopped at outs[i]: feed only tok, outs[:i]
+            except GeneratorExit:  # the caller stopped at outs[i]: feed only what comes before it
                 session.restore(snap)
-                session.prefill(np.asarray([tok, *outs[:i]], dtype=np.int64))
+                session.prefill(np.asarray(fed[: off + 1 + i], dtype=np.int64))
                 del turn.tokens[len(turn.tokens) - len(outs) + i + 1 :]
                 raise
             tok = outs[-1]
