@@ -87,8 +87,9 @@ class DSparkDrafter:
         eng = self.engine
         observe(self.state, taps, pos, self.weights, self.params, eng.stack.rope_main)
 
-    def run(self, token: int) -> Draft:
-        """The block after the last observed position, whose first token is `token`."""
+    def run(self, token: int, slots: int | None = None) -> Draft:
+        """The block after the last observed position, whose first token is `token` (head logits
+        of the first `slots` slots)."""
         self._flush()
         eng = self.engine
         return draft(
@@ -100,10 +101,11 @@ class DSparkDrafter:
             eng.stack.head_weights().head,
             lambda layer: expert_source(eng.experts, layer),
             eng.stack.rope_main,
+            slots,
         )
 
     def propose(self, token: int, k: int) -> tuple[list[int], list[float]]:
-        d = self.run(token)
+        d = self.run(token, k)
         chain, conf = [int(token)], []
         for j in range(k):
             lg, c = markov(Draft(d.logits[j : j + 1], d.hidden[j : j + 1]), np.array(chain[j : j + 1]), self.weights)
