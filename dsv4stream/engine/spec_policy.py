@@ -16,6 +16,8 @@ and it drafts the k in 0..kmax with the most tokens per second, tokens(k) / cost
   multi-token passes so far, else a prior from what a one-token pass reads: every extra token
   may route to experts no other token of the pass uses, so it costs up to the bytes a one-token
   step reads (its misses) at the measured read rate, plus a share of its compute.
+  While drafting pays, a draft one token longer than the best is tried once for each pass length
+  not yet measured (predictions from shorter passes overestimate longer ones).
 - alpha_i: the acceptance of recent drafts (decaying counts of accepted drafts and first
   rejections: the geometric model's estimate), scaled per slot by the drafter's confidence head
   (sigmoid of its raw output) relative to the confidence of recent drafts.
@@ -175,12 +177,20 @@ class AutoDrafts:
                 return 1
         if k:
             self.idle = 0
+        return self._explore(k, kmax)
+
+    def _explore(self, k: int, kmax: int) -> int:
+        """k, or k + 1 while drafting pays and a pass of k + 2 tokens was never timed: a pass's cost
+        grows less than linearly in its tokens (products over a few rows share each weight read),
+        so the slope measured on shorter passes would keep the drafts short for good."""
+        if 0 < k < kmax and not self.passes.get(k + 2, _Mean()).known:
+            return k + 1
         return k
 
     def cut(self, confidence: Sequence[float], kmax: int) -> int:
         if self.probing:
             return min(1, kmax)
-        return self._best(kmax, confidence)[0]
+        return self._explore(self._best(kmax, confidence)[0], kmax)
 
 
 def _sigmoid(x: float) -> float:
