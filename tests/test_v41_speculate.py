@@ -158,3 +158,18 @@ def test_closing_after_rejections_leaves_the_session_as_without_drafts(after: in
     gen.close()
     assert got == want[:after] and s.pos == len(prompt()) + after - 1
     assert list(s.generate([got[-1]], 3)) == want[after : after + 3]
+
+
+def test_plain_steps_go_through_the_thread_governor() -> None:
+    """Where auto drafts nothing, its one-token passes are the governor's decode steps, as off's."""
+    from dsv4stream import kernels
+    from dsv4stream.engine.threads import ThreadGovernor
+
+    eng = Engine.open(FIXTURE, v41=V41Options(numerics="fp32"), threads=2)
+    eng.governor = ThreadGovernor(2)
+    try:
+        ids, st = speculative_greedy(eng, prompt(), N, 5, policy=AutoDrafts(5))
+    finally:
+        kernels.set_threads(1)
+    assert ids == off("fp32")
+    assert sum(eng.governor.summary().values()) == st.steps > 0

@@ -38,6 +38,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .. import kernels
 from ..errors import UsageError
 from .phases import StepClock, Turn
 from .spec_stats import SpecCounts
@@ -153,6 +154,7 @@ def speculative_generate(
     spec = turn.speculation = SpecCounts(setting=str(setting))
     engine.phases.turns.append(turn)
     meter, clock = engine.meter, StepClock(engine.meter)
+    gov, threads = getattr(engine, "governor", None), 0  # decode threads chosen by timing (`engine/threads.py`)
     inner = session.trace
     taps = _Taps(drafter.targets, max(drafter.block + 1, getattr(drafter, "window", 1)), inner)
     session.trace = taps if drafter.targets else inner
@@ -227,7 +229,15 @@ def speculative_generate(
                 raise
             c0 = time.perf_counter()
             snap = session.snapshot() if k else None
-            rows = _pass(session, clock, taps, fed, turn, policy, meter, spec)
+            plain = len(fed) == 1
+            if gov is not None:  # a one-token pass at the count the governor tries; longer ones at all
+                want = gov.next_threads() if plain else gov.most
+                if want != threads:
+                    threads = want
+                    kernels.set_threads(threads)
+            rows, wall, spent = _pass(session, clock, taps, fed, turn, policy, meter, spec)
+            if gov is not None and plain:
+                gov.record(threads, wall - spent["expert_reads"] - spent["trunk_reads"])
             outs: list[int] = []
             t_pick = time.perf_counter()
             for j in range(k + 1):
@@ -276,6 +286,8 @@ def speculative_generate(
                 raise
             tok = outs[-1]
     finally:
+        if gov is not None and threads not in (0, gov.most):
+            kernels.set_threads(gov.most)  # prefills keep every thread
         session.trace = inner
         turn.stop_reason = session.stop_reason
         turn.seconds = time.perf_counter() - t0
@@ -287,7 +299,8 @@ def speculative_generate(
 
 
 def _pass(session, clock: StepClock, taps: _Taps, ids: list[int], turn: Turn, policy, meter, spec: SpecCounts):
-    """One main-model pass of `ids`, timed into the turn, the figures and the policy: its logits rows."""
+    """One main-model pass of `ids`, timed into the turn, the figures and the policy: its logits
+    rows, its wall seconds and its seconds by phase."""
     taps.clear()
     c0 = meter()
     clock.begin()
@@ -301,7 +314,7 @@ def _pass(session, clock: StepClock, taps: _Taps, ids: list[int], turn: Turn, po
     if len(ids) == 1:
         spec.ones += 1
         spec.one_seconds += wall
-    return rows
+    return rows, wall, spent
 
 
 def _stop(eos: bool, context_full: bool, gen_limit: bool) -> str | None:
