@@ -65,3 +65,30 @@ def test_no_drafter_auto_is_off_and_n_is_refused(tiny_v4) -> None:
             rt.generate(rt.session(), [1, 2, 3], 4, speculate=2)
     with pytest.raises(UsageError, match="cannot draft"):
         Runtime.open(tiny_v4, RunOptions(budget=budget, speculate=3))
+
+
+def test_cli_checks_speculate_before_loading(tiny_v4, tmp_path) -> None:
+    """`dsv4 run --speculate`: a bad value or a draft length the checkpoint cannot run is one
+    UsageError before anything loads; V4.1 runs it and reports it (--stats-json 'speculation')."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dsv4stream.cli.run import run as run_cmd
+
+    def run(*args: str):
+        return CliRunner().invoke(run_cmd, [*args, "--budget", "1", "--threads", "1"])
+
+    r = run(str(tiny_v4), "--prompt-ids", "1,2", "--speculate", "3")
+    assert isinstance(r.exception, UsageError) and "--speculate 3: this checkpoint cannot draft" in str(r.exception)
+    r = run(str(FIXTURE), "--prompt-ids", "1,2", "--speculate", "fast")
+    assert isinstance(r.exception, UsageError) and "--speculate 'fast'" in str(r.exception)
+    r = run(str(FIXTURE), "--prompt-ids", "1,2", "--speculate", "6")
+    assert isinstance(r.exception, UsageError) and "at most 5" in str(r.exception)
+    out = tmp_path / "s.json"
+    r = run(str(FIXTURE), "--prompt-ids", ",".join(map(str, prompt())), "-n", "8", "--speculate", "2",
+            "--stats-json", str(out))  # fmt: skip
+    assert r.exit_code == 0, r.output
+    spec = json.loads(out.read_text())["speculation"]
+    assert spec["setting"] == "2" and spec["tokens"] == 7 and spec["verified_tokens"] >= spec["drafted_tokens"]
+    assert "speculate" in r.stderr and "mean accepted length" in r.stderr
