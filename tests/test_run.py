@@ -179,7 +179,7 @@ STATS_JSON_KEYS = (
     "decode_tokens_per_second", "stop_reasons", "stop_reason", "stopped_in_think", "unused", "engram_cache_rows",
     "engram_requests", "engram_hits", "engram_misses", "engram_hit_rate", "engram_rows_read", "engram_bytes_read",
     "engram_wait_seconds", "decode_expert_bytes_per_token", "decode_engram_bytes_per_token", "decode_threads",
-    "numerics",
+    "numerics", "speculation",
 )  # fmt: skip
 
 

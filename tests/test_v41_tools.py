@@ -75,7 +75,9 @@ def test_measured_needs_know_the_engram_and_the_unused_parts(tiny_v41):
     e = cat.config.engram
     assert needs.engram_slot_bytes == e.row_bytes + ROW_INDEX_BYTES and needs.engram_rows_per_token == e.columns * 2
     assert needs.engram_table_bytes == sum(x.nbytes for n, x in cat.entries.items() if ".engram.embed." in n)
-    assert "DSpark drafter (mtp.0-2, 3 stages): present, unused" in needs.unused
+    assert "DSpark drafter" not in needs.unused  # --speculate auto (the default) runs it: planned
+    off = measure(tiny_v41, RunOptions(budget=GB, speculate="off"))
+    assert "DSpark drafter (mtp.0-2, 3 stages): run by --speculate (default auto); with --speculate off" in off.unused
     assert "vision tower" in needs.unused
     # no hc_head in V4.1: the head group is the head and the final norm
     head = trunk_layout(cat).head.entries

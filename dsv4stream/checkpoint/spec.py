@@ -46,12 +46,15 @@ def drafter_summary(cfg: ModelConfig, nbytes: int) -> str | None:
     blocks = "mtp.0" if cfg.n_mtp == 1 else f"mtp.0-{cfg.n_mtp - 1}"
     drafter = cfg.layout in (DSPARK, DSPARK_V41)
     what = f"DSpark drafter ({blocks}, {cfg.n_mtp} stages)" if drafter else f"MTP block ({blocks})"
+    if cfg.layout == DSPARK_V41:  # the one drafter dsv4 runs (engine/speculate_v41.py)
+        return f"{what}: run by --speculate (default auto); with --speculate off not read, not budgeted, {nbytes / 1e9:.2f} GB"
     return f"{what}: present, unused (not read, not budgeted), {nbytes / 1e9:.2f} GB"
 
 
-def unused_summary(cfg: ModelConfig, drafter_bytes: int, vision_bytes: int = 0) -> str | None:
-    """One line: every part the checkpoint holds that is validated and not run (mtp.*, V4.1's vision)."""
-    parts = [drafter_summary(cfg, drafter_bytes)]
+def unused_summary(cfg: ModelConfig, drafter_bytes: int | None, vision_bytes: int = 0) -> str | None:
+    """One line: every part the checkpoint holds that is validated and not run (mtp.*, V4.1's vision;
+    `drafter_bytes` None: the drafter runs, --speculate)."""
+    parts = [drafter_summary(cfg, drafter_bytes) if drafter_bytes is not None else None]
     if cfg.vision is not None:
         v = cfg.vision
         parts.append(

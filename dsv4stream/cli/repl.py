@@ -38,6 +38,7 @@ import numpy as np
 
 from ..engine.images import expanded_length, image_prompt, inputs_for
 from ..engine.session import PrefillStep, Session
+from ..engine.spec_draws import PositionUniforms
 from ..engine.stack_v41 import SpanRows
 from ..errors import Dsv4Error, UsageError
 from ..run.report import PrefillBar, Reads, stop_text
@@ -137,6 +138,7 @@ def answer(
     out: TextIO | None = None,
     leave_bar: bool = True,
     spans: SpanRows | None = None,
+    uniforms: PositionUniforms | None = None,
 ) -> Reply:
     """Prefill `ids` (progress bar on stderr), then stream up to `gen` tokens to `out`.
 
@@ -144,7 +146,8 @@ def answer(
     opened <think>) shows the reasoning dim until </think>. Without one, prints each id as
     it comes (comma-separated, flushed; the caller ends the line) and stops at the config's
     EOS (printed). Raises Stopped when Ctrl-C came during the prefill. `spans`: the image
-    spans of `ids` (V4.1, a fresh session)."""
+    spans of `ids` (V4.1, a fresh session); `uniforms`: the position-keyed draws a sampled
+    `pick` uses (`engine.spec_draws`), so that --speculate never changes the ids."""
     out = out if out is not None else sys.stdout
     stop = (tok.special.eos,) if tok is not None else (rt.cfg.eos_token_id,)
     flag = interrupt if interrupt is not None else Interrupt()
@@ -159,7 +162,7 @@ def answer(
     got: list[int] = []
     flag.phase = "prefill"
     bar.start(len(ids))
-    tokens = rt.generate(session, ids, gen, pick, stop, on_layer=on_layer, spans=spans)
+    tokens = rt.generate(session, ids, gen, pick, stop, on_layer=on_layer, spans=spans, uniforms=uniforms)
     try:
         with no_echo(sys.stdin):
             for t in tokens:
@@ -306,6 +309,7 @@ class ChatSettings:
     gen: int | None  # most tokens per answer; None: until EOS or the context is full
     ctx: int
     pick: Pick
+    uniforms: PositionUniforms | None = None  # the draws of a sampled pick (`engine.spec_draws`)
 
 
 TURN_LIMIT = 1 << 30  # characters of one turn read from a pipe; chat_loop passes a bound from --ctx
@@ -479,6 +483,7 @@ def _turn(rt: Runtime, conv: Conversation, settings: ChatSettings, user: str, sa
             reply = answer(
                 rt, session, ids, gen=gen, pick=settings.pick, tok=conv.tok,
                 thinking=conv.mode == "think", interrupt=flag, out=out, leave_bar=False, spans=spans,
+                uniforms=settings.uniforms,
             )  # fmt: skip
     except Stopped as e:
         conv.drop_session()

@@ -43,6 +43,8 @@ from .. import gpu
 from ..checkpoint.config import ModelConfig
 from ..engine.images import expanded_length, image_prompt, inputs_for, with_markers
 from ..engine.numerics import RUN_DEFAULT
+from ..engine.spec_draws import PositionUniforms
+from ..engine.speculate import parse_setting
 from ..errors import BudgetError, Dsv4Error, InternalError, TokenizerError, UsageError
 from ..files import AtomicFile, atomic_write, read_regular
 from ..run import planner
@@ -55,6 +57,7 @@ from ..text.messages import ImagePart, with_images
 from ..text.sampler import SamplingParams, banned_ids, make_pick
 from ..text.tokenizer import Tokenizer, default_pack_path
 from ..text.vocab import family_name
+from ..weights.loading_dspark import drafter_reason
 from .budget import budget_bytes, budget_warning
 from .logits import parse_tokens
 from .numerics_option import numerics_option
@@ -315,6 +318,14 @@ def sampling_params(
     help="Let the sampler pick ids the tokenizer marks special (BOS, padding, placeholders). [default: never]",
 )
 @click.option(
+    "--speculate",
+    default="auto",
+    show_default=True,
+    help="Speculative decoding with the checkpoint's DSpark drafter (V4.1): auto (draft as many tokens"
+    " as pay, from the costs measured as it runs; none where none pays), off, or N (always N drafts)."
+    " Greedy ids are those of off; sampled ids are the same for a seed whatever the setting.",
+)
+@click.option(
     "--verify", is_flag=True, help="Re-read every expert and streamed layer with plain pread and compare bytes."
 )
 @click.option(
@@ -370,6 +381,7 @@ def run(
     seed: int | None,
     greedy: bool,
     allow_special: bool,
+    speculate: str,
     verify: bool,
     show_stats: bool,
     stats_json: Path | None,
@@ -424,6 +436,7 @@ def run(
             f"--reasoning-effort {reasoning_effort}: this checkpoint's chat format ({encoder}) has"
             f" {chat.effort_help(encoder)}"
         ) from None
+    spec = speculate_setting(speculate, cfg)
     check_trunk(trunk)
     check_output(stats_json, "--stats-json")
     check_output(route_log, "--route-log")
@@ -465,7 +478,7 @@ def run(
             budget=budget_b, io=io, verify=verify, threads=gctx.threads,
             io_threads=io_threads, trunk=trunk, route_log=route_file, ctx=ctx, prefill_segment=prefill_segment,
             gpu=gctx if gctx.enabled else None, numerics=numerics,
-            images=bool(parts) or (ids is None and cfg.vision is not None),
+            images=bool(parts) or (ids is None and cfg.vision is not None), speculate=spec,
         )  # fmt: skip
         with stats_out, Runtime.open(checkpoint, opts, warn=lambda m: say(f"dsv4: {m}")) as rt:
             stats_out.rt = rt
@@ -475,14 +488,17 @@ def run(
             for line in plan_lines:
                 say(line)
             n_ids = tokenizer.n_tokens if tokenizer is not None else cfg.vocab_size
-            pick = make_pick(params, n_ids, np.random.default_rng(params.seed), banned_ids(tokenizer, allow_special))
+            # the draws are keyed by position (`engine.spec_draws`): a seed gives the same ids
+            # whatever --speculate and the budget
+            uniforms = None if params.greedy else PositionUniforms(params.seed)
+            pick = make_pick(params, n_ids, uniforms or np.random.default_rng(), banned_ids(tokenizer, allow_special))
 
             def figures() -> RunStats:
                 stats = rt.stats()
                 for line in report_lines(stats):
                     say(line)
                 detail = stats.lines() + ([gctx.stats_line()] if use_gpu else [])
-                detail.append(f"sampling: {_describe(params)}")
+                detail.append(f"sampling: {_describe(params)}; speculate {rt.speculator.default}")
                 for line in detail if show_stats else []:
                     say(line)
                 for w in stats.warnings if not show_stats else []:
@@ -496,10 +512,10 @@ def run(
                     raise InternalError("a chat without a tokenizer or chat mode")
                 conv = Conversation(tokenizer, mode, system, effort=effort, encoder=encoder)
                 conv.attached = parts  # --image: parts of the first turn
-                chat_loop(rt, conv, ChatSettings(gen, ctx, pick), say, figures)
+                chat_loop(rt, conv, ChatSettings(gen, ctx, pick, uniforms), say, figures)
             else:
                 limit = gen if gen is not None else ctx
-                stopped = _one_shot(rt, ids, limit, pick, tokenizer, mode, say, inputs)
+                stopped = _one_shot(rt, ids, limit, pick, tokenizer, mode, say, inputs, uniforms)
             stats_out.stats = figures()
             if stopped:
                 stats_out.status = "interrupted"
@@ -511,6 +527,16 @@ def run(
         gctx.close()
     if stopped:
         sys.exit(130)
+
+
+def speculate_setting(value: str, cfg: ModelConfig) -> str | int:
+    """--speculate as "auto", "off" or N, checked against the checkpoint: auto is off where it has
+    no drafter this code runs; N there is a UsageError saying why."""
+    why = drafter_reason(cfg)
+    spec = parse_setting(value, cfg.dspark.block_size if why is None else None)
+    if isinstance(spec, int) and why is not None:
+        raise UsageError(f"--speculate {spec}: this checkpoint cannot draft: {why}; use --speculate off")
+    return spec
 
 
 def check_ctx(ctx: int, cfg: ModelConfig, budget: int) -> None:
@@ -571,6 +597,7 @@ def _one_shot(
     mode: str | None,
     say,
     images: Sequence[ImageInput] = (),
+    uniforms: PositionUniforms | None = None,
 ) -> bool:
     """One answer to stdout (ids as they come without a tokenizer); True when Ctrl-C stopped it. Why it
     ended is in the report. `images`: one per image marker in `ids`, expanded to their spans here."""
@@ -582,7 +609,7 @@ def _one_shot(
         with Interrupt() as flag:
             reply = answer(
                 rt, rt.session(), ids, gen=gen, pick=pick, tok=tok, thinking=mode == "think", interrupt=flag,
-                spans=spans,
+                spans=spans, uniforms=uniforms,
             )  # fmt: skip
     except Stopped as e:
         say(f"dsv4: stopped during the prefill after {e.done} of {e.total} prompt tokens")

@@ -34,7 +34,7 @@ from ..text import chat
 from ..text.sampler import banned_ids
 from .budget import budget_bytes
 from .numerics_option import numerics_option
-from .run import check_trunk, checkpoint_dir, load_tokenizer
+from .run import check_trunk, checkpoint_dir, load_tokenizer, speculate_setting
 
 # FastAPI, pydantic, uvicorn and the event loop on top of what `dsv4 run` holds: peak RSS of
 # `dsv4 serve` after three streamed requests minus that of the same `dsv4 run` on the tiny
@@ -136,6 +136,14 @@ def bind(host: str, port: int) -> socket.socket:
     is_flag=True,
     help="V4.1: fetch http(s) image URLs in requests (size and time limited); without it only data: URIs.",
 )
+@click.option(
+    "--speculate",
+    default="auto",
+    show_default=True,
+    help="Speculative decoding with the checkpoint's DSpark drafter: auto, off or N drafts; the server-wide"
+    " default, which a request's `speculate` field overrides. Drafts only with --max-batch 1 (requests"
+    " decoded together do not draft).",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def serve(
     checkpoint: Path,
@@ -169,6 +177,7 @@ def serve(
     prefill_segment: int | None,
     allow_special: bool,
     allow_image_urls: bool,
+    speculate: str,
     debug: bool,
 ) -> None:
     """Serve CHECKPOINT over HTTP: OpenAI's /v1/chat/completions, /v1/completions, /v1/models,
@@ -223,9 +232,14 @@ def serve(
         raise UsageError(f"--kv-cache {kv_cache}: is a file; give a directory (created if missing)")
     checkpoint = checkpoint_dir(checkpoint)
     cfg = ModelConfig.from_json(checkpoint / "config.json")
+    spec = speculate_setting(speculate, cfg)
     check_trunk(trunk)
     budget_b = budget_bytes(budget)
     batch = max_batch or max_batch_for(planner.state_bytes_for(cfg, ctx), budget_b)
+    if batch > 1 and spec not in ("off", "auto"):
+        _say(
+            f"dsv4: note: --speculate {spec}: nothing is drafted while requests are decoded together; give --max-batch 1 to draft"
+        )
     tokenizer = load_tokenizer(checkpoint, tok, cfg)
     if not is_loopback(host) and not api_key:
         _say(f"dsv4: warning: listening on {host} without --api-key: anyone who can reach it can use the model")
@@ -267,6 +281,7 @@ def serve(
                 trunk=trunk, ctx=ctx, kept_states=keep_states, prefill_segment=prefill_segment, live_sequences=batch,
                 gpu=gctx if gctx.enabled else None, numerics=numerics,
                 overhead=planner.DEFAULT_OVERHEAD + SERVER_OVERHEAD + disk_io,
+                speculate=spec if batch == 1 else "off",  # a batch drafts nothing: no drafter in the plan
                 images=srv.images.vision is not None,  # the tower and an image's activations, planned
             )  # fmt: skip
             rt = Runtime.open(checkpoint, opts, warn=lambda m: _say(f"dsv4: {m}"))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from .. import kernels
 from ..errors import InternalError
+from .spec_stats import SpecCounts
 
 PROFILE_PHASES = ("experts", "trunk", "head", "expert_reads", "trunk_reads", "sampler", "other")
 PROFILE_LABELS = {
@@ -109,6 +110,7 @@ class Turn:
     seconds: float = 0.0  # wall time of the whole call, the caller's handling of each token included
     stop_reason: str = ""  # engine.STOP_REASONS, once the call ended
     in_think: bool = False  # set by a caller that knows the text: the turn ended inside <think>
+    speculation: SpecCounts | None = None  # drafts and verifications (`engine.speculate`), None without
 
     def add_step(self, wall: float, spent: dict[str, float]) -> None:
         """One decode step's forward pass (`StepClock.end`)."""
@@ -160,6 +162,7 @@ class Phases:
     stopped_in_think: list[bool]
     decode_expert_bytes: int
     decode_engram_bytes: int
+    speculation: SpecCounts | None = None  # summed over the turns that drafted (`engine.speculate`)
 
     @property
     def stop_reason(self) -> str:
@@ -212,4 +215,5 @@ class PhaseLog:
             stopped_in_think=[t.in_think for t in turns],
             decode_expert_bytes=sum(t.decode_expert_bytes for t in turns),
             decode_engram_bytes=sum(t.decode_engram_bytes for t in turns),
+            speculation=SpecCounts.total([t.speculation for t in turns if t.speculation is not None]),
         )

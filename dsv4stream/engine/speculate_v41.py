@@ -1,82 +1,138 @@
-"""Greedy speculative decoding with DeepSeek-V4.1's DSpark drafter: the same ids as without it.
+"""DeepSeek-V4.1's DSpark drafter as the speculative loop's `Drafter`, and greedy speculation helpers.
 
-Owns: the draft / verify / roll back loop of one greedy generation (`speculative_greedy`). The
-drafter proposes k tokens after the last picked one (`DSparkProposer`: the block of
-`model.v41.dspark` with its greedy Markov chain); the main model checks them in one pass of
-k + 1 tokens. The longest prefix whose every draft is the main model's own greedy pick is kept,
-plus the main model's pick after it. Where a draft is rejected the session goes back to the
-snapshot taken before the pass and feeds only the kept tokens again, so its state is exactly
-that of a run without drafts; the drafter's windows only ever see positions that were kept.
+Owns: `DSparkDrafter` (the drafter beside one session: the block of `model.v41.dspark` with its
+greedy Markov chain and its confidence head), `DSparkModel` (its weights and parameters, loaded
+once per engine and shared by every session's drafter), `drafter_for` (the checks: which
+checkpoints have a drafter this code runs) and `speculative_greedy` (ids and figures of one
+greedy generation with a fixed draft length: tests and benches).
 
-Greedy ids equal those of `Session.generate` without drafts up to float rounding between a
-k + 1-token pass and k + 1 one-token passes (an exact tie between two logits could flip).
-Not yet wired into `run`, the chat or `serve` (issue 41: `--speculate`, sampled acceptance).
+The drafter is greedy: each slot proposes the argmax of its logits (head + the Markov bias of the
+previous slot's pick). Its taps are observed lazily: the taps of every kept position are held
+(the last `window` of them) and pushed into the stages' windows only when a draft is asked for, so
+cycles where `--speculate auto` drafts nothing cost the drafter nothing but that copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import UsageError
-from ..model.v41.dspark import draft, markov, new_state, observe
+from ..model.v41.dspark import Draft, DSparkParams, DSparkWeights, draft, markov, new_state, observe
 from ..text.sampler import greedy
-from ..weights.loading_dspark import check_drafter, dspark_params, load_dspark
+from ..weights.loading_dspark import drafter_reason, dspark_params, load_dspark
 from .dspark_v41 import expert_source
+from .spec_policy import FixedDrafts
+from .spec_stats import SpecCounts
+from .speculate import speculative_generate
 
 F32 = np.float32
 
 
-@dataclass
-class SpecStats:
-    passes: int = 0  # verification passes of the main model
-    drafted: int = 0
-    accepted: int = 0
-    refeeds: int = 0  # passes spent re-feeding after a rejection
-    accepted_per_pass: list[int] = field(default_factory=list)
+@dataclass(frozen=True)
+class DSparkModel:
+    params: DSparkParams
+    weights: DSparkWeights
 
 
-class DSparkProposer:
-    """The drafter beside one session: `observe(taps, positions)` after every kept pass,
-    `propose(token, k)` -> k greedy draft ids after `token` (the main model's pick at the last
-    observed position)."""
+def drafter_for(engine) -> DSparkModel:
+    """The engine's drafter weights (loaded on first use, then kept on the engine); UsageError
+    where the checkpoint has none this code runs."""
+    got = getattr(engine, "_dspark", None)
+    if got is None:
+        why = drafter_reason(engine.cfg)
+        if why is not None:
+            raise UsageError(f"--speculate: this checkpoint cannot draft: {why}; use --speculate off")
+        p = dspark_params(engine.cfg, engine.stack.options.grid.quantise)
+        got = engine._dspark = DSparkModel(p, load_dspark(engine.catalog))
+    return got
 
-    def __init__(self, engine) -> None:
-        cfg = engine.cfg
-        check_drafter(cfg)
+
+class DSparkDrafter:
+    """The drafter beside one session (`engine.speculate.Drafter`)."""
+
+    def __init__(self, engine, model: DSparkModel | None = None) -> None:
         self.engine = engine
-        self.params = dspark_params(cfg, engine.stack.options.grid.quantise)
-        self.weights = load_dspark(engine.catalog)
-        self.state = new_state(self.params, len(self.weights.stages))
+        m = model or drafter_for(engine)
+        self.params, self.weights = m.params, m.weights
         self.targets = self.params.targets
         self.block = self.params.block_size
+        self.window = self.params.window
+        self.state = new_state(self.params, len(self.weights.stages))
+        self.last = -1
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._held = 0
+
+    def reset(self) -> None:
+        self.state = new_state(self.params, len(self.weights.stages))
+        self.last, self._pending, self._held = -1, [], 0
 
     def observe(self, taps: np.ndarray, positions: np.ndarray) -> None:
-        observe(self.state, taps, positions, self.weights, self.params, self.engine.stack.rope_main)
+        if positions.size == 0:
+            return
+        self._pending.append((taps, positions))
+        self._held += positions.size
+        while self._held - self._pending[0][1].size >= self.window:  # older than the window: never read
+            self._held -= self._pending.pop(0)[1].size
+        self.last = int(positions[-1])
 
-    def propose(self, token: int, k: int) -> list[int]:
-        eng, p = self.engine, self.params
-        d = draft(
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        taps = np.concatenate([t for t, _ in self._pending])[-self.window :]
+        pos = np.concatenate([q for _, q in self._pending])[-self.window :]
+        self._pending, self._held = [], 0
+        eng = self.engine
+        observe(self.state, taps, pos, self.weights, self.params, eng.stack.rope_main)
+
+    def run(self, token: int, slots: int | None = None) -> Draft:
+        """The block after the last observed position, whose first token is `token` (head logits
+        of the first `slots` slots)."""
+        self._flush()
+        eng = self.engine
+        return draft(
             self.state,
             token,
             self.weights,
-            p,
+            self.params,
             eng.trunk.embed,
             eng.stack.head_weights().head,
             lambda layer: expert_source(eng.experts, layer),
             eng.stack.rope_main,
+            slots,
         )
-        chain = [int(token)]
+
+    def propose(self, token: int, k: int) -> tuple[list[int], list[float]]:
+        d = self.run(token, k)
+        chain, conf = [int(token)], []
         for j in range(k):
-            lg, _ = markov(_slot(d, j), np.array(chain[j : j + 1]), self.weights)
+            lg, c = markov(Draft(d.logits[j : j + 1], d.hidden[j : j + 1]), np.array(chain[j : j + 1]), self.weights)
             chain.append(greedy(lg[0]))
-        return chain[1:]
+            conf.append(float(c[0]))
+        return chain[1:], conf
 
 
-def _slot(d, j: int):
-    return type(d)(d.logits[j : j + 1], d.hidden[j : j + 1])
+class ScriptedDrafter:
+    """A stand-in drafter for tests and benches, NOT the checkpoint's: `propose(pos, token, k)`
+    gives the drafts after `token` at position pos (e.g. the main model's own greedy ids with a
+    chosen share of them wrong, for a set acceptance); no taps, confidence 0."""
+
+    targets: tuple[int, ...] = ()
+
+    def __init__(self, propose: Callable[[int, int, int], list[int]], block: int) -> None:
+        self._propose, self.block, self.last = propose, block, -1
+
+    def reset(self) -> None:
+        self.last = -1
+
+    def observe(self, taps: np.ndarray, positions: np.ndarray) -> None:
+        if positions.size:
+            self.last = int(positions[-1])
+
+    def propose(self, token: int, k: int) -> tuple[list[int], list[float]]:
+        return list(self._propose(self.last, token, k))[:k], [0.0] * k
 
 
 def speculative_greedy(
@@ -84,61 +140,17 @@ def speculative_greedy(
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     k: int,
-    proposer=None,
     propose: Callable[[int, int, int], list[int]] | None = None,
-) -> tuple[list[int], SpecStats]:
-    """Greedy ids after `prompt_ids` (the first `max_new_tokens`), drafting k per pass.
-
-    `proposer`: a `DSparkProposer` (default: the checkpoint's drafter). `propose(pos, token, k)`
-    replaces its proposals (a stand-in drafter with a chosen acceptance, for tests and benches)."""
-    if k < 1:
-        raise UsageError(f"--speculate {k}: draft at least one token (or turn speculation off)")
-    prop = proposer or DSparkProposer(engine)
-    if k > prop.block:
-        raise UsageError(f"--speculate {k}: the drafter drafts at most {prop.block} tokens (dspark_block_size)")
-    taps: dict[int, list[np.ndarray]] = {t: [] for t in prop.targets}
-
-    def trace(what: str, layer: int, x: np.ndarray) -> None:
-        if what == "input" and layer in taps:
-            taps[layer].append(x.mean(axis=1, dtype=F32))
-
-    def fed(ids: Sequence[int]) -> np.ndarray:
-        """Feed ids; the drafter observes their taps; the logits (n, vocab)."""
-        for v in taps.values():
-            v.clear()
-        start = session.pos
-        logits = session.prefill(np.asarray(ids, dtype=np.int64))
-        tap = np.concatenate([np.concatenate(taps[t]) for t in prop.targets], axis=1)
-        prop.observe(tap, np.arange(start, start + len(ids), dtype=np.int64))
-        return logits
-
-    session = engine.session(chunk_size=1 << 20, trace=trace)
-    stats = SpecStats()
-    out = [greedy(fed(prompt_ids)[-1])]
-    while len(out) < max_new_tokens:
-        t = out[-1]
-        want = min(k, max_new_tokens - len(out))
-        drafts = propose(session.pos - 1, t, want) if propose is not None else prop.propose(t, want)
-        snap = session.snapshot()
-        for v in taps.values():
-            v.clear()
-        logits = session.prefill(np.array([t, *drafts], dtype=np.int64))
-        picks = [greedy(row) for row in logits]
-        a = 0
-        while a < want and picks[a] == drafts[a]:
-            a += 1
-        stats.passes += 1
-        stats.drafted += want
-        stats.accepted += a
-        stats.accepted_per_pass.append(a)
-        if a == want:
-            start = session.pos - (want + 1)
-            tap = np.concatenate([np.concatenate(taps[q]) for q in prop.targets], axis=1)
-            prop.observe(tap, np.arange(start, start + want + 1, dtype=np.int64))
-            out.extend([*drafts, picks[want]])
-        else:  # back to before the pass; feed only what is kept
-            session.restore(snap)
-            stats.refeeds += 1
-            last = fed([t, *drafts[:a]])[-1]
-            out.extend([*drafts[:a], greedy(last)])
-    return out[:max_new_tokens], stats
+    policy=None,
+) -> tuple[list[int], SpecCounts]:
+    """Greedy ids after `prompt_ids` (the first `max_new_tokens`) drafting k per cycle (`policy`:
+    another, e.g. `AutoDrafts`), and the figures. `propose(pos, token, k)`: a stand-in drafter
+    (`ScriptedDrafter`) instead of the checkpoint's."""
+    model = drafter_for(engine)
+    if not 1 <= k <= model.params.block_size:
+        raise UsageError(f"--speculate {k}: draft 1 to {model.params.block_size} tokens (dspark_block_size)")
+    d = DSparkDrafter(engine, model) if propose is None else ScriptedDrafter(propose, model.params.block_size)
+    session = engine.session(chunk_size=1 << 20)
+    gen = speculative_generate(session, prompt_ids, max_new_tokens, greedy, d, policy or FixedDrafts(k), setting=k)
+    ids = list(gen)
+    return ids, session.turn.speculation

@@ -14,6 +14,8 @@ import os
 import resource
 from pathlib import Path
 
+import numpy as np
+
 from .. import kernels
 from ..checkpoint.catalog import Catalog
 from ..checkpoint.spec import drafter_summary, unused_summary
@@ -24,6 +26,7 @@ from ..store import ExpertStore
 from ..streaming.expert_layout import expert_layouts
 from ..streaming.layout import TrunkLayout, trunk_layout
 from ..trunkpack.reader import open_trunk_file
+from ..weights.loading_dspark import drafter_reason
 from . import planner
 from .planner import MemoryNeeds
 from .runinfo import RunOptions
@@ -115,10 +118,29 @@ def kernel_scratch_bytes(cat: Catalog) -> int:
     return most
 
 
+def runs_drafter(cat: Catalog, opts: RunOptions) -> bool:
+    """Whether this run drafts: --speculate not off and a drafter this code runs."""
+    return opts.speculate != "off" and drafter_reason(cat.config) is None
+
+
+def drafter_dense_bytes(cat: Catalog) -> int:
+    """The drafter's weights as `weights.loading_dspark` holds them: every mtp.* tensor but the
+    routed experts as stored, the Markov embedding and the confidence head widened to float32."""
+    total = 0
+    for n, e in cat.entries.items():
+        if not is_drafter(n) or ".ffn.experts." in n:
+            continue
+        widened = "markov_head.embed." in n or "confidence_head." in n
+        total += 4 * int(np.prod(e.shape)) if widened else e.nbytes
+    return total
+
+
 def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOptions) -> MemoryNeeds:
     """What the plan must place, measured on this checkpoint (layer groups as read, with
-    their aligned windows), plus the state / staging estimates and the baseline overhead."""
+    their aligned windows), plus the state / staging estimates and the baseline overhead.
+    A run that drafts (`runs_drafter`) holds the drafter's dense weights too."""
     cfg = cat.config
+    drafts = runs_drafter(cat, opts)
     return MemoryNeeds(
         layer_bytes=layout.layer_bytes,
         head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,  # V4.1: head and final norm only (no hc_head)
@@ -128,11 +150,13 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         overhead_bytes=opts.overhead,
         working_set=cfg.working_set_experts,
         experts_per_token=cfg.num_experts_per_tok,
-        total_experts=cfg.n_layers * cfg.n_routed_experts,
+        total_experts=cfg.n_layers * cfg.n_routed_experts
+        + (sum(cfg.experts_of(cfg.n_layers + k)[0] for k in range(cfg.n_mtp)) if drafts else 0),
         segment_token_bytes=planner.segment_token_bytes(cfg),
         segment_min=opts.chunk,
         segment=opts.prefill_segment,
-        unused=_unused(cat, opts.images),
+        unused=_unused(cat, opts.images, drafts),
+        drafter_bytes=drafter_dense_bytes(cat) if drafts else 0,
         engram_slot_bytes=planner.family_planner(cfg).engram_slot_bytes(cfg),
         engram_rows_per_token=planner.family_planner(cfg).engram_rows_per_token(cfg),
         engram_table_bytes=sum(e.nbytes for n, e in cat.entries.items() if ".engram.embed." in n),
@@ -140,12 +164,14 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
     )
 
 
-def _unused(cat: Catalog, images: bool) -> str | None:
-    """What is not run: mtp.*, and the vision tower unless this run takes images."""
-    drafter = sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n))
+def _unused(cat: Catalog, images: bool, drafts: bool = False) -> str | None:
+    """What is not run: mtp.* (unless this run drafts), and the vision tower unless this run takes images."""
+    drafter = 0 if drafts else sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n))
     if images:
-        return drafter_summary(cat.config, drafter) or None
-    return unused_summary(cat.config, drafter, sum(e.nbytes for n, e in cat.entries.items() if is_vision(n)))
+        return (drafter_summary(cat.config, drafter) if not drafts else None) or None
+    return unused_summary(
+        cat.config, None if drafts else drafter, sum(e.nbytes for n, e in cat.entries.items() if is_vision(n))
+    )
 
 
 def vision_needs(cat: Catalog, images: bool) -> dict[str, int]:
@@ -159,11 +185,13 @@ def vision_needs(cat: Catalog, images: bool) -> dict[str, int]:
     }
 
 
-def main_expert_layouts(cat: Catalog) -> tuple[dict, dict]:
-    """Store layouts and piece orders of the main layers' experts (the MTP block is not run)."""
+def main_expert_layouts(cat: Catalog, drafter: bool = False) -> tuple[dict, dict]:
+    """Store layouts and piece orders of the main layers' experts, and with `drafter` those of the
+    drafter's stages too (blocks n_layers + K: in the same store, the same slots, the same budget)."""
     n = cat.config.n_layers
     el = expert_layouts(cat.entries, n)
-    layouts = {k: v for k, v in el.layouts.items() if k[0] < n}
+    end = n + (cat.config.n_mtp if drafter else 0)
+    layouts = {k: v for k, v in el.layouts.items() if k[0] < end}
     return layouts, {k: el.order[k] for k in layouts}
 
 
@@ -171,7 +199,7 @@ def measure(checkpoint: str | os.PathLike, opts: RunOptions) -> MemoryNeeds:
     """MemoryNeeds of this checkpoint as `Runtime.open` would plan it (reads headers only)."""
     cat = Catalog.open(checkpoint)
     tf = open_trunk_file(cat, opts.trunk)
-    layouts, _ = main_expert_layouts(cat)
+    layouts, _ = main_expert_layouts(cat, runs_drafter(cat, opts))
     return memory_needs(cat, trunk_layout(cat, tf), ExpertStore.slot_nbytes(layouts), opts)
 
 

@@ -94,6 +94,8 @@ class MemoryNeeds:
     # and its activations for the largest image, held while it is encoded (0: no images)
     vision_weight_bytes: int = 0
     vision_activation_bytes: int = 0
+    # --speculate: the DSpark drafter's dense weights (its routed experts share the expert slots)
+    drafter_bytes: int = 0
 
     @property
     def fixed_bytes(self) -> int:
@@ -105,6 +107,7 @@ class MemoryNeeds:
             + self.head_bytes
             + self.vision_weight_bytes
             + self.vision_activation_bytes
+            + self.drafter_bytes
         )
 
     @property
@@ -213,6 +216,10 @@ class Plan:
             out.append(
                 f"  vision: tower {_gb(n.vision_weight_bytes)} (BF16, read for each prompt with images)"
                 f" + {_gb(n.vision_activation_bytes)} of activations for the largest image"
+            )
+        if n.drafter_bytes:
+            out.append(
+                f"  drafter: DSpark dense weights {_gb(n.drafter_bytes)} (--speculate; its experts share the expert slots)"
             )
         out.append(f"  planned total {_gb(self.planned_bytes)} of {_gb(self.budget)}")
         if n.unused:

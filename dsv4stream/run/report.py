@@ -228,6 +228,9 @@ def report_lines(s: RunStats) -> list[str]:
         ),
         ("peak RSS", f"{s.peak_rss_bytes / 1e9:.3f} GB of --budget {s.budget_bytes / 1e9:.3f} GB{pct}"),
     ]
+    spec = s.phases.speculation
+    if spec is not None:
+        rows.extend(("speculate" if i == 0 else "", line.split(": ", 1)[1]) for i, line in enumerate(spec.lines()))
     if s.unused:
         rows.append(("not run", s.unused))
     width = max(len(k) for k, _ in rows)

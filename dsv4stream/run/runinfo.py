@@ -42,6 +42,10 @@ class RunOptions:
     # --numerics (`engine.numerics`): exact, official or fast, set by the engine for the process;
     # None: the family's reference mode (V4 exact, V4.1 official). The commands pass theirs (fast).
     numerics: str | None = None
+    # --speculate: "auto", "off" or a draft length N (`engine.speculate`); where the checkpoint has a
+    # drafter this code runs and it is not "off", the plan holds its dense weights and its experts
+    # share the expert slots
+    speculate: str | int = "auto"
 
 
 class _Figure:
@@ -144,6 +148,14 @@ class RunStats:
     engram_wait_seconds = _Figure("engram", "wait_seconds", 0.0)  # the forward blocked on Engram reads
 
     @property
+    def speculation(self) -> dict | None:
+        """--speculate's figures summed over the run's generate calls that could draft (`SpecCounts`):
+        acceptance, mean accepted length, drafted and verified tokens, expert bytes per token, the
+        decode time with drafts and the estimate without; None where none could."""
+        spec = self.phases.speculation
+        return spec.as_dict() if spec is not None else None
+
+    @property
     def io_mode(self) -> str:
         s = self.store
         return f"{s.io} (buffered fallback)" if s.fallback_files else s.io
@@ -227,7 +239,7 @@ FLAT = (
     "decode_tokens_per_second", "stop_reasons", "stop_reason", "stopped_in_think", "unused", "engram_cache_rows",
     "engram_requests", "engram_hits", "engram_misses", "engram_hit_rate", "engram_rows_read", "engram_bytes_read",
     "engram_wait_seconds", "decode_expert_bytes_per_token", "decode_engram_bytes_per_token", "decode_threads",
-    "numerics",
+    "numerics", "speculation",
 )  # fmt: skip
 
 

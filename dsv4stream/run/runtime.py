@@ -28,6 +28,8 @@ from ..engine.numerics import kernel_mode as kernel_numerics
 from ..engine.numerics import label as numerics_label
 from ..engine.phases import Counters
 from ..engine.session import Engine, LayerHook, Session
+from ..engine.spec_draws import PositionUniforms
+from ..engine.speculation import Speculator, pick_at
 from ..engine.stack_v41 import SpanRows
 from ..engine.threads import ThreadGovernor
 from ..errors import UsageError
@@ -43,7 +45,7 @@ from ..trunkpack.packdir import default_out_dir, pack_hint
 from ..trunkpack.reader import TrunkFile, open_trunk_file
 from . import planner
 from .compile import checkpoint_forms, compile_kernels_apart
-from .memory import main_expert_layouts, memory_needs, peak_rss_bytes, recycle_heap, trim_heap
+from .memory import main_expert_layouts, memory_needs, peak_rss_bytes, recycle_heap, runs_drafter, trim_heap
 from .planner import Plan
 from .runinfo import RunOptions, RunStats
 
@@ -92,6 +94,7 @@ class Runtime:
         self.kernel_warmup_seconds = 0.0
         self.load_seconds = 0.0
         self.most_lent = 0  # most expert slots lent to a prefill segment at once
+        self._speculator = Speculator(engine, opts.speculate)  # a bad --speculate fails before any prompt
 
     @classmethod
     def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None) -> Runtime:
@@ -115,7 +118,7 @@ class Runtime:
         tf = open_trunk_file(cat, opts.trunk, verify=opts.verify)
         placed = gpu.place(cat) if gpu is not None and gpu.enabled else None
         layout = trunk_layout(cat, tf, exclude=placed.tensor_names if placed is not None else frozenset())
-        layouts, order = main_expert_layouts(cat)
+        layouts, order = main_expert_layouts(cat, runs_drafter(cat, opts))
         if gpu is not None and gpu.enabled:
             # the CUDA context, CuPy and pinned activation buffers are host memory too
             d = cfg.hidden_size
@@ -221,6 +224,8 @@ class Runtime:
         logits: np.ndarray | None = None,
         spans: SpanRows | None = None,
         batched: bool = False,
+        speculate: str | int | None = None,
+        uniforms: PositionUniforms | None = None,
     ) -> Iterator[int]:
         """`session.generate` (the one generation loop) within this run: it also stops when the
         session holds `opts.ctx` positions (the context the plan covers is full).
@@ -234,12 +239,26 @@ class Runtime:
         still count, with where it stopped (`prefill_stopped`). `logits`: continue from a
         restored state's logits without a prefill (the server's `n` > 1 choices); `spans`: the
         prompt's V4.1 image spans (`engine.images.image_prompt`); `batched`: the caller steps
-        the tokens with others' (`Session.generate`)."""
+        the tokens with others' (`Session.generate`), and nothing is drafted then.
+
+        `speculate`: this call's setting ("off", "auto", N; None: the run's `opts.speculate`),
+        through `engine.speculation` (drafts verified in one pass; the same ids as without);
+        `uniforms`: the `PositionUniforms` a sampled `pick` draws from, moved to each pick's
+        position (with drafts or without, batched or not: the same ids for the same seed)."""
         report = (lambda done: progress(done, len(prompt_ids))) if progress is not None else None
-        return session.generate(
-            prompt_ids, max_new_tokens, pick or greedy, stop_ids=stop_ids, max_pos=self.opts.ctx,
-            progress=report, on_layer=on_layer, boundaries=boundaries, logits=logits, spans=spans, batched=batched,
-        )  # fmt: skip
+        setting = self.speculator.resolve(speculate)
+        kw = {"stop_ids": stop_ids, "max_pos": self.opts.ctx, "progress": report, "on_layer": on_layer,
+              "boundaries": boundaries, "logits": logits, "spans": spans}  # fmt: skip
+        if setting != "off" and not batched:
+            return self.speculator.generate(session, setting, prompt_ids, max_new_tokens, pick or greedy,
+                                            uniforms=uniforms, **kw)  # fmt: skip
+        pick = pick_at(session, pick or greedy, uniforms)
+        return session.generate(prompt_ids, max_new_tokens, pick, batched=batched, **kw)
+
+    @property
+    def speculator(self) -> Speculator:
+        """The run's speculation (`engine.speculation`; the drafter's weights load when it first drafts)."""
+        return self._speculator
 
     @property
     def stop_reason(self) -> str:

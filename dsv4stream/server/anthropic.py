@@ -55,7 +55,7 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
             )
 
         req, creq, prompt, grammar = await asyncio.to_thread(parse)
-        job, events = toolkit.make_job(srv, prompt, req.max_tokens, creq, None, grammar)
+        job, events = toolkit.make_job(srv, prompt, req.max_tokens, creq, None, grammar, req.speculate)
         request.state.usage = job.usage
         toolkit.submit(srv, worker, job)
         meta = Meta("msg", srv.model)

@@ -64,6 +64,7 @@ class Picker:
         self.reasoned = 0
         self.think_end = think_end
         self.n_ids = n_ids
+        self.rng = rng  # what the sampler draws from (the worker moves position-keyed draws along)
         self._pick = make_pick(params, n_ids, rng, banned)
         self._ban = np.asarray([i for i in banned if i < n_ids], dtype=np.int64)
         self.counts: Counter[int] = Counter()

@@ -38,7 +38,7 @@ from .decoding import logprob_json
 from .images import ImagePolicy, inline
 from .prompt import chat_prompt
 from .reply import Outcome
-from .schemas import TEXT_ONLY, ChatRequest, Seed, _Body, _unsupported, only, union_of
+from .schemas import TEXT_ONLY, ChatRequest, Seed, Speculate, _Body, _unsupported, only, union_of
 from .toolgrammar import request_shape
 from .toolkit import ApiError, Events, Meta, ServerState
 from .worker import Job
@@ -206,6 +206,7 @@ class ResponsesRequest(_Body):
     truncation: Literal["disabled"] | None = None  # "auto" would drop turns: a prompt over --ctx is a 400 instead
     include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    speculate: Speculate | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_with_include(self):
@@ -262,7 +263,7 @@ def add_routes(app: FastAPI, srv: ServerState) -> None:
 
         req, creq, conversation, prompt, grammar = await asyncio.to_thread(parse)
         top = (req.top_logprobs or 0) if LOGPROBS in (req.include or ()) else None
-        job, events = toolkit.make_job(srv, prompt, req.max_output_tokens, creq, top, grammar)
+        job, events = toolkit.make_job(srv, prompt, req.max_output_tokens, creq, top, grammar, req.speculate)
         request.state.usage = job.usage
         toolkit.submit(srv, worker, job)
         meta = Meta("resp", srv.model)

@@ -17,6 +17,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from ..engine.speculate import parse_setting
+from ..errors import UsageError
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -72,6 +75,21 @@ Prob = Annotated[float, Field(ge=0, le=1)]
 # -1 asks for a random seed (llama.cpp's clients send it); otherwise what numpy's generator takes
 Seed = Annotated[int, Field(ge=-1, le=2**64 - 1)]
 MAX_N = 16  # choices per request: each costs a whole generation here
+
+
+def _speculate(value: Any) -> Any:
+    """`speculate`: "auto", "off" or a draft length (0 = off); checked against the checkpoint's
+    drafter when the job is made (`toolkit.make_job`)."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError('give "auto", "off" or a draft length like 3')  # noqa: TRY004 (pydantic reports ValueError)
+    try:
+        return parse_setting(value, where="speculate")
+    except UsageError as e:
+        raise ValueError(str(e).removeprefix("speculate ")) from None
+
+
+# a request's speculative decoding (docs/serving.md): None = the server's --speculate
+Speculate = Annotated[Any, AfterValidator(_speculate)]
 
 
 def only(value: bool | int) -> Any:
@@ -133,6 +151,7 @@ class Sampling(_Body):
     safety_identifier: str | None = None  # the same
     service_tier: Literal["auto", "default"] | None = None  # one tier here
     prompt_cache_key: str | None = None  # the prefix cache matches the tokens themselves
+    speculate: Speculate | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -419,3 +438,4 @@ class AnthropicRequest(CountRequest):
     stop_sequences: Annotated[list[str], Field(max_length=16)] | None = None
     metadata: AnthropicMetadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
+    speculate: Speculate | None = None

@@ -29,7 +29,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..errors import Dsv4Error
+from ..errors import Dsv4Error, UsageError
 from ..text import chat
 from ..text.tokenizer import Tokenizer
 from .decoding import Controls
@@ -257,12 +257,20 @@ class Events:
 
 def make_job(
     srv: ServerState, prompt: Prompt, requested: int | None, req, top_logprobs: int | None = None,
-    grammar: Shape | None = None,
+    grammar: Shape | None = None, speculate: str | int | None = None,
 ) -> tuple[Job, Events]:  # fmt: skip
+    """The worker's job for a request; `speculate`: the request's own field where its body is not
+    `req` (Anthropic, Responses), else `req.speculate`."""
     try:
         budget = max_new_tokens(requested, len(prompt.ids), srv.ctx)
     except Dsv4Error as e:
         raise ApiError(400, str(e), code="context_length_exceeded") from None
+    speculate = getattr(req, "speculate", None) if speculate is None else speculate
+    if speculate is not None and srv.worker is not None:
+        try:  # against the checkpoint: a drafter to run, a draft length it drafts
+            speculate = srv.worker.rt.speculator.resolve(speculate, "speculate")
+        except UsageError as e:
+            raise ApiError(400, str(e), code="invalid_field", param="speculate") from None
     thinking = getattr(req, "thinking", None)
     controls = Controls(
         logit_bias(srv, req.logit_bias), req.frequency_penalty or 0.0, req.presence_penalty or 0.0, top_logprobs,
@@ -279,7 +287,7 @@ def make_job(
 
     job = Job(list(prompt.ids), budget, sampling(req), reply(), events.emit, controls=controls,
               more_replies=[reply() for _ in range(req.n - 1)], grammars=srv.grammars, thinking=prompt.thinking,
-              images=prompt.images)  # fmt: skip
+              images=prompt.images, speculate=speculate)  # fmt: skip
     return job, events
 
 

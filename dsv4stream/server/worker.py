@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..engine.phases import Turn
+from ..engine.spec_draws import PositionUniforms
 from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
 from ..run.runtime import Runtime
@@ -106,6 +107,7 @@ class Job:
     lp_unsent: dict[int, list] = field(default_factory=dict)  # per choice: entries not yet in a delta
     images: PromptImages | None = None  # V4.1: the prompt's images; `ids` hold their spans keyed by image
     live: RequestStats | None = None  # its live figures while it runs
+    speculate: str | int | None = None  # the request's speculative decoding (None: the server's --speculate)
 
     @property
     def replies(self) -> list[ReplyStream]:
@@ -144,6 +146,22 @@ class Worker:
         self.recent_seconds: deque[float] = deque(maxlen=8)  # wall time of the last requests, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def batched(self) -> bool:
+        """Whether requests are decoded together (`--max-batch` above 1); only a server that decodes
+        one at a time drafts (`--speculate`): a drafting request verifies several tokens in a pass of
+        its own, which a pass shared with other requests cannot carry."""
+        return self.max_batch > 1
+
+    def _next(self, steps, session, tok: int):
+        """The token after `tok` from `steps` (None: none, or dropped without a pass): batched,
+        `tok` is fed in the next pass with the others' (a `Step` yielded to the `Batch`); alone, the
+        generator feeds it itself (and may draft)."""
+        if not self.batched:
+            return next(steps, None)
+        fed = yield Step(session, tok)
+        return None if fed is None else steps.send(fed)
 
     @property
     def busy(self) -> bool:
@@ -315,7 +333,7 @@ class Worker:
         fed = images.real(new) if images is not None else new
         steps = rt.generate(
             session, fed, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done, boundaries=boundaries,
-            spans=spans, batched=True,
+            spans=spans, batched=self.batched, speculate=job.speculate, uniforms=pick.rng,
         )  # fmt: skip
         try:
             tok = next(steps, None)
@@ -327,10 +345,7 @@ class Worker:
                 self._push(job, 0, tok)
                 if job.reply.stopped or job.cancelled.is_set() or session.stop_reason != "interrupted":
                     break  # (a stop reason is set once `generate` has yielded its last token)
-                fed = yield Step(session, tok)
-                if fed is None:
-                    break
-                tok = steps.send(fed)
+                tok = yield from self._next(steps, session, tok)
         except StopIteration:
             pass
         finally:
@@ -363,7 +378,8 @@ class Worker:
 
     def _picker(self, job: Job, i: int) -> Picker:
         seed = job.params.seed
-        rng = np.random.default_rng(seed if i == 0 or seed is None else [seed, i])
+        # position-keyed draws (`engine.spec_draws`): the same ids for a seed with or without drafts
+        rng = PositionUniforms(seed if i == 0 or seed is None else [seed, i])
         constraint = None
         if job.controls.grammar is not None and job.grammars is not None:
             constraint = job.grammars.constraint(job.controls.grammar, job.thinking)
@@ -408,7 +424,10 @@ class Worker:
         session.restore(state)
         pick, reply = self._picker(job, i), job.replies[i]
         got: list[int] = []
-        steps = self.rt.generate(session, [], job.max_tokens, pick, (reply.eos,), logits=logits, batched=True)
+        steps = self.rt.generate(
+            session, [], job.max_tokens, pick, (reply.eos,), logits=logits, batched=self.batched,
+            speculate=job.speculate, uniforms=pick.rng,
+        )  # fmt: skip
         try:
             tok = next(steps, None)
             while tok is not None:
@@ -418,10 +437,7 @@ class Worker:
                 self._push(job, i, tok)
                 if reply.stopped or job.cancelled.is_set() or session.stop_reason != "interrupted":
                     break
-                fed = yield Step(session, tok)
-                if fed is None:
-                    break
-                tok = steps.send(fed)
+                tok = yield from self._next(steps, session, tok)
         except StopIteration:
             pass
         finally:

@@ -18,13 +18,25 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..checkpoint.config import DSPARK_V41, LAYOUTS, ModelConfig
+from ..checkpoint.config import DSPARK, DSPARK_V41, LAYOUTS, ModelConfig
 from ..checkpoint.tensors import layer_prefix
 from ..errors import UsageError
 from ..model.v41.block import HcParams
 from ..model.v41.dspark import DSparkParams, DSparkWeights
 from ..model.v41.moe import V41MoeParams
 from .loading_v41 import load_layer
+
+
+def drafter_reason(cfg: ModelConfig) -> str | None:
+    """Why this checkpoint has no drafter `--speculate` runs (None: it has one)."""
+    if cfg.layout == DSPARK_V41 and cfg.dspark is not None:
+        return None
+    if cfg.layout == DSPARK:
+        return (
+            "its drafter is the V4-Flash-0731 layout, a different design (V4 stages with their own"
+            " hyper-connection heads and a Markov head stored as markov_w1/markov_w2) that dsv4 does not run"
+        )
+    return f"it has {LAYOUTS.get(cfg.layout, 'no mtp.* blocks')}, not a DSpark drafter"
 
 
 def check_drafter(cfg: ModelConfig) -> None:

@@ -145,10 +145,13 @@ def draft(
     head: QWeight,
     experts_of: Callable[[int], ExpertSource],
     rope: Rope,
+    slots: int | None = None,
 ) -> Draft:
     """The drafter right after the main model consumed position `state.last`, whose next token
     is `token`: the block's head logits and collapsed streams. `experts_of(layer)` is the
-    expert source of block `layer` (p.first_layer + stage)."""
+    expert source of block `layer` (p.first_layer + stage). `slots`: head logits of the first
+    `slots` slots only (speculation drafting fewer than B tokens: the vocabulary-wide head is
+    the drafter's largest product; the stages still run the whole block)."""
     pos = state.last
     ids = np.full(p.block_size, p.noise_token_id, dtype=np.int64)
     ids[0] = token
@@ -162,7 +165,8 @@ def draft(
         h = rms_norm(collapse(x, a_pre), stage.ffn_norm, p.eps)
         x = hc_post(x, moe(h, stage.moe, experts_of(p.first_layer + k), p.moe), post, comb)
     hidden = collapse(x, pre)
-    return Draft(matmul(head, rms_norm(hidden, w.norm, p.eps)), hidden)
+    n = p.block_size if slots is None else slots
+    return Draft(matmul(head, rms_norm(hidden[:n], w.norm, p.eps)), hidden)
 
 
 def markov(d: Draft, chain: np.ndarray, w: DSparkWeights) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,134 @@
+"""Speculative decoding: acceptance and decode tokens/s with --speculate off, 1..4 and auto, in RAM
+and at a streaming budget, with the checkpoint's DSpark drafter and with a STAND-IN drafter.
+
+Opens CHECKPOINT (a generated V4.1 one: `dsv4 generate --preset demo-v41`) through `Runtime` at two
+budgets: "ram" (every expert of the main model and the drafter has a slot: after its first read
+none is read again) and "stream" (slots for twice one pass's working set: experts stream from disk,
+--io direct). At each budget: greedy ids of `off` first, then each setting in a fresh session on
+the same prompt (ids 3, 4, ...); every setting must give off's ids (checked, the row says so).
+
+Random weights make the checkpoint's drafter accept almost nothing, so the bench also runs a
+STAND-IN drafter (rows marked `drafter=STAND-IN-accXX`, never the checkpoint's): it proposes off's
+own greedy ids, each one replaced by a wrong id with probability `miss` (0.7, 0.4, 0.1: each draft
+right with probability 30, 60 or 90 %, `STAND-IN-p30` etc.; `acceptance` counts the drafts after a
+first miss as not accepted, so it reads lower), to show what `auto` decides there next to a fixed N.
+
+Timed window of a row: the decode of one generation, from the first token yielded (the prefill
+excluded) to the last (every drafter run, verification pass, re-feed and pick). Ratios: decode
+tokens/s against `off` at the same budget in the same process (`x_off`; off runs once first to warm
+the kernels and the cache, untimed), and against the row's own estimate of its time without drafts
+(`x_est` = tokens x the one-token passes it measured / its decode time: on a shared machine whose
+load moves between rows, the steadier of the two). Also per row: acceptance,
+mean accepted length (tokens per verification pass), drafted and verified tokens, expert MB read
+per token, auto's draft lengths ({k: cycles}) and its time estimate without drafts.
+Prints a header (machine, load) and one line per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from dsv4stream.measure.machine import cpu_description
+
+MISSES = (0.7, 0.4, 0.1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens (ids 3, 4, ...)")
+    ap.add_argument("--gen", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=1, help="kernel threads (1: steady on a shared machine)")
+    ap.add_argument("--budgets", default="ram,stream")
+    ap.add_argument("--settings", default="off,1,2,3,4,auto")
+    a = ap.parse_args()
+
+    from dsv4stream.checkpoint.catalog import Catalog
+    from dsv4stream.engine.spec_policy import AutoDrafts, FixedDrafts
+    from dsv4stream.engine.speculate import speculative_generate
+    from dsv4stream.engine.speculate_v41 import ScriptedDrafter
+    from dsv4stream.run import planner
+    from dsv4stream.run.memory import measure
+    from dsv4stream.run.runinfo import RunOptions
+    from dsv4stream.run.runtime import Runtime
+    from dsv4stream.text.sampler import greedy
+
+    load = os.getloadavg()
+    print(f"# machine: {cpu_description()} cores={os.cpu_count()} load_avg={load[0]:.2f},{load[1]:.2f},{load[2]:.2f}")
+    cfg = Catalog.open(a.checkpoint).config
+    needs = measure(a.checkpoint, RunOptions(budget=1))
+    budgets = {
+        "ram": planner.budget_for(needs, needs.total_experts),
+        "stream": planner.budget_for(needs, 2 * cfg.working_set_experts),
+    }
+    prompt = [3 + i for i in range(a.prompt)]
+
+    def timed(gen) -> tuple[list[int], float]:
+        ids, t_first = [], 0.0
+        for tok in gen:
+            if not ids:
+                t_first = time.perf_counter()
+            ids.append(tok)
+        return ids, time.perf_counter() - t_first
+
+    for where in a.budgets.split(","):
+        opts = RunOptions(budget=budgets[where], threads=a.threads, trunk="")
+        with Runtime.open(a.checkpoint, opts) as rt:
+
+            def row(drafter: str, setting, ids, seconds, spec, base, where=where) -> None:
+                rate = (len(ids) - 1) / seconds
+                same = "same-ids" if ids == base[0] else "IDS-DIFFER"
+                x = rate / base[1] if base[1] else 1.0
+                s = spec or None
+                extra = ""
+                if s is not None and s.seconds_without:
+                    extra = f" x_est={s.seconds_without / seconds:.2f}"
+                if s is not None:
+                    lengths = ",".join(f"{k}:{v}" for k, v in sorted(s.lengths.items()))
+                    extra += (
+                        f" acceptance={s.acceptance:.2f} mean_len={s.mean_accepted_length:.2f} drafted={s.drafted}"
+                        f" verified={s.verified_tokens} refeeds={s.refeeds} MB_per_tok={s.expert_bytes_per_token / 1e6:.2f}"
+                        f" est_without_s={s.seconds_without:.2f} lengths={{{lengths}}}"
+                    )
+                line = (
+                    f"budget={where}({budgets[where] / 1e9:.2f}GB) drafter={drafter} speculate={setting}"
+                    f" tok_s={rate:.2f} x_off={x:.2f} decode_s={seconds:.2f} {same}{extra}"
+                )
+                print(line, flush=True)
+
+            list(rt.generate(rt.session(), prompt, a.gen, speculate="off"))  # warm-up, untimed
+            s0 = rt.session()
+            off, t_off = timed(rt.generate(s0, prompt, a.gen, speculate="off"))
+            base = (off, (len(off) - 1) / t_off)
+            row("dspark", "off", off, t_off, None, base)
+            for setting in a.settings.split(","):
+                if setting == "off":
+                    continue
+                s = rt.session()
+                ids, sec = timed(rt.generate(s, prompt, a.gen, speculate=setting))
+                row("dspark", setting, ids, sec, s.turn.speculation, base)
+            full = [*prompt, *off]
+            for miss in MISSES:
+                for setting in ("auto", 3):
+                    rng = np.random.default_rng(7)
+
+                    def propose(pos: int, token: int, k: int, rng=rng, miss=miss, full=full) -> list[int]:
+                        want = full[pos + 2 : pos + 2 + k]
+                        return [t if rng.random() >= miss else (t + 1) % cfg.vocab_size for t in want]
+
+                    s = rt.session()
+                    policy = AutoDrafts(cfg.dspark.block_size) if setting == "auto" else FixedDrafts(setting)
+                    gen = speculative_generate(
+                        s, prompt, a.gen, greedy, ScriptedDrafter(propose, cfg.dspark.block_size), policy,
+                        setting=setting, max_pos=opts.ctx,
+                    )  # fmt: skip
+                    ids, sec = timed(gen)
+                    row(f"STAND-IN-p{round(100 * (1 - miss))}", setting, ids, sec, s.turn.speculation, base)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""Speculative decoding: a drafter proposes tokens, the main model checks them in one pass.
+
+Owns: `speculative_generate`, the generation loop of `Session.generate` with drafts (same
+arguments, same yields, same stop rules, same `Turn` record plus `Turn.speculation`), the
+`Drafter` protocol it drives, and `parse_setting` (`--speculate auto|off|N`). The drafter
+(`engine.speculate_v41.DSparkDrafter`, or a stand-in for benches) and the policy that picks each
+cycle's draft length (`engine.spec_policy`) come from the caller.
+
+One cycle, with t the picked token not yet fed and d_0..d_{k-1} its drafts (k = 0: a plain step):
+1. snapshot the session; feed [t, d_0..d_{k-1}] in one pass (its logits rows r_0..r_k);
+2. for j = 0, 1, ...: pick x_j from r_j with the caller's pick function (every sampling control,
+   in the same order, on the same state as without drafts, since the state has seen exactly the
+   tokens kept so far), at position P + 1 + j, and keep it; go on while x_j == d_j;
+3. if fewer than k + 1 tokens were kept, restore the snapshot; the kept ones (t, d_0..d_{a-1})
+   open the next cycle's pass, before its token and drafts (one pass, not a re-feed pass and a
+   verification pass: the trunk and the experts are read once for both). Whenever the caller
+   holds a yielded token (the reply ended, or it closed the generator) the session holds exactly
+   what a run without drafts holds: every token before it, fed.
+Picking x_j and keeping d_j only when x_j == d_j is standard speculative sampling with a drafter
+that proposes one token d (q = its point mass): it is accepted with probability p(d) = min(1, p/q),
+and when it is not, x_j is distributed as p less d, renormalised: the residual max(0, p - q). With
+the pick's uniform at position P + 1 + j fixed by the seed (`engine.spec_draws`), x_j does not
+depend on the draft at all: a seed gives the same ids whatever the draft lengths (N, `auto`'s
+choices, the budget), and greedy ids equal those without drafts (up to the float rounding of a
+k + 1-token pass against one-token passes, as prefill vs steps).
+
+The drafter sees the main model's taps (the V4.1 stack's "input" trace of its target layers) of
+the kept positions only: those of a verification pass's kept prefix (causal: equal to a pass of
+the prefix alone, up to rounding). A session whose drafter state does not end at the position
+before the session's (a restored state, a chat turn after a stop) starts the drafter afresh.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from .. import kernels
+from ..errors import UsageError
+from .phases import StepClock, Turn
+from .spec_stats import SpecCounts
+
+F32 = np.float32
+OFF, AUTO = "off", "auto"
+
+
+def parse_setting(value: object, most: int | None = None, where: str = "--speculate") -> str | int:
+    """`auto`, `off` or a draft length N >= 1 (0 = off); UsageError naming `where` otherwise."""
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in (AUTO, OFF):
+            return v
+        try:
+            value = int(v)
+        except ValueError:
+            raise UsageError(f"{where} {value!r}: give auto, off or a draft length like 3") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"{where} {value!r}: give auto, off or a draft length like 3")
+    if value < 0:
+        raise UsageError(f"{where} {value}: give auto, off or a draft length of 1 or more")
+    if value == 0:
+        return OFF
+    if most is not None and value > most:
+        raise UsageError(f"{where} {value}: this checkpoint's drafter drafts at most {most} tokens")
+    return value
+
+
+class Drafter(Protocol):
+    """The drafter beside one session (`reset` whenever the session's positions jump)."""
+
+    targets: tuple[int, ...]  # main layers whose "input" streams it reads (none: no taps)
+    block: int  # most drafts per cycle
+    last: int  # the last main position it has observed (-1: none)
+
+    def reset(self) -> None: ...
+
+    def observe(self, taps: np.ndarray, positions: np.ndarray) -> None: ...
+
+    def propose(self, token: int, k: int) -> tuple[list[int], list[float]]:
+        """k draft ids after `token` (picked at position last + 1) and each one's raw confidence."""
+        ...
+
+
+class Policy(Protocol):
+    def most(self, kmax: int) -> int: ...
+
+    def cut(self, confidence: Sequence[float], kmax: int) -> int: ...
+
+    def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None: ...
+
+    def drafted(self, seconds: float) -> None: ...
+
+    def verified(self, k: int, accepted: int, confidence: Sequence[float]) -> None: ...
+
+
+class _Taps:
+    """The session's trace while drafting: the last `keep` rows of the "input" streams of the
+    drafter's target layers, mean over the hc copies ((T, D) per layer), of the passes since
+    `clear`; any trace the session had still runs."""
+
+    def __init__(self, targets: Sequence[int], keep: int, inner) -> None:
+        self.targets, self.keep, self.inner = tuple(targets), keep, inner
+        self.rows: dict[int, list[np.ndarray]] = {t: [] for t in self.targets}
+
+    def __call__(self, what: str, layer: int, x: np.ndarray) -> None:
+        if self.inner is not None:
+            self.inner(what, layer, x)
+        if what == "input" and layer in self.rows:
+            self.rows[layer].append(x[-self.keep :].mean(axis=1, dtype=F32))
+
+    def clear(self) -> None:
+        for v in self.rows.values():
+            v.clear()
+
+    def take(self, n: int) -> np.ndarray:
+        """Rows of the first n positions fed since `clear` (a verification pass's kept prefix), or
+        of as many of their last positions as were kept (a long prefill: each segment's tail, so
+        the last `keep` rows are contiguous)."""
+        per = [np.concatenate(self.rows[t]) for t in self.targets]
+        got = min(p.shape[0] for p in per)
+        return np.concatenate([p[:n] if got >= n else p[-min(got, self.keep) :] for p in per], axis=1)
+
+
+def speculative_generate(
+    session,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    pick: Callable[[np.ndarray], int],
+    drafter: Drafter,
+    policy: Policy,
+    *,
+    setting: str | int = AUTO,
+    uniforms=None,
+    stop_ids: Collection[int] = (),
+    max_pos: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_layer=None,
+    boundaries: Collection[int] = (),
+    logits: np.ndarray | None = None,
+    spans=None,
+) -> Iterator[int]:
+    """`Session.generate` with drafts (see the module docstring): the same arguments and yields;
+    `uniforms` (`PositionUniforms`, the one the pick draws from) is moved to each pick's position.
+    As there, every yielded token but the last has been fed; a caller that closes the generator
+    mid-pass gets the session put back to that rule."""
+    if logits is not None and len(prompt_ids):
+        raise UsageError("generate: give the prompt ids or the logits to continue from, not both")
+    engine = session.engine
+    t0 = time.perf_counter()
+    turn = session.turn = Turn()
+    spec = turn.speculation = SpecCounts(setting=str(setting))
+    engine.phases.turns.append(turn)
+    meter, clock = engine.meter, StepClock(engine.meter)
+    gov, threads = getattr(engine, "governor", None), 0  # decode threads chosen by timing (`engine/threads.py`)
+    inner = session.trace
+    taps = _Taps(drafter.targets, max(drafter.block + 1, getattr(drafter, "window", 1)), inner)
+    session.trace = taps if drafter.targets else inner
+    session.stop_reason = "interrupted"
+    mark = meter() if logits is not None else None
+    fresh = drafter.last != session.pos - 1
+
+    def at(pos: int) -> None:
+        if uniforms is not None:
+            uniforms.at(pos)
+
+    def observe(n: int, start: int, skip: int = 0) -> None:
+        """The drafter sees n rows of the taps collected (after the first `skip`), positions start.."""
+        if drafter.targets and n:
+            rows = taps.take(skip + n)[skip:] if skip else taps.take(n)
+            drafter.observe(rows, np.arange(start + n - rows.shape[0], start + n, dtype=np.int64))
+        else:
+            drafter.last = start + n - 1
+
+    try:
+        if logits is None:
+            start = session.pos
+            if fresh:
+                drafter.reset()
+            logits = session._timed_prefill(turn, t0, prompt_ids, progress, on_layer, boundaries, spans)
+            mark = meter()
+            observe(session.pos - start, start)
+        elif fresh:
+            drafter.reset()
+            drafter.last = session.pos - 1
+        if max_new_tokens <= 0:
+            session.stop_reason = "gen_limit"
+            return
+        at(session.pos)
+        tok = pick(logits)
+        if turn.prompt_tokens is not None:
+            turn.first_token_seconds = time.perf_counter() - t0
+        turn.tokens.append(tok)
+        done = 1
+        stop = _stop(tok in stop_ids, max_pos is not None and session.pos >= max_pos, done == max_new_tokens)
+        carry: list[int] = []  # kept tokens not fed yet (after a rejection): they open the next pass
+        while True:
+            if stop is not None:
+                session.stop_reason = stop
+                yield tok
+                return
+            # the next cycle's drafts, and its pass's reads started, before tok is handed on
+            c0 = time.perf_counter()
+            p0 = session.pos + len(carry)  # tok's position
+            kmax = min(drafter.block, max_new_tokens - done - 1, max_pos - p0 - 1 if max_pos is not None else 1 << 30)
+            k = policy.most(max(0, kmax))
+            drafts: list[int] = []
+            conf: list[float] = []
+            if k > 0:
+                drafts, conf = drafter.propose(tok, k)
+                spent = time.perf_counter() - c0
+                policy.drafted(spent)
+                spec.draft_seconds += spent
+                turn.decode_seconds += spent  # decode time is every pass's and the drafter's
+                turn.profile["other"] += spent
+                k = min(policy.cut(conf, k), k)
+                drafts = drafts[:k]
+            off = len(carry)
+            fed = [*carry, tok, *drafts]
+            session.read_ahead(fed)
+            spec.seconds += time.perf_counter() - c0
+            try:
+                yield tok
+            except GeneratorExit:  # the caller keeps tok: the session holds what is before it
+                if carry:
+                    session.prefill(np.asarray(carry, dtype=np.int64))
+                raise
+            c0 = time.perf_counter()
+            snap = session.snapshot() if k else None
+            plain = len(fed) == 1
+            if gov is not None:  # a one-token pass at the count the governor tries; longer ones at all
+                want = gov.next_threads() if plain else gov.most
+                if want != threads:
+                    threads = want
+                    kernels.set_threads(threads)
+            rows, wall, spent = _pass(session, clock, taps, fed, turn, policy, meter, spec)
+            if gov is not None and plain:
+                gov.record(threads, wall - spent["expert_reads"] - spent["trunk_reads"])
+            outs: list[int] = []
+            t_pick = time.perf_counter()
+            for j in range(k + 1):
+                at(p0 + 1 + j)
+                x = pick(rows[off + j])
+                outs.append(x)
+                done += 1
+                stop = _stop(x in stop_ids, max_pos is not None and p0 + 1 + j >= max_pos, done == max_new_tokens)
+                if stop is not None or j == k or x != drafts[j]:
+                    break
+            turn.profile["sampler"] += time.perf_counter() - t_pick
+            accepted = sum(1 for j, x in enumerate(outs) if j < k and x == drafts[j])
+            if k:
+                policy.verified(k, accepted, conf)
+                spec.verify_passes += 1
+                spec.drafted += k
+                spec.accepted += accepted
+                spec.verified_tokens += k + 1
+            else:
+                spec.steps += 1
+            spec.lengths[k] += 1
+            spec.cycles += 1
+            spec.tokens += len(outs)
+            spec.refeed_tokens += off
+            observe(len(outs), p0, skip=off)  # positions p0.. (tok and the drafts kept)
+            carry = []
+            if off + len(outs) < len(fed):  # a rejection (or a stop inside the pass): back to the kept tokens
+                session.restore(snap)
+                carry = fed[: off + len(outs)]
+                spec.refeeds += 1
+                if stop is not None:  # the reply ends here: the session must hold them now
+                    _pass(session, clock, taps, carry, turn, policy, meter, spec)
+                    spec.refeed_tokens += len(carry)
+                    carry = []
+            turn.tokens.extend(outs)
+            turn.decode_steps += len(outs)  # one per token fed: as many as without drafts
+            spec.seconds += time.perf_counter() - c0
+            i = 0
+            try:
+                for i, x in enumerate(outs[:-1]):
+                    yield x
+            except GeneratorExit:  # the caller stopped at outs[i]: feed only what comes before it
+                session.restore(snap)
+                session.prefill(np.asarray(fed[: off + 1 + i], dtype=np.int64))
+                del turn.tokens[len(turn.tokens) - len(outs) + i + 1 :]
+                raise
+            tok = outs[-1]
+    finally:
+        if gov is not None and threads not in (0, gov.most):
+            kernels.set_threads(gov.most)  # prefills keep every thread
+        session.trace = inner
+        turn.stop_reason = session.stop_reason
+        turn.seconds = time.perf_counter() - t0
+        if mark is not None:
+            now = meter()
+            turn.decode_expert_bytes = now.expert_bytes_read - mark.expert_bytes_read
+            turn.decode_engram_bytes = now.engram_bytes_read - mark.engram_bytes_read
+            spec.expert_bytes = turn.decode_expert_bytes
+
+
+def _pass(session, clock: StepClock, taps: _Taps, ids: list[int], turn: Turn, policy, meter, spec: SpecCounts):
+    """One main-model pass of `ids`, timed into the turn, the figures and the policy: its logits
+    rows, its wall seconds and its seconds by phase."""
+    taps.clear()
+    c0 = meter()
+    clock.begin()
+    rows = session.prefill(np.asarray(ids, dtype=np.int64))
+    wall, spent = clock.end()
+    c1 = meter()
+    turn.add_step(wall, spent)
+    turn.decode_steps -= 1  # counted per token fed by the caller
+    read = c1.expert_bytes_read - c0.expert_bytes_read
+    policy.passed(len(ids), wall, read, c1.expert_read_seconds - c0.expert_read_seconds)
+    if len(ids) == 1:
+        spec.ones += 1
+        spec.one_seconds += wall
+    return rows, wall, spent
+
+
+def _stop(eos: bool, context_full: bool, gen_limit: bool) -> str | None:
+    if eos:
+        return "eos"
+    if context_full:
+        return "context_full"
+    return "gen_limit" if gen_limit else None
