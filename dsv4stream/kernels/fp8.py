@@ -27,6 +27,7 @@ from .jit import (
     _e4m3,
     _finish,
     _fma,
+    _half_to_f32,
     _item_ptr,
     _lane_sum,
     _nn,
@@ -203,7 +204,7 @@ def _e4m3_v32(builder, raw):
     bits = builder.and_(builder.shl(v, c(7)), c(-0x4080))
     is_nan = builder.icmp_unsigned("==", builder.and_(v, c(0x7F)), c(0x7F))
     bits = builder.select(is_nan, c(0x7E00), bits)
-    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), 32)), _V32F)
+    return _half_to_f32(builder, bits, 32)
 
 
 def _splat32(builder, v):
