@@ -284,3 +284,36 @@ def test_a_fast_run_loads_its_fast_kernels_compiled_apart_and_an_exact_run_compi
         used |= {f"q8.{v('fp4')}", "q8._quantize"}
     assert {k for k, sig in fast["ready"].items() if sig} == used  # warmed before the first token
     assert out["misses"] and set(out["misses"].values()) == {0}  # loaded, never compiled, in the run
+
+
+@pytest.mark.parametrize(
+    ("kind", "numerics", "mode"), [("v4", None, "exact"), ("v4-256", "fast", "fast"), ("v41", None, "exact")]
+)
+def test_logits_compiles_its_forms_apart_before_the_engine_opens(ckpts, kind, numerics, mode, monkeypatch, tmp_path):
+    """`dsv4 logits` opens an Engine, not a Runtime: it must still compile its checkpoint's forms
+    in children (the cold cache's progress line) and load them before its pass. numerics None:
+    the family's default (V4 exact; V4.1 official, whose kernels are exact)."""
+    from click.testing import CliRunner
+
+    from dsv4stream.cli import logits as logits_cli
+    from dsv4stream.engine.session import Engine
+
+    calls: list = []
+    real_open = Engine.open
+
+    def compile_apart(forms, say=None, children=None):
+        calls.append(("apart", forms))
+
+    def opened(*a, **kw):
+        calls.append(("engine", None))
+        return real_open(*a, **kw)
+
+    monkeypatch.setattr(kcompile, "compile_kernels_apart", compile_apart)
+    monkeypatch.setattr(kernels, "warmup", lambda forms=None: calls.append(("warmup", forms)) or 0.0)
+    monkeypatch.setattr(logits_cli.Engine, "open", opened)
+    args = [str(ckpts[kind]), "--tokens", "1,2,3", "--out", str(tmp_path / "l.npy")]
+    res = CliRunner().invoke(logits_cli.logits, args + (["--numerics", numerics] if numerics else []))
+    kernels.set_numerics("exact")
+    assert res.exit_code == 0, res.output
+    want = kcompile.checkpoint_forms(Catalog.open(ckpts[kind]), mode)
+    assert calls == [("apart", want), ("warmup", want), ("engine", None)]

@@ -66,6 +66,20 @@ def checkpoint_forms(cat: Catalog, numerics: str = "exact") -> tuple[str, ...]:
     return tuple(f for f in warm.FORMS if f in need)
 
 
+def prepare_kernels(cat: Catalog, numerics: str | None, say: Warn | None = None) -> float:
+    """Everything `cat` reaches under `numerics` (an engine's mode; None: the family's default)
+    compiled before the first token: in children where the cache lacks it (`compile_kernels_apart`,
+    with its progress line), then loaded here (`kernels.warmup`). Returns the seconds the load
+    took. `Runtime.open` does this inside its open; a command that opens an `Engine` itself
+    (`dsv4 logits`) calls it first, so its first product does not compile in-process, silently."""
+    from ..engine.numerics import DEFAULTS, canonical, kernel_mode
+
+    mode = kernel_mode(cat.config.family, canonical(numerics) if numerics else DEFAULTS[cat.config.family])
+    forms = checkpoint_forms(cat, mode)
+    compile_kernels_apart(forms, say)
+    return kernels.warmup(forms)
+
+
 def split(units: list[str], children: int) -> list[list[str]]:
     """Units in at most `children` lists, each numba function's units in one list, the lists
     balanced by `warm.cost` (longest function first onto the least loaded list)."""
