@@ -34,7 +34,17 @@ from .jit import (
     _stack_f32,
     _stack_f64,
 )
-from .tiles import CHUNK, LANES, MAX_BLOCKS, ROW_TILE, _chunk_start, _chunk_times_tokens, _prefetch_next_chunk, _row_rel
+from .tiles import (
+    CHUNK,
+    LANES,
+    MAX_BLOCKS,
+    ROW_TILE,
+    _chunk_start,
+    _chunk_times_tokens,
+    _prefetch_next_chunk,
+    _row_rel,
+    _tile_rels,
+)
 
 # FP8 rows a wide matvec takes per pass over x (divides the row block, so they share one scale).
 # A row of >= `fast.WIDE_COLS` columns has an x that does not stay in L1 beside the weight
@@ -164,11 +174,7 @@ def _fp8_mm(w, s, br, bc, xs, out, accs, tiles, rels):
         fac = carray(_stack_f64(ROW_TILE), (ROW_TILE,))
         for ti in range(_chunk_start(c, nch, ntiles), _chunk_start(c + 1, nch, ntiles)):
             r0 = ti * ROW_TILE
-            nr = min(ROW_TILE, rows - r0)
-            for q in range(nr):
-                fac[q] = _row_rel(s[(r0 + q) // br], 8, rel[q * MAX_BLOCKS :])
-            if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
-                tile[:] = 0
+            nr = _tile_rels(s, r0, rows, br, 8, rel, fac, tile)
             nc = (cols + CHUNK - 1) // CHUNK
             for ci in range(nc):
                 c0 = ci * CHUNK

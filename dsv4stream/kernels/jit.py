@@ -120,9 +120,10 @@ def _half_to_f32(builder, bits, lanes: int = 0):
     process aborts ("Symbol not found"). There the conversion is done on the integer bits: a
     normal or non-finite half is re-biased into float32's exponent (+112, or to 255), a subnormal
     or zero is its 10-bit mantissa (an integer, exact in float32) times 2^-24. Same values."""
-    from . import cpu  # the target's features, its name's defaults included (haswell has F16C)
-
-    if "f16c" in cpu.features():
+    # `_host_has`: a pinned target counts only the features it names (NUMBA_CPU_NAME=haswell with
+    # NUMBA_CPU_FEATURES= takes this integer path too: slower, the same values, never an
+    # instruction the target may lack)
+    if _host_has("f16c"):
         ty = ir.VectorType(ir.HalfType(), lanes) if lanes else ir.HalfType()
         return builder.fpext(builder.bitcast(bits, ty), ir.VectorType(_F32, lanes) if lanes else _F32)
 
