@@ -38,6 +38,8 @@ def ckpts(tmp_path_factory, tiny_v41):
         "v4": synth.make_checkpoint(d / "v4", preset="tiny", seed=2),
         "v4-float-scales": synth.make_checkpoint(d / "f32", preset="tiny", seed=2, scale_fmt="float"),
         "v41": tiny_v41,
+        # experts 256 wide both ways: the width the FP4 x int8 kernel takes (tiny's 64 and 32 are not)
+        "v4-256": synth.make_checkpoint(d / "w256", preset="tiny", seed=2, hidden_size=256, moe_intermediate_size=256),
     }
 
 
@@ -196,29 +198,34 @@ def test_a_changed_shared_helper_recompiles_every_kernel_that_inlines_it(tmp_pat
         assert got["every_kernel_in"] == [got["dir"]]  # every kernel of the package: one folder
 
 
-def test_a_fast_run_adds_the_fast_kernels_of_its_kinds_and_an_exact_run_none(ckpts, monkeypatch):
+def test_a_fast_run_adds_the_fast_kernels_its_weights_widths_reach_and_an_exact_run_none(ckpts, monkeypatch):
     from dsv4stream.kernels import cpu
 
     v4 = Catalog.open(ckpts["v4"])
     exact = kcompile.checkpoint_forms(v4)
     assert kcompile.checkpoint_forms(v4, "official") == exact and not any(f.startswith("fast-") for f in exact)
     fast = kcompile.checkpoint_forms(v4, "fast")
-    assert fast == tuple(f for f in warm.FORMS if f in {*exact, *warm.fast_forms(exact)})
+    assert set(exact) <= set(fast) and fast == tuple(f for f in warm.FORMS if f in fast)
     if all(cpu.variant(k) for k in ("fp4", "fp8", "bf16")):
-        assert set(fast) - set(exact) == {"fast-fp4/e8m0", "fast-fp8/e8m0", "fast-bf16"}
+        # tiny's FP4 experts are 64 and 32 wide: the FP4 x int8 kernel takes multiples of 256 only
+        assert set(fast) - set(exact) == {"fast-fp8/e8m0", "fast-bf16"}
+        wide = kcompile.checkpoint_forms(Catalog.open(ckpts["v4-256"]), "fast")
+        assert set(wide) - set(exact) == {"fast-fp4/e8m0", "fast-fp8/e8m0", "fast-bf16"}
         floats = kcompile.checkpoint_forms(Catalog.open(ckpts["v4-float-scales"]), "fast")
-        assert {"fast-fp4/f32", "fast-fp8/f32"} <= set(floats)
+        assert "fast-fp8/f32" in floats and "fast-fp4/f32" not in floats
         v41 = kcompile.checkpoint_forms(Catalog.open(ckpts["v41"]), "fast")
         assert "fast-fp8/e8m0" in v41  # its 32x32 blocks: the same driver, the block an argument
-        units = warm.units(set(fast) - set(exact))
+        units = warm.units(set(wide) - set(exact))
         assert units and all(u in warm.COST for u in units)
+        assert warm.fast_form_of("fp4", 1, 4096) == "fast-fp4/e8m0" and warm.fast_form_of("fp4", 1, 4000) is None
+        assert warm.fast_form_of("fp8", 4, 64) == "fast-fp8/f32" and warm.fast_form_of("f32", None, 64) is None
     monkeypatch.setattr(cpu, "variant", lambda kind: None)  # a target without AVX2: exact kernels only
     assert kcompile.checkpoint_forms(v4, "fast") == exact
 
 
 _FAST_RUN = r"""
 import json, sys
-from dsv4stream.kernels import bf16, q8
+from dsv4stream.kernels import attn, bf16, fp4, fp8, plain, q8, qdq, sinkhorn
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.runtime import Runtime
 
@@ -226,31 +233,40 @@ def fast_kernels():
     ds = {f"q8.{v}": d for v, d in q8._DRIVERS.items()} | {f"bf16.{k}.{v}": d for (k, v), d in bf16._DRIVERS.items()}
     return ds | {"q8._quantize": q8._quantize, "bf16._round_rows": bf16._round_rows}
 
-def sigs():
-    return {k: sorted(map(str, d.signatures)) for k, d in fast_kernels().items()}
+def exact_kernels():
+    return {f"{m.__name__}.{k}": v for m in (fp4, fp8, plain, attn, qdq, sinkhorn)
+            for k, v in vars(m).items() if hasattr(v, "py_func")}
+
+def sigs(kernels):
+    return {k: sorted(map(str, d.signatures)) for k, d in kernels.items()}
 
 out = {}
 for mode in ("exact", "fast"):
     with Runtime.open(sys.argv[1], RunOptions(budget=int(3e9), numerics=mode)) as rt:
-        ready = sigs()
+        ready, ready_exact = sigs(fast_kernels()), sigs(exact_kernels())
         got = list(rt.generate(rt.session(), list(range(5, 75)), 4))  # a long prefill, then decode
-    out[mode] = {"tokens": len(got), "ready": ready, "grown": {k: v for k, v in sigs().items() if v != ready.get(k)}}
+    grown = {k: v for k, v in sigs(fast_kernels()).items() if v != ready.get(k)}
+    grown |= {k: v for k, v in sigs(exact_kernels()).items() if v != ready_exact.get(k)}
+    out[mode] = {"tokens": len(got), "ready": ready, "grown": grown}
 out["misses"] = {k: sum(d.stats.cache_misses.values()) for k, d in fast_kernels().items()}
 print(json.dumps(out))
 """
 
 
-def test_a_fast_run_loads_its_fast_kernels_compiled_apart_and_an_exact_run_compiles_none(ckpts):
+@pytest.mark.parametrize("kind", ["v4-256", "v4"])
+def test_a_fast_run_loads_its_fast_kernels_compiled_apart_and_an_exact_run_compiles_none(ckpts, kind):
     """Runtime.open warms the forms of its numerics (children compile what the cache lacks): an
-    exact run must not touch the fast kernels, a fast run must have loaded every fast kernel its
-    first tokens use from the cache before them (none compiled in this process: no cache miss)."""
+    exact run must not touch the fast kernels, a fast run must have loaded every kernel its first
+    tokens use, fast or exact, from the cache before them (nothing compiled in this process: no
+    new signature, no cache miss). v4-256's experts are as wide as the FP4 x int8 kernel takes,
+    tiny's are not (its FP4 products stay exact, and the FP4 driver is never built)."""
     from dsv4stream.kernels import cpu
 
     if not all(cpu.variant(k) for k in ("fp4", "fp8", "bf16")):
         pytest.skip("this CPU target has no fast kernel for every kind")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run(
-        [sys.executable, "-c", _FAST_RUN, str(ckpts["v4"])],
+        [sys.executable, "-c", _FAST_RUN, str(ckpts[kind])],
         env=env,
         capture_output=True,
         text=True,
@@ -263,7 +279,41 @@ def test_a_fast_run_loads_its_fast_kernels_compiled_apart_and_an_exact_run_compi
     fast = out["fast"]
     assert fast["tokens"] == 4 and fast["grown"] == {}
     v = cpu.variant
-    used = {f"q8.{v('fp4')}", f"bf16.fp8.{v('fp8')}", f"bf16.bf16.{v('bf16')}", "q8._quantize", "bf16._round_rows"}
-    assert set(fast["ready"]) == used  # every kind's driver, created at open
-    assert all(fast["ready"].values())  # each fast kernel warmed before the first token
+    used = {f"bf16.fp8.{v('fp8')}", f"bf16.bf16.{v('bf16')}", "bf16._round_rows"}
+    if kind == "v4-256":
+        used |= {f"q8.{v('fp4')}", "q8._quantize"}
+    assert {k for k, sig in fast["ready"].items() if sig} == used  # warmed before the first token
     assert out["misses"] and set(out["misses"].values()) == {0}  # loaded, never compiled, in the run
+
+
+@pytest.mark.parametrize(
+    ("kind", "numerics", "mode"), [("v4", None, "exact"), ("v4-256", "fast", "fast"), ("v41", None, "exact")]
+)
+def test_logits_compiles_its_forms_apart_before_the_engine_opens(ckpts, kind, numerics, mode, monkeypatch, tmp_path):
+    """`dsv4 logits` opens an Engine, not a Runtime: it must still compile its checkpoint's forms
+    in children (the cold cache's progress line) and load them before its pass. numerics None:
+    the family's default (V4 exact; V4.1 official, whose kernels are exact)."""
+    from click.testing import CliRunner
+
+    from dsv4stream.cli import logits as logits_cli
+    from dsv4stream.engine.session import Engine
+
+    calls: list = []
+    real_open = Engine.open
+
+    def compile_apart(forms, say=None, children=None):
+        calls.append(("apart", forms))
+
+    def opened(*a, **kw):
+        calls.append(("engine", None))
+        return real_open(*a, **kw)
+
+    monkeypatch.setattr(kcompile, "compile_kernels_apart", compile_apart)
+    monkeypatch.setattr(kernels, "warmup", lambda forms=None: calls.append(("warmup", forms)) or 0.0)
+    monkeypatch.setattr(logits_cli.Engine, "open", opened)
+    args = [str(ckpts[kind]), "--tokens", "1,2,3", "--out", str(tmp_path / "l.npy")]
+    res = CliRunner().invoke(logits_cli.logits, args + (["--numerics", numerics] if numerics else []))
+    kernels.set_numerics("exact")
+    assert res.exit_code == 0, res.output
+    want = kcompile.checkpoint_forms(Catalog.open(ckpts[kind]), mode)
+    assert calls == [("apart", want), ("warmup", want), ("engine", None)]

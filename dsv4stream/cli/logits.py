@@ -25,11 +25,13 @@ from pathlib import Path
 import click
 import numpy as np
 
+from ..checkpoint.catalog import Catalog
 from ..engine.images import decode_images, image_prompt
 from ..engine.session import Engine
 from ..engine.stack_v41 import V41Options
 from ..errors import UsageError
 from ..files import AtomicFile, read_regular
+from ..run.compile import prepare_kernels
 from ..text.image import TEXT, read_image_file
 from .numerics_option import numerics_option
 from .outputs import check_output
@@ -170,7 +172,12 @@ def logits(
     opts = V41Options(index_keys=index_keys) if index_keys is not None else None
     if draft_out is not None:
         check_output(draft_out, "--draft-out")
-    eng = Engine.open(checkpoint, threads=threads, v41=opts, numerics=numerics)
+    cat = Catalog.open(checkpoint)
+    cat.validate()
+    # the kernels this checkpoint's numerics reach, compiled in children (with the progress line)
+    # and loaded before the pass, as `Runtime.open` does for run, serve, bench and perplexity
+    prepare_kernels(cat, numerics, say=lambda m: click.echo(f"dsv4: {m}", err=True))
+    eng = Engine.open(checkpoint, threads=threads, v41=opts, numerics=numerics, validate=False)
     spans, types = None, np.full(ids.size, TEXT, dtype=np.int64)
     # with a vision tower every marker needs its image; without one (and no --image) the
     # marker id is an ordinary token, as in DeepSeek's forward without token types

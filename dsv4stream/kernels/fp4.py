@@ -45,6 +45,7 @@ from .tiles import (
     _chunk_start,
     _prefetch_next_chunk,
     _row_rel,
+    _tile_rels,
 )
 
 FP4_LANES = 32  # lane h*16 + k: even * scale * x_even, then odd * scale * x_odd; 32-blocks of parity h
@@ -301,11 +302,7 @@ def _fp4_mm(w, s, xe, xo, out, accs, tiles, rels):
         fac = carray(_stack_f64(ROW_TILE), (ROW_TILE,))
         for ti in range(_chunk_start(c, nch, ntiles), _chunk_start(c + 1, nch, ntiles)):
             r0 = ti * ROW_TILE
-            nr = min(ROW_TILE, rows - r0)
-            for q in range(nr):
-                fac[q] = _row_rel(s[r0 + q], 14, rel[q * MAX_BLOCKS :])
-            if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
-                tile[:] = 0
+            nr = _tile_rels(s, r0, rows, 1, 14, rel, fac, tile)
             nc = (cols + CHUNK - 1) // CHUNK
             for ci in range(nc):
                 c0 = ci * CHUNK

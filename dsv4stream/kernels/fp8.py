@@ -27,13 +27,24 @@ from .jit import (
     _e4m3,
     _finish,
     _fma,
+    _half_to_f32,
     _item_ptr,
     _lane_sum,
     _nn,
     _stack_f32,
     _stack_f64,
 )
-from .tiles import CHUNK, LANES, MAX_BLOCKS, ROW_TILE, _chunk_start, _chunk_times_tokens, _prefetch_next_chunk, _row_rel
+from .tiles import (
+    CHUNK,
+    LANES,
+    MAX_BLOCKS,
+    ROW_TILE,
+    _chunk_start,
+    _chunk_times_tokens,
+    _prefetch_next_chunk,
+    _row_rel,
+    _tile_rels,
+)
 
 # FP8 rows a wide matvec takes per pass over x (divides the row block, so they share one scale).
 # A row of >= `fast.WIDE_COLS` columns has an x that does not stay in L1 beside the weight
@@ -163,11 +174,7 @@ def _fp8_mm(w, s, br, bc, xs, out, accs, tiles, rels):
         fac = carray(_stack_f64(ROW_TILE), (ROW_TILE,))
         for ti in range(_chunk_start(c, nch, ntiles), _chunk_start(c + 1, nch, ntiles)):
             r0 = ti * ROW_TILE
-            nr = min(ROW_TILE, rows - r0)
-            for q in range(nr):
-                fac[q] = _row_rel(s[(r0 + q) // br], 8, rel[q * MAX_BLOCKS :])
-            if nr < ROW_TILE:  # the missing rows are multiplied too (their lanes are dropped)
-                tile[:] = 0
+            nr = _tile_rels(s, r0, rows, br, 8, rel, fac, tile)
             nc = (cols + CHUNK - 1) // CHUNK
             for ci in range(nc):
                 c0 = ci * CHUNK
@@ -203,7 +210,7 @@ def _e4m3_v32(builder, raw):
     bits = builder.and_(builder.shl(v, c(7)), c(-0x4080))
     is_nan = builder.icmp_unsigned("==", builder.and_(v, c(0x7F)), c(0x7F))
     bits = builder.select(is_nan, c(0x7E00), bits)
-    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), 32)), _V32F)
+    return _half_to_f32(builder, bits, 32)
 
 
 def _splat32(builder, v):

@@ -112,6 +112,40 @@ _F32, _F64 = ir.FloatType(), ir.DoubleType()
 # ---- bit-level helpers (LLVM IR: 16/32-bit integer lanes; numba would widen to int64) ----------
 
 
+def _half_to_f32(builder, bits, lanes: int = 0):
+    """float16 bit patterns (i16, or <lanes x i16>) -> float32, exactly.
+
+    Where the target has F16C this is LLVM's `fpext` (one `vcvtph2ps`). Without it LLVM lowers
+    `fpext half` to a call of compiler-rt's `__extendhfsf2`, which numba does not link: the
+    process aborts ("Symbol not found"). There the conversion is done on the integer bits: a
+    normal or non-finite half is re-biased into float32's exponent (+112, or to 255), a subnormal
+    or zero is its 10-bit mantissa (an integer, exact in float32) times 2^-24. Same values."""
+    # `_host_has`: a pinned target counts only the features it names (NUMBA_CPU_NAME=haswell with
+    # NUMBA_CPU_FEATURES= takes this integer path too: slower, the same values, never an
+    # instruction the target may lack)
+    if _host_has("f16c"):
+        ty = ir.VectorType(ir.HalfType(), lanes) if lanes else ir.HalfType()
+        return builder.fpext(builder.bitcast(bits, ty), ir.VectorType(_F32, lanes) if lanes else _F32)
+
+    def ty(t):
+        return ir.VectorType(t, lanes) if lanes else t
+
+    def c(k, t=_I32):
+        return ir.Constant(ty(t), [k] * lanes if lanes else k)
+
+    h = builder.zext(bits, ty(_I32))
+    mag = builder.and_(h, c(0x7FFF))
+    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+    exp = builder.and_(h, c(0x7C00))
+    shifted = builder.shl(mag, c(13))
+    normal = builder.add(shifted, c(112 << 23))
+    special = builder.add(shifted, c(224 << 23))  # exponent 31 (inf / NaN) -> 255
+    sub = builder.fmul(builder.sitofp(mag, ty(_F32)), c(2.0**-24, _F32))  # exponent 0: mag is the mantissa
+    pick = builder.select(builder.icmp_unsigned("==", exp, c(0x7C00)), special, normal)
+    pick = builder.select(builder.icmp_unsigned("==", exp, c(0)), builder.bitcast(sub, ty(_I32)), pick)
+    return builder.bitcast(builder.or_(pick, sign), ty(_F32))
+
+
 def _decode_via_half(builder, byte, mag_shift: int, sign_shift: int, mag_mask: int, lanes: int = 0):
     """uint8 -> float32 through a float16 bit pattern: ((b << mag_shift) & mag_mask) | sign; on a
     vector of `lanes` bytes when lanes > 0."""
@@ -125,7 +159,7 @@ def _decode_via_half(builder, byte, mag_shift: int, sign_shift: int, mag_mask: i
     v = builder.zext(byte, ty(_I16))
     mag = builder.and_(builder.shl(v, const(mag_shift)), const(mag_mask))
     sgn = builder.and_(builder.shl(v, const(sign_shift)), const(-0x8000))
-    return builder.fpext(builder.bitcast(builder.or_(mag, sgn), ty(ir.HalfType())), ty(_F32))
+    return _half_to_f32(builder, builder.or_(mag, sgn), lanes)
 
 
 def _item_ptr(context, builder, aryty, ary, inds, elem: ir.Type):
@@ -167,7 +201,7 @@ def _e4m3(typingctx, b):
         bits = builder.and_(builder.shl(v, ir.Constant(_I16, 7)), ir.Constant(_I16, -0x4080))
         is_nan = builder.icmp_unsigned("==", builder.and_(v, ir.Constant(_I16, 0x7F)), ir.Constant(_I16, 0x7F))
         bits = builder.select(is_nan, ir.Constant(_I16, 0x7E00), bits)
-        return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
+        return _half_to_f32(builder, bits)
 
     return types.float32(types.uint8), codegen
 

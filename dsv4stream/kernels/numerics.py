@@ -7,8 +7,9 @@
   (wo_a, which V4's reference holds in BF16). That is the set DeepSeek's V4 `inference/model.py`
   quantizes: wq_a, wq_b, wkv, wo_b, the indexer's wq_b, the shared and routed experts; not the
   compressors (float32 there), the indexer's weights_proj and the gate (BF16 / float32), wo_a,
-  the head. (Its KV grids, FP8 window / compressed KV and the indexer's FP4 q / keys after a
-  Hadamard rotation, are not applied: `official` here is the linears' activation grid only.) (V4.1's official grid is applied by its model before the
+  the head. V4's KV grids (window / compressed KV on E4M3, the indexer's FP4 after a Hadamard
+  rotation: `actquant.kv_grid_v4`, `index_grid_v4`) are applied by V4's attention, which reads
+  the mode from `kernels.get_numerics`. (V4.1's official grid is applied by its model before the
   linears: run V4.1's official numerics with this switch on "exact".)
 - fast: FP4 weights x int8 activations (`q8.py`), FP8 and BF16 weights x BF16 activations
   (`bf16.py`), on the variant `cpu.variant` allows; a weight no fast kernel takes (float32, a

@@ -3,7 +3,7 @@ and the loop that multiplies a decoded row tile by blocks of tokens.
 
 Owns: the shape constants of the lanes and tiles (`LANES`, `MAX_BLOCKS`, `ROW_TILE`, `TOKS`,
 `CHUNK`), `_row_rel` (a row's block scales as powers of two relative to its largest, and the
-row factor applied at the end), and the tile loop of the FP8 / BF16 / F32 matmuls
+row factor applied at the end), `_tile_rels` (the head of FP4's and FP8's matmul row tiles), and the tile loop of the FP8 / BF16 / F32 matmuls
 (`_chunk_times_tokens`, with `_block_start` / `_block_out` / `_chunk_start` that FP4's
 matmul uses too). Does not own the decodes (`fp4.py`, `fp8.py`, `plain.py`) nor the
 dispatch (`fast.py`); the arithmetic they all follow is written down in `fast.py`.
@@ -102,6 +102,21 @@ def _row_rel(srow, shift, rel):
 # float32, 16 KiB: stays in L1 next to the token slices it meets) and the lanes of every
 # (token, row) pair (MAX_TOKENS x 4 x 32). Scratch cannot alias the weights, so LLVM
 # vectorises the decode and keeps the lanes in registers without runtime checks.
+
+
+@njit(**_INLINE)
+def _tile_rels(s, r0, rows, scale_rows, shift, rel, fac, tile):
+    """The head of a matmul's row tile at r0 (FP4's and FP8's): each of its rows' block scales
+    relative to the row's largest into rel (row q at rel[q * MAX_BLOCKS :]) and the row's
+    factor into fac; weight row r takes scale row s[r // scale_rows] (FP4: 1, FP8: the block's
+    height; inlined, so FP4's division by the literal 1 is gone). A short last tile is zeroed:
+    its missing rows are multiplied too, and their lanes dropped. Returns the tile's rows."""
+    nr = min(ROW_TILE, rows - r0)
+    for q in range(nr):
+        fac[q] = _row_rel(s[(r0 + q) // scale_rows], shift, rel[q * MAX_BLOCKS :])
+    if nr < ROW_TILE:
+        tile[:] = 0
+    return nr
 
 
 @njit(**_INLINE)

@@ -18,7 +18,8 @@ float32 scales come from generated checkpoints. Compiling every form costs about
 one checkpoint needs (docs/kernels.md has the figures).
 
 The `fast-*` forms are the fast-numerics drivers (`q8.py`, `bf16.py`) at this CPU's variant:
-only runs whose numerics are fast need them (`fast_forms`, `run/compile.checkpoint_forms`).
+only runs whose numerics are fast need them, and only for weights whose widths the fast kernels
+take (`fast_form_of`, `run/compile.checkpoint_forms`).
 """
 
 from __future__ import annotations
@@ -156,18 +157,20 @@ def form_of(kind: str, scale_itemsize: int | None = None, block: tuple[int, int]
     raise ValueError(f"unknown weight kind {kind!r}")
 
 
-def fast_forms(forms: Iterable[str]) -> tuple[str, ...]:
-    """The fast-numerics forms that the products of (exact) `forms` reach on this CPU target, in
-    FORMS order: none for float32 weights, nor for a kind `cpu.variant` gives no fast kernel
-    (those products run the exact kernels)."""
-    from . import cpu
+def fast_form_of(kind: str, scale_itemsize: int | None, cols: int) -> str | None:
+    """The fast-numerics form a weight of `kind` and `cols` columns reaches on this CPU target, or
+    None where its products run the exact kernels: float32 weights, a kind `cpu.variant` gives
+    no fast kernel, or a width the fast kernel does not take (`q8.supports`, `bf16.supports`),
+    the same tests `numerics.fast_variant` makes per call."""
+    from . import bf16, cpu, q8
 
-    want = set()
-    for form in forms:
-        kind = form.split("/")[0].split("-")[0]
-        if kind in ("fp4", "fp8", "bf16") and cpu.variant(kind) is not None:
-            want.add("fast-" + form.replace("fp8-32/", "fp8/"))
-    return tuple(f for f in _FAST if f in want)
+    if kind not in ("fp4", "fp8", "bf16") or cpu.variant(kind) is None:
+        return None
+    if not (q8.supports(cols) if kind == "fp4" else bf16.supports(cols)):
+        return None
+    if kind == "bf16":
+        return "fast-bf16"
+    return f"fast-{kind}/{'e8m0' if scale_itemsize == 1 else 'f32'}"
 
 
 def units(forms: Iterable[str]) -> list[str]:

@@ -39,8 +39,10 @@ def checkpoint_forms(cat: Catalog, numerics: str = "exact") -> tuple[str, ...]:
 
     Every model runs attention ("base") and mHC's float32 products ("f32"); the rest follows the
     stored dtypes of its 2-D tensors (a quantised weight's form also takes its scale's dtype and
-    the config's FP8 block). Under "fast" the fast kernels of those kinds join them
-    (`warm.fast_forms`): the exact ones stay, for the products the fast kernels do not take."""
+    the config's FP8 block). Under "fast" a weight also reaches the fast kernel of its kind where
+    that kernel takes its width (`warm.fast_form_of`): a checkpoint none of whose FP4 weights is
+    a multiple of 256 wide never calls the FP4 x int8 driver, so it is not compiled. The exact
+    forms stay: the products the fast kernels do not take run them."""
     need = {"base", "f32"}
     for name, e in cat.entries.items():
         if len(e.shape) != 2:
@@ -50,12 +52,32 @@ def checkpoint_forms(cat: Catalog, numerics: str = "exact") -> tuple[str, ...]:
             if s is None:
                 continue  # not a quantised linear (an I8 table, say)
             kind = "fp4" if e.dtype == "I8" else "fp8"
-            need.add(warm.form_of(kind, 1 if s.dtype in ("F8_E8M0", "U8", "I8") else 4, cat.config.fp8_block))
+            size = 1 if s.dtype in ("F8_E8M0", "U8", "I8") else 4
+            need.add(warm.form_of(kind, size, cat.config.fp8_block))
+            cols = e.shape[1] * (2 if kind == "fp4" else 1)  # FP4: two values a byte
         elif e.dtype == "BF16":
+            kind, size, cols = "bf16", None, e.shape[1]
             need.add("bf16")
-    if numerics == "fast":
-        need.update(warm.fast_forms(need))
+        else:
+            continue
+        if numerics == "fast":
+            need.add(warm.fast_form_of(kind, size, cols))
+    need.discard(None)
     return tuple(f for f in warm.FORMS if f in need)
+
+
+def prepare_kernels(cat: Catalog, numerics: str | None, say: Warn | None = None) -> float:
+    """Everything `cat` reaches under `numerics` (an engine's mode; None: the family's default)
+    compiled before the first token: in children where the cache lacks it (`compile_kernels_apart`,
+    with its progress line), then loaded here (`kernels.warmup`). Returns the seconds the load
+    took. `Runtime.open` does this inside its open; a command that opens an `Engine` itself
+    (`dsv4 logits`) calls it first, so its first product does not compile in-process, silently."""
+    from ..engine.numerics import DEFAULTS, canonical, kernel_mode
+
+    mode = kernel_mode(cat.config.family, canonical(numerics) if numerics else DEFAULTS[cat.config.family])
+    forms = checkpoint_forms(cat, mode)
+    compile_kernels_apart(forms, say)
+    return kernels.warmup(forms)
 
 
 def split(units: list[str], children: int) -> list[list[str]]:

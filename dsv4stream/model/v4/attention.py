@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...checkpoint.config import CSA, WINDOW, ModelConfig
-from ...kernels import attend, matmul, matmul_grouped
+from ...kernels import attend, get_numerics, matmul, matmul_grouped
+from ...kernels.actquant import index_grid_v4, kv_grid_v4
 from ..cache import WindowCache
 from ..ops import rms_norm
 from ..projections import AttnProjections
@@ -78,6 +79,12 @@ def attention(
     q = rms_norm(matmul(w.wq_b, q_res).reshape(t, h, hd), None, eps)
     q = apply_rope(q, cos, sin, in_place=True)
     kv = apply_rope(rms_norm(matmul(w.wkv, x), w.kv_norm, eps), cos, sin, in_place=True)
+    # `official`: what V4's reference keeps is rounded as it rounds it (kernels/actquant.py):
+    # the window KV and the compressed rows on E4M3 (RoPE channels kept), the indexer on FP4
+    official = get_numerics() == "official"
+    rd = cfg.qk_rope_head_dim
+    if official:
+        kv = kv_grid_v4(kv, rd)
 
     # held rows then the chunk's, for a step too: the same keys in the same order whatever the
     # chunking, so a state restored mid-prompt (the server's prefix cache) gives the same bits
@@ -88,13 +95,14 @@ def attention(
 
     comp = comp_mask = comp_idx = None
     if w.ratio:
-        compress(st.comp, x, w.compressor, rope, eps)
+        compress(st.comp, x, w.compressor, rope, eps, (lambda r: kv_grid_v4(r, rd)) if official else None)
         comp = st.comp.rows
         closed = (positions + 1) // w.ratio  # rows a query at each position may use
         if w.indexer is None:
             comp_mask = np.arange(comp.shape[0])[None, :] < closed[:, None]
         else:
-            compress(st.index_comp, x, w.indexer.compressor, rope, eps)
+            index_grid = index_grid_v4 if official else None
+            compress(st.index_comp, x, w.indexer.compressor, rope, eps, index_grid)
             comp_idx = select_rows(
                 x,
                 q_res,
@@ -106,6 +114,7 @@ def attention(
                 cfg.index_n_heads,
                 cfg.index_topk,
                 w.ratio,
+                index_grid,
             )
             if on_index is not None:
                 on_index(comp_idx)

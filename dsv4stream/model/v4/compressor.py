@@ -18,6 +18,7 @@ rows emitted so far.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -111,8 +112,18 @@ def pool_windows(
     return np.sum(softmax(sgate, axis=1) * skv, axis=1)
 
 
-def compress(st: CompressorState, x: np.ndarray, w: CompressorWeights, rope: Rope, eps: float) -> np.ndarray:
+def compress(
+    st: CompressorState,
+    x: np.ndarray,
+    w: CompressorWeights,
+    rope: Rope,
+    eps: float,
+    grid: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> np.ndarray:
     """Feed block inputs x (T, D) of the next T positions; returns the rows emitted (m, d).
+
+    grid, if given, rounds the rows after their norm and RoPE, before they are kept (V4's
+    `official` numerics: `kernels.actquant.kv_grid_v4` / `index_grid_v4`).
 
     The rows are also appended to st.rows. Row j of the sequence covers positions
     j*ratio .. j*ratio + ratio - 1, so a query at position t may use rows j < (t+1)//ratio.
@@ -135,5 +146,7 @@ def compress(st: CompressorState, x: np.ndarray, w: CompressorWeights, rope: Rop
     positions = (np.arange(first, first + n) * r).astype(np.int64)
     cos, sin = rope.cos_sin(positions)
     rows = apply_rope(rms_norm(pooled, w.norm, eps), cos, sin, in_place=True)
+    if grid is not None:
+        rows = grid(rows)
     st.out.extend(rows)
     return rows

@@ -12,6 +12,7 @@ closed at position t and never chosen; ties go to the lower row index.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,12 +43,14 @@ def select_rows(
     n_heads: int,
     topk: int,
     ratio: int,
+    grid: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> np.ndarray:
     """Rows each query may attend to: (T, K) row indices, -1 where fewer than K are valid.
 
     x (T, D) block input; q_residual (T, q_lora_rank); cos/sin (T, rd/2) at the query
     positions; keys (n, index_head_dim) the indexer's compressed rows so far.
-    K = min(topk, n); each row's valid entries are in ascending order.
+    K = min(topk, n); each row's valid entries are in ascending order. grid, if given, rounds
+    the roped queries as the keys were (V4's `official`: `kernels.actquant.index_grid_v4`).
     """
     t = x.shape[0]
     n = keys.shape[0]
@@ -55,6 +58,8 @@ def select_rows(
         return np.zeros((t, 0), dtype=np.int64)
     q = matmul(w.wq_b, q_residual).reshape(t, n_heads, -1)
     q = apply_rope(q, cos, sin, in_place=True)
+    if grid is not None:
+        q = grid(q)
     hw = matmul(w.weights_proj, x) * F32(n_heads**-0.5)
     scores = index_scores(q, hw, keys)
     limit = (positions + 1) // ratio  # (T,) rows closed at each query
