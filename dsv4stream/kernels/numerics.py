@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numba
 import numpy as np
 
 from . import actquant, bf16, cpu, q8
@@ -80,18 +79,30 @@ class Router:
     """What `kernels` calls while a mode other than exact is on (a backend's four products).
 
     exact: a callable giving the exact backend (the package's active one, resolved per call so
-    `set_backend` still takes effect); threads: a callable giving the kernel thread count."""
+    `set_backend` still takes effect); threads: called before each fast product, puts the kernel
+    thread count `set_threads` asked for on the calling thread (numba's count is per thread; the
+    exact kernels do the same, `jit._apply_threads`)."""
 
-    def __init__(self, mode: str, exact: Callable, threads: Callable[[], int]):
+    def __init__(self, mode: str, exact: Callable, threads: Callable[[], object]):
         self.mode = check_mode(mode)
         self._exact = exact
         self._threads = threads
+        # (exact backend, kind, cols, C-contiguous) -> variant: what `fast_variant` reads of a
+        # weight, decided once instead of on each of a token's ~100 products
+        self._variants: dict[tuple, str | None] = {}
 
     def _variant(self, w) -> str | None:
-        return fast_variant(w, self._exact()) if self.mode == "fast" else None
+        if self.mode != "fast":
+            return None
+        exact = self._exact()
+        key = (exact, w.kind, w.cols, w.data.flags.c_contiguous)
+        v = self._variants.get(key, False)
+        if v is False:
+            v = self._variants[key] = fast_variant(w, exact)
+        return v
 
     def _go_fast(self) -> None:
-        numba.set_num_threads(self._threads())
+        self._threads()
 
     def matvec(self, w, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
