@@ -199,11 +199,7 @@ def agreement(a: argparse.Namespace) -> str:
     rec = json.loads(c.stdout.strip().splitlines()[-1])
     ours_ids = rec["ids"]
     theirs = theirs[len(prompt) :]
-    same = 0  # leading tokens whose pieces llama.cpp printed the same
-    for i in range(len(ours_ids) + 1):
-        if not theirs.startswith(printed(tok, ours_ids[:i])[1]):
-            break
-        same = i
+    same = agreeing(tok, theirs, ours_ids)
     ours_ids, ours = printed(tok, ours_ids)
     need = a.check_agree if a.check_agree is not None else len(ours_ids)
     if same < need or (a.check_agree is None and theirs != ours):
@@ -221,6 +217,16 @@ def printed(tok, ids: list[int]) -> tuple[list[int], bytes]:
     if tok.special.eos in ids:
         ids = ids[: ids.index(tok.special.eos)]
     return ids, b"".join(piece_bytes(tok, i) for i in ids)
+
+
+def agreeing(tok, theirs: bytes, ids: list[int]) -> int:
+    """How many of the leading ids print (as llama-simple would) a prefix of `theirs`."""
+    same = 0
+    for i in range(1, len(ids) + 1):
+        if not theirs.startswith(printed(tok, ids[:i])[1]):
+            break
+        same = i
+    return same
 
 
 _BYTE_OF: dict[str, int] = {}
