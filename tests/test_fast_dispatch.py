@@ -72,3 +72,31 @@ def test_fast_thread_setting_holds_in_other_threads(fast_numerics):
     finally:
         kernels.set_threads(before)
     assert seen == [1]
+
+
+@needs_fast
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 cores")
+def test_small_products_run_on_the_calling_thread(fast_numerics, monkeypatch):
+    """A weight below SERIAL_BELOW_BYTES at a few tokens runs without a parallel region (numba's
+    count 1 while it runs, put back after); a larger one, or many tokens, on every thread."""
+    rng = np.random.default_rng(2)
+    small, big = fp4(rng, 16, 256), fp4(rng, 4096, 2048)  # 2 KB; 4 MiB of codes + scales
+    assert small.nbytes < numerics.SERIAL_BELOW_BYTES <= big.nbytes
+    seen = []
+    real = numerics._fast
+
+    def spy(*args):
+        seen.append(numba.get_num_threads())
+        return real(*args)
+
+    monkeypatch.setattr(numerics, "_fast", spy)
+    before = kernels.get_threads()
+    try:
+        kernels.set_threads(2)
+        kernels.matmul(small, rng.standard_normal((1, 256)).astype(np.float32))
+        assert numba.get_num_threads() == 2
+        kernels.matmul(big, rng.standard_normal((1, 2048)).astype(np.float32))
+        kernels.matmul(small, rng.standard_normal((numerics.SERIAL_TOKENS + 1, 256)).astype(np.float32))
+    finally:
+        kernels.set_threads(before)
+    assert seen == [1, 2, 2]
