@@ -1,6 +1,7 @@
 """Where a decode step's time goes with every weight in RAM: per phase and per product, 1 and 2 threads.
 
     python bench/decode_profile.py CHECKPOINT [--budget 10] [--gen 32] [--threads 1 2] [--rounds 2]
+        [--numerics fast]
 
 One process: `Runtime` at --budget (which must hold every expert the run touches), one greedy
 generation from a fixed short prompt to load and compile everything, then --rounds rounds of the
@@ -11,7 +12,8 @@ one-token product kind (the fast backend's entry point, weight kind, rows x cols
 step, ms per step, GB/s of the weight bytes it read and CPU ms per step (process CPU: every
 thread). The prompt's last-position head call is counted with the steps (1 of --gen). The ids of
 every generation must agree (with each other and across thread counts), else it exits non-zero.
-Prints the machine's load and the kernel thread layer.
+Prints the numerics (the commands' default, fast, unless --numerics says otherwise), the
+machine's load and the kernel thread layer.
 """
 
 from __future__ import annotations
@@ -95,10 +97,11 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--numerics", default="fast", help="exact, official or fast (the commands' default)")
     a = ap.parse_args()
     for name in ("matvec", "matmul", "matmul_pair", "matmul_grouped"):
         _wrap(name)
-    opts = RunOptions(budget=int(a.budget * GB), threads=max(a.threads))
+    opts = RunOptions(budget=int(a.budget * GB), threads=max(a.threads), numerics=a.numerics)
     with Runtime.open(a.checkpoint, opts) as rt:
         ref, _, _, _ = one_round(rt, a.gen)  # loads every expert the prompt routes to, compiles
         per: dict[int, list] = {t: [] for t in a.threads}
@@ -110,8 +113,9 @@ def main() -> None:
                     raise SystemExit(f"ids differ at {t} threads: {ids} vs {ref}")
                 per[t].append((prof, calls, steps))
         read = rt.store.stats().bytes_read
+        numerics = rt.stats().numerics
     print(
-        f"# load_avg={','.join(f'{x:.2f}' for x in os.getloadavg())} threading_layer={numba.threading_layer()}"
+        f"# numerics={numerics} load_avg={','.join(f'{x:.2f}' for x in os.getloadavg())} threading_layer={numba.threading_layer()}"
         f" gen={a.gen} rounds={a.rounds} ids_agree=yes expert_bytes_read_total={read}"
     )
     for t, runs in per.items():

@@ -1,7 +1,7 @@
 """First token with every expert cached: a short prompt's prefill against decode steps, in one run.
 
     python bench/first_token.py CHECKPOINT [--budget 10] [--lengths 1,3,7,16] [--steps 8]
-        [--threads N] [--repeats 3]
+        [--threads N] [--repeats 3] [--numerics fast]
 
 One `Runtime` at --budget, which must hold every expert and the whole trunk. For each prompt
 length L (the first L ids of a fixed prompt, BOS first): one warm-up generation of the prompt
@@ -16,7 +16,7 @@ ratio = best prefill / median step (the target: <= ~2 for a 7-token prompt). Als
 the expert products it ran (the store's requests), its product time by weight role
 (`kernels.kernel_seconds()`: experts, trunk, head, rest "other"), and bytes read from disk
 (must be 0, else nothing here is a cached figure). Prints one line per length, then CPU model,
-SIMD flags and load.
+SIMD flags, load and the numerics (the commands' default, fast, unless --numerics says otherwise).
 """
 
 from __future__ import annotations
@@ -69,11 +69,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per repeat")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="kernel threads")
+    ap.add_argument("--numerics", default="fast", help="exact, official or fast (the commands' default)")
     args = ap.parse_args()
-    opts = RunOptions(budget=int(args.budget * 1e9), threads=args.threads)
+    opts = RunOptions(budget=int(args.budget * 1e9), threads=args.threads, numerics=args.numerics)
     with Runtime.open(args.checkpoint, opts) as rt:
         vocab = rt.engine.cfg.vocab_size
-        print(f"# {machine()} threads={args.threads or 'default'} budget={args.budget} GB", flush=True)
+        print(
+            f"# {machine()} threads={args.threads or 'default'} budget={args.budget} GB numerics={rt.stats().numerics}",
+            flush=True,
+        )
         for n in (int(x) for x in args.lengths.split(",")):
             ids = prompt(n, vocab)
             for _ in rt.generate(rt.session(), ids, args.steps + 1):

@@ -61,3 +61,14 @@ def test_special_tokens_print_as_their_text_and_eos_ends_the_output(bench, tok) 
     kept, got = bench.printed(tok, [*tok.encode(" one two"), eos, *tail])
     assert kept == tok.encode(" one two")
     assert got == b" one two"
+
+
+def test_agreeing_counts_the_leading_tokens_printed_alike(bench, tok) -> None:
+    """--check-agree's count: tokens whose pieces llama.cpp printed the same, up to the first that
+    differs (random weights: a near-tie flips one token and every later one differs)."""
+    ids = tok.encode(" memorandum职业技能 remodeling")
+    assert len(ids) >= 3
+    assert bench.agreeing(tok, bench.printed(tok, ids)[1], ids) == len(ids)
+    theirs = bench.printed(tok, ids[:2])[1] + b" Bobby"
+    assert bench.agreeing(tok, theirs, ids) == 2
+    assert bench.agreeing(tok, b"", ids) == 0

@@ -64,7 +64,11 @@ def set_numerics(mode: str) -> None:
     from . import numerics
 
     numerics.check_mode(mode)
-    _numerics = None if mode == "exact" else numerics.Router(mode, _active, get_threads)
+    # the Router runs a fast kernel only where the exact backend is the numba one (`fast_variant`),
+    # so numba's per-thread count is the one to apply before it: jit's rule, bound once here
+    from .jit import _apply_threads
+
+    _numerics = None if mode == "exact" else numerics.Router(mode, _active, _apply_threads)
     _numerics_mode = mode
 
 

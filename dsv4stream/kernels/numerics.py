@@ -33,6 +33,12 @@ import numpy as np
 from . import actquant, bf16, cpu, q8
 
 MODES = ("exact", "official", "fast")
+# A fast product of a weight below this many bytes, at up to SERIAL_TOKENS tokens, runs on the
+# calling thread alone (the exact kernels' `fast.PARALLEL_MIN_BYTES` rule): a parallel region
+# costs more than such a product when the other core is busy. flash-experts, 2 threads, load
+# 3.8: a fast step's trunk products took 219 ms against exact's 95, every one a region.
+SERIAL_BELOW_BYTES = 4 << 20
+SERIAL_TOKENS = 4
 
 
 def check_mode(mode: str) -> str:
@@ -81,25 +87,47 @@ class Router:
     """What `kernels` calls while a mode other than exact is on (a backend's four products).
 
     exact: a callable giving the exact backend (the package's active one, resolved per call so
-    `set_backend` still takes effect); threads: a callable giving the kernel thread count."""
+    `set_backend` still takes effect); threads: called before each fast product, puts the kernel
+    thread count `set_threads` asked for on the calling thread (numba's count is per thread; the
+    exact kernels do the same, `jit._apply_threads`)."""
 
-    def __init__(self, mode: str, exact: Callable, threads: Callable[[], int]):
+    def __init__(self, mode: str, exact: Callable, threads: Callable[[], object]):
         self.mode = check_mode(mode)
         self._exact = exact
         self._threads = threads
+        # (exact backend, kind, cols, C-contiguous) -> variant: what `fast_variant` reads of a
+        # weight, decided once instead of on each of a token's ~100 products
+        self._variants: dict[tuple, str | None] = {}
 
     def _variant(self, w) -> str | None:
-        return fast_variant(w, self._exact()) if self.mode == "fast" else None
+        if self.mode != "fast":
+            return None
+        exact = self._exact()
+        key = (exact, w.kind, w.cols, w.data.flags.c_contiguous)
+        v = self._variants.get(key, False)
+        if v is False:
+            v = self._variants[key] = fast_variant(w, exact)
+        return v
 
-    def _go_fast(self) -> None:
-        numba.set_num_threads(self._threads())
+    def _go_fast(self, w, t: int, product: Callable[[], object]):
+        """product() with the requested kernel threads, or on this thread alone for a small
+        weight at a few tokens (the results do not depend on the thread count)."""
+        self._threads()
+        if t <= SERIAL_TOKENS and w.nbytes < SERIAL_BELOW_BYTES:
+            n = numba.get_num_threads()
+            if n != 1:
+                numba.set_num_threads(1)
+                try:
+                    return product()
+                finally:
+                    numba.set_num_threads(n)
+        return product()
 
     def matvec(self, w, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         v = self._variant(w) if x.ndim == 1 else None
         if v:
-            self._go_fast()
-            return _fast(w, x[None], v)[0]
+            return self._go_fast(w, 1, lambda: _fast(w, x[None], v)[0])
         if self.mode == "official":
             x = _official_input(w, x)
         return self._exact().matvec(w, x)
@@ -108,8 +136,7 @@ class Router:
         x = np.ascontiguousarray(x, dtype=np.float32)
         v = self._variant(w) if x.ndim == 2 else None
         if v:
-            self._go_fast()
-            return _fast(w, x, v)
+            return self._go_fast(w, x.shape[0], lambda: _fast(w, x, v))
         if self.mode == "official":
             x = _official_input(w, x)
         return self._exact().matmul(w, x)
@@ -118,10 +145,9 @@ class Router:
         x = np.ascontiguousarray(x, dtype=np.float32)
         v1, v3 = self._variant(w1), self._variant(w3)
         if v1 and v3:
-            self._go_fast()
             x2 = np.atleast_2d(x)
             shared = _prepare(w1, x2, v1) if w1.kind == w3.kind and w1.kind != "fp8" else None
-            return _fast(w1, x2, v1, shared), _fast(w3, x2, v3, shared)
+            return self._go_fast(w1, x2.shape[0], lambda: (_fast(w1, x2, v1, shared), _fast(w3, x2, v3, shared)))
         if self.mode == "official" and w1.kind == w3.kind:
             x = _official_input(w1, x)
         elif self.mode != "exact":
@@ -135,11 +161,10 @@ class Router:
         x = np.ascontiguousarray(x, dtype=np.float32)
         vs = [self._variant(w) for w in ws]
         if all(vs):
-            self._go_fast()
-            return np.concatenate(
-                [_fast(w, np.ascontiguousarray(x[:, i]), v) for i, (w, v) in enumerate(zip(ws, vs, strict=True))],
-                axis=1,
-            )
+            parts = lambda: [
+                _fast(w, np.ascontiguousarray(x[:, i]), v) for i, (w, v) in enumerate(zip(ws, vs, strict=True))
+            ]
+            return np.concatenate(self._go_fast(max(ws, key=lambda w: w.nbytes), x.shape[0], parts), axis=1)
         # official: no activation grid. The one grouped product is V4's wo_a, which DeepSeek's
         # reference dequantizes to BF16 (`convert.py`) and multiplies in float (an einsum of
         # o.float() and wo_a.float()), so its input is never E4M3-rounded there either.

@@ -16,7 +16,10 @@ F32 = np.float32
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """x (..., N) -> x / rms(x) * weight, the RMS taken over the last axis."""
-    ms = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
+    # np.mean's own steps (float32 pairwise sum, then a division by the intp count), without its
+    # Python wrappers: same bits, a few µs less on each of a token's ~30 norms
+    ms = np.add.reduce(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
+    np.true_divide(ms, np.intp(x.shape[-1]), out=ms, casting="unsafe")
     y = x * (F32(1.0) / np.sqrt(ms + F32(eps)))
     return y if weight is None else y * weight
 
@@ -54,9 +57,8 @@ def sqrt_softplus(x: np.ndarray) -> np.ndarray:
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """Softmax along `axis`; entries at -inf get weight 0 (at least one must be finite)."""
-    m = np.max(x, axis=axis, keepdims=True)
-    e = np.exp(x - m)
-    return e / np.sum(e, axis=axis, keepdims=True)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
 
 
 def topk_lowest_index(scores: np.ndarray, k: int) -> np.ndarray:
