@@ -321,3 +321,32 @@ def test_page_drop_an_image_ask_reload(server, browser, ck, red_answer) -> None:
     assert d.execute_script("return document.querySelector('.msg.user .content').textContent;") == ASK
     for bad in ("data:text/html;base64,PHNjcmlwdD4=", 'data:image/png;base64,AA" onerror="alert(1)', "javascript:1"):
         assert d.execute_script("return Images.safe(arguments[0]);", bad) == ""
+
+
+# a tower of the release's width (one block): its activations for the largest image (1,024
+# tokens) are about 1.4 GB, more than --budget 1 leaves after the text model
+WIDE_TOWER = {
+    "model_type": "deepseek_v41_vision", "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 2816,
+    "patch_size": 14, "rope_theta": 10000, "downsample_ratio": 3, "max_image_tokens": 1024, "min_pixels": 295936,
+    "max_wh_ratio": None, "num_hidden_layers": 1,
+}  # fmt: skip
+
+
+def test_a_budget_without_room_for_the_tower_serves_text_and_refuses_images(tmp_path) -> None:
+    """--budget 1 holds the text model but not a release-width tower and its largest image's
+    activations: the server starts, answers text, and refuses an image with a 400 saying to
+    give a larger budget (before, it refused to start at all)."""
+    from dsv4stream import synth
+
+    ck = synth.make_checkpoint(
+        tmp_path / "ck", "tiny-v41", seed=1, vocab_size=synth.REAL_VOCAB, tokenizer=True, image_token_id=129264,
+        engram_compressed_vocab_size=99092, vision_config=WIDE_TOWER,
+    )  # fmt: skip
+    with Server(ck, "--ctx", "512", budget="1") as s:
+        s.wait_for("images are refused")
+        msg = {"role": "user", "content": [{"type": "text", "text": ASK}, {"type": "image_url", "image_url": {"url": uri(RED)}}]}  # fmt: skip
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=120, json={"max_tokens": 1, "messages": [msg]})
+        assert r.status_code == 400 and "larger --budget" in r.json()["error"]["message"], r.text
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=120, json={"max_tokens": 2, "messages": [
+            {"role": "user", "content": ASK}]})  # fmt: skip
+        assert r.status_code == 200, r.text

@@ -17,6 +17,7 @@ import re
 import signal
 import socket
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -24,7 +25,7 @@ import click
 from .. import gpu
 from ..checkpoint.config import ModelConfig
 from ..engine.numerics import RUN_DEFAULT
-from ..errors import UsageError
+from ..errors import BudgetError, UsageError
 from ..run import planner
 from ..run.memory import DEFAULT_MAX_BATCH, max_batch_for
 from ..run.runinfo import RunOptions
@@ -284,7 +285,16 @@ def serve(
                 speculate=spec if batch == 1 else "off",  # a batch drafts nothing: no drafter in the plan
                 images=srv.images.vision is not None,  # the tower and an image's activations, planned
             )  # fmt: skip
-            rt = Runtime.open(checkpoint, opts, warn=lambda m: _say(f"dsv4: {m}"))
+            try:
+                rt = Runtime.open(checkpoint, opts, warn=lambda m: _say(f"dsv4: {m}"))
+            except BudgetError as e:
+                if not opts.images:
+                    raise
+                # text still fits where the tower does not: serve text, and say how to take images
+                rt = Runtime.open(checkpoint, replace(opts, images=False), warn=lambda m: _say(f"dsv4: {m}"))
+                why = f"--budget {budget} leaves no room for the vision tower ({e}); restart with a larger --budget"
+                srv.images = replace(srv.images, vision=None, refusal=f"this server takes no images: {why}")
+                _say(f"dsv4: note: images are refused: {why}")
             held["rt"] = rt
             for line in [*gctx.take_messages(), *rt.plan.lines()]:
                 _say(line)
