@@ -16,19 +16,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dsv4stream import synth
 from dsv4stream.cli.logits import logits as logits_cmd
 from dsv4stream.errors import UsageError
-from dsv4stream.text.tokenizer import pack_tokenizer
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    path = synth.make_checkpoint(
-        tmp_path_factory.mktemp("in") / "tok", preset="tiny", seed=3, vocab_size=synth.REAL_VOCAB, tokenizer=True
-    )
-    pack_tokenizer(path)
-    return path
+def ckpt(real_vocab_ckpt) -> Path:
+    return real_vocab_ckpt  # tiny, seed 3, the real vocabulary and its packed tokenizer (conftest.py)
 
 
 def _limited() -> None:

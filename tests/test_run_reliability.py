@@ -27,7 +27,6 @@ from dsv4stream.run.memory import measure
 from dsv4stream.run.planner import minimum_budget
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.runtime import Runtime
-from dsv4stream.text.tokenizer import pack_tokenizer
 from dsv4stream.trunkpack.reader import TrunkFile
 from dsv4stream.trunkpack.writer import pack_trunk
 
@@ -56,12 +55,8 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tok_ckpt(tmp_path_factory) -> Path:
-    path = synth.make_checkpoint(
-        tmp_path_factory.mktemp("rr") / "tok", preset="tiny", seed=3, vocab_size=synth.REAL_VOCAB, tokenizer=True
-    )
-    pack_tokenizer(path)
-    return path
+def tok_ckpt(real_vocab_ckpt) -> Path:
+    return real_vocab_ckpt  # tiny, seed 3, the real vocabulary and its packed tokenizer (conftest.py)
 
 
 def copy(src: Path, tmp: Path) -> Path:

@@ -6,11 +6,24 @@ gets the correctly rounded value of its argument's erf almost always.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
+import numpy as np
 
 
-@numba.vectorize(["float64(float64)"])
-def erf(x: float) -> float:
+def _erf(x: float) -> float:
     return math.erf(x)
+
+
+@functools.cache
+def _erf_ufunc():
+    # compiled at the first call, not at import: every `dsv4` process imports this module (the
+    # engine imports the vision tower), and compiling here cost each ~0.2 CPU-s that runs no image
+    return numba.vectorize(["float64(float64)"])(_erf)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """erf of each element of float64 `x`."""
+    return _erf_ufunc()(x)
