@@ -234,7 +234,7 @@ def inproc(tmp_path_factory):
     def submit(job):  # a request that passed every check: answered here without an engine
         raise ApiError(409, "checked and queued", code="reached_engine")
 
-    srv.worker = SimpleNamespace(queued=0, submit=submit)
+    srv.worker = SimpleNamespace(queued=0, ahead=0, submit=submit)
     with TestClient(create_app(srv), raise_server_exceptions=False) as c:
         yield c
 

@@ -113,7 +113,7 @@ class Scripted:
     """A worker that answers every job with the same text (the model is not run): what the
     HTTP layer sends the engine and makes of its tokens, end to end."""
 
-    queued = waiting = 0
+    queued = waiting = ahead = 0
 
     def __init__(self, tok, text):
         self.ids = [*tok.encode(text), tok.special.eos]
