@@ -112,6 +112,16 @@ class Turn:
     in_think: bool = False  # set by a caller that knows the text: the turn ended inside <think>
     speculation: SpecCounts | None = None  # drafts and verifications (`engine.speculate`), None without
 
+    def close(self, stop_reason: str, t0: float, meter: Meter, mark) -> None:
+        """The call ended: why, its wall time since `t0` (perf_counter), and what the decode
+        read from disk since `mark` (the meter at the end of the prefill; None: no decode)."""
+        self.stop_reason = stop_reason
+        self.seconds = time.perf_counter() - t0
+        if mark is not None:
+            now = meter()
+            self.decode_expert_bytes = now.expert_bytes_read - mark.expert_bytes_read
+            self.decode_engram_bytes = now.engram_bytes_read - mark.engram_bytes_read
+
     def add_step(self, wall: float, spent: dict[str, float]) -> None:
         """One decode step's forward pass (`StepClock.end`)."""
         self.decode_steps += 1

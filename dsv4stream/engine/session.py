@@ -391,12 +391,7 @@ class Session:
         finally:
             if gov is not None and threads not in (0, gov.most):
                 kernels.set_threads(gov.most)  # prefills keep every thread
-            turn.stop_reason = self.stop_reason
-            turn.seconds = time.perf_counter() - t0
-            if mark is not None:
-                now = meter()
-                turn.decode_expert_bytes = now.expert_bytes_read - mark.expert_bytes_read
-                turn.decode_engram_bytes = now.engram_bytes_read - mark.engram_bytes_read
+            turn.close(self.stop_reason, t0, meter, mark)
 
     def snapshot(self) -> SessionState:
         """An immutable copy of this session's state (position, rings, compressed rows)."""

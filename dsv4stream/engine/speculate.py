@@ -289,12 +289,8 @@ def speculative_generate(
         if gov is not None and threads not in (0, gov.most):
             kernels.set_threads(gov.most)  # prefills keep every thread
         session.trace = inner
-        turn.stop_reason = session.stop_reason
-        turn.seconds = time.perf_counter() - t0
+        turn.close(session.stop_reason, t0, meter, mark)
         if mark is not None:
-            now = meter()
-            turn.decode_expert_bytes = now.expert_bytes_read - mark.expert_bytes_read
-            turn.decode_engram_bytes = now.engram_bytes_read - mark.engram_bytes_read
             spec.expert_bytes = turn.decode_expert_bytes
 
 

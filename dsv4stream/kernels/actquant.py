@@ -18,7 +18,6 @@ import numpy as np
 
 GROUP_V4 = 128
 E4M3_MAX = np.float32(448.0)
-_INV_MAX = np.float32(1.0) / E4M3_MAX
 _FLOOR = np.float32(1e-4)
 
 
@@ -29,19 +28,27 @@ def pow2_ceil(v: np.ndarray) -> np.ndarray:
     return (e.astype(np.int32) << 23).view(np.float32)
 
 
-def qdq_v4(x: np.ndarray, group: int = GROUP_V4) -> np.ndarray:
-    """x (..., C) -> the E4M3 values V4's `act_quant` makes of it, times their scales (float32)."""
+def _grid_qdq(x: np.ndarray, group: int, top: np.float32, floor: np.float32, dtype) -> np.ndarray:
+    """x (..., C) -> its values on the grid of `dtype` (largest magnitude `top`) times a
+    power-of-two scale per group of `group` channels: amax floored at `floor`,
+    s = 2^ceil(log2(amax * fl(1/top))), round to nearest even. A short last group (generated
+    checkpoints' narrower widths) is its own group."""
     x = np.asarray(x, dtype=np.float32)
     c = x.shape[-1]
     pad = -c % group
     xp = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
     xb = xp.reshape(*xp.shape[:-1], -1, group)
     with np.errstate(invalid="ignore"):
-        amax = np.maximum(np.max(np.abs(xb), axis=-1, keepdims=True), _FLOOR)
-        s = pow2_ceil(amax * _INV_MAX)
-        q = np.clip(xb / s, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        amax = np.maximum(np.max(np.abs(xb), axis=-1, keepdims=True), floor)
+        s = pow2_ceil(amax * (np.float32(1.0) / top))
+        q = np.clip(xb / s, -top, top).astype(dtype).astype(np.float32)
     out = (q * s).reshape(xp.shape)
     return out[..., :c] if pad else out
+
+
+def qdq_v4(x: np.ndarray, group: int = GROUP_V4) -> np.ndarray:
+    """x (..., C) -> the E4M3 values V4's `act_quant` makes of it, times their scales (float32)."""
+    return _grid_qdq(x, group, E4M3_MAX, _FLOOR, ml_dtypes.float8_e4m3fn)
 
 
 # ---- V4's KV grids (`official` only) -----------------------------------------------------------
@@ -56,7 +63,6 @@ def qdq_v4(x: np.ndarray, group: int = GROUP_V4) -> np.ndarray:
 KV_GROUP_V4 = 64
 FP4_GROUP_V4 = 32
 E2M1_MAX = np.float32(6.0)
-_INV_E2M1_MAX = np.float32(1.0) / E2M1_MAX
 _FP4_FLOOR = np.float32(6.0 * 2.0**-126)
 
 
@@ -86,17 +92,7 @@ def hadamard(x: np.ndarray) -> np.ndarray:
 def fp4_qdq_v4(x: np.ndarray, group: int = FP4_GROUP_V4) -> np.ndarray:
     """x (..., C) -> E2M1 values times power-of-two scales per group:
     amax floored at 6 * 2^-126, s = 2^ceil(log2(amax * fl(1/6))), round to nearest even."""
-    x = np.asarray(x, dtype=np.float32)
-    c = x.shape[-1]
-    pad = -c % group  # generated checkpoints' narrower indexers: the short group is its own
-    xp = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
-    xb = xp.reshape(*xp.shape[:-1], -1, group)
-    with np.errstate(invalid="ignore"):
-        amax = np.maximum(np.max(np.abs(xb), axis=-1, keepdims=True), _FP4_FLOOR)
-        s = pow2_ceil(amax * _INV_E2M1_MAX)
-        q = np.clip(xb / s, -E2M1_MAX, E2M1_MAX).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
-    out = (q * s).reshape(xp.shape)
-    return out[..., :c] if pad else out
+    return _grid_qdq(x, group, E2M1_MAX, _FP4_FLOOR, ml_dtypes.float4_e2m1fn)
 
 
 def index_grid_v4(x: np.ndarray) -> np.ndarray:
