@@ -23,8 +23,10 @@ from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.checkpoint.tensors import is_drafter
 from dsv4stream.engine.dspark_v41 import expert_source
 from dsv4stream.engine.session import Engine
-from dsv4stream.engine.spec_policy import AutoDrafts
-from dsv4stream.engine.speculate_v41 import drafter_for, speculative_greedy
+from dsv4stream.engine.spec_draws import PositionUniforms
+from dsv4stream.engine.spec_policy import AutoDrafts, FixedDrafts
+from dsv4stream.engine.speculate import speculative_generate
+from dsv4stream.engine.speculate_v41 import DSparkDrafter, drafter_for, speculative_greedy
 from dsv4stream.kernels import matmul
 from dsv4stream.model.mhc import hc_head
 from dsv4stream.model.ops import rms_norm
@@ -35,6 +37,7 @@ from dsv4stream.run import planner
 from dsv4stream.run.memory import measure
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.runtime import Runtime
+from dsv4stream.text.sampler import SamplingParams, make_pick
 from dsv4stream.weights.loading_dspark_0731 import load_dspark_0731
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dspark0731"
@@ -69,6 +72,23 @@ def test_auto_equals_off_and_stops_drafting_what_is_rejected() -> None:
     got, st = speculative_greedy(engine(), ids()[:8], N, 5, policy=AutoDrafts(5))
     assert got == off()
     assert st.drafted < N - 1
+
+
+def sampled(k: int | None, seed: int) -> list[int]:
+    """Temperature-1 ids with drafts (k; the 0731 drafter) or without (None), the same position uniforms."""
+    eng = engine()
+    u = PositionUniforms(seed)
+    pick = make_pick(SamplingParams(temperature=1.0, top_k=8), eng.cfg.vocab_size, u)
+    s = eng.session(chunk_size=64)
+    if k is None:
+        return list(s.generate(ids()[:8], N, lambda lg: (u.at(s.pos), pick(lg))[1]))
+    return list(speculative_generate(s, ids()[:8], N, pick, DSparkDrafter(eng), FixedDrafts(k), uniforms=u))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sampled_same_ids_for_a_seed(seed: int) -> None:
+    want = sampled(None, seed)
+    assert sampled(1, seed) == want and sampled(3, seed) == want
 
 
 class Recording:
