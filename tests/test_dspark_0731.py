@@ -168,6 +168,41 @@ def test_one_token_block_is_v4s_block_over_the_window() -> None:
     assert np.abs(got.logits - logits).max() <= 1e-5 * scale
 
 
+def test_draft_out_is_what_speculation_drafts(tmp_path) -> None:
+    """`dsv4 logits --draft-out` on 0731: the arrays' shapes, step mode equal to prefill, and slot 0 at
+    position p equal to what the speculative loop's drafter gives after the main model read ids[:p+1]."""
+    from click.testing import CliRunner
+
+    from dsv4stream.cli.logits import logits as logits_cmd
+
+    tokens = ids()
+    (tmp_path / "ids.txt").write_text(",".join(map(str, tokens)))
+    got = {}
+    for mode in ("prefill", "step"):
+        args = [str(FIXTURE), "--tokens-file", str(tmp_path / "ids.txt"), "--out", str(tmp_path / f"{mode}.npy"),
+                "--mode", mode, "--threads", "1", "--draft-out", str(tmp_path / f"{mode}.npz")]  # fmt: skip
+        r = CliRunner().invoke(logits_cmd, args)
+        assert r.exit_code == 0, r.output
+        with np.load(tmp_path / f"{mode}.npz") as z:
+            got[mode] = {k: z[k] for k in z.files}
+    d = got["prefill"]
+    assert d["positions"].tolist() == list(range(1, tokens.size - 5))
+    assert d["logits"].shape == (tokens.size - 6, 5, 256) and d["confidence"].shape == (tokens.size - 6, 5)
+    scale = np.abs(d["logits"]).max()
+    assert np.abs(got["step"]["logits"] - d["logits"]).max() <= 1e-5 * scale
+
+    eng, p = engine(), 4
+    s = eng.session(chunk_size=64)
+    drafter = DSparkDrafter(eng)
+    taps: list[np.ndarray] = []
+    s.trace = lambda what, layer, x: taps.append(x.mean(axis=1)) if what == "input" else None
+    s.prefill(tokens[: p + 1])
+    drafter.observe(np.concatenate(taps, axis=1), np.arange(p + 1))
+    first = drafter.run(int(tokens[p + 1]), 1)
+    row = first.logits[0] + matmul(drafter.weights.markov_head, drafter.weights.markov_embed[[int(tokens[p + 1])]])[0]
+    assert np.abs(row - d["logits"][p - 1, 0]).max() <= 1e-5 * scale
+
+
 def budgets() -> dict[str, int]:
     n = measure(FIXTURE, RunOptions(budget=1))
     ws = Catalog.open(FIXTURE).config.working_set_experts

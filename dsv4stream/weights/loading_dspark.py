@@ -35,11 +35,13 @@ def drafter_reason(cfg: ModelConfig) -> str | None:
 
 
 def check_drafter(cfg: ModelConfig) -> None:
-    """UsageError where the checkpoint holds no drafter this code runs."""
+    """UsageError where the checkpoint holds no V4.1 drafter (what `load_dspark` reads; `--draft-out`
+    asks it only where `drafter_reason` finds no drafter at all)."""
     if cfg.layout != DSPARK_V41 or cfg.dspark is None:
         what = LAYOUTS.get(cfg.layout, cfg.layout)
         raise UsageError(
-            f"--draft-out needs a DeepSeek-V4.1 checkpoint with its DSpark drafter (mtp.*); this one has {what}"
+            "--draft-out needs a checkpoint with a DSpark drafter (mtp.* of DeepSeek-V4.1 or V4-Flash-0731);"
+            f" this one has {what}"
         )
 
 
