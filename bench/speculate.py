@@ -21,7 +21,9 @@ the kernels and the cache, untimed), and against the row's own estimate of its t
 load moves between rows, the steadier of the two). Also per row: acceptance,
 mean accepted length (tokens per verification pass), drafted and verified tokens, expert MB read
 per token, auto's draft lengths ({k: cycles}) and its time estimate without drafts.
-Prints a header (machine, load) and one line per row.
+`--repeat R` runs off and the settings R times in turn (each row's x_off against the off run just
+before it); `--no-stand-in` skips the stand-in rows. Prints a header (machine, load) and one line
+per row.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="kernel threads (1: steady on a shared machine)")
     ap.add_argument("--budgets", default="ram,stream")
     ap.add_argument("--settings", default="off,1,2,3,4,auto")
+    ap.add_argument("--repeat", type=int, default=1, help="run off and the settings this many times, alternating")
+    ap.add_argument("--no-stand-in", action="store_true", help="skip the stand-in drafter's rows")
     a = ap.parse_args()
 
     from dsv4stream.checkpoint.catalog import Catalog
@@ -101,18 +105,21 @@ def main() -> None:
                 print(line, flush=True)
 
             list(rt.generate(rt.session(), prompt, a.gen, speculate="off"))  # warm-up, untimed
-            s0 = rt.session()
-            off, t_off = timed(rt.generate(s0, prompt, a.gen, speculate="off"))
-            base = (off, (len(off) - 1) / t_off)
-            row("dspark", "off", off, t_off, None, base)
-            for setting in a.settings.split(","):
-                if setting == "off":
-                    continue
-                s = rt.session()
-                ids, sec = timed(rt.generate(s, prompt, a.gen, speculate=setting))
-                row("dspark", setting, ids, sec, s.turn.speculation, base)
+            for r in range(a.repeat):  # x_off: against the off run just before (the load moves)
+                s0 = rt.session()
+                ids0, t_off = timed(rt.generate(s0, prompt, a.gen, speculate="off"))
+                if r == 0:
+                    off = ids0
+                base = (off, (len(ids0) - 1) / t_off)
+                row("dspark", "off", ids0, t_off, None, base)
+                for setting in a.settings.split(","):
+                    if setting == "off":
+                        continue
+                    s = rt.session()
+                    ids, sec = timed(rt.generate(s, prompt, a.gen, speculate=setting))
+                    row("dspark", setting, ids, sec, s.turn.speculation, base)
             full = [*prompt, *off]
-            for miss in MISSES:
+            for miss in () if a.no_stand_in else MISSES:
                 for setting in ("auto", 3):
                     rng = np.random.default_rng(7)
 

@@ -57,6 +57,8 @@ def run(name: str, mode: str) -> tuple[np.ndarray, dict]:
     k = engine(name).cfg.index_topk
 
     def trace(what: str, layer: int, a: np.ndarray) -> None:
+        if what == "input":  # the streams entering a layer (the drafter's taps): "hidden" of the one before
+            return
         if what == "index":  # K = min(topk, rows so far) grows during the sequence
             a = np.pad(a, ((0, 0), (0, k - a.shape[1])), constant_values=-1)
         traces[what].setdefault(layer, []).append(a.copy())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -144,12 +145,32 @@ def test_pro_plans_from_config(tmp_path):
     assert any("MTP block (mtp.0): present, unused" in line for line in lines)
 
 
-# ---- drafter: present, validated, not budgeted --------------------------------------------
-def test_planner_does_not_budget_the_drafter():
-    pre, new = needs_from_config(ModelConfig.from_dict(FLASH)), needs_from_config(ModelConfig.from_dict(FLASH_0731))
+# ---- drafter: validated; budgeted unless --speculate off -----------------------------------
+def test_planner_budgets_the_drafter_unless_off():
+    pre = needs_from_config(ModelConfig.from_dict(FLASH))
+    new = needs_from_config(ModelConfig.from_dict(FLASH_0731), speculate="off")
     assert (pre.layer_bytes, pre.head_bytes, pre.total_experts) == (new.layer_bytes, new.head_bytes, new.total_experts)
     assert plan(pre, 3 * 10**9).planned_bytes == plan(new, 3 * 10**9).planned_bytes
-    assert new.unused == "DSpark drafter (mtp.0-2, 3 stages): present, unused (not read, not budgeted), 10.86 GB"
+    assert new.unused == (
+        "DSpark drafter (mtp.0-2, 3 stages): run by --speculate (default auto);"
+        " with --speculate off not read, not budgeted, 10.86 GB"
+    )
+    on = needs_from_config(ModelConfig.from_dict(FLASH_0731))
+    assert on.total_experts == new.total_experts + 3 * 256 and on.drafter_bytes > 0 and not on.unused
+    assert plan(on, 12 * 10**9).planned_bytes >= plan(new, 12 * 10**9).planned_bytes
+
+
+def test_config_estimate_counts_the_drafter_as_the_measured_plan(tiny0731):
+    """`dsv4 inspect --config-only` (needs_from_config) and `dsv4 run` (measure) count the same
+    drafter: its dense bytes (Markov embedding and confidence widened) and its stages' experts."""
+    from dsv4stream.run.memory import measure
+    from dsv4stream.run.runinfo import RunOptions
+
+    cfg = Catalog.open(tiny0731).config
+    for spec in ("auto", 2, "off"):
+        est, got = needs_from_config(cfg, speculate=spec), measure(tiny0731, RunOptions(budget=1, speculate=spec))
+        assert (est.drafter_bytes, est.total_experts) == (got.drafter_bytes, got.total_experts), spec
+        assert (est.drafter_bytes > 0) == (spec != "off")
 
 
 @pytest.fixture(scope="module")
@@ -227,19 +248,26 @@ def test_exact_presets_shard_as_the_release():
         }
 
 
-def test_0731_runs_with_the_drafter_unused(tiny0731, tmp_path):
+def test_0731_runs_with_the_drafter_unused_when_off(tiny0731, tmp_path):
     from dsv4stream.run.runinfo import RunOptions
     from dsv4stream.run.runtime import Runtime
     from dsv4stream.trunkpack.writer import pack_trunk
 
     r = pack_trunk(tiny0731, tmp_path / "trunk", progress=False)
     assert not [k for k in r.written if k.startswith("mtp.")]
-    with Runtime.open(tiny0731, RunOptions(budget=10**9, io="buffered", trunk=str(tmp_path / "trunk"))) as rt:
+    opts = RunOptions(budget=10**9, io="buffered", trunk=str(tmp_path / "trunk"), speculate="off")
+    with Runtime.open(tiny0731, opts) as rt:
         ids = list(rt.generate(rt.session(), [0, 5, 9], 3, pick=lambda x: int(np.argmax(x))))
         s = rt.stats()
     assert len(ids) == 3
-    assert s.unused.startswith("DSpark drafter (mtp.0-2, 3 stages): present, unused")
+    assert s.unused.startswith(
+        "DSpark drafter (mtp.0-2, 3 stages): run by --speculate (default auto); with --speculate off"
+    )
     assert any(line.strip().startswith("DSpark drafter") for line in rt.plan.lines())
+    # --speculate auto (the default) runs the 0731 drafter: planned, read from the shards
+    with Runtime.open(tiny0731, replace(opts, speculate="auto")) as rt:
+        assert list(rt.generate(rt.session(), [0, 5, 9], 3, pick=lambda x: int(np.argmax(x)))) == ids
+        assert not rt.stats().unused and any("drafter: DSpark dense weights" in ln for ln in rt.plan.lines())
 
 
 # ---- chat format -----------------------------------------------------------------------
@@ -298,7 +326,7 @@ def test_cli_reasoning_effort(chat0731, tmp_path):
         assert r.exit_code == 0, r.output
         want = tok.encode(chat.render(chat.one_turn("Hi"), "think", effort=effort, encoder="0731"))
         assert json.loads(out.read_text())["turn_prompt_tokens"] == [len(want)]
-        assert "DSpark drafter (mtp.0-2, 3 stages): present, unused" in r.stderr
+        assert "drafter: DSpark dense weights" in r.stderr  # --speculate auto runs the 0731 drafter
     r = _run(str(chat0731), "--prompt", "Hi", "--reasoning-effort", "max")
     assert isinstance(r.exception, UsageError) and "--reasoning-effort needs --think" in str(r.exception)
     r = _run(str(chat0731), "--chat", "--greedy", "--gen", "1", input="/think max\nHi\n/think low\n/think mid\n/quit\n")
@@ -317,7 +345,7 @@ def test_cli_preview_has_no_low_effort(tmp_path):
     assert "--reasoning-effort low: this checkpoint's chat format (preview) has high, max" in str(r.exception)
 
 
-def test_inspect_says_the_drafter_is_unused(tiny0731, tmp_path):
+def test_inspect_plans_the_drafter(tiny0731, tmp_path):
     from click.testing import CliRunner
 
     from dsv4stream.cli.inspect import inspect
@@ -325,9 +353,14 @@ def test_inspect_says_the_drafter_is_unused(tiny0731, tmp_path):
     r = CliRunner().invoke(inspect, [str(tiny0731), "--budget", "1"])
     assert r.exit_code == 0, r.output
     mtp = sum(e.nbytes for n, e in Catalog.open(tiny0731).entries.items() if n.startswith("mtp."))
-    unused = f"DSpark drafter (mtp.0-2, 3 stages): present, unused (not read, not budgeted), {mtp / 1e9:.2f} GB"
+    unused = (
+        "DSpark drafter (mtp.0-2, 3 stages): run by --speculate (default auto); with --speculate off not read,"
+        f" not budgeted, {mtp / 1e9:.2f} GB"
+    )
     assert f"layout: the 0731 layout (a DSpark drafter under mtp.*); {unused}" in r.stdout
-    assert "layers: 4 main + 3 DSpark stages;" in r.stdout and f"  {unused}" in r.stdout  # and in the plan
+    assert "layers: 4 main + 3 DSpark stages;" in r.stdout and "  drafter: DSpark dense weights" in r.stdout
+    r = CliRunner().invoke(inspect, ["--config-only", str(tiny0731), "--budget", "1"])  # the estimate plans it too
+    assert r.exit_code == 0 and "  drafter: DSpark dense weights" in r.stdout, r.output
     (tmp_path / "config.json").write_text(json.dumps({**FLASH_0731, "model_type": "deepseek_v41"}))
     r = CliRunner().invoke(inspect, ["--config-only", str(tmp_path / "config.json")])
     assert isinstance(r.exception, ConfigError) and "nests the text model under 'text_config'" in str(r.exception)

@@ -46,7 +46,7 @@ def drafter_summary(cfg: ModelConfig, nbytes: int) -> str | None:
     blocks = "mtp.0" if cfg.n_mtp == 1 else f"mtp.0-{cfg.n_mtp - 1}"
     drafter = cfg.layout in (DSPARK, DSPARK_V41)
     what = f"DSpark drafter ({blocks}, {cfg.n_mtp} stages)" if drafter else f"MTP block ({blocks})"
-    if cfg.layout == DSPARK_V41:  # the one drafter dsv4 runs (engine/speculate_v41.py)
+    if drafter and cfg.dspark is not None:  # V4.1's and 0731's: run by engine/speculate_v41.py
         return f"{what}: run by --speculate (default auto); with --speculate off not read, not budgeted, {nbytes / 1e9:.2f} GB"
     return f"{what}: present, unused (not read, not budgeted), {nbytes / 1e9:.2f} GB"
 

@@ -143,7 +143,7 @@ def parse_mode(mode: str, n: int) -> tuple[int, int | None]:
     "--draft-out",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
-    help="V4.1: also write the DSpark drafter's outputs (positions, logits [P, B, vocab], confidence [P, B]) to this .npz.",
+    help="V4.1, V4-Flash-0731: also write the DSpark drafter's outputs (positions, logits [P, B, vocab], confidence [P, B]) to this .npz.",
 )
 @click.option("--draft-positions", default="all", show_default=True, help="With --draft-out: all or P1,P2,...")
 @click.option("--threads", type=int, default=None, help="Kernel threads (results do not depend on it).")
@@ -207,9 +207,10 @@ def logits(
 def _with_drafts(eng, ids, out: Path, draft_out: Path, spec: str, chunk: int, segment: int | None) -> None:
     """The main logits to `out` and the DSpark drafter's outputs to `draft_out` (`engine.dspark_v41`)."""
     from ..engine.dspark_v41 import draft_positions, teacher_forced_drafts
-    from ..weights.loading_dspark import check_drafter
+    from ..weights.loading_dspark import check_drafter, drafter_reason
 
-    check_drafter(eng.cfg)
+    if drafter_reason(eng.cfg) is not None:  # V4.1's and V4-Flash-0731's drafters run
+        check_drafter(eng.cfg)
     positions = draft_positions(spec, ids.size, eng.cfg.dspark.block_size)
     main, logits, conf = teacher_forced_drafts(eng, ids, positions, chunk, segment)
     with AtomicFile(out, "wb") as f:

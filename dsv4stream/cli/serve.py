@@ -142,8 +142,8 @@ def bind(host: str, port: int) -> socket.socket:
     default="auto",
     show_default=True,
     help="Speculative decoding with the checkpoint's DSpark drafter: auto, off or N drafts; the server-wide"
-    " default, which a request's `speculate` field overrides. Drafts only with --max-batch 1 (requests"
-    " decoded together do not draft).",
+    " default, which a request's `speculate` field overrides. A request drafts while it is the only one in"
+    " flight; requests decoded together do not draft.",
 )
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def serve(
@@ -239,7 +239,8 @@ def serve(
     batch = max_batch or max_batch_for(planner.state_bytes_for(cfg, ctx), budget_b)
     if batch > 1 and spec not in ("off", "auto"):
         _say(
-            f"dsv4: note: --speculate {spec}: nothing is drafted while requests are decoded together; give --max-batch 1 to draft"
+            f"dsv4: note: --speculate {spec}: a request drafts while it is the only one in flight; nothing is drafted"
+            " while requests are decoded together (--max-batch 1: always one at a time)"
         )
     tokenizer = load_tokenizer(checkpoint, tok, cfg)
     if not is_loopback(host) and not api_key:
@@ -282,7 +283,7 @@ def serve(
                 trunk=trunk, ctx=ctx, kept_states=keep_states, prefill_segment=prefill_segment, live_sequences=batch,
                 gpu=gctx if gctx.enabled else None, numerics=numerics,
                 overhead=planner.DEFAULT_OVERHEAD + SERVER_OVERHEAD + disk_io,
-                speculate=spec if batch == 1 else "off",  # a batch drafts nothing: no drafter in the plan
+                speculate=spec,  # a batching server drafts while one request is in flight: the drafter is planned
                 images=srv.images.vision is not None,  # the tower and an image's activations, planned
             )  # fmt: skip
             try:

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's DSpark drafter beside a session: its weights, its expert source, its taps.
+"""The DSpark drafter (V4.1's, or V4-Flash-0731's) beside a session: its weights, its expert source, its taps.
 
 Owns: running the drafter (`model.v41.dspark`) teacher-forced over a token sequence, as
 `dsv4 logits --draft-out` asks: the main model consumes the tokens (in its session's mode), the
@@ -18,8 +18,16 @@ import numpy as np
 
 from ..errors import InternalError, UsageError
 from ..model.moe import ExpertWeights
-from ..model.v41.dspark import draft, markov, new_state, observe
+from ..model.v4.dspark import draft as draft_0731
+from ..model.v4.dspark import new_state as new_0731
+from ..model.v4.dspark import observe as observe_0731
+from ..model.v41.dspark import draft as draft_v41
+from ..model.v41.dspark import markov
+from ..model.v41.dspark import new_state as new_v41
+from ..model.v41.dspark import observe as observe_v41
 from ..weights.loading_dspark import check_drafter, dspark_params, load_dspark
+from ..weights.loading_dspark_0731 import is_0731
+from .dspark_0731 import model_0731
 
 F32 = np.float32
 
@@ -67,12 +75,17 @@ def teacher_forced_drafts(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(main logits (T, vocab), draft logits (P, B, vocab), confidence (P, B)) for `ids`."""
     cfg = engine.cfg
-    check_drafter(cfg)
-    if engine.catalog is None:
-        raise InternalError("the drafter loads its weights from the engine's catalog")
     stack = engine.stack
-    p = dspark_params(cfg, stack.options.grid.quantise)
-    w = load_dspark(engine.catalog)
+    if is_0731(cfg):  # V4-Flash-0731's design (model.v4.dspark); the Markov head reads as V4.1's
+        p, w = model_0731(engine)
+        new_state, observe, draft = new_0731, observe_0731, draft_0731
+    else:
+        check_drafter(cfg)
+        if engine.catalog is None:
+            raise InternalError("the drafter loads its weights from the engine's catalog")
+        p = dspark_params(cfg, stack.options.grid.quantise)
+        w = load_dspark(engine.catalog)
+        new_state, observe, draft = new_v41, observe_v41, draft_v41
     taps: dict[int, list[np.ndarray]] = {t: [] for t in p.targets}
 
     def trace(what: str, layer: int, x: np.ndarray) -> None:

@@ -1,7 +1,8 @@
-"""DeepSeek-V4.1's DSpark drafter as the speculative loop's `Drafter`, and greedy speculation helpers.
+"""The DSpark drafter (V4.1's, or V4-Flash-0731's) as the speculative loop's `Drafter`, and greedy
+speculation helpers.
 
-Owns: `DSparkDrafter` (the drafter beside one session: the block of `model.v41.dspark` with its
-greedy Markov chain and its confidence head), `DSparkModel` (its weights and parameters, loaded
+Owns: `DSparkDrafter` (the drafter beside one session: the block of `model.v41.dspark`, or of
+`model.v4.dspark` on a 0731 checkpoint, with its greedy Markov chain and its confidence head), `DSparkModel` (its weights and parameters, loaded
 once per engine and shared by every session's drafter), `drafter_for` (the checks: which
 checkpoints have a drafter this code runs) and `speculative_greedy` (ids and figures of one
 greedy generation with a fixed draft length: tests and benches).
@@ -20,9 +21,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
+from ..model.v4.dspark import DSpark0731Params, DSpark0731Weights
+from ..model.v4.dspark import draft as draft_0731
+from ..model.v4.dspark import new_state as new_0731
+from ..model.v4.dspark import observe as observe_0731
 from ..model.v41.dspark import Draft, DSparkParams, DSparkWeights, draft, markov, new_state, observe
 from ..text.sampler import greedy
 from ..weights.loading_dspark import drafter_reason, dspark_params, load_dspark
+from ..weights.loading_dspark_0731 import is_0731
+from .dspark_0731 import model_0731
 from .dspark_v41 import expert_source
 from .spec_policy import FixedDrafts
 from .spec_stats import SpecCounts
@@ -33,8 +40,14 @@ F32 = np.float32
 
 @dataclass(frozen=True)
 class DSparkModel:
-    params: DSparkParams
-    weights: DSparkWeights
+    """A drafter's weights and parameters, and its design's three functions (V4.1's by default;
+    `engine.dspark_0731.model_0731` gives V4-Flash-0731's)."""
+
+    params: DSparkParams | DSpark0731Params
+    weights: DSparkWeights | DSpark0731Weights
+    new_state: Callable = new_state
+    observe: Callable = observe
+    draft: Callable = draft
 
 
 def drafter_for(engine) -> DSparkModel:
@@ -45,28 +58,34 @@ def drafter_for(engine) -> DSparkModel:
         why = drafter_reason(engine.cfg)
         if why is not None:
             raise UsageError(f"--speculate: this checkpoint cannot draft: {why}; use --speculate off")
-        p = dspark_params(engine.cfg, engine.stack.options.grid.quantise)
-        got = engine._dspark = DSparkModel(p, load_dspark(engine.catalog))
+        if is_0731(engine.cfg):
+            p7, w7 = model_0731(engine)
+            got = engine._dspark = DSparkModel(p7, w7, new_0731, observe_0731, draft_0731)
+        else:
+            p = dspark_params(engine.cfg, engine.stack.options.grid.quantise)
+            got = engine._dspark = DSparkModel(p, load_dspark(engine.catalog))
     return got
 
 
 class DSparkDrafter:
-    """The drafter beside one session (`engine.speculate.Drafter`)."""
+    """The drafter beside one session (`engine.speculate.Drafter`), of either design: the
+    model's `new_state` / `observe` / `draft` are V4.1's or V4-Flash-0731's."""
 
     def __init__(self, engine, model: DSparkModel | None = None) -> None:
         self.engine = engine
         m = model or drafter_for(engine)
         self.params, self.weights = m.params, m.weights
+        self.new_state, self.observe_taps, self.draft = m.new_state, m.observe, m.draft
         self.targets = self.params.targets
         self.block = self.params.block_size
         self.window = self.params.window
-        self.state = new_state(self.params, len(self.weights.stages))
+        self.state = self.new_state(self.params, len(self.weights.stages))
         self.last = -1
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self._held = 0
 
     def reset(self) -> None:
-        self.state = new_state(self.params, len(self.weights.stages))
+        self.state = self.new_state(self.params, len(self.weights.stages))
         self.last, self._pending, self._held = -1, [], 0
 
     def observe(self, taps: np.ndarray, positions: np.ndarray) -> None:
@@ -85,14 +104,14 @@ class DSparkDrafter:
         pos = np.concatenate([q for _, q in self._pending])[-self.window :]
         self._pending, self._held = [], 0
         eng = self.engine
-        observe(self.state, taps, pos, self.weights, self.params, eng.stack.rope_main)
+        self.observe_taps(self.state, taps, pos, self.weights, self.params, eng.stack.rope_main)
 
     def run(self, token: int, slots: int | None = None) -> Draft:
         """The block after the last observed position, whose first token is `token` (head logits
         of the first `slots` slots)."""
         self._flush()
         eng = self.engine
-        return draft(
+        return self.draft(
             self.state,
             token,
             self.weights,

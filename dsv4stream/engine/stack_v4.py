@@ -65,6 +65,8 @@ class V4Stack:
         in sub-chunks of the pass's streams."""
         x, t = p.x, p.ids.size
         c, rope = min(ctx.chunk, t), self.rope_for(i)
+        if ctx.trace is not None:  # the streams entering the layer: the 0731 DSpark drafter's taps
+            ctx.trace("input", i, x)
         for a in range(0, t, c):
             x[a : a + c] = attention_half(x[a : a + c], p.positions[a : a + c], w, state[i], self.cfg, rope, ctx.trace)
 

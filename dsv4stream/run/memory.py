@@ -14,8 +14,6 @@ import os
 import resource
 from pathlib import Path
 
-import numpy as np
-
 from .. import kernels
 from ..checkpoint.catalog import Catalog
 from ..checkpoint.spec import drafter_summary, unused_summary
@@ -26,8 +24,7 @@ from ..store import ExpertStore
 from ..streaming.expert_layout import expert_layouts
 from ..streaming.layout import TrunkLayout, trunk_layout
 from ..trunkpack.reader import open_trunk_file
-from ..weights.loading_dspark import drafter_reason
-from . import planner
+from . import planner, planner_dspark
 from .planner import MemoryNeeds
 from .runinfo import RunOptions
 
@@ -120,19 +117,14 @@ def kernel_scratch_bytes(cat: Catalog) -> int:
 
 def runs_drafter(cat: Catalog, opts: RunOptions) -> bool:
     """Whether this run drafts: --speculate not off and a drafter this code runs."""
-    return opts.speculate != "off" and drafter_reason(cat.config) is None
+    return planner_dspark.drafts(cat.config, opts.speculate)
 
 
 def drafter_dense_bytes(cat: Catalog) -> int:
-    """The drafter's weights as `weights.loading_dspark` holds them: every mtp.* tensor but the
-    routed experts as stored, the Markov embedding and the confidence head widened to float32."""
-    total = 0
-    for n, e in cat.entries.items():
-        if not is_drafter(n) or ".ffn.experts." in n:
-            continue
-        widened = "markov_head.embed." in n or "confidence_head." in n
-        total += 4 * int(np.prod(e.shape)) if widened else e.nbytes
-    return total
+    """The drafter's weights as its loader holds them (`run.planner_dspark.dense_bytes`)."""
+    return planner_dspark.dense_bytes(
+        (n, e.shape, e.nbytes) for n, e in cat.entries.items() if is_drafter(n) and ".ffn.experts." not in n
+    )
 
 
 def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOptions) -> MemoryNeeds:
@@ -150,8 +142,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         overhead_bytes=opts.overhead,
         working_set=cfg.working_set_experts,
         experts_per_token=cfg.num_experts_per_tok,
-        total_experts=cfg.n_layers * cfg.n_routed_experts
-        + (sum(cfg.experts_of(cfg.n_layers + k)[0] for k in range(cfg.n_mtp)) if drafts else 0),
+        total_experts=cfg.n_layers * cfg.n_routed_experts + (planner_dspark.drafter_experts(cfg) if drafts else 0),
         segment_token_bytes=planner.segment_token_bytes(cfg),
         segment_min=opts.chunk,
         segment=opts.prefill_segment,

@@ -37,7 +37,7 @@ from ..checkpoint.spec_v41 import engram_nbytes, vision_nbytes
 from ..checkpoint.tensors import released_nbytes
 from ..errors import BudgetError
 from ..store.directio import ALIGN
-from . import planner_v4, planner_v41
+from . import planner_dspark, planner_v4, planner_v41
 
 GB = 1_000_000_000
 # Interpreter, numpy/numba/tokenizers code and heaps, thread stacks, allocator slack:
@@ -400,9 +400,11 @@ def segment_token_bytes(cfg: ModelConfig) -> int:
 
 
 def needs_from_config(
-    cfg: ModelConfig, ctx: int = 4096, chunk: int = SUB_CHUNK, segment: int | None = None
+    cfg: ModelConfig, ctx: int = 4096, chunk: int = SUB_CHUNK, segment: int | None = None, speculate: str | int = "auto"
 ) -> MemoryNeeds:
-    """Estimate from config.json alone, with the release dtypes."""
+    """Estimate from config.json alone, with the release dtypes; the drafter counted as a run
+    with this --speculate setting holds it (`planner_dspark`, as `run.memory` measures it)."""
+    drafts = planner_dspark.drafts(cfg, speculate)
     layer_bytes = tuple(
         sum(released_nbytes(cfg, s) for s in block_specs(cfg, i, with_experts=False)) for i in range(cfg.n_layers)
     )
@@ -417,11 +419,12 @@ def needs_from_config(
         staging_bytes=staging_bytes_for(cfg, chunk, ctx),
         working_set=cfg.working_set_experts,
         experts_per_token=cfg.num_experts_per_tok,
-        total_experts=cfg.n_layers * cfg.n_routed_experts,
+        total_experts=cfg.n_layers * cfg.n_routed_experts + (planner_dspark.drafter_experts(cfg) if drafts else 0),
         segment_token_bytes=segment_token_bytes(cfg),
         segment_min=chunk,
         segment=segment,
-        unused=unused_summary(cfg, drafter_nbytes(cfg), vision_nbytes(cfg)),
+        unused=unused_summary(cfg, None if drafts else drafter_nbytes(cfg), vision_nbytes(cfg)),
+        drafter_bytes=planner_dspark.dense_bytes_from_config(cfg) if drafts else 0,
         engram_slot_bytes=fam.engram_slot_bytes(cfg),
         engram_rows_per_token=fam.engram_rows_per_token(cfg),
         engram_table_bytes=engram_nbytes(cfg),

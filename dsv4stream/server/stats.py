@@ -15,6 +15,13 @@ Several requests run at once (continuous batching): each has its `RequestStats` 
 holds it); the snapshot's `batch` lists them (prompt progress, tokens, decode tok/s so far) with
 the passes run and their mean rows; `phase` is prefill while a request reads its prompt.
 
+Speculation (`--speculate`, issue 41): the snapshot's `speculation` sums `engine.spec_stats.SpecCounts`
+over every generate call that could draft and has ended (None until one has): acceptance, mean
+accepted length, drafted / accepted / verified tokens, expert bytes per token, decode seconds with
+drafts and the estimate without (tokens x the mean measured one-token pass). The engine thread
+folds the engine's ended turns in at each request's end (`end`); a turn still running (a request of
+a batch) is folded when it has ended.
+
 Per request (for the chat page, through the job's events): one sample per prefill segment
 and per generated token (`t` seconds since the request was taken from the queue, tokens/s,
 expert-read MB/s, hit rate; the first token's sample covers the end of the prefill), and a
@@ -33,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.spec_stats import SpecCounts
 from ..run.memory import peak_rss_bytes
 from ..run.runtime import Runtime
 
@@ -82,6 +90,10 @@ class LiveStats:
         pinned = rt.trunk.pinned
         self._trunk = {"pinned_layers": pinned, "streamed_layers": rt.cfg.n_layers - pinned}
         self._trunk_bytes = rt.counters().trunk_bytes_read
+        # --speculate: the ended turns' counts summed; turns not yet seen / not yet ended
+        self._spec: SpecCounts | None = None
+        self._turns_seen = len(rt.engine.phases.turns)
+        self._open_turns: list = []
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _store_counts(self) -> tuple[int, int, int]:
@@ -163,8 +175,22 @@ class LiveStats:
             b["rows"] += rows
             b["largest"] = max(b["largest"], rows)
 
+    def _fold_speculation(self) -> None:
+        """The engine's turns that ended since the last call into the speculation totals (engine thread)."""
+        turns = self.rt.engine.phases.turns
+        self._open_turns += turns[self._turns_seen :]
+        self._turns_seen = len(turns)
+        ended = [t for t in self._open_turns if t.stop_reason]
+        self._open_turns = [t for t in self._open_turns if not t.stop_reason]
+        parts = [t.speculation for t in ended if t.speculation is not None]
+        if parts:
+            total = SpecCounts.total(([self._spec] if self._spec else []) + parts)
+            with self._lock:
+                self._spec = total
+
     def end(self, usage, r: RequestStats) -> dict[str, Any]:
         """The request is over (answered or stopped): totals, and its summary (returned)."""
+        self._fold_speculation()
         now = self.rt.counters()
         counts = (now.expert_requests, now.expert_hits, now.expert_bytes_read)
         req, hits, nbytes = (c - m for c, m in zip(counts, r.store0, strict=True))
@@ -268,7 +294,20 @@ class LiveStats:
                 "peak_rss_gb": peak_rss_bytes() / 1e9,
                 "budget_gb": self.rt.opts.budget / 1e9,
                 "history": list(self._history),
+                "speculation": _speculation(self._spec),
             }
+
+
+def _speculation(spec: SpecCounts | None) -> dict[str, Any] | None:
+    """The summed `SpecCounts` for /v1/stats (None: no generate call that could draft has ended)."""
+    if spec is None:
+        return None
+    d = spec.as_dict()
+    for k in ("acceptance", "mean_accepted_length", "expert_bytes_per_token"):
+        d[k] = round(d[k], 4)
+    for k in ("seconds", "seconds_without_estimated", "draft_seconds", "one_token_pass_seconds"):
+        d[k] = round(d[k], 4)
+    return d
 
 
 def _rate(n: int, seconds: float) -> float:

@@ -149,16 +149,26 @@ class Worker:
 
     @property
     def batched(self) -> bool:
-        """Whether requests are decoded together (`--max-batch` above 1); only a server that decodes
-        one at a time drafts (`--speculate`): a drafting request verifies several tokens in a pass of
-        its own, which a pass shared with other requests cannot carry."""
+        """Whether requests are decoded together (`--max-batch` above 1). A drafting request
+        (`--speculate`) verifies several tokens in a pass of its own, which a pass shared with other
+        requests cannot carry: a batching server drafts only while one request is in flight
+        (`_SoloDrafts`), a server with --max-batch 1 always."""
         return self.max_batch > 1
+
+    def _alone(self) -> bool:
+        """One request in flight (the caller's) and none waiting."""
+        return self.running == 1 and not self.jobs.qsize()
 
     def _next(self, steps, session, tok: int):
         """The token after `tok` from `steps` (None: none, or dropped without a pass): batched,
         `tok` is fed in the next pass with the others' (a `Step` yielded to the `Batch`); alone, the
-        generator feeds it itself (and may draft)."""
+        generator feeds it itself (and may draft). A batching server's request that drafts while
+        alone goes on in plain batched passes once another is in flight or waiting."""
         if not self.batched:
+            return next(steps, None)
+        if isinstance(steps, _SoloDrafts) and steps.drafting:
+            if not self._alone():
+                steps.to_batched(tok, session)  # feeds tok in one plain pass of its own, then Steps
             return next(steps, None)
         fed = yield Step(session, tok)
         return None if fed is None else steps.send(fed)
@@ -331,10 +341,15 @@ class Worker:
         boundaries = [p - cached for p in keep_at]
         spans = images.spans(rt.engine, ids) if images is not None and cached == 0 else None
         fed = images.real(new) if images is not None else new
+        # a batching server drafts for a request taken while no other is in flight (`_SoloDrafts`)
+        solo = self.batched and self._alone() and rt.speculator.resolve(job.speculate) != "off"
         steps = rt.generate(
             session, fed, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done, boundaries=boundaries,
-            spans=spans, batched=self.batched, speculate=job.speculate, uniforms=pick.rng,
+            spans=spans, batched=self.batched and not solo, speculate=job.speculate, uniforms=pick.rng,
         )  # fmt: skip
+        if solo:
+            steps = _SoloDrafts(steps, lambda tok, n: rt.generate(
+                session, [tok], job.max_tokens - n, pick, (eos,), batched=True, speculate="off", uniforms=pick.rng))  # fmt: skip
         try:
             tok = next(steps, None)
             while tok is not None:
@@ -350,7 +365,7 @@ class Worker:
             pass
         finally:
             steps.close()  # the session's record of this call is complete
-        turns = [session.turn]
+        turns = [*getattr(steps, "turns", ()), session.turn]  # a drafting call, then its batched continuation
         u.prompt_tokens, u.cached_tokens, u.completion_tokens = len(ids), cached, len(got)
         # the last token yielded was never fed: the session has read ids + got[:-1]
         if session.pos != len(ids) + len(got) - 1:
@@ -449,6 +464,40 @@ class Worker:
         if job.cancelled.is_set():
             raise Cancelled
         return self._finish(job, i, "stop" if got and got[-1] == reply.eos and pick.complete else "length")
+
+
+class _SoloDrafts:
+    """Choice 0 of a request a batching server took while no other was in flight: `Runtime.generate`
+    unbatched, so it drafts (`--speculate`). Once another request is in flight or waiting
+    (`Worker._next`), `to_batched` closes that generator after the token it yielded (which leaves
+    the session holding what comes before it) and a plain batched call (`restart(tok, yielded)`)
+    feeds that token and goes on, so the others share its passes. Greedy and seeded ids do not
+    change (draws keyed by position: `engine.spec_draws`); `turns` holds the drafting call's record."""
+
+    def __init__(self, gen, restart: Callable[[int, int], Generator]) -> None:
+        self.gen, self.restart, self.drafting, self.yielded = gen, restart, True, 0
+        self.turns: list[Turn] = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        tok = next(self.gen)
+        self.yielded += 1
+        return tok
+
+    def send(self, fed) -> int:
+        tok = self.gen.send(fed)
+        self.yielded += 1
+        return tok
+
+    def close(self) -> None:
+        self.gen.close()
+
+    def to_batched(self, tok: int, session) -> None:
+        self.gen.close()
+        self.turns.append(session.turn)
+        self.gen, self.drafting = self.restart(tok, self.yielded), False
 
 
 def request_seconds(turns: Sequence[Turn | None]) -> tuple[float, float]:

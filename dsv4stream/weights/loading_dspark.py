@@ -6,10 +6,10 @@ names in `checkpoint.spec_v41` (`MTP_EXTRAS_V41`); each stage's block through
 experts are not here: they come through the session's expert provider as blocks n_layers + K,
 so they stream and cache in the main model's budget.
 
-Only the V4.1 layout runs. V4-Flash-0731's drafter (layout `dspark`) is not the same design:
-its stages are V4 blocks (every sublayer uses its own hyper-connection pre, a separate
-`hc_head` collapses the streams, V4 attention with a per-head q rescale) and its Markov head is
-stored as `markov_w1`/`markov_w2`, whose roles no released code pins down.
+V4-Flash-0731's drafter (layout `dspark`) is not the same design: its stages are V4 blocks
+(every sublayer uses its own hyper-connection pre, a separate `hc_head` collapses the streams,
+V4 attention with a per-head q rescale) and its Markov head is stored as `markov_w1`/`markov_w2`;
+`weights.loading_dspark_0731` loads it. `drafter_reason` answers for both.
 """
 
 from __future__ import annotations
@@ -29,22 +29,19 @@ from .loading_v41 import load_layer
 
 def drafter_reason(cfg: ModelConfig) -> str | None:
     """Why this checkpoint has no drafter `--speculate` runs (None: it has one)."""
-    if cfg.layout == DSPARK_V41 and cfg.dspark is not None:
-        return None
-    if cfg.layout == DSPARK:
-        return (
-            "its drafter is the V4-Flash-0731 layout, a different design (V4 stages with their own"
-            " hyper-connection heads and a Markov head stored as markov_w1/markov_w2) that dsv4 does not run"
-        )
+    if cfg.layout in (DSPARK_V41, DSPARK) and cfg.dspark is not None:
+        return None  # V4.1's (here) or V4-Flash-0731's (weights.loading_dspark_0731)
     return f"it has {LAYOUTS.get(cfg.layout, 'no mtp.* blocks')}, not a DSpark drafter"
 
 
 def check_drafter(cfg: ModelConfig) -> None:
-    """UsageError where the checkpoint holds no drafter this code runs."""
+    """UsageError where the checkpoint holds no V4.1 drafter (what `load_dspark` reads; `--draft-out`
+    asks it only where `drafter_reason` finds no drafter at all)."""
     if cfg.layout != DSPARK_V41 or cfg.dspark is None:
         what = LAYOUTS.get(cfg.layout, cfg.layout)
         raise UsageError(
-            f"--draft-out needs a DeepSeek-V4.1 checkpoint with its DSpark drafter (mtp.*); this one has {what}"
+            "--draft-out needs a checkpoint with a DSpark drafter (mtp.* of DeepSeek-V4.1 or V4-Flash-0731);"
+            f" this one has {what}"
         )
 
 

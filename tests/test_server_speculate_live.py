@@ -1,0 +1,106 @@
+"""Speculation through a live `dsv4 serve` with its default --max-batch (issue 41), on a generated
+V4-Flash-0731 checkpoint with its DSpark drafter and the release tokenizer.
+
+- The plan printed at start-up holds the drafter (a batching server drafts too).
+- One request at a time: greedy answers with `speculate` 2 and auto equal `speculate: off`, and
+  /v1/stats' `speculation` sums what was drafted (acceptance, mean accepted length, drafted and
+  verified tokens, time with drafts and the estimate without), consistent with itself.
+- Two requests at once: each gets its solo answer, and their passes were shared (the first one
+  drafted alone, then decoded in plain batched passes once the second was in flight).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from server_proc import Server
+
+from dsv4stream import synth
+from dsv4stream.text.tokenizer import Tokenizer
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("spec") / "c0731"
+    return synth.make_checkpoint(out, "tiny-0731", seed=2, vocab_size=synth.REAL_VOCAB, tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    with Server(ckpt, "--ctx", "512", "--keep-states", "0", budget="1.5") as s:
+        yield s
+
+
+def stats(srv: Server) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    conn.request("GET", "/v1/stats")
+    got = json.loads(conn.getresponse().read())
+    conn.close()
+    return got
+
+
+def answer(srv: Server, content: str, speculate, no_eos: dict) -> tuple[str, int]:
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    r = c.chat.completions.create(
+        model="t", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=N, logit_bias=no_eos,
+        extra_body={"speculate": speculate},
+    )  # fmt: skip
+    return r.choices[0].message.content, r.usage.completion_tokens
+
+
+def test_a_batching_server_drafts_alone_and_shares_passes_together(server, ckpt) -> None:
+    no_eos = {str(Tokenizer.from_checkpoint(ckpt).special.eos): -100}
+    server.wait_for("drafter: DSpark dense weights")  # planned though requests may be decoded together
+    assert stats(server)["batch"]["max_batch"] > 1 and stats(server)["speculation"] is None
+
+    off = answer(server, "Count to ten.", "off", no_eos)
+    assert off[1] == N
+    assert stats(server)["speculation"] is None  # an off request drafts nothing and is not summed
+    for setting in (2, "auto"):
+        assert answer(server, "Count to ten.", setting, no_eos) == off, setting
+    s = stats(server)["speculation"]
+    assert s is not None and s["drafted_tokens"] > 0 and s["tokens"] == 2 * (N - 1)
+    assert s["verified_tokens"] == s["drafted_tokens"] + s["verify_passes"]
+    assert 0.0 <= s["acceptance"] <= 1.0 and s["accepted_tokens"] == round(s["acceptance"] * s["drafted_tokens"])
+    assert s["seconds"] > 0 and s["seconds_without_estimated"] >= 0 and s["one_token_pass_seconds"] >= 0
+    assert s["mean_accepted_length"] >= 1.0
+    assert stats(server)["batch"]["largest"] == 1
+
+    # the second request joins while the first is decoding (after a few of its tokens, drafted alone)
+    prompts = ["Count to ten.", "Tell me a story."]
+    solo = [off[0], answer(server, prompts[1], "off", no_eos)]
+    drafted, started = s["drafted_tokens"], threading.Event()
+
+    def first() -> str:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        stream = c.chat.completions.create(
+            model="t", messages=[{"role": "user", "content": prompts[0]}], temperature=0, max_tokens=N,
+            logit_bias=no_eos, extra_body={"speculate": 2}, stream=True,
+        )  # fmt: skip
+        parts = []
+        for k, chunk in enumerate(stream):
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+            if k == 4:
+                started.set()
+        return "".join(parts)
+
+    def second() -> tuple[str, int]:
+        assert started.wait(300)
+        return answer(server, prompts[1], 2, no_eos)
+
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.submit(first), pool.submit(second)
+        together = [a.result(), b.result()]
+    assert together == solo
+    after = stats(server)
+    assert after["batch"]["largest"] >= 2, after["batch"]  # the two shared passes
+    assert after["speculation"]["drafted_tokens"] > drafted  # and the first drafted while alone
