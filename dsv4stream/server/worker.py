@@ -24,11 +24,15 @@ reply. Before the lookup, a reply the client sends back as text is given back th
 server sampled for it (`StateCache.splice`): re-tokenising a reply's text need not give the
 same ids, and then the state after the reply would never match.
 
-`n` > 1 choices share the prompt: the first choice runs as a single one would; each other
-choice restores the state the first kept at the prompt's end and starts from the prompt's
-own logits (kept by the first choice's picker), so the prompt is read once. Every choice
-goes through `Runtime.generate` (its steps in the run's figures), its tokens fed in the
-batch's passes, and its sampled ids are remembered for the splice.
+`n` > 1 choices share the prompt: the first choice runs as a single one would; once it has its
+first token, each other choice restores the state the first kept at the prompt's end and starts
+from the prompt's own logits (kept by the first choice's picker), so the prompt is read once.
+The choices decode together, as rows of the same passes (`batching.choices`), each in a place
+of the batch (`_claim`: a request's extra choices count against --max-batch; one that finds
+none waits for a choice of its request to end); with --max-batch 1 they run one after another.
+Every choice goes through `Runtime.generate` (its steps in the run's figures) with its own
+picker and seed stream, so its ids are those it gets alone; its sampled ids are remembered for
+the splice.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
 from ..run.runtime import Runtime
 from ..text.sampler import SamplingParams
-from .batching import Batch, Coroutine, Step
+from .batching import Batch, Coroutine, Step, choices
 from .cache import DiskCache, StateCache
 from .decoding import Controls, Picker
 from .grammar import Grammars
@@ -142,6 +146,7 @@ class Worker:
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.batch = Batch(self._serve, self._passed, self._ended)
         self._live: set[int] = set()  # id() of the jobs running (taken, not answered yet)
+        self._extra = 0  # places taken by requests' extra choices decoding beside their first (`_claim`)
         self.served = 0
         self.recent_seconds: deque[float] = deque(maxlen=8)  # wall time of the last requests, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
@@ -217,7 +222,7 @@ class Worker:
         run one decode pass of the batch; a new request's prefill runs when it is taken, one
         decode pass of the others after each of its segments (`_serve`'s progress)."""
         while True:
-            while self.running < self.max_batch:
+            while self.places < self.max_batch:
                 try:
                     job = self.jobs.get(block=not self.batch.rows)
                 except queue.Empty:
@@ -321,7 +326,6 @@ class Worker:
                 self.batch.step()  # the others' next tokens between two segments of this prompt
 
         pick = self._picker(job, 0)
-        eos = job.reply.eos
         got: list[int] = []
 
         def layer_done(step) -> None:
@@ -332,15 +336,63 @@ class Worker:
         spans = images.spans(rt.engine, ids) if images is not None and cached == 0 else None
         fed = images.real(new) if images is not None else new
         steps = rt.generate(
-            session, fed, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done, boundaries=boundaries,
-            spans=spans, batched=self.batched, speculate=job.speculate, uniforms=pick.rng,
+            session, fed, job.max_tokens, pick, (job.reply.eos,), progress=progress, on_layer=layer_done,
+            boundaries=boundaries, spans=spans, batched=self.batched, speculate=job.speculate, uniforms=pick.rng,
         )  # fmt: skip
+        t_first: list[float] = []  # when the first token was picked: the decode's start
+        at_prompt_end: list[SessionState] = []
+
+        def first_token() -> None:
+            t_first.append(time.perf_counter())
+            at_prompt_end.append(session.snapshot())
+            kept.append((list(ids), at_prompt_end[0]))
+
+        first = self._first_choice(job, steps, session, ids, got, kept, first_token)
+        more = [
+            lambda claimed, i=i: self._more(job, i, ids, at_prompt_end[0], pick.first_logits, turns, claimed)
+            for i in range(1, len(job.replies))
+        ]
+        turns = [session.turn]
+        # the choices decode together, in the batch's places (one after another with --max-batch 1)
+        outcomes = yield from choices(first, more, self._claim, lambda: bool(at_prompt_end))
+        u.prompt_tokens, u.cached_tokens = len(ids), cached
+        turns[0] = session.turn
+        u.prefill_seconds = turns[0].first_token_seconds or 0.0
+        u.decode_seconds = time.perf_counter() - t_first[0] if t_first else 0.0
+        # counted and out of the running set before "done": a client that asks /v1/stats next sees it
+        summary = self._count(job)
+        if summary is not None:
+            job.emit("summary", summary)
+        self._live.discard(id(job))  # answered, though the kept states are still to be written
+        job.emit("done", outcomes)
+        self._keep(kept)  # after "done": the client does not wait for the disk
+
+    def _claim(self) -> bool:
+        """Whether the batch has a place for one more row (a request's next choice), taking it if so."""
+        if self.places >= self.max_batch:
+            return False
+        self._extra += 1
+        return True
+
+    @property
+    def places(self) -> int:
+        """The batch's places in use: one per running request, one more per extra choice of a
+        request decoding at once (`n` > 1)."""
+        return len(self._live) + self._extra
+
+    def _first_choice(
+        self, job: Job, steps, session, ids: list[int], got: list[int], kept: list, first_token: Callable[[], None]
+    ) -> Generator[Step, tuple | None, Outcome]:
+        """Choice 0 from `steps` (its `Runtime.generate`, the prompt's prefill first): each token
+        pushed to the reply and fed in the batch's passes; then the states it keeps."""
+        pick, live = job.pickers[0], job.live
         try:
             tok = next(steps, None)
             while tok is not None:
                 if not got:
-                    kept.append((list(ids), session.snapshot()))
-                job.emit("sample", self.stats.token(live, first=not got))
+                    first_token()
+                if live is not None:
+                    job.emit("sample", self.stats.token(live, first=not got))
                 got.append(tok)
                 self._push(job, 0, tok)
                 if job.reply.stopped or job.cancelled.is_set() or session.stop_reason != "interrupted":
@@ -350,8 +402,7 @@ class Worker:
             pass
         finally:
             steps.close()  # the session's record of this call is complete
-        turns = [session.turn]
-        u.prompt_tokens, u.cached_tokens, u.completion_tokens = len(ids), cached, len(got)
+        job.usage.completion_tokens += len(got)
         # the last token yielded was never fed: the session has read ids + got[:-1]
         if session.pos != len(ids) + len(got) - 1:
             raise InternalError(f"session at {session.pos} after {len(ids)} prompt + {len(got)} generated tokens")
@@ -362,19 +413,7 @@ class Worker:
         if job.cancelled.is_set():
             self._keep(kept)
             raise Cancelled
-        outcomes = [self._finish(job, 0, "stop" if got and got[-1] == eos and pick.complete else "length")]
-        if job.more_replies:
-            at_prompt_end = next(st for k, st in kept if len(k) == len(ids))
-            for i in range(1, len(job.replies)):
-                outcomes.append((yield from self._more(job, i, ids, at_prompt_end, pick.first_logits, turns)))
-        u.prefill_seconds, u.decode_seconds = request_seconds(turns)
-        # counted and out of the running set before "done": a client that asks /v1/stats next sees it
-        summary = self._count(job)
-        if summary is not None:
-            job.emit("summary", summary)
-        self._live.discard(id(job))  # answered, though the kept states are still to be written
-        job.emit("done", outcomes)
-        self._keep(kept)  # after "done": the client does not wait for the disk
+        return self._finish(job, 0, "stop" if got and got[-1] == job.reply.eos and pick.complete else "length")
 
     def _picker(self, job: Job, i: int) -> Picker:
         seed = job.params.seed
@@ -413,11 +452,29 @@ class Worker:
         return outcome
 
     def _more(
-        self, job: Job, i: int, ids: list[int], state: SessionState, logits: np.ndarray | None, turns: list[Turn]
+        self,
+        job: Job,
+        i: int,
+        ids: list[int],
+        state: SessionState,
+        logits: np.ndarray | None,
+        turns: list[Turn],
+        claimed: bool,
     ) -> Generator[Step, tuple | None, Outcome]:
         """Choice i > 0 from the first choice's state at the end of the prompt `ids` and its logits there,
         through `Runtime.generate` as the first: timed by its session (its record joins `turns`),
-        its tokens fed in the batch's passes, stopped at --ctx."""
+        its tokens fed in the batch's passes (beside the first's and the other choices'), stopped
+        at --ctx. `claimed`: it took a place of the batch (`_claim`), given back at its end (else it
+        runs in the request's own place, no other choice of it running)."""
+        try:
+            return (yield from self._choice(job, i, ids, state, logits, turns))
+        finally:
+            if claimed:
+                self._extra -= 1
+
+    def _choice(
+        self, job: Job, i: int, ids: list[int], state: SessionState, logits: np.ndarray | None, turns: list[Turn]
+    ) -> Generator[Step, tuple | None, Outcome]:
         if logits is None:
             raise InternalError("the first choice kept no logits of the prompt's end")
         session = self.rt.session(on_route=self.stats.on_route)
@@ -449,14 +506,3 @@ class Worker:
         if job.cancelled.is_set():
             raise Cancelled
         return self._finish(job, i, "stop" if got and got[-1] == reply.eos and pick.complete else "length")
-
-
-def request_seconds(turns: Sequence[Turn | None]) -> tuple[float, float]:
-    """A request's (prefill, decode) seconds from its choices' generate calls as their sessions
-    timed them: to the first choice's first token, then the wall time of everything after it
-    (the first choice's remaining tokens, then each other choice whole)."""
-    first = turns[0]
-    if first is None:
-        raise InternalError("a request's first choice has no generate call")
-    to_first = first.first_token_seconds or 0.0
-    return to_first, first.seconds - to_first + sum(t.seconds for t in turns[1:] if t is not None)
