@@ -10,7 +10,8 @@ Continuous batching (`batching.Batch`): each request runs as a coroutine (`_serv
 one request served alone would be, that yields each token it wants fed and gets back its row of
 one decode pass shared by every running request (`engine.batch.step_many`: the same logits as
 its own step, bit for bit). Requests join between passes while fewer than `max_batch` run (the
-rest wait in the queue); a new request's prefill runs as it joins, the others getting one pass
+rest wait in the queue; where the experts stream, `--max-batch` is lowered to the requests whose
+experts the slots hold: `batching.rows_that_fit`); a new request's prefill runs as it joins, the others getting one pass
 after each of its segments; a request leaves when it ends, fails or its client goes, and the
 others' rows are untouched. Each keeps its own picker (sampling, seed, logit bias, grammar,
 logprobs), stops and kept states.
@@ -53,7 +54,7 @@ from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
 from ..run.runtime import Runtime
 from ..text.sampler import SamplingParams
-from .batching import Batch, Coroutine, Step, choices
+from .batching import Batch, Coroutine, Step, choices, rows_that_fit
 from .cache import DiskCache, StateCache
 from .decoding import Controls, Picker
 from .grammar import Grammars
@@ -142,7 +143,15 @@ class Worker:
         self.ram = ram
         self.disk = disk
         self.log = log
-        self.max_batch = max_batch  # requests decoded together at most (`dsv4 serve --max-batch`)
+        self.max_batch = rows_that_fit(rt.plan, max_batch)  # requests decoded together at most
+        if self.max_batch < max_batch:
+            p = rt.plan
+            log(
+                f"dsv4: decoding at most {self.max_batch} request(s) together, not {max_batch}: the experts stream,"
+                f" and a pass of more would not hold its experts ({p.needs.working_set} a request) in the"
+                f" {p.expert_slots} expert slots, so every pass would evict what the next one hits;"
+                " the others wait in the queue (a larger --budget holds more)"
+            )
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.batch = Batch(self._serve, self._passed, self._ended)
         self._live: set[int] = set()  # id() of the jobs running (taken, not answered yet)
