@@ -46,12 +46,13 @@ def test_the_batch_holds_as_many_requests_as_the_slots_hold_working_sets(ckpt) -
 
 def test_a_streaming_worker_lowers_its_batch_and_says_why(ckpt) -> None:
     needs, _ = needs_of(ckpt, CTX)
-    budget = planner.budget_for(needs, 2 * needs.working_set + 1)
+    budget = planner.budget_for(needs, needs.working_set + 1)  # one request's experts: a batch of 1
     logged: list[str] = []
     with Runtime.open(ckpt, RunOptions(budget=budget, io="buffered", ctx=CTX, threads=1)) as rt:
         w = Worker(rt, rt.cfg.vocab_size, StateCache(1 << 20), None, logged.append, max_batch=4)
         try:
-            assert w.max_batch == rows_that_fit(rt.plan, 4) < 4
-            assert any("decoding at most" in line and "not 4" in line for line in logged), logged
+            assert w.max_batch == rows_that_fit(rt.plan, 4) == 1
+            assert any("decoding at most 1 request(s) together, not 4" in line for line in logged), logged
+            assert w.batched  # still a batching server (planned without a drafter): it does not draft
         finally:
             w.close()

@@ -143,6 +143,7 @@ class Worker:
         self.ram = ram
         self.disk = disk
         self.log = log
+        self.asked_batch = max_batch  # --max-batch: above 1, the server was planned without a drafter
         self.max_batch = rows_that_fit(rt.plan, max_batch)  # requests decoded together at most
         if self.max_batch < max_batch:
             p = rt.plan
@@ -166,7 +167,7 @@ class Worker:
         """Whether requests are decoded together (`--max-batch` above 1); only a server that decodes
         one at a time drafts (`--speculate`): a drafting request verifies several tokens in a pass of
         its own, which a pass shared with other requests cannot carry."""
-        return self.max_batch > 1
+        return self.asked_batch > 1  # (a streaming cap of 1 still plans no drafter: it stays batched)
 
     def _next(self, steps, session, tok: int):
         """The token after `tok` from `steps` (None: none, or dropped without a pass): batched,
