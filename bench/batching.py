@@ -10,8 +10,9 @@ so each runs to `--tokens`) first one after another, then all at once from C thr
 per budget and C: aggregate tok/s (generated tokens / wall time of the whole set, prompts
 included) both ways and their ratio, the mean per-request tok/s (its tokens / its wall time
 as its client saw it), and checks that every answer is the same text both ways. The server's
-peak RSS is read from outside (/proc/PID/status VmHWM) at the end of each budget; the plan's
-expert line says whether the experts are all in RAM or stream.
+peak RSS is read from outside (/proc/PID/status VmHWM) at the end of each budget and set
+against it; the plan's expert line says whether the experts are all in RAM or stream, and the
+server's "decoding at most" line where a streaming budget lowered --max-batch.
 
 Timed window: the client's, request sent to answer read. Only ratios from one run mean
 something on a shared machine; give the load (`uptime`) with the figures.
@@ -118,7 +119,9 @@ def run_budget(ckpt: str, budget: str, clients: list[int], tokens: int, eos: int
                 f" answers {'identical' if row['identical'] else 'DIFFERENT'}",
                 flush=True,
             )
-        plan = [ln for ln in lines if "experts:" in ln or "planned total" in ln or "serving:" in ln]
+        plan = [
+            ln for ln in lines if any(k in ln for k in ("experts:", "planned total", "serving:", "decoding at most"))
+        ]
         return {"budget": budget, "rows": rows, "peak_rss_gb": peak_rss_gb(proc.pid), "plan": plan}
     finally:
         proc.terminate()
@@ -145,7 +148,11 @@ def main() -> None:
     out = {"checkpoint": a.checkpoint, "tokens": a.tokens, "load_before": load, "budgets": []}
     for b in a.budgets.split(","):
         got = run_budget(a.checkpoint, b, clients, a.tokens, eos, a.threads)
-        print("  " + " | ".join(got["plan"]) + f" | peak RSS {got['peak_rss_gb']:.2f} GB", flush=True)
+        within = "within" if got["peak_rss_gb"] <= float(b) else "OVER"
+        print(
+            "  " + " | ".join(got["plan"]) + f" | peak RSS {got['peak_rss_gb']:.2f} GB ({within} --budget {b})",
+            flush=True,
+        )
         out["budgets"].append(got)
     out["load_after"] = os.getloadavg()
     print(f"load average after: {out['load_after'][0]:.2f}", flush=True)

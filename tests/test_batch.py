@@ -90,3 +90,33 @@ def test_the_batched_pass_fetches_each_expert_once_for_all_rows(family) -> None:
     if real is not None:
         assert len(asked) == len(set(asked))
         assert set(asked) == {key for s in seqs for key in s.requests}
+
+
+def test_a_governed_pass_tries_thread_counts_per_batch_size(family, monkeypatch) -> None:
+    """`step_governed`: the engine's governor picks each pass's thread count from the passes of the
+    same size (`ThreadGovernor.for_rows`), tries another count after FIRST_PROBE passes, gets every
+    pass's time back, leaves the kernels at its full count, and the logits are the solo step's."""
+    from dsv4stream.engine import batch
+    from dsv4stream.engine.threads import FIRST_PROBE, PROBE_STEPS, ThreadGovernor
+
+    engine = family.engine("exact")
+    seqs = [_pair(engine, [int(t) for t in family.ids(3 + k, seed=60 + k)]) for k in range(2)]
+    toks = [int(np.argmax(logits)) for _, _, logits in seqs]
+    set_to: list[int] = []
+    now = [2]
+    monkeypatch.setattr(batch.kernels, "set_threads", lambda n: (set_to.append(n), now.__setitem__(0, n))[1])
+    monkeypatch.setattr(batch.kernels, "get_threads", lambda: now[0])
+    monkeypatch.setattr(engine, "governor", ThreadGovernor(2))
+    passes = FIRST_PROBE + PROBE_STEPS + 1
+    for _ in range(passes):
+        got, wall, spent = batch.step_governed([b for _, b, _ in seqs], toks)
+        assert wall > 0 and spent["expert_reads"] >= 0
+        for j, (alone, _, _) in enumerate(seqs):
+            assert np.array_equal(got[j], alone.step(toks[j]))
+        toks = [int(np.argmax(r)) for r in got]
+    two = engine.governor.for_rows(2)
+    assert two is not engine.governor and engine.governor.for_rows(1) is engine.governor
+    assert two.steps == {2: passes - PROBE_STEPS, 1: PROBE_STEPS}  # the try of 1 thread ran its passes
+    assert engine.governor.steps == {2: 0, 1: 0}  # the single-sequence governor saw none of them
+    assert engine.governor.summary() == {"2": passes - PROBE_STEPS, "1": PROBE_STEPS}
+    assert set_to[0] == 1 and set_to[-1] == 2 and now[0] == 2  # the try, then back to every thread

@@ -16,6 +16,10 @@ one-token product whatever other rows share the call, in every numerics mode (`k
 token sums its experts in ascending id order whatever the batch (`model.moe`).
 tests/test_batch.py checks it for both families in exact, official and fast numerics.
 
+`step_governed` is the pass a server runs: timed (wall seconds and seconds by phase, as a
+`Session.generate` step is) at the kernel thread count the engine's governor picks for passes of
+that many rows (`engine.threads`).
+
 Not here: the generation loop around it (picking, stops, the turn's record: `engine.decode_batch`)
 and the server's scheduling (`server.worker`).
 """
@@ -26,9 +30,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .. import kernels
 from ..errors import NumericsError, UsageError
 from ..model.moe import ExpertWeights
 from . import numerics as run_numerics
+from .phases import StepClock
 from .session import Session, layer_numerics_error
 from .steps import PassContext
 
@@ -80,6 +86,32 @@ def step_many(sessions: Sequence[Session], token_ids: Sequence[int] | np.ndarray
     return sessions[0]._logits(joined, last_only=False)
 
 
+def step_governed(
+    sessions: Sequence[Session], token_ids: Sequence[int] | np.ndarray
+) -> tuple[np.ndarray, float, dict[str, float]]:
+    """`step_many` timed: (logits (B, vocab), wall seconds, seconds by phase), at the thread count
+    the engine's governor (None: `--threads` fixed, nothing chosen) picks for passes of B rows;
+    its compute (wall less the read waits, which threads do not change) goes back to it. The
+    kernels are at the governor's full count again afterwards (a joining prompt's prefill keeps
+    every thread)."""
+    engine = sessions[0].engine
+    clock = StepClock(engine.meter)
+    gov = engine.governor.for_rows(len(sessions)) if engine.governor is not None else None
+    threads = gov.next_threads() if gov is not None else 0
+    if threads and threads != kernels.get_threads():
+        kernels.set_threads(threads)
+    try:
+        clock.begin()
+        logits = step_many(sessions, token_ids)
+        wall, spent = clock.end()
+    finally:
+        if gov is not None and threads != gov.most:
+            kernels.set_threads(gov.most)
+    if gov is not None:
+        gov.record(threads, wall - spent["expert_reads"] - spent["trunk_reads"])
+    return logits, wall, spent
+
+
 def read_ahead_many(sessions: Sequence[Session], token_ids: Sequence[int] | np.ndarray) -> None:
     """`Session.read_ahead` for each session's next token, the pass's memory made for all of them."""
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
@@ -123,4 +155,4 @@ def _joined_context(sessions: list[Session]) -> PassContext:
     return PassContext(sessions[0].chunk_size, None, experts_of, routed)
 
 
-__all__ = ["read_ahead_many", "step_many"]
+__all__ = ["read_ahead_many", "step_governed", "step_many"]

@@ -8,8 +8,11 @@ compute (wall time less the waits on reads, which threads do not change) at the 
 now and then tries another count for a few steps, and keeps whichever was faster. The kernels'
 results do not depend on the thread count, so neither do the ids.
 
-Owns the choice only: the caller (`Session.generate`) applies it with `kernels.set_threads`
-and reports each step's time. Not used when the user fixes `--threads`.
+Owns the choice only: the caller (`Session.generate`; a batched pass, `engine.batch.step_governed`)
+applies it with `kernels.set_threads` and reports each step's time. Not used when the user fixes
+`--threads`. A batched pass of B sequences takes longer than one of a single sequence, and B changes
+as requests join and leave, so passes of B > 1 rows are timed by a governor of their own per B
+(`for_rows`): a count is only ever compared with another on passes of the same size.
 """
 
 from __future__ import annotations
@@ -53,6 +56,16 @@ class ThreadGovernor:
         self._probe: int | None = None
         self._probe_left = 0
         self._probe_times: list[float] = []
+        self._by_rows: dict[int, ThreadGovernor] = {}  # batched passes, per rows carried
+
+    def for_rows(self, rows: int) -> ThreadGovernor:
+        """The governor of decode passes that carry `rows` sequences: this one for a single
+        sequence, else one per batch size, made on first use."""
+        if rows <= 1:
+            return self
+        if rows not in self._by_rows:
+            self._by_rows[rows] = ThreadGovernor(self.most)
+        return self._by_rows[rows]
 
     def next_threads(self) -> int:
         """The count for the step about to run."""
@@ -105,5 +118,10 @@ class ThreadGovernor:
                     self.due[c] = min(self.due[c], self._step)
 
     def summary(self) -> dict[str, int]:
-        """Decode steps per thread count, keys as text (JSON's): {"2": 118, "1": 6}."""
-        return {str(c): n for c, n in sorted(self.steps.items(), reverse=True) if n}
+        """Decode steps (batched passes among them) per thread count, keys as text (JSON's):
+        {"2": 118, "1": 6}."""
+        steps = dict(self.steps)
+        for g in self._by_rows.values():
+            for c, n in g.steps.items():
+                steps[c] = steps.get(c, 0) + n
+        return {str(c): n for c, n in sorted(steps.items(), reverse=True) if n}

@@ -5,11 +5,25 @@ linearly, as a request served alone would: it reads its prompt (a prefill) and, 
 it wants fed, yields a `Step` (its session, the token) and gets back that step's result, the
 `(logits, wall seconds, seconds by phase)` that `Session.generate` takes from a batched caller,
 or None when it was dropped without a pass (its client went away while it waited). `Batch.step`
-runs one pass (`engine.batch.step_many`) over every request waiting for one, then resumes each
-with its row; requests join (`start`) and leave (their generator returns or raises) between
+runs one pass (`engine.batch.step_governed`: `step_many` at the thread count tuned for that many
+rows) over every request waiting for one, then resumes each with its row; a request decoding
+several sequences at once (its `n` choices) yields a list of Steps and gets a list of rows
+(`choices`). Requests join (`start`) and leave (their generator returns or raises) between
 passes. Nothing here picks tokens or knows of replies: each request keeps its own sampler,
 stops, grammar and prefix-cache work in its coroutine, so one request's end, error or
 cancellation leaves the others' rows as they were.
+
+`choices` runs one request's choices as rows of the same passes: each choice a generator that
+yields its Steps, those that run at once gathered into one list per pass, a new one started
+while `room()` says the batch has a place.
+
+`rows_that_fit` caps the batch where the experts stream: a pass of B rows touches up to B
+times a token's working set of routed experts, and once that is more than the expert slots,
+every pass evicts what the next one (the same requests' next tokens, which pick many of the
+same experts) would have hit. Served one after another, each request keeps its hits; batched
+past the slots, none does, and the batch loses to them (the demo checkpoint at 1.0 GB, 78
+slots of 36 a token: 8 clients 0.84x, 2 clients 1.59x). So the batch holds as many requests as
+the slots hold working sets, at least one.
 
 A new request's prefill runs inside `start`; its coroutine's prefill progress calls `step` after
 each segment, so the others' decoding waits for one segment at most.
@@ -20,9 +34,9 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
-from ..engine.batch import step_many
-from ..engine.phases import StepClock
+from ..engine.batch import step_governed
 from ..engine.session import Session
+from ..errors import InternalError
 
 
 @dataclass(frozen=True)
@@ -33,14 +47,16 @@ class Step:
     token: int
 
 
-# A request's coroutine: yields Steps, is sent each one's (logits, wall, spent) or None (dropped).
-Coroutine = Generator[Step, tuple | None, None]
+# A request's coroutine: yields a Step (or a list of them: several rows), is sent its (logits, wall,
+# spent) (a list of them) or None (dropped).
+Coroutine = Generator[Step | list[Step], tuple | list | None, None]
 
 
 class Batch:
     """The requests decoding now, in the order they joined (see the module docstring).
 
-    `serve(job)` makes a request's coroutine; `passed(jobs)` hears of each pass and whose rows it carried;
+    `serve(job)` makes a request's coroutine; `passed(jobs)` hears of each pass and whose rows it
+    carried (a job once per row);
     `ended(job, error)` of each request that ended (error None: it returned)."""
 
     def __init__(
@@ -48,13 +64,11 @@ class Batch:
         serve: Callable[[object], Coroutine],
         passed: Callable[[list], None],
         ended: Callable[[object, BaseException | None], None],
-        meter=None,
     ) -> None:
         self.serve = serve
         self.passed = passed
         self.ended = ended
-        self.meter = meter
-        self.rows: list[tuple[Coroutine, object, Step]] = []
+        self.rows: list[tuple[Coroutine, object, Step | list[Step]]] = []
 
     def start(self, job) -> None:
         """A request joins: its coroutine runs to its first step (its prefill, interleaved with
@@ -64,7 +78,8 @@ class Batch:
 
     def step(self) -> None:
         """One decode pass over the requests waiting for one (none: nothing to do); a request whose
-        client went away is dropped first (resumed with None, its token unfed)."""
+        client went away is dropped first (resumed with None, its tokens unfed). A request that
+        asked for several rows (a list of Steps: its `n` choices) gets their results as a list."""
         rows, self.rows = self.rows, []
         live = []
         for gen, job, want in rows:
@@ -74,20 +89,22 @@ class Batch:
                 live.append((gen, job, want))
         if not live:
             return
-        sessions = [want.session for _, _, want in live]
-        tokens = [want.token for _, _, want in live]
-        clock = StepClock(self.meter or sessions[0].engine.meter)
+        asks = [want if isinstance(want, list) else [want] for _, _, want in live]
+        sessions = [step.session for ask in asks for step in ask]
+        tokens = [step.token for ask in asks for step in ask]
         try:  # (each token's reads ahead started when it was picked: `Session.generate`)
-            clock.begin()
-            logits = step_many(sessions, tokens)
+            logits, wall, spent = step_governed(sessions, tokens)  # at the thread count tuned for this many rows
         except Exception as e:  # noqa: BLE001  every request of the pass gets it (its sessions are torn)
             for gen, job, _ in live:
                 self._resume(gen, job, lambda g=gen, err=e: g.throw(err))
             return
-        wall, spent = clock.end()
-        self.passed([job for _, job, _ in live])
-        for b, (gen, job, _) in enumerate(live):
-            self._resume(gen, job, lambda g=gen, row=logits[b]: g.send((row, wall, spent)))
+        self.passed([job for (_, job, _), ask in zip(live, asks, strict=True) for _ in ask])
+        b = 0
+        for (gen, job, want), ask in zip(live, asks, strict=True):
+            got = [(logits[b + k], wall, spent) for k in range(len(ask))]
+            b += len(ask)
+            fed = got if isinstance(want, list) else got[0]
+            self._resume(gen, job, lambda g=gen, f=fed: g.send(f))
 
     def close_all(self) -> None:
         """The server stops: every coroutine closed (its `finally` blocks run)."""
@@ -95,7 +112,7 @@ class Batch:
         for gen, _, _ in rows:
             gen.close()
 
-    def _resume(self, gen: Coroutine, job, resume: Callable[[], Step]) -> None:
+    def _resume(self, gen: Coroutine, job, resume: Callable[[], Step | list[Step]]) -> None:
         try:
             want = resume()
         except StopIteration:
@@ -104,3 +121,59 @@ class Batch:
             self.ended(job, e)
         else:
             self.rows.append((gen, job, want))
+
+
+def rows_that_fit(plan, most: int) -> int:
+    """The most rows (at most `most`, at least 1) whose pass's routed experts, a working set
+    each, fit in the expert slots left beside the pass's activations (`Plan.prefill_slots`);
+    `most` where every expert fits anyway (nothing streams)."""
+    n = plan.needs
+    if plan.expert_slots >= n.total_experts or not n.working_set:
+        return most
+    rows = 1
+    while rows < most and (rows + 1) * n.working_set <= plan.prefill_slots(rows + 1):
+        rows += 1
+    return rows
+
+
+def choices(
+    first: Generator, more: list[Callable[[bool], Generator]], room: Callable[[], bool], ready: Callable[[], bool]
+) -> Generator[list[Step], list | None, list]:
+    """Run `first` and the choices `more` makes (in order) as rows of the same passes: yields each
+    pass's Steps as one list, is sent their rows (a list) or None (dropped: every choice gets
+    None); returns each choice's return value, `first`'s first. A choice of `more` starts once
+    `ready()` (the first has what the others start from) and while `room()` (a place in the
+    batch, taken: the choice is made with True), or when no other choice runs (made with False). Choices that feed their tokens themselves (a server
+    with --max-batch 1) run to their end when started: one after another, as before. On an
+    error, the choices still running are closed."""
+    gens: list[Generator] = [first]
+    wants: dict[int, Step] = {}
+    results: dict[int, object] = {}
+
+    def advance(i: int, send) -> None:
+        try:
+            wants[i] = send()
+        except StopIteration as e:
+            results[i] = e.value
+
+    try:
+        advance(0, lambda: next(first))
+        while True:
+            while len(gens) - 1 < len(more) and (not wants or ready()):
+                if not ready():
+                    raise InternalError("a choice was to start before the first had reached its prompt's end")
+                claimed = room()
+                if wants and not claimed:
+                    break
+                g = more[len(gens) - 1](claimed)
+                gens.append(g)
+                advance(len(gens) - 1, lambda g=g: next(g))
+            if not wants:
+                return [results[i] for i in range(len(gens))]
+            order = sorted(wants)
+            fed = yield [wants.pop(i) for i in order]
+            for k, i in enumerate(order):
+                advance(i, lambda g=gens[i], f=None if fed is None else fed[k]: g.send(f))
+    finally:
+        for g in gens:
+            g.close()

@@ -6,7 +6,7 @@ rate and read rate since the last one)
 and the published snapshot the HTTP side reads. Only the engine thread calls the update
 methods; `snapshot()` and `counters()` take the lock and copy, and read the run's live
 counters (`Runtime.counters`: one call, which waits for no read in flight), so handlers
-never touch engine state. Request times are the sessions' own (`worker.request_seconds`).
+never touch engine state. Request times are the sessions' own (the worker times them).
 
 History figures: hit rate = expert hits / requests of that pass; read rate = routed-expert
 bytes read during it / its wall time (GB/s, 10^9 bytes).

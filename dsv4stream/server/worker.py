@@ -10,7 +10,8 @@ Continuous batching (`batching.Batch`): each request runs as a coroutine (`_serv
 one request served alone would be, that yields each token it wants fed and gets back its row of
 one decode pass shared by every running request (`engine.batch.step_many`: the same logits as
 its own step, bit for bit). Requests join between passes while fewer than `max_batch` run (the
-rest wait in the queue); a new request's prefill runs as it joins, the others getting one pass
+rest wait in the queue; where the experts stream, `--max-batch` is lowered to the requests whose
+experts the slots hold: `batching.rows_that_fit`); a new request's prefill runs as it joins, the others getting one pass
 after each of its segments; a request leaves when it ends, fails or its client goes, and the
 others' rows are untouched. Each keeps its own picker (sampling, seed, logit bias, grammar,
 logprobs), stops and kept states.
@@ -24,11 +25,15 @@ reply. Before the lookup, a reply the client sends back as text is given back th
 server sampled for it (`StateCache.splice`): re-tokenising a reply's text need not give the
 same ids, and then the state after the reply would never match.
 
-`n` > 1 choices share the prompt: the first choice runs as a single one would; each other
-choice restores the state the first kept at the prompt's end and starts from the prompt's
-own logits (kept by the first choice's picker), so the prompt is read once. Every choice
-goes through `Runtime.generate` (its steps in the run's figures), its tokens fed in the
-batch's passes, and its sampled ids are remembered for the splice.
+`n` > 1 choices share the prompt: the first choice runs as a single one would; once it has its
+first token, each other choice restores the state the first kept at the prompt's end and starts
+from the prompt's own logits (kept by the first choice's picker), so the prompt is read once.
+The choices decode together, as rows of the same passes (`batching.choices`), each in a place
+of the batch (`_claim`: a request's extra choices count against --max-batch; one that finds
+none waits for a choice of its request to end); with --max-batch 1 they run one after another.
+Every choice goes through `Runtime.generate` (its steps in the run's figures) with its own
+picker and seed stream, so its ids are those it gets alone; its sampled ids are remembered for
+the splice.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
 from ..run.runtime import Runtime
 from ..text.sampler import SamplingParams
-from .batching import Batch, Coroutine, Step
+from .batching import Batch, Coroutine, Step, choices, rows_that_fit
 from .cache import DiskCache, StateCache
 from .decoding import Controls, Picker
 from .grammar import Grammars
@@ -138,10 +143,20 @@ class Worker:
         self.ram = ram
         self.disk = disk
         self.log = log
-        self.max_batch = max_batch  # requests decoded together at most (`dsv4 serve --max-batch`)
+        self.asked_batch = max_batch  # --max-batch: above 1, the server was planned without a drafter
+        self.max_batch = rows_that_fit(rt.plan, max_batch)  # requests decoded together at most
+        if self.max_batch < max_batch:
+            p = rt.plan
+            log(
+                f"dsv4: decoding at most {self.max_batch} request(s) together, not {max_batch}: the experts stream,"
+                f" and a pass of more would not hold its experts ({p.needs.working_set} a request) in the"
+                f" {p.expert_slots} expert slots, so every pass would evict what the next one hits;"
+                " the others wait in the queue (a larger --budget holds more)"
+            )
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.batch = Batch(self._serve, self._passed, self._ended)
         self._live: set[int] = set()  # id() of the jobs running (taken, not answered yet)
+        self._extra = 0  # places taken by requests' extra choices decoding beside their first (`_claim`)
         self.served = 0
         self.recent_seconds: deque[float] = deque(maxlen=8)  # wall time of the last requests, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
@@ -149,15 +164,16 @@ class Worker:
 
     @property
     def batched(self) -> bool:
-        """Whether requests are decoded together (`--max-batch` above 1). A drafting request
-        (`--speculate`) verifies several tokens in a pass of its own, which a pass shared with other
-        requests cannot carry: a batching server drafts only while one request is in flight
-        (`_SoloDrafts`), a server with --max-batch 1 always."""
-        return self.max_batch > 1
+        """Whether requests are decoded together (`--max-batch` above 1, asked: a streaming cap of 1
+        stays batched). A drafting request (`--speculate`) verifies several tokens in a pass of its
+        own, which a pass shared with other requests cannot carry: a batching server drafts only
+        while one request is in flight (`_SoloDrafts`), a server with --max-batch 1 always."""
+        return self.asked_batch > 1
 
     def _alone(self) -> bool:
-        """One request in flight (the caller's) and none waiting."""
-        return self.running == 1 and not self.jobs.qsize()
+        """One request in flight (the caller's), no other choice of it decoding beside it (`n` > 1),
+        and none waiting."""
+        return self.places == 1 and not self.jobs.qsize()
 
     def _next(self, steps, session, tok: int):
         """The token after `tok` from `steps` (None: none, or dropped without a pass): batched,
@@ -227,7 +243,7 @@ class Worker:
         run one decode pass of the batch; a new request's prefill runs when it is taken, one
         decode pass of the others after each of its segments (`_serve`'s progress)."""
         while True:
-            while self.running < self.max_batch:
+            while self.places < self.max_batch:
                 try:
                     job = self.jobs.get(block=not self.batch.rows)
                 except queue.Empty:
@@ -331,7 +347,6 @@ class Worker:
                 self.batch.step()  # the others' next tokens between two segments of this prompt
 
         pick = self._picker(job, 0)
-        eos = job.reply.eos
         got: list[int] = []
 
         def layer_done(step) -> None:
@@ -344,18 +359,70 @@ class Worker:
         # a batching server drafts for a request taken while no other is in flight (`_SoloDrafts`)
         solo = self.batched and self._alone() and rt.speculator.resolve(job.speculate) != "off"
         steps = rt.generate(
-            session, fed, job.max_tokens, pick, (eos,), progress=progress, on_layer=layer_done, boundaries=boundaries,
-            spans=spans, batched=self.batched and not solo, speculate=job.speculate, uniforms=pick.rng,
+            session, fed, job.max_tokens, pick, (job.reply.eos,), progress=progress, on_layer=layer_done,
+            boundaries=boundaries, spans=spans, batched=self.batched and not solo, speculate=job.speculate,
+            uniforms=pick.rng,
         )  # fmt: skip
         if solo:
             steps = _SoloDrafts(steps, lambda tok, n: rt.generate(
-                session, [tok], job.max_tokens - n, pick, (eos,), batched=True, speculate="off", uniforms=pick.rng))  # fmt: skip
+                session, [tok], job.max_tokens - n, pick, (job.reply.eos,), batched=True, speculate="off",
+                uniforms=pick.rng))  # fmt: skip
+        t_first: list[float] = []  # when the first token was picked: the decode's start
+        at_prompt_end: list[SessionState] = []
+
+        def first_token() -> None:
+            t_first.append(time.perf_counter())
+            at_prompt_end.append(session.snapshot())
+            kept.append((list(ids), at_prompt_end[0]))
+
+        first = self._first_choice(job, steps, session, ids, got, kept, first_token)
+        more = [
+            lambda claimed, i=i: self._more(job, i, ids, at_prompt_end[0], pick.first_logits, turns, claimed)
+            for i in range(1, len(job.replies))
+        ]
+        turns = [session.turn]
+        # the choices decode together, in the batch's places (one after another with --max-batch 1)
+        outcomes = yield from choices(first, more, self._claim, lambda: bool(at_prompt_end))
+        u.prompt_tokens, u.cached_tokens = len(ids), cached
+        turns[0] = session.turn
+        # a request that drafted while alone: its drafting call's record holds the prompt's time
+        first_turn = steps.turns[0] if isinstance(steps, _SoloDrafts) and steps.turns else turns[0]
+        u.prefill_seconds = first_turn.first_token_seconds or 0.0
+        u.decode_seconds = time.perf_counter() - t_first[0] if t_first else 0.0
+        # counted and out of the running set before "done": a client that asks /v1/stats next sees it
+        summary = self._count(job)
+        if summary is not None:
+            job.emit("summary", summary)
+        self._live.discard(id(job))  # answered, though the kept states are still to be written
+        job.emit("done", outcomes)
+        self._keep(kept)  # after "done": the client does not wait for the disk
+
+    def _claim(self) -> bool:
+        """Whether the batch has a place for one more row (a request's next choice), taking it if so."""
+        if self.places >= self.max_batch:
+            return False
+        self._extra += 1
+        return True
+
+    @property
+    def places(self) -> int:
+        """The batch's places in use: one per running request, one more per extra choice of a
+        request decoding at once (`n` > 1)."""
+        return len(self._live) + self._extra
+
+    def _first_choice(
+        self, job: Job, steps, session, ids: list[int], got: list[int], kept: list, first_token: Callable[[], None]
+    ) -> Generator[Step, tuple | None, Outcome]:
+        """Choice 0 from `steps` (its `Runtime.generate`, the prompt's prefill first): each token
+        pushed to the reply and fed in the batch's passes; then the states it keeps."""
+        pick, live = job.pickers[0], job.live
         try:
             tok = next(steps, None)
             while tok is not None:
                 if not got:
-                    kept.append((list(ids), session.snapshot()))
-                job.emit("sample", self.stats.token(live, first=not got))
+                    first_token()
+                if live is not None:
+                    job.emit("sample", self.stats.token(live, first=not got))
                 got.append(tok)
                 self._push(job, 0, tok)
                 if job.reply.stopped or job.cancelled.is_set() or session.stop_reason != "interrupted":
@@ -365,8 +432,7 @@ class Worker:
             pass
         finally:
             steps.close()  # the session's record of this call is complete
-        turns = [*getattr(steps, "turns", ()), session.turn]  # a drafting call, then its batched continuation
-        u.prompt_tokens, u.cached_tokens, u.completion_tokens = len(ids), cached, len(got)
+        job.usage.completion_tokens += len(got)
         # the last token yielded was never fed: the session has read ids + got[:-1]
         if session.pos != len(ids) + len(got) - 1:
             raise InternalError(f"session at {session.pos} after {len(ids)} prompt + {len(got)} generated tokens")
@@ -377,19 +443,7 @@ class Worker:
         if job.cancelled.is_set():
             self._keep(kept)
             raise Cancelled
-        outcomes = [self._finish(job, 0, "stop" if got and got[-1] == eos and pick.complete else "length")]
-        if job.more_replies:
-            at_prompt_end = next(st for k, st in kept if len(k) == len(ids))
-            for i in range(1, len(job.replies)):
-                outcomes.append((yield from self._more(job, i, ids, at_prompt_end, pick.first_logits, turns)))
-        u.prefill_seconds, u.decode_seconds = request_seconds(turns)
-        # counted and out of the running set before "done": a client that asks /v1/stats next sees it
-        summary = self._count(job)
-        if summary is not None:
-            job.emit("summary", summary)
-        self._live.discard(id(job))  # answered, though the kept states are still to be written
-        job.emit("done", outcomes)
-        self._keep(kept)  # after "done": the client does not wait for the disk
+        return self._finish(job, 0, "stop" if got and got[-1] == job.reply.eos and pick.complete else "length")
 
     def _picker(self, job: Job, i: int) -> Picker:
         seed = job.params.seed
@@ -428,11 +482,29 @@ class Worker:
         return outcome
 
     def _more(
-        self, job: Job, i: int, ids: list[int], state: SessionState, logits: np.ndarray | None, turns: list[Turn]
+        self,
+        job: Job,
+        i: int,
+        ids: list[int],
+        state: SessionState,
+        logits: np.ndarray | None,
+        turns: list[Turn],
+        claimed: bool,
     ) -> Generator[Step, tuple | None, Outcome]:
         """Choice i > 0 from the first choice's state at the end of the prompt `ids` and its logits there,
         through `Runtime.generate` as the first: timed by its session (its record joins `turns`),
-        its tokens fed in the batch's passes, stopped at --ctx."""
+        its tokens fed in the batch's passes (beside the first's and the other choices'), stopped
+        at --ctx. `claimed`: it took a place of the batch (`_claim`), given back at its end (else it
+        runs in the request's own place, no other choice of it running)."""
+        try:
+            return (yield from self._choice(job, i, ids, state, logits, turns))
+        finally:
+            if claimed:
+                self._extra -= 1
+
+    def _choice(
+        self, job: Job, i: int, ids: list[int], state: SessionState, logits: np.ndarray | None, turns: list[Turn]
+    ) -> Generator[Step, tuple | None, Outcome]:
         if logits is None:
             raise InternalError("the first choice kept no logits of the prompt's end")
         session = self.rt.session(on_route=self.stats.on_route)
@@ -499,13 +571,3 @@ class _SoloDrafts:
         self.turns.append(session.turn)
         self.gen, self.drafting = self.restart(tok, self.yielded), False
 
-
-def request_seconds(turns: Sequence[Turn | None]) -> tuple[float, float]:
-    """A request's (prefill, decode) seconds from its choices' generate calls as their sessions
-    timed them: to the first choice's first token, then the wall time of everything after it
-    (the first choice's remaining tokens, then each other choice whole)."""
-    first = turns[0]
-    if first is None:
-        raise InternalError("a request's first choice has no generate call")
-    to_first = first.first_token_seconds or 0.0
-    return to_first, first.seconds - to_first + sum(t.seconds for t in turns[1:] if t is not None)
