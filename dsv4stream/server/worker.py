@@ -570,4 +570,3 @@ class _SoloDrafts:
         self.gen.close()
         self.turns.append(session.turn)
         self.gen, self.drafting = self.restart(tok, self.yielded), False
-
