@@ -317,6 +317,13 @@ def check(out: Path, json_out: Path | None, only: tuple[str, ...]) -> None:
     from numerics_deviation import figures
 
     results, failed = {}, []
+    for label, env in (("native", {}), ("haswell", HASWELL)):  # the variants `fast` runs on in the children
+        cmd = [sys.executable, "-c", "from dsv4stream.kernels import cpu; print(cpu.describe())"]
+        p = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True)
+        results[f"variant/{label}"] = p.stdout.strip()
+        print(f"variant/{label}: {p.stdout.strip()}", flush=True)
+    if "fp4=avx2 fp8=avx2 bf16=avx2" not in results["variant/haswell"]:
+        failed.append("the haswell children do not run the AVX2 variants")
     for ckpt in sorted(p.parent for p in out.glob("*/*/oracle.npz")):
         if only and ckpt.name not in only:
             continue
