@@ -319,7 +319,9 @@ def check(out: Path, json_out: Path | None, only: tuple[str, ...]) -> None:
     results, failed = {}, []
     for label, env in (("native", {}), ("haswell", HASWELL)):  # the variants `fast` runs on in the children
         cmd = [sys.executable, "-c", "from dsv4stream.kernels import cpu; print(cpu.describe())"]
-        p = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True)
+        p = subprocess.run(
+            cmd, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True, check=True
+        )
         results[f"variant/{label}"] = p.stdout.strip()
         print(f"variant/{label}: {p.stdout.strip()}", flush=True)
     if "fp4=avx2 fp8=avx2 bf16=avx2" not in results["variant/haswell"]:
