@@ -300,7 +300,8 @@ def draft_check(d: dict, ref: dict, numerics: str) -> dict:
         agree = float((lg.argmax(-1) == rl.argmax(-1))[clear].mean())
         cerr = float(np.abs(cf - rc).max() / max(1.0, np.abs(rc).max()))
         ok = np.abs(lg - rl).max() <= 1e-4 * np.abs(rl).max() and agree == 1.0 and cerr <= 1e-4
-        return {"max": float(np.abs(lg - rl).max() / np.abs(rl).max()), "agree": agree, "conf": cerr, "ok": bool(ok)}
+        worst = float(np.abs(lg - rl).max() / np.abs(rl).max())
+        return {"max": worst, "median": float(np.median(row)), "agree": agree, "conf": cerr, "ok": bool(ok)}
     clear = (top2[..., 1] - top2[..., 0]) > 1e-3 * m
     agree = float((lg.argmax(-1) == rl.argmax(-1))[clear].mean())
     cmed = float(np.median(np.abs(cf - rc)) / max(1.0, np.abs(rc).max()))
