@@ -193,6 +193,10 @@ def test_an_old_pack_runs_on_the_bf16_head_and_is_upgraded_in_place(ckpt, packed
     assert r.head_copy and not r.up_to_date
     assert TrunkFile.open(out, cat, verify=True).head_q8 == json.loads((packed / MANIFEST).read_text())["head_q8"]
     assert upgrade_trunk(out).up_to_date
+    r = pack_trunk(ckpt, out, progress=False)  # a pack holding the copy is a pack: up to date
+    assert r.up_to_date and not r.head_copy_added
+    pack_trunk(ckpt, out, progress=False, force=True, layers=2)  # and --force may replace it
+    pack_trunk(ckpt, out, progress=False, force=True)
     _strip_copy(out)
     r = pack_trunk(ckpt, out, progress=False)  # pack-trunk on the same pack adds it too
     assert r.head_copy_added and not r.written and (out / headcopy.FILE).exists()

@@ -30,10 +30,10 @@ import xxhash
 from ..checkpoint.formats import bf16_to_f32
 from ..errors import CheckpointError, ReadError, ShortReadError
 from ..files import atomic_write
-from .format import ALIGN, CHUNK, MANIFEST, new_hash, round_up, valid_file_name
+from .format import ALIGN, CHUNK, HEAD_Q8_FILE, MANIFEST, new_hash, round_up, valid_file_name
 
 ENTRY = "head_q8"
-FILE = "head-q8.bin"
+FILE = HEAD_Q8_FILE
 SCHEME = "int8 rows, float32 scale per row = absmax/127, round half to even"
 JOURNAL_KEY = "head-q8"  # its line in the packer's journal
 COL_MULTIPLE = 64  # the kernels' width (`kernels.headq8.supports`)
