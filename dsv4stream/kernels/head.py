@@ -3,7 +3,7 @@
 Owns `Int8Head` (the copy `trunkpack.headcopy` writes into a pack: int8 rows, one float32 scale
 per row) and `head_logits`, which every head product of the main model goes through. The copy
 is used only while the kernels' numerics is `fast` (exact and official never read it), on the
-CPU (a head moved to a GPU keeps its own product). Imports numba (`headq8`) only when the copy
+CPU (a head moved to a GPU keeps its own product), where `headq8` has a SIMD variant (`copy_runs`). Imports numba (`headq8`) only when the copy
 is used, like `kernels` itself.
 """
 
@@ -27,11 +27,24 @@ class Int8Head:
         return self.q.nbytes + self.s.nbytes
 
 
+def copy_runs() -> bool:
+    """Whether this process multiplies by the copy under fast: the numba backend on a CPU target
+    with a SIMD variant of `headq8` (AVX-512 VNNI or AVX2). Elsewhere fast reads the BF16 head
+    through the exact kernels, as every other product of fast does on such a target."""
+    from . import backend_name
+
+    if backend_name() != "fast":
+        return False
+    from . import headq8
+
+    return headq8.variant() != "plain"
+
+
 def head_logits(head, q8: Int8Head | None, x: np.ndarray) -> np.ndarray:
     """Logits of normed hidden rows x (T, dim) -> (T, vocab) float32."""
-    from . import _count, backend_name, get_numerics, matmul
+    from . import _count, get_numerics, matmul
 
-    if q8 is None or get_numerics() != "fast" or head.on_device or backend_name() != "fast":
+    if q8 is None or get_numerics() != "fast" or head.on_device or not copy_runs():
         return matmul(head, x)
     from . import headq8
     from .jit import _apply_threads

@@ -16,7 +16,8 @@ byte products:
 - AVX-512 VNNI: `vpdpbusd` (4 products into an int32 lane, no saturation), 64 columns a step;
 - AVX2: `vpmaddubsw` (pairs into int16: 2 * 127 * 127 < 32767, no saturation) then `vpmaddwd`
   by ones, 32 columns a step;
-- anything else: the same integer sums in plain numba loops.
+- anything else: the same integer sums in plain numba loops (for tests: a fast run on such a CPU
+  reads the BF16 head through the exact kernels, `head.copy_runs`).
 Float order (fixed, so a row's bits depend only on that row and its token's activations, not on
 the thread count, the rows or the other tokens of the call): each step's int32 lanes are
 converted and FMA-added times their group's d into one of two float32 accumulators

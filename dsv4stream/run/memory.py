@@ -210,12 +210,16 @@ def measure(checkpoint: str | os.PathLike, opts: RunOptions) -> MemoryNeeds:
 
 def head_q8_bytes_of(tf, family: str, numerics: str | None, head_on_gpu: bool = False) -> int:
     """The int8 head copy's bytes where this run reads it: fast numerics (the run default, but
-    not `dsv4 logits`' family defaults), a pack that holds the copy, the numba kernels, the head
-    on the CPU; else 0."""
+    not `dsv4 logits`' family defaults), a pack that holds the copy, the head on the CPU, a CPU
+    target the copy's kernels run on (`kernels.head.copy_runs`); else 0."""
     from ..engine.numerics import DEFAULTS, kernel_mode
 
     mode = kernel_mode(family, numerics or DEFAULTS[family])
-    if mode != "fast" or tf is None or tf.head_q8 is None or head_on_gpu or kernels.backend_name() != "fast":
+    if mode != "fast" or tf is None or tf.head_q8 is None or head_on_gpu:
+        return 0
+    from ..kernels.head import copy_runs
+
+    if not copy_runs():
         return 0
     return int(tf.head_q8["file_bytes"])
 
