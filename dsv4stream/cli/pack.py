@@ -72,7 +72,7 @@ def upgrade_trunk_cmd(pack_dir: Path, checkpoint: Path | None, no_progress: bool
         return
     click.echo(
         f"{r.path}: {r.runs} runs checked with blake2b ({r.bytes_checked / 1e6:,.1f} MB);"
-        f" upgraded from {r.old_format} to {FORMAT}"
+        f" upgraded from {r.old_format} to {FORMAT}" + (", and added the int8 head copy" if r.head_copy else "")
     )
 
 

@@ -114,6 +114,7 @@ def _upgrade_locked(root: Path, on_bytes: Callable[[int], None] | None, checkpoi
         return _add_head_copy(root, m, on_bytes, UpgradeResult(root, len(m.get("runs") or ()), 0, fmt, True))
     if fmt not in UPGRADABLE:
         raise _fail(root, f"manifest format {fmt!r} is not one this dsv4stream can upgrade ({', '.join(UPGRADABLE)})")
+    m.pop(headcopy.ENTRY, None)  # format 1 predates the int8 head copy: written again below
     name = m.get("file")
     if not valid_file_name(name):
         raise _fail(root, f"the manifest's 'file' {name!r} is not a plain file name inside the pack")
