@@ -44,19 +44,12 @@ GROUP = 32
 TOKENS = (4, 2, 1)  # token groups per row call: every token runs the same code
 ROWS = 16  # rows per work item (a row is re-read from L1 by each token group)
 _JIT = {"cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
-NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512vnni"), "avx2": ("avx", "avx2", "fma")}
-
-
-def variant_for(feats: frozenset[str]) -> str | None:
-    for v in ("avx512", "avx2"):
-        if all(f in feats for f in NEEDS[v]):
-            return v
-    return None
 
 
 def variant() -> str:
-    """'avx512', 'avx2' or 'plain' for the CPU target numba compiles for (`cpu.features`)."""
-    return variant_for(cpu.features()) or "plain"
+    """'avx512', 'avx2' or 'plain' for the CPU target numba compiles for: the features the FP4 x
+    int8 kernels need are these kernels' too (VNNI; AVX2 + FMA), so `cpu.variant("fp4")` decides."""
+    return cpu.variant("fp4") or "plain"
 
 
 def supports(cols: int) -> bool:
