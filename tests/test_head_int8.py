@@ -170,11 +170,15 @@ def test_a_damaged_or_foreign_copy_is_refused(ckpt, packed, tmp_path):
         tf.read_head_q8()
     with pytest.raises(CheckpointError, match="blake2b"):
         tf.verify()
+    assert upgrade_trunk(out).head_copy  # what the message says to run: writes it again
+    np.testing.assert_array_equal(TrunkFile.open(out, cat).read_head_q8()[0], headcopy.quantize_rows(_head(cat))[0])
     m = json.loads((out / MANIFEST).read_text())
     m[headcopy.ENTRY]["source_xxh3"] = "0" * 16  # made from another head
     (out / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(CheckpointError, match="does not describe this pack's head"):
         TrunkFile.open(out, cat)
+    assert upgrade_trunk(out).head_copy
+    TrunkFile.open(out, cat, verify=True)
 
 
 def _strip_copy(out: Path) -> None:

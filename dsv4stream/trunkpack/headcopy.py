@@ -193,6 +193,15 @@ def checked_entry(root: Path, manifest: dict) -> dict | None:
     return e
 
 
+def intact(root: Path, manifest: dict) -> bool:
+    """Whether the manifest's copy describes its head and the file's blake2b is the entry's."""
+    try:
+        e = checked_entry(root, manifest)
+    except CheckpointError:
+        return False
+    return e is not None and file_blake2b(root / e["file"], int(e["file_bytes"])) == e["blake2b"]
+
+
 def read_copy(root: Path, e: dict):
     """The copy as (q int8 (rows, cols), s float32 (rows,)), its xxh3 checked."""
     path = root / e["file"]

@@ -169,9 +169,12 @@ def _upgrade_locked(root: Path, on_bytes: Callable[[int], None] | None, checkpoi
 
 
 def _add_head_copy(root: Path, m: dict, on_bytes, done: UpgradeResult) -> UpgradeResult:
-    """A current-format pack without the int8 head copy gets one (`headcopy.add_in_place`: the
-    packed head's bytes checked against their xxh3 first, file then manifest written atomically)."""
-    if headcopy.ENTRY in m or headcopy.source_tensor(m) is None:
+    """A current-format pack without the int8 head copy, or whose copy fails its checks (another
+    head's, damaged, missing), gets one (`headcopy.add_in_place`: the packed head's bytes checked
+    against their xxh3 first, file then manifest written atomically)."""
+    if headcopy.source_tensor(m) is None:
+        return done
+    if headcopy.ENTRY in m and headcopy.intact(root, m):
         return done
     name = m.get("file")
     if not valid_file_name(name):
