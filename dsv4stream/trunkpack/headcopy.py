@@ -33,6 +33,7 @@ from ..files import atomic_write
 from .format import ALIGN, CHUNK, HEAD_Q8_FILE, MANIFEST, new_hash, round_up, valid_file_name
 
 ENTRY = "head_q8"
+HEAD = "head.weight"  # the main model's head (both families); never a drafter's head
 FILE = HEAD_Q8_FILE
 SCHEME = "int8 rows, float32 scale per row = absmax/127, round half to even"
 JOURNAL_KEY = "head-q8"  # its line in the packer's journal
@@ -64,7 +65,7 @@ def source_tensor(manifest: dict) -> dict | None:
             continue
         for t in r.get("tensors") or ():
             shape = t.get("shape") or ()
-            if str(t.get("name", "")).endswith("weight") and t.get("dtype") == "BF16" and len(shape) == 2:
+            if t.get("name") == HEAD and t.get("dtype") == "BF16" and len(shape) == 2:
                 return t if int(shape[1]) % COL_MULTIPLE == 0 else None
     return None
 
