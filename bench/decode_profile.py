@@ -1,7 +1,7 @@
 """Where a decode step's time goes with every weight in RAM: per phase and per product, 1 and 2 threads.
 
     python bench/decode_profile.py CHECKPOINT [--budget 10] [--gen 32] [--threads 1 2] [--rounds 2]
-        [--numerics fast]
+        [--numerics fast] [--trunk DIR] [--compare-head]
 
 One process: `Runtime` at --budget (which must hold every expert the run touches), one greedy
 generation from a fixed short prompt to load and compile everything, then --rounds rounds of the
@@ -13,7 +13,10 @@ step, ms per step, GB/s of the weight bytes it read and CPU ms per step (process
 thread). The prompt's last-position head call is counted with the steps (1 of --gen). The ids of
 every generation must agree (with each other and across thread counts), else it exits non-zero.
 Prints the numerics (the commands' default, fast, unless --numerics says otherwise), the
-machine's load and the kernel thread layer.
+machine's load and the kernel thread layer. --compare-head (fast, a pack with the int8 head copy):
+every round runs each thread count twice, with the int8 head and with the BF16 head (the copy
+taken off the loaded head), printed as `threads=T head=int8|bf16`; the ids must agree within
+each head (the two heads may pick different ids).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import numba
 import numpy as np
@@ -98,30 +102,42 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--numerics", default="fast", help="exact, official or fast (the commands' default)")
+    ap.add_argument("--trunk", default=None, help="packed trunk folder (default: CHECKPOINT/dsv4-trunk if packed)")
+    ap.add_argument("--compare-head", action="store_true", help="alternate the int8 head copy and the BF16 head")
     a = ap.parse_args()
     for name in ("matvec", "matmul", "matmul_pair", "matmul_grouped"):
         _wrap(name)
-    opts = RunOptions(budget=int(a.budget * GB), threads=max(a.threads), numerics=a.numerics)
+    opts = RunOptions(budget=int(a.budget * GB), threads=max(a.threads), numerics=a.numerics, trunk=a.trunk)
     with Runtime.open(a.checkpoint, opts) as rt:
-        ref, _, _, _ = one_round(rt, a.gen)  # loads every expert the prompt routes to, compiles
-        per: dict[int, list] = {t: [] for t in a.threads}
+        heads = {"": rt.trunk.head()}
+        if a.compare_head:
+            if heads[""].q8 is None:
+                raise SystemExit("--compare-head: this run has no int8 head copy (fast numerics and a pack holding it)")
+            heads = {"int8": heads[""], "bf16": replace(heads[""], q8=None)}
+        refs = {}
+        for h, top in heads.items():
+            rt.trunk._head = top
+            refs[h], _, _, _ = one_round(rt, a.gen)  # loads every expert the prompt routes to, compiles
+        per: dict[tuple, list] = {(t, h): [] for t in a.threads for h in heads}
         for _ in range(a.rounds):
             for t in a.threads:
                 kernels.set_threads(t)
-                ids, prof, calls, steps = one_round(rt, a.gen)
-                if ids != ref:
-                    raise SystemExit(f"ids differ at {t} threads: {ids} vs {ref}")
-                per[t].append((prof, calls, steps))
+                for h, top in heads.items():
+                    rt.trunk._head = top
+                    ids, prof, calls, steps = one_round(rt, a.gen)
+                    if ids != refs[h]:
+                        raise SystemExit(f"ids differ at {t} threads: {ids} vs {refs[h]}")
+                    per[(t, h)].append((prof, calls, steps))
         read = rt.store.stats().bytes_read
         numerics = rt.stats().numerics
     print(
         f"# numerics={numerics} load_avg={','.join(f'{x:.2f}' for x in os.getloadavg())} threading_layer={numba.threading_layer()}"
         f" gen={a.gen} rounds={a.rounds} ids_agree=yes expert_bytes_read_total={read}"
     )
-    for t, runs in per.items():
+    for (t, h), runs in per.items():
         steps = runs[0][2]
         phases = {k: statistics.median(r[0][k] for r in runs) for k in runs[0][0]}
-        print(f"threads={t} ms/step " + " ".join(f"{k}={v:.2f}" for k, v in phases.items()))
+        print(f"threads={t}{' head=' + h if h else ''} ms/step " + " ".join(f"{k}={v:.2f}" for k, v in phases.items()))
         nbytes = sum(v[3] for k, v in runs[0][1].items() if k[-1] == 1) / steps
         rate = read_rate(t)
         print(

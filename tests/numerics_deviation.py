@@ -40,6 +40,24 @@ def _logits(eng, ids: np.ndarray, mode: str) -> np.ndarray:
     return np.stack([s.step(int(t)) for t in ids])
 
 
+INT8_HEAD = "fast+int8 head"  # fast numerics with the pack's int8 head copy (`trunkpack.headcopy`)
+
+
+def with_int8_head(eng) -> bool:
+    """Give an engine's head the int8 copy pack-trunk would write (False where the head takes none)."""
+    from dataclasses import replace
+
+    from dsv4stream import kernels
+    from dsv4stream.kernels.head import Int8Head
+    from dsv4stream.trunkpack.headcopy import COL_MULTIPLE, quantize_rows
+
+    top = eng.trunk.head()
+    if top.head.kind != "bf16" or top.head.cols % COL_MULTIPLE:
+        return False
+    eng.trunk._head = replace(top, q8=Int8Head(*quantize_rows(kernels.dense(top.head))))
+    return True
+
+
 def deviations(numerics: tuple[str, ...] = ("exact", "official", "fast"), names: tuple[str, ...] | None = None) -> dict:
     """{"v4/NAME/prefill": {numerics: [median, agree]}, ...} for every fixture (names: only those)."""
     from dsv4stream import kernels
@@ -56,7 +74,9 @@ def deviations(numerics: tuple[str, ...] = ("exact", "official", "fast"), names:
             for mode, key, n in (("prefill", pre_key, ids.size), ("step", step_key, min(STEPS, ids.size))):
                 row = out.setdefault(f"{fam}/{path.name}/{mode}", {})
                 for m in numerics:
-                    eng = Engine.open(path, numerics=m)
+                    eng = Engine.open(path, numerics="fast" if m == INT8_HEAD else m)
+                    if m == INT8_HEAD and not with_int8_head(eng):
+                        continue  # a head the copy does not take: fast reads the BF16 head
                     row[m] = figures(_logits(eng, ids[:n], mode), o[key][:n])
     finally:
         kernels.set_numerics("exact")  # the process's numerics as the other tests expect them

@@ -208,9 +208,10 @@ def test_a_fast_run_adds_the_fast_kernels_its_weights_widths_reach_and_an_exact_
     assert set(exact) <= set(fast) and fast == tuple(f for f in warm.FORMS if f in fast)
     if all(cpu.variant(k) for k in ("fp4", "fp8", "bf16")):
         # tiny's FP4 experts are 64 and 32 wide: the FP4 x int8 kernel takes multiples of 256 only
-        assert set(fast) - set(exact) == {"fast-fp8/e8m0", "fast-bf16"}
+        # and its BF16 head (64 wide) reaches the int8 head copy's kernel
+        assert set(fast) - set(exact) == {"fast-fp8/e8m0", "fast-bf16", "fast-head-q8"}
         wide = kcompile.checkpoint_forms(Catalog.open(ckpts["v4-256"]), "fast")
-        assert set(wide) - set(exact) == {"fast-fp4/e8m0", "fast-fp8/e8m0", "fast-bf16"}
+        assert set(wide) - set(exact) == {"fast-fp4/e8m0", "fast-fp8/e8m0", "fast-bf16", "fast-head-q8"}
         floats = kcompile.checkpoint_forms(Catalog.open(ckpts["v4-float-scales"]), "fast")
         assert "fast-fp8/f32" in floats and "fast-fp4/f32" not in floats
         v41 = kcompile.checkpoint_forms(Catalog.open(ckpts["v41"]), "fast")

@@ -15,6 +15,7 @@ from dsv4stream import synth
 from dsv4stream.checkpoint.catalog import Catalog
 from dsv4stream.cli import cli
 from dsv4stream.errors import BudgetError, Dsv4Error, UsageError
+from dsv4stream.trunkpack import headcopy
 from dsv4stream.trunkpack import writer as pack
 from dsv4stream.trunkpack.format import MANIFEST, TRUNK_FILE, plan_runs
 from dsv4stream.trunkpack.packdir import lock_path, staging_dir
@@ -242,8 +243,9 @@ def test_a_full_disk_names_the_space_and_the_resume_fits(ckpt, cat, good, tmp_pa
     msg = str(ei.value)
     assert "no space left on device" in msg and "needs" in msg and "resumes" in msg and "\n" not in msg
     monkeypatch.setattr(pack.os, "pwrite", real)
-    # what is left to write, plus room for a manifest and journal: the resume must not be refused
-    free = total - stop_at + (80 << 10)
+    # what is left to write, plus room for a manifest and journal and the int8 head copy: the
+    # resume must not be refused
+    free = total - stop_at + (80 << 10) + headcopy.layout(*cat.entry("head.weight").shape)[1]
     monkeypatch.setattr(pack.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - free, free))
     r = pack_trunk(ckpt, out, progress=False)
     assert r.skipped == ("embed", "layers.0") and (out / TRUNK_FILE).read_bytes() == good

@@ -205,6 +205,8 @@ def make_format_1(pack: Path) -> dict:
     new = json.loads(json.dumps(m))
     m["format"] = "dsv4-trunk/1"
     m.pop("fast_checksum", None)
+    m.pop("head_q8", None)  # format 1 predates the int8 head copy
+    (pack / "head-q8.bin").unlink(missing_ok=True)
     for r in m["runs"]:
         r["sum64"] = "0123456789abcdef"
         del r["xxh3"]
@@ -231,7 +233,8 @@ def test_upgrade_checks_blake2b_then_writes_the_new_sums(pack, cat, ckpt):
     got = json.loads((pack / MANIFEST).read_text())
     assert got["format"] == FORMAT and got["runs"] == want["runs"]
     assert (pack / TRUNK_FILE).read_bytes() == data_before  # the data file is never written
-    assert sorted(p.name for p in pack.iterdir()) == [MANIFEST, TRUNK_FILE]
+    assert sorted(p.name for p in pack.iterdir()) == ["head-q8.bin", MANIFEST, TRUNK_FILE]  # the copy added
+    assert "added the int8 head copy" in r.stdout
     read_everything(pack, cat)
     again = dsv4("upgrade-trunk", str(pack), "--no-progress", "--checkpoint", str(ckpt))
     assert again.returncode == 0 and "nothing to do" in again.stdout

@@ -175,6 +175,12 @@ def _check_trunk(cat: Catalog, trunk: Path | None) -> None:
         f"packed trunk {where}: {len(tf.runs)} runs, {_gib(nbytes)}, every checksum verified"
         f" in {time.perf_counter() - t0:.1f} s"
     )
+    e = tf.head_q8
+    click.echo(
+        f"int8 head copy: {e['file']}, {_gib(e['file_bytes'])}, read by --numerics fast for the logits"
+        if e is not None
+        else f"int8 head copy: none (--numerics fast reads the BF16 head; `dsv4 upgrade-trunk {where}` adds it)"
+    )
 
 
 def _gpu_plans(mats: list[Matrix], vram: float | None, source: str) -> list[Matrix]:

@@ -24,11 +24,16 @@ def pack_trunk_cmd(
     """Pack every tensor that is not a routed expert into per-layer runs aligned to 4096 bytes.
 
     OUT_DIR defaults to CHECKPOINT_DIR/dsv4-trunk. An interrupted pack resumes where it
-    stopped when run again; the output appears only once it is complete.
+    stopped when run again; the output appears only once it is complete. A BF16 head also gets
+    an int8 copy (head-q8.bin, half its size), which --numerics fast reads for the logits; on a
+    finished pack without one, pack-trunk adds it in place.
     """
     r = pack_trunk(checkpoint_dir, out_dir, layers, force=force, progress=not no_progress)
     if r.up_to_date:
         click.echo(f"{r.path}: already packed from this checkpoint ({r.runs} runs); nothing to do")
+        return
+    if r.head_copy_added:
+        click.echo(f"{r.path}: already packed from this checkpoint; added the int8 head copy")
         return
     mb = r.bytes_written / 1e6
     click.echo(
@@ -62,9 +67,12 @@ def upgrade_trunk_cmd(pack_dir: Path, checkpoint: Path | None, no_progress: bool
     if r.up_to_date:
         click.echo(f"{r.path}: already format {FORMAT}; nothing to do")
         return
+    if r.old_format == FORMAT:
+        click.echo(f"{r.path}: format {FORMAT}; added the int8 head copy that fast numerics reads")
+        return
     click.echo(
         f"{r.path}: {r.runs} runs checked with blake2b ({r.bytes_checked / 1e6:,.1f} MB);"
-        f" upgraded from {r.old_format} to {FORMAT}"
+        f" upgraded from {r.old_format} to {FORMAT}" + (", and added the int8 head copy" if r.head_copy else "")
     )
 
 

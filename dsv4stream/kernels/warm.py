@@ -82,6 +82,7 @@ _FAST: dict[str, str] = {
     "fast-fp8/e8m0": "fp8bf16",
     "fast-fp8/f32": "fp8bf16",
     "fast-bf16": "bf16bf16",
+    "fast-head-q8": "headq8",  # the int8 head copy's driver (`headq8`, `head.head_logits`)
 }
 FORMS = ("base", *_PRODUCTS, *_FAST)
 
@@ -140,6 +141,7 @@ COST: dict[str, float] = {
     "fp8bf16:fast-fp8/e8m0": 2.59,
     "fp8bf16:fast-fp8/f32": 2.24,
     "bf16bf16:fast-bf16": 1.33,
+    "headq8:fast-head-q8": 1.33,  # not measured: bf16bf16's figure (one driver, three row kernels)
 }
 START_SECONDS = 0.5  # a child's python, numba and kernel imports (0.4-0.5 s wall, same machine)
 
@@ -261,6 +263,12 @@ def _warm_fast(name: str, form: str) -> None:
 
     if _FAST[form] != name:
         raise KeyError(f"no fast kernel {name!r} for form {form!r}")
+    if form == "fast-head-q8":
+        from . import head, headq8
+
+        if head.copy_runs():  # else fast reads the BF16 head by the exact kernels on this target
+            headq8.matmul(np.ones((4, 64), np.int8), np.ones(4, np.float32), np.ones((1, 64), np.float32))
+        return
     kind = form.removeprefix("fast-").split("/")[0]
     if cpu.variant(kind) is None:
         return  # these products run the exact kernels on this target

@@ -27,7 +27,8 @@ from pathlib import Path
 from .. import kernels
 from ..checkpoint.catalog import Catalog
 from ..errors import Dsv4Error
-from ..kernels import warm
+from ..kernels import cpu, warm
+from ..trunkpack.headcopy import COL_MULTIPLE
 from . import ticker
 
 Warn = Callable[[str], None]
@@ -62,6 +63,10 @@ def checkpoint_forms(cat: Catalog, numerics: str = "exact") -> tuple[str, ...]:
             continue
         if numerics == "fast":
             need.add(warm.fast_form_of(kind, size, cols))
+    head = cat.entries.get("head.weight")
+    bf16_head = head is not None and head.dtype == "BF16" and head.shape[1] % COL_MULTIPLE == 0
+    if numerics == "fast" and bf16_head and cpu.variant("fp4") is not None:  # `kernels.head.copy_runs`
+        need.add("fast-head-q8")  # the int8 head copy's kernel, where the pack holds one (`trunkpack.headcopy`)
     need.discard(None)
     return tuple(f for f in warm.FORMS if f in need)
 

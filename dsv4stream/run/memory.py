@@ -127,10 +127,13 @@ def drafter_dense_bytes(cat: Catalog) -> int:
     )
 
 
-def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOptions) -> MemoryNeeds:
+def memory_needs(
+    cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOptions, head_q8_bytes: int = 0
+) -> MemoryNeeds:
     """What the plan must place, measured on this checkpoint (layer groups as read, with
     their aligned windows), plus the state / staging estimates and the baseline overhead.
-    A run that drafts (`runs_drafter`) holds the drafter's dense weights too."""
+    A run that drafts (`runs_drafter`) holds the drafter's dense weights too; `head_q8_bytes`:
+    the int8 head copy a fast run reads (`head_q8_bytes_of`)."""
     cfg = cat.config
     drafts = runs_drafter(cat, opts)
     return MemoryNeeds(
@@ -148,6 +151,7 @@ def memory_needs(cat: Catalog, layout: TrunkLayout, slot_bytes: int, opts: RunOp
         segment=opts.prefill_segment,
         unused=_unused(cat, opts.images, drafts),
         drafter_bytes=drafter_dense_bytes(cat) if drafts else 0,
+        head_q8_bytes=head_q8_bytes,
         engram_slot_bytes=planner.family_planner(cfg).engram_slot_bytes(cfg),
         engram_rows_per_token=planner.family_planner(cfg).engram_rows_per_token(cfg),
         engram_table_bytes=sum(e.nbytes for n, e in cat.entries.items() if ".engram.embed." in n),
@@ -191,7 +195,24 @@ def measure(checkpoint: str | os.PathLike, opts: RunOptions) -> MemoryNeeds:
     cat = Catalog.open(checkpoint)
     tf = open_trunk_file(cat, opts.trunk)
     layouts, _ = main_expert_layouts(cat, runs_drafter(cat, opts))
-    return memory_needs(cat, trunk_layout(cat, tf), ExpertStore.slot_nbytes(layouts), opts)
+    q8 = head_q8_bytes_of(tf, cat.config.family, opts.numerics)
+    return memory_needs(cat, trunk_layout(cat, tf), ExpertStore.slot_nbytes(layouts), opts, q8)
+
+
+def head_q8_bytes_of(tf, family: str, numerics: str | None, head_on_gpu: bool = False) -> int:
+    """The int8 head copy's bytes where this run reads it: fast numerics (the run default, but
+    not `dsv4 logits`' family defaults), a pack that holds the copy, the head on the CPU, a CPU
+    target the copy's kernels run on (`kernels.head.copy_runs`); else 0."""
+    from ..engine.numerics import DEFAULTS, kernel_mode
+
+    mode = kernel_mode(family, numerics or DEFAULTS[family])
+    if mode != "fast" or tf is None or tf.head_q8 is None or head_on_gpu:
+        return 0
+    from ..kernels.head import copy_runs
+
+    if not copy_runs():
+        return 0
+    return int(tf.head_q8["file_bytes"])
 
 
 def needs_of(path: str | os.PathLike, ctx: int = 4096) -> tuple[MemoryNeeds, str]:

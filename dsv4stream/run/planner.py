@@ -96,6 +96,9 @@ class MemoryNeeds:
     vision_activation_bytes: int = 0
     # --speculate: the DSpark drafter's dense weights (its routed experts share the expert slots)
     drafter_bytes: int = 0
+    # fast numerics with a pack holding the int8 head copy (`trunkpack.headcopy`): read for the
+    # logits, resident beside the BF16 head (which the drafter, --gpu and the checks still read)
+    head_q8_bytes: int = 0
 
     @property
     def fixed_bytes(self) -> int:
@@ -105,6 +108,7 @@ class MemoryNeeds:
             + self.state_bytes
             + self.staging_bytes
             + self.head_bytes
+            + self.head_q8_bytes
             + self.vision_weight_bytes
             + self.vision_activation_bytes
             + self.drafter_bytes
@@ -191,6 +195,7 @@ class Plan:
             (
                 f"budget {_gb(self.budget)}: overhead {_gb(n.overhead_bytes)}, state {_gb(n.state_bytes)},"
                 f" staging {_gb(n.staging_bytes)}, head {_gb(n.head_bytes)}"
+                + (f" + its int8 copy {_gb(n.head_q8_bytes)} (fast logits)" if n.head_q8_bytes else "")
             ),
             f"  trunk: {self.pinned_layers}/{len(n.layer_bytes)} layers pinned ({_gb(self.pinned_bytes)})"
             + (

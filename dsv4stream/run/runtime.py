@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import kernels
 from ..checkpoint.catalog import Catalog
+from ..checkpoint.tensors import MODEL
 from ..engine.numerics import DEFAULTS as NUMERICS_DEFAULTS
 from ..engine.numerics import canonical as canonical_numerics
 from ..engine.numerics import kernel_mode as kernel_numerics
@@ -33,6 +34,7 @@ from ..engine.speculation import Speculator, pick_at
 from ..engine.stack_v41 import SpanRows
 from ..engine.threads import ThreadGovernor
 from ..errors import UsageError
+from ..kernels.head import Int8Head
 from ..store import ExpertStore
 from ..streaming.engram import DiskEngramRows
 from ..streaming.expert_layout import expert_label
@@ -45,7 +47,15 @@ from ..trunkpack.packdir import default_out_dir, pack_hint
 from ..trunkpack.reader import TrunkFile, open_trunk_file
 from . import planner
 from .compile import checkpoint_forms, compile_kernels_apart
-from .memory import main_expert_layouts, memory_needs, peak_rss_bytes, recycle_heap, runs_drafter, trim_heap
+from .memory import (
+    head_q8_bytes_of,
+    main_expert_layouts,
+    memory_needs,
+    peak_rss_bytes,
+    recycle_heap,
+    runs_drafter,
+    trim_heap,
+)
 from .planner import Plan
 from .runinfo import RunOptions, RunStats
 
@@ -126,7 +136,9 @@ class Runtime:
             opts = replace(
                 opts, overhead=opts.overhead + gpu.host_bytes + gpu.staging_bytes(widest, widest, opts.chunk)
             )
-        needs = memory_needs(cat, layout, ExpertStore.slot_nbytes(layouts), opts)
+        head_on_gpu = placed is not None and MODEL["head"] + ".weight" in placed.tensor_names
+        q8_bytes = head_q8_bytes_of(tf, cfg.family, opts.numerics, head_on_gpu)
+        needs = memory_needs(cat, layout, ExpertStore.slot_nbytes(layouts), opts, q8_bytes)
         plan = planner.plan(needs, opts.budget)
         if tf is None and opts.trunk != "":
             once(
@@ -165,6 +177,8 @@ class Runtime:
                 reader.check, reader.same_file = tf.check_window, tf.check_identity
             wrap = placed.source if placed is not None else None
             trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
+            if q8_bytes:  # fast numerics' logits from the pack's int8 head copy (counted in the plan)
+                trunk.use_head_q8(Int8Head(*tf.read_head_q8()))
             meter = partial(run_counters, store, trunk, engram)
             engine = Engine(
                 cfg, trunk, StreamedExperts(store, cfg), cat, engram_rows=engram, meter=meter, numerics=opts.numerics

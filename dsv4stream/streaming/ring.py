@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -132,6 +132,10 @@ class StreamedTrunk:
 
     def head(self) -> TopWeights:
         return self._head
+
+    def use_head_q8(self, q8) -> None:
+        """Give the head the pack's int8 copy (`kernels.head.Int8Head`), which fast numerics reads."""
+        self._head = replace(self._head, q8=q8)
 
     def tid2eid(self, i: int) -> np.ndarray:
         """(vocab, k) int64 expert table of hash layer i, without loading the layer."""

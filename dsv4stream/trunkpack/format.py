@@ -52,6 +52,7 @@ FORMAT_FAMILY = "dsv4-trunk/"  # the marker that says a folder is a pack of ours
 FORMAT = FORMAT_FAMILY + "2"
 UPGRADABLE = (FORMAT_FAMILY + "1",)  # older formats `dsv4 upgrade-trunk` rewrites in place
 TRUNK_FILE = "trunk.bin"
+HEAD_Q8_FILE = "head-q8.bin"  # the int8 head copy (`headcopy`), beside trunk.bin
 MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"  # the staging folder's record of verified runs (resume)
 TENSOR_ALIGN = 64

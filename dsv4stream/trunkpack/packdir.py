@@ -14,10 +14,10 @@ from pathlib import Path
 from .. import jsonio
 from ..errors import Dsv4Error, UsageError
 from ..files import kind_of
-from .format import FORMAT_FAMILY, JOURNAL, MANIFEST, TRUNK_FILE, valid_file_name
+from .format import FORMAT_FAMILY, HEAD_Q8_FILE, JOURNAL, MANIFEST, TRUNK_FILE, valid_file_name
 
 DEFAULT_DIRNAME = "dsv4-trunk"
-PACK_FILES = frozenset({MANIFEST, TRUNK_FILE})
+PACK_FILES = frozenset({MANIFEST, TRUNK_FILE, HEAD_Q8_FILE, f".{HEAD_Q8_FILE}.tmp"})  # .tmp: an add cut short
 STAGE_FILES = PACK_FILES | {JOURNAL, f"{MANIFEST}.tmp", "lock"}
 
 

@@ -29,6 +29,7 @@ from .. import jsonio
 from ..checkpoint.catalog import NP_DTYPE, Catalog, pread_exact
 from ..errors import CheckpointError, Dsv4Error, ReadError
 from ..files import describe, open_regular
+from . import headcopy
 from .format import ALIGN, FORMAT, MANIFEST, UPGRADABLE, fast_hash, hash_range, plan_runs, valid_file_name
 from .packdir import MANIFEST_LIMIT, default_out_dir, staging_dir
 
@@ -97,6 +98,7 @@ class TrunkFile:
         self._mm: np.memmap | None = None
         self._identity: tuple[int, int, int, int] | None = None  # of the data file, taken at open
         self.checked_reads = 0  # runs or tensors whose xxh3 was checked after a read
+        self.head_q8: dict | None = None  # the int8 copy of the head (`headcopy`), when the pack has one
 
     # ---- opening ---------------------------------------------------------------------
     @classmethod
@@ -166,6 +168,7 @@ class TrunkFile:
         tf._check_runs_planned(catalog)
         tf._check_file()
         tf._check_against(catalog, every_tensor, probe)
+        tf.head_q8 = headcopy.checked_entry(root, m)
         return tf
 
     def _check_runs_planned(self, cat: Catalog) -> None:
@@ -217,6 +220,13 @@ class TrunkFile:
                         f" {_restart(self.root)}"
                     )
                 pos = t.offset + t.nbytes
+
+    def read_head_q8(self):
+        """The pack's int8 head copy as (q int8 (vocab, dim), s float32 (vocab,)), xxh3-checked;
+        None when the pack has none (fast numerics then reads the BF16 head)."""
+        if self.head_q8 is None:
+            return None
+        return headcopy.read_copy(self.root, self.head_q8)
 
     def check_identity(self, path: str | None = None) -> None:
         """Stop, with one line, when the data file is no longer the one opened (replaced by a
@@ -338,6 +348,16 @@ class TrunkFile:
                     raise self._corrupt(r, f"blake2b {got}", f"blake2b {r.checksum}")
         finally:
             os.close(fd)
+        e = self.head_q8
+        if (
+            keys is None
+            and e is not None
+            and headcopy.file_blake2b(self.root / e["file"], e["file_bytes"]) != e["blake2b"]
+        ):
+            raise CheckpointError(
+                f"{self.root / e['file']}: the int8 head copy fails its blake2b checksum;"
+                f" run `dsv4 upgrade-trunk {self.root}` to write it again"
+            )
         self.check_identity()
 
     def check_runs(self, keys: list[str]) -> None:

@@ -1,6 +1,6 @@
 """`dsv4 upgrade-trunk`: bring a pack of an older format to the current one, in place.
 
-Owns: upgrading format 1 (blake2b plus a plain sum of 64-bit words, blind to reordered
+Owns: adding the int8 head copy to a pack without one (`headcopy.add_in_place`), and upgrading format 1 (blake2b plus a plain sum of 64-bit words, blind to reordered
 blocks) to format 2 (blake2b plus xxh3 per run and per tensor). The old manifest is first
 checked whole with the runtime's own rules (`TrunkFile.checked`: keys and names once each,
 every tensor inside its run, names, dtypes and shapes as in the checkpoint), so what the
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import xxhash
@@ -28,6 +28,7 @@ import xxhash
 from ..checkpoint.catalog import Catalog
 from ..errors import CheckpointError, Dsv4Error, UsageError
 from ..files import atomic_write, describe, open_regular, read_regular
+from . import headcopy
 from .format import CHUNK, FAST_CHECKSUM, FORMAT, MANIFEST, UPGRADABLE, digest_run, valid_file_name
 from .packdir import MANIFEST_LIMIT, drop_lock, lock_path, take_lock
 from .reader import TrunkFile, _restart, identity
@@ -40,6 +41,7 @@ class UpgradeResult:
     bytes_checked: int
     old_format: str
     up_to_date: bool = False
+    head_copy: bool = False  # the int8 head copy was added
 
 
 def _fail(root: Path, why: str) -> CheckpointError:
@@ -109,9 +111,10 @@ def _upgrade_locked(root: Path, on_bytes: Callable[[int], None] | None, checkpoi
         raise _fail(root, f"manifest.json is unreadable ({type(e).__name__})") from None
     fmt = m.get("format") if isinstance(m, dict) else None
     if fmt == FORMAT:
-        return UpgradeResult(root, len(m.get("runs") or ()), 0, fmt, up_to_date=True)
+        return _add_head_copy(root, m, on_bytes, UpgradeResult(root, len(m.get("runs") or ()), 0, fmt, True))
     if fmt not in UPGRADABLE:
         raise _fail(root, f"manifest format {fmt!r} is not one this dsv4stream can upgrade ({', '.join(UPGRADABLE)})")
+    m.pop(headcopy.ENTRY, None)  # format 1 predates the int8 head copy: written again below
     name = m.get("file")
     if not valid_file_name(name):
         raise _fail(root, f"the manifest's 'file' {name!r} is not a plain file name inside the pack")
@@ -162,4 +165,19 @@ def _upgrade_locked(root: Path, on_bytes: Callable[[int], None] | None, checkpoi
         raise _fail(root, f"{name} changed while it was being checked")
     m["format"], m["fast_checksum"] = FORMAT, FAST_CHECKSUM
     atomic_write(mpath, json.dumps(m, indent=1) + "\n")
-    return UpgradeResult(root, len(m["runs"]), checked, str(fmt))
+    return _add_head_copy(root, m, on_bytes, UpgradeResult(root, len(m["runs"]), checked, str(fmt)))
+
+
+def _add_head_copy(root: Path, m: dict, on_bytes, done: UpgradeResult) -> UpgradeResult:
+    """A current-format pack without the int8 head copy, or whose copy fails its checks (another
+    head's, damaged, missing), gets one (`headcopy.add_in_place`: the packed head's bytes checked
+    against their xxh3 first, file then manifest written atomically)."""
+    if headcopy.source_tensor(m) is None:
+        return done
+    if headcopy.ENTRY in m and headcopy.intact(root, m):
+        return done
+    name = m.get("file")
+    if not valid_file_name(name):
+        raise _fail(root, f"the manifest's 'file' {name!r} is not a plain file name inside the pack")
+    headcopy.add_in_place(root, m, on_bytes)
+    return replace(done, up_to_date=False, head_copy=True)

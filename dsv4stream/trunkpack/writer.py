@@ -37,6 +37,7 @@ from .. import jsonio
 from ..checkpoint.catalog import Catalog
 from ..errors import BudgetError, Dsv4Error, InternalError, ReadError, ShortReadError, UsageError
 from ..files import read_regular
+from . import headcopy
 from .format import (
     ALIGN,
     CHUNK,
@@ -78,6 +79,7 @@ class PackResult:
     bytes_written: int
     seconds: float
     up_to_date: bool = False  # OUT_DIR already held this pack; nothing done
+    head_copy_added: bool = False  # OUT_DIR held this pack without the int8 head copy: added in place
 
 
 def _read_journal(path: Path, plan: str) -> dict[str, str] | None:
@@ -258,7 +260,12 @@ def pack_trunk(
         if _existing_pack_matches(out, cat.fingerprint, n):
             bad = _corrupt_runs(out, progress)
             if not bad:
-                return PackResult(out, len(runs), (), tuple(r.key for r in runs), 0, time.perf_counter() - t0, True)
+                m = read_manifest(out) or {}
+                added = headcopy.ENTRY not in m and headcopy.add_in_place(out, m)  # a pack from before the copy
+                if added:
+                    _say(f"{out}: added the int8 head copy ({headcopy.FILE})", progress)
+                skipped = tuple(r.key for r in runs)
+                return PackResult(out, len(runs), (), skipped, 0, time.perf_counter() - t0, not added, added)
             _say(f"{out}: run(s) {', '.join(bad)} fail their checksum; packing again", progress)
             replace = True  # a damaged copy of this very pack: replacing it loses nothing
         elif out.is_dir() and any(out.iterdir()) and not force:
@@ -295,7 +302,20 @@ def _meta_bytes(cat: Catalog, runs: list[PlannedRun], n: int) -> int:
         indent=1,
     )
     journal = 200 + 100 * len(runs)
-    return round_up(len(manifest) + 1, ALIGN) * 2 + round_up(journal, ALIGN)  # tmp + final manifest
+    copy = headcopy.copy_bytes(
+        {
+            "runs": [
+                {
+                    "key": r.key,
+                    "tensors": [
+                        {"name": t.src.name, "dtype": t.src.dtype, "shape": list(t.src.shape)} for t in r.tensors
+                    ],
+                }
+                for r in runs
+            ]
+        }
+    )
+    return round_up(len(manifest) + 1, ALIGN) * 2 + round_up(journal, ALIGN) + copy  # tmp + final manifest
 
 
 def _disk_full(stage: Path, data: Path, total: int, meta: int) -> BudgetError:
@@ -384,9 +404,18 @@ def _pack_locked(cat, runs, plan, n, out, replace, progress, on_run, t0) -> Pack
         if fd >= 0:
             os.close(fd)
 
+    manifest = manifest_dict(cat, runs, digests, n, plan)
+    try:
+        copy = _head_copy(stage, data, journal, manifest, done, progress)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _disk_full(stage, data, total, meta) from None
+        raise Dsv4Error(f"{stage}: {e.strerror} while writing the int8 head copy; check the disk") from None
+    if copy is not None:
+        manifest[headcopy.ENTRY] = copy
     tmp_manifest = stage / (MANIFEST + ".tmp")
     try:
-        tmp_manifest.write_text(json.dumps(manifest_dict(cat, runs, digests, n, plan), indent=1) + "\n")
+        tmp_manifest.write_text(json.dumps(manifest, indent=1) + "\n")
         with open(tmp_manifest, "rb+") as f:
             os.fsync(f.fileno())
     except OSError as e:
@@ -411,6 +440,52 @@ def _pack_locked(cat, runs, plan, n, out, replace, progress, on_run, t0) -> Pack
         shutil.rmtree(old, ignore_errors=True)
     nbytes = sum(r.nbytes for r in runs if r.key in written)
     return PackResult(out, len(runs), tuple(written), tuple(skipped), nbytes, time.perf_counter() - t0)
+
+
+def _head_copy(stage: Path, data: Path, journal: Path, manifest: dict, done: dict, progress: bool) -> dict | None:
+    """The int8 head copy in the staging folder (kept when a previous attempt journaled it and its
+    blake2b still matches, else written from the staged head) and its manifest entry; None where
+    the head takes none."""
+    src = headcopy.source_tensor(manifest)
+    if src is None:
+        return None
+    path = stage / headcopy.FILE
+    rows, cols = map(int, src["shape"])
+    entry = _journaled_copy(journal) if headcopy.JOURNAL_KEY in done else None
+    if (
+        entry is not None
+        and entry.get("source_xxh3") == src["xxh3"]
+        and headcopy.file_blake2b(path, headcopy.layout(rows, cols)[1]) == entry.get("blake2b")
+    ):
+        return entry
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        with tqdm_bar(rows * cols * 2, "int8 head", progress) as bar:
+            entry = headcopy.write_copy(fd, str(data), src, path, bar.update)
+    finally:
+        os.close(fd)
+    with open(journal, "a") as jf:
+        jf.write(json.dumps({"key": headcopy.JOURNAL_KEY, "blake2b": entry["blake2b"], "entry": entry}) + "\n")
+        jf.flush()
+        os.fsync(jf.fileno())
+    return entry
+
+
+def _journaled_copy(journal: Path) -> dict | None:
+    """The head copy's manifest entry a previous attempt journaled (its last line), if any."""
+    found = None
+    try:
+        lines = read_regular(journal, "the journal", limit=MANIFEST_LIMIT).decode().splitlines()
+    except (Dsv4Error, OSError, UnicodeDecodeError):
+        return None
+    for ln in lines[1:]:
+        try:
+            d = jsonio.parse_json(ln, "journal")
+            if d.get("key") == headcopy.JOURNAL_KEY and isinstance(d.get("entry"), dict):
+                found = d["entry"]
+        except (Dsv4Error, AttributeError):
+            continue
+    return found
 
 
 def tqdm_bar(total: int, desc: str, progress: bool):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ...checkpoint.config import ModelConfig
-from ...kernels import matmul
+from ...kernels.head import head_logits
 from ..mhc import hc_head, hc_post, hc_pre
 from ..moe import ExpertSource, moe
 from ..ops import rms_norm
@@ -85,4 +85,4 @@ def ffn_half(
 def head_forward(x: np.ndarray, w: HeadWeights, cfg: ModelConfig) -> np.ndarray:
     """Streams x (T, hc, D) -> logits (T, vocab)."""
     h = hc_head(x, w.hc, cfg.hc_eps, cfg.rms_norm_eps)
-    return matmul(w.head, rms_norm(h, w.norm, cfg.rms_norm_eps))
+    return head_logits(w.head, w.q8, rms_norm(h, w.norm, cfg.rms_norm_eps))

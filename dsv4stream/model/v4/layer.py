@@ -31,3 +31,4 @@ class HeadWeights:
     hc: HcHeadWeights
     norm: np.ndarray  # (D,)
     head: QWeight  # (vocab, D)
+    q8: object | None = None  # the pack's int8 copy of head (`kernels.headq8.Int8Head`): fast's logits

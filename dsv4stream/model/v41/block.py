@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...kernels import QWeight, matmul
+from ...kernels.head import head_logits
 from ..mhc import HcWeights, collapse, split_mixes
 from ..moe import ExpertSource
 from ..ops import rms_norm
@@ -51,6 +52,7 @@ class V41LayerWeights:
 class V41HeadWeights:
     norm: np.ndarray  # (D,)
     head: QWeight  # (vocab, D)
+    q8: object | None = None  # the pack's int8 copy of head (`kernels.headq8.Int8Head`): fast's logits
 
 
 @dataclass(frozen=True)
@@ -133,4 +135,4 @@ def ffn_half(
 
 def head_forward(x: np.ndarray, pre: np.ndarray, w: V41HeadWeights, norm_eps: float) -> np.ndarray:
     """Streams x (T, hc, D) and the last FFN half's pre (T, hc) -> logits (T, vocab)."""
-    return matmul(w.head, rms_norm(collapse(x, pre), w.norm, norm_eps))
+    return head_logits(w.head, w.q8, rms_norm(collapse(x, pre), w.norm, norm_eps))
