@@ -54,6 +54,17 @@ def _warm_kernel_cache():
         kernels.warmup()  # loads them from the cache into this process (the in-process tests)
 
 
+@pytest.fixture(autouse=True)
+def _kernel_numerics_put_back():
+    """Each test leaves the kernels' numerics (`kernels.set_numerics`, a process global) as it found
+    them: a test that calls the kernels directly expects the default, whichever files its process
+    ran before (a pytest-xdist worker runs them in another order). Engines set theirs each pass."""
+    mode = kernels.get_numerics()
+    yield
+    if kernels.get_numerics() != mode:
+        kernels.set_numerics(mode)
+
+
 @pytest.fixture(scope="session")
 def real_vocab_ckpt(tmp_path_factory):
     """A generated tiny V4 checkpoint carrying the real V4 tokenizer's vocabulary (129,280 rows)
