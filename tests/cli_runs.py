@@ -1,6 +1,8 @@
 """Running `dsv4` for the CLI tests: `stats_of` (`dsv4 run` in-process at `--budget 1`: the
---stats-json document it wrote, and the result), `dsv4` (the command in a child process) and
-`refused` (a bad input's answer: one line `dsv4: ...`, exit 2)."""
+--stats-json document it wrote, and the result), `dsv4` (the whole command, `main()` with its
+error lines and exit codes, in this process), `dsv4_child` (the same in a child process, for
+what only a process shows: the entry point, rlimits, signals) and `refused` (a bad input's
+answer: one line `dsv4: ...`, exit 2)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from dsv4stream.cli import main
 from dsv4stream.cli.run import run as run_cmd
 
 
@@ -26,7 +29,26 @@ def stats_of(tmp_path: Path, *args: str, input: str | None = None) -> tuple[dict
     return json.loads(out.read_text()), res
 
 
-def dsv4(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def dsv4(*args: str, input: str | bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`dsv4 ARGS` run by `main()` in this process, stdout and stderr captured apart (text), its
+    exit code as a child's would be: a child costs 1.3-2.8 CPU-s of imports and kernel-cache
+    loading before it starts. `env`: variables set (None: unset) for the call. An exception
+    `main()` lets through (a programming error: a child's traceback) fails the test here."""
+    with CliRunner().isolation(input=input, env=env) as (out, err, _):
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    return subprocess.CompletedProcess(["dsv4", *args], code, stdout, stderr)
+
+
+def dsv4_child(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`dsv4 ARGS` in a child process (text)."""
     cmd = [sys.executable, "-c", "from dsv4stream.cli import main; main()", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
 

@@ -1,4 +1,4 @@
-"""Suite-wide setup: compile the numba kernels once, before any test starts a `dsv4` process.
+"""Suite-wide setup: compile the numba kernels once, before any test (or pytest-xdist worker) starts.
 
 On a fresh clone numba's cache is cold and the first `dsv4` subprocess would spend a minute or
 two compiling (in a child, outside its budget) inside whichever test came first, past that
@@ -37,15 +37,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def pytest_sessionstart(session):
+    # a cold cache (a fresh clone, as in CI): one compiling child per core, as `dsv4 run` does,
+    # not every unit in this process. Measured 2026-12-06 (Emerald Rapids, empty cache): 107
+    # CPU-s in one process; two children 128 CPU-s split about evenly, so ~65 s instead of
+    # ~107 s of wall time on 2 idle cores. A warm cache returns at once. Here, before pytest-xdist
+    # starts its workers (`make test`'s -n): they find the cache warm instead of compiling twice.
+    if not hasattr(session.config, "workerinput"):
+        compile_kernels_apart()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _warm_kernel_cache():
     if kernels.backend_name() == "fast":
-        # a cold cache (a fresh clone, as in CI): one compiling child per core, as `dsv4 run` does,
-        # not every unit in this process. Measured 2026-12-06 (Emerald Rapids, empty cache): 107
-        # CPU-s in one process; two children 128 CPU-s split about evenly, so ~65 s instead of
-        # ~107 s of wall time on 2 idle cores. A warm cache returns at once.
-        compile_kernels_apart()
+        compile_kernels_apart()  # warm by now (pytest_sessionstart): returns at once
         kernels.warmup()  # loads them from the cache into this process (the in-process tests)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_numerics_put_back():
+    """Each test leaves the kernels' numerics (`kernels.set_numerics`, a process global) as it found
+    them: a test that calls the kernels directly expects the default, whichever files its process
+    ran before (a pytest-xdist worker runs them in another order). Engines set theirs each pass."""
+    mode = kernels.get_numerics()
+    yield
+    if kernels.get_numerics() != mode:
+        kernels.set_numerics(mode)
 
 
 @pytest.fixture(scope="session")

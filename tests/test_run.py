@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numba
 import pytest
+from cli_runs import dsv4
 from click.testing import CliRunner
 from store_files import o_direct_refusal
 
@@ -103,10 +102,6 @@ def test_below_the_working_set_warns_with_the_amount_and_keeps_the_ids(ckpt, tmp
 
 
 def test_errors_are_one_line(ckpt, tmp_path) -> None:
-    def dsv4(*args: str) -> subprocess.CompletedProcess:
-        code = "from dsv4stream.cli import main; main()"
-        return subprocess.run([sys.executable, "-c", code, *args], check=False, capture_output=True, text=True)
-
     r = dsv4("run", str(ckpt), "--prompt-ids", "1,2", "--budget", "0.01")
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     floor = planner.minimum_budget(measure(ckpt, RunOptions(budget=1)))

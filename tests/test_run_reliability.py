@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli_runs
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -33,7 +34,14 @@ from dsv4stream.trunkpack.writer import pack_trunk
 CODE = "from dsv4stream.cli import main; main()"
 
 
-def dsv4(*args: str | bytes, stdin: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+def dsv4(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    """`dsv4 ARGS` by `main()` in this process (cli_runs.dsv4), its output as bytes."""
+    r = cli_runs.dsv4(*args, input=stdin)
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout.encode(), r.stderr.encode())
+
+
+def dsv4_child(*args: str | bytes, stdin: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`dsv4 ARGS` in a child: argv bytes and the locale's stdin decoding are a process's."""
     return subprocess.run(
         [sys.executable, "-c", CODE, *args], input=stdin, capture_output=True, check=False, timeout=300, env=env
     )
@@ -250,21 +258,21 @@ def test_ids_with_spaces_are_fine(ckpt):
 
 def test_non_utf8_prompts_are_one_line(tok_ckpt, tmp_path):
     bad = b"caf\xe9 \xff"
-    one_line(dsv4("run", str(tok_ckpt), "--prompt", bad, "--budget", "1"), "UTF-8")
+    one_line(dsv4_child("run", str(tok_ckpt), "--prompt", bad, "--budget", "1"), "UTF-8")
     one_line(dsv4("run", str(tok_ckpt), "--prompt-file", "-", "--budget", "1", stdin=bad), "UTF-8")
     (tmp_path / "p.txt").write_bytes(bad)
     one_line(dsv4("run", str(tok_ckpt), "--prompt-file", str(tmp_path / "p.txt"), "--budget", "1"), "UTF-8")
     for lang in ("C", "C.UTF-8"):  # a strict UTF-8 locale decodes stdin differently from the C locale
         env = dict(os.environ, LC_ALL=lang, PYTHONUTF8="0")
-        one_line(dsv4("tokenize", "--tok", str(tok_ckpt), "-", stdin=bad, env=env), "UTF-8")
-        one_line(dsv4("run", str(tok_ckpt), "--prompt-file", "-", "--budget", "1", stdin=bad, env=env), "UTF-8")
-    one_line(dsv4("tokenize", "--tok", str(tok_ckpt), bad), "UTF-8")
+        one_line(dsv4_child("tokenize", "--tok", str(tok_ckpt), "-", stdin=bad, env=env), "UTF-8")
+        one_line(dsv4_child("run", str(tok_ckpt), "--prompt-file", "-", "--budget", "1", stdin=bad, env=env), "UTF-8")
+    one_line(dsv4_child("tokenize", "--tok", str(tok_ckpt), bad), "UTF-8")
 
 
 @pytest.mark.parametrize("lang", ["C.UTF-8"])  # strict UTF-8 stdin; (LC_ALL=C cannot print the reply)
 def test_a_non_utf8_chat_line_is_refused_and_the_chat_goes_on(tok_ckpt, tmp_path, lang):
     stats = tmp_path / "s.json"
-    r = dsv4("run", str(tok_ckpt), "--chat", "--greedy", "--gen", "2", "--budget", "1", "--stats-json", str(stats),
+    r = dsv4_child("run", str(tok_ckpt), "--chat", "--greedy", "--gen", "2", "--budget", "1", "--stats-json", str(stats),
              stdin=b"Hi\n\xff\xfe bad\nOk\n", env=dict(os.environ, LC_ALL=lang, PYTHONUTF8="0"))  # fmt: skip
     assert r.returncode == 0, r.stderr.decode()
     assert b"not valid UTF-8" in r.stderr
