@@ -90,3 +90,11 @@ def test_on_block_stops_the_tower(ck, numerics):
     done = []
     rows(ck, numerics, done.append)
     assert done == [0, 1, 2]
+
+
+def test_fast_keeps_sgemm_beyond_fast_tokens(ck, monkeypatch):
+    from dsv4stream.model.v41 import vision
+
+    # the ViT's 1500+ patches: the BF16 kernels lose to sgemm there, so fast is the float32 tower
+    monkeypatch.setattr(vision, "FAST_TOKENS", 0)
+    np.testing.assert_array_equal(rows(ck, "fast"), rows(ck, "fp32"))

@@ -21,7 +21,9 @@ tensors are rounded (every linear's output, the norms, the rotated q/k, the atte
 silu and the product, each residual add), computing inside each op in float32. `fast` (the
 run's `--numerics fast`) is fp32 but for the linears of BF16 / FP8 weights, which go through
 `kernels.matmul` and so the process's fast kernels (BF16 activations, float32 accumulation;
-`kernels.numerics`); a width those kernels do not take (the patch embedding's 3 p p) stays numpy.
+`kernels.numerics`) where they are the faster (at most FAST_TOKENS rows: the aligner of an image
+of up to that many tokens); more rows, or a width those kernels do not take (the patch
+embedding's 3 p p), stay numpy float32.
 """
 
 from __future__ import annotations
@@ -33,9 +35,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ... import kernels
-from ...kernels import QWeight
-from ...kernels.bf16 import supports as fast_width
+from ...kernels import QWeight, fast_variant, matmul
 from ...kernels.special import erf
 from .. import ops
 
@@ -44,6 +44,11 @@ NORM_EPS = 1e-6
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 ATTN_ROWS = 512  # queries per attention block: bounds the (heads, rows, N) scores
 W_ROWS = 1024  # rows of a BF16 weight widened to float32 at once
+# fast: the BF16 kernels (`kernels.bf16`, built for few tokens) beat widening the weight for
+# numpy's sgemm up to a few hundred rows and lose beyond (2.5x faster at 256 rows of the
+# aligner's 9216-wide w1, 2x slower at 1024; docs/performance.md): the ViT's 1500+ patches stay
+# on sgemm, the aligner's rows of an image of up to FAST_TOKENS tokens take the kernels
+FAST_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -95,11 +100,13 @@ def _round(x: np.ndarray, on: bool) -> np.ndarray:
 
 
 def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, rnd: bool, fast: bool = False) -> np.ndarray:
-    if fast and w.dtype == _BF16 and fast_width(w.shape[1]):
+    qw = None
+    if fast and w.dtype == _BF16 and x.shape[0] <= FAST_TOKENS:
+        qw = QWeight("bf16", np.ascontiguousarray(w).view(np.uint16), None, w.shape[0], w.shape[1])
+    if qw is not None and fast_variant(qw) is not None:
         # `kernels.matmul` (not bf16.py directly): the process's numerics pick the kernel and its
         # threads; rows do not depend on the token count or the threads
-        qw = QWeight("bf16", np.ascontiguousarray(w).view(np.uint16), None, w.shape[0], w.shape[1])
-        y = kernels.matmul(qw, np.ascontiguousarray(x, dtype=F32))
+        y = matmul(qw, np.ascontiguousarray(x, dtype=F32))
     elif w.dtype == F32:
         y = x @ w.T
     else:  # stored BF16: widened W_ROWS output rows at a time (exact), a bounded scratch
