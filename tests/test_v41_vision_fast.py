@@ -98,3 +98,27 @@ def test_fast_keeps_sgemm_beyond_fast_tokens(ck, monkeypatch):
     # the ViT's 1500+ patches: the BF16 kernels lose to sgemm there, so fast is the float32 tower
     monkeypatch.setattr(vision, "FAST_TOKENS", 0)
     np.testing.assert_array_equal(rows(ck, "fast"), rows(ck, "fp32"))
+
+
+def test_server_spans_stop_between_blocks(ck):
+    # the worker hands its layer_done to PromptImages.spans: a request whose client went away
+    # raises Cancelled after the block it is in, the rest of the tower never runs
+    from dsv4stream.engine.images import decode_images
+    from dsv4stream.engine.session import Engine
+    from dsv4stream.engine.stack_v41 import V41Options
+    from dsv4stream.server.images import PromptImages, keyed_prompt
+    from dsv4stream.server.worker import Cancelled
+
+    eng = Engine.open(ck, v41=V41Options(numerics="fast"))
+    ims = decode_images(eng, [("a.png", png(40, 28))])
+    ids = keyed_prompt([eng.cfg.bos_token_id, eng.cfg.image_token_id], ims, eng.cfg.image_token_id)
+    seen = []
+
+    def layer_done(i: int) -> None:
+        seen.append(i)
+        if len(seen) == 2:
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        PromptImages(tuple(ims), eng.cfg.image_token_id).spans(eng, ids, layer_done)
+    assert seen == [0, 1]
