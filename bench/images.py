@@ -5,13 +5,14 @@ Usage: python bench/images.py [CK] [--sizes 224x224,800x600,...] [--numerics fas
 
 The run's numerics (`serve` and `run` default to fast); the tower computes in bf16 as the
 reference under `official`, in float32 under `exact`, and under `fast` in float32 but for its
-BF16 / FP8 linears, which take the fast kernels (BF16 activations, `model.v41.vision`).
+BF16 linears of up to 256 rows (the aligner), which take the fast kernels (BF16
+activations, `model.v41.vision`).
 
 `--compare`: the tower alone (`model.v41.vision.encode_image`, weights read once beforehand)
 under the float32 products (`exact`, what `fast` ran before issue 43's speed-up) and under the
 fast kernels, in the same process, each twice per size in the order float32, fast, fast, float32: the best
 seconds per block of each, their
-ratio (the aligner included: under fast its rows of an image of up to 512 tokens take the
+ratio (the aligner included: under fast its rows of an image of up to 256 tokens take the
 kernels, the ViT's 1500+ patches stay on sgemm, `model.v41.vision.FAST_TOKENS`), and
 max |fast - float32| over the float32 rows' RMS.
 

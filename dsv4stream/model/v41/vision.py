@@ -19,7 +19,8 @@ Facts this follows (DeepSeek's V4.1 `inference/vision.py`):
 Numerics: "fp32" computes in float32; "official" rounds to bf16 where the reference's bf16
 tensors are rounded (every linear's output, the norms, the rotated q/k, the attention output,
 silu and the product, each residual add), computing inside each op in float32. `fast` (the
-run's `--numerics fast`) is fp32 but for the linears of BF16 / FP8 weights, which go through
+run's `--numerics fast`) is fp32 but for the linears of BF16 weights (the release's tower has no
+FP8), which go through
 `kernels.matmul` and so the process's fast kernels (BF16 activations, float32 accumulation;
 `kernels.numerics`) where they are the faster (at most FAST_TOKENS rows: the aligner of an image
 of up to that many tokens); more rows, or a width those kernels do not take (the patch
@@ -44,11 +45,12 @@ NORM_EPS = 1e-6
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 ATTN_ROWS = 512  # queries per attention block: bounds the (heads, rows, N) scores
 W_ROWS = 1024  # rows of a BF16 weight widened to float32 at once
-# fast: the BF16 kernels (`kernels.bf16`, built for few tokens) beat widening the weight for
-# numpy's sgemm up to a few hundred rows and lose beyond (2.5x faster at 256 rows of the
-# aligner's 9216-wide w1, 2x slower at 1024; docs/performance.md): the ViT's 1500+ patches stay
-# on sgemm, the aligner's rows of an image of up to FAST_TOKENS tokens take the kernels
-FAST_TOKENS = 512
+# fast: the BF16 kernels (`kernels.bf16`, built for few tokens) beat numpy's sgemm up to a few
+# hundred rows when the cores are shared (1.3-2.5x at 256 rows of the aligner's 9216-wide w1,
+# OpenBLAS's second thread waiting on a busy core) and lose beyond (1.5-2x slower at 1024;
+# docs/performance.md): the ViT's 1500+ patches stay on sgemm, the aligner's rows of an image of
+# up to FAST_TOKENS tokens take the kernels
+FAST_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class VisionParams:
     rope_theta: float
     downsample: int
     bf16: bool  # official numerics: round as the reference's bf16 tensors
-    fast: bool = False  # fast numerics: BF16 / FP8 linears on the process's fast kernels
+    fast: bool = False  # fast numerics: BF16 linears of few rows on the process's fast kernels
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
