@@ -9,7 +9,7 @@ checkpoint's `vision.*` / `aligner.*` / `image_*` weights under the engine's num
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,19 +81,23 @@ def inputs_for(cfg, files: list[tuple[str, bytes]]) -> list[ImageInput]:
     return [image_input(data, name, cfg.vision) for name, data in files]
 
 
-def image_prompt(engine, ids: np.ndarray, images: list[ImageInput]) -> ImagePrompt:
-    """The k-th image marker in ids expanded to the k-th image's span, and the span rows."""
+def image_prompt(
+    engine, ids: np.ndarray, images: list[ImageInput], on_block: Callable[[int], None] | None = None
+) -> ImagePrompt:
+    """The k-th image marker in ids expanded to the k-th image's span, and the span rows.
+    on_block(i) after each tower block of each image (a server's cancellation raises there)."""
     check_vision(engine)
     cfg = engine.cfg
     prompt = expand_prompt(ids, cfg.image_token_id, [im.plan for im in images])
     numerics = getattr(getattr(engine.stack, "options", None), "numerics", "official")
     params = VisionParams(
-        cfg.vision.num_attention_heads, cfg.vision.rope_theta, cfg.vision.downsample_ratio, numerics == "official"
-    )
+        cfg.vision.num_attention_heads, cfg.vision.rope_theta, cfg.vision.downsample_ratio, numerics == "official",
+        fast=numerics == "fast",
+    )  # fmt: skip
     w = load_vision(engine.catalog, cfg)
     rows = []
     for im, start in zip(images, prompt.starts, strict=True):
-        feats = encode_image(im.patches, im.plan.vit_h, im.plan.vit_w, w, params)
+        feats = encode_image(im.patches, im.plan.vit_h, im.plan.vit_w, w, params, on_block)
         types = prompt.types[start : start + im.plan.span_len]
         rows.append(span_rows(types, feats, w))
     d = cfg.hidden_size

@@ -18,7 +18,7 @@ import binascii
 import hashlib
 import io
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
@@ -227,11 +227,11 @@ class PromptImages:
         """Tokens up to and including the last span."""
         return max((k + 1 for k, i in enumerate(ids) if i >= KEY_BASE), default=0)
 
-    def spans(self, engine, ids: Sequence[int]) -> SpanRows:
+    def spans(self, engine, ids: Sequence[int], on_block: Callable[[int], None] | None = None) -> SpanRows:
         """The span rows of the whole prompt `ids` (keyed), read from position 0: the tower
-        runs here, in the engine thread."""
+        runs here, in the engine thread; on_block after each tower block (cancellation)."""
         marked = [i for k, i in enumerate(ids) if i < KEY_BASE or k == 0 or ids[k - 1] < KEY_BASE]
-        ip = image_prompt(engine, np.asarray(self.real(marked), dtype=np.int64), list(self.inputs))
+        ip = image_prompt(engine, np.asarray(self.real(marked), dtype=np.int64), list(self.inputs), on_block)
         if ip.ids.size != len(ids):
             raise InternalError(f"{len(ids)} keyed ids expand to {ip.ids.size}")
         return ip.spans

@@ -354,7 +354,8 @@ class Worker:
                 raise Cancelled
 
         boundaries = [p - cached for p in keep_at]
-        spans = images.spans(rt.engine, ids) if images is not None and cached == 0 else None
+        # a client gone while its image is in the tower stops it between two blocks
+        spans = images.spans(rt.engine, ids, layer_done) if images is not None and cached == 0 else None
         fed = images.real(new) if images is not None else new
         # a batching server drafts for a request taken while no other is in flight (`_SoloDrafts`)
         solo = self.batched and self._alone() and rt.speculator.resolve(job.speculate) != "off"

@@ -18,17 +18,25 @@ Facts this follows (DeepSeek's V4.1 `inference/vision.py`):
   unfold; rows = w2(gelu(w1(cell))).
 Numerics: "fp32" computes in float32; "official" rounds to bf16 where the reference's bf16
 tensors are rounded (every linear's output, the norms, the rotated q/k, the attention output,
-silu and the product, each residual add), computing inside each op in float32.
+silu and the product, each residual add), computing inside each op in float32. `fast` (the
+run's `--numerics fast`) is fp32 but for the linears of BF16 weights (the release's tower has no
+FP8), which go through
+`kernels.matmul` and so the process's fast kernels (BF16 activations, float32 accumulation;
+`kernels.numerics`) where they are the faster (at most FAST_TOKENS rows: the aligner of an image
+of up to that many tokens); more rows, or a width those kernels do not take (the patch
+embedding's 3 p p), stay numpy float32.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 
+from ...kernels import QWeight, fast_variant, matmul
 from ...kernels.special import erf
 from .. import ops
 
@@ -37,6 +45,12 @@ NORM_EPS = 1e-6
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 ATTN_ROWS = 512  # queries per attention block: bounds the (heads, rows, N) scores
 W_ROWS = 1024  # rows of a BF16 weight widened to float32 at once
+# fast: the BF16 kernels (`kernels.bf16`, built for few tokens) beat numpy's sgemm up to a few
+# hundred rows when the cores are shared (1.3-2.5x at 256 rows of the aligner's 9216-wide w1,
+# OpenBLAS's second thread waiting on a busy core) and lose beyond (1.5-2x slower at 1024;
+# docs/performance.md): the ViT's 1500+ patches stay on sgemm, the aligner's rows of an image of
+# up to FAST_TOKENS tokens take the kernels
+FAST_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,7 @@ class VisionParams:
     rope_theta: float
     downsample: int
     bf16: bool  # official numerics: round as the reference's bf16 tensors
+    fast: bool = False  # fast numerics: BF16 linears of few rows on the process's fast kernels
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
@@ -86,8 +101,15 @@ def _round(x: np.ndarray, on: bool) -> np.ndarray:
     return bf16(x) if on else x
 
 
-def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, rnd: bool) -> np.ndarray:
-    if w.dtype == F32:
+def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, rnd: bool, fast: bool = False) -> np.ndarray:
+    qw = None
+    if fast and w.dtype == _BF16 and x.shape[0] <= FAST_TOKENS:
+        qw = QWeight("bf16", np.ascontiguousarray(w).view(np.uint16), None, w.shape[0], w.shape[1])
+    if qw is not None and fast_variant(qw) is not None:
+        # `kernels.matmul` (not bf16.py directly): the process's numerics pick the kernel and its
+        # threads; rows do not depend on the token count or the threads
+        y = matmul(qw, np.ascontiguousarray(x, dtype=F32))
+    elif w.dtype == F32:
         y = x @ w.T
     else:  # stored BF16: widened W_ROWS output rows at a time (exact), a bounded scratch
         y = np.empty((x.shape[0], w.shape[0]), dtype=F32)
@@ -138,23 +160,33 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, rnd: bool) -> np.nda
 
 
 def _block(x: np.ndarray, w: VisionBlockWeights, cos, sin, p: VisionParams) -> np.ndarray:
-    rnd, n = p.bf16, x.shape[0]
+    rnd, fast, n = p.bf16, p.fast, x.shape[0]
     hd = x.shape[1] // p.n_heads
-    qkv = _linear(_norm(x, w.norm1, rnd), w.wqkv, w.bqkv, rnd)
+    qkv = _linear(_norm(x, w.norm1, rnd), w.wqkv, w.bqkv, rnd, fast)
     q, k, v = (t.reshape(n, p.n_heads, hd) for t in np.split(qkv, 3, axis=1))
     o = _attention(_rotate(q, cos, sin, rnd), _rotate(k, cos, sin, rnd), v, rnd)
-    x = _round(x + _linear(o, w.wo, w.bo, rnd), rnd)
-    gate, up = np.split(_linear(_norm(x, w.norm2, rnd), w.w1, None, rnd), 2, axis=1)
+    x = _round(x + _linear(o, w.wo, w.bo, rnd, fast), rnd)
+    gate, up = np.split(_linear(_norm(x, w.norm2, rnd), w.w1, None, rnd, fast), 2, axis=1)
     hmid = _round(_round(ops.silu(gate), rnd) * up, rnd)
-    return _round(x + _linear(hmid, w.w2, None, rnd), rnd)
+    return _round(x + _linear(hmid, w.w2, None, rnd, fast), rnd)
 
 
-def vit(patches: np.ndarray, vit_h: int, vit_w: int, w: VisionWeights, p: VisionParams) -> np.ndarray:
-    """patches (vit_h * vit_w, 3 p p) -> features (vit_h * vit_w, C)."""
-    x = _linear(np.asarray(patches, dtype=F32), w.patch_w, w.patch_b, p.bf16)
+def vit(
+    patches: np.ndarray,
+    vit_h: int,
+    vit_w: int,
+    w: VisionWeights,
+    p: VisionParams,
+    on_block: Callable[[int], None] | None = None,
+) -> np.ndarray:
+    """patches (vit_h * vit_w, 3 p p) -> features (vit_h * vit_w, C). on_block(i) after block i:
+    a server's cancellation raises there, so a gone client stops the tower between blocks."""
+    x = _linear(np.asarray(patches, dtype=F32), w.patch_w, w.patch_b, p.bf16, p.fast)
     cos, sin = rope_angles(vit_h, vit_w, x.shape[1] // p.n_heads, p.rope_theta)
-    for b in w.blocks:
+    for i, b in enumerate(w.blocks):
         x = _block(x, b, cos, sin, p)
+        if on_block is not None:
+            on_block(i)
     return _norm(x, w.norm, p.bf16)
 
 
@@ -173,13 +205,20 @@ def align(features: np.ndarray, vit_h: int, vit_w: int, w: VisionWeights, p: Vis
     pad[:vit_h, :vit_w] = g
     cells = pad.reshape(hh // r, r, ww // r, r, c).transpose(0, 2, 4, 1, 3)  # (lh, lw, C, dy, dx)
     x = cells.reshape((hh // r) * (ww // r), c * r * r)
-    y = _round(_gelu(_linear(x, w.align_w1, w.align_b1, p.bf16)), p.bf16)
-    return _linear(y, w.align_w2, w.align_b2, p.bf16)
+    y = _round(_gelu(_linear(x, w.align_w1, w.align_b1, p.bf16, p.fast)), p.bf16)
+    return _linear(y, w.align_w2, w.align_b2, p.bf16, p.fast)
 
 
-def encode_image(patches: np.ndarray, vit_h: int, vit_w: int, w: VisionWeights, p: VisionParams) -> np.ndarray:
-    """One image's aligner rows (llm_h * llm_w, D)."""
-    return align(vit(patches, vit_h, vit_w, w, p), vit_h, vit_w, w, p)
+def encode_image(
+    patches: np.ndarray,
+    vit_h: int,
+    vit_w: int,
+    w: VisionWeights,
+    p: VisionParams,
+    on_block: Callable[[int], None] | None = None,
+) -> np.ndarray:
+    """One image's aligner rows (llm_h * llm_w, D); on_block as `vit`'s."""
+    return align(vit(patches, vit_h, vit_w, w, p, on_block), vit_h, vit_w, w, p)
 
 
 def span_rows(types: np.ndarray, rows: np.ndarray, w: VisionWeights) -> np.ndarray:
