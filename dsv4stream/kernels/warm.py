@@ -264,9 +264,9 @@ def _warm_fast(name: str, form: str) -> None:
     if _FAST[form] != name:
         raise KeyError(f"no fast kernel {name!r} for form {form!r}")
     if form == "fast-head-q8":
-        from . import head, headq8
+        from . import headq8
 
-        if head.copy_runs():  # else fast reads the BF16 head by the exact kernels on this target
+        if headq8.variant() != "plain":  # else fast reads the BF16 head by the exact kernels (`head.copy_runs`)
             headq8.matmul(np.ones((4, 64), np.int8), np.ones(4, np.float32), np.ones((1, 64), np.float32))
         return
     kind = form.removeprefix("fast-").split("/")[0]
