@@ -32,8 +32,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from . import q8, simd
-from .q8 import _JIT, ROWS, _quantize, _row_scales  # noqa: F401  (the drivers' globals)
+from . import jit, q8, simd
+from .q8 import _JIT, ROWS, _quantize, _row_scales  # the drivers call them
 
 # numba's cache keys an entry by the function's name, signature and CPU target; the row kernel's
 # code lives in q8.py, so its hash is in the name (jit.cache_stamp also covers every kernel file)
@@ -163,6 +163,14 @@ class Routing:
     ids (E,) distinct experts ascending, lo/hi (E,) each one's pair range, tok (P,) each pair's
     token, wp (P,) its weight, tp (T, k) each token's pairs in ascending (expert, slot) order."""
 
+    ids: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    tok: np.ndarray
+    wp: np.ndarray
+    tp: np.ndarray
+    every_row: bool
+
     def __init__(self, experts: np.ndarray, weights: np.ndarray):
         t, k = experts.shape
         flat = experts.reshape(-1)
@@ -176,6 +184,28 @@ class Routing:
         where = np.empty(order.size, np.int64)
         where[order] = np.arange(order.size)
         self.tp = np.sort(where.reshape(t, k), axis=1)
+        self.every_row = False  # whether pair p is token p (no gather of the token rows)
+
+    @classmethod
+    def one(cls, weights: np.ndarray) -> Routing:
+        """One expert chosen once by each of n tokens with weights (n,): `Routing(zeros((n, 1)),
+        weights[:, None])`, built without the sorts (a decode step builds ~24)."""
+        n = weights.shape[0]
+        rt = cls.__new__(cls)
+        rt.ids, rt.lo, rt.hi = _ZERO, _ZERO, np.array([n], np.int64)
+        rt.tok = _arange(n)
+        rt.wp = np.ascontiguousarray(weights, dtype=np.float32).reshape(n)
+        rt.tp = rt.tok.reshape(n, 1)
+        rt.every_row = True
+        return rt
+
+
+_ZERO = np.zeros(1, np.int64)
+_ARANGE = np.arange(64, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    return _ARANGE[:n] if n <= _ARANGE.size else np.arange(n, dtype=np.int64)
 
 
 def _address_table(mats: list[list[np.ndarray]]) -> np.ndarray:
@@ -195,7 +225,7 @@ def scale_like(scales: list[np.ndarray]) -> np.ndarray | None:
 def pair_products(variant: str, x: np.ndarray, rt: Routing, w1s, w3s) -> tuple[np.ndarray, np.ndarray]:
     """Gate and up of every pair: x (T, C) float32; w1s / w3s: per expert of rt.ids, (data
     (I, C/2) uint8, scale (I, C/32)) C-contiguous -> (gate, up), each (P, I) float32."""
-    xg = np.ascontiguousarray(x[rt.tok], dtype=np.float32)
+    xg = np.ascontiguousarray(x if rt.every_row else x[rt.tok], dtype=np.float32)
     p, c = xg.shape
     rows = w1s[0][0].shape[0]
     sdt = scale_like([s for _, s in w1s] + [s for _, s in w3s])
@@ -267,9 +297,7 @@ def _parts(w) -> tuple[np.ndarray, np.ndarray]:
 def _run(nbytes: int, tokens: int, product):
     """product() with the kernel threads `kernels.set_threads` asked for, or alone on this
     thread for a small weight at a few tokens (results do not depend on the thread count)."""
-    from .jit import _apply_threads
-
-    _apply_threads()
+    jit._apply_threads()
     if tokens <= SERIAL_TOKENS and nbytes < SERIAL_BELOW_BYTES:
         n = numba.get_num_threads()
         if n != 1:
@@ -286,17 +314,16 @@ def expert_swiglu(variant: str, x: np.ndarray, e, weights: np.ndarray, glu) -> n
     up in one, down with the weighting in the other); glu(gate, up) -> h is the caller's
     elementwise middle. Bit-equal to `matmul_pair`, glu, `matmul` and the product by weights
     under `fast` numerics."""
-    from . import _count
+    from . import _count  # the package's per-role kernel time (imports this module lazily)
 
-    n = x.shape[0]
-    rt = Routing(np.zeros((n, 1), np.int64), np.asarray(weights, np.float32).reshape(n, 1))
+    rt = Routing.one(weights)
+    w1, w2, w3 = _parts(e.w1), _parts(e.w2), _parts(e.w3)
+
+    def product() -> np.ndarray:
+        gate, up = pair_products(variant, x, rt, [w1], [w3])
+        return down_sum(variant, glu(gate, up), rt, [w2])
+
     t0 = time.perf_counter()
-    w1, w3 = _parts(e.w1), _parts(e.w3)
-    gate, up = _run(e.w1.nbytes, n, lambda: pair_products(variant, x, rt, [w1], [w3]))
+    out = _run(e.w1.nbytes, x.shape[0], product)  # w1 and w2 have the same bytes
     _count(e.w1.role, t0)
-    h = glu(gate, up)
-    t0 = time.perf_counter()
-    w2 = _parts(e.w2)
-    out = _run(e.w2.nbytes, n, lambda: down_sum(variant, h, rt, [w2]))
-    _count(e.w2.role, t0)
     return out

@@ -76,12 +76,14 @@ _BASE = ("attn", "qdq", "sinkhorn")
 # `bf16._round_rows`). A form names no variant: the variant follows the CPU target, and so does
 # the cache folder (`jit.cache_stamp`). FP8's block is an argument of the driver, so V4's
 # 128x128 and V4.1's 32x32 blocks share one form. Only runs whose numerics are fast reach them.
-_FAST: dict[str, str] = {
-    "fast-fp4/e8m0": "fp4q8",
-    "fast-fp4/f32": "fp4q8",
-    "fast-fp8/e8m0": "fp8bf16",
-    "fast-fp8/f32": "fp8bf16",
-    "fast-bf16": "bf16bf16",
+# FP4's routed experts also run `experts_q8`'s two drivers (gate and up; down and the weighted
+# sum), which call the same row kernels.
+_FAST: dict[str, tuple[str, ...]] = {
+    "fast-fp4/e8m0": ("fp4q8", "xq8pair", "xq8down"),
+    "fast-fp4/f32": ("fp4q8", "xq8pair", "xq8down"),
+    "fast-fp8/e8m0": ("fp8bf16",),
+    "fast-fp8/f32": ("fp8bf16",),
+    "fast-bf16": ("bf16bf16",),
 }
 FORMS = ("base", *_PRODUCTS, *_FAST)
 
@@ -183,7 +185,7 @@ def units(forms: Iterable[str]) -> list[str]:
     for form, products in _PRODUCTS.items():
         if form in want:
             out += [f"{fn}:{form}" for fn, _ in products]
-    out += [f"{fn}:{form}" for form, fn in _FAST.items() if form in want]
+    out += [f"{fn}:{form}" for form, fns in _FAST.items() if form in want for fn in fns]
     return out
 
 
@@ -259,7 +261,7 @@ def _warm_fast(name: str, form: str) -> None:
     from . import cpu, fast
     from .numerics import Router
 
-    if _FAST[form] != name:
+    if name not in _FAST[form]:
         raise KeyError(f"no fast kernel {name!r} for form {form!r}")
     kind = form.removeprefix("fast-").split("/")[0]
     if cpu.variant(kind) is None:
@@ -272,8 +274,19 @@ def _warm_fast(name: str, form: str) -> None:
         w = QWeight("fp8", rng.integers(0, 126, (4, 64), dtype=np.uint8), np.full((1, 1), 127, sdt), 4, 64)
     else:
         w = QWeight("bf16", np.zeros((4, 64), np.uint16), None, 4, 64)
-    router = Router("fast", lambda: fast, numba.get_num_threads)
-    router.matmul(w, rng.standard_normal((1, w.cols)).astype(np.float32))
+    x = rng.standard_normal((1, w.cols)).astype(np.float32)
+    if name.startswith("xq8"):
+        from . import experts_q8
+
+        v = cpu.variant(kind)
+        rt = experts_q8.Routing(np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
+        part = (w.data, w.scale)
+        if name == "xq8pair":
+            experts_q8.pair_products(v, x, rt, [part], [part])
+        else:
+            experts_q8.down_sum(v, x, rt, [part])
+        return
+    Router("fast", lambda: fast, numba.get_num_threads).matmul(w, x)
 
 
 def warmup(forms: Iterable[str] | None = None) -> float:
