@@ -142,6 +142,13 @@ COST: dict[str, float] = {
     "fp8bf16:fast-fp8/e8m0": 2.59,
     "fp8bf16:fast-fp8/f32": 2.24,
     "bf16bf16:fast-bf16": 1.33,
+    # experts_q8's drivers: CPU seconds in one child after fp4q8 (empty NUMBA_CACHE_DIR, Emerald
+    # Rapids, 2026-12-06 12:13, load 17), divided by 1.29, the ratio of fp4q8's two figures in that
+    # child (2.67, 1.82) to the ones above
+    "xq8pair:fast-fp4/e8m0": 1.60,
+    "xq8pair:fast-fp4/f32": 1.51,
+    "xq8down:fast-fp4/e8m0": 1.82,
+    "xq8down:fast-fp4/f32": 2.10,
 }
 START_SECONDS = 0.5  # a child's python, numba and kernel imports (0.4-0.5 s wall, same machine)
 
