@@ -141,10 +141,20 @@ def test_moe_takes_the_drivers_with_the_separate_products_bits(fast_mode, monkey
     np.testing.assert_array_equal(fused, reference(HOST, x, experts, weights, table))
 
 
-def test_exact_numerics_never_take_the_drivers():
+def test_exact_numerics_and_the_reference_backend_never_take_the_drivers():
     rng = np.random.default_rng(14)
     assert kernels.get_numerics() == "exact"
     assert experts_q8.variant_of(expert(rng)) is None
+    if HOST is None or kernels.backend_name() != "fast":
+        return
+    kernels.set_numerics("fast")
+    try:
+        assert experts_q8.variant_of(expert(rng)) == HOST
+        kernels.set_backend("reference")
+        assert experts_q8.variant_of(expert(rng)) is None  # not the variant found under numba
+    finally:
+        kernels.set_backend("fast")
+        kernels.set_numerics("exact")
 
 
 @needs_fast

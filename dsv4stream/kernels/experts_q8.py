@@ -269,14 +269,15 @@ _variants: dict[tuple, str | None] = {}
 def variant_of(e) -> str | None:
     """The variant an expert's three FP4 matrices (e.w1, e.w2, e.w3: QWeights) run on here under
     `fast` numerics, or None (they go through `kernels.matmul` as before)."""
-    from . import fast_variant, get_numerics
+    from . import backend_name, fast_variant, get_numerics
 
     if get_numerics() != "fast":
         return None
     ws = (e.w1, e.w2, e.w3)
     if any(w.kind != "fp4" or w.on_device for w in ws):
         return None
-    key = tuple((w.cols, w.data.flags.c_contiguous, w.scale.dtype.str) for w in ws)
+    # the exact backend is in the key: under the numpy reference `fast_variant` is None
+    key = (backend_name(), *((w.cols, w.data.flags.c_contiguous, w.scale.dtype.str) for w in ws))
     v = _variants.get(key, False)
     if v is False:
         vs = {fast_variant(w) for w in ws}
