@@ -23,7 +23,6 @@ of arrays without building one per call; the caller keeps the arrays alive durin
 from __future__ import annotations
 
 import hashlib
-import time
 import types as pytypes
 from pathlib import Path
 
@@ -266,18 +265,16 @@ SERIAL_TOKENS = 4
 _variants: dict[tuple, str | None] = {}
 
 
-def variant_of(e) -> str | None:
+def variant_of(e, backend: str, fast_variant) -> str | None:
     """The variant an expert's three FP4 matrices (e.w1, e.w2, e.w3: QWeights) run on here under
-    `fast` numerics, or None (they go through `kernels.matmul` as before)."""
-    from . import backend_name, fast_variant, get_numerics
-
-    if get_numerics() != "fast":
-        return None
+    `fast` numerics beside the exact backend named `backend`, or None (they go through
+    `kernels.matmul` as before); fast_variant(w) is `kernels.fast_variant` (handed in: this
+    module does not import the package above it)."""
     ws = (e.w1, e.w2, e.w3)
     if any(w.kind != "fp4" or w.on_device for w in ws):
         return None
     # the exact backend is in the key: under the numpy reference `fast_variant` is None
-    key = (backend_name(), *((w.cols, w.data.flags.c_contiguous, w.scale.dtype.str) for w in ws))
+    key = (backend, *((w.cols, w.data.flags.c_contiguous, w.scale.dtype.str) for w in ws))
     v = _variants.get(key, False)
     if v is False:
         vs = {fast_variant(w) for w in ws}
@@ -315,8 +312,6 @@ def expert_swiglu(variant: str, x: np.ndarray, e, weights: np.ndarray, glu) -> n
     up in one, down with the weighting in the other); glu(gate, up) -> h is the caller's
     elementwise middle. Bit-equal to `matmul_pair`, glu, `matmul` and the product by weights
     under `fast` numerics."""
-    from . import _count  # the package's per-role kernel time (imports this module lazily)
-
     rt = Routing.one(weights)
     w1, w2, w3 = _parts(e.w1), _parts(e.w2), _parts(e.w3)
 
@@ -324,7 +319,4 @@ def expert_swiglu(variant: str, x: np.ndarray, e, weights: np.ndarray, glu) -> n
         gate, up = pair_products(variant, x, rt, [w1], [w3])
         return down_sum(variant, glu(gate, up), rt, [w2])
 
-    t0 = time.perf_counter()
-    out = _run(e.w1.nbytes, x.shape[0], product)  # w1 and w2 have the same bytes
-    _count(e.w1.role, t0)
-    return out
+    return _run(e.w1.nbytes, x.shape[0], product)  # w1 and w2 have the same bytes
