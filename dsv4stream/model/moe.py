@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import kernels
 from ..errors import InternalError, NumericsError
-from ..kernels import QWeight, matmul, matmul_pair
+from ..kernels import QWeight, matmul, matmul_pair, q8_expert_swiglu, q8_expert_variant
 from .ops import silu, sqrt_softplus, topk_lowest_index
 
 F32 = np.float32
@@ -87,9 +86,9 @@ def weighted_swiglu(x: np.ndarray, e: ExpertWeights, limit: float, w: np.ndarray
     """`swiglu(x, e, limit) * w[:, None]` for x (n, D), w (n,) float32, the same bits. Under
     `fast` numerics an FP4 expert takes two kernel calls (`kernels.experts_q8`) instead of the
     separate products' five (three parallel regions and two activation roundings)."""
-    v = kernels.q8_expert_variant(e)
+    v = q8_expert_variant(e)
     if v is not None:
-        return kernels.q8_expert_swiglu(v, x, e, w, lambda g, u: _glu(g, u, limit))
+        return q8_expert_swiglu(v, x, e, w, lambda g, u: _glu(g, u, limit))
     y = swiglu(x, e, limit)
     y *= w[:, None]
     return y
