@@ -158,6 +158,27 @@ def matmul_pair(w1: QWeight, w3: QWeight, x: np.ndarray) -> tuple[np.ndarray, np
     return y
 
 
+def q8_expert_variant(e) -> str | None:
+    """The `experts_q8` variant a routed expert (w1, w2, w3 QWeights) runs on now: fast numerics,
+    FP4 matrices its drivers take; else None (`matmul_pair` and `matmul` as before)."""
+    if _numerics_mode != "fast":
+        return None
+    from . import experts_q8
+
+    return experts_q8.variant_of(e, backend_name(), fast_variant)
+
+
+def q8_expert_swiglu(variant: str, x: np.ndarray, e, weights: np.ndarray, glu) -> np.ndarray:
+    """weights[:, None] * the expert's SwiGLU of x (n, D), glu(gate, up) the elementwise middle:
+    two kernel calls (`experts_q8.expert_swiglu`), the bits of the separate products."""
+    from . import experts_q8
+
+    t0 = time.perf_counter()
+    y = experts_q8.expert_swiglu(variant, x, e, weights, glu)
+    _count(e.w1.role, t0)
+    return y
+
+
 def matmul_grouped(ws: Sequence[QWeight], x: np.ndarray) -> np.ndarray:
     """Group i of X (T, g, C) times ws[i] (R, C), concatenated: -> (T, g * R).
 

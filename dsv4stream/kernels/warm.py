@@ -76,13 +76,15 @@ _BASE = ("attn", "qdq", "sinkhorn")
 # `bf16._round_rows`). A form names no variant: the variant follows the CPU target, and so does
 # the cache folder (`jit.cache_stamp`). FP8's block is an argument of the driver, so V4's
 # 128x128 and V4.1's 32x32 blocks share one form. Only runs whose numerics are fast reach them.
-_FAST: dict[str, str] = {
-    "fast-fp4/e8m0": "fp4q8",
-    "fast-fp4/f32": "fp4q8",
-    "fast-fp8/e8m0": "fp8bf16",
-    "fast-fp8/f32": "fp8bf16",
-    "fast-bf16": "bf16bf16",
-    "fast-head-q8": "headq8",  # the int8 head copy's driver (`headq8`, `head.head_logits`)
+# FP4's routed experts also run `experts_q8`'s two drivers (gate and up; down and the weighted
+# sum), which call the same row kernels.
+_FAST: dict[str, tuple[str, ...]] = {
+    "fast-fp4/e8m0": ("fp4q8", "xq8pair", "xq8down"),
+    "fast-fp4/f32": ("fp4q8", "xq8pair", "xq8down"),
+    "fast-fp8/e8m0": ("fp8bf16",),
+    "fast-fp8/f32": ("fp8bf16",),
+    "fast-bf16": ("bf16bf16",),
+    "fast-head-q8": ("headq8",),  # the int8 head copy's driver (`headq8`, `head.head_logits`)
 }
 FORMS = ("base", *_PRODUCTS, *_FAST)
 
@@ -142,6 +144,13 @@ COST: dict[str, float] = {
     "fp8bf16:fast-fp8/f32": 2.24,
     "bf16bf16:fast-bf16": 1.33,
     "headq8:fast-head-q8": 1.33,  # not measured: bf16bf16's figure (one driver, three row kernels)
+    # experts_q8's drivers: CPU seconds in one child after fp4q8 (empty NUMBA_CACHE_DIR, Emerald
+    # Rapids, 2026-12-06 12:13, load 17), divided by 1.29, the ratio of fp4q8's two figures in that
+    # child (2.67, 1.82) to the ones above
+    "xq8pair:fast-fp4/e8m0": 1.60,
+    "xq8pair:fast-fp4/f32": 1.51,
+    "xq8down:fast-fp4/e8m0": 1.82,
+    "xq8down:fast-fp4/f32": 2.10,
 }
 START_SECONDS = 0.5  # a child's python, numba and kernel imports (0.4-0.5 s wall, same machine)
 
@@ -185,7 +194,7 @@ def units(forms: Iterable[str]) -> list[str]:
     for form, products in _PRODUCTS.items():
         if form in want:
             out += [f"{fn}:{form}" for fn, _ in products]
-    out += [f"{fn}:{form}" for form, fn in _FAST.items() if form in want]
+    out += [f"{fn}:{form}" for form, fns in _FAST.items() if form in want for fn in fns]
     return out
 
 
@@ -261,7 +270,7 @@ def _warm_fast(name: str, form: str) -> None:
     from . import cpu, fast
     from .numerics import Router
 
-    if _FAST[form] != name:
+    if name not in _FAST[form]:
         raise KeyError(f"no fast kernel {name!r} for form {form!r}")
     if form == "fast-head-q8":
         from . import headq8
@@ -280,8 +289,19 @@ def _warm_fast(name: str, form: str) -> None:
         w = QWeight("fp8", rng.integers(0, 126, (4, 64), dtype=np.uint8), np.full((1, 1), 127, sdt), 4, 64)
     else:
         w = QWeight("bf16", np.zeros((4, 64), np.uint16), None, 4, 64)
-    router = Router("fast", lambda: fast, numba.get_num_threads)
-    router.matmul(w, rng.standard_normal((1, w.cols)).astype(np.float32))
+    x = rng.standard_normal((1, w.cols)).astype(np.float32)
+    if name.startswith("xq8"):
+        from . import experts_q8
+
+        v = cpu.variant(kind)
+        rt = experts_q8.Routing(np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
+        part = (w.data, w.scale)
+        if name == "xq8pair":
+            experts_q8.pair_products(v, x, rt, [part], [part])
+        else:
+            experts_q8.down_sum(v, x, rt, [part])
+        return
+    Router("fast", lambda: fast, numba.get_num_threads).matmul(w, x)
 
 
 def warmup(forms: Iterable[str] | None = None) -> float:

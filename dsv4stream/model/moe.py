@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InternalError, NumericsError
-from ..kernels import QWeight, matmul, matmul_pair
+from ..kernels import QWeight, matmul, matmul_pair, q8_expert_swiglu, q8_expert_variant
 from .ops import silu, sqrt_softplus, topk_lowest_index
 
 F32 = np.float32
@@ -67,14 +67,31 @@ def route(x: np.ndarray, token_ids: np.ndarray, w: MoeWeights, k: int, scaling: 
     return experts, weights.astype(F32)
 
 
-def swiglu(x: np.ndarray, e: ExpertWeights, limit: float) -> np.ndarray:
-    """x (n, D) -> (n, D)."""
-    gate, up = matmul_pair(e.w1, e.w3, x)  # one pass over both at one token
+def _glu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
+    """silu(min(gate, L)) * clip(up, -L, L), in place where it can: (n, inter) twice -> (n, inter)."""
     np.minimum(gate, F32(limit), out=gate)
     np.minimum(np.maximum(up, F32(-limit), out=up), F32(limit), out=up)  # np.clip's bits, NaN kept
     h = silu(gate)
     h *= up
-    return matmul(e.w2, h)
+    return h
+
+
+def swiglu(x: np.ndarray, e: ExpertWeights, limit: float) -> np.ndarray:
+    """x (n, D) -> (n, D)."""
+    gate, up = matmul_pair(e.w1, e.w3, x)  # one pass over both at one token
+    return matmul(e.w2, _glu(gate, up, limit))
+
+
+def weighted_swiglu(x: np.ndarray, e: ExpertWeights, limit: float, w: np.ndarray) -> np.ndarray:
+    """`swiglu(x, e, limit) * w[:, None]` for x (n, D), w (n,) float32, the same bits. Under
+    `fast` numerics an FP4 expert takes two kernel calls (`kernels.experts_q8`) instead of the
+    separate products' five (three parallel regions and two activation roundings)."""
+    v = q8_expert_variant(e)
+    if v is not None:
+        return q8_expert_swiglu(v, x, e, w, lambda g, u: _glu(g, u, limit))
+    y = swiglu(x, e, limit)
+    y *= w[:, None]
+    return y
 
 
 def swiglu_rows(x: np.ndarray, e: ExpertWeights, limit: float, tok: np.ndarray | None = None) -> np.ndarray:
@@ -86,6 +103,17 @@ def swiglu_rows(x: np.ndarray, e: ExpertWeights, limit: float, tok: np.ndarray |
     for a in range(0, n, EXPERT_ROWS):
         rows = slice(a, a + EXPERT_ROWS) if tok is None else tok[a : a + EXPERT_ROWS]
         out[a : a + EXPERT_ROWS] = swiglu(x[rows], e, limit)
+    return out
+
+
+def _weighted_rows(x: np.ndarray, e: ExpertWeights, limit: float, tok: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """`weighted_swiglu` of the rows `tok` of x with their weights w (tok.size,), EXPERT_ROWS at a
+    time: -> (tok.size, D)."""
+    if tok.size <= EXPERT_ROWS:
+        return weighted_swiglu(x[tok], e, limit, w)
+    out = np.empty((tok.size, x.shape[1]), dtype=F32)
+    for a in range(0, tok.size, EXPERT_ROWS):
+        out[a : a + EXPERT_ROWS] = weighted_swiglu(x[tok[a : a + EXPERT_ROWS]], e, limit, w[a : a + EXPERT_ROWS])
     return out
 
 
@@ -107,9 +135,7 @@ def routed_experts(
     parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for e, ew in each(ids):
         tok, slot = np.nonzero(experts == e)
-        y = swiglu_rows(x, ew, limit, tok)
-        y *= weights[tok, slot][:, None]
-        parts[int(e)] = (tok, y)
+        parts[int(e)] = (tok, _weighted_rows(x, ew, limit, tok, weights[tok, slot]))
     missing = [int(e) for e in ids if int(e) not in parts]
     if missing:
         raise InternalError(f"expert source skipped experts {missing}")
@@ -132,9 +158,7 @@ def _one_token(
     slot = {int(e): j for j, e in enumerate(experts.tolist())}
     parts: dict[int, np.ndarray] = {}
     for e, ew in each(ids):
-        y = swiglu(x, ew, limit)
-        y *= weights[slot[int(e)]]
-        parts[int(e)] = y
+        parts[int(e)] = weighted_swiglu(x, ew, limit, weights[slot[int(e)]].reshape(1))
     missing = [int(e) for e in ids if int(e) not in parts]
     if missing:
         raise InternalError(f"expert source skipped experts {missing}")

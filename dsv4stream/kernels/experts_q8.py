@@ -1,0 +1,322 @@
+"""A MoE layer's routed FP4 experts on int8 activations in two numba calls (`fast` numerics).
+
+Owns the layer-wide form of `q8.py`'s product: every (token, expert) pair of a layer's routing
+in one call for the gate and up projections of all chosen experts (`pair_products`) and one for
+the down projections with each token's weighted sum over its experts (`down_sum`), each call
+one parallel region. The SwiGLU between them (clip, silu, product) stays with the caller
+(`model.moe`), in numpy as before, so its bits do not change. Does not own the row kernel,
+the activation rounding nor their arithmetic (`q8.py`): this module only drives them.
+
+Same bits as the per-expert path (`numerics.Router.matmul_pair` then `matmul`, three parallel
+regions per expert): a pair's activations are its token's row quantised by `q8._quantize`
+(the rounding is per row), each output row is one `q8` row kernel (every token runs the same
+instruction sequence in token groups of 4, 2 or 1), and a token's sum runs over its experts in
+ascending (expert id, slot) order from zero, in float32, each part first multiplied by its
+routing weight, as `model.moe.routed_experts` sums. So rows are independent of the thread
+count, of the other tokens in the call and of the order in which experts arrived.
+
+Pairs are ordered by (expert, token, slot); expert j owns pairs lo[j] .. hi[j]. The experts'
+weights are passed as addresses (an (E, 4) or (E, 2) int64 table) because numba takes no list
+of arrays without building one per call; the caller keeps the arrays alive during the call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import types as pytypes
+from pathlib import Path
+
+import numba
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from . import jit, q8, simd
+from .q8 import _JIT, ROWS, _quantize, _row_scales  # the drivers call them
+
+# numba's cache keys an entry by the function's name, signature and CPU target; the row kernel's
+# code lives in q8.py, so its hash is in the name (jit.cache_stamp also covers every kernel file)
+_STAMP = simd.STAMP + hashlib.sha256(Path(q8.__file__).read_bytes()).hexdigest()[:8]
+U8_LIKE = np.empty(0, np.uint8)  # element types of the address table's arrays (`_ptr`)
+F32_LIKE = np.empty(0, np.float32)
+
+
+@intrinsic
+def _ptr(typingctx, addr, like):
+    """An int64 address as a pointer to like's element type (for numba.carray)."""
+    ret = types.CPointer(like.dtype)
+    sig = ret(addr, like)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(ret))
+
+    return sig, codegen
+
+
+_row4 = _row2 = _row1 = None  # bound per variant in each driver's globals (`_driver`)
+
+
+def _drive_pair(addr, lo, hi, sdt, xg, S, gate, up, qa, bias, da):
+    """gate/up (P, I) = pairs' rows xg (P, C) times w1/w3 of their expert; addr (E, 4): w1 data,
+    w1 scale, w3 data, w3 scale. qa, bias, da: scratch of `q8._quantize`'s shapes for xg."""
+    _quantize(xg, S, qa, bias, da)
+    E = addr.shape[0]
+    R = gate.shape[1]
+    C = xg.shape[1]
+    ng = C // 32
+    nb = (R + ROWS - 1) // ROWS
+    for it in prange(E * nb):
+        e = it // nb
+        r0 = (it % nb) * ROWS
+        r1 = min(R, r0 + ROWS)
+        sw = np.empty((ROWS, ng), np.float32)
+        for m in range(2):
+            w = numba.carray(_ptr(addr[e, 2 * m], U8_LIKE), (R, C // 2))
+            s = numba.carray(_ptr(addr[e, 2 * m + 1], sdt), (R, ng))
+            out = gate if m == 0 else up
+            for r in range(r0, r1):
+                _row_scales(s, r, sw[r - r0])
+            t0 = lo[e]
+            while t0 < hi[e]:
+                if hi[e] - t0 >= 4:
+                    for r in range(r0, r1):
+                        _row4(w, r, sw[r - r0], qa, bias, da, t0, out)
+                    t0 += 4
+                elif hi[e] - t0 >= 2:
+                    for r in range(r0, r1):
+                        _row2(w, r, sw[r - r0], qa, bias, da, t0, out)
+                    t0 += 2
+                else:
+                    for r in range(r0, r1):
+                        _row1(w, r, sw[r - r0], qa, bias, da, t0, out)
+                    t0 += 1
+
+
+def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
+    """out (T, D): token t's sum over j of y[tp[t, j]] * wp[tp[t, j]], where y (P, D) = pairs'
+    rows h (P, I) times w2 of their expert; addr (E, 2): w2 data, w2 scale."""
+    _quantize(h, S, qa, bias, da)
+    E = addr.shape[0]
+    D = y.shape[1]
+    C = h.shape[1]
+    ng = C // 32
+    T, K = tp.shape
+    for ib in prange((D + ROWS - 1) // ROWS):
+        r0 = ib * ROWS
+        r1 = min(D, r0 + ROWS)
+        sw = np.empty((ROWS, ng), np.float32)
+        for e in range(E):
+            w = numba.carray(_ptr(addr[e, 0], U8_LIKE), (D, C // 2))
+            s = numba.carray(_ptr(addr[e, 1], sdt), (D, ng))
+            for r in range(r0, r1):
+                _row_scales(s, r, sw[r - r0])
+            t0 = lo[e]
+            while t0 < hi[e]:
+                if hi[e] - t0 >= 4:
+                    for r in range(r0, r1):
+                        _row4(w, r, sw[r - r0], qa, bias, da, t0, y)
+                    t0 += 4
+                elif hi[e] - t0 >= 2:
+                    for r in range(r0, r1):
+                        _row2(w, r, sw[r - r0], qa, bias, da, t0, y)
+                    t0 += 2
+                else:
+                    for r in range(r0, r1):
+                        _row1(w, r, sw[r - r0], qa, bias, da, t0, y)
+                    t0 += 1
+        for t in range(T):
+            for r in range(r0, r1):
+                acc = np.float32(0.0)
+                for j in range(K):
+                    p = tp[t, j]
+                    acc = acc + np.float32(y[p, r] * wp[p])
+                out[t, r] = acc
+
+
+def _driver(fn, variant: str):
+    """fn compiled with `variant`'s row kernels: a function object of its own (numba's cache
+    cannot key a closure over intrinsics), named after the variant and the kernels' sources."""
+    g = dict(globals())
+    g["_row4"], g["_row2"], g["_row1"] = (q8._row_intrinsic(variant, t) for t in q8.TOKENS)
+    f = pytypes.FunctionType(fn.__code__, g, f"{fn.__name__[1:]}_{variant}_{_STAMP}")
+    f.__qualname__ = f.__name__
+    return njit(parallel=True, **_JIT)(f)
+
+
+_DRIVERS: dict[tuple[str, str], object] = {}
+
+
+def driver_for(name: str, variant: str):
+    """The compiled driver "pair" or "down" of `variant` (compiled, or loaded, at first use)."""
+    key = (name, variant)
+    if key not in _DRIVERS:
+        _DRIVERS[key] = _driver(_drive_pair if name == "pair" else _drive_down, variant)
+    return _DRIVERS[key]
+
+
+# ---------------------------------------------------------------- the Python side ------------
+
+
+class Routing:
+    """A layer's routing as pairs: experts (T, k) int64 and weights (T, k) float32 ->
+    ids (E,) distinct experts ascending, lo/hi (E,) each one's pair range, tok (P,) each pair's
+    token, wp (P,) its weight, tp (T, k) each token's pairs in ascending (expert, slot) order."""
+
+    ids: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    tok: np.ndarray
+    wp: np.ndarray
+    tp: np.ndarray
+    every_row: bool
+
+    def __init__(self, experts: np.ndarray, weights: np.ndarray):
+        t, k = experts.shape
+        flat = experts.reshape(-1)
+        order = np.argsort(flat, kind="stable")  # by expert, then token, then slot
+        sorted_e = flat[order]
+        self.ids, self.lo = np.unique(sorted_e, return_index=True)
+        self.hi = np.append(self.lo[1:], sorted_e.size).astype(np.int64)
+        self.lo = self.lo.astype(np.int64)
+        self.tok = (order // k).astype(np.int64)
+        self.wp = np.ascontiguousarray(weights.reshape(-1)[order], dtype=np.float32)
+        where = np.empty(order.size, np.int64)
+        where[order] = np.arange(order.size)
+        self.tp = np.sort(where.reshape(t, k), axis=1)
+        self.every_row = False  # whether pair p is token p (no gather of the token rows)
+
+    @classmethod
+    def one(cls, weights: np.ndarray) -> Routing:
+        """One expert chosen once by each of n tokens with weights (n,): `Routing(zeros((n, 1)),
+        weights[:, None])`, built without the sorts (a decode step builds ~24)."""
+        n = weights.shape[0]
+        rt = cls.__new__(cls)
+        rt.ids, rt.lo, rt.hi = _ZERO, _ZERO, np.array([n], np.int64)
+        rt.tok = _arange(n)
+        rt.wp = np.ascontiguousarray(weights, dtype=np.float32).reshape(n)
+        rt.tp = rt.tok.reshape(n, 1)
+        rt.every_row = True
+        return rt
+
+
+_ZERO = np.zeros(1, np.int64)
+_ARANGE = np.arange(64, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    return _ARANGE[:n] if n <= _ARANGE.size else np.arange(n, dtype=np.int64)
+
+
+def _address_table(mats: list[list[np.ndarray]]) -> np.ndarray:
+    return np.array([[a.ctypes.data for a in row] for row in mats], dtype=np.int64).reshape(len(mats), -1)
+
+
+def scale_like(scales: list[np.ndarray]) -> np.ndarray | None:
+    """The `like` array of the experts' scale type (E8M0 bytes or float32), None if mixed."""
+    kinds = {s.dtype.itemsize for s in scales}
+    if kinds == {1}:
+        return U8_LIKE
+    if kinds == {4} and all(s.dtype == np.float32 for s in scales):
+        return F32_LIKE
+    return None
+
+
+def pair_products(variant: str, x: np.ndarray, rt: Routing, w1s, w3s) -> tuple[np.ndarray, np.ndarray]:
+    """Gate and up of every pair: x (T, C) float32; w1s / w3s: per expert of rt.ids, (data
+    (I, C/2) uint8, scale (I, C/32)) C-contiguous -> (gate, up), each (P, I) float32."""
+    xg = np.ascontiguousarray(x if rt.every_row else x[rt.tok], dtype=np.float32)
+    p, c = xg.shape
+    rows = w1s[0][0].shape[0]
+    sdt = scale_like([s for _, s in w1s] + [s for _, s in w3s])
+    table = _address_table([[a, b, d, e] for (a, b), (d, e) in zip(w1s, w3s, strict=True)])
+    gate = np.empty((p, rows), np.float32)
+    up = np.empty((p, rows), np.float32)
+    qa, bias, da = _scratch(p, c)
+    driver_for("pair", variant)(table, rt.lo, rt.hi, sdt, xg, q8.span(variant), gate, up, qa, bias, da)
+    return gate, up
+
+
+def down_sum(variant: str, h: np.ndarray, rt: Routing, w2s) -> np.ndarray:
+    """Each token's weighted sum of its experts' down projections: h (P, I) float32 (the SwiGLU
+    of each pair); w2s: per expert of rt.ids, (data (D, I/2) uint8, scale (D, I/32)) -> (T, D)."""
+    h = np.ascontiguousarray(h, dtype=np.float32)
+    p, c = h.shape
+    d = w2s[0][0].shape[0]
+    sdt = scale_like([s for _, s in w2s])
+    table = _address_table([[a, b] for a, b in w2s])
+    y = np.empty((p, d), np.float32)
+    out = np.empty((rt.tp.shape[0], d), np.float32)
+    qa, bias, da = _scratch(p, c)
+    driver_for("down", variant)(table, rt.lo, rt.hi, sdt, h, q8.span(variant), rt.wp, rt.tp, y, out, qa, bias, da)
+    return out
+
+
+def _scratch(p: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.empty((p, c), np.int8), np.empty((p, c // q8.GROUP), np.int32), np.empty((p, c // q8.GROUP), np.float32)
+
+
+# ---------------------------------------------------------------- one expert, for model.moe --
+
+# A product below this many weight bytes at up to this many tokens runs on the calling thread
+# (`numerics.SERIAL_BELOW_BYTES`: the rule the per-expert path followed, so the same products
+# stay serial).
+SERIAL_BELOW_BYTES = 4 << 20
+SERIAL_TOKENS = 4
+_variants: dict[tuple, str | None] = {}
+
+
+def variant_of(e, backend: str, fast_variant) -> str | None:
+    """The variant an expert's three FP4 matrices (e.w1, e.w2, e.w3: QWeights) run on here under
+    `fast` numerics beside the exact backend named `backend`, or None (they go through
+    `kernels.matmul` as before); fast_variant(w) is `kernels.fast_variant` (handed in: this
+    module does not import the package above it)."""
+    ws = (e.w1, e.w2, e.w3)
+    if any(w.kind != "fp4" or w.on_device for w in ws):
+        return None
+    # the exact backend is in the key: under the numpy reference `fast_variant` is None
+    key = (backend, *((w.cols, w.data.flags.c_contiguous, w.scale.dtype.str) for w in ws))
+    v = _variants.get(key, False)
+    if v is False:
+        vs = {fast_variant(w) for w in ws}
+        one_scale = scale_like([w.scale for w in ws]) is not None
+        v = _variants[key] = vs.pop() if len(vs) == 1 and one_scale else None
+    return v
+
+
+def _u8(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint8) if a.dtype != np.uint8 else a
+
+
+def _parts(w) -> tuple[np.ndarray, np.ndarray]:
+    s = w.scale if w.scale.dtype.itemsize == 4 else _u8(w.scale)
+    return _u8(w.data), np.ascontiguousarray(s)
+
+
+def _run(nbytes: int, tokens: int, product):
+    """product() with the kernel threads `kernels.set_threads` asked for, or alone on this
+    thread for a small weight at a few tokens (results do not depend on the thread count)."""
+    jit._apply_threads()
+    if tokens <= SERIAL_TOKENS and nbytes < SERIAL_BELOW_BYTES:
+        n = numba.get_num_threads()
+        if n != 1:
+            numba.set_num_threads(1)
+            try:
+                return product()
+            finally:
+                numba.set_num_threads(n)
+    return product()
+
+
+def expert_swiglu(variant: str, x: np.ndarray, e, weights: np.ndarray, glu) -> np.ndarray:
+    """weights[:, None] * e's SwiGLU of x (n, D) -> (n, D) float32, in two parallel calls (gate and
+    up in one, down with the weighting in the other); glu(gate, up) -> h is the caller's
+    elementwise middle. Bit-equal to `matmul_pair`, glu, `matmul` and the product by weights
+    under `fast` numerics."""
+    rt = Routing.one(weights)
+    w1, w2, w3 = _parts(e.w1), _parts(e.w2), _parts(e.w3)
+
+    def product() -> np.ndarray:
+        gate, up = pair_products(variant, x, rt, [w1], [w3])
+        return down_sum(variant, glu(gate, up), rt, [w2])
+
+    return _run(e.w1.nbytes, x.shape[0], product)  # w1 and w2 have the same bytes
