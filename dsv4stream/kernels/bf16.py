@@ -1,14 +1,18 @@
 """FP8 (E4M3, block scales) and BF16 weights times BF16 activations: the `fast` trunk and head.
 
 Activations are rounded to BF16 (round to nearest even from float32; NaN stays NaN, overflow
-goes to infinity) in numba, once per call (BF16 weights) or once per block of rows (FP8: the
+goes to infinity) in numba, once per call (BF16 weights) or once per block of rows (FP8, in
+vector IR, 64 columns per step: the
 block's column scales are folded in first, y = bf16(x * s): for a power-of-two scale, V4's and
 V4.1's, that is bf16(x) * s exactly unless x * s leaves the float32 normal range).
 Every E4M3 value is a BF16 value, so weights are not rounded at all.
 
 Variants (`cpu.variant`):
-- "avx512": E4M3 -> BF16 bits through two 128-entry byte tables (`vpermi2b`, VBMI) and a byte
-  interleave; `vdpbf16ps` multiplies pairs of BF16 into float32 lanes. `vdpbf16ps` treats
+- "avx512": E4M3 -> BF16 bits through two 128-entry byte tables (`vpermi2b`, VBMI) and the
+  in-lane byte unpacks (`vpunpcklbw` / `vpunpckhbw`), which leave a 64-column step's words in
+  `_XPERM` order: the FP8 activations are stored in that order, so each word meets its own
+  column (a cross-lane interleave into column order is two `vpermt2b`, three uops each on
+  Intel). `vdpbf16ps` multiplies pairs of BF16 into float32 lanes. `vdpbf16ps` treats
   subnormal inputs and results as zero: a product below 2^-126 in magnitude is dropped, at most
   C * 2^-126 per output (activations are scaled into BF16's normal range by the block scale,
   and E4M3 weights are normal in BF16).
@@ -16,8 +20,10 @@ Variants (`cpu.variant`):
   for subnormals too; BF16 by a 16-bit shift), activations BF16 widened to float32, FMA.
 Float order is fixed per row and token: lanes accumulate along the row in two accumulators
 (alternating halves of a 64-column step), then a fixed tree sums the lanes; every token runs
-the same sequence in token groups of 4, 2, 1, so a row's bits do not depend on the token
-count, the threads, or the other tokens of the call.
+the same sequence in token groups of 4, 2, 1 (one token: 4 rows a pass, each with its own
+lanes), so a row's bits do not depend on the token count, the threads, or the other tokens of
+the call. The shared expert's w1 / w3 pair and the grouped output projection's groups run in
+one parallel region each (`fp8_matmul_pair`, `fp8_matmul_grouped`), the same bits as alone.
 """
 
 from __future__ import annotations
@@ -181,7 +187,10 @@ def _row_intrinsic(kind: str, variant: str, T: int, NR: int = 1):
                 col = builder.mul(loop.index, c64(STEP))
                 if variant == "avx512":
                     xv = [
-                        [simd.load(builder, xrow[t], builder.add(col, c64(32 * h)), vec(BF, 32), align=2) for h in range(2)]
+                        [
+                            simd.load(builder, xrow[t], builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
+                            for h in range(2)
+                        ]
                         for t in range(T)
                     ]
                     for i, wrow in enumerate(wrows):
@@ -260,8 +269,9 @@ def _tokens(w, r0, r1, xs, out):
             while r + ONE_TOKEN_ROWS <= r1:
                 _row1x(w, r, xs, t0, out)
                 r += ONE_TOKEN_ROWS
-            for r in range(r, r1):
+            while r < r1:
                 _row1(w, r, xs, t0, out)
+                r += 1
             t0 += 1
 
 
@@ -287,7 +297,9 @@ def _act_intrinsic(permuted: bool):
             )
             v = simd.load(builder, simd.base(context, builder, tx, x_, F32), off, vec(F32, 64), align=4)
             sv = [context.cast(builder, a, ty, types.float32) for a, ty in ((s0_, ts0), (s1_, ts1))]
-            halves = [builder.insert_element(ir.Constant(vec(F32, 64), ir.Undefined), a, ir.Constant(I32, 0)) for a in sv]
+            halves = [
+                builder.insert_element(ir.Constant(vec(F32, 64), ir.Undefined), a, ir.Constant(I32, 0)) for a in sv
+            ]
             scale = builder.shuffle_vector(halves[0], halves[1], ir.Constant(vec(I32, 64), [0] * 32 + [64] * 32))
             b = builder.bitcast(builder.fmul(v, scale), vec(I32, 64))
 
@@ -314,40 +326,53 @@ def _act_intrinsic(permuted: bool):
 _act64 = None  # `_act_intrinsic` of the variant's layout, bound by `_driver`
 
 
-def _fp8_drive(w, s, br, bc, x, out):
-    """Row blocks of the scale grid in prange; each rounds x * its scales to BF16 once."""
+def _fp8_block(w, s, br, bc, x, rb, out):
+    """Row block rb of the scale grid times x (T, C) into out: rounds x * its scales to BF16
+    once, then its rows."""
     R, C = w.shape
     T = x.shape[0]
-    for rb in prange((R + br - 1) // br):
-        xs = np.empty((T, C), np.uint16)
-        if bc % 32 == 0:  # V4's 128 and V4.1's 32: 64 columns per vector op
+    xs = np.empty((T, C), np.uint16)
+    if bc % 32 == 0:  # V4's 128 and V4.1's 32: 64 columns per vector op
+        for t in range(T):
+            for c0 in range(0, C, STEP):
+                _act64(x, t, c0, _scale_f32(s, rb, c0 // bc), _scale_f32(s, rb, (c0 + 32) // bc), xs)
+    elif _PERMUTED:
+        # 8 consecutive columns land on 8 consecutive words
+        for t in range(T):
+            for c0 in range(0, C, STEP):
+                for q in range(STEP // 8):
+                    src = c0 + _XPERM[8 * q]
+                    for k in range(8):
+                        sk = _scale_f32(s, rb, (src + k) // bc)
+                        xs[t, c0 + 8 * q + k] = _bf16_bits(np.float32(x[t, src + k] * sk))
+    else:
+        for cb in range((C + bc - 1) // bc):
+            sc = _scale_f32(s, rb, cb)
+            c1 = min(C, cb * bc + bc)
             for t in range(T):
-                for c0 in range(0, C, STEP):
-                    _act64(x, t, c0, _scale_f32(s, rb, c0 // bc), _scale_f32(s, rb, (c0 + 32) // bc), xs)
-        elif _PERMUTED:
-            # 8 consecutive columns land on 8 consecutive words: the loop over k vectorises
-            for t in range(T):
-                for c0 in range(0, C, STEP):
-                    for q in range(STEP // 8):
-                        src = c0 + _XPERM[8 * q]
-                        if bc % 8 == 0:  # the 8 columns share one scale block (V4's 128, V4.1's 32)
-                            sc = _scale_f32(s, rb, src // bc)
-                            for k in range(8):
-                                xs[t, c0 + 8 * q + k] = _bf16_bits(np.float32(x[t, src + k] * sc))
-                        else:
-                            for k in range(8):
-                                sk = _scale_f32(s, rb, (src + k) // bc)
-                                xs[t, c0 + 8 * q + k] = _bf16_bits(np.float32(x[t, src + k] * sk))
+                for c in range(cb * bc, c1):
+                    xs[t, c] = _bf16_bits(np.float32(x[t, c] * sc))
+    end = min(R, rb * br + br)
+    for r0 in range(rb * br, end, ROWS):
+        _tokens(w, r0, min(end, r0 + ROWS), xs, out)
+
+
+def _fp8_drive(w, s, br, bc, x, rpg, out):
+    """Row blocks of the scale grid in prange; x (G, T, C): row r meets x[r // rpg] (G = 1 for
+    one weight; the grouped output projection's groups, rpg a multiple of br, in one region)."""
+    for rb in prange((w.shape[0] + br - 1) // br):
+        _fp8_block(w, s, br, bc, x[rb * br // rpg], rb, out)
+
+
+def _fp8_pair_drive(w1, s1, w3, s3, br, bc, x, out1, out3):
+    """Two weights of one shape (a shared expert's w1 and w3) times x (T, C): one parallel
+    region, their row blocks alternating."""
+    nb = (w1.shape[0] + br - 1) // br
+    for i in prange(2 * nb):
+        if i % 2 == 0:
+            _fp8_block(w1, s1, br, bc, x, i // 2, out1)
         else:
-            for cb in range((C + bc - 1) // bc):
-                sc = _scale_f32(s, rb, cb)
-                c1 = min(C, cb * bc + bc)
-                for t in range(T):
-                    for c in range(cb * bc, c1):
-                        xs[t, c] = _bf16_bits(np.float32(x[t, c] * sc))
-        end = min(R, rb * br + br)
-        for r0 in range(rb * br, end, ROWS):
-            _tokens(w, r0, min(end, r0 + ROWS), xs, out)
+            _fp8_block(w3, s3, br, bc, x, i // 2, out3)
 
 
 def _bf16_drive(w, xs, out):
@@ -363,12 +388,14 @@ def _driver(kind: str, variant: str):
     (own globals, no closure, named after kind, variant and simd.py's hash for numba's cache).
     `_tokens` is rebuilt in the same globals so it calls this variant's row kernels."""
     g = dict(globals())
-    g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(kind, variant, t) for t in TOKENS)
-    g["_row1x"] = _row_intrinsic(kind, variant, 1, ONE_TOKEN_ROWS)
-    g["_PERMUTED"] = kind == "fp8" and variant == "avx512"
+    rows = "bf16" if kind == "bf16" else "fp8"
+    g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(rows, variant, t) for t in TOKENS)
+    g["_row1x"] = _row_intrinsic(rows, variant, 1, ONE_TOKEN_ROWS)
+    g["_PERMUTED"] = kind.startswith("fp8") and variant == "avx512"
     g["_act64"] = _act_intrinsic(g["_PERMUTED"])
-    g["_tokens"] = njit(inline="always", **_JIT)(pytypes.FunctionType(_tokens.__code__, g, "_tokens"))
-    body = _fp8_drive if kind == "fp8" else _bf16_drive
+    for name, fn in (("_tokens", _tokens), ("_fp8_block", _fp8_block)):
+        g[name] = njit(inline="always", **_JIT)(pytypes.FunctionType(fn.__code__, g, name))
+    body = {"fp8": _fp8_drive, "fp8pair": _fp8_pair_drive, "bf16": _bf16_drive}[kind]
     f = pytypes.FunctionType(body.__code__, g, f"{kind}bf16_{variant}_{simd.STAMP}")
     f.__qualname__ = f.__name__
     return njit(parallel=True, **_JIT)(f)
@@ -394,7 +421,32 @@ def fp8_matmul(data, scale, block: tuple[int, int], x: np.ndarray, variant: str 
     bytes or float32) -> (T, R) float32; C a multiple of 64."""
     x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
     out = np.empty((x.shape[0], data.shape[0]), np.float32)
-    _drive("fp8", variant or cpu.variant("fp8"))(data, scale, block[0], block[1], x, out)
+    _drive("fp8", variant or cpu.variant("fp8"))(data, scale, block[0], block[1], x[None], data.shape[0], out)
+    return out
+
+
+def fp8_matmul_pair(w1, w3, x: np.ndarray, variant: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`fp8_matmul` of two FP8 QWeights of one shape, block and scale dtype times X (T, C), in
+    one parallel region; each result equals its `fp8_matmul` bit for bit."""
+    x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
+    y1 = np.empty((x.shape[0], w1.rows), np.float32)
+    y3 = np.empty((x.shape[0], w3.rows), np.float32)
+    br, bc = w1.block
+    _drive("fp8pair", variant or cpu.variant("fp8"))(w1.data, w1.scale, w3.data, w3.scale, br, bc, x, y1, y3)
+    return y1, y3
+
+
+def fp8_matmul_grouped(data, scale, block: tuple[int, int], x: np.ndarray, variant: str | None = None) -> np.ndarray:
+    """X (T, G, C): group i times rows i * R/G .. of one E4M3 weight (R, C) (the row blocks of the
+    grouped output projection, back to back) -> (T, R), in one parallel region; R/G a multiple
+    of the block's rows. Each group's columns equal its own `fp8_matmul` bit for bit."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rpg = data.shape[0] // x.shape[1]
+    if rpg * x.shape[1] != data.shape[0] or rpg % block[0]:
+        raise ValueError(f"{x.shape[1]} groups of an FP8 weight of {data.shape[0]} rows, blocks {block}")
+    out = np.empty((x.shape[0], data.shape[0]), np.float32)
+    xg = np.ascontiguousarray(x.transpose(1, 0, 2))
+    _drive("fp8", variant or cpu.variant("fp8"))(data, scale, block[0], block[1], xg, rpg, out)
     return out
 
 
