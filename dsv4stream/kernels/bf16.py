@@ -1,14 +1,18 @@
 """FP8 (E4M3, block scales) and BF16 weights times BF16 activations: the `fast` trunk and head.
 
 Activations are rounded to BF16 (round to nearest even from float32; NaN stays NaN, overflow
-goes to infinity) in numba, once per call (BF16 weights) or once per block of rows (FP8: the
+goes to infinity) in numba, once per call (BF16 weights) or once per block of rows (FP8, in
+vector IR, 64 columns per step: the
 block's column scales are folded in first, y = bf16(x * s): for a power-of-two scale, V4's and
 V4.1's, that is bf16(x) * s exactly unless x * s leaves the float32 normal range).
 Every E4M3 value is a BF16 value, so weights are not rounded at all.
 
 Variants (`cpu.variant`):
-- "avx512": E4M3 -> BF16 bits through two 128-entry byte tables (`vpermi2b`, VBMI) and a byte
-  interleave; `vdpbf16ps` multiplies pairs of BF16 into float32 lanes. `vdpbf16ps` treats
+- "avx512": E4M3 -> BF16 bits through two 128-entry byte tables (`vpermi2b`, VBMI) and the
+  in-lane byte unpacks (`vpunpcklbw` / `vpunpckhbw`), which leave a 64-column step's words in
+  `_XPERM` order: the FP8 activations are stored in that order, so each word meets its own
+  column (a cross-lane interleave into column order is two `vpermt2b`, three uops each on
+  Intel). `vdpbf16ps` multiplies pairs of BF16 into float32 lanes. `vdpbf16ps` treats
   subnormal inputs and results as zero: a product below 2^-126 in magnitude is dropped, at most
   C * 2^-126 per output (activations are scaled into BF16's normal range by the block scale,
   and E4M3 weights are normal in BF16).
@@ -16,8 +20,10 @@ Variants (`cpu.variant`):
   for subnormals too; BF16 by a 16-bit shift), activations BF16 widened to float32, FMA.
 Float order is fixed per row and token: lanes accumulate along the row in two accumulators
 (alternating halves of a 64-column step), then a fixed tree sums the lanes; every token runs
-the same sequence in token groups of 4, 2, 1, so a row's bits do not depend on the token
-count, the threads, or the other tokens of the call.
+the same sequence in token groups of 4, 2, 1 (one token: 4 rows a pass, each with its own
+lanes), so a row's bits do not depend on the token count, the threads, or the other tokens of
+the call. The shared expert's w1 / w3 pair and the grouped output projection's groups run in
+one parallel region each (`fp8_matmul_pair`, `fp8_matmul_grouped`), the same bits as alone.
 """
 
 from __future__ import annotations
@@ -109,12 +115,27 @@ def _tables() -> tuple[list[int], list[int]]:
 _HI, _LO = _tables()
 
 
+def _unpack_mask(h: int) -> list[int]:
+    """Shuffle mask of `vpunpcklbw` (h = 0) / `vpunpckhbw` (h = 1) of (lo, hi): in each 16-byte
+    lane L, words (lo[16 L + 8 h + k], hi[16 L + 8 h + k]) for k < 8."""
+    return [j for lane in range(4) for k in range(8) for j in (16 * lane + 8 * h + k, 64 + 16 * lane + 8 * h + k)]
+
+
+# Column of a 64-column step that word p of the AVX-512 FP8 kernel's decoded weights holds
+# (`_unpack_mask`): the activations of that kernel are stored in this order, so word p meets its
+# own column. p = 32 h + 8 L + k holds column 16 L + 8 h + k.
+_XPERM = np.array([16 * lane + 8 * h + k for h in range(2) for lane in range(4) for k in range(8)], np.int64)
+
+
 # ---------------------------------------------------------------- row kernels ----------------
 
 
-def _row_intrinsic(kind: str, variant: str, T: int):
-    """Row r of w (fp8 bytes or bf16 bits, (R, C)) times BF16 tokens t0 .. t0+T of xs (T, C)
-    -> out[t, r]."""
+def _row_intrinsic(kind: str, variant: str, T: int, NR: int = 1):
+    """Rows r .. r+NR of w (fp8 bytes or bf16 bits, (R, C)) times BF16 tokens t0 .. t0+T of xs
+    (T, C) -> out[t, r .. r+NR]. Each row keeps its own accumulators and order, so a row's bits
+    do not depend on NR: NR > 1 only loads each activation vector once for NR rows and reads NR
+    weight rows side by side (NR streams from memory where one row of a wide weight is one
+    stream: the one-token kernel lost to the exact one on wo_b from DRAM without it)."""
     lanes = 16 if variant == "avx512" else 8
 
     def typer(typingctx, w, r, xs, t0, out):
@@ -128,13 +149,15 @@ def _row_intrinsic(kind: str, variant: str, T: int):
             r = simd.index(context, builder, r_, tr)
             t0 = simd.index(context, builder, t0_, tt0)
             welem = I8 if kind == "fp8" else I16
-            wrow = builder.gep(simd.base(context, builder, tw, w_, welem), [builder.mul(r, C)])
+            wbase = simd.base(context, builder, tw, w_, welem)
+            wrows = [builder.gep(wbase, [builder.mul(builder.add(r, c64(i)), C)]) for i in range(NR)]
             xb = simd.base(context, builder, txs, xs_, I16)
             outb = simd.base(context, builder, tout, out_, F32)
             tokens = [builder.add(t0, c64(t)) for t in range(T)]
             xrow = [builder.gep(xb, [builder.mul(tk, C)]) for tk in tokens]
             acc = [
-                [cgutils.alloca_once_value(builder, simd.splat(F32, lanes, 0.0)) for _ in range(2)] for _ in range(T)
+                [[cgutils.alloca_once_value(builder, simd.splat(F32, lanes, 0.0)) for _ in range(2)] for _ in range(T)]
+                for _ in range(NR)
             ]
             steps = builder.udiv(C, c64(STEP))
             if variant == "avx512":
@@ -145,9 +168,11 @@ def _row_intrinsic(kind: str, variant: str, T: int):
                     h0, h1 = ir.Constant(v64, _HI[:64]), ir.Constant(v64, _HI[64:])
                     l0, l1 = ir.Constant(v64, _LO[:64]), ir.Constant(v64, _LO[64:])
                     sign = simd.splat(I8, 64, -128)
-                    # word k = (lo[k], hi[k]): columns 0..31, then 32..63, in order
-                    first = ir.Constant(vec(I32, 64), [j for k in range(32) for j in (k, 64 + k)])
-                    second = ir.Constant(vec(I32, 64), [j for k in range(32, 64) for j in (k, 64 + k)])
+                    # words (lo[c], hi[c]) by the in-lane byte unpacks (`vpunpcklbw` / `vpunpckhbw`,
+                    # one uop each): a cross-lane interleave into column order is a `vpermt2b`,
+                    # three uops on Intel, and cost more than the two table lookups. The words then
+                    # hold the step's columns in `_XPERM` order, which the activations are stored in.
+                    first, second = (ir.Constant(vec(I32, 64), _unpack_mask(h)) for h in range(2))
             else:
                 wide = vec(I32, lanes)
                 sixteen = ir.Constant(wide, [16] * lanes)
@@ -161,50 +186,69 @@ def _row_intrinsic(kind: str, variant: str, T: int):
             with cgutils.for_range(builder, steps) as loop:
                 col = builder.mul(loop.index, c64(STEP))
                 if variant == "avx512":
-                    if kind == "fp8":
-                        raw = simd.load(builder, wrow, col, vec(I8, 64))
-                        hi = builder.or_(builder.call(perm, [h0, raw, h1]), builder.and_(raw, sign))
-                        lo = builder.call(perm, [l0, raw, l1])
-                        ws = [builder.bitcast(builder.shuffle_vector(lo, hi, m), vec(BF, 32)) for m in (first, second)]
-                    else:
-                        ws = [
-                            simd.load(builder, wrow, builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
+                    xv = [
+                        [
+                            simd.load(builder, xrow[t], builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
                             for h in range(2)
                         ]
-                    for t in range(T):
-                        for h in range(2):
-                            x = simd.load(builder, xrow[t], builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
-                            a = acc[t][h]
-                            builder.store(builder.call(dot, [builder.load(a), ws[h], x]), a)
+                        for t in range(T)
+                    ]
+                    for i, wrow in enumerate(wrows):
+                        if kind == "fp8":
+                            raw = simd.load(builder, wrow, col, vec(I8, 64))
+                            hi = builder.or_(builder.call(perm, [h0, raw, h1]), builder.and_(raw, sign))
+                            lo = builder.call(perm, [l0, raw, l1])
+                            ws = [
+                                builder.bitcast(builder.shuffle_vector(lo, hi, m), vec(BF, 32)) for m in (first, second)
+                            ]
+                        else:
+                            ws = [
+                                simd.load(builder, wrow, builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
+                                for h in range(2)
+                            ]
+                        for t in range(T):
+                            for h in range(2):
+                                a = acc[i][t][h]
+                                builder.store(builder.call(dot, [builder.load(a), ws[h], xv[t][h]]), a)
                 else:
                     for j in range(STEP // lanes):
                         cj = builder.add(col, c64(lanes * j))
-                        if kind == "fp8":
-                            b = builder.zext(simd.load(builder, wrow, cj, vec(I8, lanes)), wide)
-                            m = builder.and_(b, mag)
-                            bits = builder.or_(builder.shl(m, twenty), builder.shl(builder.and_(b, sbit), twentyfour))
-                            wf = builder.fmul(builder.bitcast(bits, vec(F32, lanes)), pow120)
-                            wf = builder.select(builder.icmp_unsigned("==", m, mag), nan, wf)
-                        else:
-                            b = builder.zext(simd.load(builder, wrow, cj, vec(I16, lanes), align=2), wide)
-                            wf = builder.bitcast(builder.shl(b, sixteen), vec(F32, lanes))
+                        xf = []
                         for t in range(T):
-                            xv = builder.zext(simd.load(builder, xrow[t], cj, vec(I16, lanes), align=2), wide)
-                            xf = builder.bitcast(builder.shl(xv, sixteen), vec(F32, lanes))
-                            a = acc[t][j % 2]
-                            builder.store(simd.fma(builder, wf, xf, builder.load(a), lanes), a)
-            for t in range(T):
-                total = simd.hsum(builder, builder.fadd(builder.load(acc[t][0]), builder.load(acc[t][1])), lanes)
-                builder.store(total, builder.gep(outb, [builder.add(builder.mul(tokens[t], R), r)]))
+                            xi = builder.zext(simd.load(builder, xrow[t], cj, vec(I16, lanes), align=2), wide)
+                            xf.append(builder.bitcast(builder.shl(xi, sixteen), vec(F32, lanes)))
+                        for i, wrow in enumerate(wrows):
+                            if kind == "fp8":
+                                b = builder.zext(simd.load(builder, wrow, cj, vec(I8, lanes)), wide)
+                                m = builder.and_(b, mag)
+                                bits = builder.or_(
+                                    builder.shl(m, twenty), builder.shl(builder.and_(b, sbit), twentyfour)
+                                )
+                                wf = builder.fmul(builder.bitcast(bits, vec(F32, lanes)), pow120)
+                                wf = builder.select(builder.icmp_unsigned("==", m, mag), nan, wf)
+                            else:
+                                b = builder.zext(simd.load(builder, wrow, cj, vec(I16, lanes), align=2), wide)
+                                wf = builder.bitcast(builder.shl(b, sixteen), vec(F32, lanes))
+                            for t in range(T):
+                                a = acc[i][t][j % 2]
+                                builder.store(simd.fma(builder, wf, xf[t], builder.load(a), lanes), a)
+            for i in range(NR):
+                ri = builder.add(r, c64(i))
+                for t in range(T):
+                    pair = builder.fadd(builder.load(acc[i][t][0]), builder.load(acc[i][t][1]))
+                    total = simd.hsum(builder, pair, lanes)
+                    builder.store(total, builder.gep(outb, [builder.add(builder.mul(tokens[t], R), ri)]))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    typer.__name__ = typer.__qualname__ = f"_{kind}bf16_{variant}_t{T}"
+    typer.__name__ = typer.__qualname__ = f"_{kind}bf16_{variant}_t{T}_r{NR}"
     return intrinsic(typer)
 
 
-_row4 = _row2 = _row1 = None  # the row kernels `_driver` binds in each variant's globals
+_row4 = _row2 = _row1 = _row1x = None  # the row kernels `_driver` binds in each variant's globals
+# Rows per pass of the one-token kernel (`_row_intrinsic`'s NR; divides ROWS)
+ONE_TOKEN_ROWS = 4
 
 
 def _tokens(w, r0, r1, xs, out):
@@ -221,26 +265,114 @@ def _tokens(w, r0, r1, xs, out):
                 _row2(w, r, xs, t0, out)
             t0 += 2
         else:
-            for r in range(r0, r1):
+            r = r0
+            while r + ONE_TOKEN_ROWS <= r1:
+                _row1x(w, r, xs, t0, out)
+                r += ONE_TOKEN_ROWS
+            while r < r1:
                 _row1(w, r, xs, t0, out)
+                r += 1
             t0 += 1
 
 
-def _fp8_drive(w, s, br, bc, x, out):
-    """Row blocks of the scale grid in prange; each rounds x * its scales to BF16 once."""
+_PERMUTED = False  # set per variant by `_driver`: activations stored in `_XPERM` order
+
+
+def _act_intrinsic(permuted: bool):
+    """xs[t, c0 : c0+64] = `_bf16_bits`(x[t, c] * s) for the 64 columns from c0, s0 for the first
+    32 and s1 for the next (a 32-column group lies in one scale block), in `_XPERM` order where
+    `permuted`. Vector IR with `_bf16_bits`' uint32 arithmetic, the same bits: numba left the
+    scalar loop unvectorised, and it ran once per row block (its 8192 columns took about as
+    long as 16 of wo_b's rows)."""
+
+    def typer(typingctx, x, t, c0, s0, s1, xs):
+        sig = types.void(x, t, c0, s0, s1, xs)
+
+        def codegen(context, builder, sig, args):
+            x_, t_, c0_, s0_, s1_, xs_ = args
+            tx, tt, tc0, ts0, ts1, txs = sig.args
+            C = simd.shape(context, builder, tx, x_, 1)
+            off = builder.add(
+                builder.mul(simd.index(context, builder, t_, tt), C), simd.index(context, builder, c0_, tc0)
+            )
+            v = simd.load(builder, simd.base(context, builder, tx, x_, F32), off, vec(F32, 64), align=4)
+            sv = [context.cast(builder, a, ty, types.float32) for a, ty in ((s0_, ts0), (s1_, ts1))]
+            halves = [
+                builder.insert_element(ir.Constant(vec(F32, 64), ir.Undefined), a, ir.Constant(I32, 0)) for a in sv
+            ]
+            scale = builder.shuffle_vector(halves[0], halves[1], ir.Constant(vec(I32, 64), [0] * 32 + [64] * 32))
+            b = builder.bitcast(builder.fmul(v, scale), vec(I32, 64))
+
+            def k(n):
+                return ir.Constant(vec(I32, 64), [n] * 64)
+
+            sh = builder.lshr(b, k(16))
+            rne = builder.lshr(builder.add(builder.add(b, k(0x7FFF)), builder.and_(sh, k(1))), k(16))
+            nan = builder.or_(sh, k(0x40))
+            is_nan = builder.icmp_unsigned(">", builder.and_(b, k(0x7FFFFFFF)), k(0x7F800000))
+            bits = builder.trunc(builder.select(is_nan, nan, rne), vec(I16, 64))
+            if permuted:
+                bits = builder.shuffle_vector(bits, bits, ir.Constant(vec(I32, 64), [int(c) for c in _XPERM]))
+            dst = builder.gep(simd.base(context, builder, txs, xs_, I16), [off])
+            builder.store(bits, builder.bitcast(dst, vec(I16, 64).as_pointer()), align=2)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = typer.__qualname__ = f"_act64_{'perm' if permuted else 'nat'}"
+    return intrinsic(typer)
+
+
+_act64 = None  # `_act_intrinsic` of the variant's layout, bound by `_driver`
+
+
+def _fp8_block(w, s, br, bc, x, rb, out):
+    """Row block rb of the scale grid times x (T, C) into out: rounds x * its scales to BF16
+    once, then its rows."""
     R, C = w.shape
     T = x.shape[0]
-    for rb in prange((R + br - 1) // br):
-        xs = np.empty((T, C), np.uint16)
+    xs = np.empty((T, C), np.uint16)
+    if bc % 32 == 0:  # V4's 128 and V4.1's 32: 64 columns per vector op
+        for t in range(T):
+            for c0 in range(0, C, STEP):
+                _act64(x, t, c0, _scale_f32(s, rb, c0 // bc), _scale_f32(s, rb, (c0 + 32) // bc), xs)
+    elif _PERMUTED:
+        # 8 consecutive columns land on 8 consecutive words
+        for t in range(T):
+            for c0 in range(0, C, STEP):
+                for q in range(STEP // 8):
+                    src = c0 + _XPERM[8 * q]
+                    for k in range(8):
+                        sk = _scale_f32(s, rb, (src + k) // bc)
+                        xs[t, c0 + 8 * q + k] = _bf16_bits(np.float32(x[t, src + k] * sk))
+    else:
         for cb in range((C + bc - 1) // bc):
             sc = _scale_f32(s, rb, cb)
             c1 = min(C, cb * bc + bc)
             for t in range(T):
                 for c in range(cb * bc, c1):
                     xs[t, c] = _bf16_bits(np.float32(x[t, c] * sc))
-        end = min(R, rb * br + br)
-        for r0 in range(rb * br, end, ROWS):
-            _tokens(w, r0, min(end, r0 + ROWS), xs, out)
+    end = min(R, rb * br + br)
+    for r0 in range(rb * br, end, ROWS):
+        _tokens(w, r0, min(end, r0 + ROWS), xs, out)
+
+
+def _fp8_drive(w, s, br, bc, x, rpg, out):
+    """Row blocks of the scale grid in prange; x (G, T, C): row r meets x[r // rpg] (G = 1 for
+    one weight; the grouped output projection's groups, rpg a multiple of br, in one region)."""
+    for rb in prange((w.shape[0] + br - 1) // br):
+        _fp8_block(w, s, br, bc, x[rb * br // rpg], rb, out)
+
+
+def _fp8_pair_drive(w1, s1, w3, s3, br, bc, x, out1, out3):
+    """Two weights of one shape (a shared expert's w1 and w3) times x (T, C): one parallel
+    region, their row blocks alternating."""
+    nb = (w1.shape[0] + br - 1) // br
+    for i in prange(2 * nb):
+        if i % 2 == 0:
+            _fp8_block(w1, s1, br, bc, x, i // 2, out1)
+        else:
+            _fp8_block(w3, s3, br, bc, x, i // 2, out3)
 
 
 def _bf16_drive(w, xs, out):
@@ -256,9 +388,14 @@ def _driver(kind: str, variant: str):
     (own globals, no closure, named after kind, variant and simd.py's hash for numba's cache).
     `_tokens` is rebuilt in the same globals so it calls this variant's row kernels."""
     g = dict(globals())
-    g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(kind, variant, t) for t in TOKENS)
-    g["_tokens"] = njit(inline="always", **_JIT)(pytypes.FunctionType(_tokens.__code__, g, "_tokens"))
-    body = _fp8_drive if kind == "fp8" else _bf16_drive
+    rows = "bf16" if kind == "bf16" else "fp8"
+    g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(rows, variant, t) for t in TOKENS)
+    g["_row1x"] = _row_intrinsic(rows, variant, 1, ONE_TOKEN_ROWS)
+    g["_PERMUTED"] = kind.startswith("fp8") and variant == "avx512"
+    g["_act64"] = _act_intrinsic(g["_PERMUTED"])
+    for name, fn in (("_tokens", _tokens), ("_fp8_block", _fp8_block)):
+        g[name] = njit(inline="always", **_JIT)(pytypes.FunctionType(fn.__code__, g, name))
+    body = {"fp8": _fp8_drive, "fp8pair": _fp8_pair_drive, "bf16": _bf16_drive}[kind]
     f = pytypes.FunctionType(body.__code__, g, f"{kind}bf16_{variant}_{simd.STAMP}")
     f.__qualname__ = f.__name__
     return njit(parallel=True, **_JIT)(f)
@@ -284,7 +421,32 @@ def fp8_matmul(data, scale, block: tuple[int, int], x: np.ndarray, variant: str 
     bytes or float32) -> (T, R) float32; C a multiple of 64."""
     x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
     out = np.empty((x.shape[0], data.shape[0]), np.float32)
-    _drive("fp8", variant or cpu.variant("fp8"))(data, scale, block[0], block[1], x, out)
+    _drive("fp8", variant or cpu.variant("fp8"))(data, scale, block[0], block[1], x[None], data.shape[0], out)
+    return out
+
+
+def fp8_matmul_pair(w1, w3, x: np.ndarray, variant: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`fp8_matmul` of two FP8 QWeights of one shape, block and scale dtype times X (T, C), in
+    one parallel region; each result equals its `fp8_matmul` bit for bit."""
+    x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
+    y1 = np.empty((x.shape[0], w1.rows), np.float32)
+    y3 = np.empty((x.shape[0], w3.rows), np.float32)
+    br, bc = w1.block
+    _drive("fp8pair", variant or cpu.variant("fp8"))(w1.data, w1.scale, w3.data, w3.scale, br, bc, x, y1, y3)
+    return y1, y3
+
+
+def fp8_matmul_grouped(data, scale, block: tuple[int, int], x: np.ndarray, variant: str | None = None) -> np.ndarray:
+    """X (T, G, C): group i times rows i * R/G .. of one E4M3 weight (R, C) (the row blocks of the
+    grouped output projection, back to back) -> (T, R), in one parallel region; R/G a multiple
+    of the block's rows. Each group's columns equal its own `fp8_matmul` bit for bit."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rpg = data.shape[0] // x.shape[1]
+    if rpg * x.shape[1] != data.shape[0] or rpg % block[0]:
+        raise ValueError(f"{x.shape[1]} groups of an FP8 weight of {data.shape[0]} rows, blocks {block}")
+    out = np.empty((x.shape[0], data.shape[0]), np.float32)
+    xg = np.ascontiguousarray(x.transpose(1, 0, 2))
+    _drive("fp8", variant or cpu.variant("fp8"))(data, scale, block[0], block[1], xg, rpg, out)
     return out
 
 

@@ -79,6 +79,24 @@ def _fast(w, x: np.ndarray, variant: str, prepared=None) -> np.ndarray:
     return bf16.fp8_matmul(w.data, w.scale, w.block, prepared, variant)
 
 
+def _fp8_twins(w1, w3) -> bool:
+    """Whether `bf16.fp8_matmul_pair` takes w1 and w3: FP8 of one shape, block and scale dtype."""
+    if w1.kind != "fp8" or w3.kind != "fp8" or (w1.rows, w1.cols, w1.block) != (w3.rows, w3.cols, w3.block):
+        return False
+    return w1.scale.dtype == w3.scale.dtype and w3.data.flags.c_contiguous
+
+
+def _fp8_whole(ws):
+    """FP8 row blocks of one weight back to back in memory (the grouped output projection) as
+    that one weight, when each group's rows are whole scale blocks; else None."""
+    from .fast import _joined  # the exact backend's test of the same layout
+
+    if ws[0].kind != "fp8" or ws[0].rows % ws[0].block[0]:
+        return None
+    whole = _joined(ws)
+    return whole if whole is not None and whole.data.flags.c_contiguous else None
+
+
 def _official_input(w, x: np.ndarray) -> np.ndarray:
     return actquant.qdq_v4(x) if w.kind in ("fp4", "fp8") else x
 
@@ -146,6 +164,8 @@ class Router:
         v1, v3 = self._variant(w1), self._variant(w3)
         if v1 and v3:
             x2 = np.atleast_2d(x)
+            if _fp8_twins(w1, w3) and v1 == v3:  # one parallel region for both (a shared expert)
+                return self._go_fast(w1, x2.shape[0], lambda: bf16.fp8_matmul_pair(w1, w3, x2, v1))
             shared = _prepare(w1, x2, v1) if w1.kind == w3.kind and w1.kind != "fp8" else None
             return self._go_fast(w1, x2.shape[0], lambda: (_fast(w1, x2, v1, shared), _fast(w3, x2, v3, shared)))
         if self.mode == "official" and w1.kind == w3.kind:
@@ -160,6 +180,11 @@ class Router:
     def matmul_grouped(self, ws, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         vs = [self._variant(w) for w in ws]
+        whole = _fp8_whole(ws) if all(vs) and len(set(vs)) == 1 else None
+        if whole is not None:  # the grouped wo_a: one parallel region, not one per group
+            return self._go_fast(
+                whole, x.shape[0], lambda: bf16.fp8_matmul_grouped(whole.data, whole.scale, whole.block, x, vs[0])
+            )
         if all(vs):
             parts = lambda: [
                 _fast(w, np.ascontiguousarray(x[:, i]), v) for i, (w, v) in enumerate(zip(ws, vs, strict=True))

@@ -301,7 +301,10 @@ def _warm_fast(name: str, form: str) -> None:
         else:
             experts_q8.down_sum(v, x, rt, [part])
         return
-    Router("fast", lambda: fast, numba.get_num_threads).matmul(w, x)
+    router = Router("fast", lambda: fast, numba.get_num_threads)
+    router.matmul(w, x)
+    if kind == "fp8":  # the shared expert's pair has its own driver (`bf16.fp8_matmul_pair`)
+        router.matmul_pair(w, w, x)
 
 
 def warmup(forms: Iterable[str] | None = None) -> float:

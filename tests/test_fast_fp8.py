@@ -1,0 +1,117 @@
+"""The fast FP8 x BF16 kernel's layout and its one-region forms (kernels/bf16.py, kernels/numerics.py).
+
+The AVX-512 kernel stores the activations in the order its in-lane byte unpacks leave the
+decoded weights (`bf16._XPERM`) and rounds them in vector IR; a weight of one-hot rows reads
+each rounded activation back at its own column, checked against ml_dtypes' rounding of x * s.
+The shared expert's pair and the grouped output projection run as one parallel region each
+(`bf16.fp8_matmul_pair`, `fp8_matmul_grouped`); each must equal its single products bit for
+bit, and the router must take them (a driver call per group or per weight is the slow form
+issue 44 measured).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dsv4stream import kernels
+from dsv4stream.checkpoint import formats
+from dsv4stream.kernels import QWeight, cpu
+
+bf16 = pytest.importorskip("dsv4stream.kernels.bf16")
+
+HOST = cpu.variant("fp8")
+VARIANTS = [v for v in dict.fromkeys([HOST, "avx2"]) if v is not None]
+needs_fast = pytest.mark.skipif(HOST is None, reason="no fast FP8 kernel variant for this CPU target")
+
+
+@pytest.fixture
+def fast_mode():
+    kernels.set_numerics("fast")
+    yield
+    kernels.set_numerics("exact")
+
+
+def one_hot(c: int, block: tuple[int, int], rng) -> QWeight:
+    """E4M3 1.0 at (j, j) (identity), E8M0 scales 2^-4 .. 2^3 per block."""
+    data = np.zeros((c, c), np.uint8)
+    data[np.arange(c), np.arange(c)] = np.float32(1.0).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    scale = rng.integers(123, 131, (-(-c // block[0]), -(-c // block[1])), dtype=np.uint8)
+    return QWeight("fp8", data, scale, c, c, block=block)
+
+
+@needs_fast
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("block", [(128, 128), (32, 32), (16, 48)], ids=["v4", "v41", "odd"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_each_column_meets_its_own_rounded_activation(block, variant, tokens):
+    c = 384
+    rng = np.random.default_rng(7)
+    w = one_hot(c, block, rng)
+    x = (rng.standard_normal((tokens, c)) * np.exp(rng.uniform(-20, 20, c))).astype(np.float32)
+    # ties to even both ways, zeros; no infinity or NaN (0 * inf in the other columns is NaN)
+    x[0, :6] = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 0.0, -0.0, 1.0]
+    sc = np.repeat(np.repeat(formats.e8m0_to_f32(w.scale), block[0], 0)[:c], block[1], 1)[:c, :c]
+    col_scale = sc[np.arange(c), np.arange(c)]  # row j's block scale at column j
+    want = (x * col_scale).astype(ml_dtypes.bfloat16).astype(np.float32)
+    got = bf16.fp8_matmul(w.data, w.scale, w.block, x, variant)
+    np.testing.assert_array_equal(got, want)
+
+
+def pair_weights(rng, rows: int, cols: int, block):
+    def one():
+        wf = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+        return QWeight("fp8", *formats.quantize_fp8(wf, block=block), rows, cols, block=block)
+
+    return one(), one()
+
+
+@needs_fast
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)], ids=["v4", "v41"])
+def test_pair_and_grouped_drivers_equal_single_products(block, variant):
+    rng = np.random.default_rng(8)
+    w1, w3 = pair_weights(rng, 262, 256, block)  # 262 rows: a partial block and a 4-row tail
+    for t in (1, 2, 5):
+        x = rng.standard_normal((t, 256)).astype(np.float32)
+        a, b = bf16.fp8_matmul_pair(w1, w3, x, variant)
+        np.testing.assert_array_equal(a, bf16.fp8_matmul(w1.data, w1.scale, block, x, variant))
+        np.testing.assert_array_equal(b, bf16.fp8_matmul(w3.data, w3.scale, block, x, variant))
+        for u in range(t):  # the one-token kernel (4 rows a pass) gives each row's bits
+            one = bf16.fp8_matmul(w1.data, w1.scale, block, x[u], variant)[0]
+            np.testing.assert_array_equal(one, a[u])
+    big, _ = pair_weights(rng, 4 * 128, 256, block)
+    xg = rng.standard_normal((2, 4, 256)).astype(np.float32)
+    got = bf16.fp8_matmul_grouped(big.data, big.scale, block, xg, variant)
+    for i in range(4):
+        rows = slice(128 * i, 128 * i + 128)
+        srows = slice(128 * i // block[0], (128 * i + 128) // block[0])
+        part = bf16.fp8_matmul(big.data[rows], np.ascontiguousarray(big.scale[srows]), block, xg[:, i], variant)
+        np.testing.assert_array_equal(got[:, rows], part)
+
+
+@needs_fast
+def test_router_runs_the_pair_and_the_groups_in_one_region(fast_mode, monkeypatch):
+    drives: list[str] = []
+    real = bf16._drive
+    monkeypatch.setattr(bf16, "_drive", lambda kind, variant: drives.append(kind) or real(kind, variant))
+    rng = np.random.default_rng(9)
+    w1, w3 = pair_weights(rng, 256, 512, (128, 128))
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    a, b = kernels.matmul_pair(w1, w3, x)
+    assert drives == ["fp8pair"]
+    big, _ = pair_weights(rng, 4 * 128, 512, (128, 128))
+    ws = [
+        QWeight("fp8", big.data[128 * i : 128 * i + 128], big.scale[i : i + 1], 128, 512, block=(128, 128))
+        for i in range(4)
+    ]
+    xg = rng.standard_normal((1, 4, 512)).astype(np.float32)
+    drives.clear()
+    got = kernels.matmul_grouped(ws, xg)
+    assert drives == ["fp8"]
+    drives.clear()
+    singles = [kernels.matmul(w, xg[:, i]) for i, w in enumerate(ws)]
+    np.testing.assert_array_equal(got, np.concatenate(singles, axis=1))
+    np.testing.assert_array_equal(a, kernels.matmul(w1, x))
+    np.testing.assert_array_equal(b, kernels.matmul(w3, x))
