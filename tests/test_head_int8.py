@@ -254,3 +254,26 @@ def test_fast_logits_read_the_copy_and_exact_never_does(ckpt, packed):
         np.testing.assert_array_equal(rt.session().prefill(ids), out["exact"])  # exact keeps its bits
     err = np.abs(out["fast"] - out["exact"]).max(axis=1) / np.abs(out["exact"]).max(axis=1)
     assert 0 < np.median(err) < 0.05
+
+
+def test_a_tight_budget_keeps_its_expert_slots_and_reads_the_bf16_head(ckpt, packed):
+    """Where the copy's bytes would come out of the expert slots, fast plans without it (one
+    notice) and keeps exactly the slots exact plans; with room to spare it reads the copy."""
+    from dsv4stream.run import planner
+
+    exact = measure(ckpt, RunOptions(budget=10**9, trunk=packed, numerics="exact"))
+    tight = planner.minimum_budget(exact) + 1
+    ex = planner.plan(exact, tight)
+    notes: list[str] = []
+    opts = RunOptions(budget=tight, trunk=packed, io="buffered", numerics="fast")
+    with Runtime.open(ckpt, opts, warn=notes.append) as rt:
+        assert rt.engine.stack.head_weights().q8 is None
+        assert rt.plan.needs.head_q8_bytes == 0
+        assert rt.plan.expert_slots == ex.expert_slots
+        assert any("int8 head copy not used" in n for n in notes), notes
+    notes.clear()
+    with Runtime.open(
+        ckpt, RunOptions(budget=10**9, trunk=packed, io="buffered", numerics="fast"), warn=notes.append
+    ) as rt:
+        assert rt.engine.stack.head_weights().q8 is not None
+        assert not any("int8 head copy" in n for n in notes)
