@@ -54,6 +54,16 @@ def _warm_kernel_cache():
         kernels.warmup()  # loads them from the cache into this process (the in-process tests)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_numerics_default_per_file():
+    """Each test file starts and ends with the kernels' default numerics (exact), as in a process
+    of its own: a module-scoped fixture that runs an engine pass (which sets the numerics it
+    runs) would otherwise leave them to the next file of the same pytest-xdist worker."""
+    kernels.set_numerics("exact")
+    yield
+    kernels.set_numerics("exact")
+
+
 @pytest.fixture(autouse=True)
 def _kernel_numerics_put_back():
     """Each test leaves the kernels' numerics (`kernels.set_numerics`, a process global) as it found
