@@ -32,6 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import jit, q8, simd
+from .numerics import alone_if_small  # the per-expert path's rule: small products stay serial
 from .q8 import _JIT, ROWS, _quantize, _row_scales  # the drivers call them
 
 # numba's cache keys an entry by the function's name, signature and CPU target; the row kernel's
@@ -257,11 +258,6 @@ def _scratch(p: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 # ---------------------------------------------------------------- one expert, for model.moe --
 
-# A product below this many weight bytes at up to this many tokens runs on the calling thread
-# (`numerics.SERIAL_BELOW_BYTES`: the rule the per-expert path followed, so the same products
-# stay serial).
-SERIAL_BELOW_BYTES = 4 << 20
-SERIAL_TOKENS = 4
 _variants: dict[tuple, str | None] = {}
 
 
@@ -296,15 +292,7 @@ def _run(nbytes: int, tokens: int, product):
     """product() with the kernel threads `kernels.set_threads` asked for, or alone on this
     thread for a small weight at a few tokens (results do not depend on the thread count)."""
     jit._apply_threads()
-    if tokens <= SERIAL_TOKENS and nbytes < SERIAL_BELOW_BYTES:
-        n = numba.get_num_threads()
-        if n != 1:
-            numba.set_num_threads(1)
-            try:
-                return product()
-            finally:
-                numba.set_num_threads(n)
-    return product()
+    return alone_if_small(nbytes, tokens, product)
 
 
 def expert_swiglu(variant: str, x: np.ndarray, e, weights: np.ndarray, glu) -> np.ndarray:

@@ -41,6 +41,20 @@ SERIAL_BELOW_BYTES = 4 << 20
 SERIAL_TOKENS = 4
 
 
+def alone_if_small(nbytes: int, tokens: int, product: Callable[[], object]):
+    """product() on this thread alone for a weight under SERIAL_BELOW_BYTES at up to SERIAL_TOKENS
+    tokens, else with the kernel threads already set (results do not depend on the count)."""
+    if tokens <= SERIAL_TOKENS and nbytes < SERIAL_BELOW_BYTES:
+        n = numba.get_num_threads()
+        if n != 1:
+            numba.set_num_threads(1)
+            try:
+                return product()
+            finally:
+                numba.set_num_threads(n)
+    return product()
+
+
 def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"numerics must be one of {', '.join(MODES)}, found {mode!r}")
@@ -131,15 +145,7 @@ class Router:
         """product() with the requested kernel threads, or on this thread alone for a small
         weight at a few tokens (the results do not depend on the thread count)."""
         self._threads()
-        if t <= SERIAL_TOKENS and w.nbytes < SERIAL_BELOW_BYTES:
-            n = numba.get_num_threads()
-            if n != 1:
-                numba.set_num_threads(1)
-                try:
-                    return product()
-                finally:
-                    numba.set_num_threads(n)
-        return product()
+        return alone_if_small(w.nbytes, t, product)
 
     def matvec(self, w, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
