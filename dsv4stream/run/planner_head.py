@@ -23,18 +23,38 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from ..errors import BudgetError
-
-if TYPE_CHECKING:
-    from .planner import MemoryNeeds, Plan
 
 BF16, INT8, BOTH = "bf16", "int8", "both"
 DRAFTER = "the drafter"  # `MemoryNeeds.head_reader` of a run that drafts
 
 
-def choices(needs: MemoryNeeds) -> tuple[MemoryNeeds, ...]:
+class HeadNeeds(Protocol):
+    """The fields of `planner.MemoryNeeds` this rule reads (planner imports this module)."""
+
+    head_bytes: int
+    head_q8_bytes: int
+    head_matrix_bytes: int
+    head_reader: str
+    head_mode: str
+    total_experts: int
+
+
+class HeadPlan(Protocol):
+    """The fields of `planner.Plan` the rule compares."""
+
+    expert_slots: int
+    pinned_layers: int
+    engram_rows: int
+
+
+N = TypeVar("N", bound=HeadNeeds)
+P = TypeVar("P", bound=HeadPlan)
+
+
+def choices(needs: N) -> tuple[N, ...]:
     """The head modes this run may take, preferred first, as needs to plan (one or two)."""
     bf16 = replace(needs, head_mode=BF16)
     if not needs.head_q8_bytes:
@@ -44,12 +64,12 @@ def choices(needs: MemoryNeeds) -> tuple[MemoryNeeds, ...]:
     return replace(needs, head_mode=BOTH), bf16
 
 
-def smallest(needs: MemoryNeeds) -> MemoryNeeds:
+def smallest(needs: N) -> N:
     """The mode holding the fewest head bytes (what the smallest budget is measured with)."""
     return choices(needs)[-1]
 
 
-def choose(needs: MemoryNeeds, budget: int, plan_one: Callable[[MemoryNeeds, int], Plan]) -> Plan:
+def choose(needs: N, budget: int, plan_one: Callable[[N, int], P]) -> P:
     """The plan of `budget` with the head mode this module's rule picks (BudgetError as `plan_one`)."""
     modes = choices(needs)
     base = plan_one(modes[-1], budget)
@@ -67,7 +87,7 @@ def choose(needs: MemoryNeeds, budget: int, plan_one: Callable[[MemoryNeeds, int
     return both if keeps else base
 
 
-def resident_bytes(needs: MemoryNeeds) -> int:
+def resident_bytes(needs: HeadNeeds) -> int:
     """The head's resident bytes in `needs.head_mode`: the BF16 head group (head, norm, hc_head,
     V4.1's hash tables), plus the copy, less the BF16 matrix where it stays on disk."""
     n = needs.head_bytes
@@ -78,7 +98,7 @@ def resident_bytes(needs: MemoryNeeds) -> int:
     return n
 
 
-def line(needs: MemoryNeeds, gb: Callable[[int], str]) -> str:
+def line(needs: HeadNeeds, gb: Callable[[int], str]) -> str:
     """The plan printout's words for the head (`Plan.lines`)."""
     n, q8 = needs, needs.head_q8_bytes
     if n.head_mode == INT8:
