@@ -24,7 +24,7 @@ from ..store import ExpertStore
 from ..streaming.expert_layout import expert_layouts
 from ..streaming.layout import TrunkLayout, trunk_layout, without
 from ..trunkpack.reader import open_trunk_file
-from . import planner, planner_dspark, planner_head
+from . import planner, planner_dspark
 from .planner import MemoryNeeds
 from .runinfo import RunOptions
 
@@ -133,16 +133,14 @@ def memory_needs(
 ) -> MemoryNeeds:
     """What the plan must place, measured on this checkpoint (layer groups as read, with
     their aligned windows), plus the state / staging estimates and the baseline overhead.
-    A run that drafts (`runs_drafter`) holds the drafter's dense weights too, and proposes with
-    the BF16 head; `head_q8_bytes`: the int8 head copy a fast run can read (`head_q8_bytes_of`),
-    which the plan then takes or not (`planner_head`)."""
+    A run that drafts (`runs_drafter`) holds the drafter's dense weights too; `head_q8_bytes`: the int8 head copy a fast run can read (`head_q8_bytes_of`),
+    which the plan then takes (`planner_head`)."""
     cfg = cat.config
     drafts = runs_drafter(cat, opts)
     return MemoryNeeds(
         layer_bytes=layout.layer_bytes,
         head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,  # V4.1: head and final norm only (no hc_head)
         head_matrix_bytes=layout.head.nbytes - without(layout.head, HEAD_MATRIX).nbytes,
-        head_reader=planner_head.DRAFTER if drafts else "",
         slot_bytes=slot_bytes,
         state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (opts.live_sequences + opts.kept_states),
         staging_bytes=planner.staging_bytes_for(cfg, opts.chunk, opts.ctx) + kernel_scratch_bytes(cat),
@@ -218,7 +216,7 @@ def copy_read(family: str, numerics: str | None) -> bool:
 
 def head_q8_bytes_of(tf, family: str, numerics: str | None, head_on_gpu: bool = False) -> int:
     """The int8 head copy's bytes where this run can read it (`copy_read`, a pack that holds the
-    copy, the head on the CPU); else 0. The plan decides whether it does (`planner_head`)."""
+    copy, the head on the CPU); else 0. The plan then reads it (`planner_head`)."""
     if tf is None or tf.head_q8 is None or head_on_gpu or not copy_read(family, numerics):
         return 0
     return int(tf.head_q8["file_bytes"])

@@ -98,11 +98,10 @@ class MemoryNeeds:
     # --speculate: the DSpark drafter's dense weights (its routed experts share the expert slots)
     drafter_bytes: int = 0
     # The int8 head copy (`trunkpack.headcopy`) where this run can read it for fast's logits (0:
-    # not offered), the BF16 matrix inside head_bytes, what else reads that matrix ("": nothing),
-    # and the mode `planner_head` chose for the plan (which of the two are resident)
+    # not offered), the BF16 matrix inside head_bytes, and the mode `planner_head` took for the
+    # plan (the BF16 head resident, or the copy with the BF16 matrix on disk)
     head_q8_bytes: int = 0
     head_matrix_bytes: int = 0
-    head_reader: str = ""
     head_mode: str = planner_head.BF16
 
     @property
@@ -265,11 +264,7 @@ def minimum_budget(needs: MemoryNeeds) -> int:
     """Smallest budget that runs: nothing pinned, a two-slot ring, two layers' worth of experts
     while decoding, whose bytes also hold the shortest prefill segment (or the one
     --prefill-segment fixes) beside PREFILL_SLOTS slots; the head in its smallest mode."""
-    return _floor(planner_head.smallest(needs))
-
-
-def _floor(needs: MemoryNeeds) -> int:
-    """`minimum_budget` with the head in `needs.head_mode`."""
+    needs = planner_head.chosen(needs)
     ring = 2 * max(needs.layer_bytes, default=0)
     return needs.fixed_bytes + ring + _pool_floor(needs)
 
@@ -297,12 +292,8 @@ def smallest_budget(
 def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -> Plan:
     """Split `budget` bytes; raise BudgetError (naming the minimum) if it cannot work. The head's
     mode (the int8 copy, the BF16 head on disk) is `planner_head`'s rule, for every caller."""
-    return planner_head.choose(needs, budget, lambda n, b: _plan(n, b, max_expert_slots))
-
-
-def _plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None) -> Plan:
-    """`plan` with the head in `needs.head_mode`."""
-    floor = _floor(needs)
+    needs = planner_head.chosen(needs)
+    floor = minimum_budget(needs)
     if budget < floor:
         seg = (
             f" (their bytes also hold a prefill segment of {_segment_floor(needs)} tokens)"
@@ -461,5 +452,4 @@ def needs_from_config(
         engram_table_bytes=engram_nbytes(cfg),
         head_q8_bytes=headcopy.copy_bytes_of(v, d) if head_copy else 0,
         head_matrix_bytes=v * d * 2,
-        head_reader=planner_head.DRAFTER if drafts else "",
     )

@@ -185,7 +185,7 @@ class Runtime:
             trunk = StreamedTrunk(
                 cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap, head_mapped=mapped
             )
-            if head_mode != planner_head.BF16:  # fast numerics' logits from the pack's int8 head copy
+            if head_mode == planner_head.INT8:  # fast numerics' logits (and drafts) from the pack's int8 head copy
                 trunk.use_head_q8(Int8Head(*tf.read_head_q8()))
             meter = partial(run_counters, store, trunk, engram)
             engine = Engine(
