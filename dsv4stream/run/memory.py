@@ -133,8 +133,9 @@ def memory_needs(
 ) -> MemoryNeeds:
     """What the plan must place, measured on this checkpoint (layer groups as read, with
     their aligned windows), plus the state / staging estimates and the baseline overhead.
-    A run that drafts (`runs_drafter`) holds the drafter's dense weights too; `head_q8_bytes`: the int8 head copy a fast run can read (`head_q8_bytes_of`),
-    which the plan then takes (`planner_head`)."""
+    A run that drafts (`runs_drafter`) holds the drafter's dense weights too; `head_q8_bytes`:
+    the int8 head copy a fast run can read (`head_q8_bytes_of`), which the plan then takes in
+    place of the BF16 head matrix (`planner_head`)."""
     cfg = cat.config
     drafts = runs_drafter(cat, opts)
     return MemoryNeeds(

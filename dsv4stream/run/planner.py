@@ -263,7 +263,7 @@ def _pool_floor(needs: MemoryNeeds) -> int:
 def minimum_budget(needs: MemoryNeeds) -> int:
     """Smallest budget that runs: nothing pinned, a two-slot ring, two layers' worth of experts
     while decoding, whose bytes also hold the shortest prefill segment (or the one
-    --prefill-segment fixes) beside PREFILL_SLOTS slots; the head in its smallest mode."""
+    --prefill-segment fixes) beside PREFILL_SLOTS slots; the head as `planner_head` holds it."""
     needs = planner_head.chosen(needs)
     ring = 2 * max(needs.layer_bytes, default=0)
     return needs.fixed_bytes + ring + _pool_floor(needs)

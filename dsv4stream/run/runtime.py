@@ -112,7 +112,8 @@ class Runtime:
     def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None) -> Runtime:
         """Plan `opts.budget` on this checkpoint (BudgetError if it cannot work) and load what
         the plan keeps resident. `warn` receives one-time notices (O_DIRECT refused); `opts.gpu`
-        moves trunk matrices to VRAM, out of the budget."""
+        moves trunk matrices to VRAM, out of the budget. Where the plan takes the pack's int8
+        head copy (`planner_head.INT8`), the BF16 head is mapped from its file, not read."""
         if opts.io not in ("direct", "buffered"):
             raise UsageError(f"--io {opts.io!r}: use direct or buffered")
         if opts.chunk < 1 or opts.ctx < 1:
