@@ -81,6 +81,7 @@ def test_without_a_drafter_the_bf16_head_stays_on_disk_and_its_bytes_become_slot
     tight = _tight(ckpt)
     pf, pe = planner.plan(fast, tight), planner.plan(exact, tight)
     assert pf.needs.head_mode == planner_head.INT8 and pe.needs.head_mode == planner_head.BF16
+    assert pf.needs == fast and pe.needs == exact  # measured needs hold the plan's head already
     saved = fast.head_matrix_bytes - fast.head_q8_bytes
     assert pf.needs.fixed_bytes == pe.needs.fixed_bytes - saved
     # the head's saving is expert slots (or a pinned layer, which the planner takes first)

@@ -24,7 +24,7 @@ from ..store import ExpertStore
 from ..streaming.expert_layout import expert_layouts
 from ..streaming.layout import TrunkLayout, trunk_layout, without
 from ..trunkpack.reader import open_trunk_file
-from . import planner, planner_dspark
+from . import planner, planner_dspark, planner_head
 from .planner import MemoryNeeds
 from .runinfo import RunOptions
 
@@ -138,7 +138,7 @@ def memory_needs(
     place of the BF16 head matrix (`planner_head`)."""
     cfg = cat.config
     drafts = runs_drafter(cat, opts)
-    return MemoryNeeds(
+    needs = MemoryNeeds(
         layer_bytes=layout.layer_bytes,
         head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,  # V4.1: head and final norm only (no hc_head)
         head_matrix_bytes=layout.head.nbytes - without(layout.head, HEAD_MATRIX).nbytes,
@@ -160,6 +160,7 @@ def memory_needs(
         engram_table_bytes=sum(e.nbytes for n, e in cat.entries.items() if ".engram.embed." in n),
         **vision_needs(cat, opts.images),
     )
+    return planner_head.chosen(needs)  # its fixed bytes are the plan's
 
 
 def _unused(cat: Catalog, images: bool, drafts: bool = False) -> str | None:

@@ -433,7 +433,7 @@ def needs_from_config(
     d, v, fam = cfg.hidden_size, cfg.vocab_size, family_planner(cfg)
     head = v * d * 2 + d * 2 + fam.head_extra_bytes(cfg)
     head += cfg.tid2eid_bytes  # the hash layers' tables stay resident
-    return MemoryNeeds(
+    needs = MemoryNeeds(
         layer_bytes=layer_bytes,
         head_bytes=head,
         slot_bytes=slot_bytes_for(cfg.expert_bytes),
@@ -453,3 +453,4 @@ def needs_from_config(
         head_q8_bytes=headcopy.copy_bytes_of(v, d) if head_copy else 0,
         head_matrix_bytes=v * d * 2,
     )
+    return planner_head.chosen(needs)  # its fixed bytes are the plan's
