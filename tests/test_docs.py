@@ -154,15 +154,18 @@ def test_quoted_commands_print_the_lines_the_docs_quote(path, command, quoted, c
 
 # Blocks marked `<!-- doc-test: demo -->` quote a command on the `make demo` checkpoint
 # (`.demo/checkpoint`); the test builds one of the same shapes with its routed experts as
-# sparse-file holes (headers and plans are the same; the text would not be).
+# sparse-file holes (headers and plans are the same; the text would not be), packed as `make demo` packs it.
 DEMO_QUOTED = [(p, c, q) for p in DOCS for c, q in quoted_commands(p, "doc-test: demo")]
 
 
 @pytest.fixture(scope="module")
 def demo_checkpoint(tmp_path_factory) -> Path:
     from dsv4stream.synth import make_checkpoint
+    from dsv4stream.trunkpack.writer import pack_trunk
 
-    return make_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint", "demo", seed=0, sparse_experts=True)
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint", "demo", seed=0, sparse_experts=True)
+    pack_trunk(ckpt, progress=False)  # as `make demo` does: its plans hold fast's int8 head copy
+    return ckpt
 
 
 @pytest.mark.slow
