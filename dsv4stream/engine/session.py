@@ -13,7 +13,10 @@ by the sub-chunk), then one MoE pass over the whole segment fetches each routed 
 once and applies it to all its tokens. So a prompt reads each (layer, expert) it touches
 once per segment and a streamed trunk layer once per segment, not once per chunk. `step`
 is a segment of one. Any segment or chunk size gives the same logits up to float rounding
-(each token sums its experts in a fixed order). Activations are float32.
+(each token sums its experts in a fixed order). Activations are float32. The last layer of a
+pass computes only the rows whose outputs are used (`_rows_used`): the last one when only the
+last position's logits are wanted, none in a segment before the last; every row still updates
+every layer's state.
 """
 
 from __future__ import annotations
