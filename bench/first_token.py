@@ -15,8 +15,12 @@ in a fresh session of the same runtime:
 ratio = best prefill / median step (the target: <= ~2 for a 7-token prompt). Also per prefill:
 the expert products it ran (the store's requests), its product time by weight role
 (`kernels.kernel_seconds()`: experts, trunk, head, rest "other"), and bytes read from disk
-(must be 0, else nothing here is a cached figure). Prints one line per length, then CPU model,
-SIMD flags, load and the numerics (the commands' default, fast, unless --numerics says otherwise).
+(must be 0, else nothing here is a cached figure). `cpu ratio`: the same ratio in process CPU
+seconds (every thread's; best prefill against median step), which a loaded machine moves less
+than the wall ratio. Prints one line per length, then CPU model, SIMD flags, load and the
+numerics (the commands' default, fast, unless --numerics says otherwise). The prefill's last
+layer runs its last row alone (`Session._rows_used`): its expert products are those of the
+first L-1 layers' L rows and one row's.
 """
 
 from __future__ import annotations
@@ -41,20 +45,23 @@ def prompt(n: int, vocab: int) -> list[int]:
 def timed_prefill(rt: Runtime, ids: list[int], steps: int) -> dict:
     s = rt.session()
     k0, c0 = kernels.kernel_seconds(), rt.counters()
-    t0 = time.perf_counter()
+    t0, u0 = time.perf_counter(), time.process_time()
     logits = s.prefill(ids, last_only=True)
-    secs = time.perf_counter() - t0
+    secs, cpu = time.perf_counter() - t0, time.process_time() - u0
     k1, c1 = kernels.kernel_seconds(), rt.counters()
     split = {r: k1.get(r, 0.0) - k0.get(r, 0.0) for r in ("experts", "trunk", "head")}
     split["other"] = secs - sum(split.values())
-    step_secs, tok = [], int(logits.argmax())
+    step_secs, step_cpu, tok = [], [], int(logits.argmax())
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, u0 = time.perf_counter(), time.process_time()
         tok = int(s.step(tok).argmax())
         step_secs.append(time.perf_counter() - t0)
+        step_cpu.append(time.process_time() - u0)
     return {
         "prefill": secs,
         "step": statistics.median(step_secs),
+        "prefill_cpu": cpu,
+        "step_cpu": statistics.median(step_cpu),
         "products": c1.expert_requests - c0.expert_requests,
         "read": c1.expert_bytes_read - c0.expert_bytes_read + c1.trunk_bytes_read - c0.trunk_bytes_read,
         "split": split,
@@ -85,10 +92,11 @@ def main() -> None:
             runs = [timed_prefill(rt, ids, args.steps) for _ in range(args.repeats)]
             best = min(runs, key=lambda r: r["prefill"])
             step = statistics.median(r["step"] for r in runs)
+            cpu = min(r["prefill_cpu"] for r in runs) / statistics.median(r["step_cpu"] for r in runs)
             split = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in best["split"].items())
             print(
                 f"L={n}: prefill {best['prefill'] * 1e3:.0f} ms (all {[round(r['prefill'] * 1e3) for r in runs]}),"
-                f" step {step * 1e3:.0f} ms, ratio {best['prefill'] / step:.2f}, expert products"
+                f" step {step * 1e3:.0f} ms, ratio {best['prefill'] / step:.2f} (cpu ratio {cpu:.2f}), expert products"
                 f" {best['products']}, read {best['read'] / 1e6:.1f} MB | {split}",
                 flush=True,
             )
