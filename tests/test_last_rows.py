@@ -77,3 +77,37 @@ def test_a_traced_pass_computes_every_row_of_the_last_layer(family):
     assert seen[("input", last)] == n
     assert seen.get(("ffn", last), n) == n and seen.get(("hidden", last), n) == n
     assert np.array_equal(got, eng.session().prefill(ids, last_only=True))
+
+
+def test_drafting_keeps_the_skip_and_the_drafter_sees_the_same_taps():
+    """A drafter's taps (the streams entering its target layers, the last one included on this
+    fixture) are whole before the cut: the prompt's last layer routes one row while drafting, and
+    the drafter observes the same rows, bit for bit, as when an inner trace turns the skip off."""
+    from dsv4stream.engine.spec_policy import FixedDrafts
+    from dsv4stream.engine.speculate import speculative_generate
+    from dsv4stream.engine.speculate_v41 import DSparkDrafter
+
+    path = FIXTURES / "v41" / "dspark"
+    eng = Engine.open(path, numerics="fast")
+    with np.load(path / "draft.npz") as z:
+        prompt = z["token_ids"][:8]
+    last = eng.cfg.n_layers - 1
+    assert last in DSparkDrafter(eng).targets
+
+    def run(trace):
+        routed, seen = [], []
+        on_route = lambda layer, positions, experts: routed.append((layer, positions.tolist()))
+        s = eng.session(chunk_size=3, on_route=on_route, trace=trace)
+        d = DSparkDrafter(eng)
+        observe = d.observe
+        d.observe = lambda taps, positions: (seen.append((taps.copy(), positions.copy())), observe(taps, positions))
+        ids = list(speculative_generate(s, prompt, 8, lambda lg: int(np.argmax(lg)), d, FixedDrafts(3)))
+        prompt_routes = [p for layer, p in routed if layer == last and p[0] < prompt.size]
+        return ids, prompt_routes, seen
+
+    ids, routes, seen = run(None)
+    ids_whole, routes_whole, seen_whole = run(lambda what, layer, x: None)  # reads outputs: no skip
+    assert routes[0] == [prompt.size - 1] and routes_whole[0] == list(range(prompt.size))
+    assert ids == ids_whole and len(seen) == len(seen_whole)
+    for (a, pa), (b, pb) in zip(seen, seen_whole, strict=True):
+        assert np.array_equal(a, b) and np.array_equal(pa, pb)

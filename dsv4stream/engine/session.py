@@ -497,10 +497,10 @@ class Session:
         last layer's outputs feed the head alone (every layer's state comes from its inputs),
         so a pass that wants the last position's logits needs one row and a pass that wants
         none (a prefill segment before the last) no row: the last layer's query path, mixing
-        and MoE skip the others (`Stack.layer`'s keep). Not with a trace: it reads every row of
-        every layer (a drafter's taps are the streams entering layers, which the skip leaves
-        whole, but a trace may also ask for "ffn" and "hidden")."""
-        if self.trace is not None:
+        and MoE skip the others (`Stack.layer`'s keep). Not with a trace that reads layers'
+        outputs ("attn", "ffn", "hidden": any trace but one whose `reads_outputs` is False, such
+        as a drafter's taps, which are the streams entering layers, whole before the cut)."""
+        if self.trace is not None and getattr(self.trace, "reads_outputs", True):
             return None
         if not logits:
             return 0
