@@ -5,7 +5,8 @@ the state. Checked on an oracle fixture of each family (widths the fast kernels 
 official and fast: the last logits and the decode after them equal, bit for bit, those of a pass
 that keeps every row (logits for all positions, which never skips), in one segment and in
 segments of 5 with attention sub-chunks of 3; the skip does happen (the last layer routes one
-row, or none before the last segment); a trace still sees every row of every layer."""
+row, or none before the last segment); a trace still sees every row of every layer; a drafter's
+taps keep the skip and are the same rows bit for bit."""
 
 from __future__ import annotations
 
