@@ -21,6 +21,10 @@ than the wall ratio. Prints one line per length, then CPU model, SIMD flags, loa
 numerics (the commands' default, fast, unless --numerics says otherwise). The prefill's last
 layer runs its last row alone (`Session._rows_used`): its expert products are those of the
 first L-1 layers' L rows and one row's.
+
+--paired N: then N prefills of each length with and without that skip, alternating in the same
+process (without: a no-op trace that reads layers' outputs, which turns it off), so that a loaded
+machine slows both alike: the median of each and their ratio.
 """
 
 from __future__ import annotations
@@ -68,6 +72,23 @@ def timed_prefill(rt: Runtime, ids: list[int], steps: int) -> dict:
     }
 
 
+def _reads_everything(what: str, layer: int, x) -> None:
+    """A trace that reads layers' outputs: the session then computes every row of the last layer."""
+
+
+def paired(rt: Runtime, ids: list[int], n: int) -> str:
+    """Median prefill seconds with and without the last layer's row skip, alternating."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(n):
+        for skip in (True, False):
+            s = rt.session(trace=None if skip else _reads_everything)
+            t0 = time.perf_counter()
+            s.prefill(ids, last_only=True)
+            times[skip].append(time.perf_counter() - t0)
+    a, b = statistics.median(times[True]), statistics.median(times[False])
+    return f"paired x{n}: prefill with the row skip {a * 1e3:.0f} ms, without {b * 1e3:.0f} ms, ratio {a / b:.3f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
@@ -77,6 +98,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="kernel threads")
     ap.add_argument("--numerics", default="fast", help="exact, official or fast (the commands' default)")
+    ap.add_argument("--paired", type=int, default=0, help="prefills with and without the row skip, alternating")
     args = ap.parse_args()
     opts = RunOptions(budget=int(args.budget * 1e9), threads=args.threads, numerics=args.numerics)
     with Runtime.open(args.checkpoint, opts) as rt:
@@ -100,6 +122,8 @@ def main() -> None:
                 f" {best['products']}, read {best['read'] / 1e6:.1f} MB | {split}",
                 flush=True,
             )
+            if args.paired:
+                print(f"L={n}: {paired(rt, ids, args.paired)}", flush=True)
         print(f"# {machine()}")
 
 
