@@ -71,21 +71,68 @@ def attention(
 
     on_index, if given, sees the indexer's choice (T, K) at ratio-4 layers.
     """
+    cos, sin = rope.cos_sin(positions)
+    q_res, q, kv = project(x, cos, sin, w, cfg)
+    o = attend_state(x, q_res, q, kv, positions, cos, sin, w, st, cfg, rope, on_index)
+    return project_out(o, cos, sin, w)
+
+
+def attention_rows(
+    x: np.ndarray, positions: np.ndarray, w: AttnWeights, states: list[AttnState], cfg: ModelConfig, rope: Rope
+) -> np.ndarray:
+    """One decode token of each of B sequences: x (B, D) at positions (B,), row b in states[b]
+    -> (B, D), row b bit for bit `attention(x[b:b+1], positions[b:b+1], w, states[b], ...)`.
+
+    The projections (wq_a, wq_b, wkv; wo_a, wo_b) are products of each row with the same weights:
+    one kernel call for the B rows (the kernels give a row the bits of its one-row product, and
+    the norms and rope are row by row); only what reads and updates a sequence's state (the
+    window, the compressors, the indexer, the scores) runs row by row."""
+    rows = [rope.cos_sin(positions[b : b + 1]) for b in range(x.shape[0])]  # each row's own table rows
+    cos, sin = np.concatenate([c for c, _ in rows]), np.concatenate([s for _, s in rows])
+    q_res, q, kv = project(x, cos, sin, w, cfg)
+    o = np.empty_like(q)
+    for b, st in enumerate(states):
+        r = slice(b, b + 1)
+        o[r] = attend_state(x[r], q_res[r], q[r], kv[r], positions[r], cos[r], sin[r], w, st, cfg, rope)
+    return project_out(o, cos, sin, w)
+
+
+def project(
+    x: np.ndarray, cos: np.ndarray, sin: np.ndarray, w: AttnWeights, cfg: ModelConfig
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The stateless projections of x (T, D): q_res (T, q_lora_rank), q (T, H, hd) normed and
+    roped, kv (T, hd) normed and roped, on `official`'s KV grid when it is in force."""
     t = x.shape[0]
     h, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
-    cos, sin = rope.cos_sin(positions)
-
     q_res = rms_norm(matmul(w.wq_a, x), w.q_norm, eps)
     q = rms_norm(matmul(w.wq_b, q_res).reshape(t, h, hd), None, eps)
     q = apply_rope(q, cos, sin, in_place=True)
     kv = apply_rope(rms_norm(matmul(w.wkv, x), w.kv_norm, eps), cos, sin, in_place=True)
     # `official`: what V4's reference keeps is rounded as it rounds it (kernels/actquant.py):
     # the window KV and the compressed rows on E4M3 (RoPE channels kept), the indexer on FP4
-    official = get_numerics() == "official"
-    rd = cfg.qk_rope_head_dim
-    if official:
-        kv = kv_grid_v4(kv, rd)
+    if get_numerics() == "official":
+        kv = kv_grid_v4(kv, cfg.qk_rope_head_dim)
+    return q_res, q, kv
 
+
+def attend_state(
+    x: np.ndarray,
+    q_res: np.ndarray,
+    q: np.ndarray,
+    kv: np.ndarray,
+    positions: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    w: AttnWeights,
+    st: AttnState,
+    cfg: ModelConfig,
+    rope: Rope,
+    on_index: Callable[[np.ndarray], None] | None = None,
+) -> np.ndarray:
+    """The part that reads and updates one sequence's state: the window, the compressed rows
+    (and at ratio 4 the indexer's choice), the scores -> o (T, H, hd), still roped."""
+    eps, rd = cfg.rms_norm_eps, cfg.qk_rope_head_dim
+    official = get_numerics() == "official"
     # held rows then the chunk's, for a step too: the same keys in the same order whatever the
     # chunking, so a state restored mid-prompt (the server's prefix cache) gives the same bits
     keys, kpos = st.window.with_new(kv, positions)
@@ -119,8 +166,11 @@ def attention(
             if on_index is not None:
                 on_index(comp_idx)
 
-    o = attend(q, keys, key_mask, comp, comp_mask, comp_idx, w.sink)
-    o = apply_rope(o, cos, sin, inverse=True, in_place=True)
+    return attend(q, keys, key_mask, comp, comp_mask, comp_idx, w.sink)
 
-    mid = matmul_grouped(w.wo_a, o.reshape(t, len(w.wo_a), -1))  # (T, g * o_lora_rank)
+
+def project_out(o: np.ndarray, cos: np.ndarray, sin: np.ndarray, w: AttnWeights) -> np.ndarray:
+    """o (T, H, hd) -> (T, D): the rope channels rotated back, the grouped wo_a, then wo_b."""
+    o = apply_rope(o, cos, sin, inverse=True, in_place=True)
+    mid = matmul_grouped(w.wo_a, o.reshape(o.shape[0], len(w.wo_a), -1))  # (T, g * o_lora_rank)
     return matmul(w.wo_b, mid)
