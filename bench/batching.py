@@ -14,6 +14,13 @@ peak RSS is read from outside (/proc/PID/status VmHWM) at the end of each budget
 against it; the plan's expert line says whether the experts are all in RAM or stream, and the
 server's "decoding at most" line where a streaming budget lowered --max-batch.
 
+The prompts count in both ways alike (each is prefilled alone, one after another, in either):
+each row also gives the seconds the server spent reading them one after another (its
+`dsv4_prefill_seconds_total` counter, /metrics) and the ratio with those seconds taken out of
+both walls ("decode alone": the same prompts cost the same together; their counter there also
+holds the others' passes run between two segments of a prompt, so it is not used). With short
+answers the prompts are a large share of the set, which no batching of the decode passes shortens.
+
 Timed window: the client's, request sent to answer read. Only ratios from one run mean
 something on a shared machine; give the load (`uptime`) with the figures.
 """
@@ -56,6 +63,15 @@ def text_and_tokens(out: dict) -> tuple[str, int]:
     return out["choices"][0]["message"]["content"] or "", out["usage"]["completion_tokens"]
 
 
+def prefill_seconds(port: int) -> float:
+    """The server's seconds spent reading prompts so far (/metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("dsv4_prefill_seconds_total "):
+                return float(line.split()[1])
+    return 0.0
+
+
 def peak_rss_gb(pid: int) -> float:
     with open(f"/proc/{pid}/status", encoding="ascii") as f:
         for line in f:
@@ -92,13 +108,13 @@ def run_budget(ckpt: str, budget: str, clients: list[int], tokens: int, eos: int
         rows = []
         for c in clients:
             bodies = [body(k, tokens, eos) for k in range(c)]
-            t0 = time.perf_counter()
+            p0, t0 = prefill_seconds(port), time.perf_counter()
             seq = [post(port, b) for b in bodies]
-            seq_wall = time.perf_counter() - t0
+            seq_wall, p1 = time.perf_counter() - t0, prefill_seconds(port)
             t0 = time.perf_counter()
             with ThreadPoolExecutor(c) as pool:
                 conc = list(pool.map(lambda b: post(port, b), bodies))
-            conc_wall = time.perf_counter() - t0
+            conc_wall, prompts = time.perf_counter() - t0, p1 - p0
             same = [text_and_tokens(a[0]) == text_and_tokens(b[0]) for a, b in zip(seq, conc, strict=True)]
             n = sum(text_and_tokens(o)[1] for o, _ in conc)
             row = {
@@ -110,13 +126,16 @@ def run_budget(ckpt: str, budget: str, clients: list[int], tokens: int, eos: int
                 "per_request_sequential_tok_s": sum(text_and_tokens(o)[1] / s for o, s in seq) / c,
                 "per_request_concurrent_tok_s": sum(text_and_tokens(o)[1] / s for o, s in conc) / c,
                 "identical": all(same),
+                "prompt_seconds": prompts,
+                "decode_alone_ratio": (seq_wall - prompts) / max(conc_wall - prompts, 1e-9),
             }
             rows.append(row)
             print(
                 f"  budget {budget} GB, {c} client(s): {row['sequential_tok_s']:.2f} tok/s one after another,"
                 f" {row['concurrent_tok_s']:.2f} together ({row['ratio']:.2f}x); per request"
                 f" {row['per_request_sequential_tok_s']:.2f} -> {row['per_request_concurrent_tok_s']:.2f} tok/s;"
-                f" answers {'identical' if row['identical'] else 'DIFFERENT'}",
+                f" answers {'identical' if row['identical'] else 'DIFFERENT'}; prompts {prompts:.2f} s of"
+                f" {seq_wall:.2f} one after another: decode alone {row['decode_alone_ratio']:.2f}x",
                 flush=True,
             )
         plan = [
