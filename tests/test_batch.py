@@ -122,23 +122,20 @@ def test_a_governed_pass_tries_thread_counts_per_batch_size(family, monkeypatch)
     assert set_to[0] == 1 and set_to[-1] == 2 and now[0] == 2  # the try, then back to every thread
 
 
-def test_v4_attention_projects_the_rows_of_a_pass_in_one_product(family, monkeypatch) -> None:
-    """V4's stateful half of a batched pass (`V4Stack.attend_rows`): each projection of the
+def test_the_attention_projects_the_rows_of_a_pass_in_one_product(family, monkeypatch) -> None:
+    """The stateful half of a batched pass (the stack's `attend_rows`): each projection of the
     attention (wq_a, wq_b, wkv, wo_b) is one product over the B rows, not B one-row products;
-    only the state's part runs row by row (the rows' bits: the test above). V4.1 runs each row's
-    `attend` (its attention is not split yet)."""
-    from dsv4stream.model.v4 import attention
+    only the state's part runs row by row (the rows' bits: the test above)."""
+    import importlib
 
+    attention = importlib.import_module(f"dsv4stream.model.{family.name}.attention")
     engine = family.engine("exact")
-    if family.name == "v41":
-        assert not hasattr(engine.stack, "attend_rows")
-        return
     rows = [_pair(engine, [int(t) for t in family.ids(3 + 2 * k, seed=80 + k)]) for k in range(3)]
     toks = [int(np.argmax(logits)) for _, _, logits in rows]
     seen: list[tuple[int, int]] = []
     real = attention.matmul
     monkeypatch.setattr(attention, "matmul", lambda w, x: (seen.append((id(w), x.shape[0])), real(w, x))[1])
-    step_many([b for _, b, _ in rows], toks)
+    got = step_many([b for _, b, _ in rows], toks)
     projections = set()
     for i in range(engine.cfg.n_layers):
         a = engine.trunk.layer(i).attn
@@ -146,3 +143,5 @@ def test_v4_attention_projects_the_rows_of_a_pass_in_one_product(family, monkeyp
     mine = [n for w, n in seen if w in projections]
     assert mine and all(n == 3 for n in mine)
     assert len(mine) == 4 * engine.cfg.n_layers  # once each per layer for the pass
+    for j, (alone, _, _) in enumerate(rows):
+        assert np.array_equal(got[j], alone.step(toks[j]))

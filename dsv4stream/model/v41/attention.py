@@ -215,16 +215,70 @@ def attention(
 
     Updates the layer's window, its KV source's rows and keys (at a source), `pub` (at an index
     source) and `board` (a source that published keys)."""
+    cos, sin = rope.cos_sin(positions)
+    qrq, q, kv = project(x, cos, sin, w, plan)
+    o = attend_state(x, qrq, q, kv, positions, cos, sin, w, layer, states, plan, pub, board, rope)
+    return project_out(o, cos, sin, w, plan)
+
+
+def attention_rows(
+    x: np.ndarray,
+    positions: np.ndarray,
+    w: V41AttnWeights,
+    layer: int,
+    rows: Sequence[tuple[Sequence[V41LayerState], Published, KeyBoard]],
+    plan: V41Plan,
+    rope: Rope,
+) -> np.ndarray:
+    """One decode token of each of B sequences: x (B, D) at positions (B,), row b's states,
+    published choice and key board in rows[b] -> (B, D), row b bit for bit `attention` of that
+    row alone. The projections (wq_a, wq_b, wkv; wo_a, wo_b) run once over the B rows; what reads
+    and updates a sequence's state, row by row (as V4's `model.v4.attention.attention_rows`)."""
+    tables = [rope.cos_sin(positions[b : b + 1]) for b in range(x.shape[0])]  # each row's own table rows
+    cos, sin = np.concatenate([c for c, _ in tables]), np.concatenate([s for _, s in tables])
+    qrq, q, kv = project(x, cos, sin, w, plan)
+    o = np.empty_like(q)
+    for b, (states, pub, board) in enumerate(rows):
+        r = slice(b, b + 1)
+        o[r] = attend_state(
+            x[r], qrq[r], q[r], kv[r], positions[r], cos[r], sin[r], w, layer, states, plan, pub, board, rope
+        )
+    return project_out(o, cos, sin, w, plan)
+
+
+def project(
+    x: np.ndarray, cos: np.ndarray, sin: np.ndarray, w: V41AttnWeights, plan: V41Plan
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The stateless projections of x (T, D): the query's low-rank row (on the activation grid
+    where the plan quantises), q (T, H, hd) roped, kv (T, hd) normed, roped and on the grid."""
     t = x.shape[0]
     h, hd, eps = plan.n_heads, plan.head_dim, plan.eps
-    cos, sin = rope.cos_sin(positions)
     xq = _aq(x, plan)
     qr = rms_norm(matmul(w.wq_a, xq), w.q_norm, eps)
     qrq = _aq(qr, plan)
     q = apply_rope(matmul(w.wq_b, qrq).reshape(t, h, hd), cos, sin, in_place=True)
     kv = apply_rope(rms_norm(matmul(w.wkv, xq), w.kv_norm, eps), cos, sin, in_place=True)
-    kv = _aq(kv, plan)
+    return qrq, q, _aq(kv, plan)
 
+
+def attend_state(
+    x: np.ndarray,
+    qrq: np.ndarray,
+    q: np.ndarray,
+    kv: np.ndarray,
+    positions: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    w: V41AttnWeights,
+    layer: int,
+    states: Sequence[V41LayerState],
+    plan: V41Plan,
+    pub: Published,
+    board: KeyBoard,
+    rope: Rope,
+) -> np.ndarray:
+    """The part that reads and updates one sequence's state: the window, the KV source's rows
+    (and the index choice), the scores -> o (T, H, hd), still roped."""
     st = states[layer]
     keys, kpos = st.window.with_new(kv, positions)
     dist = positions[:, None] - kpos[None, :]
@@ -236,7 +290,11 @@ def attention(
         comp, comp_idx = _compressed(x, qrq, positions, cos, sin, w, layer, states, plan, pub, board, rope)
         if comp_idx.shape[1] == 0:
             comp = comp_idx = None
-    o = attend(q, keys, key_mask, comp, None, comp_idx, w.sink)
+    return attend(q, keys, key_mask, comp, None, comp_idx, w.sink)
+
+
+def project_out(o: np.ndarray, cos: np.ndarray, sin: np.ndarray, w: V41AttnWeights, plan: V41Plan) -> np.ndarray:
+    """o (T, H, hd) -> (T, D): the rope channels rotated back, the grouped wo_a, then wo_b."""
     o = apply_rope(o, cos, sin, inverse=True, in_place=True)
-    mid = matmul_grouped(w.wo_a, o.reshape(t, len(w.wo_a), -1))  # (T, g * o_lora_rank)
+    mid = matmul_grouped(w.wo_a, o.reshape(o.shape[0], len(w.wo_a), -1))  # (T, g * o_lora_rank)
     return matmul(w.wo_b, _aq(mid, plan))

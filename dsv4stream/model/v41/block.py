@@ -29,7 +29,7 @@ from ..mhc import HcWeights, collapse, split_mixes
 from ..moe import ExpertSource
 from ..ops import rms_norm
 from ..rope import Rope
-from .attention import KeyBoard, Published, V41AttnWeights, V41LayerState, V41Plan, attention
+from .attention import KeyBoard, Published, V41AttnWeights, V41LayerState, V41Plan, attention, attention_rows
 from .engram import EngramWeights
 from .moe import V41MoeParams, V41MoeWeights, moe
 
@@ -97,6 +97,25 @@ def attention_half(
     a_pre, post, comb = hc_mixes(x, w.hc_attn, hp)
     h = rms_norm(collapse(x, pre), w.attn_norm, hp.norm_eps)
     y = attention(h, positions, w.attn, w.index, states, plan, pub, board, rope)
+    return hc_post(x, y, post, comb), a_pre
+
+
+def attention_half_rows(
+    x: np.ndarray,
+    pre: np.ndarray,
+    positions: np.ndarray,
+    w: V41LayerWeights,
+    rows: list[tuple[list[V41LayerState], Published, KeyBoard]],
+    plan: V41Plan,
+    rope: Rope,
+    hp: HcParams,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One decode token of each of B sequences (row b's states, published choice and key board in
+    rows[b]) -> (streams after attention, the FFN's pre), row b bit for bit `attention_half` of
+    that row alone: the mixes, the norm and the attention's projections once over the B rows."""
+    a_pre, post, comb = hc_mixes(x, w.hc_attn, hp)
+    h = rms_norm(collapse(x, pre), w.attn_norm, hp.norm_eps)
+    y = attention_rows(h, positions, w.attn, w.index, rows, plan, rope)
     return hc_post(x, y, post, comb), a_pre
 
 
