@@ -141,7 +141,11 @@ def run_budget(ckpt: str, budget: str, clients: list[int], tokens: int, eos: int
         plan = [
             ln for ln in lines if any(k in ln for k in ("experts:", "planned total", "serving:", "decoding at most"))
         ]
-        return {"budget": budget, "rows": rows, "peak_rss_gb": peak_rss_gb(proc.pid), "plan": plan}
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/stats", timeout=60) as r:
+            threads = json.loads(r.read()).get("decode_threads", {})
+        if threads:  # the governor's choice (no --threads): passes per kernel thread count
+            plan.append(f"decode steps and passes by kernel threads {threads}")
+        return {"budget": budget, "rows": rows, "peak_rss_gb": peak_rss_gb(proc.pid), "plan": plan, "threads": threads}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
