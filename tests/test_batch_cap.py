@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from test_server_choices_batch import IdsReply  # a reply that keeps the ids it is handed
 
 from dsv4stream import synth
 from dsv4stream.run import planner
@@ -21,7 +22,6 @@ from dsv4stream.run.runtime import Runtime
 from dsv4stream.server.batching import rows_that_fit
 from dsv4stream.server.cache import StateCache
 from dsv4stream.server.decoding import Controls
-from dsv4stream.server.reply import ReplyStream
 from dsv4stream.server.worker import Job, Worker
 from dsv4stream.text import chat
 from dsv4stream.text.sampler import SamplingParams, banned_ids
@@ -45,18 +45,6 @@ def ckpt(tmp_path_factory) -> Path:
         vocab_size=synth.REAL_VOCAB,
         tokenizer=True,
     )
-
-
-class IdsReply(ReplyStream):
-    """A reply that keeps the ids it is handed."""
-
-    def __init__(self, tok: Tokenizer) -> None:
-        super().__init__(tok, thinking=False, tools=False)
-        self.ids: list[int] = []
-
-    def push(self, token_id: int):
-        self.ids.append(token_id)
-        return super().push(token_id)
 
 
 def serve_all(rt, tok, max_batch: int, rows: list[int], logged: list[str]) -> list[list[int]]:
