@@ -9,9 +9,10 @@ tokens for --passes passes, first one `step` per session ("solo"), then one `ste
 all of them ("batch"), twice each, alternating (fresh sessions each round, the same prompts, so
 both ways compute the same tokens: checked). Timed window: the passes only (prefills outside).
 Prints per round: tokens/s both ways and the kernel seconds by weight role (trunk, experts,
-head: `kernels.kernel_seconds()`), and the wall time outside the kernels (Python, attention's
-own loops, routing). Give the load (`uptime`) with the figures: only ratios within a run mean
-something on a shared machine.
+head: `kernels.kernel_seconds()`), the wall time outside the kernels (Python, attention's
+own loops, routing), and the process's CPU seconds (`time.process_time`, every thread), whose
+ratio a busy machine disturbs much less than the wall's. Give the load (`uptime`) with the
+figures: only ratios within a run mean something on a shared machine.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main() -> None:
         print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
         for mode in ("solo", "batch", "solo", "batch"):
             ss, toks = fresh()
-            k0, t0 = kernels.kernel_seconds(), time.perf_counter()
+            k0, t0, c0 = kernels.kernel_seconds(), time.perf_counter(), time.process_time()
             got = []
             for _ in range(a.passes):
                 if mode == "solo":
@@ -61,7 +62,7 @@ def main() -> None:
                     out = step_many(ss, toks)
                 toks = [int(np.argmax(r)) for r in out]
                 got.append(toks)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             k1 = kernels.kernel_seconds()
             roles = {r: k1.get(r, 0.0) - k0.get(r, 0.0) for r in ("trunk", "experts", "head")}
             ids.setdefault(mode, got)
@@ -69,7 +70,8 @@ def main() -> None:
             print(
                 f"{mode}: {n} tokens in {wall:.2f} s = {n / wall:.2f} tok/s; kernel s "
                 + ", ".join(f"{r} {v:.2f}" for r, v in roles.items())
-                + f"; outside the kernels {wall - sum(roles.values()):.2f} s",
+                + f"; outside the kernels {wall - sum(roles.values()):.2f} s"
+                + f"; CPU {cpu:.2f} s = {n / cpu:.2f} tok/s",
                 flush=True,
             )
         print(f"same tokens both ways: {ids['solo'] == ids['batch']}", flush=True)

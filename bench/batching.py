@@ -14,6 +14,17 @@ peak RSS is read from outside (/proc/PID/status VmHWM) at the end of each budget
 against it; the plan's expert line says whether the experts are all in RAM or stream, and the
 server's "decoding at most" line where a streaming budget lowered --max-batch.
 
+The prompts count in both ways alike (each is prefilled alone, one after another, in either):
+each row also gives the seconds the server spent reading them one after another (its
+`dsv4_prefill_seconds_total` counter, /metrics) and the ratio with those seconds taken out of
+both walls ("decode alone": the same prompts cost the same together; their counter there also
+holds the others' passes run between two segments of a prompt, so it is not used). With short
+answers the prompts are a large share of the set, which no batching of the decode passes shortens.
+
+The server process's CPU seconds (/proc/PID/stat) both ways are printed too: at one kernel
+thread their ratio is the work saved, which a busy machine disturbs much less than the walls
+(with more threads it also counts the kernels' idle workers spinning).
+
 Timed window: the client's, request sent to answer read. Only ratios from one run mean
 something on a shared machine; give the load (`uptime`) with the figures.
 """
@@ -56,6 +67,22 @@ def text_and_tokens(out: dict) -> tuple[str, int]:
     return out["choices"][0]["message"]["content"] or "", out["usage"]["completion_tokens"]
 
 
+def prefill_seconds(port: int) -> float:
+    """The server's seconds spent reading prompts so far (/metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("dsv4_prefill_seconds_total "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """The server process's CPU seconds so far (user + system, every thread: /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_rss_gb(pid: int) -> float:
     with open(f"/proc/{pid}/status", encoding="ascii") as f:
         for line in f:
@@ -92,13 +119,13 @@ def run_budget(ckpt: str, budget: str, clients: list[int], tokens: int, eos: int
         rows = []
         for c in clients:
             bodies = [body(k, tokens, eos) for k in range(c)]
-            t0 = time.perf_counter()
+            p0, c0, t0 = prefill_seconds(port), cpu_seconds(proc.pid), time.perf_counter()
             seq = [post(port, b) for b in bodies]
-            seq_wall = time.perf_counter() - t0
+            seq_wall, p1, c1 = time.perf_counter() - t0, prefill_seconds(port), cpu_seconds(proc.pid)
             t0 = time.perf_counter()
             with ThreadPoolExecutor(c) as pool:
                 conc = list(pool.map(lambda b: post(port, b), bodies))
-            conc_wall = time.perf_counter() - t0
+            conc_wall, prompts, c2 = time.perf_counter() - t0, p1 - p0, cpu_seconds(proc.pid)
             same = [text_and_tokens(a[0]) == text_and_tokens(b[0]) for a, b in zip(seq, conc, strict=True)]
             n = sum(text_and_tokens(o)[1] for o, _ in conc)
             row = {
@@ -110,19 +137,29 @@ def run_budget(ckpt: str, budget: str, clients: list[int], tokens: int, eos: int
                 "per_request_sequential_tok_s": sum(text_and_tokens(o)[1] / s for o, s in seq) / c,
                 "per_request_concurrent_tok_s": sum(text_and_tokens(o)[1] / s for o, s in conc) / c,
                 "identical": all(same),
+                "server_cpu_seconds_sequential": c1 - c0,
+                "server_cpu_seconds_concurrent": c2 - c1,
+                "prompt_seconds": prompts,
+                "decode_alone_ratio": (seq_wall - prompts) / max(conc_wall - prompts, 1e-9),
             }
             rows.append(row)
             print(
                 f"  budget {budget} GB, {c} client(s): {row['sequential_tok_s']:.2f} tok/s one after another,"
                 f" {row['concurrent_tok_s']:.2f} together ({row['ratio']:.2f}x); per request"
                 f" {row['per_request_sequential_tok_s']:.2f} -> {row['per_request_concurrent_tok_s']:.2f} tok/s;"
-                f" answers {'identical' if row['identical'] else 'DIFFERENT'}",
+                f" answers {'identical' if row['identical'] else 'DIFFERENT'}; prompts {prompts:.2f} s of"
+                f" {seq_wall:.2f} one after another: decode alone {row['decode_alone_ratio']:.2f}x; server CPU"
+                f" {c1 - c0:.2f} s -> {c2 - c1:.2f} s ({(c1 - c0) / max(c2 - c1, 1e-9):.2f}x)",
                 flush=True,
             )
         plan = [
             ln for ln in lines if any(k in ln for k in ("experts:", "planned total", "serving:", "decoding at most"))
         ]
-        return {"budget": budget, "rows": rows, "peak_rss_gb": peak_rss_gb(proc.pid), "plan": plan}
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/stats", timeout=60) as r:
+            threads = json.loads(r.read()).get("decode_threads", {})
+        if threads:  # the governor's choice (no --threads): passes per kernel thread count
+            plan.append(f"decode steps and passes by kernel threads {threads}")
+        return {"budget": budget, "rows": rows, "peak_rss_gb": peak_rss_gb(proc.pid), "plan": plan, "threads": threads}
     finally:
         proc.terminate()
         proc.wait(timeout=60)

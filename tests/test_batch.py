@@ -120,3 +120,28 @@ def test_a_governed_pass_tries_thread_counts_per_batch_size(family, monkeypatch)
     assert engine.governor.steps == {2: 0, 1: 0}  # the single-sequence governor saw none of them
     assert engine.governor.summary() == {"2": passes - PROBE_STEPS, "1": PROBE_STEPS}
     assert set_to[0] == 1 and set_to[-1] == 2 and now[0] == 2  # the try, then back to every thread
+
+
+def test_the_attention_projects_the_rows_of_a_pass_in_one_product(family, monkeypatch) -> None:
+    """The stateful half of a batched pass (the stack's `attend_rows`): each projection of the
+    attention (wq_a, wq_b, wkv, wo_b) is one product over the B rows, not B one-row products;
+    only the state's part runs row by row (the rows' bits: the test above)."""
+    import importlib
+
+    attention = importlib.import_module(f"dsv4stream.model.{family.name}.attention")
+    engine = family.engine("exact")
+    rows = [_pair(engine, [int(t) for t in family.ids(3 + 2 * k, seed=80 + k)]) for k in range(3)]
+    toks = [int(np.argmax(logits)) for _, _, logits in rows]
+    seen: list[tuple[int, int]] = []
+    real = attention.matmul
+    monkeypatch.setattr(attention, "matmul", lambda w, x: (seen.append((id(w), x.shape[0])), real(w, x))[1])
+    got = step_many([b for _, b, _ in rows], toks)
+    projections = set()
+    for i in range(engine.cfg.n_layers):
+        a = engine.trunk.layer(i).attn
+        projections |= {id(a.wq_a), id(a.wq_b), id(a.wkv), id(a.wo_b)}
+    mine = [n for w, n in seen if w in projections]
+    assert mine and all(n == 3 for n in mine)
+    assert len(mine) == 4 * engine.cfg.n_layers  # once each per layer for the pass
+    for j, (alone, _, _) in enumerate(rows):
+        assert np.array_equal(got[j], alone.step(toks[j]))

@@ -70,9 +70,7 @@ def step_many(sessions: Sequence[Session], token_ids: Sequence[int] | np.ndarray
         for i in range(n_layers):
             w = engine.trunk.layer(i)  # once for the pass
             try:
-                for s, p in zip(sessions, passes, strict=True):
-                    stack.attend(s.pass_context(), p, i, w, s.state)
-                joined = stack.join(passes)
+                joined = _attend(stack, sessions, passes, i, w)
                 stack.ffn(ctx, joined, i, w)
             except NumericsError as e:
                 raise layer_numerics_error(engine.cfg, i, w, e) from None
@@ -117,6 +115,18 @@ def read_ahead_many(sessions: Sequence[Session], token_ids: Sequence[int] | np.n
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     for s, t in zip(sessions, ids, strict=True):
         s.read_ahead([t], pass_tokens=len(sessions))
+
+
+def _attend(stack, sessions: list[Session], passes: list, i: int, w):
+    """Layer i's stateful half for every row, joined for the stateless half: in one call over the
+    rows where the family's stack has one (`attend_rows`: the projections shared, each row's
+    state apart), else each session's `attend` on its own row."""
+    rows = getattr(stack, "attend_rows", None)
+    if rows is not None:
+        return rows(passes, i, w, [s.state for s in sessions])
+    for s, p in zip(sessions, passes, strict=True):
+        stack.attend(s.pass_context(), p, i, w, s.state)
+    return stack.join(passes)
 
 
 def _joined_context(sessions: list[Session]) -> PassContext:

@@ -16,7 +16,7 @@ from ..checkpoint.config import V4, ModelConfig
 from ..errors import UsageError
 from ..model.rope import rope_tables
 from ..model.v4.attention import AttnState, new_attn_state
-from ..model.v4.block import attention_half, ffn_half, head_forward
+from ..model.v4.block import attention_half, attention_half_rows, ffn_half, head_forward
 from ..weights.providers import ExpertKey, Experts, Trunk
 from .steps import Pass, PassContext
 
@@ -77,6 +77,15 @@ class V4Stack:
             x[a + out_from : a + c] = y
         if first:
             p.cut(first)
+
+    def attend_rows(self, passes: list[Pass], i: int, w, states: list[list]) -> Pass:
+        """`attend` of one decode token per sequence (passes[b] of states[b], untraced), the
+        projections run once over the rows (`attention_half_rows`): the passes joined, as `join`."""
+        joined = self.join(passes)
+        joined.x = attention_half_rows(
+            joined.x, joined.positions, w, [st[i] for st in states], self.cfg, self.rope_for(i)
+        )
+        return joined
 
     def ffn(self, ctx: PassContext, p: Pass, i: int, w) -> None:
         """Layer i's second half, stateless and row by row: one MoE pass over the pass's tokens

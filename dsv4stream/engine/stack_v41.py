@@ -29,7 +29,7 @@ from ..checkpoint.config import V41, ModelConfig
 from ..errors import CheckpointError, Dsv4Error, UsageError
 from ..model.rope import Rope, rope_tables
 from ..model.v41.attention import KeyBoard, Published, V41Plan, new_layer_state
-from ..model.v41.block import HcParams, attention_half, ffn_half, head_forward, identity_pre
+from ..model.v41.block import HcParams, attention_half, attention_half_rows, ffn_half, head_forward, identity_pre
 from ..model.v41.engram import engram
 from ..model.v41.moe import V41MoeParams
 from ..model.v41.quant import FP32, OFFICIAL, Numerics
@@ -319,6 +319,27 @@ class V41Stack:
             carry.history = tuple(p.history)
         if first:
             p.cut(first)
+
+    def attend_rows(self, passes: list[V41Pass], i: int, w, states: list[list]) -> V41Pass:
+        """`attend` of one decode token per sequence (passes[b] of states[b], untraced), the
+        mixes and the attention's projections once over the rows (`attention_half_rows`); the
+        Engram and each sequence's state row by row: the passes joined, as `join`."""
+        for p, state in zip(passes, states, strict=True):
+            if w.engram is not None:
+                rows = next(engram_pieces(self.engram_rows, i, p.rows[:, self.engram_layers.index(i)], 1))
+                live = None if p.image is None else ~p.image
+                p.x = engram(p.x, rows, w.engram, self.cfg.rms_norm_eps, self.plan.quantise, live)
+            if not p.published:
+                p.published = [Published()]
+        joined = self.join(passes)
+        rows = [(state[:-1], p.published[0], state[-1].board) for p, state in zip(passes, states, strict=True)]
+        joined.x, joined.a_pre = attention_half_rows(
+            joined.x, joined.pre, joined.positions, w, rows, self.plan, self.rope_for(i), self.hc
+        )
+        if i == self.cfg.n_layers - 1:
+            for p, state in zip(passes, states, strict=True):
+                state[-1].history = tuple(p.history)
+        return joined
 
     def ffn(self, ctx: PassContext, p: V41Pass, i: int, w) -> None:
         """Layer i's second half, stateless and row by row: one MoE pass over the pass's tokens

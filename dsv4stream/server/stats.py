@@ -295,6 +295,8 @@ class LiveStats:
                 "budget_gb": self.rt.opts.budget / 1e9,
                 "history": list(self._history),
                 "speculation": _speculation(self._spec),
+                # decode steps and batched passes per kernel thread count (the governor's; {} with --threads)
+                "decode_threads": gov.summary() if (gov := self.rt.engine.governor) is not None else {},
             }
 
 

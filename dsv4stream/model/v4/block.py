@@ -20,7 +20,7 @@ from ..moe import ExpertSource, moe
 from ..ops import rms_norm
 from ..rope import Rope
 from ..trace import Trace
-from .attention import AttnState, attention
+from .attention import AttnState, attention, attention_rows
 from .layer import HeadWeights, LayerWeights
 
 
@@ -45,6 +45,19 @@ def attention_half(
     if trace:
         trace("attn", w.index, y)
     return hc_post(x[out_from:], y, post[out_from:], comb[out_from:])
+
+
+def attention_half_rows(
+    x: np.ndarray, positions: np.ndarray, w: LayerWeights, states: list[AttnState], cfg: ModelConfig, rope: Rope
+) -> np.ndarray:
+    """One decode token of each of B sequences: streams x (B, hc, D) at positions (B,), row b's
+    state states[b] -> streams after the attention half, row b bit for bit `attention_half` of
+    that row alone. The mHC mixing, the norm and the attention's projections run once over the
+    B rows (`attention_rows`); the state's part row by row."""
+    it, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    h, post, comb = hc_pre(x, w.hc_attn, it, hc_eps, eps)
+    y = attention_rows(rms_norm(h, w.attn_norm, eps), positions, w.attn, states, cfg, rope)
+    return hc_post(x, y, post, comb)
 
 
 def ffn_half(

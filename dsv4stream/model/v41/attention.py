@@ -233,35 +233,103 @@ def attention(
     wanted; every row updates the state (it comes from x alone), the query path runs for rows
     out_from: only (the last layer of a pass that wants only the last position's logits; each
     kernel's row has the same bits whatever the other rows of its call)."""
-    hd, eps = plan.head_dim, plan.eps
     cos, sin = rope.cos_sin(positions)
     xq = _aq(x, plan)
-    kv = apply_rope(rms_norm(matmul(w.wkv, xq), w.kv_norm, eps), cos, sin, in_place=True)
-    kv = _aq(kv, plan)
+    kv = project_kv(xq, cos, sin, w, plan)
+    if out_from >= x.shape[0]:  # no row wanted: the state only
+        attend_state(x, None, None, kv, positions, cos, sin, w, layer, states, plan, pub, board, rope, out_from)
+        return np.zeros((0, x.shape[1]), dtype=F32)
+    qrq, q = project_q(xq[out_from:], cos[out_from:], sin[out_from:], w, plan)
+    o = attend_state(x, qrq, q, kv, positions, cos, sin, w, layer, states, plan, pub, board, rope, out_from)
+    return project_out(o, cos[out_from:], sin[out_from:], w, plan)
 
+
+def attention_rows(
+    x: np.ndarray,
+    positions: np.ndarray,
+    w: V41AttnWeights,
+    layer: int,
+    rows: Sequence[tuple[Sequence[V41LayerState], Published, KeyBoard]],
+    plan: V41Plan,
+    rope: Rope,
+) -> np.ndarray:
+    """One decode token of each of B sequences: x (B, D) at positions (B,), row b's states,
+    published choice and key board in rows[b] -> (B, D), row b bit for bit `attention` of that
+    row alone. The projections (wq_a, wq_b, wkv; wo_a, wo_b) run once over the B rows; what reads
+    and updates a sequence's state, row by row (as V4's `model.v4.attention.attention_rows`)."""
+    tables = [rope.cos_sin(positions[b : b + 1]) for b in range(x.shape[0])]  # each row's own table rows
+    cos, sin = np.concatenate([c for c, _ in tables]), np.concatenate([s for _, s in tables])
+    xq = _aq(x, plan)
+    qrq, q = project_q(xq, cos, sin, w, plan)
+    kv = project_kv(xq, cos, sin, w, plan)
+    o = np.empty_like(q)
+    for b, (states, pub, board) in enumerate(rows):
+        r = slice(b, b + 1)
+        o[r] = attend_state(
+            x[r], qrq[r], q[r], kv[r], positions[r], cos[r], sin[r], w, layer, states, plan, pub, board, rope
+        )
+    return project_out(o, cos, sin, w, plan)
+
+
+def project_q(
+    xq: np.ndarray, cos: np.ndarray, sin: np.ndarray, w: V41AttnWeights, plan: V41Plan
+) -> tuple[np.ndarray, np.ndarray]:
+    """The query projections of xq (T, D), x on the activation grid where the plan quantises:
+    the low-rank row (on the grid too) and q (T, H, hd) roped."""
+    t = xq.shape[0]
+    qr = rms_norm(matmul(w.wq_a, xq), w.q_norm, plan.eps)
+    qrq = _aq(qr, plan)
+    return qrq, apply_rope(matmul(w.wq_b, qrq).reshape(t, plan.n_heads, plan.head_dim), cos, sin, in_place=True)
+
+
+def project_kv(xq: np.ndarray, cos: np.ndarray, sin: np.ndarray, w: V41AttnWeights, plan: V41Plan) -> np.ndarray:
+    """The window key/value of xq (T, D): kv (T, hd) normed, roped and on the grid."""
+    kv = apply_rope(rms_norm(matmul(w.wkv, xq), w.kv_norm, plan.eps), cos, sin, in_place=True)
+    return _aq(kv, plan)
+
+
+def attend_state(
+    x: np.ndarray,
+    qrq: np.ndarray | None,
+    q: np.ndarray | None,
+    kv: np.ndarray,
+    positions: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    w: V41AttnWeights,
+    layer: int,
+    states: Sequence[V41LayerState],
+    plan: V41Plan,
+    pub: Published,
+    board: KeyBoard,
+    rope: Rope,
+    out_from: int = 0,
+) -> np.ndarray | None:
+    """The part that reads and updates one sequence's state: the window and the KV source's rows
+    from all T rows, then for the rows out_from: (whose qrq, q are given: None when no row is
+    wanted) the index choice and the scores -> o (T - out_from, H, hd), still roped."""
     st = states[layer]
     keys, kpos = st.window.with_new(kv, positions)
     dist = positions[:, None] - kpos[None, :]
     key_mask = (dist >= 0) & (dist < plan.window)
     st.window.push(kv, positions)
     src = _compress(x, w, layer, states, plan, board, rope) if plan.ratios[layer] else None
-
+    if q is None:  # the state is whole and no row's output is wanted
+        return None
     if out_from:  # the state is whole: the rest is the wanted rows' queries
-        x, xq, positions, cos, sin = x[out_from:], xq[out_from:], positions[out_from:], cos[out_from:], sin[out_from:]
+        x, positions, cos, sin = x[out_from:], positions[out_from:], cos[out_from:], sin[out_from:]
         key_mask = key_mask[out_from:]
-    t = x.shape[0]
-    if t == 0:
-        return np.zeros((0, x.shape[1]), dtype=F32)
-    qr = rms_norm(matmul(w.wq_a, xq), w.q_norm, eps)
-    qrq = _aq(qr, plan)
-    q = apply_rope(matmul(w.wq_b, qrq).reshape(t, plan.n_heads, hd), cos, sin, in_place=True)
 
     comp = comp_idx = None
     if src is not None:
         comp, comp_idx = src.rows.rows, _chosen(x, qrq, positions, cos, sin, w, layer, src, states, plan, pub, board)
         if comp_idx.shape[1] == 0:
             comp = comp_idx = None
-    o = attend(q, keys, key_mask, comp, None, comp_idx, w.sink)
+    return attend(q, keys, key_mask, comp, None, comp_idx, w.sink)
+
+
+def project_out(o: np.ndarray, cos: np.ndarray, sin: np.ndarray, w: V41AttnWeights, plan: V41Plan) -> np.ndarray:
+    """o (T, H, hd) -> (T, D): the rope channels rotated back, the grouped wo_a, then wo_b."""
     o = apply_rope(o, cos, sin, inverse=True, in_place=True)
-    mid = matmul_grouped(w.wo_a, o.reshape(t, len(w.wo_a), -1))  # (T, g * o_lora_rank)
+    mid = matmul_grouped(w.wo_a, o.reshape(o.shape[0], len(w.wo_a), -1))  # (T, g * o_lora_rank)
     return matmul(w.wo_b, _aq(mid, plan))

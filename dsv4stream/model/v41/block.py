@@ -29,7 +29,7 @@ from ..mhc import HcWeights, collapse, split_mixes
 from ..moe import ExpertSource
 from ..ops import rms_norm
 from ..rope import Rope
-from .attention import KeyBoard, Published, V41AttnWeights, V41LayerState, V41Plan, attention
+from .attention import KeyBoard, Published, V41AttnWeights, V41LayerState, V41Plan, attention, attention_rows
 from .engram import EngramWeights
 from .moe import V41MoeParams, V41MoeWeights, moe
 
@@ -102,6 +102,25 @@ def attention_half(
     if x.shape[0] == 0:  # the state alone was wanted
         return x, np.zeros((0, pre.shape[1]), dtype=F32)
     a_pre, post, comb = hc_mixes(x, w.hc_attn, hp)
+    return hc_post(x, y, post, comb), a_pre
+
+
+def attention_half_rows(
+    x: np.ndarray,
+    pre: np.ndarray,
+    positions: np.ndarray,
+    w: V41LayerWeights,
+    rows: list[tuple[list[V41LayerState], Published, KeyBoard]],
+    plan: V41Plan,
+    rope: Rope,
+    hp: HcParams,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One decode token of each of B sequences (row b's states, published choice and key board in
+    rows[b]) -> (streams after attention, the FFN's pre), row b bit for bit `attention_half` of
+    that row alone: the mixes, the norm and the attention's projections once over the B rows."""
+    a_pre, post, comb = hc_mixes(x, w.hc_attn, hp)
+    h = rms_norm(collapse(x, pre), w.attn_norm, hp.norm_eps)
+    y = attention_rows(h, positions, w.attn, w.index, rows, plan, rope)
     return hc_post(x, y, post, comb), a_pre
 
 
