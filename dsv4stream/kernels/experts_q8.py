@@ -238,10 +238,11 @@ def _scratch(p: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 # ---------------------------------------------------------------- a layer, group by group ---
 
-# Pairs per driver call when a layer's experts come in several groups or a prefill pass has many
-# pairs: bounds the gate, up and SwiGLU temporaries ((PAIR_ROWS, I) float32 each) as
-# `model.moe.EXPERT_ROWS` bounds them per expert on the exact path.
-PAIR_ROWS = 1024
+# Pairs per driver call: bounds the gathered rows (PAIR_ROWS, D) and the gate, up and SwiGLU
+# temporaries ((PAIR_ROWS, I) float32 each) exactly as `model.moe.EXPERT_ROWS` bounds one
+# expert's on the per-expert path (the same value), so a prefill segment holds no more than it
+# did; a decode step's layer (k pairs a row) and a short prompt's fit in one call.
+PAIR_ROWS = 256
 _NO_PAIRS = np.zeros((0, 1), np.int64)  # tp of a down call that only fills y rows
 _NO_EXPERTS = np.zeros((0, 2), np.int64)  # addr of a down call that only sums
 _NONE = np.zeros(0, np.int64)
