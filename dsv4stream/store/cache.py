@@ -260,11 +260,12 @@ class ExpertStore:
     def get_groups(self, keys: Iterable[Hashable]) -> Iterator[list[tuple[Hashable, tuple[np.ndarray, ...]]]]:
         """``get_many`` handing its items in groups pinned together: each group is every item
         whose read has finished when the previous group was consumed (so, when the keys' entries
-        are all in memory, one group of them all), and all of a group's views stay valid until
-        the generator advances. Acquisition, counting and victims are ``get_many``'s exactly (so
-        a route-log replay is unchanged); a group never holds more than ``cap`` items, the
-        unpinned slots when the iteration started, so holding one never takes a slot the plan
-        did not give or a pinned one."""
+        are all in memory and fit the unpinned slots, one group of them all), and all of a
+        group's views stay valid until the generator advances. Acquisition, counting and victims
+        are ``get_many``'s exactly (so a route-log replay is unchanged): at most ``cap`` = the
+        unpinned slots are pinned, so holding a group never takes a slot the plan did not give
+        or a pinned one. When the keys do not all fit, a group holds at most half of ``cap``
+        (at least one), so that the next keys' reads proceed while the consumer computes."""
         return self._many(keys, together=True)
 
     def _many(
@@ -281,11 +282,14 @@ class ExpertStore:
             pending = {i: self._acquire(order[i]) for i in range(cap)}
         kept: dict[int, _Entry] = {}  # yielded, pin kept until its successor's turn
         nxt = cap
+        # a group of all that landed when every key is pinned already; else at most half the
+        # pins, so the reads of the other half go on while the consumer works on this one
+        most = len(order) if cap >= len(order) or not together else max(1, cap // 2)
         try:
             while pending:
                 landed = self._landed(pending)
                 group = []
-                for i in landed if together else landed[:1]:
+                for i in landed[:most]:
                     entry = pending.pop(i)
                     views = self._wait(entry)  # on error it unpins the entry itself
                     kept[i] = entry
