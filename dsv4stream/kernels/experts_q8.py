@@ -18,6 +18,11 @@ count, of the other tokens in the call and of the order in which experts arrived
 Pairs are ordered by (expert, token, slot); expert j owns pairs lo[j] .. hi[j]. The experts'
 weights are passed as addresses (an (E, 4) or (E, 2) int64 table) because numba takes no list
 of arrays without building one per call; the caller keeps the arrays alive during the call.
+
+`Layer` drives a layer whose experts come in groups (the expert store pins what fits its free
+slots): a layer in one group is one `pair_products` and one `down_sum`; otherwise each group's
+calls fill the pairs' unweighted rows and one last `down_sum` call with no expert sums them, in
+the same order, so the bits do not depend on the grouping.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ the batch's tokens that chose it. The experts may arrive in any order (the share
 first, then those already in memory, then the rest as their reads land); each one's
 weighted output is kept, and every token sums its experts in ascending id order at the
 end, so the sum, hence the logits, never depend on the arrival order, the cache size or
-the batch size.
+the batch size. Under `fast` numerics the FP4 experts run on `kernels.experts_q8`'s layer-wide
+drivers instead, a group of experts per pair of calls (a `GroupedSource` hands the experts the
+store holds together: all of a layer's when they are in memory and fit), with the same bits.
 """
 
 from __future__ import annotations
