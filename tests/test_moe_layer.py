@@ -54,9 +54,9 @@ def logits(session) -> np.ndarray:
     return np.concatenate(rows)
 
 
-def run(ckpt: Path, budget: int, **kw) -> tuple[np.ndarray, object, object]:
+def run(ckpt: Path, budget: int, **kw) -> tuple[np.ndarray, object]:
     with Runtime.open(ckpt, RunOptions(budget=budget, overhead=0, chunk=4, numerics="fast", **kw)) as rt:
-        return logits(rt.session()), rt.plan, rt.stats()
+        return logits(rt.session()), rt.stats()
 
 
 def test_a_decode_layer_in_memory_takes_two_driver_calls(ckpt, layers):
@@ -76,7 +76,7 @@ def test_every_budget_and_grouping_gives_the_per_expert_bits(ckpt, layers, monke
     assert layers and all(lay.calls == 2 for lay in layers)  # every layer's experts in one group
     n = measure(ckpt, RunOptions(budget=1, overhead=0, chunk=4, numerics="fast"))
     floor = planner.minimum_budget(n)
-    big, plan, _ = run(ckpt, 8 * floor)
+    big, _ = run(ckpt, 8 * floor)
     np.testing.assert_array_equal(big, in_memory)
 
     pins: list[tuple[int, int]] = []  # (pinned slots, the store's slots) at each group handed out
@@ -89,7 +89,7 @@ def test_every_budget_and_grouping_gives_the_per_expert_bits(ckpt, layers, monke
 
     monkeypatch.setattr(ExpertStore, "get_groups", counted)
     layers.clear()
-    tight, plan, stats = run(ckpt, floor, verify=True)
+    tight, stats = run(ckpt, floor, verify=True)
     np.testing.assert_array_equal(tight, in_memory)
     assert stats.verified_reads > 0 and stats.verify_mismatches == 0
     assert pins and all(p <= slots for p, slots in pins)
