@@ -166,21 +166,30 @@ def _count_bytes() -> None:
 
     inner = kernels._products
     kernels._products = lambda: _Counting(inner())
-    from dsv4stream.model import moe
+    from dsv4stream.kernels import experts_q8
 
-    swiglu = moe.q8_expert_swiglu  # fast's routed FP4 experts: two driver calls, not the products above
+    # fast's routed FP4 experts: a layer's driver calls (`experts_q8.Layer`), not the products above
+    def counted(method, weights_of):
+        def run(self, *args):
+            if self.x.shape[0] != 1:
+                return method(self, *args)
+            c0 = time.process_time()
+            y = method(self, *args)
+            role = "experts"
+            _cpu[role] = _cpu.get(role, 0.0) + time.process_time() - c0
+            if y is not None or method.__name__ != "whole":  # whole: None when it ran nothing
+                _bytes[role] = _bytes.get(role, 0) + sum(w.nbytes for w in weights_of(*args))
+            return y
 
-    def counted_swiglu(variant, x, e, weights, glu):
-        if np.shape(x)[0] != 1:
-            return swiglu(variant, x, e, weights, glu)
-        c0 = time.process_time()
-        y = swiglu(variant, x, e, weights, glu)
-        role = e.w1.role
-        _cpu[role] = _cpu.get(role, 0.0) + time.process_time() - c0
-        _bytes[role] = _bytes.get(role, 0) + e.w1.nbytes + e.w3.nbytes + e.w2.nbytes
-        return y
+        return run
 
-    moe.q8_expert_swiglu = counted_swiglu
+    def group_weights(group):
+        return [getattr(e, m) for _, e in group for m in ("w1", "w2", "w3")]
+
+    lay = experts_q8.Layer
+    lay.whole = counted(lay.whole, group_weights)
+    lay.group = counted(lay.group, group_weights)
+    lay.total = counted(lay.total, list)
 
 
 def measure(

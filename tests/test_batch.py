@@ -76,14 +76,14 @@ def test_the_batched_pass_fetches_each_expert_once_for_all_rows(family) -> None:
         s.requests.clear()
         t.requests.clear()
     asked: list = []
-    real = engine.experts.get_many if hasattr(engine.experts, "get_many") else None
+    real = engine.experts.get_groups if hasattr(engine.experts, "get_groups") else None
     if real is not None:
-        engine.experts.get_many = lambda layer, ids: (asked.extend((layer, e) for e in ids), real(layer, ids))[1]
+        engine.experts.get_groups = lambda layer, ids: (asked.extend((layer, e) for e in ids), real(layer, ids))[1]
     try:
         step_many(seqs, toks)
     finally:
         if real is not None:
-            del engine.experts.get_many
+            del engine.experts.get_groups
     for s, t, tok in zip(seqs, solo, toks, strict=True):
         t.step(tok)
         assert sorted(s.requests) == sorted(t.requests)

@@ -4,8 +4,10 @@ Independent of the drivers: each expert's products by `q8.matmul` (tested agains
 test_numerics_kernels.py), the SwiGLU in numpy, and each token's weighted sum in ascending
 expert id order written out here. The drivers must give those bits exactly (the rows of a
 batch equal solo steps only if they do), for E8M0 and float32 scales, token groups of 4, 2
-and 1, an expert listed twice by one token, the host variant and AVX2 in this process, and
+and 1, an expert listed twice by one token, a layer handed in any groups (`experts_q8.Layer`:
+the store's pins) with calls of any size, the host variant and AVX2 in this process, and
 AVX2 compiled for a Haswell target in a child process (generic: no driver, the old path).
+The MoE runs a layer whose experts come in one group in two driver calls.
 """
 
 from __future__ import annotations
@@ -74,6 +76,31 @@ def routing(rng, t: int) -> tuple[np.ndarray, np.ndarray]:
     return experts, rng.uniform(0.1, 2.0, experts.shape).astype(np.float32)
 
 
+def pair_rows(variant: str, x, experts, weights, e: int, ew) -> np.ndarray:
+    """Expert e's weighted rows, one per (token, slot) choosing it, in that order (`Layer.put`)."""
+    rows = []
+    for t, j in zip(*np.nonzero(experts == e), strict=True):
+        xt = x[t : t + 1]
+        h = glu(q8.matmul(ew.w1.data, ew.w1.scale, xt, variant), q8.matmul(ew.w3.data, ew.w3.scale, xt, variant))
+        rows.append(q8.matmul(ew.w2.data, ew.w2.scale, h, variant)[0] * weights[t, j])
+    return np.array(rows, np.float32)
+
+
+def in_groups(variant: str, x, experts, weights, table, rng, put: int | None = None) -> np.ndarray:
+    """The layer through `experts_q8.Layer` with its experts in random groups, in random order;
+    expert `put` handed as finished rows."""
+    lay = experts_q8.Layer(variant, x, experts, weights, glu)
+    ids = [int(e) for e in rng.permutation(np.unique(experts)) if e != put]
+    cuts = sorted(rng.choice(np.arange(1, len(ids)), size=min(2, len(ids) - 1), replace=False).tolist())
+    for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True):
+        group = [(e, table[e]) for e in ids[a:b]]
+        assert lay.whole(group) is None  # not every expert: no two-call shortcut
+        lay.group(group)
+    if put is not None:
+        lay.put(put, pair_rows(variant, x, experts, weights, put, table[put]))
+    return lay.total()
+
+
 def check_layer_drivers(variant: str) -> None:
     rng = np.random.default_rng(11)
     for f32_scale in (False, True):
@@ -83,6 +110,20 @@ def check_layer_drivers(variant: str) -> None:
         want = reference(variant, x, experts, weights, table)
         np.testing.assert_array_equal(layer(variant, x, experts, weights, table), want)
         np.testing.assert_array_equal(layer(variant, x[3:4], experts[3:4], weights[3:4], table), want[3:4])
+        np.testing.assert_array_equal(in_groups(variant, x, experts, weights, table, rng), want)
+        np.testing.assert_array_equal(in_groups(variant, x, experts, weights, table, rng, put=5), want)
+        before = experts_q8.PAIR_ROWS
+        experts_q8.PAIR_ROWS = 3  # expert 2's 7 pairs in three calls, other experts cut at call ends
+        try:
+            np.testing.assert_array_equal(in_groups(variant, x, experts, weights, table, rng), want)
+            one = experts_q8.Layer(variant, x, experts, weights, glu)
+            group = [(e, table[e]) for e in range(6) if e in experts]
+            assert one.whole(group) is None  # more pairs than one call takes
+            one.group(group)
+            np.testing.assert_array_equal(one.total(), want)
+            assert one.calls == 2 * 7 + 1  # 21 pairs, 3 a call: 7 pairs of calls, then the sum
+        finally:
+            experts_q8.PAIR_ROWS = before
 
 
 @needs_fast
@@ -117,28 +158,48 @@ def fast_mode():
 
 
 @needs_fast
-def test_moe_takes_the_drivers_with_the_separate_products_bits(fast_mode, monkeypatch):
+def test_moe_runs_a_layer_in_two_driver_calls_with_the_separate_products_bits(fast_mode, monkeypatch):
     rng = np.random.default_rng(13)
     table = {e: expert(rng) for e in range(6)}
-
-    def each(ids):
-        for e in ids[::-1]:  # arrival order must not matter
-            yield int(e), table[int(e)]
-
     x = rng.standard_normal((5, D)).astype(np.float32)
     experts, weights = routing(rng, 5)
-    experts[0] = [0, 3, 4]  # token 0 alone: k distinct experts, the one-token path
-    calls = []
-    real = experts_q8.expert_swiglu
-    monkeypatch.setattr(experts_q8, "expert_swiglu", lambda *a: calls.append(1) or real(*a))
-    fused = moe.routed_experts(x, experts, weights, each, LIMIT)
-    solo = moe.routed_experts(x[:1], experts[:1], weights[:1], each, LIMIT)
-    assert len(calls) == np.unique(experts).size + 3
+    experts[0] = [0, 3, 4]  # token 0 alone: k distinct experts (a decode step's layer)
+    layers = []
+    real = moe.q8_layer
+    monkeypatch.setattr(moe, "q8_layer", lambda *a: layers.append(real(*a)) or layers[-1])
+    together = moe.GroupedSource(lambda ids: iter([[(int(e), table[int(e)]) for e in ids[::-1]]]))
+    fused = moe.routed_experts(x, experts, weights, together, LIMIT)
+    solo = moe.routed_experts(x[:1], experts[:1], weights[:1], together, LIMIT)
+    assert [lay.calls for lay in layers] == [2, 2]  # pair_products and down_sum, whatever the rows
+
+    def each(ids):  # one expert at a time, arrival order reversed: two calls each, then the sum
+        for e in ids[::-1]:
+            yield int(e), table[int(e)]
+
+    layers.clear()
+    np.testing.assert_array_equal(moe.routed_experts(x, experts, weights, each, LIMIT), fused)
+    assert [lay.calls for lay in layers] == [2 * np.unique(experts).size + 1]
     monkeypatch.setattr(experts_q8, "variant_of", lambda *a: None)  # the separate products
     np.testing.assert_array_equal(moe.routed_experts(x, experts, weights, each, LIMIT), fused)
     np.testing.assert_array_equal(moe.routed_experts(x[:1], experts[:1], weights[:1], each, LIMIT), solo)
     np.testing.assert_array_equal(solo, fused[:1])
     np.testing.assert_array_equal(fused, reference(HOST, x, experts, weights, table))
+
+
+@needs_fast
+def test_an_expert_the_drivers_do_not_take_joins_the_layer_with_its_own_products(fast_mode, monkeypatch):
+    """A layer with one expert on the per-expert path (e.g. a width the drivers do not take): its
+    weighted rows join the drivers' sum, the same bits as every expert on its own products."""
+    rng = np.random.default_rng(15)
+    table = {e: expert(rng) for e in range(6)}
+    x = rng.standard_normal((4, D)).astype(np.float32)
+    experts, weights = routing(rng, 4)
+    together = moe.GroupedSource(lambda ids: iter([[(int(e), table[int(e)]) for e in ids]]))
+    real = experts_q8.variant_of
+    monkeypatch.setattr(experts_q8, "variant_of", lambda e, *a: None if e is table[2] else real(e, *a))
+    mixed = moe.routed_experts(x, experts, weights, together, LIMIT)
+    monkeypatch.setattr(experts_q8, "variant_of", lambda *a: None)
+    np.testing.assert_array_equal(mixed, moe.routed_experts(x, experts, weights, together, LIMIT))
 
 
 def test_exact_numerics_and_the_reference_backend_never_take_the_drivers():

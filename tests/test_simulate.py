@@ -164,9 +164,11 @@ def files(tmp_path_factory):
     return make_files(tmp_path_factory.mktemp("sim"), layers=3, experts=8)
 
 
-def drive(store_or_model, calls):
+def drive(store_or_model, calls, groups: bool = False):
+    """Make the calls; with groups, the store's get_many calls as get_groups (the engine's)."""
     for op, arg in calls:
-        out = getattr(store_or_model, op)(*(() if arg is None else (arg,)))
+        name = "get_groups" if groups and op == "get_many" else op
+        out = getattr(store_or_model, name)(*(() if arg is None else (arg,)))
         if op == "get_many" and out is not None:  # the store's is a generator: consume it, with work
             for _ in out:
                 time.sleep(random.random() * 1e-4)  # reads land while the consumer works
@@ -211,11 +213,12 @@ def test_store_model_refuses_like_the_store_when_every_slot_is_pinned():
         m.get("c")
 
 
-@pytest.mark.parametrize("release", sim.RELEASES)
-def test_replay_of_the_store_route_log_reproduces_its_hit_count_exactly(files, release):
+@pytest.mark.parametrize("release,groups", [*((r, False) for r in sim.RELEASES), ("many", True)])
+def test_replay_of_the_store_route_log_reproduces_its_hit_count_exactly(files, release, groups):
     """Drive the real store the way the engine does, from a cold cache, with its route log on;
     replaying that log must give the store's own counters, at sizes below and above every
-    prefetch."""
+    prefetch; the same with a layer's experts taken in groups (`get_groups`, as the engine
+    does now)."""
     layouts, _ = files
     rng = np.random.default_rng(5)
     # Decode passes (2 experts per layer) and prefill chunks (up to 8 distinct per layer).
@@ -226,7 +229,7 @@ def test_replay_of_the_store_route_log_reproduces_its_hit_count_exactly(files, r
     for slots in (3, 4, 6, big - 1, big, big + 1, 11, 17, 24):
         buf = io.StringIO()
         with ExpertStore(layouts, slots=slots, threads=2, route_log=buf, **QUIET) as store:
-            drive(store, sim.engine_calls(log, hash_layers=1, release=release))
+            drive(store, sim.engine_calls(log, hash_layers=1, release=release), groups)
             s = store.stats()
         written = buf.getvalue()
         path_log = np.array([ln.split() for ln in written.splitlines()], dtype=np.int64)

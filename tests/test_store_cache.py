@@ -369,3 +369,66 @@ def test_populate_faults_the_free_slots_in_ahead_and_never_a_lent_one(files):
         assert not store._buf[: 1000 * store.slot_bytes].any()
         with store.hold(keys[0]) as views:  # reads land in faulted slots as before
             assert_item(layouts, truth, keys[0], views)
+
+
+def test_get_groups_hands_what_is_in_memory_as_one_group_counted_as_get_many(files):
+    layouts, truth = files
+    keys = [(1, 0), (1, 1), (1, 2), (1, 3)]
+    counts = []
+    for many in ("get_groups", "get_many"):
+        with ExpertStore(layouts, slots=4, **QUIET) as store:
+            for k in keys[:3]:
+                with store.hold(k):
+                    pass
+            if many == "get_groups":
+                groups = list(_held_groups(store, keys[:3], layouts, truth))
+                assert groups == [[keys[0], keys[1], keys[2]]]  # all in memory: one group, all pinned
+                # a miss: the present ones first, the miss in a later group (or in the same, had it landed)
+                groups = list(_held_groups(store, [keys[3], keys[1]], layouts, truth))
+                assert groups[0][0] == keys[1] and sorted(k for g in groups for k in g) == [keys[1], keys[3]]
+            else:
+                for seq in (keys[:3], [keys[3], keys[1]]):
+                    for key, views in store.get_many(seq):
+                        assert_item(layouts, truth, key, views)
+            assert store._lru.pinned() == 0
+            s = store.stats()
+            counts.append((s.requests, s.hits, s.misses, s.evictions))
+    assert counts[0] == counts[1] == (8, 4, 4, 0)
+
+
+def _held_groups(store, keys, layouts, truth):
+    """store.get_groups(keys) as lists of keys, checking every item of a group while it is held."""
+    for group in store.get_groups(keys):
+        for key, views in group:
+            assert_item(layouts, truth, key, views)
+        yield [key for key, _ in group]
+
+
+def test_get_groups_never_pins_more_than_the_free_slots(files):
+    """Six keys, one slot held by someone else: cap = slots - 1 unpinned slots; a group holds at
+    most half of them, so the next reads go on while one is computed."""
+    layouts, truth = files
+    keys = [(2, e) for e in range(6)]
+    for slots in (3, 5):
+        with ExpertStore(layouts, slots=slots, **QUIET) as store:
+            held = store.get((0, 0))
+            seen = []
+            for group in store.get_groups(keys):
+                assert 1 <= len(group) <= (slots - 1) // 2 and store._lru.pinned() <= slots
+                for key, views in group:
+                    assert_item(layouts, truth, key, views)
+                    seen.append(key)
+            assert sorted(seen) == keys
+            assert_item(layouts, truth, (0, 0), held)
+            store.release((0, 0))
+            assert store._lru.pinned() == 0
+
+
+def test_a_streamed_expert_that_fails_verification_raises_through_get_groups(files, monkeypatch):
+    layouts, _ = files
+    monkeypatch.setattr(directio, "plan_slot", plan_without_residue)
+    with ExpertStore(layouts, slots=3, verify=True, label=expert_label, **QUIET) as store:
+        with pytest.raises(VerifyError, match=r"^layer 1 expert"):
+            for _ in store.get_groups([(1, 0), (1, 1), (1, 2)]):
+                pass
+        assert store._lru.pinned() == 0 and store.stats().verify_mismatches >= 1

@@ -26,13 +26,14 @@ and the server's scheduling (`server.worker`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from .. import kernels
 from ..errors import NumericsError, UsageError
-from ..model.moe import ExpertWeights
+from ..model.moe import GroupedSource
+from ..weights.providers import grouped_source
 from . import numerics as run_numerics
 from .phases import StepClock
 from .session import Session, layer_numerics_error
@@ -147,20 +148,14 @@ def _joined_context(sessions: list[Session]) -> PassContext:
 
         return hook
 
-    def experts_of(layer: int) -> Callable[[np.ndarray], Iterator[tuple[int, ExpertWeights]]]:
-        def each(ids: np.ndarray) -> Iterator[tuple[int, ExpertWeights]]:
+    def experts_of(layer: int) -> GroupedSource:
+        def record(ids: np.ndarray) -> None:
             chosen = routed_rows.pop(layer, None)
             for b, s in enumerate(sessions):
                 if s.requests is not None and chosen is not None:
                     s.requests.extend((layer, int(e)) for e in np.unique(chosen[b]))
-            many = getattr(engine.experts, "get_many", None)
-            if many is not None:
-                yield from many(layer, [int(e) for e in ids])
-            else:
-                for e in ids:
-                    yield int(e), engine.experts.get(layer, int(e))
 
-        return each
+        return grouped_source(engine.experts, layer, record)
 
     return PassContext(sessions[0].chunk_size, None, experts_of, routed)
 

@@ -12,12 +12,12 @@ as the main model's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..errors import InternalError, UsageError
-from ..model.moe import ExpertWeights
+from ..model.moe import GroupedSource
 from ..model.v4.dspark import draft as draft_0731
 from ..model.v4.dspark import new_state as new_0731
 from ..model.v4.dspark import observe as observe_0731
@@ -27,6 +27,7 @@ from ..model.v41.dspark import new_state as new_v41
 from ..model.v41.dspark import observe as observe_v41
 from ..weights.loading_dspark import check_drafter, dspark_params, load_dspark
 from ..weights.loading_dspark_0731 import is_0731
+from ..weights.providers import grouped_source
 from .dspark_0731 import model_0731
 
 F32 = np.float32
@@ -53,21 +54,10 @@ def draft_positions(spec: str, n_tokens: int, block: int) -> np.ndarray:
     return np.array(pos, dtype=np.int64)
 
 
-def expert_source(experts, layer: int):
+def expert_source(experts, layer: int) -> GroupedSource:
     """The MoE's expert source for drafter block `layer` from the engine's provider (reads
-    started first, then in memory first where it has `get_many`)."""
-
-    def each(ids: np.ndarray) -> Iterator[tuple[int, ExpertWeights]]:
-        want = [int(e) for e in ids]
-        experts.prefetch([(layer, e) for e in want])
-        many = getattr(experts, "get_many", None)
-        if many is not None:
-            yield from many(layer, want)
-        else:
-            for e in want:
-                yield e, experts.get(layer, e)
-
-    return each
+    started first, then in groups pinned together: `weights.providers.expert_groups`)."""
+    return grouped_source(experts, layer, lambda ids: experts.prefetch([(layer, int(e)) for e in ids]))
 
 
 def teacher_forced_drafts(

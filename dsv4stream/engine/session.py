@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Collection, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -34,11 +34,11 @@ from ..checkpoint.catalog import Catalog, TensorSource
 from ..checkpoint.config import V41, ModelConfig
 from ..checkpoint.tensors import layer_prefix
 from ..errors import NumericsError, UsageError
-from ..model.moe import ExpertWeights
+from ..model.moe import GroupedSource
 from ..model.scan import nonfinite_fields
 from ..model.trace import Trace
 from ..text.sampler import greedy
-from ..weights.providers import CatalogExperts, CatalogTrunk, EngramRows, ExpertKey, Experts, Trunk
+from ..weights.providers import CatalogExperts, CatalogTrunk, EngramRows, ExpertKey, Experts, Trunk, grouped_source
 from . import numerics as run_numerics
 from .family import build_stack
 from .phases import Meter, PhaseLog, PrefillStep, StepClock, Turn, no_reads
@@ -545,22 +545,15 @@ class Session:
 
         return hook
 
-    def _experts_of(self, layer: int) -> Callable[[np.ndarray], Iterator[tuple[int, ExpertWeights]]]:
-        """The MoE's expert source for one layer: the provider's `get_many` (in memory first,
-        misses as they land) where it has one, else one `get` per expert in id order."""
-        experts = self.engine.experts
+    def _experts_of(self, layer: int) -> GroupedSource:
+        """The MoE's expert source for one layer: the provider's experts in groups pinned
+        together (`weights.providers.expert_groups`), the requests recorded first."""
 
-        def each(ids: np.ndarray) -> Iterator[tuple[int, ExpertWeights]]:
+        def record(ids: np.ndarray) -> None:
             if self.requests is not None:
                 self.requests.extend((layer, int(e)) for e in ids)
-            many = getattr(experts, "get_many", None)
-            if many is not None:
-                yield from many(layer, [int(e) for e in ids])
-            else:
-                for e in ids:
-                    yield int(e), experts.get(layer, int(e))
 
-        return each
+        return grouped_source(self.engine.experts, layer, record)
 
 
 @dataclass(frozen=True)

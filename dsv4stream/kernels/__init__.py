@@ -168,15 +168,13 @@ def q8_expert_variant(e) -> str | None:
     return experts_q8.variant_of(e, backend_name(), fast_variant)
 
 
-def q8_expert_swiglu(variant: str, x: np.ndarray, e, weights: np.ndarray, glu) -> np.ndarray:
-    """weights[:, None] * the expert's SwiGLU of x (n, D), glu(gate, up) the elementwise middle:
-    two kernel calls (`experts_q8.expert_swiglu`), the bits of the separate products."""
+def q8_layer(variant: str, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, glu, role: str):
+    """A layer's routed FP4 experts on `experts_q8`'s drivers (`experts_q8.Layer`): x (T, D), the
+    routing experts / weights (T, k), glu(gate, up) the elementwise middle; its driver calls'
+    seconds are counted under `role`, as the products'."""
     from . import experts_q8
 
-    t0 = time.perf_counter()
-    y = experts_q8.expert_swiglu(variant, x, e, weights, glu)
-    _count(e.w1.role, t0)
-    return y
+    return experts_q8.Layer(variant, x, experts, weights, glu, count=lambda t0: _count(role, t0))
 
 
 def matmul_grouped(ws: Sequence[QWeight], x: np.ndarray) -> np.ndarray:

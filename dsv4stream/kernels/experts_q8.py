@@ -18,11 +18,17 @@ count, of the other tokens in the call and of the order in which experts arrived
 Pairs are ordered by (expert, token, slot); expert j owns pairs lo[j] .. hi[j]. The experts'
 weights are passed as addresses (an (E, 4) or (E, 2) int64 table) because numba takes no list
 of arrays without building one per call; the caller keeps the arrays alive during the call.
+
+`Layer` drives a layer whose experts come in groups (the expert store pins what fits its free
+slots): a layer in one group is one `pair_products` and one `down_sum`; otherwise each group's
+calls fill the pairs' unweighted rows and one last `down_sum` call with no expert sums them, in
+the same order, so the bits do not depend on the grouping.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 import types as pytypes
 from pathlib import Path
 
@@ -54,7 +60,28 @@ def _ptr(typingctx, addr, like):
     return sig, codegen
 
 
-_row4 = _row2 = _row1 = None  # bound per variant in each driver's globals (`_driver`)
+_row4 = _row2 = _row1 = None  # bound per variant in each helper's globals (`_compiled`)
+_row_groups = None  # bound per variant in each driver's globals (`_driver`)
+
+
+def _each_token_group(w, r0, r1, sw, qa, bias, da, lo, hi, out):
+    """out[t, r] for rows r0 .. r1 of w and the pairs lo .. hi: the pairs in groups of 4, then 2,
+    then 1 (each pair runs the same instruction sequence in any group); sw (ROWS, C/32) holds
+    rows r0 .. r1's scales."""
+    t0 = lo
+    while t0 < hi:
+        if hi - t0 >= 4:
+            for r in range(r0, r1):
+                _row4(w, r, sw[r - r0], qa, bias, da, t0, out)
+            t0 += 4
+        elif hi - t0 >= 2:
+            for r in range(r0, r1):
+                _row2(w, r, sw[r - r0], qa, bias, da, t0, out)
+            t0 += 2
+        else:
+            for r in range(r0, r1):
+                _row1(w, r, sw[r - r0], qa, bias, da, t0, out)
+            t0 += 1
 
 
 def _drive_pair(addr, lo, hi, sdt, xg, S, gate, up, qa, bias, da):
@@ -74,28 +101,16 @@ def _drive_pair(addr, lo, hi, sdt, xg, S, gate, up, qa, bias, da):
         for m in range(2):
             w = numba.carray(_ptr(addr[e, 2 * m], U8_LIKE), (R, C // 2))
             s = numba.carray(_ptr(addr[e, 2 * m + 1], sdt), (R, ng))
-            out = gate if m == 0 else up
             for r in range(r0, r1):
                 _row_scales(s, r, sw[r - r0])
-            t0 = lo[e]
-            while t0 < hi[e]:
-                if hi[e] - t0 >= 4:
-                    for r in range(r0, r1):
-                        _row4(w, r, sw[r - r0], qa, bias, da, t0, out)
-                    t0 += 4
-                elif hi[e] - t0 >= 2:
-                    for r in range(r0, r1):
-                        _row2(w, r, sw[r - r0], qa, bias, da, t0, out)
-                    t0 += 2
-                else:
-                    for r in range(r0, r1):
-                        _row1(w, r, sw[r - r0], qa, bias, da, t0, out)
-                    t0 += 1
+            _row_groups(w, r0, r1, sw, qa, bias, da, lo[e], hi[e], gate if m == 0 else up)
 
 
 def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
-    """out (T, D): token t's sum over j of y[tp[t, j]] * wp[tp[t, j]], where y (P, D) = pairs'
-    rows h (P, I) times w2 of their expert; addr (E, 2): w2 data, w2 scale."""
+    """y (P, D) = pairs' rows h (P, I) times w2 of their expert (addr (E, 2): w2 data, w2 scale),
+    then out (T, D): token t's sum over j of y[tp[t, j]] * wp[tp[t, j]], from zero in the order of
+    tp's row. Either part may be empty: E = 0 only sums (y filled by earlier calls), T = 0 only
+    fills y (a layer whose experts came in several groups)."""
     _quantize(h, S, qa, bias, da)
     E = addr.shape[0]
     D = y.shape[1]
@@ -111,20 +126,7 @@ def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
             s = numba.carray(_ptr(addr[e, 1], sdt), (D, ng))
             for r in range(r0, r1):
                 _row_scales(s, r, sw[r - r0])
-            t0 = lo[e]
-            while t0 < hi[e]:
-                if hi[e] - t0 >= 4:
-                    for r in range(r0, r1):
-                        _row4(w, r, sw[r - r0], qa, bias, da, t0, y)
-                    t0 += 4
-                elif hi[e] - t0 >= 2:
-                    for r in range(r0, r1):
-                        _row2(w, r, sw[r - r0], qa, bias, da, t0, y)
-                    t0 += 2
-                else:
-                    for r in range(r0, r1):
-                        _row1(w, r, sw[r - r0], qa, bias, da, t0, y)
-                    t0 += 1
+            _row_groups(w, r0, r1, sw, qa, bias, da, lo[e], hi[e], y)
         for t in range(T):
             for r in range(r0, r1):
                 acc = np.float32(0.0)
@@ -134,14 +136,20 @@ def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
                 out[t, r] = acc
 
 
-def _driver(fn, variant: str):
-    """fn compiled with `variant`'s row kernels: a function object of its own (numba's cache
-    cannot key a closure over intrinsics), named after the variant and the kernels' sources."""
-    g = dict(globals())
-    g["_row4"], g["_row2"], g["_row1"] = (q8._row_intrinsic(variant, t) for t in q8.TOKENS)
+def _compiled(fn, variant: str, g: dict, **options):
+    """fn compiled with the globals g: a function object of its own (numba's cache cannot key a
+    closure over intrinsics), named after the variant and the kernels' sources."""
     f = pytypes.FunctionType(fn.__code__, g, f"{fn.__name__[1:]}_{variant}_{_STAMP}")
     f.__qualname__ = f.__name__
-    return njit(parallel=True, **_JIT)(f)
+    return njit(**options, **_JIT)(f)
+
+
+def _driver(fn, variant: str):
+    """fn compiled with `variant`'s row kernels (through `_each_token_group`)."""
+    g = dict(globals())
+    g["_row4"], g["_row2"], g["_row1"] = (q8._row_intrinsic(variant, t) for t in q8.TOKENS)
+    g["_row_groups"] = _compiled(_each_token_group, variant, g)
+    return _compiled(fn, variant, g, parallel=True)
 
 
 _DRIVERS: dict[tuple[str, str], object] = {}
@@ -169,7 +177,6 @@ class Routing:
     tok: np.ndarray
     wp: np.ndarray
     tp: np.ndarray
-    every_row: bool
 
     def __init__(self, experts: np.ndarray, weights: np.ndarray):
         t, k = experts.shape
@@ -184,28 +191,6 @@ class Routing:
         where = np.empty(order.size, np.int64)
         where[order] = np.arange(order.size)
         self.tp = np.sort(where.reshape(t, k), axis=1)
-        self.every_row = False  # whether pair p is token p (no gather of the token rows)
-
-    @classmethod
-    def one(cls, weights: np.ndarray) -> Routing:
-        """One expert chosen once by each of n tokens with weights (n,): `Routing(zeros((n, 1)),
-        weights[:, None])`, built without the sorts (a decode step builds ~24)."""
-        n = weights.shape[0]
-        rt = cls.__new__(cls)
-        rt.ids, rt.lo, rt.hi = _ZERO, _ZERO, np.array([n], np.int64)
-        rt.tok = _arange(n)
-        rt.wp = np.ascontiguousarray(weights, dtype=np.float32).reshape(n)
-        rt.tp = rt.tok.reshape(n, 1)
-        rt.every_row = True
-        return rt
-
-
-_ZERO = np.zeros(1, np.int64)
-_ARANGE = np.arange(64, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    return _ARANGE[:n] if n <= _ARANGE.size else np.arange(n, dtype=np.int64)
 
 
 def _address_table(mats: list[list[np.ndarray]]) -> np.ndarray:
@@ -225,7 +210,7 @@ def scale_like(scales: list[np.ndarray]) -> np.ndarray | None:
 def pair_products(variant: str, x: np.ndarray, rt: Routing, w1s, w3s) -> tuple[np.ndarray, np.ndarray]:
     """Gate and up of every pair: x (T, C) float32; w1s / w3s: per expert of rt.ids, (data
     (I, C/2) uint8, scale (I, C/32)) C-contiguous -> (gate, up), each (P, I) float32."""
-    xg = np.ascontiguousarray(x if rt.every_row else x[rt.tok], dtype=np.float32)
+    xg = np.ascontiguousarray(x[rt.tok], dtype=np.float32)
     p, c = xg.shape
     rows = w1s[0][0].shape[0]
     sdt = scale_like([s for _, s in w1s] + [s for _, s in w3s])
@@ -254,6 +239,172 @@ def down_sum(variant: str, h: np.ndarray, rt: Routing, w2s) -> np.ndarray:
 
 def _scratch(p: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.empty((p, c), np.int8), np.empty((p, c // q8.GROUP), np.int32), np.empty((p, c // q8.GROUP), np.float32)
+
+
+# ---------------------------------------------------------------- a layer, group by group ---
+
+# Pairs per driver call: bounds the gathered rows (PAIR_ROWS, D) and the gate, up and SwiGLU
+# temporaries ((PAIR_ROWS, I) float32 each) exactly as `model.moe.EXPERT_ROWS` bounds one
+# expert's on the per-expert path (the same value), so a prefill segment holds no more than it
+# did; a decode step's layer (k pairs a row) and a short prompt's fit in one call.
+PAIR_ROWS = 256
+_NO_PAIRS = np.zeros((0, 1), np.int64)  # tp of a down call that only fills y rows
+_NO_EXPERTS = np.zeros((0, 2), np.int64)  # addr of a down call that only sums
+_NONE = np.zeros(0, np.int64)
+_NO_WEIGHTS = np.zeros(0, np.float32)
+
+
+class Layer:
+    """A layer's routed FP4 experts under `fast`: experts (T, k) int64 chosen with weights (T, k)
+    float32 for rows x (T, C). The caller hands the experts in groups, each group's weights valid
+    only while `group` runs (the expert store's pins); `total` then sums every token's pairs.
+
+    A layer whose experts all come in the first group with at most PAIR_ROWS pairs takes two
+    driver calls (`pair_products`, `down_sum`: `whole`). Otherwise each group runs as calls over
+    at most PAIR_ROWS pairs that fill rows of y (P, D), unweighted, and `total` sums them in one
+    more call. Every row's bits are the same in any grouping (a pair's row depends only on its
+    token row and its expert), and the sum runs per token in ascending (expert id, slot) order
+    from zero, so the output is `down_sum`'s whatever the groups were. `put` takes an expert the
+    drivers do not run (already weighted rows from the per-expert path, summed with weight 1:
+    the same float32 value)."""
+
+    def __init__(self, variant: str, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, glu, count=None) -> None:
+        self.variant = variant
+        self._count = count  # count(t0): called after each driver call with its perf_counter start
+        self.x = np.ascontiguousarray(x, dtype=np.float32)
+        self.rt = Routing(experts, weights)
+        self.glu = glu
+        self._j = {int(e): j for j, e in enumerate(self.rt.ids.tolist())}
+        self._pos = np.full(self.rt.tok.size, -1, np.int64)  # y row of each pair (-1: not yet)
+        self._wy = np.empty(self.rt.tok.size, np.float32)  # the weight of each y row
+        self._y: np.ndarray | None = None
+        self._filled = 0
+        self._sdt: np.ndarray | None = None
+        self.calls = 0  # driver calls so far (tests count them)
+
+    @property
+    def pairs(self) -> int:
+        return self.rt.tok.size
+
+    def whole(self, group) -> np.ndarray | None:
+        """The layer's output (T, D) in two driver calls when `group` [(expert id, ExpertWeights)]
+        is every chosen expert and the pairs fit one call; else None (run `group`, then `total`)."""
+        rt = self.rt
+        if self._filled or len(group) != rt.ids.size or rt.tok.size > PAIR_ROWS:
+            return None
+        es = [e for _, e in sorted(group, key=lambda g: g[0])]
+        w1s, w2s, w3s = ([_parts(getattr(e, m)) for e in es] for m in ("w1", "w2", "w3"))
+
+        def product() -> np.ndarray:
+            gate, up = pair_products(self.variant, self.x, rt, w1s, w3s)
+            return down_sum(self.variant, self.glu(gate, up), rt, w2s)
+
+        self._filled = rt.tok.size
+        return self._timed(2, sum(e.w1.nbytes for e in es), int((rt.hi - rt.lo).max()), product)
+
+    def group(self, group) -> None:
+        """Fill the y rows of the pairs of `group` [(expert id, ExpertWeights)], at most PAIR_ROWS
+        pairs a call (an expert with more is split by its tokens)."""
+        js = sorted(self._j[int(e)] for e, _ in group)
+        by_j = {self._j[int(e)]: w for e, w in group}
+        for chunk in _chunks(self.rt, js, PAIR_ROWS):
+            self._rows(chunk, [by_j[j] for j, _, _ in chunk])
+
+    def put(self, expert: int, rows: np.ndarray) -> None:
+        """The rows (n, D) of `expert`'s pairs, already weighted (n = its pair count, pair order)."""
+        j = self._j[int(expert)]
+        a, b = int(self.rt.lo[j]), int(self.rt.hi[j])
+        y = self._rows_for(b - a, rows.shape[1])
+        y[:] = rows
+        self._place(a, b, 1.0)
+
+    def total(self) -> np.ndarray:
+        """Each token's sum over its pairs (T, D), in ascending (expert id, slot) order."""
+        missing = [int(e) for j, e in enumerate(self.rt.ids.tolist()) if self._pos[self.rt.lo[j]] < 0]
+        if missing:
+            raise ValueError(f"experts {missing} were never handed to the layer")
+        tp = self._pos[self.rt.tp]
+        out = np.empty((tp.shape[0], self._y.shape[1]), np.float32)
+        sdt = U8_LIKE if self._sdt is None else self._sdt  # the signature the layer's calls compiled
+        h = np.empty((0, q8.GROUP), np.float32)
+        qa, bias, da = _scratch(0, q8.GROUP)
+        drive = driver_for("down", self.variant)
+
+        def product() -> None:
+            drive(_NO_EXPERTS, _NONE, _NONE, sdt, h, q8.span(self.variant), self._wy, tp, self._y, out, qa, bias, da)
+
+        self._timed(1, self._y.nbytes, 1, product)
+        return out
+
+    def _timed(self, calls: int, nbytes: int, tokens: int, product):
+        t0 = time.perf_counter()
+        y = _run(nbytes, tokens, product)
+        self.calls += calls
+        if self._count is not None:
+            self._count(t0)
+        return y
+
+    def _rows_for(self, n: int, d: int) -> np.ndarray:
+        if self._y is None:
+            self._y = np.empty((self.rt.tok.size, d), np.float32)
+        return self._y[self._filled : self._filled + n]
+
+    def _place(self, a: int, b: int, w: float | np.ndarray) -> None:
+        n = b - a
+        self._pos[a:b] = np.arange(self._filled, self._filled + n)
+        self._wy[self._filled : self._filled + n] = w
+        self._filled += n
+
+    def _rows(self, chunk: list[tuple[int, int, int]], es) -> None:
+        """One pair_products and one down call over chunk [(j, a, b)]: pairs a .. b of expert j."""
+        rt = self.rt
+        n = np.array([b - a for _, a, b in chunk], np.int64)
+        sub = Routing.__new__(Routing)
+        sub.hi = np.cumsum(n)
+        sub.lo = sub.hi - n
+        sub.ids = rt.ids[[j for j, _, _ in chunk]]
+        sub.tok = np.concatenate([rt.tok[a:b] for _, a, b in chunk])
+        w1s, w2s, w3s = ([_parts(getattr(e, m)) for e in es] for m in ("w1", "w2", "w3"))
+        self._sdt = scale_like([s for _, s in w2s])
+        y = self._rows_for(int(sub.hi[-1]), w2s[0][0].shape[0])
+
+        def product() -> None:
+            gate, up = pair_products(self.variant, self.x, sub, w1s, w3s)
+            down_rows(self.variant, self.glu(gate, up), sub, w2s, y)
+
+        self._timed(2, sum(e.w1.nbytes for e in es), int(n.max()), product)
+        for _, a, b in chunk:
+            self._place(a, b, rt.wp[a:b])
+
+
+def _chunks(rt: Routing, js: list[int], cap: int) -> list[list[tuple[int, int, int]]]:
+    """Experts js' pair ranges cut into calls of at most cap pairs: [[(j, a, b), ...], ...]."""
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = cap
+    for j in js:
+        a, hi = int(rt.lo[j]), int(rt.hi[j])
+        while a < hi:
+            if room == 0:
+                out.append([])
+                room = cap
+            b = min(hi, a + room)
+            out[-1].append((j, a, b))
+            room -= b - a
+            a = b
+    return [c for c in out if c]
+
+
+def down_rows(variant: str, h: np.ndarray, rt: Routing, w2s, y: np.ndarray) -> None:
+    """y (P, D) = the pairs' rows h (P, I) times w2 of their expert, unweighted and unsummed
+    (`down_sum`'s first half: `Layer.total` sums them)."""
+    h = np.ascontiguousarray(h, dtype=np.float32)
+    p, c = h.shape
+    sdt = scale_like([s for _, s in w2s])
+    table = _address_table([[a, b] for a, b in w2s])
+    qa, bias, da = _scratch(p, c)
+    out = np.empty((0, y.shape[1]), np.float32)
+    drive = driver_for("down", variant)
+    drive(table, rt.lo, rt.hi, sdt, h, q8.span(variant), _NO_WEIGHTS, _NO_PAIRS, y, out, qa, bias, da)
 
 
 # ---------------------------------------------------------------- one expert, for model.moe --
@@ -293,18 +444,3 @@ def _run(nbytes: int, tokens: int, product):
     thread for a small weight at a few tokens (results do not depend on the thread count)."""
     jit._apply_threads()
     return alone_if_small(nbytes, tokens, product)
-
-
-def expert_swiglu(variant: str, x: np.ndarray, e, weights: np.ndarray, glu) -> np.ndarray:
-    """weights[:, None] * e's SwiGLU of x (n, D) -> (n, D) float32, in two parallel calls (gate and
-    up in one, down with the weighting in the other); glu(gate, up) -> h is the caller's
-    elementwise middle. Bit-equal to `matmul_pair`, glu, `matmul` and the product by weights
-    under `fast` numerics."""
-    rt = Routing.one(weights)
-    w1, w2, w3 = _parts(e.w1), _parts(e.w2), _parts(e.w3)
-
-    def product() -> np.ndarray:
-        gate, up = pair_products(variant, x, rt, [w1], [w3])
-        return down_sum(variant, glu(gate, up), rt, [w2])
-
-    return _run(e.w1.nbytes, x.shape[0], product)  # w1 and w2 have the same bytes

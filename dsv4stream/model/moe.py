@@ -16,26 +16,48 @@ the batch's tokens that chose it. The experts may arrive in any order (the share
 first, then those already in memory, then the rest as their reads land); each one's
 weighted output is kept, and every token sums its experts in ascending id order at the
 end, so the sum, hence the logits, never depend on the arrival order, the cache size or
-the batch size.
+the batch size. Under `fast` numerics the FP4 experts run on `kernels.experts_q8`'s layer-wide
+drivers instead, a group of experts per pair of calls (a `GroupedSource` hands the experts the
+store holds together: all of a layer's when they are in memory and fit), with the same bits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from ..errors import InternalError, NumericsError
-from ..kernels import QWeight, matmul, matmul_pair, q8_expert_swiglu, q8_expert_variant
+from ..kernels import QWeight, get_numerics, matmul, matmul_pair, q8_expert_variant, q8_layer
 from .ops import silu, sqrt_softplus, topk_lowest_index
 
 F32 = np.float32
 # Token rows per expert matrix product: bounds the temporaries when many tokens pick one expert.
 EXPERT_ROWS = 256
 
-# Given the distinct experts (ascending), yields (expert, weights) once each, in any order.
+# Given the distinct experts (ascending), yields (expert, weights) once each, in any order; an
+# expert's weights are valid until the iterator advances (a streamed expert's slot is reused).
 ExpertSource = Callable[[np.ndarray], Iterable[tuple[int, "ExpertWeights"]]]
+# The same experts in groups [(expert, weights), ...]: a group's weights all valid until the
+# iterator advances (`GroupedSource`).
+ExpertGroups = Callable[[np.ndarray], Iterable[list[tuple[int, "ExpertWeights"]]]]
+
+
+class GroupedSource:
+    """An `ExpertSource` that can also hand the experts in groups pinned together (`groups`), so
+    the MoE can run a group's experts in one kernel call; called as an `ExpertSource`, it yields
+    the groups' items one by one."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: ExpertGroups) -> None:
+        self.groups = groups
+
+    def __call__(self, ids: np.ndarray) -> Iterator[tuple[int, ExpertWeights]]:
+        for group in self.groups(ids):
+            yield from group
 
 
 @dataclass(frozen=True)
@@ -83,12 +105,7 @@ def swiglu(x: np.ndarray, e: ExpertWeights, limit: float) -> np.ndarray:
 
 
 def weighted_swiglu(x: np.ndarray, e: ExpertWeights, limit: float, w: np.ndarray) -> np.ndarray:
-    """`swiglu(x, e, limit) * w[:, None]` for x (n, D), w (n,) float32, the same bits. Under
-    `fast` numerics an FP4 expert takes two kernel calls (`kernels.experts_q8`) instead of the
-    separate products' five (three parallel regions and two activation roundings)."""
-    v = q8_expert_variant(e)
-    if v is not None:
-        return q8_expert_swiglu(v, x, e, w, lambda g, u: _glu(g, u, limit))
+    """`swiglu(x, e, limit) * w[:, None]` for x (n, D), w (n,) float32."""
     y = swiglu(x, e, limit)
     y *= w[:, None]
     return y
@@ -127,18 +144,29 @@ def routed_experts(
     """Weighted sum of each token's experts: x (T, D), experts/weights (T, k) -> (T, D).
 
     each(distinct experts) hands every chosen expert once, in any order; the sum runs in
-    ascending expert id order whatever that order was.
-    """
+    ascending expert id order whatever that order was. Under `fast` numerics the FP4 experts
+    run on `kernels.experts_q8`'s drivers (`_layer`), a group of experts per call."""
     ids = np.unique(experts)
+    if get_numerics() == "fast":
+        return _layer(x, experts, weights, ids, each, limit)
     if x.shape[0] == 1 and ids.size == experts.shape[1]:
         return _one_token(x, experts[0], weights[0], ids, each, limit)
     parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for e, ew in each(ids):
         tok, slot = np.nonzero(experts == e)
         parts[int(e)] = (tok, _weighted_rows(x, ew, limit, tok, weights[tok, slot]))
-    missing = [int(e) for e in ids if int(e) not in parts]
+    _check_all(ids, parts)
+    return _sum_parts(x, ids, parts)
+
+
+def _check_all(ids: np.ndarray, got) -> None:
+    missing = [int(e) for e in ids if int(e) not in got]
     if missing:
         raise InternalError(f"expert source skipped experts {missing}")
+
+
+def _sum_parts(x: np.ndarray, ids: np.ndarray, parts: dict[int, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Each token's weighted expert outputs parts[e] = (its tokens, rows) summed in ascending id order."""
     out = np.zeros_like(x)
     for e in ids:
         tok, y = parts.pop(int(e))
@@ -147,6 +175,48 @@ def routed_experts(
         else:
             out[tok] += y
     return out
+
+
+def _layer(
+    x: np.ndarray, experts: np.ndarray, weights: np.ndarray, ids: np.ndarray, each: ExpertSource, limit: float
+) -> np.ndarray:
+    """`routed_experts` under `fast` numerics, the same bits as each expert's own products.
+
+    The FP4 experts go to one `experts_q8.Layer`: a source that can (`GroupedSource`) hands the
+    experts in groups pinned together (all of a layer's at once when they are in memory and fit
+    the free slots), the others one at a time; a whole layer in one group takes two driver
+    calls, more groups two calls per group (of at most `PAIR_ROWS` pairs) and one for the sum.
+    An expert the drivers do not take runs its own products (`_weighted_rows`)."""
+    groups = each.groups(ids) if isinstance(each, GroupedSource) else ([item] for item in each(ids))
+    glu = partial(_glu, limit=limit)
+    layer = None
+    parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    seen: set[int] = set()
+    out = None
+    for group in groups:
+        drive = []
+        for e, ew in group:
+            seen.add(int(e))
+            v = q8_expert_variant(ew)
+            if v is None:
+                tok, slot = np.nonzero(experts == e)
+                parts[int(e)] = (tok, _weighted_rows(x, ew, limit, tok, weights[tok, slot]))
+            else:
+                drive.append((int(e), ew))
+                if layer is None:
+                    layer = q8_layer(v, x, experts, weights, glu, ew.w1.role)
+        if drive:
+            out = layer.whole(drive) if not parts else None
+            if out is None:
+                layer.group(drive)
+    _check_all(ids, seen)
+    if layer is None:
+        return _sum_parts(x, ids, parts)
+    if out is not None:
+        return out
+    for e, (tok, y) in parts.items():  # tok ascending (np.nonzero), so in the layer's pair order
+        layer.put(e, y)
+    return layer.total()
 
 
 def _one_token(
@@ -159,9 +229,7 @@ def _one_token(
     parts: dict[int, np.ndarray] = {}
     for e, ew in each(ids):
         parts[int(e)] = weighted_swiglu(x, ew, limit, weights[slot[int(e)]].reshape(1))
-    missing = [int(e) for e in ids if int(e) not in parts]
-    if missing:
-        raise InternalError(f"expert source skipped experts {missing}")
+    _check_all(ids, parts)
     out = np.zeros_like(x)
     for e in ids.tolist():
         out += parts.pop(e)

@@ -152,7 +152,7 @@ class ExpertStore:
         self._label = label
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dsv4-io")
         self._lock = threading.Lock()
-        self._landed = threading.Condition()  # notified whenever a read finishes
+        self._landed_cv = threading.Condition()  # notified whenever a read finishes
         self._lru: SlotLru[_Entry] = SlotLru(slots, _Entry)
         self._closed = False
         self._route, self._own_route = self._open_route(route_log)
@@ -254,6 +254,24 @@ class ExpertStore:
         The others a consumer has finished with stay pinned until their turn comes or the
         generator ends, so hits and victims never depend on read timing; only the yield
         order does. An item's views are valid until the generator advances."""
+        for group in self._many(keys, together=False):
+            yield group[0]
+
+    def get_groups(self, keys: Iterable[Hashable]) -> Iterator[list[tuple[Hashable, tuple[np.ndarray, ...]]]]:
+        """``get_many`` handing its items in groups pinned together: each group is every item
+        whose read has finished when the previous group was consumed (so, when the keys' entries
+        are all in memory and fit the unpinned slots, one group of them all), and all of a
+        group's views stay valid until the generator advances. Acquisition, counting and victims
+        are ``get_many``'s exactly (so a route-log replay is unchanged): at most ``cap`` = the
+        unpinned slots are pinned, so holding a group never takes a slot the plan did not give
+        or a pinned one. When the keys do not all fit, a group holds at most half of ``cap``
+        (at least one), so that the next keys' reads proceed while the consumer computes."""
+        return self._many(keys, together=True)
+
+    def _many(
+        self, keys: Iterable[Hashable], together: bool
+    ) -> Iterator[list[tuple[Hashable, tuple[np.ndarray, ...]]]]:
+        """``get_many`` (together False: groups of one) and ``get_groups``."""
         keys = list(keys)
         with self._lock:
             self._check_open()
@@ -264,13 +282,19 @@ class ExpertStore:
             pending = {i: self._acquire(order[i]) for i in range(cap)}
         kept: dict[int, _Entry] = {}  # yielded, pin kept until its successor's turn
         nxt = cap
+        # a group of all that landed when every key is pinned already; else at most half the
+        # pins, so the reads of the other half go on while the consumer works on this one
+        most = len(order) if cap >= len(order) or not together else max(1, cap // 2)
         try:
             while pending:
-                i = self._next_landed(pending)
-                entry = pending.pop(i)
-                views = self._wait(entry)  # on error it unpins the entry itself
-                kept[i] = entry
-                yield order[i], views
+                landed = self._landed(pending)
+                group = []
+                for i in landed[:most]:
+                    entry = pending.pop(i)
+                    views = self._wait(entry)  # on error it unpins the entry itself
+                    kept[i] = entry
+                    group.append((order[i], views))
+                yield group
                 with self._lock:
                     while nxt < len(order) and nxt - cap in kept:
                         self._lru.unpin(kept.pop(nxt - cap))
@@ -282,22 +306,22 @@ class ExpertStore:
                 for entry in (*pending.values(), *kept.values()):
                     self._lru.unpin(entry)
 
-    def _next_landed(self, pending: Mapping[int, _Entry]) -> int:
-        """(Lock NOT held.) The first position in ``pending`` whose read has finished,
+    def _landed(self, pending: Mapping[int, _Entry]) -> list[int]:
+        """(Lock NOT held.) The positions in ``pending`` whose read has finished, ascending,
         waiting for one to finish when none has."""
         t0 = None
-        with self._landed:
+        with self._landed_cv:
             while True:
                 done = [i for i, e in pending.items() if e.done.is_set()]
                 if done:
                     break
                 if t0 is None:
                     t0 = time.perf_counter()
-                self._landed.wait(0.05)
+                self._landed_cv.wait(0.05)
         if t0 is not None:
             with self._stat_lock:
                 self._wait_seconds += time.perf_counter() - t0
-        return min(done)
+        return sorted(done)
 
     @property
     def wait_seconds(self) -> float:
@@ -471,8 +495,8 @@ class ExpertStore:
             entry.error = e
         finally:
             entry.done.set()
-            with self._landed:
-                self._landed.notify_all()
+            with self._landed_cv:
+                self._landed_cv.notify_all()
 
     def _io_begin(self) -> None:
         with self._stat_lock:

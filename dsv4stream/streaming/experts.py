@@ -1,9 +1,10 @@
 """`StreamedExperts`: the `Experts` provider over an `ExpertStore`.
 
 Pin contract with the MoE (`model.moe.routed_experts`): a layer's experts come through
-`get_many(layer, experts)`, the store's `get_many`: those in memory first, then misses as
-their reads land, at most the unpinned slots pinned at once, each expert's computation
-finished before the iterator advances. The single `get(layer, e)` keeps the older contract
+`get_groups(layer, experts)`, the store's `get_groups`: those in memory first as one group,
+then misses in groups as their reads land, at most the unpinned slots pinned at once, each
+group's computation finished before the iterator advances (`get_many` is the same one
+expert at a time). The single `get(layer, e)` keeps the older contract
 (the previous expert is released when the next one is asked for). Weights used past either
 end raise LifetimeError (`lifetime.expire`).
 """
@@ -53,6 +54,27 @@ class StreamedExperts:
                 yield e, w
             finally:
                 expire(w, f"layer {layer} expert {e}'s weights used after get_many moved on (valid until it advances)")
+
+    def get_groups(self, layer: int, experts: Sequence[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """The experts in groups pinned together (the store's `get_groups`: all of them at once
+        when they are in memory and fit the unpinned slots), each group's weights valid until
+        the iterator advances."""
+        self.release()
+        groups = getattr(self.store, "get_groups", None)
+        if groups is None:  # a store without groups: one expert at a time
+            for item in self.get_many(layer, experts):
+                yield [item]
+            return
+        for group in groups([(layer, e) for e in experts]):
+            ws = [(e, expert_from_arrays(self.cfg, tuple(arrays))) for (_, e), arrays in group]
+            try:
+                yield ws
+            finally:
+                for e, w in ws:
+                    expire(
+                        w,
+                        f"layer {layer} expert {e}'s weights used after get_groups moved on (valid until it advances)",
+                    )
 
     def prefetch(self, keys: Sequence[ExpertKey]) -> None:
         self.store.prefetch(list(keys))

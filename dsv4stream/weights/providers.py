@@ -8,7 +8,7 @@ without touching the model code.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -17,7 +17,7 @@ from ..checkpoint.catalog import Catalog
 from ..checkpoint.formats import bf16_to_f32, e4m3_to_f32, scale_to_f32
 from ..checkpoint.spec_v41 import engram_names
 from ..checkpoint.tensors import MODEL, linear_names
-from ..model.moe import ExpertWeights
+from ..model.moe import ExpertWeights, GroupedSource
 from .family import BlockWeights, TopWeights, load_block, load_top
 from .loading import load_expert
 
@@ -47,9 +47,40 @@ class Experts(Protocol):
         back to `get` in id order."""
         ...
 
+    def get_groups(self, layer: int, experts: Sequence[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """`get_many`'s experts in groups whose weights all stay valid until the iterator
+        advances (every expert in memory at once where they fit). Optional (`expert_groups`)."""
+        ...
+
     def prefetch(self, keys: Sequence[ExpertKey]) -> None:
         """A hint: these experts are about to be needed, in this order."""
         ...
+
+
+def expert_groups(experts: Experts, layer: int, ids: Sequence[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+    """Layer `layer`'s experts `ids` from the provider in groups (`Experts.get_groups`): its own
+    groups where it has them, else one expert per group from `get_many`, else from `get` in order."""
+    ids = [int(e) for e in ids]
+    groups = getattr(experts, "get_groups", None)
+    if groups is not None:
+        yield from groups(layer, ids)
+        return
+    many = getattr(experts, "get_many", None)
+    items = many(layer, ids) if many is not None else ((e, experts.get(layer, e)) for e in ids)
+    for item in items:
+        yield [item]
+
+
+def grouped_source(experts: Experts, layer: int, before: Callable[[np.ndarray], None] | None = None) -> GroupedSource:
+    """The MoE's expert source for `layer` over the provider `experts` (`expert_groups`);
+    before(ids), if given, runs first (a session records its requests there)."""
+
+    def groups(ids: np.ndarray) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        if before is not None:
+            before(ids)
+        yield from expert_groups(experts, layer, ids)
+
+    return GroupedSource(groups)
 
 
 class EngramRows(Protocol):
@@ -140,6 +171,9 @@ class CatalogExperts:
     def get_many(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         for e in experts:
             yield e, self.get(layer, e)
+
+    def get_groups(self, layer: int, experts: Sequence[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        yield [(e, self.get(layer, e)) for e in experts]  # all in memory, for good
 
     def prefetch(self, keys: Sequence[ExpertKey]) -> None:
         pass
