@@ -284,7 +284,10 @@ class ExpertStore:
         nxt = cap
         # a group of all that landed when every key is pinned already; else at most half the
         # pins, so the reads of the other half go on while the consumer works on this one
-        most = len(order) if cap >= len(order) or not together else max(1, cap // 2)
+        if not together:
+            most = 1  # get_many: one item a turn (a larger group would lose all but its first)
+        else:
+            most = len(order) if cap >= len(order) else max(1, cap // 2)
         try:
             while pending:
                 landed = self._landed(pending)
