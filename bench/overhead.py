@@ -36,7 +36,7 @@ with Runtime.open(sys.argv[1], RunOptions(budget=10**10, overhead=0, trunk="")) 
     tok.decode(out)
     s = rt.stats()
     n = rt.plan.needs
-    weights = n.head_bytes + rt.plan.pinned_bytes + min(s.expert_misses, s.cache_slots) * s.slot_bytes
+    weights = n.head_resident_bytes + rt.plan.pinned_bytes + min(s.expert_misses, s.cache_slots) * s.slot_bytes
 print(json.dumps({"peak": peak_rss_bytes(), "weights": weights, "backend": s.kernel_backend}))
 """
 

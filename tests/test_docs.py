@@ -154,15 +154,18 @@ def test_quoted_commands_print_the_lines_the_docs_quote(path, command, quoted, c
 
 # Blocks marked `<!-- doc-test: demo -->` quote a command on the `make demo` checkpoint
 # (`.demo/checkpoint`); the test builds one of the same shapes with its routed experts as
-# sparse-file holes (headers and plans are the same; the text would not be).
+# sparse-file holes (headers and plans are the same; the text would not be), packed as `make demo` packs it.
 DEMO_QUOTED = [(p, c, q) for p in DOCS for c, q in quoted_commands(p, "doc-test: demo")]
 
 
 @pytest.fixture(scope="module")
 def demo_checkpoint(tmp_path_factory) -> Path:
     from dsv4stream.synth import make_checkpoint
+    from dsv4stream.trunkpack.writer import pack_trunk
 
-    return make_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint", "demo", seed=0, sparse_experts=True)
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint", "demo", seed=0, sparse_experts=True)
+    pack_trunk(ckpt, progress=False)  # as `make demo` does: its plans hold fast's int8 head copy
+    return ckpt
 
 
 @pytest.mark.slow
@@ -205,7 +208,7 @@ def numbers(text: str) -> list[str]:
 def release_row(cfg: ModelConfig) -> list[str]:
     """disk, smallest --budget, the budget whose cache holds one pass's working set."""
     disk = sum(released_nbytes(cfg, s) for s in model_specs(cfg))
-    needs = needs_from_config(cfg)
+    needs = needs_from_config(cfg, head_copy=True)  # fast's int8 head copy: a packed checkpoint, AVX2 or VNNI
     want = min(needs.working_set, needs.total_experts)
     useful = smallest_budget(needs, lambda p: p.expert_slots >= want)
     return [f"{disk / 1e9:.1f} GB", gb_up(minimum_budget(needs)), gb_up(useful)]
@@ -258,7 +261,8 @@ def test_the_number_check_sees_numbers_in_prose_and_tables_only():
 # ---- the budget table of real-models.md -------------------------------------------------
 def test_the_v4_flash_budget_table_is_the_planners():
     text = (ROOT / "docs" / "real-models.md").read_text(encoding="utf-8")
-    needs = needs_from_config(ModelConfig.from_dict(json.loads((PKG / "v4_flash_config.json").read_text())))
+    cfg = ModelConfig.from_dict(json.loads((PKG / "v4_flash_config.json").read_text()))
+    needs = needs_from_config(cfg, head_copy=True)  # as the table says: fast, packed, AVX2 or VNNI
     rows = table_rows(text, "| `--budget` | trunk layers resident |")
     assert len(rows) >= 5
     for budget, pinned, slots, segment, _ in rows:

@@ -1,8 +1,8 @@
 """The int8 head: the kernel against float math (AVX-512 here, AVX2 and plain in child processes
 with `NUMBA_CPU_NAME=haswell` / `generic`: an instruction the CPU lacks is SIGILL, not an
 exception), the copy pack-trunk writes (round trip, refusals, resume), an old pack without it
-(runs on the BF16 head, upgraded in place), the plan counting it, and fast's logits reading it
-(exact never does)."""
+(runs on the BF16 head, upgraded in place), and fast's logits reading it (exact never does).
+The plan's rule for the copy and the BF16 head: tests/test_head_plan.py."""
 
 from __future__ import annotations
 
@@ -225,16 +225,6 @@ def test_an_interrupted_pack_resumes_and_writes_the_copy(ckpt, packed, tmp_path)
 # ---------------------------------------------------------------- plan and run ---------------
 
 
-def test_the_plan_counts_the_copy_only_where_fast_reads_it(ckpt, packed):
-    size = json.loads((packed / MANIFEST).read_text())["head_q8"]["file_bytes"]
-    fast = measure(ckpt, RunOptions(budget=10**9, trunk=packed, numerics="fast"))
-    assert fast.head_q8_bytes == size
-    for mode in ("exact", "official", None):  # None: V4's default for an engine, exact
-        assert measure(ckpt, RunOptions(budget=10**9, trunk=packed, numerics=mode)).head_q8_bytes == 0
-    exact = measure(ckpt, RunOptions(budget=10**9, trunk=packed, numerics="exact"))
-    assert fast.fixed_bytes - exact.fixed_bytes == size
-
-
 def test_fast_logits_read_the_copy_and_exact_never_does(ckpt, packed):
     ids = np.array([1, 2, 3, 4, 5])
     out = {}
@@ -254,26 +244,3 @@ def test_fast_logits_read_the_copy_and_exact_never_does(ckpt, packed):
         np.testing.assert_array_equal(rt.session().prefill(ids), out["exact"])  # exact keeps its bits
     err = np.abs(out["fast"] - out["exact"]).max(axis=1) / np.abs(out["exact"]).max(axis=1)
     assert 0 < np.median(err) < 0.05
-
-
-def test_a_tight_budget_keeps_its_expert_slots_and_reads_the_bf16_head(ckpt, packed):
-    """Where the copy's bytes would come out of the expert slots, fast plans without it (one
-    notice) and keeps exactly the slots exact plans; with room to spare it reads the copy."""
-    from dsv4stream.run import planner
-
-    exact = measure(ckpt, RunOptions(budget=10**9, trunk=packed, numerics="exact"))
-    tight = planner.minimum_budget(exact) + 1
-    ex = planner.plan(exact, tight)
-    notes: list[str] = []
-    opts = RunOptions(budget=tight, trunk=packed, io="buffered", numerics="fast")
-    with Runtime.open(ckpt, opts, warn=notes.append) as rt:
-        assert rt.engine.stack.head_weights().q8 is None
-        assert rt.plan.needs.head_q8_bytes == 0
-        assert rt.plan.expert_slots == ex.expert_slots
-        assert any("int8 head copy not used" in n for n in notes), notes
-    notes.clear()
-    with Runtime.open(
-        ckpt, RunOptions(budget=10**9, trunk=packed, io="buffered", numerics="fast"), warn=notes.append
-    ) as rt:
-        assert rt.engine.stack.head_weights().q8 is not None
-        assert not any("int8 head copy" in n for n in notes)

@@ -166,9 +166,9 @@ def test_inspect_config_only_prints_the_plan_for_a_budget():
     from dsv4stream.cli.inspect import inspect
 
     cfg_path = Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json"
-    r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "3"])
+    r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "3", "--numerics", "exact"])
     assert r.exit_code == 0, r.output
-    # fixed: overhead 260,000,000 + state 88,954,368 + staging 154,782,720 + head 1,077,948,436
+    # exact (the BF16 head resident) fixed: overhead 260,000,000 + state 88,954,368 + staging 154,782,720 + head 1,077,948,436
     # = 1,581,685,524; the smallest pool 2 x 6 slots x 13,385,728 + one token's 248,936 = 160,877,672;
     # the ring 2 x 173,503,576 = 347,007,152. 3 GB leaves 910,429,652 for layers in order: 143,596,888
     # + 143,596,888 + 173,503,576 + 146,044,248 + 167,299,160 = 774,040,760 (5 layers); a 6th
@@ -176,10 +176,33 @@ def test_inspect_config_only_prints_the_plan_for_a_budget():
     # = 297,266,564, less one token's 248,936, is 22 slots (294,486,016) and 2,531,612 over
     assert "budget 3.00 GB" in r.output and "5/43 layers pinned" in r.output and "working set of 258" in r.output
     assert "22 slots x 13.4 MB" in r.output  # one V4-Flash expert slot
-    r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "1"])
+    r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "1", "--numerics", "exact"])
     # the minimum: fixed + ring + smallest pool = 1,581,685,524 + 347,007,152 + 160,877,672
     # = 2,089,570,348, printed rounded up
     assert isinstance(r.exception, BudgetError) and "below the minimum of 2.09 GB" in str(r.exception)
+
+
+def test_inspect_config_only_plans_fasts_int8_head_copy():
+    """fast (inspect's default, as `dsv4 run`'s) on a CPU that runs the copy's kernels: the copy
+    resident and the BF16 head on disk (no drafter in the preview layout)."""
+    from click.testing import CliRunner
+
+    from dsv4stream import kernels
+    from dsv4stream.cli.inspect import inspect
+
+    if not kernels.head.copy_runs():
+        pytest.skip("this CPU or backend reads the BF16 head under fast")
+    cfg_path = Path(__file__).resolve().parents[1] / "dsv4stream" / "v4_flash_config.json"
+    r = CliRunner().invoke(inspect, ["--config-only", str(cfg_path), "--budget", "3"])
+    assert r.exit_code == 0, r.output
+    # the head 1,077,948,436 less its BF16 matrix 129,280 x 4,096 x 2 = 1,059,061,760 plus the copy
+    # 530,051,072 (int8 rows, then 4-byte scales, each part padded to 4096) = 548,937,748; fixed
+    # 1,052,674,836. 3 GB less fixed, the ring 347,007,152 and the smallest pool 160,877,672 leaves
+    # 1,439,440,340: 9 layers (1,400,727,576; a 10th is 146,044,248); the pool 38,712,764 +
+    # 160,877,672, less one token's 248,936, is 14 slots of 13,385,728
+    assert "head 0.55 GB (its int8 copy 0.53 GB for fast's logits; the BF16 head 1.06 GB on disk" in r.output
+    assert "9/43 layers pinned" in r.output and "14 slots x 13.4 MB" in r.output
+    assert "smallest budget that runs: 1.57 GB" in r.output  # 1,052,674,836 + 347,007,152 + 160,877,672
 
 
 def test_config_estimate_matches_what_a_run_measures(tmp_path):

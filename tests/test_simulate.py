@@ -295,13 +295,14 @@ def test_bench_simulate_command_prints_and_writes(tmp_path):
 def test_bench_simulate_budgets_use_the_planner(tmp_path):
     from dsv4stream.checkpoint.config import ModelConfig
     from dsv4stream.cli.bench import budget_slots, working_set_budget
-    from dsv4stream.run.planner import GB, needs_from_config, plan
+    from dsv4stream.run.memory import needs_of
+    from dsv4stream.run.planner import GB, plan
     from dsv4stream.synth import release_config
 
     cfg_path = tmp_path / "config.json"
     cfg_path.write_text(json.dumps(release_config("demo")))
     cfg = ModelConfig.from_json(cfg_path)
-    needs = needs_from_config(cfg)
+    needs, _ = needs_of(cfg_path)  # as the bench plans it: the run's numerics (fast: the int8 head copy)
     ws = working_set_budget(needs)
     assert plan(needs, ws).expert_slots >= cfg.working_set_experts > plan(needs, ws - GB // 100).expert_slots
     rng = np.random.default_rng(0)

@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from dsv4stream import kernels
+    from dsv4stream.engine.numerics import RUN_DEFAULT
     from dsv4stream.errors import Dsv4Error
     from dsv4stream.run.runinfo import RunOptions
     from dsv4stream.run.runtime import Runtime
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return done.returncode
     try:
         ckpt = args.demo_dir / "checkpoint"
-        kw = {"ctx": 1024}
+        kw = {"ctx": 1024, "numerics": RUN_DEFAULT}  # what `dsv4 run` runs, not `dsv4 logits`' default
         budget, size, floor = pick_budget(ckpt, kw)
         tok = Tokenizer.load(default_pack_path(ckpt))
         ids = chat.encode(tok, chat.one_turn(args.prompt))

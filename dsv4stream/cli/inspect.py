@@ -14,6 +14,7 @@ from ..checkpoint.config import DSPARK, DSPARK_V41, LAYOUTS, SUPPORTED_MODEL_TYP
 from ..checkpoint.spec import drafter_nbytes, trunk_nbytes, unused_summary
 from ..checkpoint.spec_v41 import is_vision, vision_nbytes
 from ..checkpoint.tensors import is_drafter
+from ..engine.numerics import RUN_DEFAULT
 from ..errors import CheckpointError, UsageError
 from ..gpu.plan import Matrix, moved_bytes, plan_placement
 from ..gpu.trunk import HEAD, candidates, candidates_from_config
@@ -22,6 +23,7 @@ from ..run.planner import GB, family_planner, gb_up, minimum_budget, plan
 from ..trunkpack.format import MANIFEST
 from ..trunkpack.packdir import default_out_dir
 from ..trunkpack.reader import TrunkFile
+from .numerics_option import numerics_option
 
 GIB = 1 << 30
 
@@ -118,6 +120,7 @@ def config_summary(cfg: ModelConfig, drafter_bytes: int | None = None, vision_by
     "--gpu", "use_gpu", is_flag=True, help="Also plan which trunk matrices `--gpu` puts in VRAM (no GPU needed)."
 )
 @click.option("--vram", type=float, default=None, help="GB of VRAM for weights in the --gpu plan. [default: 8, 16, 24]")
+@numerics_option(RUN_DEFAULT, " The --budget plans are those of a run with this setting (the int8 head copy).")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def inspect(
     path: Path,
@@ -127,6 +130,7 @@ def inspect(
     trunk: Path | None,
     use_gpu: bool,
     vram: float | None,
+    numerics: str,
     debug: bool,
 ) -> None:
     """Summarise a checkpoint, validate every tensor against its config, and check its packed trunk."""
@@ -140,7 +144,7 @@ def inspect(
         for line in config_summary(cfg):
             click.echo(line)
         mats = _gpu_plans(candidates_from_config(cfg), vram, "release dtypes, from config.json") if use_gpu else None
-        _plans(cfg_path, budget, ctx, mats, vram)  # a config.json: estimated, even beside the shards
+        _plans(cfg_path, budget, ctx, numerics, mats, vram)  # a config.json: estimated, even beside the shards
         return
     cat = Catalog.open(path)
     mtp_bytes = sum(e.nbytes for n, e in cat.entries.items() if is_drafter(n))
@@ -159,7 +163,7 @@ def inspect(
     click.echo("all tensors present with the expected dtype and shape")
     _check_trunk(cat, trunk)
     mats = _gpu_plans(candidates(cat), vram, "measured on the shards") if use_gpu else None
-    _plans(path, budget, ctx, mats, vram)
+    _plans(path, budget, ctx, numerics, mats, vram)
 
 
 def _check_trunk(cat: Catalog, trunk: Path | None) -> None:
@@ -202,15 +206,21 @@ def _gpu_plans(mats: list[Matrix], vram: float | None, source: str) -> list[Matr
 
 
 def _plans(
-    path: Path, budgets: tuple[float, ...], ctx: int, mats: list[Matrix] | None = None, vram: float | None = None
+    path: Path,
+    budgets: tuple[float, ...],
+    ctx: int,
+    numerics: str,
+    mats: list[Matrix] | None = None,
+    vram: float | None = None,
 ) -> None:
-    """The planner's split of each budget: measured on a checkpoint exactly as `dsv4 run`
-    plans it (the same lines it prints), estimated from a bare config.json. With `mats` and
-    `vram` (--gpu --vram), the matrices placed in VRAM leave the host plan, as in `dsv4 run --gpu`
-    (the CUDA context's own host memory is measured at start-up there, not counted here)."""
+    """The planner's split of each budget: measured on a checkpoint exactly as `dsv4 run
+    --numerics NUMERICS` plans it (the same lines it prints), estimated from a bare config.json.
+    With `mats` and `vram` (--gpu --vram), the matrices placed in VRAM leave the host plan, as in
+    `dsv4 run --gpu` (the CUDA context's own host memory is measured at start-up there, not
+    counted here); a head in VRAM has no int8 copy on the CPU."""
     if not budgets:
         return
-    needs, source = needs_of(path, ctx=ctx)
+    needs, source = needs_of(path, ctx=ctx, numerics=numerics)
     if mats is not None and vram is not None:
         per_layer, head = moved_bytes(mats, plan_placement(mats, int(vram * GB)))
         needs = replace(
@@ -218,6 +228,8 @@ def _plans(
             layer_bytes=tuple(b - per_layer.get(i, 0) for i, b in enumerate(needs.layer_bytes)),
             head_bytes=needs.head_bytes - head,
         )
+        if head:
+            needs = replace(needs, head_q8_bytes=0, head_matrix_bytes=0)
         source += f"; with --gpu --vram {vram:g}"
     click.echo(f"smallest budget that runs: {gb_up(minimum_budget(needs))} ({source})")
     for b in budgets:

@@ -13,7 +13,10 @@ by the sub-chunk), then one MoE pass over the whole segment fetches each routed 
 once and applies it to all its tokens. So a prompt reads each (layer, expert) it touches
 once per segment and a streamed trunk layer once per segment, not once per chunk. `step`
 is a segment of one. Any segment or chunk size gives the same logits up to float rounding
-(each token sums its experts in a fixed order). Activations are float32.
+(each token sums its experts in a fixed order). Activations are float32. The last layer of a
+pass computes only the rows whose outputs are used (`_rows_used`): the last one when only the
+last position's logits are wanted, none in a segment before the last; every row still updates
+every layer's state.
 """
 
 from __future__ import annotations
@@ -462,9 +465,11 @@ class Session:
         if self.before_pass is not None:
             self.before_pass(ids.size)
         p = self._begin(ids, spans)  # nothing of the state has changed yet: a failure here leaves it whole
+        keep = self._rows_used(ids.size, logits, last_only)
+        last = self.cfg.n_layers - 1
         try:
             for i in range(self.cfg.n_layers):
-                self._layer(p, i)
+                self._layer(p, i, keep if i == last else None)
                 if after_layer is not None:
                     after_layer(i)
         except BaseException:
@@ -487,11 +492,26 @@ class Session:
             got = lambda: self.stack.read_ahead(ids, self.state)
         return self.stack.begin(ids, positions, self.state, got)
 
-    def _layer(self, p: Pass, i: int) -> None:
-        """Layer i on the pass; a NumericsError names the layer's weights that hold NaN/inf."""
+    def _rows_used(self, t: int, logits: bool, last_only: bool) -> int | None:
+        """How many of a pass's last rows the last layer must give outputs for (None: all). The
+        last layer's outputs feed the head alone (every layer's state comes from its inputs),
+        so a pass that wants the last position's logits needs one row and a pass that wants
+        none (a prefill segment before the last) no row: the last layer's query path, mixing
+        and MoE skip the others (`Stack.layer`'s keep). Not with a trace that reads layers'
+        outputs ("attn", "ffn", "hidden": any trace but one whose `reads_outputs` is False, such
+        as a drafter's taps, which are the streams entering layers, whole before the cut)."""
+        if self.trace is not None and getattr(self.trace, "reads_outputs", True):
+            return None
+        if not logits:
+            return 0
+        return 1 if last_only and t > 1 else None
+
+    def _layer(self, p: Pass, i: int, keep: int | None = None) -> None:
+        """Layer i on the pass (keep: `Stack.layer`'s); a NumericsError names the layer's weights
+        that hold NaN/inf."""
         w = self.engine.trunk.layer(i)
         try:
-            self.stack.layer(self.pass_context(), p, i, w, self.state)
+            self.stack.layer(self.pass_context(), p, i, w, self.state, keep)
         except NumericsError as e:
             raise layer_numerics_error(self.cfg, i, w, e) from None
 

@@ -115,6 +115,12 @@ class _Taps:
         if what == "input" and layer in self.rows:
             self.rows[layer].append(x[-self.keep :].mean(axis=1, dtype=F32))
 
+    @property
+    def reads_outputs(self) -> bool:
+        """The taps read only the streams entering layers, which the last layer's row skip
+        leaves whole (`Session._rows_used`); an inner trace may read more."""
+        return self.inner is not None and getattr(self.inner, "reads_outputs", True)
+
     def clear(self) -> None:
         for v in self.rows.values():
             v.clear()

@@ -112,16 +112,18 @@ class DSparkDrafter:
         of the first `slots` slots)."""
         self._flush()
         eng = self.engine
+        top = eng.stack.head_weights()
         return self.draft(
             self.state,
             token,
             self.weights,
             self.params,
             eng.trunk.embed,
-            eng.stack.head_weights().head,
+            top.head,
             lambda layer: expert_source(eng.experts, layer),
             eng.stack.rope_main,
             slots,
+            q8=top.q8,  # fast proposes with the int8 head copy where the main model reads it
         )
 
     def propose(self, token: int, k: int) -> tuple[list[int], list[float]]:

@@ -55,20 +55,28 @@ class V4Stack:
         ahead()
         return Pass(ids, positions, np.repeat(emb[:, None, :], self.cfg.hc_mult, axis=1))
 
-    def layer(self, ctx: PassContext, p: Pass, i: int, w, state: list) -> None:
-        """Layer i on the pass's streams: attention in sub-chunks, then one MoE pass."""
-        self.attend(ctx, p, i, w, state)
-        self.ffn(ctx, p, i, w)
+    def layer(self, ctx: PassContext, p: Pass, i: int, w, state: list, keep: int | None = None) -> None:
+        """Layer i on the pass's streams: attention in sub-chunks, then one MoE pass. keep: only the
+        outputs of the pass's last `keep` rows are wanted (None: all; see `Stack.layer`)."""
+        self.attend(ctx, p, i, w, state, keep)
+        if p.ids.size:
+            self.ffn(ctx, p, i, w)
 
-    def attend(self, ctx: PassContext, p: Pass, i: int, w, state: list) -> None:
+    def attend(self, ctx: PassContext, p: Pass, i: int, w, state: list, keep: int | None = None) -> None:
         """Layer i's first half, the one that reads and updates the sequence's state: attention
-        in sub-chunks of the pass's streams."""
+        in sub-chunks of the pass's streams. With `keep`, every row updates the state and the
+        pass is cut to its last `keep` rows."""
         x, t = p.x, p.ids.size
         c, rope = min(ctx.chunk, t), self.rope_for(i)
         if ctx.trace is not None:  # the streams entering the layer: the 0731 DSpark drafter's taps
             ctx.trace("input", i, x)
+        first = max(t - keep, 0) if keep is not None else 0  # the first row whose output is wanted
         for a in range(0, t, c):
-            x[a : a + c] = attention_half(x[a : a + c], p.positions[a : a + c], w, state[i], self.cfg, rope, ctx.trace)
+            out_from = min(max(first - a, 0), c)
+            y = attention_half(x[a : a + c], p.positions[a : a + c], w, state[i], self.cfg, rope, ctx.trace, out_from)
+            x[a + out_from : a + c] = y
+        if first:
+            p.cut(first)
 
     def ffn(self, ctx: PassContext, p: Pass, i: int, w) -> None:
         """Layer i's second half, stateless and row by row: one MoE pass over the pass's tokens

@@ -179,6 +179,13 @@ class V41Pass(Pass):
     image: np.ndarray | None = None  # (T,) bool: image-span tokens (None: none)
     a_pre: np.ndarray | None = None  # (T, hc): the FFN's pre, from attention to the MoE half
 
+    def cut(self, first: int) -> None:
+        """Keep rows first: only (`Pass.cut`), with what the pass carries per row."""
+        super().cut(first)
+        self.pre, self.a_pre = self.pre[first:], self.a_pre[first:]
+        self.image = None if self.image is None else self.image[first:]
+        self.rows = None if self.rows is None else self.rows[first:]
+
 
 class V41Stack:
     """V4.1's part of a forward pass (see the module docstring)."""
@@ -270,14 +277,17 @@ class V41Stack:
             p.rows, p.history = got
         return p
 
-    def layer(self, ctx: PassContext, p: V41Pass, i: int, w, state: list) -> None:
-        """Layer i: Engram (on its layers), attention in sub-chunks, then one MoE pass."""
-        self.attend(ctx, p, i, w, state)
-        self.ffn(ctx, p, i, w)
+    def layer(self, ctx: PassContext, p: V41Pass, i: int, w, state: list, keep: int | None = None) -> None:
+        """Layer i: Engram (on its layers), attention in sub-chunks, then one MoE pass. keep: only the
+        outputs of the pass's last `keep` rows are wanted (None: all; see `Stack.layer`)."""
+        self.attend(ctx, p, i, w, state, keep)
+        if p.ids.size:
+            self.ffn(ctx, p, i, w)
 
-    def attend(self, ctx: PassContext, p: V41Pass, i: int, w, state: list) -> None:
+    def attend(self, ctx: PassContext, p: V41Pass, i: int, w, state: list, keep: int | None = None) -> None:
         """Layer i's first half, the one that reads and updates the sequence's state: Engram (on
-        its layers) and attention in sub-chunks; leaves the FFN's pre in `p.a_pre`."""
+        its layers) and attention in sub-chunks; leaves the FFN's pre in `p.a_pre`. With `keep`,
+        every row updates the state and the pass is cut to its last `keep` rows."""
         cfg, t = self.cfg, p.ids.size
         carry: Carry = state[-1]
         layers = state[:-1]
@@ -297,13 +307,18 @@ class V41Stack:
             p.published = [Published() for _ in range(0, t, c)]
         p.a_pre = np.empty_like(p.pre)
         x = p.x
+        first = max(t - keep, 0) if keep is not None else 0  # the first row whose output is wanted
         for j, a in enumerate(range(0, t, c)):
             b = min(t, a + c)
-            x[a:b], p.a_pre[a:b] = attention_half(
-                x[a:b], p.pre[a:b], p.positions[a:b], w, layers, self.plan, p.published[j], carry.board, rope, self.hc
-            )
+            out_from = min(max(first - a, 0), b - a)
+            x[a + out_from : b], p.a_pre[a + out_from : b] = attention_half(
+                x[a:b], p.pre[a:b], p.positions[a:b], w, layers, self.plan, p.published[j], carry.board, rope, self.hc,
+                out_from,
+            )  # fmt: skip
         if i == cfg.n_layers - 1:
             carry.history = tuple(p.history)
+        if first:
+            p.cut(first)
 
     def ffn(self, ctx: PassContext, p: V41Pass, i: int, w) -> None:
         """Layer i's second half, stateless and row by row: one MoE pass over the pass's tokens

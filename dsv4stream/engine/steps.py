@@ -30,6 +30,11 @@ class Pass:
     positions: np.ndarray
     x: np.ndarray
 
+    def cut(self, first: int) -> None:
+        """Keep rows first: only (what the last layer's outputs feed once the state has seen
+        every row); a family's pass cuts what it carries per row too."""
+        self.ids, self.positions, self.x = self.ids[first:], self.positions[first:], self.x[first:]
+
 
 @dataclass(frozen=True)
 class PassContext:
@@ -58,12 +63,17 @@ class Stack(Protocol):
         if the session has not already), at the point in the reads the family wants it."""
         ...
 
-    def layer(self, ctx: PassContext, p: Pass, i: int, w, state: list) -> None:
-        """Layer i (weights w) on the pass's streams, updating `state`."""
+    def layer(self, ctx: PassContext, p: Pass, i: int, w, state: list, keep: int | None = None) -> None:
+        """Layer i (weights w) on the pass's streams, updating `state`. keep (None: all rows): only
+        the pass's last `keep` rows' outputs are wanted (the last layer of a pass whose logits are
+        the last position's, 1, or nobody's, 0): every row still updates the state, which comes
+        from the layer's inputs, and the pass is cut to those rows before the query path, the
+        mixing after attention and the MoE; their bits are those of the whole pass's rows."""
         ...
 
-    def attend(self, ctx: PassContext, p: Pass, i: int, w, state: list) -> None:
-        """Layer i's half that reads and updates `state` (`layer` = `attend`, then `ffn`)."""
+    def attend(self, ctx: PassContext, p: Pass, i: int, w, state: list, keep: int | None = None) -> None:
+        """Layer i's half that reads and updates `state` (`layer` = `attend`, then `ffn`); keep as
+        in `layer` (the pass is cut here)."""
         ...
 
     def ffn(self, ctx: PassContext, p: Pass, i: int, w) -> None:

@@ -18,16 +18,17 @@ from .. import kernels
 from ..checkpoint.catalog import Catalog
 from ..checkpoint.spec import drafter_summary, unused_summary
 from ..checkpoint.spec_v41 import is_vision
-from ..checkpoint.tensors import is_drafter
+from ..checkpoint.tensors import MODEL, is_drafter
 from ..kernels import reference
 from ..store import ExpertStore
 from ..streaming.expert_layout import expert_layouts
-from ..streaming.layout import TrunkLayout, trunk_layout
+from ..streaming.layout import TrunkLayout, trunk_layout, without
 from ..trunkpack.reader import open_trunk_file
-from . import planner, planner_dspark
+from . import planner, planner_dspark, planner_head
 from .planner import MemoryNeeds
 from .runinfo import RunOptions
 
+HEAD_MATRIX = frozenset({MODEL["head"] + ".weight"})  # what stays on disk in `planner_head.INT8`
 DEFAULT_MAX_BATCH = 4  # requests `dsv4 serve` decodes together when --max-batch is not given
 
 
@@ -133,12 +134,14 @@ def memory_needs(
     """What the plan must place, measured on this checkpoint (layer groups as read, with
     their aligned windows), plus the state / staging estimates and the baseline overhead.
     A run that drafts (`runs_drafter`) holds the drafter's dense weights too; `head_q8_bytes`:
-    the int8 head copy a fast run reads (`head_q8_bytes_of`)."""
+    the int8 head copy a fast run can read (`head_q8_bytes_of`), which the plan then takes in
+    place of the BF16 head matrix (`planner_head`)."""
     cfg = cat.config
     drafts = runs_drafter(cat, opts)
-    return MemoryNeeds(
+    needs = MemoryNeeds(
         layer_bytes=layout.layer_bytes,
         head_bytes=layout.head.nbytes + cfg.tid2eid_bytes,  # V4.1: head and final norm only (no hc_head)
+        head_matrix_bytes=layout.head.nbytes - without(layout.head, HEAD_MATRIX).nbytes,
         slot_bytes=slot_bytes,
         state_bytes=planner.state_bytes_for(cfg, opts.ctx) * (opts.live_sequences + opts.kept_states),
         staging_bytes=planner.staging_bytes_for(cfg, opts.chunk, opts.ctx) + kernel_scratch_bytes(cat),
@@ -157,6 +160,7 @@ def memory_needs(
         engram_table_bytes=sum(e.nbytes for n, e in cat.entries.items() if ".engram.embed." in n),
         **vision_needs(cat, opts.images),
     )
+    return planner_head.chosen(needs)  # its fixed bytes are the plan's
 
 
 def _unused(cat: Catalog, images: bool, drafts: bool = False) -> str | None:
@@ -199,30 +203,42 @@ def measure(checkpoint: str | os.PathLike, opts: RunOptions) -> MemoryNeeds:
     return memory_needs(cat, trunk_layout(cat, tf), ExpertStore.slot_nbytes(layouts), opts, q8)
 
 
-def head_q8_bytes_of(tf, family: str, numerics: str | None, head_on_gpu: bool = False) -> int:
-    """The int8 head copy's bytes where this run reads it: fast numerics (the run default, but
-    not `dsv4 logits`' family defaults), a pack that holds the copy, the head on the CPU, a CPU
-    target the copy's kernels run on (`kernels.head.copy_runs`); else 0."""
+def copy_read(family: str, numerics: str | None) -> bool:
+    """Whether a run with this --numerics reads a pack's int8 head copy on this CPU: fast numerics
+    (the run default, but not `dsv4 logits`' family defaults) on a CPU target the copy's kernels
+    run on (`kernels.head.copy_runs`)."""
     from ..engine.numerics import DEFAULTS, kernel_mode
 
-    mode = kernel_mode(family, numerics or DEFAULTS[family])
-    if mode != "fast" or tf is None or tf.head_q8 is None or head_on_gpu:
-        return 0
+    if kernel_mode(family, numerics or DEFAULTS[family]) != "fast":
+        return False
     from ..kernels.head import copy_runs
 
-    if not copy_runs():
+    return copy_runs()
+
+
+def head_q8_bytes_of(tf, family: str, numerics: str | None, head_on_gpu: bool = False) -> int:
+    """The int8 head copy's bytes where this run can read it (`copy_read`, a pack that holds the
+    copy, the head on the CPU); else 0. The plan then reads it (`planner_head`)."""
+    if tf is None or tf.head_q8 is None or head_on_gpu or not copy_read(family, numerics):
         return 0
     return int(tf.head_q8["file_bytes"])
 
 
-def needs_of(path: str | os.PathLike, ctx: int = 4096) -> tuple[MemoryNeeds, str]:
+def needs_of(path: str | os.PathLike, ctx: int = 4096, numerics: str | None = None) -> tuple[MemoryNeeds, str]:
     """What the planner places for `path`, the one answer inspect, doctor and bench give:
     measured on a checkpoint directory exactly as `dsv4 run` plans it (default trunk, ctx,
-    chunk, kernels), else estimated from a bare config.json; with where the sizes came from."""
+    chunk, kernels, --numerics), else estimated from a bare config.json as a packed checkpoint
+    runs (the int8 head copy where fast reads it); with where the sizes came from. `numerics`:
+    None for the run default (fast)."""
+    from ..engine.numerics import RUN_DEFAULT
+
+    numerics = numerics or RUN_DEFAULT
     p = Path(path)
     if p.is_dir() and any(p.glob("*.safetensors")):
-        return measure(p, RunOptions(budget=planner.GB, ctx=ctx)), "measured on the checkpoint, as `dsv4 run` plans"
+        opts = RunOptions(budget=planner.GB, ctx=ctx, numerics=numerics)
+        return measure(p, opts), "measured on the checkpoint, as `dsv4 run` plans"
     from ..checkpoint.config import ModelConfig
 
     cfg = ModelConfig.from_json(p / "config.json" if p.is_dir() else p)
-    return planner.needs_from_config(cfg, ctx=ctx), "estimated from config.json with the release dtypes"
+    needs = planner.needs_from_config(cfg, ctx=ctx, head_copy=copy_read(cfg.family, numerics))
+    return needs, "estimated from config.json with the release dtypes, as a packed checkpoint runs"

@@ -37,7 +37,8 @@ from ..checkpoint.spec_v41 import engram_nbytes, vision_nbytes
 from ..checkpoint.tensors import released_nbytes
 from ..errors import BudgetError
 from ..store.directio import ALIGN
-from . import planner_dspark, planner_v4, planner_v41
+from ..trunkpack import headcopy
+from . import planner_dspark, planner_head, planner_v4, planner_v41
 
 GB = 1_000_000_000
 # Interpreter, numpy/numba/tokenizers code and heaps, thread stacks, allocator slack:
@@ -96,9 +97,12 @@ class MemoryNeeds:
     vision_activation_bytes: int = 0
     # --speculate: the DSpark drafter's dense weights (its routed experts share the expert slots)
     drafter_bytes: int = 0
-    # fast numerics with a pack holding the int8 head copy (`trunkpack.headcopy`): read for the
-    # logits, resident beside the BF16 head (which the drafter, --gpu and the checks still read)
+    # The int8 head copy (`trunkpack.headcopy`) where this run can read it for fast's logits (0:
+    # not offered), the BF16 matrix inside head_bytes, and the mode `planner_head` took for the
+    # plan (the BF16 head resident, or the copy with the BF16 matrix on disk)
     head_q8_bytes: int = 0
+    head_matrix_bytes: int = 0
+    head_mode: str = planner_head.BF16
 
     @property
     def fixed_bytes(self) -> int:
@@ -107,12 +111,16 @@ class MemoryNeeds:
             self.overhead_bytes
             + self.state_bytes
             + self.staging_bytes
-            + self.head_bytes
-            + self.head_q8_bytes
+            + self.head_resident_bytes
             + self.vision_weight_bytes
             + self.vision_activation_bytes
             + self.drafter_bytes
         )
+
+    @property
+    def head_resident_bytes(self) -> int:
+        """The head's bytes in RAM in `head_mode` (`planner_head.resident_bytes`)."""
+        return planner_head.resident_bytes(self)
 
     @property
     def trunk_resident_bytes(self) -> int:
@@ -194,8 +202,7 @@ class Plan:
         out = [
             (
                 f"budget {_gb(self.budget)}: overhead {_gb(n.overhead_bytes)}, state {_gb(n.state_bytes)},"
-                f" staging {_gb(n.staging_bytes)}, head {_gb(n.head_bytes)}"
-                + (f" + its int8 copy {_gb(n.head_q8_bytes)} (fast logits)" if n.head_q8_bytes else "")
+                f" staging {_gb(n.staging_bytes)}, {planner_head.line(n, _gb)}"
             ),
             f"  trunk: {self.pinned_layers}/{len(n.layer_bytes)} layers pinned ({_gb(self.pinned_bytes)})"
             + (
@@ -256,7 +263,8 @@ def _pool_floor(needs: MemoryNeeds) -> int:
 def minimum_budget(needs: MemoryNeeds) -> int:
     """Smallest budget that runs: nothing pinned, a two-slot ring, two layers' worth of experts
     while decoding, whose bytes also hold the shortest prefill segment (or the one
-    --prefill-segment fixes) beside PREFILL_SLOTS slots."""
+    --prefill-segment fixes) beside PREFILL_SLOTS slots; the head as `planner_head` holds it."""
+    needs = planner_head.chosen(needs)
     ring = 2 * max(needs.layer_bytes, default=0)
     return needs.fixed_bytes + ring + _pool_floor(needs)
 
@@ -282,7 +290,9 @@ def smallest_budget(
 
 
 def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -> Plan:
-    """Split `budget` bytes; raise BudgetError (naming the minimum) if it cannot work."""
+    """Split `budget` bytes; raise BudgetError (naming the minimum) if it cannot work. The head's
+    mode (the int8 copy, the BF16 head on disk) is `planner_head`'s rule, for every caller."""
+    needs = planner_head.chosen(needs)
     floor = minimum_budget(needs)
     if budget < floor:
         seg = (
@@ -292,7 +302,7 @@ def plan(needs: MemoryNeeds, budget: int, max_expert_slots: int | None = None) -
         )
         raise BudgetError(
             f"--budget {budget / GB:.2f} GB is below the minimum of {gb_up(floor)}"
-            f" for this model (head {_gb(needs.head_bytes)}, overhead {_gb(needs.overhead_bytes)},"
+            f" for this model (head {_gb(needs.head_resident_bytes)}, overhead {_gb(needs.overhead_bytes)},"
             f" state for --ctx {_gb(needs.state_bytes)},"
             + (
                 f" the vision tower and an image's activations {_gb(needs.vision_weight_bytes + needs.vision_activation_bytes)},"
@@ -405,10 +415,17 @@ def segment_token_bytes(cfg: ModelConfig) -> int:
 
 
 def needs_from_config(
-    cfg: ModelConfig, ctx: int = 4096, chunk: int = SUB_CHUNK, segment: int | None = None, speculate: str | int = "auto"
+    cfg: ModelConfig,
+    ctx: int = 4096,
+    chunk: int = SUB_CHUNK,
+    segment: int | None = None,
+    speculate: str | int = "auto",
+    head_copy: bool = False,
 ) -> MemoryNeeds:
     """Estimate from config.json alone, with the release dtypes; the drafter counted as a run
-    with this --speculate setting holds it (`planner_dspark`, as `run.memory` measures it)."""
+    with this --speculate setting holds it (`planner_dspark`, as `run.memory` measures it);
+    `head_copy`: the run reads a pack's int8 head copy (`run.memory.copy_read`), as a packed
+    checkpoint's fast run does."""
     drafts = planner_dspark.drafts(cfg, speculate)
     layer_bytes = tuple(
         sum(released_nbytes(cfg, s) for s in block_specs(cfg, i, with_experts=False)) for i in range(cfg.n_layers)
@@ -416,7 +433,7 @@ def needs_from_config(
     d, v, fam = cfg.hidden_size, cfg.vocab_size, family_planner(cfg)
     head = v * d * 2 + d * 2 + fam.head_extra_bytes(cfg)
     head += cfg.tid2eid_bytes  # the hash layers' tables stay resident
-    return MemoryNeeds(
+    needs = MemoryNeeds(
         layer_bytes=layer_bytes,
         head_bytes=head,
         slot_bytes=slot_bytes_for(cfg.expert_bytes),
@@ -433,4 +450,7 @@ def needs_from_config(
         engram_slot_bytes=fam.engram_slot_bytes(cfg),
         engram_rows_per_token=fam.engram_rows_per_token(cfg),
         engram_table_bytes=engram_nbytes(cfg),
+        head_q8_bytes=headcopy.copy_bytes_of(v, d) if head_copy else 0,
+        head_matrix_bytes=v * d * 2,
     )
+    return planner_head.chosen(needs)  # its fixed bytes are the plan's

@@ -33,21 +33,23 @@ from ..engine.spec_draws import PositionUniforms
 from ..engine.speculation import Speculator, pick_at
 from ..engine.stack_v41 import SpanRows
 from ..engine.threads import ThreadGovernor
-from ..errors import BudgetError, UsageError
+from ..errors import UsageError
 from ..kernels.head import Int8Head
 from ..store import ExpertStore
 from ..streaming.engram import DiskEngramRows
 from ..streaming.expert_layout import expert_label
 from ..streaming.experts import StreamedExperts
-from ..streaming.layout import trunk_layout
+from ..streaming.layout import trunk_layout, without
+from ..streaming.mapped import map_entry
 from ..streaming.reader import GroupReader
 from ..streaming.ring import StreamedTrunk
 from ..text.sampler import greedy
 from ..trunkpack.packdir import default_out_dir, pack_hint
 from ..trunkpack.reader import TrunkFile, open_trunk_file
-from . import planner
+from . import planner, planner_head
 from .compile import checkpoint_forms, compile_kernels_apart
 from .memory import (
+    HEAD_MATRIX,
     head_q8_bytes_of,
     main_expert_layouts,
     memory_needs,
@@ -110,7 +112,8 @@ class Runtime:
     def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None) -> Runtime:
         """Plan `opts.budget` on this checkpoint (BudgetError if it cannot work) and load what
         the plan keeps resident. `warn` receives one-time notices (O_DIRECT refused); `opts.gpu`
-        moves trunk matrices to VRAM, out of the budget."""
+        moves trunk matrices to VRAM, out of the budget. Where the plan takes the pack's int8
+        head copy (`planner_head.INT8`), the BF16 head is mapped from its file, not read."""
         if opts.io not in ("direct", "buffered"):
             raise UsageError(f"--io {opts.io!r}: use direct or buffered")
         if opts.chunk < 1 or opts.ctx < 1:
@@ -138,12 +141,12 @@ class Runtime:
             )
         head_on_gpu = placed is not None and MODEL["head"] + ".weight" in placed.tensor_names
         q8_bytes = head_q8_bytes_of(tf, cfg.family, opts.numerics, head_on_gpu)
-        slot_bytes = ExpertStore.slot_nbytes(layouts)
-        needs = memory_needs(cat, layout, slot_bytes, opts, 0)
-        plan = planner.plan(needs, opts.budget)
-        if q8_bytes:
-            plan = _with_head_copy(plan, memory_needs(cat, layout, slot_bytes, opts, q8_bytes), len(layouts), once)
-            needs, q8_bytes = plan.needs, plan.needs.head_q8_bytes
+        plan = planner.plan(memory_needs(cat, layout, ExpertStore.slot_nbytes(layouts), opts, q8_bytes), opts.budget)
+        head_mode = plan.needs.head_mode
+        mapped = {}
+        if head_mode == planner_head.INT8:  # the BF16 head stays in its file, mapped (`planner_head`)
+            mapped = {n: (layout.head.entries[n], map_entry(layout.head.entries[n])) for n in HEAD_MATRIX}
+            layout = replace(layout, head=without(layout.head, HEAD_MATRIX))
         if tf is None and opts.trunk != "":
             once(
                 f"no packed trunk in {default_out_dir(cat.root)}: reading the trunk from the shards; {pack_hint(cat.root)}"
@@ -180,8 +183,10 @@ class Runtime:
             if tf is not None:
                 reader.check, reader.same_file = tf.check_window, tf.check_identity
             wrap = placed.source if placed is not None else None
-            trunk = StreamedTrunk(cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap)
-            if q8_bytes:  # fast numerics' logits from the pack's int8 head copy (counted in the plan)
+            trunk = StreamedTrunk(
+                cat, layout, plan.pinned_layers, reader, plan.ring_slot_bytes or None, wrap, head_mapped=mapped
+            )
+            if head_mode == planner_head.INT8:  # fast numerics' logits (and drafts) from the pack's int8 head copy
                 trunk.use_head_q8(Int8Head(*tf.read_head_q8()))
             meter = partial(run_counters, store, trunk, engram)
             engine = Engine(
@@ -359,24 +364,3 @@ def run_counters(store: ExpertStore, trunk: StreamedTrunk, engram: DiskEngramRow
         engram_bytes_read=g.bytes_read if g is not None else 0,
         engram_wait_seconds=g.wait_seconds if g is not None else 0.0,
     )
-
-
-def _with_head_copy(without, needs, n_experts: int, say):
-    """The plan with the int8 head copy (`needs` counts it) where the copy takes only budget
-    nothing else would use, else `without`. The copy saves half the head's read per token, but
-    where the budget is tight its bytes would come out of the expert slots or the pinned trunk
-    layers, and each slot lost is a disk read on some later token, which costs far more than the
-    head's saving (4 real-dimension V4-Flash layers under a 2.6 GB limit, --budget 2.2: decode
-    1.55 tok/s with the copy counted against the slots; 5.20 tok/s before the copy existed)."""
-    try:
-        with_copy = planner.plan(needs, without.budget)
-    except BudgetError:
-        with_copy = None
-    keeps = min(without.expert_slots, n_experts)
-    if with_copy is not None and with_copy.expert_slots >= keeps and with_copy.pinned_layers >= without.pinned_layers:
-        return with_copy
-    say(
-        "int8 head copy not used: at this --budget its bytes would take expert slots or trunk layers,"
-        " so the BF16 head gives the logits (a larger --budget uses the copy)"
-    )
-    return without

@@ -62,6 +62,12 @@ def _group(label: str, entries: Mapping[str, TensorEntry]) -> Group:
     return Group(label, layout, plan_slot(layout), dict(entries))
 
 
+def without(group: Group, names: frozenset[str]) -> Group:
+    """`group` less the tensors `names` (which the run reads elsewhere: the BF16 head mapped from
+    its file while fast reads the int8 copy, `run.planner_head`)."""
+    return _group(group.label, {n: e for n, e in group.entries.items() if n not in names})
+
+
 def trunk_layout(cat: Catalog, trunk: TrunkFile | None = None, exclude: frozenset[str] = frozenset()) -> TrunkLayout:
     """Groups of the checkpoint's trunk; tensors the pack holds come from it, the rest from the
     shards; `exclude` names tensors that live elsewhere (in VRAM with --gpu) and are never read."""

@@ -89,6 +89,7 @@ class StreamedTrunk:
         reader: GroupReader,
         slot_bytes: int | None = None,
         wrap: Callable[[ViewSource], object] | None = None,
+        head_mapped: Mapping[str, tuple[TensorEntry, np.ndarray]] | None = None,
     ) -> None:
         cfg = self.cfg = cat.config
         # wrap: serves matrices placed in VRAM (--gpu) in place of the slot's (absent) bytes
@@ -101,7 +102,11 @@ class StreamedTrunk:
             g = layout.layers[i]
             self._pinned.append(self._build(i, reader.read(g, aligned_buffer(g.nbytes))))
         g = layout.head
-        self._head = load_top(self._wrap(ViewSource(cfg, g.entries, reader.read(g, aligned_buffer(g.nbytes)))))
+        arrays, entries = reader.read(g, aligned_buffer(g.nbytes)), dict(g.entries)
+        # head_mapped: head tensors the layout leaves out, served from a read-only map of their file
+        for name, (e, a) in (head_mapped or {}).items():
+            entries[name], arrays[name] = e, a
+        self._head = load_top(self._wrap(ViewSource(cfg, entries, arrays)))
         self._tid2eid = {}
         for i in range(min(cfg.num_hash_layers, cfg.n_layers)):
             if i < self.pinned:

@@ -76,6 +76,11 @@ def copy_bytes(manifest: dict) -> int:
     return layout(*map(int, t["shape"]))[1] if t is not None else 0
 
 
+def copy_bytes_of(rows: int, cols: int) -> int:
+    """The disk (and memory) the copy of a BF16 (rows, cols) head takes; 0 where it cannot be made."""
+    return layout(rows, cols)[1] if cols % COL_MULTIPLE == 0 else 0
+
+
 def write_copy(
     data_fd: int, data_path: str, src: dict, out_path: Path, on_bytes: Callable[[int], None] | None = None
 ) -> dict:

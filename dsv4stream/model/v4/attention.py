@@ -66,18 +66,19 @@ def attention(
     cfg: ModelConfig,
     rope: Rope,
     on_index: Callable[[np.ndarray], None] | None = None,
+    out_from: int = 0,
 ) -> np.ndarray:
-    """One layer's attention for a chunk: x (T, D) normed block input at positions (T,) -> (T, D).
+    """One layer's attention for a chunk: x (T, D) normed block input at positions (T,) -> (T - out_from, D).
 
-    on_index, if given, sees the indexer's choice (T, K) at ratio-4 layers.
+    out_from: the first row whose output is wanted. Every row updates the state (window,
+    compressors: they come from x alone); the query path (q, indexer choice, attend, output
+    projections) runs only for rows out_from: (the last layer of a pass that wants only the last
+    position's logits). Each kernel's row is the same bits whatever the other rows of the call,
+    so those rows equal a full call's. on_index, if given, sees the indexer's choice (T', K) at
+    ratio-4 layers.
     """
-    t = x.shape[0]
     h, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
     cos, sin = rope.cos_sin(positions)
-
-    q_res = rms_norm(matmul(w.wq_a, x), w.q_norm, eps)
-    q = rms_norm(matmul(w.wq_b, q_res).reshape(t, h, hd), None, eps)
-    q = apply_rope(q, cos, sin, in_place=True)
     kv = apply_rope(rms_norm(matmul(w.wkv, x), w.kv_norm, eps), cos, sin, in_place=True)
     # `official`: what V4's reference keeps is rounded as it rounds it (kernels/actquant.py):
     # the window KV and the compressed rows on E4M3 (RoPE channels kept), the indexer on FP4
@@ -93,16 +94,33 @@ def attention(
     key_mask = (dist >= 0) & (dist < cfg.sliding_window)
     st.window.push(kv, positions)
 
-    comp = comp_mask = comp_idx = None
+    index_grid = index_grid_v4 if official else None
     if w.ratio:
         compress(st.comp, x, w.compressor, rope, eps, (lambda r: kv_grid_v4(r, rd)) if official else None)
+        if w.indexer is not None:
+            compress(st.index_comp, x, w.indexer.compressor, rope, eps, index_grid)
+    if out_from:  # the state is whole: the rest is the wanted rows' queries
+        x, positions, cos, sin, key_mask = (
+            x[out_from:],
+            positions[out_from:],
+            cos[out_from:],
+            sin[out_from:],
+            key_mask[out_from:],
+        )
+    t = x.shape[0]
+    if t == 0:
+        return np.zeros((0, cfg.hidden_size), dtype=F32)
+    q_res = rms_norm(matmul(w.wq_a, x), w.q_norm, eps)
+    q = rms_norm(matmul(w.wq_b, q_res).reshape(t, h, hd), None, eps)
+    q = apply_rope(q, cos, sin, in_place=True)
+
+    comp = comp_mask = comp_idx = None
+    if w.ratio:
         comp = st.comp.rows
         closed = (positions + 1) // w.ratio  # rows a query at each position may use
         if w.indexer is None:
             comp_mask = np.arange(comp.shape[0])[None, :] < closed[:, None]
         else:
-            index_grid = index_grid_v4 if official else None
-            compress(st.index_comp, x, w.indexer.compressor, rope, eps, index_grid)
             comp_idx = select_rows(
                 x,
                 q_res,

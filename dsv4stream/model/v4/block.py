@@ -32,17 +32,19 @@ def attention_half(
     cfg: ModelConfig,
     rope: Rope,
     trace: Trace | None = None,
+    out_from: int = 0,
 ) -> np.ndarray:
-    """Streams x (T, hc, D) at positions (T,) -> streams after the attention half; updates st.
+    """Streams x (T, hc, D) at positions (T,) -> streams after the attention half of rows
+    out_from: (T - out_from, hc, D); updates st with all T rows (`attention`'s out_from).
 
     Tokens must come in order: the state holds every earlier position of the sequence."""
     it, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     h, post, comb = hc_pre(x, w.hc_attn, it, hc_eps, eps)
     on_index = (lambda idx: trace("index", w.index, idx)) if trace else None
-    y = attention(rms_norm(h, w.attn_norm, eps), positions, w.attn, st, cfg, rope, on_index)
+    y = attention(rms_norm(h, w.attn_norm, eps), positions, w.attn, st, cfg, rope, on_index, out_from)
     if trace:
         trace("attn", w.index, y)
-    return hc_post(x, y, post, comb)
+    return hc_post(x[out_from:], y, post[out_from:], comb[out_from:])
 
 
 def ffn_half(

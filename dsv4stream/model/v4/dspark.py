@@ -36,6 +36,7 @@ import numpy as np
 from ...checkpoint.config import ModelConfig
 from ...kernels import QWeight, attend, get_numerics, matmul, matmul_grouped
 from ...kernels.actquant import kv_grid_v4
+from ...kernels.head import head_logits
 from ..cache import WindowCache
 from ..dspark import Draft, DSparkState
 from ..dspark import new_state as new_window_state
@@ -132,11 +133,13 @@ def draft(
     experts_of: Callable[[int], ExpertSource],
     rope: Rope,
     slots: int | None = None,
+    q8: object | None = None,
 ) -> Draft:
     """The drafter right after the main model consumed position `state.last`, whose next token
     is `token`: the block's head logits and collapsed streams. `experts_of(layer)`: the expert
     source of block `layer` (p.first_layer + stage). `slots`: head logits of the first `slots`
-    slots only (the vocabulary-wide head is the drafter's largest product)."""
+    slots only (the vocabulary-wide head is the drafter's largest product). `q8`: the main
+    head's int8 copy, which `fast` proposes with where the main model reads it (`kernels.head`)."""
     cfg = p.cfg
     it, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     pos = state.last
@@ -149,4 +152,4 @@ def draft(
         x = ffn_half(x, ids, stage, cfg, experts_of(p.first_layer + k))
     hidden = hc_head(x, w.hc_head, hc_eps, eps)
     n = p.block_size if slots is None else slots
-    return Draft(matmul(head, rms_norm(hidden[:n], w.norm, eps)), hidden)
+    return Draft(head_logits(head, q8, rms_norm(hidden[:n], w.norm, eps)), hidden)

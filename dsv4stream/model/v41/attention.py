@@ -141,7 +141,29 @@ def _aq(x: np.ndarray, plan: V41Plan) -> np.ndarray:
     return act_qdq(x) if plan.quantise else x
 
 
-def _compressed(
+def _compress(
+    x: np.ndarray,
+    w: V41AttnWeights,
+    layer: int,
+    states: Sequence[V41LayerState],
+    plan: V41Plan,
+    board: KeyBoard,
+    rope: Rope,
+) -> SourceState:
+    """This chunk's compression at a KV source (rows, keys, `board`): the state part, from every
+    row of x; returns the layer's KV source."""
+    src = states[plan.kv_source[layer]].source
+    if src is None:
+        raise InternalError(f"layer {layer} reads KV source {plan.kv_source[layer]}, which holds no rows")
+    if w.compressor is not None:
+        lat = latents(src, x, w.compressor, plan.eps)
+        append_rows(src, lat, plan.ratios[layer], rope, w.keys, plan.eps, plan.quantise)
+        if lat.shape[0] and w.keys is not None:
+            board.publisher = layer
+    return src
+
+
+def _chosen(
     x: np.ndarray,
     qr: np.ndarray,
     positions: np.ndarray,
@@ -149,29 +171,21 @@ def _compressed(
     sin: np.ndarray,
     w: V41AttnWeights,
     layer: int,
+    src: SourceState,
     states: Sequence[V41LayerState],
     plan: V41Plan,
     pub: Published,
     board: KeyBoard,
-    rope: Rope,
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """(rows (n, hd) of this layer's KV source, chosen rows (T, K)) after this chunk's compression."""
-    ratio = plan.ratios[layer]
-    src = states[plan.kv_source[layer]].source
-    if src is None:
-        raise InternalError(f"layer {layer} reads KV source {plan.kv_source[layer]}, which holds no rows")
-    emitted = 0
-    if w.compressor is not None:
-        lat = latents(src, x, w.compressor, plan.eps)
-        emitted = lat.shape[0]
-        append_rows(src, lat, ratio, rope, w.keys, plan.eps, plan.quantise)
-        if emitted and w.keys is not None:
-            board.publisher = layer
+) -> np.ndarray:
+    """The rows (T, K) these queries attend to: chosen here at an index source (and published in
+    `pub` for the layers after it), else the choice published for the same queries (the last T
+    of the sub-chunk's: a pass cut to its last rows reads theirs)."""
+    ratio, t = plan.ratios[layer], x.shape[0]
     if w.indexer is not None:
         end = int(positions[-1]) + 1
         visible = end // ratio
         if visible == 0:
-            pub.rows = np.zeros((x.shape[0], 0), dtype=np.int64)
+            pub.rows = np.zeros((t, 0), dtype=np.int64)
         else:
             keys = _index_keys(src, states, plan, board)[:visible]
             q, hw = index_query(qr, x, cos, sin, w.indexer, plan.index_n_heads, plan.quantise)
@@ -183,11 +197,11 @@ def _compressed(
             elif 0 <= plan.candidate_source < layer:
                 if pub.blocks is None:
                     raise InternalError(f"layer {layer}: no candidate blocks from layer {plan.candidate_source}")
-                scores = restrict_to(scores, pub.blocks, plan.candidate_block)
+                scores = restrict_to(scores, pub.blocks[pub.blocks.shape[0] - t :], plan.candidate_block)
             pub.rows = top_rows(scores, end, ratio, plan.index_topk)
     if pub.rows is None:
         raise InternalError(f"layer {layer}: no row choice from index source {plan.index_source[layer]}")
-    return src.rows.rows, pub.rows
+    return pub.rows[pub.rows.shape[0] - t :]
 
 
 def _index_keys(src: SourceState, states: Sequence[V41LayerState], plan: V41Plan, board: KeyBoard) -> np.ndarray:
@@ -210,18 +224,18 @@ def attention(
     pub: Published,
     board: KeyBoard,
     rope: Rope,
+    out_from: int = 0,
 ) -> np.ndarray:
-    """One layer's attention for a chunk: x (T, D) normed block input at positions (T,) -> (T, D).
+    """One layer's attention for a chunk: x (T, D) normed block input at positions (T,) -> (T - out_from, D).
 
     Updates the layer's window, its KV source's rows and keys (at a source), `pub` (at an index
-    source) and `board` (a source that published keys)."""
-    t = x.shape[0]
-    h, hd, eps = plan.n_heads, plan.head_dim, plan.eps
+    source) and `board` (a source that published keys). out_from: the first row whose output is
+    wanted; every row updates the state (it comes from x alone), the query path runs for rows
+    out_from: only (the last layer of a pass that wants only the last position's logits; each
+    kernel's row has the same bits whatever the other rows of its call)."""
+    hd, eps = plan.head_dim, plan.eps
     cos, sin = rope.cos_sin(positions)
     xq = _aq(x, plan)
-    qr = rms_norm(matmul(w.wq_a, xq), w.q_norm, eps)
-    qrq = _aq(qr, plan)
-    q = apply_rope(matmul(w.wq_b, qrq).reshape(t, h, hd), cos, sin, in_place=True)
     kv = apply_rope(rms_norm(matmul(w.wkv, xq), w.kv_norm, eps), cos, sin, in_place=True)
     kv = _aq(kv, plan)
 
@@ -230,10 +244,21 @@ def attention(
     dist = positions[:, None] - kpos[None, :]
     key_mask = (dist >= 0) & (dist < plan.window)
     st.window.push(kv, positions)
+    src = _compress(x, w, layer, states, plan, board, rope) if plan.ratios[layer] else None
+
+    if out_from:  # the state is whole: the rest is the wanted rows' queries
+        x, xq, positions, cos, sin = x[out_from:], xq[out_from:], positions[out_from:], cos[out_from:], sin[out_from:]
+        key_mask = key_mask[out_from:]
+    t = x.shape[0]
+    if t == 0:
+        return np.zeros((0, x.shape[1]), dtype=F32)
+    qr = rms_norm(matmul(w.wq_a, xq), w.q_norm, eps)
+    qrq = _aq(qr, plan)
+    q = apply_rope(matmul(w.wq_b, qrq).reshape(t, plan.n_heads, hd), cos, sin, in_place=True)
 
     comp = comp_idx = None
-    if plan.ratios[layer]:
-        comp, comp_idx = _compressed(x, qrq, positions, cos, sin, w, layer, states, plan, pub, board, rope)
+    if src is not None:
+        comp, comp_idx = src.rows.rows, _chosen(x, qrq, positions, cos, sin, w, layer, src, states, plan, pub, board)
         if comp_idx.shape[1] == 0:
             comp = comp_idx = None
     o = attend(q, keys, key_mask, comp, None, comp_idx, w.sink)

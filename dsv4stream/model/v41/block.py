@@ -92,11 +92,16 @@ def attention_half(
     board: KeyBoard,
     rope: Rope,
     hp: HcParams,
+    out_from: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Streams x (T, hc, D) and the pre they arrive with -> (streams after attention, the FFN's pre)."""
-    a_pre, post, comb = hc_mixes(x, w.hc_attn, hp)
+    """Streams x (T, hc, D) and the pre they arrive with -> (streams after attention, the FFN's pre)
+    of rows out_from: (every row updates the state: `attention`'s out_from)."""
     h = rms_norm(collapse(x, pre), w.attn_norm, hp.norm_eps)
-    y = attention(h, positions, w.attn, w.index, states, plan, pub, board, rope)
+    y = attention(h, positions, w.attn, w.index, states, plan, pub, board, rope, out_from)
+    x = x[out_from:]
+    if x.shape[0] == 0:  # the state alone was wanted
+        return x, np.zeros((0, pre.shape[1]), dtype=F32)
+    a_pre, post, comb = hc_mixes(x, w.hc_attn, hp)
     return hc_post(x, y, post, comb), a_pre
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...kernels import QWeight, attend, matmul, matmul_grouped
+from ...kernels.head import head_logits
 from ..cache import WindowCache
 from ..dspark import Draft, DSparkState
 from ..dspark import new_state as new_window_state
@@ -133,12 +134,14 @@ def draft(
     experts_of: Callable[[int], ExpertSource],
     rope: Rope,
     slots: int | None = None,
+    q8: object | None = None,
 ) -> Draft:
     """The drafter right after the main model consumed position `state.last`, whose next token
     is `token`: the block's head logits and collapsed streams. `experts_of(layer)` is the
     expert source of block `layer` (p.first_layer + stage). `slots`: head logits of the first
     `slots` slots only (speculation drafting fewer than B tokens: the vocabulary-wide head is
-    the drafter's largest product; the stages still run the whole block)."""
+    the drafter's largest product; the stages still run the whole block). `q8`: the main
+    head's int8 copy, which `fast` proposes with where the main model reads it (`kernels.head`)."""
     pos = state.last
     ids = np.full(p.block_size, p.noise_token_id, dtype=np.int64)
     ids[0] = token
@@ -153,4 +156,4 @@ def draft(
         x = hc_post(x, moe(h, stage.moe, experts_of(p.first_layer + k), p.moe), post, comb)
     hidden = collapse(x, pre)
     n = p.block_size if slots is None else slots
-    return Draft(matmul(head, rms_norm(hidden[:n], w.norm, p.eps)), hidden)
+    return Draft(head_logits(head, q8, rms_norm(hidden[:n], w.norm, p.eps)), hidden)
