@@ -8,7 +8,7 @@ none is read again) and "stream" (slots for twice one pass's working set: expert
 the same prompt (ids 3, 4, ...); every setting must give off's ids (checked, the row says so).
 
 Random weights make the checkpoint's drafter accept almost nothing, so the bench also runs a
-STAND-IN drafter (rows marked `drafter=STAND-IN-accXX`, never the checkpoint's): it proposes off's
+STAND-IN drafter (rows marked `drafter=STAND-IN-p30` etc., never the checkpoint's): it proposes off's
 own greedy ids, each one replaced by a wrong id with probability `miss` (0.7, 0.4, 0.1: each draft
 right with probability 30, 60 or 90 %, `STAND-IN-p30` etc.; `acceptance` counts the drafts after a
 first miss as not accepted, so it reads lower), to show what `auto` decides there next to a fixed N.
@@ -22,8 +22,10 @@ load moves between rows, the steadier of the two). Also per row: acceptance,
 mean accepted length (tokens per verification pass), drafted and verified tokens, expert MB read
 per token, auto's draft lengths ({k: cycles}) and its time estimate without drafts.
 `--repeat R` runs off and the settings R times in turn (each row's x_off against the off run just
-before it); `--no-stand-in` skips the stand-in rows. Prints a header (machine, load) and one line
-per row.
+before it); `--no-stand-in` skips the stand-in rows; `--numerics` (default fast, as `dsv4 run`;
+an engine opened without one runs V4.1's official grids). Prints a header (machine, load,
+numerics) and one line per row; a row whose ids differ from off's says IDS-DIFFER, and the bench
+then ends with a line naming every such row and exit status 1.
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ def main() -> None:
     ap.add_argument("--settings", default="off,1,2,3,4,auto")
     ap.add_argument("--repeat", type=int, default=1, help="run off and the settings this many times, alternating")
     ap.add_argument("--no-stand-in", action="store_true", help="skip the stand-in drafter's rows")
+    ap.add_argument("--numerics", default=None, help="exact, official or fast (default: fast, as dsv4 run)")
     a = ap.parse_args()
 
     from dsv4stream.checkpoint.catalog import Catalog
+    from dsv4stream.engine.numerics import RUN_DEFAULT, canonical
     from dsv4stream.engine.spec_policy import AutoDrafts, FixedDrafts
     from dsv4stream.engine.speculate import speculative_generate
     from dsv4stream.engine.speculate_v41 import ScriptedDrafter
@@ -61,8 +65,13 @@ def main() -> None:
     from dsv4stream.run.runtime import Runtime
     from dsv4stream.text.sampler import greedy
 
+    numerics = canonical(a.numerics or RUN_DEFAULT)
     load = os.getloadavg()
-    print(f"# machine: {cpu_description()} cores={os.cpu_count()} load_avg={load[0]:.2f},{load[1]:.2f},{load[2]:.2f}")
+    print(
+        f"# machine: {cpu_description()} cores={os.cpu_count()} load_avg={load[0]:.2f},{load[1]:.2f},{load[2]:.2f}"
+        f" numerics={numerics} threads={a.threads} prompt={a.prompt} gen={a.gen}"
+    )
+    differ: list[str] = []
     cfg = Catalog.open(a.checkpoint).config
     needs = measure(a.checkpoint, RunOptions(budget=1))
     budgets = {
@@ -80,12 +89,16 @@ def main() -> None:
         return ids, time.perf_counter() - t_first
 
     for where in a.budgets.split(","):
-        opts = RunOptions(budget=budgets[where], threads=a.threads, trunk="")
+        opts = RunOptions(budget=budgets[where], threads=a.threads, trunk="", numerics=numerics)
         with Runtime.open(a.checkpoint, opts) as rt:
 
             def row(drafter: str, setting, ids, seconds, spec, base, where=where) -> None:
                 rate = (len(ids) - 1) / seconds
-                same = "same-ids" if ids == base[0] else "IDS-DIFFER"
+                same = "same-ids"
+                if ids != base[0]:
+                    at = next((i for i, (x, y) in enumerate(zip(ids, base[0])) if x != y), min(len(ids), len(base[0])))
+                    same = f"IDS-DIFFER(at {at})"
+                    differ.append(f"{where}/{drafter}/{setting}")
                 x = rate / base[1] if base[1] else 1.0
                 s = spec or None
                 extra = ""
@@ -135,6 +148,10 @@ def main() -> None:
                     )  # fmt: skip
                     ids, sec = timed(gen)
                     row(f"STAND-IN-p{round(100 * (1 - miss))}", setting, ids, sec, s.turn.speculation, base)
+    if differ:
+        print(f"# IDS-DIFFER: {len(differ)} row(s) gave other greedy ids than off: {', '.join(differ)}", flush=True)
+        raise SystemExit(1)
+    print("# every row gave off's greedy ids", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ V4-Flash-0731 checkpoint with its DSpark drafter and the release tokenizer.
 
 - The plan printed at start-up holds the drafter (a batching server drafts too).
 - One request at a time: greedy answers with `speculate` 2 and auto equal `speculate: off`, and
-  /v1/stats' `speculation` sums what was drafted (acceptance, mean accepted length, drafted and
+  /v1/stats' `speculation` (and /metrics' dsv4_speculation_*) sums what was drafted (acceptance, mean accepted length, drafted and
   verified tokens, time with drafts and the estimate without), consistent with itself.
 - Two requests at once: each gets its solo answer, and their passes were shared (the first one
   drafted alone, then decoded in plain batched passes once the second was in flight).
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_proc import Server
 
 from dsv4stream import synth
@@ -47,6 +48,19 @@ def stats(srv: Server) -> dict:
     return got
 
 
+def metrics(srv: Server) -> dict[tuple, float]:
+    """/metrics' samples: (name, sorted label items) -> value."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for fam in text_string_to_metric_families(text)
+        for x in fam.samples
+    }
+
+
 def answer(srv: Server, content: str, speculate, no_eos: dict) -> tuple[str, int]:
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
     r = c.chat.completions.create(
@@ -73,6 +87,14 @@ def test_a_batching_server_drafts_alone_and_shares_passes_together(server, ckpt)
     assert s["seconds"] > 0 and s["seconds_without_estimated"] >= 0 and s["one_token_pass_seconds"] >= 0
     assert s["mean_accepted_length"] >= 1.0
     assert stats(server)["batch"]["largest"] == 1
+    m = metrics(server)  # /metrics exports the same counts
+    for name, key in (("drafted_tokens", "drafted_tokens"), ("accepted_tokens", "accepted_tokens"),
+                      ("verified_tokens", "verified_tokens"), ("verify_passes", "verify_passes"),
+                      ("plain_steps", "plain_steps"), ("tokens", "tokens")):  # fmt: skip
+        assert m[(f"dsv4_speculation_{name}_total", ())] == s[key], name
+    cycles = {k[1][0][1]: v for k, v in m.items() if k[0] == "dsv4_speculation_cycles_total"}
+    assert cycles == {k: float(v) for k, v in s["draft_lengths"].items()}
+    assert m[("dsv4_speculation_seconds_total", ())] == pytest.approx(s["seconds"], abs=1e-3)
 
     # the second request joins while the first is decoding (after a few of its tokens, drafted alone)
     prompts = ["Count to ten.", "Tell me a story."]

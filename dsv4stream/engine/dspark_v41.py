@@ -17,12 +17,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import InternalError, UsageError
+from ..model.dspark import markov
 from ..model.moe import GroupedSource
 from ..model.v4.dspark import draft as draft_0731
 from ..model.v4.dspark import new_state as new_0731
 from ..model.v4.dspark import observe as observe_0731
 from ..model.v41.dspark import draft as draft_v41
-from ..model.v41.dspark import markov
 from ..model.v41.dspark import new_state as new_v41
 from ..model.v41.dspark import observe as observe_v41
 from ..weights.loading_dspark import check_drafter, dspark_params, load_dspark

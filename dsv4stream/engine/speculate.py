@@ -13,7 +13,9 @@ One cycle, with t the picked token not yet fed and d_0..d_{k-1} its drafts (k = 
    tokens kept so far), at position P + 1 + j, and keep it; go on while x_j == d_j;
 3. if fewer than k + 1 tokens were kept, restore the snapshot; the kept ones (t, d_0..d_{a-1})
    open the next cycle's pass, before its token and drafts (one pass, not a re-feed pass and a
-   verification pass: the trunk and the experts are read once for both). Whenever the caller
+   verification pass: the trunk and the experts are read once for both). The snapshot is taken
+   before those carried tokens, so a rejection in that pass carries them again: once the carry
+   is longer than a block plus one it is fed in a pass of its own (bounded passes). Whenever the caller
    holds a yielded token (the reply ended, or it closed the generator) the session holds exactly
    what a run without drafts holds: every token before it, fed.
 Picking x_j and keeping d_j only when x_j == d_j is standard speculative sampling with a drafter
@@ -21,8 +23,10 @@ that proposes one token d (q = its point mass): it is accepted with probability 
 and when it is not, x_j is distributed as p less d, renormalised: the residual max(0, p - q). With
 the pick's uniform at position P + 1 + j fixed by the seed (`engine.spec_draws`), x_j does not
 depend on the draft at all: a seed gives the same ids whatever the draft lengths (N, `auto`'s
-choices, the budget), and greedy ids equal those without drafts (up to the float rounding of a
-k + 1-token pass against one-token passes, as prefill vs steps).
+choices, the budget), and greedy ids equal those without drafts: each row of a k + 1-token pass
+carries the bits of a one-token pass at its position (the kernels compute a row from its own
+inputs, and a window is read in position order: `model.cache.WindowCache.with_new`), which
+tests/test_speculate_wide.py checks on a checkpoint wide enough for the fast kernels.
 
 The drafter sees the main model's taps (the V4.1 stack's "input" trace of its target layers) of
 the kept positions only: those of a verification pass's kept prefix (causal: equal to a pass of
@@ -274,7 +278,10 @@ def speculative_generate(
                 session.restore(snap)
                 carry = fed[: off + len(outs)]
                 spec.refeeds += 1
-                if stop is not None:  # the reply ends here: the session must hold them now
+                # the snapshot was taken before the carry, so a rejection drops the carry too:
+                # fed again now once it is longer than a block, or every rejection in a row
+                # would lengthen the next pass by a token (a pass of 60 tokens after 60)
+                if stop is not None or len(carry) > drafter.block + 1:  # (a stop: the session must hold them now)
                     _pass(session, clock, taps, carry, turn, policy, meter, spec)
                     spec.refeed_tokens += len(carry)
                     carry = []

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
+from ..model.dspark import Draft, markov
 from ..model.v4.dspark import DSpark0731Params, DSpark0731Weights
 from ..model.v4.dspark import draft as draft_0731
 from ..model.v4.dspark import new_state as new_0731
 from ..model.v4.dspark import observe as observe_0731
-from ..model.v41.dspark import Draft, DSparkParams, DSparkWeights, draft, markov, new_state, observe
+from ..model.v41.dspark import DSparkParams, DSparkWeights, draft, new_state, observe
 from ..text.sampler import greedy
 from ..weights.loading_dspark import drafter_reason, dspark_params, load_dspark
 from ..weights.loading_dspark_0731 import is_0731

@@ -21,8 +21,16 @@ class WindowCache:
         self.pos = np.full(size, -1, dtype=np.int64)
 
     def with_new(self, kv: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Cached rows followed by the chunk's rows: keys (S, d), positions (S,)."""
-        held = self.pos >= 0
+        """Cached rows in position order followed by the chunk's rows: keys (S, d), positions (S,).
+
+        Position order, not the ring's slot order: attention adds a query's visible rows in the
+        order they come (`kernels.attn`), so a query of a k-token pass must meet its window in
+        the order a one-token step at its position meets it (the step's ring holds the pass's
+        earlier rows in slots before the older ones once the ring has wrapped), or its row
+        differs from the step's in the last bits; then official numerics' grids can round the
+        two apart and a verification pass picks other greedy ids than plain decoding."""
+        held = np.flatnonzero(self.pos >= 0)
+        held = held[np.argsort(self.pos[held], kind="stable")]
         return np.concatenate([self.kv[held], kv]), np.concatenate([self.pos[held], positions])
 
     def push(self, kv: np.ndarray, positions: np.ndarray) -> None:

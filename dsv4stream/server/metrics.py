@@ -4,8 +4,11 @@ Owns: the request counter (by route and status, counted as each response starts)
 collector that reads the live figures at scrape time: tokens (prompt, cached, generated),
 prefill and decode seconds, prefix-cache hits by source, the queue (waiting, running), the
 batch (--max-batch, decode passes and the request tokens they carried, each running request's
-decode rate by slot), expert-store requests / hits / bytes read and trunk bytes read from disk, and the
-process's resident memory (now and peak). One registry per app, so two servers in one
+decode rate by slot), expert-store requests / hits / bytes read and trunk bytes read from disk, the
+process's resident memory (now and peak), and speculative decoding's counts (`--speculate`, the
+ended generations' as /v1/stats sums them: drafted, accepted and verified tokens, verification
+passes, plain steps, re-feeds, seconds with drafts and the estimate without, and the cycles by
+draft length, which for `auto` are its decisions). One registry per app, so two servers in one
 process (the tests) do not share counters. Names start with `dsv4_`; counters end in
 `_total` as Prometheus expects.
 """
@@ -19,6 +22,7 @@ import psutil
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..engine.spec_stats import SpecCounts
 from ..run.memory import peak_rss_bytes
 
 ROUTES = (
@@ -41,6 +45,36 @@ _COUNTERS = (
     ("batch_rows", "decode_pass_rows", "Request tokens those passes carried (over decode_passes: the mean batch)"),
 )
 
+_SPECULATION = (
+    ("drafted", "drafted_tokens", "Tokens the drafter proposed"),
+    ("accepted", "accepted_tokens", "Drafted tokens the main model's picks confirmed"),
+    ("verified_tokens", "verified_tokens", "Tokens fed in verification passes (each pass's own token and its drafts)"),
+    ("verify_passes", "verify_passes", "Verification passes (cycles with at least one draft)"),
+    ("steps", "plain_steps", "Cycles without a draft (one-token steps)"),
+    ("refeeds", "refeeds", "Rejections whose kept tokens were fed again"),
+    ("refeed_tokens", "refeed_tokens", "Kept tokens fed again after a rejection"),
+    ("tokens", "tokens", "Tokens picked by generations that could draft (after each prompt's first)"),
+    ("seconds", "seconds", "Decode seconds of generations that could draft (drafter, passes, picks)"),
+    ("seconds_without", "seconds_without_estimated", "Their estimated decode seconds without drafts"),
+    ("draft_seconds", "draft_seconds", "Seconds spent in the drafter"),
+    ("expert_bytes", "expert_disk_read_bytes", "Expert bytes read from disk while they decoded"),
+)
+
+
+def _speculation(spec: SpecCounts | None):
+    """Speculation's counter families (zeros before any generation that could draft has ended)."""
+    spec = spec or SpecCounts()
+    for attr, name, doc in _SPECULATION:
+        yield CounterMetricFamily(f"dsv4_speculation_{name}", doc, value=getattr(spec, attr))
+    cycles = CounterMetricFamily(
+        "dsv4_speculation_cycles",
+        "Decode cycles by the draft length chosen (0: a plain step; under --speculate auto, its decisions)",
+        labels=["draft_length"],
+    )
+    for k, n in sorted(spec.lengths.items()):
+        cycles.add_metric([str(k)], n)
+    yield cycles
+
 
 class _Live:
     def __init__(self, srv: Any) -> None:
@@ -56,6 +90,7 @@ class _Live:
             hits.add_metric(["ram"], c["cache_hits_ram"])
             hits.add_metric(["disk"], c["cache_hits_disk"])
             yield hits
+            yield from _speculation(w.stats.speculation())
         queue = GaugeMetricFamily("dsv4_queue_requests", "Requests waiting or running", labels=["state"])
         queue.add_metric(["waiting"], w.waiting if w is not None else 0)
         queue.add_metric(["running"], w.running if w is not None else 0)

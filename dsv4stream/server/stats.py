@@ -257,6 +257,11 @@ class LiveStats:
                 "batch_rows": self._batch["rows"],
             }  # fmt: skip
 
+    def speculation(self) -> SpecCounts | None:
+        """The ended generations' speculation counts summed, for /metrics (None: none could draft yet)."""
+        with self._lock:
+            return self._spec
+
     def snapshot(self, queued: int, max_batch: int = 1) -> dict[str, Any]:
         c = self.rt.counters()
         running = self.running()

@@ -1,7 +1,8 @@
 """DeepSeek-V4-Flash-0731's DSpark drafter: B tokens drafted at once from the main model's taps.
 
-Owns: the 0731 drafter's math over frozen weights (`DSpark0731Weights`) and its state (one
-window of main-model keys per stage). Where its weights, experts and taps come from is the
+Owns: the 0731 drafter's math over frozen weights (`DSpark0731Weights`), filling its state (one
+window of main-model keys per stage: `model.dspark.DSparkState`, with `Draft` and the Markov
+head, shared with V4.1's design). Where its weights, experts and taps come from is the
 caller's (`weights.loading_dspark_0731`, the session's expert source, the V4 stack's "input"
 trace); nothing here changes the main model's state.
 
@@ -37,6 +38,8 @@ from ...kernels import QWeight, attend, get_numerics, matmul, matmul_grouped
 from ...kernels.actquant import kv_grid_v4
 from ...kernels.head import head_logits
 from ..cache import WindowCache
+from ..dspark import Draft, DSparkState
+from ..dspark import new_state as new_window_state
 from ..mhc import HcHeadWeights, hc_head, hc_post, hc_pre
 from ..moe import ExpertSource
 from ..ops import rms_norm
@@ -70,22 +73,8 @@ class DSpark0731Params:
     cfg: ModelConfig  # heads, dims, eps, hc and MoE settings (the main model's)
 
 
-@dataclass
-class DSpark0731State:
-    windows: list[WindowCache]
-    last: int = -1  # the last main position observed
-
-
-@dataclass(frozen=True)
-class Draft:
-    """One run of the drafter at main position p (the fields `model.v41.dspark.markov` reads)."""
-
-    logits: np.ndarray  # (B, vocab) head logits, before the Markov bias
-    hidden: np.ndarray  # (B, D) the collapsed streams the confidence head reads
-
-
-def new_state(p: DSpark0731Params, stages: int) -> DSpark0731State:
-    return DSpark0731State([WindowCache(p.window, p.cfg.head_dim) for _ in range(stages)])
+def new_state(p: DSpark0731Params, stages: int) -> DSparkState:
+    return new_window_state(p.window, p.cfg.head_dim, stages)
 
 
 def _kv(x: np.ndarray, a: AttnWeights, positions: np.ndarray, rope: Rope, cfg: ModelConfig) -> np.ndarray:
@@ -101,7 +90,7 @@ def main_x(taps: np.ndarray, w: DSpark0731Weights, p: DSpark0731Params) -> np.nd
 
 
 def observe(
-    state: DSpark0731State,
+    state: DSparkState,
     taps: np.ndarray,
     positions: np.ndarray,
     w: DSpark0731Weights,
@@ -135,7 +124,7 @@ def block_attention(x: np.ndarray, a: AttnWeights, win: WindowCache, pos: int, r
 
 
 def draft(
-    state: DSpark0731State,
+    state: DSparkState,
     token: int,
     w: DSpark0731Weights,
     p: DSpark0731Params,

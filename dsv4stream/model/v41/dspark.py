@@ -1,7 +1,8 @@
 """DeepSeek-V4.1's DSpark drafter: B tokens drafted at once from the main model's taps.
 
-Owns: the drafter's math over frozen weights (`DSparkWeights`) and its state (one window of
-main-model keys per stage). Where the stage weights, the experts and the main model's taps come
+Owns: the drafter's math over frozen weights (`DSparkWeights`), filling its state (one window of
+main-model keys per stage: `model.dspark.DSparkState`, with `Draft` and the Markov head, shared
+with V4-Flash-0731's design). Where the stage weights, the experts and the main model's taps come
 from is the caller's (`weights.loading_dspark`, the session's expert source, the stack's
 "input" trace); nothing here changes the main model's state.
 
@@ -34,6 +35,8 @@ import numpy as np
 from ...kernels import QWeight, attend, matmul, matmul_grouped
 from ...kernels.head import head_logits
 from ..cache import WindowCache
+from ..dspark import Draft, DSparkState
+from ..dspark import new_state as new_window_state
 from ..mhc import collapse
 from ..moe import ExpertSource
 from ..ops import rms_norm
@@ -73,28 +76,12 @@ class DSparkParams:
     moe: V41MoeParams  # the drafter's own top-k
 
 
-@dataclass
-class DSparkState:
-    """Per stage, the window of main-model keys (positions <= the last observed one)."""
-
-    windows: list[WindowCache]
-    last: int = -1  # the last main position observed
-
-
-@dataclass(frozen=True)
-class Draft:
-    """One run of the drafter at main position p."""
-
-    logits: np.ndarray  # (B, vocab) head logits, before the Markov bias
-    hidden: np.ndarray  # (B, D) the collapsed streams the confidence head reads
-
-
 def _aq(x: np.ndarray, p: DSparkParams) -> np.ndarray:
     return act_qdq(x) if p.quantise else x
 
 
 def new_state(p: DSparkParams, stages: int) -> DSparkState:
-    return DSparkState([WindowCache(p.window, p.head_dim) for _ in range(stages)])
+    return new_window_state(p.window, p.head_dim, stages)
 
 
 def main_x(taps: np.ndarray, w: DSparkWeights, p: DSparkParams) -> np.ndarray:
@@ -170,12 +157,3 @@ def draft(
     hidden = collapse(x, pre)
     n = p.block_size if slots is None else slots
     return Draft(head_logits(head, q8, rms_norm(hidden[:n], w.norm, p.eps)), hidden)
-
-
-def markov(d: Draft, chain: np.ndarray, w: DSparkWeights) -> tuple[np.ndarray, np.ndarray]:
-    """Draft d and its chain (B,) (slot j's token: the block's first token, then each slot's
-    pick) -> (logits (B, vocab) with the Markov bias, raw confidence (B,))."""
-    e = w.markov_embed[np.asarray(chain, dtype=np.int64)]  # (B, R)
-    logits = d.logits + matmul(w.markov_head, e)
-    conf = np.concatenate([d.hidden, e], axis=1).astype(F32) @ w.confidence
-    return logits.astype(F32, copy=False), conf.astype(F32, copy=False)
