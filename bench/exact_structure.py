@@ -18,16 +18,20 @@ Then the machine: CPU model, SIMD flags, load average.
 `--measure` (issue 44) instead measures compute against bytes in one process, on a checkpoint
 whose routed experts are REAL (made with `--make ... --layers L --experts E`: the first L layers
 at real dimensions, E routed experts of the real size, not holes), trunk resident, for each
-`--numerics` in turn: (1) the machine's memory read rate (`read_rate`: a numba sum over 1 GiB,
-larger than any LLC, at 1 and 2 threads, best of 5) right before each timed window; (2) one
-greedy generation to load every expert it routes to and compile; (3) --gen tokens timed, per
-decode step: the products' seconds by weight role from the step profile (`StepClock`:
-`kernel_seconds` of "trunk" + "head", and "experts") and the weight bytes those products read
-(every linear's `QWeight.nbytes` at one token, counted in the kernel backend). Per role it prints
-ms/token, GB/token, and ratio = compute time / (bytes / read rate at the run's threads):
-issue 44 asks trunk+head <= 1.3 and experts <= 1.5. Per-layer figures are what compares with
-the full model (the full model has more layers of the same kinds, and more experts of which a
-token uses the same top-k); the head is once per token at its real size either way.
+`--numerics` in turn, one Runtime each: (1) one greedy generation to load every expert it routes
+to and compile; then for each `--threads` count (default 1 and 2): (2) the machine's memory read
+rate at that count (`dsv4stream.measure.readrate`: 64-byte vector loads, 1-8 streams per thread,
+a buffer 4x the LLC and at least 1 GiB, first touch excluded, best of 5 per wall and per CPU
+second) right before (3) --gen tokens timed, per decode step: the products' seconds by weight
+role from the step profile (`StepClock`: `kernel_seconds` of "trunk" + "head", and "experts"),
+their process CPU seconds, and the weight bytes those products read (every linear's
+`QWeight.nbytes` at one token, counted in the kernel backend). Per role it prints ms/token,
+GB/token, and ratio = compute time / (bytes / read rate at the run's threads), per wall second
+and per CPU second (under load, the CPU figure is the one that means something): issue 44 asks
+trunk <= 1.3 and experts <= 1.5. `--likwid` adds likwid-bench's `load_avx512` over the same
+buffer size, an independent reader. Per-layer figures are what compares with the full model (the
+full model has more layers of the same kinds, and more experts of which a token uses the same
+top-k); the head is once per token at its real size either way.
 """
 
 from __future__ import annotations
@@ -40,14 +44,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numba
 import numpy as np
 
 from dsv4stream.checkpoint.catalog import Catalog
+from dsv4stream.measure import readrate
 from dsv4stream.synth import EXACT_PRESETS, make_checkpoint
 from dsv4stream.synth.v41 import EXACT_PRESETS_V41
 
@@ -94,39 +99,6 @@ def run(ckpt: Path, budget: float, gen: int, prompt: str) -> tuple[list[str], st
 
 
 GB = 1e9
-
-
-@numba.njit(parallel=True)  # no cache: a test loads this file as a module without a package
-def _sum_chunks(a: np.ndarray, parts: int) -> int:
-    n = a.size // parts
-    out = np.zeros(parts, np.uint64)
-    for i in numba.prange(parts):
-        s = np.uint64(0)
-        for j in range(i * n, (i + 1) * n):
-            s += a[j]
-        out[i] = s
-    return out.sum()
-
-
-def read_rate(threads: int, nbytes: int = 1 << 30, repeat: int = 5) -> tuple[float, float]:
-    """GB/s of one streaming read of `nbytes` (larger than the LLC) by `threads` numba threads,
-    best of `repeat`: per wall second, and per CPU second of one thread (the process's CPU time
-    over `threads`: what a thread reads while it runs, whoever else shares the cores)."""
-    a = np.ones(nbytes // 8, np.uint64)
-    before = numba.get_num_threads()
-    numba.set_num_threads(threads)
-    try:
-        _sum_chunks(a[: 1 << 12], threads)  # compile outside the window
-        wall = cpu = 0.0
-        for _ in range(repeat):
-            t0, c0 = time.perf_counter(), time.process_time()
-            if _sum_chunks(a, threads) != a.size // threads * threads:
-                raise SystemExit("exact_structure: the read-rate sum is wrong")
-            wall = max(wall, a.nbytes / (time.perf_counter() - t0) / GB)
-            cpu = max(cpu, a.nbytes / ((time.process_time() - c0) / threads) / GB)
-        return wall, cpu
-    finally:
-        numba.set_num_threads(before)
 
 
 _bytes: dict[str, int] = {}  # role -> weight bytes read by one-token products in the window
@@ -193,9 +165,18 @@ def _count_bytes() -> None:
 
 
 def measure(
-    ckpt: Path, numerics: str, budget: float, gen: int, threads: int, prompt: list[int], rate_bytes: int = 1 << 30
+    ckpt: Path,
+    numerics: str,
+    budget: float,
+    gen: int,
+    threads: int | tuple[int, ...],
+    prompt: list[int],
+    rate_bytes: int | None = None,
+    streams: tuple[int, ...] = readrate.STREAMS,
 ) -> dict:
-    """One numerics: read rates, then the decode steps' product time and bytes by role (see the docstring)."""
+    """One numerics, one Runtime: a warm-up generation, then per thread count the read rate
+    (`measure.readrate`) right before a timed generation, and the decode steps' product time and
+    bytes by role (see the module docstring). `rate_bytes` None: 4x the LLC, at least 1 GiB."""
     from dsv4stream import kernels
     from dsv4stream.run.runinfo import RunOptions
     from dsv4stream.run.runtime import Runtime
@@ -203,37 +184,52 @@ def measure(
     if not hasattr(measure, "counting"):
         _count_bytes()
         measure.counting = True
-    opts = RunOptions(budget=int(budget * GB), threads=threads, numerics=numerics, speculate="off")
+    counts = (threads,) if isinstance(threads, int) else tuple(threads)
+    opts = RunOptions(budget=int(budget * GB), threads=max(counts), numerics=numerics, speculate="off")
+    buf = readrate.buffer(rate_bytes)
+    out: dict = {"by_threads": {}}
     with Runtime.open(ckpt, opts) as rt:
-        kernels.set_threads(threads)
+        kernels.set_threads(max(counts))
         list(rt.session().generate(prompt, gen))  # every expert it routes to now cached; kernels compiled
-        rates = {t: read_rate(t, rate_bytes) for t in (1, 2)}
-        load = os.getloadavg()
-        session = rt.session()
-        turns0 = len(rt.engine.phases.turns)
-        reads0 = rt.store.stats().bytes_read
-        it = session.generate(prompt, gen)
-        ids = [next(it)]  # the prefill (and its last position's head) stays out of the window
-        _bytes.clear()
-        _cpu.clear()
-        ids += list(it)
-        turn = rt.engine.phases.turns[turns0]
-        steps = turn.decode_steps
-        per = {k: v / steps for k, v in turn.profile.items()}
-        nbytes = {k: v / steps for k, v in _bytes.items()}
-        out = {
-            "numerics": rt.stats().numerics,
-            "threads": kernels.get_threads(),
-            "load": load,
-            "read_rate_gbps": rates,
-            "steps": steps,
-            "ids": ids,
-            "step_ms": turn.decode_seconds / steps * 1e3,
-            "expert_reads_in_window": rt.store.stats().bytes_read - reads0,
-            "profile_ms": {k: v * 1e3 for k, v in per.items()},
-            "bytes_per_token": nbytes,
-        }
-    rate, cpu_rate = (r * GB for r in rates[min(threads, 2)])
+        out["numerics"] = rt.stats().numerics
+        for t in counts:
+            kernels.set_threads(t)
+            rate = readrate.read_rate(t, buf, streams=streams)
+            out["by_threads"][t] = _timed(rt, kernels, prompt, gen, rate)
+    del buf
+    return out
+
+
+def _timed(rt, kernels, prompt: list[int], gen: int, rate: readrate.Rate) -> dict:
+    """One timed generation at the kernels' current thread count, against `rate`."""
+    load = os.getloadavg()
+    session = rt.session()
+    turns0 = len(rt.engine.phases.turns)
+    reads0 = rt.store.stats().bytes_read
+    it = session.generate(prompt, gen)
+    ids = [next(it)]  # the prefill (and its last position's head) stays out of the window
+    _bytes.clear()
+    _cpu.clear()
+    c0 = time.process_time()
+    ids += list(it)
+    step_cpu = time.process_time() - c0
+    turn = rt.engine.phases.turns[turns0]
+    steps = turn.decode_steps
+    threads = kernels.get_threads()
+    per = {k: v / steps for k, v in turn.profile.items()}
+    nbytes = {k: v / steps for k, v in _bytes.items()}
+    out = {
+        "threads": threads,
+        "load": load,
+        "read_rate": asdict(rate),
+        "steps": steps,
+        "ids": ids,
+        "step_ms": turn.decode_seconds / steps * 1e3,
+        "step_cpu_ms": step_cpu / steps / threads * 1e3,
+        "expert_reads_in_window": rt.store.stats().bytes_read - reads0,
+        "profile_ms": {k: v * 1e3 for k, v in per.items()},
+        "bytes_per_token": nbytes,
+    }
     cpu = {k: v / steps / threads for k, v in _cpu.items()}  # one thread's CPU seconds per token
     roles = {"trunk+head": ("trunk", "head"), "trunk": ("trunk",), "head": ("head",), "experts": ("experts",)}
     for name, rs in roles.items():
@@ -243,33 +239,48 @@ def measure(
         out[name] = {
             "ms": sec * 1e3,
             "gb": b / GB,
-            "floor_ms": b / rate * 1e3,
-            "ratio": sec / (b / rate) if b else None,
+            "floor_ms": b / (rate.wall_gbps * GB) * 1e3,
+            "ratio": sec / (b / (rate.wall_gbps * GB)) if b else None,
             "cpu_ms": c * 1e3,
-            "cpu_floor_ms": b / cpu_rate * 1e3,
-            "cpu_ratio": c / (b / cpu_rate) if b else None,
+            "cpu_floor_ms": b / (rate.cpu_gbps * GB) * 1e3,
+            "cpu_ratio": c / (b / (rate.cpu_gbps * GB)) if b else None,
         }
     return out
 
 
-def measure_line(m: dict) -> str:
-    (w1, c1), (w2, c2) = m["read_rate_gbps"][1], m["read_rate_gbps"][2]
-    load = ",".join(f"{x:.2f}" for x in m["load"])
-    parts = [
-        (
-            f"measure: numerics {m['numerics']}, {m['threads']} threads, load {load}, read rate {w1:.1f} GB/s"
-            f" (1 thread) {w2:.1f} GB/s (2) per wall second, {c1:.1f} / {c2:.1f} GB/s per thread CPU second;"
-            f" {m['steps']} steps of {m['step_ms']:.0f} ms, expert bytes read in the window {m['expert_reads_in_window']}"
-        )
-    ]
-    for name in ("trunk+head", "trunk", "head", "experts"):
-        r = m[name]
+def measure_lines(m: dict) -> str:
+    parts = []
+    for t, r in m["by_threads"].items():
+        rate = readrate.Rate(**r["read_rate"])
+        load = ",".join(f"{x:.2f}" for x in r["load"])
         parts.append(
-            f"  {name}: {r['gb']:.3f} GB/token; wall {r['ms']:.1f} ms/token (floor {r['floor_ms']:.1f}):"
-            f" ratio {r['ratio']:.2f}; CPU {r['cpu_ms']:.1f} ms/token/thread (floor {r['cpu_floor_ms']:.1f}):"
-            f" ratio {r['cpu_ratio']:.2f}"
+            f"measure: numerics {m['numerics']}, {t} thread{'s' * (t > 1)}, load {load}; read rate {rate.line()};"
+            f" {r['steps']} steps of {r['step_ms']:.0f} ms ({r['step_cpu_ms']:.0f} CPU ms/thread),"
+            f" expert bytes read in the window {r['expert_reads_in_window']}"
         )
+        for name in ("trunk+head", "trunk", "head", "experts"):
+            x = r[name]
+            parts.append(
+                f"  {name}: {x['gb']:.3f} GB/token; wall {x['ms']:.1f} ms/token (floor {x['floor_ms']:.1f}):"
+                f" ratio {x['ratio']:.2f}; CPU {x['cpu_ms']:.1f} ms/token/thread (floor {x['cpu_floor_ms']:.1f}):"
+                f" ratio {x['cpu_ratio']:.2f}"
+            )
     return "\n".join(parts)
+
+
+def cross_check(nbytes: int | None = None, threads=(1, 2)) -> str:
+    """The read rate beside likwid-bench's load_avx512 (an independent reader), back to back."""
+    buf = readrate.buffer(nbytes)
+    parts = []
+    for t in threads:
+        ours = readrate.read_rate(t, buf)
+        theirs = readrate.likwid_load(t, buf.nbytes)
+        other = f"likwid-bench load_avx512 {theirs:.1f} GB/s" if theirs else "likwid-bench not installed"
+        parts.append(f"{t} thread{'s' * (t > 1)}: ours {ours.wall_gbps:.1f} GB/s ({ours.streams} streams), {other}")
+    return (
+        f"read rate over {buf.nbytes / 2**30:.2f} GiB (LLC {readrate.llc_bytes() / 2**20:.0f} MiB), per wall second: "
+        + "; ".join(parts)
+    )
 
 
 def reduced(preset: str, layers: int | None, experts: int | None) -> dict:
@@ -321,7 +332,8 @@ def main() -> None:
     ap.add_argument("--prompt-ids", default="0,100,2000,30000")
     ap.add_argument("--measure", action="store_true", help="compute vs bytes at the read rate (needs real experts)")
     ap.add_argument("--numerics", nargs="+", default=["fast", "exact"], help="with --measure: each in turn")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="with --measure: each in turn")
+    ap.add_argument("--likwid", action="store_true", help="with --measure: also likwid-bench's read rate")
     ap.add_argument("--layers", type=int, help="with --make: only the first N layers (real dimensions)")
     ap.add_argument("--experts", type=int, help="with --make: N routed experts of the real size, real bytes")
     ap.add_argument("--seed", type=int, default=0, help="with --make")
@@ -334,9 +346,11 @@ def main() -> None:
     print(validate(args.checkpoint), flush=True)
     if args.measure:
         prompt = [int(t) for t in args.prompt_ids.split(",")]
-        got = [measure(args.checkpoint, n, args.budget, args.gen, args.threads, prompt) for n in args.numerics]
+        got = [measure(args.checkpoint, n, args.budget, args.gen, tuple(args.threads), prompt) for n in args.numerics]
         for m in got:
-            print(measure_line(m), flush=True)
+            print(measure_lines(m), flush=True)
+        if args.likwid:
+            print(cross_check(), flush=True)
         if args.json:
             args.json.write_text(json.dumps(got, indent=1) + "\n")
         print(machine())

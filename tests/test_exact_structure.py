@@ -24,18 +24,25 @@ def bench():
 
 def test_measure_counts_a_tokens_expert_and_head_bytes(bench, tiny_v4) -> None:
     cfg = json.loads((tiny_v4 / "config.json").read_text())
-    m = bench.measure(tiny_v4, "fast", budget=1.0, gen=4, threads=1, prompt=[0, 5, 9], rate_bytes=1 << 24)
+    m = bench.measure(
+        tiny_v4, "fast", budget=1.0, gen=4, threads=(1, 2), prompt=[0, 5, 9], rate_bytes=1 << 24, streams=(1, 2)
+    )
     cat = Catalog.open(tiny_v4)
     # every routed expert has the same three tensors: a token reads top-k of them per layer
     expert = sum(e.nbytes for n, e in cat.entries.items() if n.startswith("layers.0.ffn.experts.0."))
     want_experts = cfg["num_experts_per_tok"] * cfg["num_hidden_layers"] * expert
-    assert m["bytes_per_token"]["experts"] == want_experts
-    assert m["bytes_per_token"]["head"] == cat.entries["head.weight"].nbytes
-    assert m["steps"] == 3 and len(m["ids"]) == 4 and m["expert_reads_in_window"] == 0
-    assert m["numerics"].startswith("fast")
-    for name in ("trunk+head", "experts"):
-        assert m[name]["ms"] > 0 and m[name]["cpu_ms"] > 0 and np.isfinite(m[name]["ratio"] + m[name]["cpu_ratio"])
-    assert min(m["read_rate_gbps"][1] + m["read_rate_gbps"][2]) > 0
+    assert m["numerics"].startswith("fast") and set(m["by_threads"]) == {1, 2}
+    for t, r in m["by_threads"].items():
+        assert r["threads"] == t and r["read_rate"]["threads"] == t
+        assert r["bytes_per_token"]["experts"] == want_experts
+        assert r["bytes_per_token"]["head"] == cat.entries["head.weight"].nbytes
+        assert r["steps"] == 3 and len(r["ids"]) == 4 and r["expert_reads_in_window"] == 0
+        for name in ("trunk+head", "experts"):
+            x = r[name]
+            assert x["ms"] > 0 and x["cpu_ms"] > 0 and np.isfinite(x["ratio"] + x["cpu_ratio"])
+        assert r["read_rate"]["wall_gbps"] > 0 and r["read_rate"]["cpu_gbps"] > 0
+    assert m["by_threads"][1]["ids"] == m["by_threads"][2]["ids"]  # ids never depend on threads
+    assert "numerics fast" in bench.measure_lines(m)
 
 
 def test_reduced_checkpoints_keep_real_dimensions(bench) -> None:
