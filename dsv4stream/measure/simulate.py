@@ -250,10 +250,11 @@ def engine_calls(log: np.ndarray, hash_layers: int, release: str = "many") -> It
 
     Per forward pass (a prefill segment or a decode step): first ``prefetch`` of every hash
     layer's experts (layer order, ascending experts: exactly what those layers will
-    request), then per layer one ``get_many`` of its experts in ascending order, each
+    request), then per layer one ``get_many`` of its experts in ascending order (the engine
+    calls ``get_groups``, whose acquisition, counters and victims are ``get_many``'s), each
     scored layer's preceded by a ``prefetch`` of the same keys. A forward pass ends where
     the layer number goes down (or a layer's experts stop ascending). ``release``: "many"
-    (the engine's ``get_many``), or one ``get`` per expert with "previous" (the expert got
+    (the engine's ``get_groups``), or one ``get`` per expert with "previous" (the expert got
     last stays pinned until the next get, as ``streaming.experts.StreamedExperts.get`` does), "each"
     (released right after its get)."""
     if release not in RELEASES:
