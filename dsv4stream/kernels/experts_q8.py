@@ -60,28 +60,7 @@ def _ptr(typingctx, addr, like):
     return sig, codegen
 
 
-_row4 = _row2 = _row1 = None  # bound per variant in each helper's globals (`_compiled`)
-_row_groups = None  # bound per variant in each driver's globals (`_driver`)
-
-
-def _each_token_group(w, r0, r1, sw, qa, bias, da, lo, hi, out):
-    """out[t, r] for rows r0 .. r1 of w and the pairs lo .. hi: the pairs in groups of 4, then 2,
-    then 1 (each pair runs the same instruction sequence in any group); sw (ROWS, C/32) holds
-    rows r0 .. r1's scales."""
-    t0 = lo
-    while t0 < hi:
-        if hi - t0 >= 4:
-            for r in range(r0, r1):
-                _row4(w, r, sw[r - r0], qa, bias, da, t0, out)
-            t0 += 4
-        elif hi - t0 >= 2:
-            for r in range(r0, r1):
-                _row2(w, r, sw[r - r0], qa, bias, da, t0, out)
-            t0 += 2
-        else:
-            for r in range(r0, r1):
-                _row1(w, r, sw[r - r0], qa, bias, da, t0, out)
-            t0 += 1
+_row_groups = None  # `q8.row_groups(variant)`, bound in each driver's globals (`_driver`)
 
 
 def _drive_pair(addr, lo, hi, sdt, xg, S, gate, up, qa, bias, da):
@@ -145,10 +124,10 @@ def _compiled(fn, variant: str, g: dict, **options):
 
 
 def _driver(fn, variant: str):
-    """fn compiled with `variant`'s row kernels (through `_each_token_group`)."""
+    """fn compiled with `variant`'s row kernels (through `q8.row_groups`, the loop q8's own
+    driver runs)."""
     g = dict(globals())
-    g["_row4"], g["_row2"], g["_row1"] = (q8._row_intrinsic(variant, t) for t in q8.TOKENS)
-    g["_row_groups"] = _compiled(_each_token_group, variant, g)
+    g["_row_groups"] = q8.row_groups(variant)
     return _compiled(fn, variant, g, parallel=True)
 
 

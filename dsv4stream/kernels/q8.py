@@ -218,6 +218,28 @@ def _row_intrinsic(variant: str, T: int):
 
 
 _row4 = _row2 = _row1 = None  # the row kernels `_driver` binds in each variant's globals
+_row_groups = None  # `_each_token_group` compiled with them, bound in `_drive`'s globals
+
+
+def _each_token_group(w, r0, r1, sw, qa, bias, da, lo, hi, out):
+    """out[t, r] for rows r0 .. r1 of w and the activation rows lo .. hi: the tokens in groups
+    of 4, then 2, then 1 (each row runs the same instruction sequence in any group, so a token's
+    bits do not depend on the others of the call); sw (ROWS, C/32) holds rows r0 .. r1's scales.
+    Shared by `_drive` and `experts_q8`'s drivers (their pairs are the activation rows)."""
+    t0 = lo
+    while t0 < hi:
+        if hi - t0 >= 4:
+            for r in range(r0, r1):
+                _row4(w, r, sw[r - r0], qa, bias, da, t0, out)
+            t0 += 4
+        elif hi - t0 >= 2:
+            for r in range(r0, r1):
+                _row2(w, r, sw[r - r0], qa, bias, da, t0, out)
+            t0 += 2
+        else:
+            for r in range(r0, r1):
+                _row1(w, r, sw[r - r0], qa, bias, da, t0, out)
+            t0 += 1
 
 
 def _drive(w, s, qa, bias, da, out):
@@ -231,32 +253,36 @@ def _drive(w, s, qa, bias, da, out):
         sw = np.empty((ROWS, ng), np.float32)
         for r in range(r0, r1):
             _row_scales(s, r, sw[r - r0])
-        t0 = 0
-        while t0 < T:
-            if T - t0 >= 4:
-                for r in range(r0, r1):
-                    _row4(w, r, sw[r - r0], qa, bias, da, t0, out)
-                t0 += 4
-            elif T - t0 >= 2:
-                for r in range(r0, r1):
-                    _row2(w, r, sw[r - r0], qa, bias, da, t0, out)
-                t0 += 2
-            else:
-                for r in range(r0, r1):
-                    _row1(w, r, sw[r - r0], qa, bias, da, t0, out)
-                t0 += 1
+        _row_groups(w, r0, r1, sw, qa, bias, da, 0, T, out)
+
+
+def _variant_function(fn, variant: str, g: dict, **options):
+    """fn compiled with the globals g: a function object of its own (same code, no closure:
+    numba's cache cannot key a closure over intrinsics) named after the variant and simd.py's
+    hash: numba's cache keys an entry by that name, the signature and the CPU target, and
+    watches only this file for changes."""
+    f = pytypes.FunctionType(fn.__code__, g, f"{fn.__name__.lstrip('_')}_{variant}_{simd.STAMP}")
+    f.__qualname__ = f.__name__
+    return njit(**options, **_JIT)(f)
+
+
+_GROUPS: dict[str, object] = {}
+
+
+def row_groups(variant: str):
+    """`_each_token_group` compiled with `variant`'s row kernels (once per variant)."""
+    if variant not in _GROUPS:
+        g = dict(globals())
+        g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(variant, t) for t in TOKENS)
+        _GROUPS[variant] = _variant_function(_each_token_group, variant, g)
+    return _GROUPS[variant]
 
 
 def _driver(variant: str):
-    """`_drive` compiled with `variant`'s row kernels. A function object of its own (same code,
-    its own globals, no closure: numba's cache cannot key a closure over intrinsics) named
-    after the variant and simd.py's hash: numba's cache keys an entry by that name, the
-    signature and the CPU target, and watches only this file for changes."""
+    """`_drive` compiled with `variant`'s row kernels (through `row_groups`)."""
     g = dict(globals())
-    g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(variant, t) for t in TOKENS)
-    f = pytypes.FunctionType(_drive.__code__, g, f"fp4q8_{variant}_{simd.STAMP}")
-    f.__qualname__ = f.__name__
-    return njit(parallel=True, **_JIT)(f)
+    g["_row_groups"] = row_groups(variant)
+    return _variant_function(_drive, variant, g, parallel=True)
 
 
 _DRIVERS: dict[str, object] = {}
