@@ -42,7 +42,9 @@ from .simd import F32, I8, I16, I32, c64, vec
 
 GROUP = 32
 TOKENS = (4, 2, 1)  # token groups per row call: every token runs the same code
-ROWS = 16  # rows per work item (a row is re-read from L1 by each token group)
+ROWS = 16  # rows per work item (re-read from L2 by each token group)
+NR_OF = {4: 2, 2: 4, 1: 4}  # rows per kernel call by token group: NR x T x 2 accumulators fit 32 zmm
+NR4, NR2, NR1 = (NR_OF[t] for t in TOKENS)
 _JIT = {"cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
 
 
@@ -61,7 +63,9 @@ def supports(cols: int) -> bool:
 
 
 @njit(**_JIT)
-def _quantize(x, qa, da):
+def _quantize(x, qa, da, xc, xd):
+    """qa, da as `quantize` says; per lane of 4 columns j: xc[t, j] = -128 * the sum of its 4
+    int8 values (the AVX-512 rows' starting accumulator), xd[t, j] = its group's d."""
     T, C = x.shape
     for t in range(T):
         for g in range(C // GROUP):
@@ -81,73 +85,114 @@ def _quantize(x, qa, da):
                 else:
                     qa[t, c0 + k] = 0
             da[t, g] = d if finite else np.float32(np.nan)
+            for j in range(c0 // 4, (c0 + GROUP) // 4):
+                xc[t, j] = -128 * (np.int32(qa[t, 4 * j]) + qa[t, 4 * j + 1] + qa[t, 4 * j + 2] + qa[t, 4 * j + 3])
+                xd[t, j] = da[t, g]
 
 
-def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """X (T, C) float32 -> (int8 (T, C), float32 scale (T, C/32))."""
+def prepare(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """X (T, C) float32 -> (int8 (T, C), float32 scale (T, C/32), int32 (T, C/4), float32 (T, C/4)):
+    the activations as `_quantize` lays them out for the row kernels."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     t, c = x.shape
     qa = np.empty((t, c), np.int8)
     da = np.empty((t, c // GROUP), np.float32)
-    _quantize(x, qa, da)
-    return qa, da
+    xc = np.empty((t, c // 4), np.int32)
+    xd = np.empty((t, c // 4), np.float32)
+    _quantize(x, qa, da, xc, xd)
+    return qa, da, xc, xd
+
+
+def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """X (T, C) float32 -> (int8 (T, C), float32 scale (T, C/32))."""
+    return prepare(x)[:2]
 
 
 # ---------------------------------------------------------------- the row kernels ------------
 
 
-def _row_intrinsic(variant: str, T: int):
-    """Row r of w (scale sw) times tokens t0 .. t0+T: out[t, r] for each."""
-    VB = 64 if variant == "avx512" else 32  # columns (bytes) per step
-    L = VB // 4  # int32 / float lanes
-    G = VB // GROUP  # groups per step
+def _rows_intrinsic(variant: str, T: int, NR: int):
+    """Rows r .. r+NR of w (scales sw) times tokens t0 .. t0+T: out[t, r + i] for each.
 
-    def typer(typingctx, w, sw, r, qa, da, t0, out):
-        sig = types.void(w, sw, r, qa, da, t0, out)
+    The NR rows are read side by side (NR streams: one row of 4 KB is one page, and the hardware
+    prefetcher restarts at every page), each step also prefetching the same columns of the next
+    NR rows (the next call's, contiguous after these). Each row keeps its own accumulators and
+    order, so a row's bits do not depend on NR or on the prefetch.
+
+    AVX-512 multiplies w + 128 (w xor 0x80, an unsigned byte) by the signed activations, the
+    accumulator starting at the token's -128 * (sum of the lane's 4 activations) (`prepare`):
+    the same exact int32 as |w| times a carrying w's sign, in two instructions a row instead of
+    five. AVX2's `vpmaddubsw` would saturate (w + 128) * a in int16, so it keeps the sign trick."""
+    VB = 64 if variant == "avx512" else 32  # columns (bytes) per step
+    L = VB // 4  # int32 / float lanes: lane j of a step sums its columns 4j .. 4j+3
+
+    def typer(typingctx, w, sw, r0, xq, xc, xd, t0, out):
+        sig = types.void(w, sw, r0, xq, xc, xd, t0, out)
 
         def codegen(context, builder, sig, args):
-            w_, sw_, r_, qa_, da_, t0_, out_ = args
-            tw, tsw, tr, tqa, tda, tt0, tout = sig.args
+            w_, sw_, r0_, xq_, xc_, xd_, t0_, out_ = args
+            tw, tsw, tr, txq, txc, txd, tt0, tout = sig.args
             C = simd.shape(context, builder, tw, w_, 1)
-            ng = builder.udiv(C, c64(GROUP))
-            R = simd.shape(context, builder, tout, out_, 1)
-            r = simd.index(context, builder, r_, tr)
+            R = simd.shape(context, builder, tw, w_, 0)
+            C4 = builder.udiv(C, c64(4))
+            r0 = simd.index(context, builder, r0_, tr)
             t0 = simd.index(context, builder, t0_, tt0)
-            wrow = builder.gep(simd.base(context, builder, tw, w_, I8), [builder.mul(r, C)])
+            wb = simd.base(context, builder, tw, w_, I8)
+            rows = [builder.add(r0, c64(i)) for i in range(NR)]
+            wrow = [builder.gep(wb, [builder.mul(r, C)]) for r in rows]
+            last = builder.sub(R, c64(1))
+            ahead = []  # the next call's rows (the last row where they run past it)
+            for i in range(NR):
+                r = builder.add(r0, c64(NR + i))
+                r = builder.select(builder.icmp_unsigned("<", r, R), r, last)
+                ahead.append(builder.gep(wb, [builder.mul(r, C)]))
             swb = simd.base(context, builder, tsw, sw_, F32)
-            qab = simd.base(context, builder, tqa, qa_, I8)
-            dab = simd.base(context, builder, tda, da_, F32)
             outb = simd.base(context, builder, tout, out_, F32)
             tokens = [builder.add(t0, c64(t)) for t in range(T)]
-            qrow = [builder.gep(qab, [builder.mul(tk, C)]) for tk in tokens]
-            drow = [builder.gep(dab, [builder.mul(tk, ng)]) for tk in tokens]
+            qrow = [builder.gep(simd.base(context, builder, txq, xq_, I8), [builder.mul(tk, C)]) for tk in tokens]
+            crow = [builder.gep(simd.base(context, builder, txc, xc_, I32), [builder.mul(tk, C4)]) for tk in tokens]
+            drow = [builder.gep(simd.base(context, builder, txd, xd_, F32), [builder.mul(tk, C4)]) for tk in tokens]
             vb = vec(I8, VB)
+            pf = builder.module.declare_intrinsic(
+                "llvm.prefetch.p0", (), ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+            )
             if variant == "avx512":
                 dot = simd.declare(builder, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), vb, vb])
+                flip = simd.splat(I8, VB, -128)
             else:
                 maddubs = simd.declare(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vb, vb])
                 maddwd = simd.declare(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16), vec(I16, 16)])
                 ones = simd.splat(I16, 16, 1)
-            zero8 = simd.splat(I8, VB, 0)
-            spread = ir.Constant(vec(I32, L), [lane // 8 for lane in range(L)])  # 8 lanes per group
-            acc = [[cgutils.alloca_once_value(builder, simd.splat(F32, L, 0.0)) for _ in range(2)] for _ in range(T)]
+                zero8 = simd.splat(I8, VB, 0)
+            acc = [
+                [[cgutils.alloca_once_value(builder, simd.splat(F32, L, 0.0)) for _ in range(2)] for _ in range(T)]
+                for _ in range(NR)
+            ]
 
             def step(col, k):
-                grp = builder.udiv(col, c64(GROUP))
-                wv = simd.load(builder, wrow, col, vb)
-                neg = builder.icmp_signed("<", wv, zero8)
-                wabs = builder.select(neg, builder.sub(zero8, wv), wv)  # |w| <= 127: an unsigned byte
+                lane = builder.udiv(col, c64(4))
+                for i in range(NR):
+                    ptr = builder.gep(ahead[i], [col])
+                    builder.call(pf, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+                wv = [simd.load(builder, wrow[i], col, vb) for i in range(NR)]
+                if variant == "avx512":
+                    wu = [builder.xor(v, flip) for v in wv]  # w + 128 as an unsigned byte
+                else:
+                    neg = [builder.icmp_signed("<", v, zero8) for v in wv]
+                    wabs = [builder.select(n, builder.sub(zero8, v), v) for n, v in zip(neg, wv, strict=True)]
                 for t in range(T):
                     a = simd.load(builder, qrow[t], col, vb)
-                    sa = builder.select(neg, builder.sub(zero8, a), a)  # a with w's sign: |w| * sa = w * a
+                    scl = simd.load(builder, drow[t], lane, vec(F32, L), align=4)
                     if variant == "avx512":
-                        iv = builder.call(dot, [ir.Constant(vec(I32, L), [0] * L), wabs, sa])
-                    else:
-                        iv = builder.call(maddwd, [builder.call(maddubs, [wabs, sa]), ones])
-                    dv = simd.load(builder, drow[t], grp, vec(F32, G), align=4)
-                    scl = builder.shuffle_vector(dv, dv, spread)
-                    a_ = acc[t][k]
-                    builder.store(simd.fma(builder, builder.sitofp(iv, vec(F32, L)), scl, builder.load(a_), L), a_)
+                        c = simd.load(builder, crow[t], lane, vec(I32, L), align=4)
+                    for i in range(NR):
+                        if variant == "avx512":
+                            iv = builder.call(dot, [c, wu[i], a])
+                        else:
+                            sa = builder.select(neg[i], builder.sub(zero8, a), a)  # |w| * sa = w * a
+                            iv = builder.call(maddwd, [builder.call(maddubs, [wabs[i], sa]), ones])
+                        a_ = acc[i][t][k]
+                        builder.store(simd.fma(builder, builder.sitofp(iv, vec(F32, L)), scl, builder.load(a_), L), a_)
 
             with cgutils.for_range(builder, builder.udiv(C, c64(2 * VB))) as loop:
                 for k in range(2):
@@ -155,41 +200,55 @@ def _row_intrinsic(variant: str, T: int):
             tail = builder.urem(C, c64(2 * VB))  # one step left (a width of 64 mod 128 on AVX-512)
             with builder.if_then(builder.icmp_unsigned("!=", tail, c64(0))):
                 step(builder.sub(C, c64(VB)), 0)
-            srow = builder.load(builder.gep(swb, [r]))
-            for t in range(T):
-                total = simd.hsum(builder, builder.fadd(builder.load(acc[t][0]), builder.load(acc[t][1])), L)
-                builder.store(builder.fmul(total, srow), builder.gep(outb, [builder.add(builder.mul(tokens[t], R), r)]))
+            for i in range(NR):
+                srow = builder.load(builder.gep(swb, [rows[i]]))
+                for t in range(T):
+                    total = simd.hsum(builder, builder.fadd(builder.load(acc[i][t][0]), builder.load(acc[i][t][1])), L)
+                    at = builder.add(builder.mul(tokens[t], R), rows[i])
+                    builder.store(builder.fmul(total, srow), builder.gep(outb, [at]))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    typer.__name__ = typer.__qualname__ = f"_headq8_{variant}_t{T}"
+    typer.__name__ = typer.__qualname__ = f"_headq8_{variant}_t{T}_r{NR}"
     return intrinsic(typer)
 
 
-_row4 = _row2 = _row1 = None  # the row kernels `_driver` binds in each variant's globals
+# the row kernels `_driver` binds in each variant's globals: _rowsT (NR_OF[T] rows), _oneT (one row)
+_rows4 = _rows2 = _rows1 = _one4 = _one2 = _one1 = None
 
 
-def _drive(w, sw, qa, da, out):
-    """Rows in work items of ROWS (prange), tokens in groups of 4, 2, 1 within each."""
+def _drive(w, sw, xq, xc, xd, out):
+    """Rows in work items of ROWS (prange: each thread one contiguous share), tokens in groups of
+    4, 2, 1 within each, a group's rows NR_OF[T] at a time (the rest of a short item one by one)."""
     R = w.shape[0]
-    T = qa.shape[0]
+    T = xq.shape[0]
     for ib in prange((R + ROWS - 1) // ROWS):
         r0 = ib * ROWS
         r1 = min(R, r0 + ROWS)
         t0 = 0
         while t0 < T:
+            r = r0
             if T - t0 >= 4:
-                for r in range(r0, r1):
-                    _row4(w, sw, r, qa, da, t0, out)
+                while r + NR4 <= r1:
+                    _rows4(w, sw, r, xq, xc, xd, t0, out)
+                    r += NR4
+                for ri in range(r, r1):
+                    _one4(w, sw, ri, xq, xc, xd, t0, out)
                 t0 += 4
             elif T - t0 >= 2:
-                for r in range(r0, r1):
-                    _row2(w, sw, r, qa, da, t0, out)
+                while r + NR2 <= r1:
+                    _rows2(w, sw, r, xq, xc, xd, t0, out)
+                    r += NR2
+                for ri in range(r, r1):
+                    _one2(w, sw, ri, xq, xc, xd, t0, out)
                 t0 += 2
             else:
-                for r in range(r0, r1):
-                    _row1(w, sw, r, qa, da, t0, out)
+                while r + NR1 <= r1:
+                    _rows1(w, sw, r, xq, xc, xd, t0, out)
+                    r += NR1
+                for ri in range(r, r1):
+                    _one1(w, sw, ri, xq, xc, xd, t0, out)
                 t0 += 1
 
 
@@ -198,7 +257,9 @@ def _driver(variant: str):
     the variant and simd.py's hash (numba's cache keys an entry by name, signature and CPU;
     `q8._driver` says why it cannot be a closure)."""
     g = dict(globals())
-    g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(variant, t) for t in TOKENS)
+    for t in TOKENS:
+        g[f"_rows{t}"] = _rows_intrinsic(variant, t, NR_OF[t])
+        g[f"_one{t}"] = _rows_intrinsic(variant, t, 1)
     f = pytypes.FunctionType(_drive.__code__, g, f"headq8_{variant}_{simd.STAMP}")
     f.__qualname__ = f.__name__
     return njit(parallel=True, **_JIT)(f)
@@ -248,9 +309,13 @@ def matmul(q: np.ndarray, s: np.ndarray, x: np.ndarray, threads: int | None = No
         raise ValueError(f"int8 head of {q.shape[1]} columns (a multiple of 64) against input of {x.shape[1]}")
     if threads is not None:
         numba.set_num_threads(threads)
-    qa, da = quantize(x)
+    qa, da, xc, xd = prepare(x)
     out = np.empty((qa.shape[0], q.shape[0]), np.float32)
-    _driver_for(v or variant())(q, s, qa, da, out)
+    v = v or variant()
+    if v == "plain":
+        _plain(q, s, qa, da, out)
+    else:
+        _driver_for(v)(q, s, qa, xc, xd, out)
     return out
 
 
