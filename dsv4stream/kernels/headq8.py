@@ -10,14 +10,17 @@ Activations (`quantize`): per 32 columns, d = fl32(absmax / 127), q = rint(x / d
 [-127, 127]; a zero group has d = 0, a group holding a NaN or an infinity d = NaN (so every
 logit it meets is NaN, as the float product would be NaN or infinite).
 
-A group of 32 is summed exactly in int32 on the sign trick (what llama.cpp's Q8_0 does):
-|w| as an unsigned byte times a carrying w's sign, so the operands fit the unsigned x signed
-byte products:
-- AVX-512 VNNI: `vpdpbusd` (4 products into an int32 lane, no saturation), 64 columns a step;
-- AVX2: `vpmaddubsw` (pairs into int16: 2 * 127 * 127 < 32767, no saturation) then `vpmaddwd`
-  by ones, 32 columns a step;
+A group of 32 is summed exactly in int32 on unsigned x signed byte products:
+- AVX-512 VNNI: `vpdpbusd` (4 products into an int32 lane, no saturation), 64 columns a step, on
+  w + 128 (w xor 0x80, an unsigned byte) times a, the lane starting at -128 * (its 4 a's sum),
+  which `prepare` computes once per token: the lane ends at sum(w * a) exactly;
+- AVX2: `vpmaddubsw` (pairs into int16) then `vpmaddwd` by ones, 32 columns a step, on the sign
+  trick (what llama.cpp's Q8_0 does: |w| times a carrying w's sign; 2 * 127 * 127 < 32767, where
+  (w + 128) * a pairs would saturate);
 - anything else: the same integer sums in plain numba loops (for tests: a fast run on such a CPU
   reads the BF16 head through the exact kernels, `head.copy_runs`).
+Rows are read NR_OF[T] at a time (several streams), the next rows prefetched (`_rows_intrinsic`);
+each thread of the prange takes one contiguous share of the rows.
 Float order (fixed, so a row's bits depend only on that row and its token's activations, not on
 the thread count, the rows or the other tokens of the call): each step's int32 lanes are
 converted and FMA-added times their group's d into one of two float32 accumulators
