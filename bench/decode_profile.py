@@ -13,7 +13,8 @@ step, ms per step, GB/s of the weight bytes it read and CPU ms per step (process
 thread). The prompt's last-position head call is counted with the steps (1 of --gen). The ids of
 every generation must agree (with each other and across thread counts), else it exits non-zero.
 Prints the numerics (the commands' default, fast, unless --numerics says otherwise), the
-machine's load and the kernel thread layer. --compare-head (fast, a pack with the int8 head copy):
+machine's load and the kernel thread layer; per thread count the read rate (`measure/readrate.py`,
+after the rounds) and the head's GB/s per wall second against it. --compare-head (fast, a pack with the int8 head copy):
 every round runs each thread count twice, with the int8 head and with the BF16 head (the copy
 taken off the loaded head), printed as `threads=T head=int8|bf16`; the ids must agree within
 each head (the two heads may pick different ids).
@@ -33,6 +34,8 @@ import numpy as np
 
 from dsv4stream import kernels
 from dsv4stream.kernels import fast
+from dsv4stream.kernels.head import copy_runs
+from dsv4stream.measure import readrate
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.runtime import Runtime
 
@@ -68,18 +71,10 @@ def _wrap(name: str) -> None:
     setattr(fast, name, timed)
 
 
-def read_rate(threads: int) -> float:
-    """GB/s of summing 512 MiB of uint64 split over `threads` numpy threads (best of 3)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    a = np.ones(1 << 26, np.uint64)
-    best = 0.0
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(3):
-            t0 = time.perf_counter()
-            list(pool.map(np.add.reduce, np.array_split(a, threads)))
-            best = max(best, a.nbytes / (time.perf_counter() - t0) / GB)
-    return best
+def read_rate(threads: int, buf: np.ndarray) -> float:
+    """The machine's read rate at `threads` (`measure/readrate.py`: vector loads, 1-8 streams a
+    thread, a buffer of 4x the LLC), GB per wall second, best of 3 passes."""
+    return readrate.read_rate(threads, buf, repeat=3).wall_gbps
 
 
 def one_round(rt: Runtime, gen: int) -> tuple[list[int], dict[str, float], dict, float]:
@@ -130,6 +125,9 @@ def main() -> None:
                     per[(t, h)].append((prof, calls, steps))
         read = rt.store.stats().bytes_read
         numerics = rt.stats().numerics
+        copy = a.numerics == "fast" and copy_runs()  # the int8 copy is read where it is held
+        head_bytes = {h: top.q8.nbytes if copy and top.q8 is not None else top.head.nbytes for h, top in heads.items()}
+    buf = readrate.buffer()
     print(
         f"# numerics={numerics} load_avg={','.join(f'{x:.2f}' for x in os.getloadavg())} threading_layer={numba.threading_layer()}"
         f" gen={a.gen} rounds={a.rounds} ids_agree=yes expert_bytes_read_total={read}"
@@ -139,9 +137,15 @@ def main() -> None:
         phases = {k: statistics.median(r[0][k] for r in runs) for k in runs[0][0]}
         print(f"threads={t}{' head=' + h if h else ''} ms/step " + " ".join(f"{k}={v:.2f}" for k, v in phases.items()))
         nbytes = sum(v[3] for k, v in runs[0][1].items() if k[-1] == 1) / steps
-        rate = read_rate(t)
+        rate = read_rate(t, buf)
         print(
             f"  weight bytes/step={nbytes / GB:.3f} GB read_rate={rate:.1f} GB/s floor={nbytes / rate / GB * 1e3:.1f} ms"
+        )
+        hb = head_bytes[h]
+        print(
+            f"  head {'int8 copy' if hb != heads[h].head.nbytes else 'bf16'} {hb / GB:.3f} GB:"
+            f" {hb / (phases['head'] * 1e-3) / GB:.1f} GB/s, {phases['head'] / (hb / rate / GB * 1e3):.2f}x its"
+            " bytes at the read rate"
         )
         for key in sorted(runs[0][1], key=lambda k: -runs[0][1][k][1]):
             if key[-1] != 1:
