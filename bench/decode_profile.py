@@ -1,7 +1,7 @@
 """Where a decode step's time goes with every weight in RAM: per phase and per product, 1 and 2 threads.
 
     python bench/decode_profile.py CHECKPOINT [--budget 10] [--gen 32] [--threads 1 2] [--rounds 2]
-        [--numerics fast] [--trunk DIR] [--compare-head]
+        [--numerics fast] [--trunk DIR] [--compare-head | --head-at REV]
 
 One process: `Runtime` at --budget (which must hold every expert the run touches), one greedy
 generation from a fixed short prompt to load and compile everything, then --rounds rounds of the
@@ -14,10 +14,12 @@ thread). The prompt's last-position head call is counted with the steps (1 of --
 every generation must agree (with each other and across thread counts), else it exits non-zero.
 Prints the numerics (the commands' default, fast, unless --numerics says otherwise), the
 machine's load and the kernel thread layer; per thread count the read rate (`measure/readrate.py`,
-after the rounds) and the head's GB/s per wall second against it. --compare-head (fast, a pack with the int8 head copy):
-every round runs each thread count twice, with the int8 head and with the BF16 head (the copy
+after the rounds) and the head's GB/s per wall second against it.
+--compare-head (fast, a pack with the int8 head copy): every round runs each thread count twice, with the int8 head and with the BF16 head (the copy
 taken off the loaded head), printed as `threads=T head=int8|bf16`; the ids must agree within
-each head (the two heads may pick different ids).
+each head (the two heads may pick different ids). --head-at REV: the same with this tree's int8
+head kernel and git revision REV's (`kernels/headq8.py` loaded beside it; `threads=T head=this|REV`),
+whose ids must agree with each other too.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from dataclasses import replace
 
 import numba
 import numpy as np
+from head_rate import module_at  # bench/, on the path as this script's folder
 
 from dsv4stream import kernels
-from dsv4stream.kernels import fast
+from dsv4stream.kernels import fast, headq8
 from dsv4stream.kernels.head import copy_runs
 from dsv4stream.measure import readrate
 from dsv4stream.run.runinfo import RunOptions
@@ -99,7 +102,10 @@ def main() -> None:
     ap.add_argument("--numerics", default="fast", help="exact, official or fast (the commands' default)")
     ap.add_argument("--trunk", default=None, help="packed trunk folder (default: CHECKPOINT/dsv4-trunk if packed)")
     ap.add_argument("--compare-head", action="store_true", help="alternate the int8 head copy and the BF16 head")
+    ap.add_argument("--head-at", metavar="REV", help="alternate this tree's int8 head kernel and git revision REV's")
     a = ap.parse_args()
+    if a.compare_head and a.head_at:
+        raise SystemExit("--compare-head and --head-at: one at a time")
     for name in ("matvec", "matmul", "matmul_pair", "matmul_grouped"):
         _wrap(name)
     opts = RunOptions(budget=int(a.budget * GB), threads=max(a.threads), numerics=a.numerics, trunk=a.trunk)
@@ -109,16 +115,22 @@ def main() -> None:
             if heads[""].q8 is None:
                 raise SystemExit("--compare-head: this run has no int8 head copy (fast numerics and a pack holding it)")
             heads = {"int8": heads[""], "bf16": replace(heads[""], q8=None)}
+        kern = dict.fromkeys(heads, headq8.matmul)
+        if a.head_at:
+            heads = {"this": heads[""], a.head_at: heads[""]}
+            kern = {"this": headq8.matmul, a.head_at: module_at(a.head_at).matmul}
         refs = {}
         for h, top in heads.items():
-            rt.trunk._head = top
+            rt.trunk._head, headq8.matmul = top, kern[h]
             refs[h], _, _, _ = one_round(rt, a.gen)  # loads every expert the prompt routes to, compiles
+        if a.head_at and refs["this"] != refs[a.head_at]:
+            raise SystemExit(f"--head-at: the ids differ: {refs['this']} vs {refs[a.head_at]}")
         per: dict[tuple, list] = {(t, h): [] for t in a.threads for h in heads}
         for _ in range(a.rounds):
             for t in a.threads:
                 kernels.set_threads(t)
                 for h, top in heads.items():
-                    rt.trunk._head = top
+                    rt.trunk._head, headq8.matmul = top, kern[h]
                     ids, prof, calls, steps = one_round(rt, a.gen)
                     if ids != refs[h]:
                         raise SystemExit(f"ids differ at {t} threads: {ids} vs {refs[h]}")
