@@ -82,7 +82,7 @@ def main() -> None:
     x = np.random.default_rng(0).standard_normal((a.tokens, q.shape[1])).astype(np.float32)
     name, _ = cpu.target()
     print(
-        f"# cpu={cpu_name()!r} numba_target={name} variant={headq8.variant()} threading_layer=?"
+        f"# cpu={cpu_name()!r} numba_target={name} variant={headq8.variant()}"
         f" head={q.shape[0]}x{q.shape[1]} int8 ({nbytes / GB:.3f} GB) tokens={a.tokens}"
         f" load_before={readrate.load_text()}"
     )
