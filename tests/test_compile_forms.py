@@ -153,7 +153,8 @@ _PLAIN_PRODUCT = r"""
 import json
 import numpy as np
 from dsv4stream.kernels import QWeight, attn, fast, fp4, fp8, jit, plain, qdq, sinkhorn
-w = QWeight("f32", np.full((4, 32), 0.5, np.float32), None, 4, 32)
+# 3 rows, fewer than a pass of `plain.MV_ROWS`: row by row through `plain._plain_row` and `jit._fma`
+w = QWeight("f32", np.full((3, 32), 0.5, np.float32), None, 3, 32)
 y = fast.matvec(w, np.ones(32, np.float32))  # below the parallel floor: `plain._plain_mv_serial`
 stats = fast._plain_mv_serial.stats
 every = {d.stats.cache_path for m in (fp4, fp8, plain, attn, qdq, sinkhorn) for d in vars(m).values()

@@ -270,6 +270,40 @@ def test_serial_and_parallel_matvec_agree(monkeypatch):
         assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+@pytest.mark.parametrize("rows,cols,rpg", [(24, 16384, 24), (4, 16384, 4), (7, 100, 7), (13, 64, 5), (9, 31, 3)])
+def test_plain_matvec_passes_of_rows_have_each_rows_bits(kind, rows, cols, rpg):
+    """`plain._plain_mv(_serial)` take MV_ROWS rows a pass in vector IR (ragged ends, groups that
+    split a pass and columns past the last 32 row by row): every row equals `_plain_row`'s loop,
+    serial and parallel, and the float64 reference."""
+    from numba import carray, njit
+
+    from dsv4stream.kernels import plain
+    from dsv4stream.kernels.jit import _stack_f32
+
+    lanes = plain.LANES
+
+    @njit(cache=False)
+    def row_by_row(w, x, rpg, out):
+        acc = carray(_stack_f32(lanes), (lanes,))
+        for r in range(w.shape[0]):
+            out[r] = plain._plain_row(w, r, x[r // rpg], acc)
+
+    rng = np.random.default_rng(rows * cols)
+    w = weight(kind, rows, cols, rng)
+    data = fast._plain(w)
+    x = rng.standard_normal((-(-rows // rpg), cols)).astype(np.float32)
+    want = np.empty(rows, np.float32)
+    row_by_row(data, x, rpg, want)
+    for kernel in (plain._plain_mv_serial, plain._plain_mv):
+        got = np.empty(rows, np.float32)
+        kernel(data, x, rpg, got)
+        assert got.tobytes() == want.tobytes()
+    parts = [w.data[g * rpg : (g + 1) * rpg] for g in range(len(x))]
+    ref = np.concatenate([reference(x[g], QWeight(kind, p, None, len(p), cols))[0] for g, p in enumerate(parts)])
+    assert rel_error(want, ref[None]) <= TOL
+
+
 @pytest.mark.parametrize("rows,cols", [(130, 200), (3, 1), (64, 1100), (258, 8192), (512, 8192)])
 @pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
 @pytest.mark.parametrize("kind", ["fp8", "fp8/32"])

@@ -20,9 +20,9 @@ Variants (`cpu.variant`):
   for subnormals too; BF16 by a 16-bit shift), activations BF16 widened to float32, FMA.
 Float order is fixed per row and token: lanes accumulate along the row in two accumulators
 (alternating halves of a 64-column step), then a fixed tree sums the lanes; every token runs
-the same sequence in token groups of 4, 2, 1 (one token: 4 rows a pass, each with its own
-lanes), so a row's bits do not depend on the token count, the threads, or the other tokens of
-the call. The shared expert's w1 / w3 pair and the grouped output projection's groups run in
+the same sequence in token groups of up to `MAX_GROUP` (8 on AVX-512, 4 on AVX2; one token: 4
+rows a pass, each with its own lanes), so a row's bits do not depend on the token count, the
+threads, or the other tokens of the call. The shared expert's w1 / w3 pair and the grouped output projection's groups run in
 one parallel region each (`fp8_matmul_pair`, `fp8_matmul_grouped`), the same bits as alone.
 """
 
@@ -45,7 +45,6 @@ from .q8 import E8M0
 from .simd import BF, F32, I8, I16, I32, c64, vec
 
 STEP = 64  # columns per loop step: C must be a multiple
-TOKENS = (4, 2, 1)
 ROWS = 16  # rows per inner block (weights re-read from L1/L2 across token groups)
 HEAD_BLOCK = 64  # rows per work item for BF16 weights (no scale blocks)
 _JIT = {"cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
@@ -264,25 +263,25 @@ def _row_intrinsic(kind: str, variant: str, T: int, NR: int = 1, prefetch: bool 
     return intrinsic(typer)
 
 
-_row4 = _row2 = _row1 = _row1x = None  # the row kernels `_driver` binds in each variant's globals
+_row8 = _row7 = _row6 = _row5 = _row4 = _row3 = _row2 = _row1 = _row1x = None  # bound by `_driver`
 # Rows per pass of the one-token kernel (`_row_intrinsic`'s NR; divides ROWS)
 ONE_TOKEN_ROWS = 4
+# Tokens per row kernel call, by variant: AVX-512's 32 registers hold 8 tokens' accumulators (16)
+# beside a step's decoded weights, AVX2's 16 hold 4 tokens' (8). A call of T tokens runs groups of
+# the largest, then one group of the rest (`_tokens`).
+MAX_GROUP = {"avx512": 8, "avx2": 4}
+_GROUP = 4  # MAX_GROUP of the variant, bound by `_driver`
 
 
 def _tokens(w, r0, r1, xs, out):
-    """Rows r0 .. r1 times every token of xs, in token groups of 4, 2, 1."""
+    """Rows r0 .. r1 times every token of xs, in token groups of _GROUP, then the rest in one
+    group: each 64-column step of a row is decoded once per group, so a 7-token prefill decodes
+    its weights once (AVX-512), not three times (4 + 2 + 1)."""
     T = xs.shape[0]
     t0 = 0
     while t0 < T:
-        if T - t0 >= 4:
-            for r in range(r0, r1):
-                _row4(w, r, xs, t0, out)
-            t0 += 4
-        elif T - t0 >= 2:
-            for r in range(r0, r1):
-                _row2(w, r, xs, t0, out)
-            t0 += 2
-        else:
+        n = min(_GROUP, T - t0)
+        if n == 1:
             r = r0
             while r + ONE_TOKEN_ROWS <= r1:
                 _row1x(w, r, xs, t0, out)
@@ -290,7 +289,28 @@ def _tokens(w, r0, r1, xs, out):
             while r < r1:
                 _row1(w, r, xs, t0, out)
                 r += 1
-            t0 += 1
+        elif n == 2:
+            for r in range(r0, r1):
+                _row2(w, r, xs, t0, out)
+        elif n == 3:
+            for r in range(r0, r1):
+                _row3(w, r, xs, t0, out)
+        elif n == 4:
+            for r in range(r0, r1):
+                _row4(w, r, xs, t0, out)
+        elif n == 5:
+            for r in range(r0, r1):
+                _row5(w, r, xs, t0, out)
+        elif n == 6:
+            for r in range(r0, r1):
+                _row6(w, r, xs, t0, out)
+        elif n == 7:
+            for r in range(r0, r1):
+                _row7(w, r, xs, t0, out)
+        else:
+            for r in range(r0, r1):
+                _row8(w, r, xs, t0, out)
+        t0 += n
 
 
 _PERMUTED = False  # set per variant by `_driver`: activations stored in `_XPERM` order
@@ -407,7 +427,9 @@ def _driver(kind: str, variant: str):
     `_tokens` is rebuilt in the same globals so it calls this variant's row kernels."""
     g = dict(globals())
     rows = "bf16" if kind == "bf16" else "fp8"
-    g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(rows, variant, t) for t in TOKENS)
+    g["_GROUP"] = MAX_GROUP[variant]
+    for t in range(1, 9):  # groups above the variant's largest never run: bound to the 1-token kernel
+        g[f"_row{t}"] = _row_intrinsic(rows, variant, t) if t <= g["_GROUP"] else g["_row1"]
     g["_row1x"] = _row_intrinsic(rows, variant, 1, ONE_TOKEN_ROWS, prefetch=True)
     g["_PERMUTED"] = kind.startswith("fp8") and variant == "avx512"
     g["_act64"] = _act_intrinsic(g["_PERMUTED"])
