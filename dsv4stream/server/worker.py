@@ -49,12 +49,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..engine.phases import Turn
+from ..engine.session import segment_cuts
 from ..engine.spec_draws import PositionUniforms
 from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
 from ..run.runtime import Runtime
 from ..text.sampler import SamplingParams
-from .batching import Batch, Coroutine, Step, choices, rows_that_fit
+from .batching import Batch, Coroutine, Prompt, Step, choices, rows_that_fit
 from .cache import DiskCache, StateCache
 from .decoding import Controls, Picker
 from .grammar import Grammars
@@ -343,7 +344,7 @@ class Worker:
                 kept.append((ids[: cached + done], session.snapshot()))
             job.emit("sample", self.stats.prefilled(live, cached + done, len(ids)))
             job.emit("progress", (cached + done, len(ids)))
-            if cached + done < len(ids):
+            if cached + done < len(ids) and not together:
                 self.batch.step()  # the others' next tokens between two segments of this prompt
 
         pick = self._picker(job, 0)
@@ -359,11 +360,22 @@ class Worker:
         fed = images.real(new) if images is not None else new
         # a batching server drafts for a request taken while no other is in flight (`_SoloDrafts`)
         solo = self.batched and self._alone() and rt.speculator.resolve(job.speculate) != "off"
-        steps = rt.generate(
-            session, fed, job.max_tokens, pick, (job.reply.eos,), progress=progress, on_layer=layer_done,
-            boundaries=boundaries, spans=spans, batched=self.batched and not solo, speculate=job.speculate,
-            uniforms=pick.rng,
-        )  # fmt: skip
+        # batched, the prompt's segments go in the batch's passes, beside the others' segments and
+        # decode steps (`_read_prompt`); a prompt with images is read in passes of its own
+        together = self.batched and not solo and images is None and len(fed) > 0
+        if together:
+            t_read = time.perf_counter()
+            last = yield from self._read_prompt(session, fed, boundaries, progress)
+            steps = rt.generate(
+                session, fed, job.max_tokens, pick, (job.reply.eos,), logits=last, batched=True,
+                speculate=job.speculate, uniforms=pick.rng, prompt_read=t_read,
+            )  # fmt: skip
+        else:
+            steps = rt.generate(
+                session, fed, job.max_tokens, pick, (job.reply.eos,), progress=progress, on_layer=layer_done,
+                boundaries=boundaries, spans=spans, batched=self.batched and not solo, speculate=job.speculate,
+                uniforms=pick.rng,
+            )  # fmt: skip
         if solo:
             steps = _SoloDrafts(steps, lambda tok, n: rt.generate(
                 session, [tok], job.max_tokens - n, pick, (job.reply.eos,), batched=True, speculate="off",
@@ -397,6 +409,24 @@ class Worker:
         self._live.discard(id(job))  # answered, though the kept states are still to be written
         job.emit("done", outcomes)
         self._keep(kept)  # after "done": the client does not wait for the disk
+
+    def _read_prompt(
+        self, session, ids: Sequence[int], boundaries: Sequence[int], progress: Callable[[int, int], None]
+    ) -> Generator[Prompt, tuple | None, np.ndarray]:
+        """The prompt `ids` fed to `session` in the segments its own prefill would cut (`segment_cuts`:
+        the plan's segment and `boundaries`, the states kept), each yielded as a `Prompt` and read in
+        the batch's next pass beside the others' (`Batch.step`); `progress(done, total)` after each
+        (it raises `Cancelled` once the client has gone). Returns the prompt's last logits."""
+        cuts = segment_cuts(len(ids), session.segment, boundaries)
+        arr = np.asarray(ids, dtype=np.int64)
+        last = None
+        for a, b in zip([0, *cuts[:-1]], cuts, strict=True):
+            got = yield Prompt(session, arr[a:b], b == len(ids))
+            if got is None:  # dropped: the client went away while it waited
+                raise Cancelled
+            last = got[0]
+            progress(b, len(ids))
+        return last
 
     def _claim(self) -> bool:
         """Whether the batch has a place for one more row (a request's next choice), taking it if so."""
