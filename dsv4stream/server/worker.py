@@ -66,6 +66,11 @@ from .stats import LiveStats, RequestStats
 Log = Callable[[str], None]
 
 
+# seconds a batching server that was idle waits, after a request, for others sent at the same time
+# (parsed and queued one after another by the server's handlers: a few ms apart)
+GATHER = 0.02
+
+
 class Cancelled(Exception):
     """The client went away."""
 
@@ -241,12 +246,19 @@ class Worker:
     # ---- the engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
         """Take requests while the batch has room (waiting for one only when nothing runs), then
-        run one decode pass of the batch; a new request's prefill runs when it is taken, one
-        decode pass of the others after each of its segments (`_serve`'s progress)."""
+        run one pass of the batch (its prompts' next segments and its decode steps). A request
+        taken while nothing ran waits `GATHER` seconds for others sent with it (each one arriving
+        waits as long again, up to --max-batch), so that prompts sent together are read together;
+        while requests run, a new one joins at the next pass without waiting."""
         while True:
+            gathering = False
             while self.places < self.max_batch:
                 try:
-                    job = self.jobs.get(block=not self.batch.rows)
+                    if gathering:
+                        job = self.jobs.get(timeout=GATHER)
+                    else:
+                        gathering = self.batched and not self.batch.rows
+                        job = self.jobs.get(block=not self.batch.rows)
                 except queue.Empty:
                     break
                 if job is None:
