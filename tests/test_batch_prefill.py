@@ -126,3 +126,30 @@ def test_bad_feeds_are_refused_and_feed_nothing(family) -> None:
     with pytest.raises(UsageError, match="no sequence"):
         forward_many([])
     assert a.pos == b.pos == 0
+
+
+def test_a_pass_reading_a_prompt_runs_at_the_single_steps_count_untimed(family, monkeypatch) -> None:
+    """`forward_governed`: a pass that carries a prompt's segment runs at the thread count the
+    single steps' governor holds now (1 here, as on a busy machine), records nothing (its tokens
+    vary), leaves the kernels at the full count, and its logits are the solo prefill's."""
+    from dsv4stream.engine import batch
+    from dsv4stream.engine.threads import ThreadGovernor
+
+    engine = family.engine("fast")
+    set_to: list[int] = []
+    now = [2]
+    monkeypatch.setattr(batch.kernels, "set_threads", lambda n: (set_to.append(n), now.__setitem__(0, n))[1])
+    monkeypatch.setattr(batch.kernels, "get_threads", lambda: now[0])
+    gov = ThreadGovernor(2)
+    gov.current = 1
+    monkeypatch.setattr(engine, "governor", gov)
+    prompts = [[int(t) for t in family.ids(n, seed=95 + n)] for n in (5, 3)]
+    (a0, j0), (a1, j1) = _twins(engine), _twins(engine)
+    got, wall, _ = batch.forward_governed(
+        [Feed(j0, np.asarray(prompts[0]), "last"), Feed(j1, np.asarray(prompts[1]), "last")]
+    )
+    assert wall > 0
+    assert np.array_equal(got[0], a0.prefill(prompts[0], last_only=True))
+    assert np.array_equal(got[1], a1.prefill(prompts[1], last_only=True))
+    assert set_to == [1, 2] and now[0] == 2
+    assert gov.summary() == {} and not gov._by_rows  # nothing recorded, no batch governor made

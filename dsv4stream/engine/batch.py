@@ -152,14 +152,16 @@ def forward_governed(feeds: Sequence[Feed]) -> tuple[list[np.ndarray | None], fl
     """`forward_many` timed: (its logits, wall seconds, seconds by phase). A pass of one-token feeds
     (decode steps) runs at the thread count the engine's governor (None: `--threads` fixed,
     nothing chosen) picks for passes of that many rows, and its compute (wall less the read
-    waits, which threads do not change) goes back to it; a pass that reads a prompt's segment
-    keeps every thread, as a prefill does, and teaches the governor nothing. The kernels are at
-    the governor's full count again afterwards."""
+    waits, which threads do not change) goes back to it. A pass that reads a prompt's segment
+    runs at the count the single steps' governor holds now (what the machine's load favours:
+    on 2 busy vCPUs prompts read at every thread lost to one thread, docs/serving.md), untimed
+    (its tokens vary from pass to pass). The kernels are at the governor's full count again
+    afterwards."""
     engine = feeds[0].session.engine
     clock = StepClock(engine.meter)
     decode = all(np.size(f.ids) == 1 for f in feeds)
     gov = engine.governor.for_rows(len(feeds)) if engine.governor is not None and decode else None
-    threads = gov.next_threads() if gov is not None else 0
+    threads = gov.next_threads() if gov is not None else engine.governor.current if engine.governor else 0
     if threads and threads != kernels.get_threads():
         kernels.set_threads(threads)
     try:
@@ -167,8 +169,8 @@ def forward_governed(feeds: Sequence[Feed]) -> tuple[list[np.ndarray | None], fl
         logits = forward_many(feeds)
         wall, spent = clock.end()
     finally:
-        if gov is not None and threads != gov.most:
-            kernels.set_threads(gov.most)
+        if engine.governor is not None and threads != engine.governor.most:
+            kernels.set_threads(engine.governor.most)
     if gov is not None:
         gov.record(threads, wall - spent["expert_reads"] - spent["trunk_reads"])
     return logits, wall, spent
