@@ -1,17 +1,21 @@
-"""The running batch of the server's engine thread: each request a coroutine, one decode pass for all.
+"""The running batch of the server's engine thread: each request a coroutine, one pass for all.
 
 Owns: continuous batching's schedule. A request is a generator (`Worker._serve`) that runs
-linearly, as a request served alone would: it reads its prompt (a prefill) and, for each token
-it wants fed, yields a `Step` (its session, the token) and gets back that step's result, the
-`(logits, wall seconds, seconds by phase)` that `Session.generate` takes from a batched caller,
-or None when it was dropped without a pass (its client went away while it waited). `Batch.step`
-runs one pass (`engine.batch.step_governed`: `step_many` at the thread count tuned for that many
-rows) over every request waiting for one, then resumes each with its row; a request decoding
-several sequences at once (its `n` choices) yields a list of Steps and gets a list of rows
-(`choices`). Requests join (`start`) and leave (their generator returns or raises) between
-passes. Nothing here picks tokens or knows of replies: each request keeps its own sampler,
-stops, grammar and prefix-cache work in its coroutine, so one request's end, error or
-cancellation leaves the others' rows as they were.
+linearly, as a request served alone would: for each segment of its prompt it yields a `Prompt`
+(its session, the segment's ids) and for each token it wants fed a `Step` (its session, the
+token), and gets back that feed's result, `(logits, wall seconds, seconds by phase)` (the
+logits a prompt's last segment ends with, None before; a step's row, which `Session.generate`
+takes from a batched caller), or None when it was dropped without a pass (its client went away
+while it waited). `Batch.step` runs one pass (`engine.batch.forward_governed`: `forward_many`,
+decode passes at the thread count tuned for that many rows) over every request waiting for one:
+the decode steps and the prompts' segments together, so prompts sent at once are read in the
+same passes and beside the others' decoding (at most a prefill segment's tokens a pass:
+`joined_passes`), then resumes each with its result; a request decoding several sequences at
+once (its `n` choices) yields a list of Steps and gets a list of rows (`choices`). Requests
+join (`start`) and leave (their generator returns or raises) between passes. Nothing here picks
+tokens or knows of replies: each request keeps its own sampler, stops, grammar and prefix-cache
+work in its coroutine, so one request's end, error or cancellation leaves the others' rows as
+they were.
 
 `choices` runs one request's choices as rows of the same passes: each choice a generator that
 yields its Steps, those that run at once gathered into one list per pass, a new one started
@@ -25,8 +29,9 @@ past the slots, none does, and the batch loses to them (the demo checkpoint at 1
 slots of 36 a token: 8 clients 0.84x, 2 clients 1.59x). So the batch holds as many requests as
 the slots hold working sets, at least one.
 
-A new request's prefill runs inside `start`; its coroutine's prefill progress calls `step` after
-each segment, so the others' decoding waits for one segment at most.
+A request whose prompt is read in passes of its own (images; one that drafts while alone)
+prefills inside `start` or its `step`, and its prefill progress calls `step` after each segment,
+so the others' decoding waits for one segment at most.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ one request served alone would be, that yields each token it wants fed and gets 
 one decode pass shared by every running request (`engine.batch.step_many`: the same logits as
 its own step, bit for bit). Requests join between passes while fewer than `max_batch` run (the
 rest wait in the queue; where the experts stream, `--max-batch` is lowered to the requests whose
-experts the slots hold: `batching.rows_that_fit`); a new request's prefill runs as it joins, the others getting one pass
-after each of its segments; a request leaves when it ends, fails or its client goes, and the
-others' rows are untouched. Each keeps its own picker (sampling, seed, logit bias, grammar,
+experts the slots hold: `batching.rows_that_fit`); a new request's prompt is read in the batch's
+passes, segment by segment beside the others' segments and decode steps (`_read_prompt`; an idle
+server waits `GATHER` for requests sent together), so prompts sent at once are read together; a
+request leaves when it ends, fails or its client goes, and the others' rows are untouched. Each keeps its own picker (sampling, seed, logit bias, grammar,
 logprobs), stops and kept states.
 
 States kept per request, each one a segment boundary of the prefill (`boundaries`, so that
