@@ -1,0 +1,89 @@
+"""Prompts sent to a batching worker at once are read in the same passes (`Worker._read_prompt`).
+
+Four requests submitted together to a fresh `Worker` (--max-batch 4, every expert in RAM): the
+worker, idle, waits `GATHER` for the others after the first, so its first pass reads all four
+prompts; later passes carry their decode steps; each request gets the ids it gets from a worker
+that serves one request at a time (`--max-batch 1`), and its prompt is counted as its prefill
+(prompt tokens and time to its first token in its usage)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from test_server_choices_batch import IdsReply  # a reply that keeps the ids it is handed
+
+from dsv4stream import synth
+from dsv4stream.run import planner
+from dsv4stream.run.runinfo import RunOptions
+from dsv4stream.run.runtime import Runtime
+from dsv4stream.server import batching
+from dsv4stream.server.cache import StateCache
+from dsv4stream.server.decoding import Controls
+from dsv4stream.server.worker import Job, Worker
+from dsv4stream.text import chat
+from dsv4stream.text.sampler import SamplingParams, banned_ids
+from dsv4stream.text.tokenizer import Tokenizer
+
+CTX = 256
+CLIENTS = 4
+N = 5  # tokens per request
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prompts") / "tiny"
+    return synth.make_checkpoint(out, preset="tiny", seed=5, vocab_size=synth.REAL_VOCAB, tokenizer=True)
+
+
+def serve_all(rt, tok, max_batch: int, passes: list) -> tuple[list[list[int]], list[Job]]:
+    """The CLIENTS requests submitted at once to a fresh worker: each one's ids and job; `passes`
+    gets each pass's feeds' kinds ("all": a decode step, "none" / "last": a prompt's segment)."""
+    w = Worker(rt, tok.n_tokens, StateCache(4 * planner.state_bytes_for(rt.cfg, CTX)), None, lambda _: None,
+               banned_ids(tok), tok.decode, tok.special.user, max_batch=max_batch)  # fmt: skip
+    try:
+        replies = [IdsReply(tok) for _ in range(CLIENTS)]
+        done = [threading.Event() for _ in range(CLIENTS)]
+        errors: list = []
+        jobs = []
+        for k in range(CLIENTS):
+
+            def emit(kind: str, payload: object, k=k) -> None:
+                if kind == "error":
+                    errors.append(payload)
+                if kind in ("done", "error"):
+                    done[k].set()
+
+            ids = tok.encode(chat.render(chat.one_turn(f"Request {k}: say something else.", None), "chat"))
+            controls = Controls(bias={tok.special.eos: -100.0})
+            jobs.append(Job(ids, N, SamplingParams(0.0), replies[k], emit, controls=controls))
+        for job in jobs:
+            w.submit(job)
+        assert all(d.wait(600) for d in done) and not errors, errors
+        return [r.ids for r in replies], jobs
+    finally:
+        w.close()
+
+
+def test_prompts_sent_together_are_read_in_one_pass_and_keep_their_ids(ckpt, monkeypatch) -> None:
+    tok = Tokenizer.from_checkpoint(ckpt)
+    passes: list[list[str]] = []
+    real = batching.forward_governed
+    monkeypatch.setattr(
+        batching, "forward_governed", lambda feeds: (passes.append([f.logits for f in feeds]), real(feeds))[1]
+    )
+    with Runtime.open(ckpt, RunOptions(budget=int(8e9), ctx=CTX, threads=1)) as rt:
+        alone, _ = serve_all(rt, tok, 1, [])
+        assert not passes  # --max-batch 1: every prompt read and every token fed by its own session
+        together, jobs = serve_all(rt, tok, CLIENTS, passes)
+    assert together == alone and all(len(ids) == N for ids in alone)
+    assert len({tuple(ids) for ids in alone}) > 1
+    # the prompts' segments (cut where the kept states are: the last user turn's start, one token
+    # short of the end) each went in a pass of all four, the last tokens together; then the
+    # decode passes of four rows
+    k = passes.index(["last"] * CLIENTS)
+    assert k >= 1 and passes[:k] == [["none"] * CLIENTS] * k, passes[: k + 1]
+    assert passes[k + 1 :] == [["all"] * CLIENTS] * (N - 1)
+    for job in jobs:
+        assert job.usage.prefill_seconds > 0 and job.usage.prompt_tokens == len(job.ids)
