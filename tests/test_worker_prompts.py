@@ -1,7 +1,7 @@
 """Prompts sent to a batching worker at once are read in the same passes (`Worker._read_prompt`).
 
-Four requests submitted together to a fresh `Worker` (--max-batch 4, every expert in RAM): the
-worker, idle, waits `GATHER` for the others after the first, so its first pass reads all four
+Four requests submitted together to a fresh `Worker` (--max-batch 4, every expert in RAM), 50 ms apart:
+the worker, idle, waits `GATHER` for the next after each, so its first pass reads all four
 prompts; later passes carry their decode steps; each request gets the ids it gets from a worker
 that serves one request at a time (`--max-batch 1`), and its prompt is counted as its prefill
 (prompt tokens and time to its first token in its usage)."""
@@ -9,6 +9,7 @@ that serves one request at a time (`--max-batch 1`), and its prompt is counted a
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from dsv4stream import synth
 from dsv4stream.run import planner
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.runtime import Runtime
-from dsv4stream.server import batching
+from dsv4stream.server import batching, worker
 from dsv4stream.server.cache import StateCache
 from dsv4stream.server.decoding import Controls
 from dsv4stream.server.worker import Job, Worker
@@ -37,9 +38,10 @@ def ckpt(tmp_path_factory) -> Path:
     return synth.make_checkpoint(out, preset="tiny", seed=5, vocab_size=synth.REAL_VOCAB, tokenizer=True)
 
 
-def serve_all(rt, tok, max_batch: int, passes: list) -> tuple[list[list[int]], list[Job]]:
+def serve_all(rt, tok, max_batch: int, passes: list, gap: float = 0.0) -> tuple[list[list[int]], list[Job]]:
     """The CLIENTS requests submitted at once to a fresh worker: each one's ids and job; `passes`
-    gets each pass's feeds' kinds ("all": a decode step, "none" / "last": a prompt's segment)."""
+    gets each pass's feeds' kinds ("all": a decode step, "none" / "last": a prompt's segment);
+    `gap` seconds between two submissions (as a server's handlers queue requests sent together)."""
     w = Worker(rt, tok.n_tokens, StateCache(4 * planner.state_bytes_for(rt.cfg, CTX)), None, lambda _: None,
                banned_ids(tok), tok.decode, tok.special.user, max_batch=max_batch)  # fmt: skip
     try:
@@ -60,6 +62,7 @@ def serve_all(rt, tok, max_batch: int, passes: list) -> tuple[list[list[int]], l
             jobs.append(Job(ids, N, SamplingParams(0.0), replies[k], emit, controls=controls))
         for job in jobs:
             w.submit(job)
+            time.sleep(gap)
         assert all(d.wait(600) for d in done) and not errors, errors
         return [r.ids for r in replies], jobs
     finally:
@@ -67,6 +70,9 @@ def serve_all(rt, tok, max_batch: int, passes: list) -> tuple[list[list[int]], l
 
 
 def test_prompts_sent_together_are_read_in_one_pass_and_keep_their_ids(ckpt, monkeypatch) -> None:
+    # requests 50 ms apart, a gather of 1 s (20 ms in the server, whose handlers queue requests
+    # sent together a few ms apart): the idle worker waits for the next before its first pass
+    monkeypatch.setattr(worker, "GATHER", 1.0)
     tok = Tokenizer.from_checkpoint(ckpt)
     passes: list[list[str]] = []
     real = batching.forward_governed
@@ -76,7 +82,7 @@ def test_prompts_sent_together_are_read_in_one_pass_and_keep_their_ids(ckpt, mon
     with Runtime.open(ckpt, RunOptions(budget=int(8e9), ctx=CTX, threads=1)) as rt:
         alone, _ = serve_all(rt, tok, 1, [])
         assert not passes  # --max-batch 1: every prompt read and every token fed by its own session
-        together, jobs = serve_all(rt, tok, CLIENTS, passes)
+        together, jobs = serve_all(rt, tok, CLIENTS, passes, gap=0.05)
     assert together == alone and all(len(ids) == N for ids in alone)
     assert len({tuple(ids) for ids in alone}) > 1
     # the prompts' segments (cut where the kept states are: the last user turn's start, one token
