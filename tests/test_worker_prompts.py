@@ -8,26 +8,17 @@ that serves one request at a time (`--max-batch 1`), and its prompt is counted a
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import pytest
-from test_server_choices_batch import IdsReply  # a reply that keeps the ids it is handed
+from test_batch_cap import CTX, serve_all  # requests submitted together to a fresh Worker
 
 from dsv4stream import synth
-from dsv4stream.run import planner
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.runtime import Runtime
 from dsv4stream.server import batching, worker
-from dsv4stream.server.cache import StateCache
-from dsv4stream.server.decoding import Controls
-from dsv4stream.server.worker import Job, Worker
-from dsv4stream.text import chat
-from dsv4stream.text.sampler import SamplingParams, banned_ids
 from dsv4stream.text.tokenizer import Tokenizer
 
-CTX = 256
 CLIENTS = 4
 N = 5  # tokens per request
 
@@ -36,37 +27,6 @@ N = 5  # tokens per request
 def ckpt(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("prompts") / "tiny"
     return synth.make_checkpoint(out, preset="tiny", seed=5, vocab_size=synth.REAL_VOCAB, tokenizer=True)
-
-
-def serve_all(rt, tok, max_batch: int, passes: list, gap: float = 0.0) -> tuple[list[list[int]], list[Job]]:
-    """The CLIENTS requests submitted at once to a fresh worker: each one's ids and job; `passes`
-    gets each pass's feeds' kinds ("all": a decode step, "none" / "last": a prompt's segment);
-    `gap` seconds between two submissions (as a server's handlers queue requests sent together)."""
-    w = Worker(rt, tok.n_tokens, StateCache(4 * planner.state_bytes_for(rt.cfg, CTX)), None, lambda _: None,
-               banned_ids(tok), tok.decode, tok.special.user, max_batch=max_batch)  # fmt: skip
-    try:
-        replies = [IdsReply(tok) for _ in range(CLIENTS)]
-        done = [threading.Event() for _ in range(CLIENTS)]
-        errors: list = []
-        jobs = []
-        for k in range(CLIENTS):
-
-            def emit(kind: str, payload: object, k=k) -> None:
-                if kind == "error":
-                    errors.append(payload)
-                if kind in ("done", "error"):
-                    done[k].set()
-
-            ids = tok.encode(chat.render(chat.one_turn(f"Request {k}: say something else.", None), "chat"))
-            controls = Controls(bias={tok.special.eos: -100.0})
-            jobs.append(Job(ids, N, SamplingParams(0.0), replies[k], emit, controls=controls))
-        for job in jobs:
-            w.submit(job)
-            time.sleep(gap)
-        assert all(d.wait(600) for d in done) and not errors, errors
-        return [r.ids for r in replies], jobs
-    finally:
-        w.close()
 
 
 def test_prompts_sent_together_are_read_in_one_pass_and_keep_their_ids(ckpt, monkeypatch) -> None:
@@ -80,9 +40,10 @@ def test_prompts_sent_together_are_read_in_one_pass_and_keep_their_ids(ckpt, mon
         batching, "forward_governed", lambda feeds: (passes.append([f.logits for f in feeds]), real(feeds))[1]
     )
     with Runtime.open(ckpt, RunOptions(budget=int(8e9), ctx=CTX, threads=1)) as rt:
-        alone, _ = serve_all(rt, tok, 1, [])
+        alone = serve_all(rt, tok, 1, [], [], CLIENTS, N)
         assert not passes  # --max-batch 1: every prompt read and every token fed by its own session
-        together, jobs = serve_all(rt, tok, CLIENTS, passes, gap=0.05)
+        jobs: list = []
+        together = serve_all(rt, tok, CLIENTS, [], [], CLIENTS, N, gap=0.05, jobs=jobs)
     assert together == alone and all(len(ids) == N for ids in alone)
     assert len({tuple(ids) for ids in alone}) > 1
     # the prompts' segments (cut where the kept states are: the last user turn's start, one token
