@@ -14,8 +14,8 @@ rest wait in the queue; where the experts stream, `--max-batch` is lowered to th
 experts the slots hold: `batching.rows_that_fit`); a new request's prompt is read in the batch's
 passes, segment by segment beside the others' segments and decode steps (`_read_prompt`; an idle
 server waits `GATHER` for requests sent together), so prompts sent at once are read together; a
-request leaves when it ends, fails or its client goes, and the others' rows are untouched. Each keeps its own picker (sampling, seed, logit bias, grammar,
-logprobs), stops and kept states.
+request leaves when it ends, fails or its client goes, and the others' rows are untouched. Each
+keeps its own picker (sampling, seed, logit bias, grammar, logprobs), stops and kept states.
 
 States kept per request, each one a segment boundary of the prefill (`boundaries`, so that
 taking them changes no logits beyond what any segmentation does): one token short of the
