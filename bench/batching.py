@@ -14,12 +14,13 @@ peak RSS is read from outside (/proc/PID/status VmHWM) at the end of each budget
 against it; the plan's expert line says whether the experts are all in RAM or stream, and the
 server's "decoding at most" line where a streaming budget lowered --max-batch.
 
-The prompts count in both ways alike (each is prefilled alone, one after another, in either):
-each row also gives the seconds the server spent reading them one after another (its
-`dsv4_prefill_seconds_total` counter, /metrics) and the ratio with those seconds taken out of
-both walls ("decode alone": the same prompts cost the same together; their counter there also
-holds the others' passes run between two segments of a prompt, so it is not used). With short
-answers the prompts are a large share of the set, which no batching of the decode passes shortens.
+The prompts count in both ways: one after another each is read alone; together the batching
+server reads the prompts sent at once in shared passes (`engine.batch.forward_many`), so with
+short answers reading them together is part of the gain. Each row also gives the seconds the
+server spent reading them one after another (its `dsv4_prefill_seconds_total` counter, /metrics)
+and the ratio with those seconds taken out of both walls ("decode alone": an upper bound of the
+decode passes' own ratio, since the prompts read together took less than those seconds; their
+counter there also holds the waits on the others' passes, so it is not used).
 
 The server process's CPU seconds (/proc/PID/stat) both ways are printed too: at one kernel
 thread their ratio is the work saved, which a busy machine disturbs much less than the walls
@@ -148,7 +149,7 @@ def run_budget(ckpt: str, budget: str, clients: list[int], tokens: int, eos: int
                 f" {row['concurrent_tok_s']:.2f} together ({row['ratio']:.2f}x); per request"
                 f" {row['per_request_sequential_tok_s']:.2f} -> {row['per_request_concurrent_tok_s']:.2f} tok/s;"
                 f" answers {'identical' if row['identical'] else 'DIFFERENT'}; prompts {prompts:.2f} s of"
-                f" {seq_wall:.2f} one after another: decode alone {row['decode_alone_ratio']:.2f}x; server CPU"
+                f" {seq_wall:.2f} one after another (out of both walls: {row['decode_alone_ratio']:.2f}x); server CPU"
                 f" {c1 - c0:.2f} s -> {c2 - c1:.2f} s ({(c1 - c0) / max(c2 - c1, 1e-9):.2f}x)",
                 flush=True,
             )

@@ -9,6 +9,7 @@ from outside is the bench's (`bench/batching.py`); here the plan's total is held
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -47,18 +48,23 @@ def ckpt(tmp_path_factory) -> Path:
     )
 
 
-def serve_all(rt, tok, max_batch: int, rows: list[int], logged: list[str]) -> list[list[int]]:
-    """The CLIENTS requests submitted at once to a fresh worker: each one's ids; `rows` gets each
-    pass's row count, `logged` the worker's log lines."""
+def serve_all(
+    rt, tok, max_batch: int, rows: list[int], logged: list[str], clients: int = CLIENTS, n: int = N,
+    gap: float = 0.0, jobs: list | None = None,
+) -> list[list[int]]:  # fmt: skip
+    """`clients` requests of `n` tokens submitted at once to a fresh worker (`gap` seconds apart):
+    each one's ids; `rows` gets each pass's row count, `logged` the worker's log lines, `jobs` the
+    jobs (tests/test_worker_prompts.py)."""
     w = Worker(rt, tok.n_tokens, StateCache(4 * planner.state_bytes_for(rt.cfg, CTX)), None, logged.append,
                banned_ids(tok), tok.decode, tok.special.user, max_batch=max_batch)  # fmt: skip
     passed = w.batch.passed
     w.batch.passed = lambda jobs: (rows.append(len(jobs)), passed(jobs))[1]
     try:
-        replies = [IdsReply(tok) for _ in range(CLIENTS)]
-        done = [threading.Event() for _ in range(CLIENTS)]
+        replies = [IdsReply(tok) for _ in range(clients)]
+        done = [threading.Event() for _ in range(clients)]
         errors: list = []
-        for k in range(CLIENTS):
+        jobs = [] if jobs is None else jobs
+        for k in range(clients):
 
             def emit(kind: str, payload: object, k=k) -> None:
                 if kind == "error":
@@ -68,7 +74,10 @@ def serve_all(rt, tok, max_batch: int, rows: list[int], logged: list[str]) -> li
 
             ids = tok.encode(chat.render(chat.one_turn(f"Request {k}: say something.", None), "chat"))
             controls = Controls(bias={tok.special.eos: -100.0})  # each runs its N tokens
-            w.submit(Job(ids, N, SamplingParams(0.0), replies[k], emit, controls=controls))
+            jobs.append(Job(ids, n, SamplingParams(0.0), replies[k], emit, controls=controls))
+        for job in jobs:
+            w.submit(job)
+            time.sleep(gap)
         assert all(d.wait(600) for d in done) and not errors, errors
         assert w.places == 0
         return [r.ids for r in replies]

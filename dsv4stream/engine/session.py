@@ -169,6 +169,12 @@ class Engine:
         )
 
 
+def segment_cuts(n: int, segment: int, boundaries: Collection[int] = ()) -> list[int]:
+    """Where a prefill of n tokens ends its segments (the last cut is n): every `segment` tokens
+    and at each boundary 0 < b < n (`Session.prefill`; a joined prefill, `engine.batch`, cuts alike)."""
+    return sorted({*range(segment, n, segment), *(int(b) for b in boundaries if 0 < b < n), n})
+
+
 def _stop_reason(eos: bool, context_full: bool, gen_limit: bool) -> str | None:
     """Why generation ends after this token (None: it goes on); EOS first, then the context
     (feeding the token would pass max_pos), then max_new_tokens."""
@@ -271,7 +277,7 @@ class Session:
             raise UsageError("prefill needs at least one token")
         out = []
         n, seg = ids.size, self.segment
-        cuts = sorted({*range(seg, n, seg), *(int(b) for b in boundaries if 0 < b < n), n})
+        cuts = segment_cuts(n, seg, boundaries)
         if spans is not None:
             if self.stack.family != V41 or self.pos != 0 or spans.types.size != n:
                 raise UsageError("images go only at the start of a fresh DeepSeek-V4.1 sequence (its first prefill)")
@@ -314,6 +320,7 @@ class Session:
         logits: np.ndarray | None = None,
         spans: SpanRows | None = None,
         batched: bool = False,
+        prompt_read: float | None = None,
     ) -> Generator[int, tuple | None, None]:
         """Prefill `prompt_ids`, then yield up to `max_new_tokens` tokens chosen by `pick(logits)`
         (default: greedy, ties to the lower id); stop after a token in `stop_ids`, or when
@@ -338,11 +345,15 @@ class Session:
         `batched`: the caller feeds each token with others' in one pass (`engine.batch.step_many`,
         the server's continuous batching) and sends this generator that step's result,
         `(logits, wall seconds, seconds by phase)`, instead of calling `next`; no thread count
-        is tried then. A plain `next` still steps the token here."""
+        is tried then. A plain `next` still steps the token here.
+
+        `prompt_read`: the caller fed `prompt_ids` itself, from that perf_counter time on, in passes
+        shared with other sequences (the server's joined prefill, `engine.batch.forward_many`), and
+        `logits` are its last position's: the turn records them as its prefill."""
         pick = pick or greedy
-        if logits is not None and len(prompt_ids):
+        if logits is not None and len(prompt_ids) and prompt_read is None:
             raise UsageError("generate: give the prompt ids or the logits to continue from, not both")
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if prompt_read is None else prompt_read
         turn = self.turn = Turn()
         self.engine.phases.turns.append(turn)
         meter, clock = self.engine.meter, StepClock(self.engine.meter)
@@ -353,6 +364,8 @@ class Session:
             if logits is None:
                 logits = self._timed_prefill(turn, t0, prompt_ids, progress, on_layer, boundaries, spans)
                 mark = meter()  # the decode's reads start here
+            elif prompt_read is not None:
+                turn.prefill_seconds, turn.prompt_tokens = time.perf_counter() - t0, len(prompt_ids)
             if max_new_tokens <= 0:
                 self.stop_reason = "gen_limit"
                 return

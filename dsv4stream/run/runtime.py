@@ -33,7 +33,7 @@ from ..engine.spec_draws import PositionUniforms
 from ..engine.speculation import Speculator, pick_at
 from ..engine.stack_v41 import SpanRows
 from ..engine.threads import ThreadGovernor
-from ..errors import UsageError
+from ..errors import InternalError, UsageError
 from ..kernels.head import Int8Head
 from ..store import ExpertStore
 from ..streaming.engram import DiskEngramRows
@@ -249,6 +249,7 @@ class Runtime:
         batched: bool = False,
         speculate: str | int | None = None,
         uniforms: PositionUniforms | None = None,
+        prompt_read: float | None = None,
     ) -> Iterator[int]:
         """`session.generate` (the one generation loop) within this run: it also stops when the
         session holds `opts.ctx` positions (the context the plan covers is full).
@@ -267,16 +268,19 @@ class Runtime:
         `speculate`: this call's setting ("off", "auto", N; None: the run's `opts.speculate`),
         through `engine.speculation` (drafts verified in one pass; the same ids as without);
         `uniforms`: the `PositionUniforms` a sampled `pick` draws from, moved to each pick's
-        position (with drafts or without, batched or not: the same ids for the same seed)."""
+        position (with drafts or without, batched or not: the same ids for the same seed);
+        `prompt_read`: the caller fed the prompt itself (batched only; `Session.generate`)."""
         report = (lambda done: progress(done, len(prompt_ids))) if progress is not None else None
         setting = self.speculator.resolve(speculate)
         kw = {"stop_ids": stop_ids, "max_pos": self.opts.ctx, "progress": report, "on_layer": on_layer,
               "boundaries": boundaries, "logits": logits, "spans": spans}  # fmt: skip
+        if prompt_read is not None and not batched:
+            raise InternalError("a prompt fed by the caller goes with batched steps")
         if setting != "off" and not batched:
             return self.speculator.generate(session, setting, prompt_ids, max_new_tokens, pick or greedy,
                                             uniforms=uniforms, **kw)  # fmt: skip
         pick = pick_at(session, pick or greedy, uniforms)
-        return session.generate(prompt_ids, max_new_tokens, pick, batched=batched, **kw)
+        return session.generate(prompt_ids, max_new_tokens, pick, batched=batched, prompt_read=prompt_read, **kw)
 
     @property
     def speculator(self) -> Speculator:

@@ -1,17 +1,21 @@
-"""The running batch of the server's engine thread: each request a coroutine, one decode pass for all.
+"""The running batch of the server's engine thread: each request a coroutine, one pass for all.
 
 Owns: continuous batching's schedule. A request is a generator (`Worker._serve`) that runs
-linearly, as a request served alone would: it reads its prompt (a prefill) and, for each token
-it wants fed, yields a `Step` (its session, the token) and gets back that step's result, the
-`(logits, wall seconds, seconds by phase)` that `Session.generate` takes from a batched caller,
-or None when it was dropped without a pass (its client went away while it waited). `Batch.step`
-runs one pass (`engine.batch.step_governed`: `step_many` at the thread count tuned for that many
-rows) over every request waiting for one, then resumes each with its row; a request decoding
-several sequences at once (its `n` choices) yields a list of Steps and gets a list of rows
-(`choices`). Requests join (`start`) and leave (their generator returns or raises) between
-passes. Nothing here picks tokens or knows of replies: each request keeps its own sampler,
-stops, grammar and prefix-cache work in its coroutine, so one request's end, error or
-cancellation leaves the others' rows as they were.
+linearly, as a request served alone would: for each segment of its prompt it yields a `Prompt`
+(its session, the segment's ids) and for each token it wants fed a `Step` (its session, the
+token), and gets back that feed's result, `(logits, wall seconds, seconds by phase)` (the
+logits a prompt's last segment ends with, None before; a step's row, which `Session.generate`
+takes from a batched caller), or None when it was dropped without a pass (its client went away
+while it waited). `Batch.step` runs one pass (`engine.batch.forward_governed`: `forward_many`,
+decode passes at the thread count tuned for that many rows) over every request waiting for one:
+the decode steps and the prompts' segments together, so prompts sent at once are read in the
+same passes and beside the others' decoding (at most a prefill segment's tokens a pass:
+`joined_passes`), then resumes each with its result; a request decoding several sequences at
+once (its `n` choices) yields a list of Steps and gets a list of rows (`choices`). Requests
+join (`start`) and leave (their generator returns or raises) between passes. Nothing here picks
+tokens or knows of replies: each request keeps its own sampler, stops, grammar and prefix-cache
+work in its coroutine, so one request's end, error or cancellation leaves the others' rows as
+they were.
 
 `choices` runs one request's choices as rows of the same passes: each choice a generator that
 yields its Steps, those that run at once gathered into one list per pass, a new one started
@@ -25,8 +29,9 @@ past the slots, none does, and the batch loses to them (the demo checkpoint at 1
 slots of 36 a token: 8 clients 0.84x, 2 clients 1.59x). So the batch holds as many requests as
 the slots hold working sets, at least one.
 
-A new request's prefill runs inside `start`; its coroutine's prefill progress calls `step` after
-each segment, so the others' decoding waits for one segment at most.
+A request whose prompt is read in passes of its own (images; one that drafts while alone)
+prefills inside `start` or its `step`, and its prefill progress calls `step` after each segment,
+so the others' decoding waits for one segment at most.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
-from ..engine.batch import step_governed
+import numpy as np
+
+from ..engine.batch import Feed, forward_governed
 from ..engine.session import Session
 from ..errors import InternalError
 
@@ -47,9 +54,20 @@ class Step:
     token: int
 
 
-# A request's coroutine: yields a Step (or a list of them: several rows), is sent its (logits, wall,
-# spent) (a list of them) or None (dropped).
-Coroutine = Generator[Step | list[Step], tuple | list | None, None]
+@dataclass(frozen=True)
+class Prompt:
+    """A request's ask: feed `ids`, a segment of its prompt, to `session` in the next pass (beside the
+    others' segments and decode steps); `last`: the prompt's last segment, whose last row's logits
+    come back (else None in their place)."""
+
+    session: Session
+    ids: np.ndarray
+    last: bool
+
+
+# A request's coroutine: yields a Step or a Prompt (or a list of Steps: several rows), is sent its
+# (logits, wall, spent) (a list of them) or None (dropped).
+Coroutine = Generator[Step | Prompt | list[Step], tuple | list | None, None]
 
 
 class Batch:
@@ -77,9 +95,12 @@ class Batch:
         self._resume(gen, job, lambda: next(gen))
 
     def step(self) -> None:
-        """One decode pass over the requests waiting for one (none: nothing to do); a request whose
-        client went away is dropped first (resumed with None, its tokens unfed). A request that
-        asked for several rows (a list of Steps: its `n` choices) gets their results as a list."""
+        """One pass over the requests waiting for one (none: nothing to do): every decode step and
+        every prompt segment asked for; a request whose client went away is dropped first
+        (resumed with None, its tokens unfed). A request that asked for several rows (a list of
+        Steps: its `n` choices) gets their results as a list. The pass holds at most a prefill
+        segment's tokens (`joined_passes`: the plan's activations): segments beyond go in more
+        passes, one after another, before anyone is resumed."""
         rows, self.rows = self.rows, []
         live = []
         for gen, job, want in rows:
@@ -90,20 +111,33 @@ class Batch:
         if not live:
             return
         asks = [want if isinstance(want, list) else [want] for _, _, want in live]
-        sessions = [step.session for ask in asks for step in ask]
-        tokens = [step.token for ask in asks for step in ask]
-        try:  # (each token's reads ahead started when it was picked: `Session.generate`)
-            logits, wall, spent = step_governed(sessions, tokens)  # at the thread count tuned for this many rows
-        except Exception as e:  # noqa: BLE001  every request of the pass gets it (its sessions are torn)
-            for gen, job, _ in live:
-                self._resume(gen, job, lambda g=gen, err=e: g.throw(err))
-            return
-        self.passed([job for (_, job, _), ask in zip(live, asks, strict=True) for _ in ask])
-        b = 0
-        for (gen, job, want), ask in zip(live, asks, strict=True):
-            got = [(logits[b + k], wall, spent) for k in range(len(ask))]
-            b += len(ask)
-            fed = got if isinstance(want, list) else got[0]
+        feeds, owner = [], []
+        for r, ask in enumerate(asks):
+            for a in ask:
+                prompt = isinstance(a, Prompt)
+                ids = a.ids if prompt else np.asarray([a.token], dtype=np.int64)
+                feeds.append(Feed(a.session, ids, ("last" if a.last else "none") if prompt else "all"))
+                owner.append(r)
+        got: list[tuple | None] = [None] * len(feeds)
+        failed: dict[int, Exception] = {}
+        for group in joined_passes(feeds):
+            try:  # (each token's reads ahead started when it was picked: `Session.generate`)
+                logits, wall, spent = forward_governed([feeds[j] for j in group])  # threads tuned per rows
+            except Exception as e:  # noqa: BLE001  every request of the pass gets it (its sessions are torn)
+                failed.update((owner[j], e) for j in group)
+                continue
+            decoding = [live[owner[j]][1] for j in group if feeds[j].logits == "all"]
+            if decoding:
+                self.passed(decoding)
+            for j, out in zip(group, logits, strict=True):
+                got[j] = (out[0] if feeds[j].logits == "all" else out, wall, spent)
+        j = 0
+        for r, ((gen, job, want), ask) in enumerate(zip(live, asks, strict=True)):
+            mine, j = got[j : j + len(ask)], j + len(ask)
+            if r in failed:
+                self._resume(gen, job, lambda g=gen, err=failed[r]: g.throw(err))
+                continue
+            fed = mine if isinstance(want, list) else mine[0]
             self._resume(gen, job, lambda g=gen, f=fed: g.send(f))
 
     def close_all(self) -> None:
@@ -121,6 +155,25 @@ class Batch:
             self.ended(job, e)
         else:
             self.rows.append((gen, job, want))
+
+
+def joined_passes(feeds: list[Feed]) -> list[list[int]]:
+    """The feeds of one `Batch.step` in passes (indices): the decode steps together in the first,
+    the prompts' segments beside them while the pass holds at most a prefill segment's tokens
+    (the sessions' `segment`, the plan's: the activations it budgets), the rest in as few passes
+    more, in order. A segment never waits: each step reads one segment of every prompt."""
+    cap = max((f.session.segment for f in feeds if f.logits != "all"), default=0)
+    groups: list[list[int]] = [[j for j, f in enumerate(feeds) if f.logits == "all"]]
+    total = len(groups[0])
+    for j, f in enumerate(feeds):
+        if f.logits == "all":
+            continue
+        if groups[-1] and total + f.ids.size > cap:
+            groups.append([])
+            total = 0
+        groups[-1].append(j)
+        total += f.ids.size
+    return [g for g in groups if g]
 
 
 def rows_that_fit(plan, most: int) -> int:

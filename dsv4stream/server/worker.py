@@ -11,10 +11,11 @@ one request served alone would be, that yields each token it wants fed and gets 
 one decode pass shared by every running request (`engine.batch.step_many`: the same logits as
 its own step, bit for bit). Requests join between passes while fewer than `max_batch` run (the
 rest wait in the queue; where the experts stream, `--max-batch` is lowered to the requests whose
-experts the slots hold: `batching.rows_that_fit`); a new request's prefill runs as it joins, the others getting one pass
-after each of its segments; a request leaves when it ends, fails or its client goes, and the
-others' rows are untouched. Each keeps its own picker (sampling, seed, logit bias, grammar,
-logprobs), stops and kept states.
+experts the slots hold: `batching.rows_that_fit`); a new request's prompt is read in the batch's
+passes, segment by segment beside the others' segments and decode steps (`_read_prompt`; an idle
+server waits `GATHER` for requests sent together), so prompts sent at once are read together; a
+request leaves when it ends, fails or its client goes, and the others' rows are untouched. Each
+keeps its own picker (sampling, seed, logit bias, grammar, logprobs), stops and kept states.
 
 States kept per request, each one a segment boundary of the prefill (`boundaries`, so that
 taking them changes no logits beyond what any segmentation does): one token short of the
@@ -49,12 +50,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..engine.phases import Turn
+from ..engine.session import segment_cuts
 from ..engine.spec_draws import PositionUniforms
 from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
 from ..run.runtime import Runtime
 from ..text.sampler import SamplingParams
-from .batching import Batch, Coroutine, Step, choices, rows_that_fit
+from .batching import Batch, Coroutine, Prompt, Step, choices, rows_that_fit
 from .cache import DiskCache, StateCache
 from .decoding import Controls, Picker
 from .grammar import Grammars
@@ -63,6 +65,11 @@ from .reply import Outcome, ReplyStream
 from .stats import LiveStats, RequestStats
 
 Log = Callable[[str], None]
+
+
+# seconds a batching server that was idle waits, after a request, for others sent at the same time
+# (parsed and queued one after another by the server's handlers: a few ms apart)
+GATHER = 0.02
 
 
 class Cancelled(Exception):
@@ -240,12 +247,19 @@ class Worker:
     # ---- the engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
         """Take requests while the batch has room (waiting for one only when nothing runs), then
-        run one decode pass of the batch; a new request's prefill runs when it is taken, one
-        decode pass of the others after each of its segments (`_serve`'s progress)."""
+        run one pass of the batch (its prompts' next segments and its decode steps). A request
+        taken while nothing ran waits `GATHER` seconds for others sent with it (each one arriving
+        waits as long again, up to --max-batch), so that prompts sent together are read together;
+        while requests run, a new one joins at the next pass without waiting."""
         while True:
+            gathering = False
             while self.places < self.max_batch:
                 try:
-                    job = self.jobs.get(block=not self.batch.rows)
+                    if gathering:
+                        job = self.jobs.get(timeout=GATHER)
+                    else:
+                        gathering = self.batched and not self.batch.rows
+                        job = self.jobs.get(block=not self.batch.rows)
                 except queue.Empty:
                     break
                 if job is None:
@@ -343,7 +357,7 @@ class Worker:
                 kept.append((ids[: cached + done], session.snapshot()))
             job.emit("sample", self.stats.prefilled(live, cached + done, len(ids)))
             job.emit("progress", (cached + done, len(ids)))
-            if cached + done < len(ids):
+            if cached + done < len(ids) and not together:
                 self.batch.step()  # the others' next tokens between two segments of this prompt
 
         pick = self._picker(job, 0)
@@ -359,11 +373,22 @@ class Worker:
         fed = images.real(new) if images is not None else new
         # a batching server drafts for a request taken while no other is in flight (`_SoloDrafts`)
         solo = self.batched and self._alone() and rt.speculator.resolve(job.speculate) != "off"
-        steps = rt.generate(
-            session, fed, job.max_tokens, pick, (job.reply.eos,), progress=progress, on_layer=layer_done,
-            boundaries=boundaries, spans=spans, batched=self.batched and not solo, speculate=job.speculate,
-            uniforms=pick.rng,
-        )  # fmt: skip
+        # batched, the prompt's segments go in the batch's passes, beside the others' segments and
+        # decode steps (`_read_prompt`); a prompt with images is read in passes of its own
+        together = self.batched and not solo and images is None and len(fed) > 0
+        if together:
+            t_read = time.perf_counter()
+            last = yield from self._read_prompt(session, fed, boundaries, progress)
+            steps = rt.generate(
+                session, fed, job.max_tokens, pick, (job.reply.eos,), logits=last, batched=True,
+                speculate=job.speculate, uniforms=pick.rng, prompt_read=t_read,
+            )  # fmt: skip
+        else:
+            steps = rt.generate(
+                session, fed, job.max_tokens, pick, (job.reply.eos,), progress=progress, on_layer=layer_done,
+                boundaries=boundaries, spans=spans, batched=self.batched and not solo, speculate=job.speculate,
+                uniforms=pick.rng,
+            )  # fmt: skip
         if solo:
             steps = _SoloDrafts(steps, lambda tok, n: rt.generate(
                 session, [tok], job.max_tokens - n, pick, (job.reply.eos,), batched=True, speculate="off",
@@ -397,6 +422,24 @@ class Worker:
         self._live.discard(id(job))  # answered, though the kept states are still to be written
         job.emit("done", outcomes)
         self._keep(kept)  # after "done": the client does not wait for the disk
+
+    def _read_prompt(
+        self, session, ids: Sequence[int], boundaries: Sequence[int], progress: Callable[[int, int], None]
+    ) -> Generator[Prompt, tuple | None, np.ndarray]:
+        """The prompt `ids` fed to `session` in the segments its own prefill would cut (`segment_cuts`:
+        the plan's segment and `boundaries`, the states kept), each yielded as a `Prompt` and read in
+        the batch's next pass beside the others' (`Batch.step`); `progress(done, total)` after each
+        (it raises `Cancelled` once the client has gone). Returns the prompt's last logits."""
+        cuts = segment_cuts(len(ids), session.segment, boundaries)
+        arr = np.asarray(ids, dtype=np.int64)
+        last = None
+        for a, b in zip([0, *cuts[:-1]], cuts, strict=True):
+            got = yield Prompt(session, arr[a:b], b == len(ids))
+            if got is None:  # dropped: the client went away while it waited
+                raise Cancelled
+            last = got[0]
+            progress(b, len(ids))
+        return last
 
     def _claim(self) -> bool:
         """Whether the batch has a place for one more row (a request's next choice), taking it if so."""
