@@ -16,8 +16,9 @@ whose plain pass is off's).
   (after a rejection at a, the a + 1 kept tokens are fed again at the start of the next pass)
   tokens(k) = 1 + sum_{j=1..k} prod_{i<j} alpha_i
 and it drafts the k in 0..kmax with the most tokens per second, tokens(k) / cost(k).
-- t(n): the measured seconds of main-model passes of n tokens (a decaying mean per n); an n not
-  yet measured is predicted from t(1) plus a per-extra-token slope: the slope measured by the
+- t(n): the measured seconds of main-model passes of n tokens (a decaying mean per n, drawn
+  towards the line below while it has few timings); an n not yet measured is predicted from
+  t(1) plus a per-extra-token slope: the slope measured by the
   multi-token passes so far, else a prior from what a one-token pass reads: every extra token
   may route to experts no other token of the pass uses, so it costs up to the bytes a one-token
   step reads (its misses) at the measured read rate, plus a share of its compute.
@@ -57,6 +58,7 @@ MIN_GAIN = 0.1  # an episode watches on only while drafting could be this much f
 PROBE_FIRST, PROBE_MOST = 4, 256  # cycles between watch episodes: the first, and the longest back-off
 SHARE = 0.01  # the most auto may lose against off, a share of the decode time it measured
 CEILING = 0.95  # the best acceptance a drafter is credited with when deciding whether to watch at all
+SHRINK = 2.0  # a pass length's own mean counts against this many passes' worth of the fitted line
 COMPUTE_SHARE = 0.25  # prior: an extra token of a pass costs this share of a step's compute
 SPREAD = 1.0  # phantom drafts either way in the acceptance's range
 GO_GAIN = 0.0  # verified drafts start once drafting beats plain steps by this much at the low end
@@ -217,17 +219,22 @@ class AutoDrafts:
         return self.draft_seconds.value if self.draft_seconds.known else DRAFT_PRIOR * self.t(1)
 
     def t(self, n: int) -> float:
-        """Predicted seconds of a main-model pass of n tokens."""
-        m = self.passes.get(n)
-        if m is not None and m.known:
-            return m.value
+        """Predicted seconds of a main-model pass of n tokens: its own mean, drawn towards the line
+        through t(1) with the slope of all multi-token passes (a length timed once or twice on a
+        loaded machine says little: `SHRINK` passes' worth of the line)."""
         t1 = self.passes[1].value
+        if n == 1:
+            return t1
         if self.slope.known:
             slope = self.slope.value
         else:
             reads = self.step_bytes.value / self.read_rate.value if self.read_rate.known else 0.0
             slope = reads + COMPUTE_SHARE * max(0.0, t1 - reads)
-        return t1 + slope * (n - 1)
+        line = t1 + slope * (n - 1)
+        m = self.passes.get(n)
+        if m is None or not m.known:
+            return line
+        return (m.weight * m.value + SHRINK * line) / (m.weight + SHRINK)
 
     def _alphas(self, k: int, confidence: Sequence[float] | None) -> list[float]:
         a = self.alpha
