@@ -34,14 +34,20 @@ It never makes a prompt slower than `off` beyond noise:
   main model picks anyway (the same test a verification applies: a greedy or seeded pick does
   not depend on the drafts). A watch costs one drafter run and no pass; a verified probe cost a
   drafter run, a longer pass and a re-fed token, two to three steps when experts stream.
-- A watch episode starts with one draft; while every draft of a watch is right the next cycle
-  watches twice as many (up to a block); it ends when drafting pays (verified drafts from the
-  next cycle) or a draft is wrong (then the next episode waits twice as many cycles, 4 .. 256).
+- An episode starts with a watch of one draft; while every draft of a watch is right the next
+  cycle watches twice as many (up to a block), else as many. After each watch: verified drafts
+  from the next cycle where drafting pays even at the low end of the acceptance (`SPREAD`
+  phantom rejections added to the counts); the episode ends where even the high end (phantom
+  acceptances) would not beat plain steps by `MIN_GAIN`, or after `MOST_WATCHES` watches, and the
+  next one then waits twice as many plain cycles (4 .. 256; 4 again after an episode that paid).
+  While drafting, a run of rejections that makes k = 0 best goes back to watching (cheap) as
+  long as the high end could still pay.
 - It keeps a ledger against `off`: every cycle that drafted, watched or re-fed carried tokens
-  adds its seconds less t(1) per token it picked (re-fed tokens are charged, not credited again). A new episode starts only while the
-  ledger is within `SHARE` of the decode time measured (so the first is free), and verified
-  drafting stops once the ledger has grown by more than `GRACE` steps and SHARE of the time since
-  it started (the model of the costs can be wrong; the ledger is what it cost).
+  adds its seconds less t(1) per token it picked (re-fed tokens are charged, not credited
+  again; credit is kept down to -SHARE of the time). A new episode starts only while the ledger
+  is within `SHARE` of the decode time measured (so the first is free), and an episode ends once
+  the ledger has grown by more than `GRACE` steps and SHARE of the time since it started (the
+  model of the costs can be wrong; the ledger is what it cost).
 - No episode starts where drafting would not pay even at an acceptance of `CEILING` with the
   costs measured (a budget where a verification's union of experts reads too much).
 """
@@ -61,7 +67,6 @@ CEILING = 0.95  # the best acceptance a drafter is credited with when deciding w
 SHRINK = 2.0  # a pass length's own mean counts against this many passes' worth of the fitted line
 COMPUTE_SHARE = 0.25  # prior: an extra token of a pass costs this share of a step's compute
 SPREAD = 1.0  # phantom drafts either way in the acceptance's range
-GO_GAIN = 0.0  # verified drafts start once drafting beats plain steps by this much at the low end
 MOST_WATCHES = 5  # an episode that has not decided after this many watches ends
 GRACE = 8.0  # one-token steps verified drafting may lose before the ledger stops it
 DRAFT_PRIOR = 0.5  # prior: a drafter run costs this share of a one-token pass (before one is timed)
@@ -172,7 +177,7 @@ class AutoDrafts:
             return
         self.watches += 1
         low, high = self._range()
-        if self._could_pay(low, GO_GAIN):  # pays even at the low end: verify drafts
+        if self._could_pay(low, 0.0):  # pays even at the low end: verify drafts
             self.watching, self.drafting = 0, True
         elif not self._could_pay(high, MIN_GAIN) or self.watches >= MOST_WATCHES or self.ledger > self.bound:
             self._close(paid=False)  # could not pay enough even at the high end (or never made up its mind)
