@@ -18,9 +18,13 @@ excluded) to the last (every drafter run, verification pass, re-feed and pick). 
 tokens/s against `off` at the same budget in the same process (`x_off`; off runs once first to warm
 the kernels and the cache, untimed), and against the row's own estimate of its time without drafts
 (`x_est` = tokens x the one-token passes it measured / its decode time: on a shared machine whose
-load moves between rows, the steadier of the two). Also per row: acceptance,
-mean accepted length (tokens per verification pass), drafted and verified tokens, expert MB read
-per token, auto's draft lengths ({k: cycles}) and its time estimate without drafts.
+load moves between rows, the steadier of the two), and `x_off_cpu`: off's process CPU seconds over
+the row's for the same tokens (the decode's CPU time, which other processes' load moves less than
+wall time; it leaves out the time waiting on reads, so streaming it says less than `x_off`).
+Also per row: acceptance, mean accepted length (tokens per verification pass), drafted and
+verified tokens, expert MB read per token, auto's draft lengths ({k: cycles}), its time estimate
+without drafts, and its watches (drafter runs whose drafts were only compared with the picks:
+`watches=N(right/drafted_right)`).
 `--repeat R` runs off and the settings R times in turn (each row's x_off against the off run just
 before it); `--no-stand-in` skips the stand-in rows; `--numerics` (default fast, as `dsv4 run`;
 an engine opened without one runs V4.1's official grids). Prints a header (machine, load,
@@ -80,19 +84,20 @@ def main() -> None:
     }
     prompt = [3 + i for i in range(a.prompt)]
 
-    def timed(gen) -> tuple[list[int], float]:
-        ids, t_first = [], 0.0
+    def timed(gen) -> tuple[list[int], float, float]:
+        ids, t_first, c_first = [], 0.0, 0.0
         for tok in gen:
             if not ids:
-                t_first = time.perf_counter()
+                t_first, c_first = time.perf_counter(), time.process_time()
             ids.append(tok)
-        return ids, time.perf_counter() - t_first
+        return ids, time.perf_counter() - t_first, time.process_time() - c_first
 
     for where in a.budgets.split(","):
         opts = RunOptions(budget=budgets[where], threads=a.threads, trunk="", numerics=numerics)
         with Runtime.open(a.checkpoint, opts) as rt:
 
-            def row(drafter: str, setting, ids, seconds, spec, base, where=where) -> None:
+            def row(drafter: str, setting, ids, timing, spec, base, where=where) -> None:
+                seconds, cpu = timing[1], timing[2]
                 rate = (len(ids) - 1) / seconds
                 same = "same-ids"
                 if ids != base[0]:
@@ -100,6 +105,7 @@ def main() -> None:
                     same = f"IDS-DIFFER(at {at})"
                     differ.append(f"{where}/{drafter}/{setting}")
                 x = rate / base[1] if base[1] else 1.0
+                x_cpu = base[2] / cpu if cpu else 1.0
                 s = spec or None
                 extra = ""
                 if s is not None and s.seconds_without:
@@ -111,26 +117,29 @@ def main() -> None:
                         f" verified={s.verified_tokens} refeeds={s.refeeds} MB_per_tok={s.expert_bytes_per_token / 1e6:.2f}"
                         f" est_without_s={s.seconds_without:.2f} lengths={{{lengths}}}"
                     )
+                    if s.watches:
+                        extra += f" watches={s.watches}({s.watch_accepted}/{s.watch_drafted}_right)"
                 line = (
                     f"budget={where}({budgets[where] / 1e9:.2f}GB) drafter={drafter} speculate={setting}"
-                    f" tok_s={rate:.2f} x_off={x:.2f} decode_s={seconds:.2f} {same}{extra}"
+                    f" tok_s={rate:.2f} x_off={x:.2f} x_off_cpu={x_cpu:.2f} decode_s={seconds:.2f} cpu_s={cpu:.2f} {same}{extra}"
                 )
                 print(line, flush=True)
 
             list(rt.generate(rt.session(), prompt, a.gen, speculate="off"))  # warm-up, untimed
             for r in range(a.repeat):  # x_off: against the off run just before (the load moves)
                 s0 = rt.session()
-                ids0, t_off = timed(rt.generate(s0, prompt, a.gen, speculate="off"))
+                t_off = timed(rt.generate(s0, prompt, a.gen, speculate="off"))
+                ids0 = t_off[0]
                 if r == 0:
                     off = ids0
-                base = (off, (len(ids0) - 1) / t_off)
+                base = (off, (len(ids0) - 1) / t_off[1], t_off[2])
                 row("dspark", "off", ids0, t_off, None, base)
                 for setting in a.settings.split(","):
                     if setting == "off":
                         continue
                     s = rt.session()
-                    ids, sec = timed(rt.generate(s, prompt, a.gen, speculate=setting))
-                    row("dspark", setting, ids, sec, s.turn.speculation, base)
+                    got = timed(rt.generate(s, prompt, a.gen, speculate=setting))
+                    row("dspark", setting, got[0], got, s.turn.speculation, base)
             full = [*prompt, *off]
             for miss in () if a.no_stand_in else MISSES:
                 for setting in ("auto", 3):
@@ -146,8 +155,8 @@ def main() -> None:
                         s, prompt, a.gen, greedy, ScriptedDrafter(propose, cfg.dspark.block_size), policy,
                         setting=setting, max_pos=opts.ctx,
                     )  # fmt: skip
-                    ids, sec = timed(gen)
-                    row(f"STAND-IN-p{round(100 * (1 - miss))}", setting, ids, sec, s.turn.speculation, base)
+                    got = timed(gen)
+                    row(f"STAND-IN-p{round(100 * (1 - miss))}", setting, got[0], got, s.turn.speculation, base)
     if differ:
         print(f"# IDS-DIFFER: {len(differ)} row(s) gave other greedy ids than off: {', '.join(differ)}", flush=True)
         raise SystemExit(1)

@@ -82,6 +82,20 @@ def test_auto_greedy_equals_off() -> None:
     assert ids == off("fp32")
 
 
+def test_auto_watches_instead_of_verifying_drafts_that_are_never_right() -> None:
+    """A drafter that is never right: auto learns it from watches (drafts compared with the picks,
+    never fed) and verifies no draft at all, so no pass is longer than off's; a drafter that is
+    always right: its watches are all right and it verifies drafts."""
+    ids, st = speculative_greedy(engine("fp32"), prompt(), N, 5, propose=stand_in(1.0, 0), policy=AutoDrafts(5))
+    assert ids == off("fp32")
+    assert st.watches >= 1 and st.watch_accepted == 0 and st.watch_drafted >= 1
+    assert st.drafted == 0 and st.verify_passes == 0 and st.refeeds == 0 and st.steps == N - 1
+    ids, st = speculative_greedy(engine("fp32"), prompt(), N, 5, propose=stand_in(0.0, 0), policy=AutoDrafts(5))
+    assert ids == off("fp32")
+    assert st.watches >= 1 and st.watch_accepted == st.watch_drafted
+    assert st.accepted > 0
+
+
 def test_draft_length_is_checked() -> None:
     for k in (0, 6):
         with pytest.raises(UsageError):

@@ -1,30 +1,55 @@
 """How many tokens to draft before each verification pass: a fixed N, or `auto` from measured costs.
 
-Owns: `FixedDrafts` (`--speculate N`) and `AutoDrafts` (`--speculate auto`), both asked twice per
-cycle by `engine.speculate`: `most(kmax)` before the drafter runs (0: do not even run it) and
-`cut(confidence, kmax)` once its per-slot confidence is known; told what happened by
-`passed(n, seconds, bytes)` (a main-model pass of n tokens), `drafted(seconds)` and
-`verified(k, accepted)`.
+Owns: `FixedDrafts` (`--speculate N`) and `AutoDrafts` (`--speculate auto`), asked by
+`engine.speculate` each cycle: `most(kmax)` before the drafter runs (0: no verified draft),
+`cut(confidence, kmax)` once its per-slot confidence is known, and, where `most` gave 0,
+`watch(kmax)`: how many drafts to propose only to compare with the tokens the main model picks
+next (a watch: no pass feeds them). Told what happened by `passed(n, seconds, bytes,
+read_seconds)` (a main-model pass of n tokens), `drafted(seconds)` (a drafter run),
+`verified(k, accepted, confidence)` (a verification pass), `watched(k, accepted, confidence)`
+(a watch, once its drafts are compared) and `settled(seconds, tokens)` (what a cycle that drafted,
+watched or fed carried tokens spent, and the tokens it picked: 0 for a watch's drafter run,
+whose plain pass is off's).
 
 `auto`'s model of one cycle that drafts k tokens (k = 0: a plain one-token step):
   cost(k)   = t_draft + t(k + 1) + sum_{a<k} P(first reject at a) * (t(a + 2) - t(1))
   (after a rejection at a, the a + 1 kept tokens are fed again at the start of the next pass)
   tokens(k) = 1 + sum_{j=1..k} prod_{i<j} alpha_i
 and it drafts the k in 0..kmax with the most tokens per second, tokens(k) / cost(k).
-- t(n): the measured seconds of main-model passes of n tokens (a decaying mean per n); an n not
-  yet measured is predicted from t(1) plus a per-extra-token slope: the slope measured by the
+- t(n): the measured seconds of main-model passes of n tokens (a decaying mean per n, drawn
+  towards the line below while it has few timings); an n not yet measured is predicted from
+  t(1) plus a per-extra-token slope: the slope measured by the
   multi-token passes so far, else a prior from what a one-token pass reads: every extra token
   may route to experts no other token of the pass uses, so it costs up to the bytes a one-token
   step reads (its misses) at the measured read rate, plus a share of its compute.
   While drafting pays, a draft one token longer than the best is tried once for each pass length
   not yet measured (predictions from shorter passes overestimate longer ones).
-- alpha_i: the acceptance of recent drafts (decaying counts of accepted drafts and first
-  rejections: the geometric model's estimate), scaled per slot by the drafter's confidence head
-  (sigmoid of its raw output) relative to the confidence of recent drafts.
-It never makes a prompt slower than `off` beyond noise: it starts with plain steps (measuring
-t(1); its prior acceptance is 0), drafts once `PROBE_FIRST` of them have passed (a one-token
-probe), falls back to k = 0 whenever drafting does not pay, and then re-probes with one short
-draft only every `probe` cycles, the interval doubling each time the probe did not pay (8 .. 256).
+- alpha_i: the acceptance of recent drafts, verified or watched (decaying counts of accepted
+  drafts and first rejections: the geometric model's estimate), scaled per slot by the drafter's
+  confidence head (sigmoid of its raw output) relative to the confidence of recent drafts.
+
+It never makes a prompt slower than `off` beyond noise:
+- It starts with plain steps (its prior acceptance is 0) and learns the acceptance by watching:
+  the drafter proposes, nothing is verified, and its drafts are compared with the tokens the
+  main model picks anyway (the same test a verification applies: a greedy or seeded pick does
+  not depend on the drafts). A watch costs one drafter run and no pass; a verified probe cost a
+  drafter run, a longer pass and a re-fed token, two to three steps when experts stream.
+- An episode starts with a watch of one draft; while every draft of a watch is right the next
+  cycle watches twice as many (up to a block), else as many. After each watch: verified drafts
+  from the next cycle where drafting pays even at the low end of the acceptance (`SPREAD`
+  phantom rejections added to the counts); the episode ends where even the high end (phantom
+  acceptances) would not beat plain steps by `MIN_GAIN`, or after `MOST_WATCHES` watches, and the
+  next one then waits twice as many plain cycles (4 .. 256; 4 again after an episode that paid).
+  While drafting, a run of rejections that makes k = 0 best goes back to watching (cheap) as
+  long as the high end could still pay.
+- It keeps a ledger against `off`: every cycle that drafted, watched or re-fed carried tokens
+  adds its seconds less t(1) per token it picked (re-fed tokens are charged, not credited
+  again; credit is kept down to -SHARE of the time). A new episode starts only while the ledger
+  is within `SHARE` of the decode time measured (so the first is free), and an episode ends once
+  the ledger has grown by more than `GRACE` steps and SHARE of the time since it started (the
+  model of the costs can be wrong; the ledger is what it cost).
+- No episode starts where drafting would not pay even at an acceptance of `CEILING` with the
+  costs measured (a budget where a verification's union of experts reads too much).
 """
 
 from __future__ import annotations
@@ -33,9 +58,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-DECAY = 0.9  # per observation: recent drafts and passes weigh most
-PROBE_FIRST, PROBE_MOST = 8, 256
+DECAY = 0.9  # per pass or drafter run timed: recent costs weigh most
+COUNT_DECAY = 0.97  # per draft counted: the acceptance moves slowly, its estimate weighs ~30 drafts
+MIN_GAIN = 0.1  # an episode watches on only while drafting could be this much faster than plain steps
+PROBE_FIRST, PROBE_MOST = 4, 256  # cycles between watch episodes: the first, and the longest back-off
+SHARE = 0.01  # the most auto may lose against off, a share of the decode time it measured
+CEILING = 0.95  # the best acceptance a drafter is credited with when deciding whether to watch at all
+SHRINK = 2.0  # a pass length's own mean counts against this many passes' worth of the fitted line
 COMPUTE_SHARE = 0.25  # prior: an extra token of a pass costs this share of a step's compute
+SPREAD = 1.0  # phantom drafts either way in the acceptance's range
+MOST_WATCHES = 5  # an episode that has not decided after this many watches ends
+GRACE = 8.0  # one-token steps verified drafting may lose before the ledger stops it
+DRAFT_PRIOR = 0.5  # prior: a drafter run costs this share of a one-token pass (before one is timed)
 
 
 class FixedDrafts:
@@ -55,6 +89,9 @@ class FixedDrafts:
     def cut(self, confidence: Sequence[float], kmax: int) -> int:
         return min(self.n, kmax)
 
+    def watch(self, kmax: int) -> int:
+        return 0
+
     def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
         pass
 
@@ -62,6 +99,12 @@ class FixedDrafts:
         pass
 
     def verified(self, k: int, accepted: int, confidence: Sequence[float]) -> None:
+        pass
+
+    def watched(self, k: int, accepted: int, confidence: Sequence[float]) -> None:
+        pass
+
+    def settled(self, seconds: float, tokens: int) -> None:
         pass
 
 
@@ -91,18 +134,22 @@ class AutoDrafts:
     step_bytes: _Mean = field(default_factory=_Mean)  # expert bytes a one-token pass reads
     read_rate: _Mean = field(default_factory=_Mean)  # bytes per second of read time
     slope: _Mean = field(default_factory=_Mean)  # seconds per extra token of a pass, measured
-    # decaying counts; the prior: one rejection, alpha = 0, so it drafts nothing before the first
-    # probe (PROBE_FIRST plain steps: a short reply runs exactly as off)
+    # decaying counts (none before the first watch: alpha 0, and its range 0 .. 1)
     accepted: float = 0.0
-    rejected: float = 1.0
+    rejected: float = 0.0
     conf_mean: _Mean = field(default_factory=_Mean)
-    idle: int = 0  # cycles since the last draft
-    probe: int = PROBE_FIRST
-    probing: bool = False
-    decisions: list[int] = field(default_factory=list)  # k of each cycle (the report's histogram)
+    elapsed: float = 0.0  # decode seconds measured: every pass and drafter run
+    ledger: float = 0.0  # seconds lost against off by the cycles that drafted, watched or carried
+    idle: int = 0  # plain cycles since the last episode ended
+    wait: int = PROBE_FIRST  # plain cycles before the next episode
+    watching: int = 0  # drafts of the current episode's next watch (0: no episode)
+    drafting: bool = False  # verified drafts while they pay
+    opened_at: tuple[float, float] = (0.0, 0.0)  # the ledger and the time measured when the episode started
+    watches: int = 0  # watches of the current episode so far
 
     # ---- what it measured -------------------------------------------------------------------
     def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
+        self.elapsed += seconds
         self.passes.setdefault(n, _Mean()).add(seconds)
         if n == 1:
             self.step_bytes.add(read_bytes)
@@ -112,34 +159,87 @@ class AutoDrafts:
             self.read_rate.add(read_bytes / read_seconds)
 
     def drafted(self, seconds: float) -> None:
+        self.elapsed += seconds
         self.draft_seconds.add(seconds)
 
+    def settled(self, seconds: float, tokens: int) -> None:
+        if self._t1_known:
+            # credit from drafts that paid is kept up to the bound's share: a run that gained
+            # early does not buy unbounded watching later
+            self.ledger = max(-SHARE * self.elapsed, self.ledger + seconds - tokens * self.t(1))
+
     def verified(self, k: int, accepted: int, confidence: Sequence[float]) -> None:
-        self.accepted = self.accepted * DECAY**k + accepted
-        self.rejected = self.rejected * DECAY**k + (1 if accepted < k else 0)
+        self._count(k, accepted, confidence)
+
+    def watched(self, k: int, accepted: int, confidence: Sequence[float]) -> None:
+        self._count(k, accepted, confidence)
+        if not self.watching:  # (an episode closed meanwhile)
+            return
+        self.watches += 1
+        low, high = self._range()
+        if self._could_pay(low, 0.0):  # pays even at the low end: verify drafts
+            self.watching, self.drafting = 0, True
+        elif not self._could_pay(high, MIN_GAIN) or self.watches >= MOST_WATCHES or self.ledger > self.bound:
+            self._close(paid=False)  # could not pay enough even at the high end (or never made up its mind)
+        elif accepted == k:
+            self.watching = min(self.block, 2 * k)  # every draft right: watch more next cycle
+
+    def _count(self, k: int, accepted: int, confidence: Sequence[float]) -> None:
+        self.accepted = self.accepted * COUNT_DECAY**k + accepted
+        self.rejected = self.rejected * COUNT_DECAY**k + (1 if accepted < k else 0)
         for c in confidence[:k]:
             self.conf_mean.add(_sigmoid(c))
-        if self.probing:  # did the probe pay? back off the next probe if not
-            self.probe = PROBE_FIRST if self._best(self.block, None)[0] > 0 else min(PROBE_MOST, self.probe * 2)
-            self.probing = False
+
+    def _close(self, paid: bool) -> None:
+        """End the episode: the next one waits PROBE_FIRST cycles after an episode that paid for
+        itself (the ledger went down), twice the last wait otherwise."""
+        self.watching, self.drafting, self.idle, self.watches = 0, False, 0, 0
+        self.wait = PROBE_FIRST if paid else min(PROBE_MOST, 2 * self.wait)
 
     # ---- decisions ----------------------------------------------------------------------------
     @property
+    def _t1_known(self) -> bool:
+        return self.passes.get(1, _Mean()).known
+
+    @property
     def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+        n = self.accepted + self.rejected
+        return self.accepted / n if n else 0.0
+
+    def _range(self) -> tuple[float, float]:
+        """The acceptance's low and high ends: `SPREAD` more rejections, or acceptances, than
+        counted (a handful of watched drafts says little; the decaying counts weigh about 30)."""
+        n = self.accepted + self.rejected + SPREAD
+        return self.accepted / n, (self.accepted + SPREAD) / n
+
+    @property
+    def bound(self) -> float:
+        """How far the ledger may go in an episode: where it stood when the episode started, plus
+        SHARE of the time since and `GRACE` one-token steps (a few rejections in a row are the
+        acceptance's own spread, not a wrong model)."""
+        ledger, elapsed = self.opened_at
+        return ledger + SHARE * (self.elapsed - elapsed) + GRACE * self.t(1)
+
+    def _draft_cost(self) -> float:
+        return self.draft_seconds.value if self.draft_seconds.known else DRAFT_PRIOR * self.t(1)
 
     def t(self, n: int) -> float:
-        """Predicted seconds of a main-model pass of n tokens."""
-        m = self.passes.get(n)
-        if m is not None and m.known:
-            return m.value
+        """Predicted seconds of a main-model pass of n tokens: its own mean, drawn towards the line
+        through t(1) with the slope of all multi-token passes (a length timed once or twice on a
+        loaded machine says little: `SHRINK` passes' worth of the line)."""
         t1 = self.passes[1].value
+        if n == 1:
+            return t1
         if self.slope.known:
             slope = self.slope.value
         else:
             reads = self.step_bytes.value / self.read_rate.value if self.read_rate.known else 0.0
             slope = reads + COMPUTE_SHARE * max(0.0, t1 - reads)
-        return t1 + slope * (n - 1)
+        line = t1 + slope * (n - 1)
+        m = self.passes.get(n)
+        if m is None or not m.known:
+            return line
+        return (m.weight * m.value + SHRINK * line) / (m.weight + SHRINK)
 
     def _alphas(self, k: int, confidence: Sequence[float] | None) -> list[float]:
         a = self.alpha
@@ -147,13 +247,10 @@ class AutoDrafts:
             return [a] * k
         return [min(0.99, a * _sigmoid(c) / self.conf_mean.value) for c in confidence[:k]]
 
-    def _best(self, kmax: int, confidence: Sequence[float] | None) -> tuple[int, float]:
-        """(k, tokens per second) of the best draft length in 0..kmax."""
-        if not self.passes.get(1, _Mean()).known:
-            return 0, 0.0
+    def _best(self, kmax: int, alphas: Sequence[float]) -> tuple[int, float]:
+        """(k, tokens per second) of the best draft length in 0..kmax, slot j accepted with alphas[j]."""
         best, rate = 0, 1.0 / max(self.t(1), 1e-9)
-        alphas = self._alphas(kmax, confidence)
-        draft = self.draft_seconds.value if self.draft_seconds.known else self.t(1) * 0.1
+        draft = self._draft_cost()
         for k in range(1, kmax + 1):
             tokens, reach, refeed = 1.0, 1.0, 0.0
             for j in range(k):  # reach: P(drafts 0..j-1 all accepted)
@@ -166,18 +263,41 @@ class AutoDrafts:
                 best, rate = k, r
         return best, rate
 
+    def _could_pay(self, alpha: float, gain: float) -> bool:
+        """Drafting a block at acceptance alpha beats plain steps by more than `gain`."""
+        return self._best(self.block, [alpha] * self.block)[1] * self.t(1) > 1.0 + gain
+
     def most(self, kmax: int) -> int:
-        if kmax <= 0:
+        if kmax <= 0 or not self._t1_known:
             return 0
-        k = self._best(kmax, None)[0]
-        if k == 0 and self.passes.get(1, _Mean()).known:
+        if self.drafting:
+            k = self._best(kmax, self._alphas(kmax, None))[0]
+            if k and self.ledger <= self.bound:
+                return self._explore(k, kmax)
+            if self.ledger <= self.bound and self._could_pay(self._range()[1], 0.0):
+                # rejections in a row: watch again, cheaply, until the acceptance says which
+                self.drafting, self.watching, self.watches = False, self.block, 0
+            else:  # drafting cannot pay, or lost more than the model said (the model is wrong here)
+                self._close(paid=self.ledger < self.opened_at[0])
+            return 0
+        if not self.watching:
             self.idle += 1
-            if self.idle >= self.probe:  # re-probe: one short draft refreshes alpha and the costs
-                self.idle, self.probing = 0, True
-                return 1
-        if k:
+        return 0
+
+    def watch(self, kmax: int) -> int:
+        """Drafts to watch this cycle (most gave 0): the current episode's next watch, or the first
+        of a new episode once it is due, affordable and could pay."""
+        if kmax <= 0 or not self._t1_known:
+            return 0
+        if self.watching:
+            return min(self.watching, kmax)
+        if self.idle < self.wait or self.ledger > SHARE * self.elapsed:
+            return 0
+        if not self._could_pay(CEILING, MIN_GAIN):  # not even a drafter right almost always
             self.idle = 0
-        return self._explore(k, kmax)
+            return 0
+        self.watching, self.opened_at = 1, (self.ledger, self.elapsed)
+        return 1
 
     def _explore(self, k: int, kmax: int) -> int:
         """k, or k + 1 while drafting pays and a pass of k + 2 tokens was never timed: a pass's cost
@@ -188,9 +308,7 @@ class AutoDrafts:
         return k
 
     def cut(self, confidence: Sequence[float], kmax: int) -> int:
-        if self.probing:
-            return min(1, kmax)
-        return self._explore(self._best(kmax, confidence)[0], kmax)
+        return self._explore(self._best(kmax, self._alphas(kmax, confidence))[0], kmax)
 
 
 def _sigmoid(x: float) -> float:

@@ -2,7 +2,8 @@
 
 Owns: `SpecCounts` (one `Session.generate`-like call of `engine.speculate`; kept on its `Turn`)
 and `SpecCounts.total` (a run's calls summed). Counts: drafted and accepted tokens, the tokens
-fed in verification passes and in re-feeds after a rejection, the expert bytes read while
+fed in verification passes and in re-feeds after a rejection, `auto`'s watches (drafts only
+compared with the picks, `engine.spec_policy`), the expert bytes read while
 decoding, and the time with drafts next to the estimated time without them (tokens picked x the
 mean measured one-token pass: what `off` would have spent on the same passes).
 """
@@ -31,6 +32,10 @@ class SpecCounts:
     ones: int = 0  # ... and their count: the estimate of the time without drafts
     expert_bytes: int = 0  # read from disk while decoding
     lengths: Counter[int] = field(default_factory=Counter)  # draft length -> cycles
+    # auto's watches: drafter runs whose drafts were only compared with the next picks, never fed
+    watches: int = 0
+    watch_drafted: int = 0
+    watch_accepted: int = 0  # right before the first wrong one
 
     @property
     def acceptance(self) -> float:
@@ -63,6 +68,7 @@ class SpecCounts:
             for name in (
                 "cycles", "verify_passes", "drafted", "accepted", "verified_tokens", "refeeds", "refeed_tokens",
                 "tokens", "seconds", "draft_seconds", "steps", "one_seconds", "ones", "expert_bytes",
+                "watches", "watch_drafted", "watch_accepted",
             ):  # fmt: skip
                 setattr(out, name, getattr(out, name) + getattr(p, name))
             out.lengths.update(p.lengths)
@@ -87,6 +93,9 @@ class SpecCounts:
             "draft_seconds": self.draft_seconds,
             "one_token_pass_seconds": self.one_token_seconds,
             "draft_lengths": {str(k): v for k, v in sorted(self.lengths.items())},
+            "watches": self.watches,
+            "watch_drafted_tokens": self.watch_drafted,
+            "watch_accepted_tokens": self.watch_accepted,
         }
 
     def lines(self) -> list[str]:
@@ -94,11 +103,16 @@ class SpecCounts:
             return [f"speculate {self.setting}: no token after the first"]
         lengths = ", ".join(f"{k}: {v}" for k, v in sorted(self.lengths.items()))
         without = f"{self.seconds_without:.2f} s estimated" if self.ones else "not measured (no one-token pass)"
+        watches = (
+            f", {self.watches} watches ({self.watch_accepted} of {self.watch_drafted} drafts right)"
+            if self.watches
+            else ""
+        )
         return [
             (
                 f"speculate {self.setting}: acceptance {self.acceptance:.0%} ({self.accepted} of {self.drafted} drafts),"
                 f" mean accepted length {self.mean_accepted_length:.2f}, {self.verified_tokens} tokens verified in"
-                f" {self.verify_passes} passes, {self.refeeds} re-feeds ({self.refeed_tokens} tokens)"
+                f" {self.verify_passes} passes, {self.refeeds} re-feeds ({self.refeed_tokens} tokens){watches}"
             ),
             (
                 f"speculate: draft lengths {{{lengths}}}; {self.expert_bytes_per_token / 1e6:.2f} MB of experts read"

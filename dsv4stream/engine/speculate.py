@@ -28,6 +28,12 @@ carries the bits of a one-token pass at its position (the kernels compute a row 
 inputs, and a window is read in position order: `model.cache.WindowCache.with_new`), which
 tests/test_speculate_wide.py checks on a checkpoint wide enough for the fast kernels.
 
+A cycle with k = 0 may carry a watch (`--speculate auto` learning the acceptance cheaply,
+`engine.spec_policy`): the drafter proposes w tokens after t, nothing is fed but t, and the
+drafts are compared with the tokens picked in this and the next cycles (x_j == d_j, the test a
+verification applies; the picks do not depend on drafts, so a watch cannot change an id). The
+policy is told each cycle's cost against `off` (`settled`) for its ledger.
+
 The drafter sees the main model's taps (the V4.1 stack's "input" trace of its target layers) of
 the kept positions only: those of a verification pass's kept prefix (causal: equal to a pass of
 the prefix alone, up to rounding). A session whose drafter state does not end at the position
@@ -92,6 +98,12 @@ class Policy(Protocol):
     def most(self, kmax: int) -> int: ...
 
     def cut(self, confidence: Sequence[float], kmax: int) -> int: ...
+
+    def watch(self, kmax: int) -> int: ...
+
+    def watched(self, k: int, accepted: int, confidence: Sequence[float]) -> None: ...
+
+    def settled(self, seconds: float, tokens: int) -> None: ...
 
     def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None: ...
 
@@ -206,6 +218,7 @@ def speculative_generate(
         done = 1
         stop = _stop(tok in stop_ids, max_pos is not None and session.pos >= max_pos, done == max_new_tokens)
         carry: list[int] = []  # kept tokens not fed yet (after a rejection): they open the next pass
+        watch: _Watch | None = None  # a watch's drafts not all compared yet
         while True:
             if stop is not None:
                 session.stop_reason = stop
@@ -218,13 +231,24 @@ def speculative_generate(
             k = policy.most(max(0, kmax))
             drafts: list[int] = []
             conf: list[float] = []
-            if k > 0:
+            spent = 0.0  # the drafter's seconds this cycle
+            if k == 0 and watch is None and (w := policy.watch(max(0, kmax))) > 0:
+                # a watch: drafts compared with the next picks, never fed (their ids cannot change)
+                watch = _Watch(*drafter.propose(tok, w))
+                spent = time.perf_counter() - c0
+                spec.watches += 1
+                spec.watch_drafted += len(watch.drafts)
+                if not watch.drafts:  # (a stand-in near the end of its script)
+                    watch = None
+            elif k > 0:
                 drafts, conf = drafter.propose(tok, k)
                 spent = time.perf_counter() - c0
+            if spent:
                 policy.drafted(spent)
                 spec.draft_seconds += spent
                 turn.decode_seconds += spent  # decode time is every pass's and the drafter's
                 turn.profile["other"] += spent
+            if k > 0:
                 k = min(policy.cut(conf, k), k)
                 drafts = drafts[:k]
             off = len(carry)
@@ -245,9 +269,9 @@ def speculative_generate(
                 if want != threads:
                     threads = want
                     kernels.set_threads(threads)
-            rows, wall, spent = _pass(session, clock, taps, fed, turn, policy, meter, spec)
+            rows, wall, phases = _pass(session, clock, taps, fed, turn, policy, meter, spec)
             if gov is not None and plain:
-                gov.record(threads, wall - spent["expert_reads"] - spent["trunk_reads"])
+                gov.record(threads, wall - phases["expert_reads"] - phases["trunk_reads"])
             outs: list[int] = []
             t_pick = time.perf_counter()
             for j in range(k + 1):
@@ -273,6 +297,10 @@ def speculative_generate(
             spec.tokens += len(outs)
             spec.refeed_tokens += off
             observe(len(outs), p0, skip=off)  # positions p0.. (tok and the drafts kept)
+            if watch is not None and any(watch.compare(x) for x in outs):
+                policy.watched(len(watch.drafts), watch.right, watch.confidence)
+                spec.watch_accepted += watch.right
+                watch = None
             carry = []
             if off + len(outs) < len(fed):  # a rejection (or a stop inside the pass): back to the kept tokens
                 session.restore(snap)
@@ -282,9 +310,11 @@ def speculative_generate(
                 # fed again now once it is longer than a block, or every rejection in a row
                 # would lengthen the next pass by a token (a pass of 60 tokens after 60)
                 if stop is not None or len(carry) > drafter.block + 1:  # (a stop: the session must hold them now)
-                    _pass(session, clock, taps, carry, turn, policy, meter, spec)
+                    wall += _pass(session, clock, taps, carry, turn, policy, meter, spec)[1]
                     spec.refeed_tokens += len(carry)
                     carry = []
+            if not plain or spent:  # drafted, watched or fed carried tokens: what it cost against off
+                policy.settled(spent + (0.0 if plain else wall), 0 if plain else len(outs))
             turn.tokens.extend(outs)
             turn.decode_steps += len(outs)  # one per token fed: as many as without drafts
             spec.seconds += time.perf_counter() - c0
@@ -305,6 +335,20 @@ def speculative_generate(
         turn.close(session.stop_reason, t0, meter, mark)
         if mark is not None:
             spec.expert_bytes = turn.decode_expert_bytes
+
+
+class _Watch:
+    """A watch's drafts (`spec_policy`): compared one by one with the tokens picked after it."""
+
+    def __init__(self, drafts: list[int], confidence: list[float]) -> None:
+        self.drafts, self.confidence, self.right = drafts, confidence, 0
+
+    def compare(self, picked: int) -> bool:
+        """Count `picked` against the next draft; True once the watch is over (a wrong draft, or all right)."""
+        if picked != self.drafts[self.right]:
+            return True
+        self.right += 1
+        return self.right == len(self.drafts)
 
 
 def _pass(session, clock: StepClock, taps: _Taps, ids: list[int], turn: Turn, policy, meter, spec: SpecCounts):
