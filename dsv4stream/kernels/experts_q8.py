@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from . import jit, q8, simd
 from .numerics import alone_if_small  # the per-expert path's rule: small products stay serial
-from .q8 import _JIT, ROWS, _quantize, _row_scales  # the drivers call them
+from .q8 import _JIT, ROWS, _quantize  # the drivers call them
 
 # numba's cache keys an entry by the function's name, signature and CPU target; the row kernel's
 # code lives in q8.py, so its hash is in the name (jit.cache_stamp also covers every kernel file)
@@ -80,9 +80,7 @@ def _drive_pair(addr, lo, hi, sdt, xg, S, gate, up, qa, bias, da):
         for m in range(2):
             w = numba.carray(_ptr(addr[e, 2 * m], U8_LIKE), (R, C // 2))
             s = numba.carray(_ptr(addr[e, 2 * m + 1], sdt), (R, ng))
-            for r in range(r0, r1):
-                _row_scales(s, r, sw[r - r0])
-            _row_groups(w, r0, r1, sw, qa, bias, da, lo[e], hi[e], gate if m == 0 else up)
+            _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], gate if m == 0 else up)
 
 
 def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
@@ -103,9 +101,7 @@ def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
         for e in range(E):
             w = numba.carray(_ptr(addr[e, 0], U8_LIKE), (D, C // 2))
             s = numba.carray(_ptr(addr[e, 1], sdt), (D, ng))
-            for r in range(r0, r1):
-                _row_scales(s, r, sw[r - r0])
-            _row_groups(w, r0, r1, sw, qa, bias, da, lo[e], hi[e], y)
+            _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], y)
         for t in range(T):
             for r in range(r0, r1):
                 acc = np.float32(0.0)
@@ -217,7 +213,7 @@ def down_sum(variant: str, h: np.ndarray, rt: Routing, w2s) -> np.ndarray:
 
 
 def _scratch(p: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return np.empty((p, c), np.int8), np.empty((p, c // q8.GROUP), np.int32), np.empty((p, c // q8.GROUP), np.float32)
+    return q8.scratch(p, c)
 
 
 # ---------------------------------------------------------------- a layer, group by group ---
