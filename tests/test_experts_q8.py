@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numba
@@ -166,7 +167,7 @@ def test_moe_runs_a_layer_in_two_driver_calls_with_the_separate_products_bits(fa
     experts[0] = [0, 3, 4]  # token 0 alone: k distinct experts (a decode step's layer)
     layers = []
     real = moe.q8_layer
-    monkeypatch.setattr(moe, "q8_layer", lambda *a: layers.append(real(*a)) or layers[-1])
+    monkeypatch.setattr(moe, "q8_layer", lambda *a, **k: layers.append(real(*a, **k)) or layers[-1])
     together = moe.GroupedSource(lambda ids: iter([[(int(e), table[int(e)]) for e in ids[::-1]]]))
     fused = moe.routed_experts(x, experts, weights, together, LIMIT)
     solo = moe.routed_experts(x[:1], experts[:1], weights[:1], together, LIMIT)
@@ -200,6 +201,46 @@ def test_an_expert_the_drivers_do_not_take_joins_the_layer_with_its_own_products
     mixed = moe.routed_experts(x, experts, weights, together, LIMIT)
     monkeypatch.setattr(experts_q8, "variant_of", lambda *a: None)
     np.testing.assert_array_equal(mixed, moe.routed_experts(x, experts, weights, together, LIMIT))
+
+
+@needs_fast
+def test_v41_moe_weights_before_w2_on_the_drivers_with_its_per_expert_bits(fast_mode, monkeypatch):
+    """V4.1 multiplies h by the routing weight before w2: its layer on the drivers (two calls, or
+    two per expert and the sum when experts come one by one) gives the bits of its per-expert
+    products (`variant_of` None: the path every V4.1 layer took before), in exact the per-expert
+    path too; the weights after w2 (V4's order) would not."""
+    from dsv4stream.model.v41 import moe as moe41
+
+    rng = np.random.default_rng(16)
+    table = {e: expert(rng) for e in range(6)}
+    gate = QWeight("f32", (rng.standard_normal((6, D)) * 0.05).astype(np.float32), None, 6, D)
+    w = moe41.V41MoeWeights(gate=gate, bias=np.zeros(6, np.float32), bias_vl=None, shared=expert(rng))
+    p = moe41.V41MoeParams(k=3, scaling=2.5, limit=LIMIT, norm_topk_prob=True, quantise=False)
+    x = (rng.standard_t(3, (7, D)) * 2).astype(np.float32)
+    layers = []
+    real = moe.q8_layer
+    monkeypatch.setattr(moe, "q8_layer", lambda *a, **k: layers.append(real(*a, **k)) or layers[-1])
+    together = moe.GroupedSource(lambda ids: iter([[(int(e), table[int(e)]) for e in ids[::-1]]]))
+
+    def each(ids):
+        for e in ids[::-1]:
+            yield int(e), table[int(e)]
+
+    fused = moe41.moe(x, w, together, p)
+    experts, _ = moe41.route(x, w, p)
+    assert [lay.calls for lay in layers] == [2]
+    layers.clear()
+    np.testing.assert_array_equal(moe41.moe(x, w, each, p), fused)
+    assert [lay.calls for lay in layers] == [2 * np.unique(experts).size + 1]
+    np.testing.assert_array_equal(moe41.moe(x[2:3], w, together, p), fused[2:3])
+    ids = np.unique(experts)
+    after = moe.layer_sum(x, experts, moe41.route(x, w, p)[1], ids, together, partial(moe41._glu, limit=LIMIT), None)
+    assert not np.array_equal(after + moe41._rows(x, w.shared, p, None, None), fused)  # V4's order: other bits
+    monkeypatch.setattr(experts_q8, "variant_of", lambda *a: None)  # each expert's own products
+    np.testing.assert_array_equal(moe41.moe(x, w, each, p), fused)
+    kernels.set_numerics("exact")
+    exact = moe41.moe(x, w, each, p)
+    assert not np.array_equal(exact, fused) and np.allclose(exact, fused, rtol=0.1, atol=0.05 * np.abs(exact).max())
 
 
 def test_exact_numerics_and_the_reference_backend_never_take_the_drivers():

@@ -43,7 +43,7 @@ def layers(monkeypatch) -> list:
     """Every `experts_q8.Layer` the MoE makes, in order (its `calls` counts driver calls)."""
     made: list = []
     real = moe.q8_layer
-    monkeypatch.setattr(moe, "q8_layer", lambda *a: made.append(real(*a)) or made[-1])
+    monkeypatch.setattr(moe, "q8_layer", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     return made
 
 

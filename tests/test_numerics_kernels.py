@@ -326,3 +326,34 @@ def test_fp4_scale_forms_and_e8m0_edges():
     assert np.isnan(y[:, 0]).all() and np.isfinite(y[:, 1:]).all()
     w1 = QWeight("fp4", d8[1:2], s8[1:2], 1, 256)
     np.testing.assert_allclose(y[:, 1], fast_definition(w1, x)[:, 0], rtol=1e-5)
+
+
+@needs_fast
+@pytest.mark.parametrize("variant", ["host", "avx2"])
+def test_fp4_e8m0_bytes_read_in_the_loop_equal_their_float32_values(variant):
+    """The kernel turns E8M0 bytes 1..254 into float32 by a shift (2^(b-127) = b << 23); a row
+    block holding a 0 or 0xFF byte goes through the table instead. Both equal the same scales
+    given as float32, at widths with and without AVX-512's two-step tail (256, 512, 768)."""
+    v = cpu.variant("fp4") if variant == "host" else "avx2"
+    rng = np.random.default_rng(11)
+    for cols in (256, 512, 768):
+        rows = 254 * 32 // cols + 40  # every byte 1..254 once, then random ones; several row blocks
+        s = np.concatenate([np.arange(1, 255), rng.integers(100, 140, rows * cols // 32 - 254)]).astype(np.uint8)
+        s = s.reshape(rows, cols // 32)
+        d = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+        x = activations(rng, 5, cols) * np.float32(1e-3)
+        y = q8.matmul(d, s, x, v)
+        np.testing.assert_array_equal(y, q8.matmul(d, formats.e8m0_to_f32(s), x, v))
+        edged = s.copy()
+        edged[-3, 0], edged[-20, -1] = 0, 255  # two row blocks take the table
+        y = q8.matmul(d, edged, x, v)
+        want = q8.matmul(d, formats.e8m0_to_f32(edged), x, v)
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+        np.testing.assert_array_equal(y[~np.isnan(y)], want[~np.isnan(want)])
+        assert np.isnan(y[:, -20]).all() and np.isfinite(y[:, -19:]).all() and np.isfinite(y[:, -40:-20]).all()
+
+
+def test_fp4_activation_scratch_starts_on_cache_lines():
+    for t, c in ((1, 256), (3, 4096), (7, 2304)):
+        for a in q8.scratch(t, c):
+            assert a.ctypes.data % 64 == 0 and a.flags.c_contiguous

@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from . import jit, q8, simd
 from .numerics import alone_if_small  # the per-expert path's rule: small products stay serial
-from .q8 import _JIT, ROWS, _quantize, _row_scales  # the drivers call them
+from .q8 import _JIT, ROWS, _quantize  # the drivers call them
 
 # numba's cache keys an entry by the function's name, signature and CPU target; the row kernel's
 # code lives in q8.py, so its hash is in the name (jit.cache_stamp also covers every kernel file)
@@ -80,9 +80,7 @@ def _drive_pair(addr, lo, hi, sdt, xg, S, gate, up, qa, bias, da):
         for m in range(2):
             w = numba.carray(_ptr(addr[e, 2 * m], U8_LIKE), (R, C // 2))
             s = numba.carray(_ptr(addr[e, 2 * m + 1], sdt), (R, ng))
-            for r in range(r0, r1):
-                _row_scales(s, r, sw[r - r0])
-            _row_groups(w, r0, r1, sw, qa, bias, da, lo[e], hi[e], gate if m == 0 else up)
+            _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], gate if m == 0 else up)
 
 
 def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
@@ -103,9 +101,7 @@ def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
         for e in range(E):
             w = numba.carray(_ptr(addr[e, 0], U8_LIKE), (D, C // 2))
             s = numba.carray(_ptr(addr[e, 1], sdt), (D, ng))
-            for r in range(r0, r1):
-                _row_scales(s, r, sw[r - r0])
-            _row_groups(w, r0, r1, sw, qa, bias, da, lo[e], hi[e], y)
+            _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], y)
         for t in range(T):
             for r in range(r0, r1):
                 acc = np.float32(0.0)
@@ -201,9 +197,10 @@ def pair_products(variant: str, x: np.ndarray, rt: Routing, w1s, w3s) -> tuple[n
     return gate, up
 
 
-def down_sum(variant: str, h: np.ndarray, rt: Routing, w2s) -> np.ndarray:
+def down_sum(variant: str, h: np.ndarray, rt: Routing, w2s, wp: np.ndarray | None = None) -> np.ndarray:
     """Each token's weighted sum of its experts' down projections: h (P, I) float32 (the SwiGLU
-    of each pair); w2s: per expert of rt.ids, (data (D, I/2) uint8, scale (D, I/32)) -> (T, D)."""
+    of each pair); w2s: per expert of rt.ids, (data (D, I/2) uint8, scale (D, I/32)) -> (T, D).
+    wp (P,): the weights of the sum (default rt.wp; ones where h was weighted already)."""
     h = np.ascontiguousarray(h, dtype=np.float32)
     p, c = h.shape
     d = w2s[0][0].shape[0]
@@ -212,12 +209,13 @@ def down_sum(variant: str, h: np.ndarray, rt: Routing, w2s) -> np.ndarray:
     y = np.empty((p, d), np.float32)
     out = np.empty((rt.tp.shape[0], d), np.float32)
     qa, bias, da = _scratch(p, c)
-    driver_for("down", variant)(table, rt.lo, rt.hi, sdt, h, q8.span(variant), rt.wp, rt.tp, y, out, qa, bias, da)
+    wp = rt.wp if wp is None else wp
+    driver_for("down", variant)(table, rt.lo, rt.hi, sdt, h, q8.span(variant), wp, rt.tp, y, out, qa, bias, da)
     return out
 
 
 def _scratch(p: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return np.empty((p, c), np.int8), np.empty((p, c // q8.GROUP), np.int32), np.empty((p, c // q8.GROUP), np.float32)
+    return q8.scratch(p, c)
 
 
 # ---------------------------------------------------------------- a layer, group by group ---
@@ -245,10 +243,17 @@ class Layer:
     token row and its expert), and the sum runs per token in ascending (expert id, slot) order
     from zero, so the output is `down_sum`'s whatever the groups were. `put` takes an expert the
     drivers do not run (already weighted rows from the per-expert path, summed with weight 1:
-    the same float32 value)."""
+    the same float32 value).
 
-    def __init__(self, variant: str, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, glu, count=None) -> None:
+    `pre_weight` (V4.1, DeepSeek's reference order): each pair's SwiGLU row is multiplied by its
+    routing weight before w2 (h *= w, float32, as V4.1's per-expert path does) and the sum adds the
+    down rows unweighted (times 1.0: the same values), from zero in the same order."""
+
+    def __init__(
+        self, variant: str, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, glu, count=None, pre_weight=False
+    ) -> None:
         self.variant = variant
+        self.pre_weight = pre_weight
         self._count = count  # count(t0): called after each driver call with its perf_counter start
         self.x = np.ascontiguousarray(x, dtype=np.float32)
         self.rt = Routing(experts, weights)
@@ -276,7 +281,8 @@ class Layer:
 
         def product() -> np.ndarray:
             gate, up = pair_products(self.variant, self.x, rt, w1s, w3s)
-            return down_sum(self.variant, self.glu(gate, up), rt, w2s)
+            h = self._weighted(self.glu(gate, up), rt.wp)
+            return down_sum(self.variant, h, rt, w2s, np.ones_like(rt.wp) if self.pre_weight else None)
 
         self._filled = rt.tok.size
         return self._timed(2, sum(e.w1.nbytes for e in es), int((rt.hi - rt.lo).max()), product)
@@ -315,6 +321,12 @@ class Layer:
         self._timed(1, self._y.nbytes, 1, product)
         return out
 
+    def _weighted(self, h: np.ndarray, wp: np.ndarray) -> np.ndarray:
+        """h (n, I) times each row's routing weight wp (n,) where the layer weights before w2."""
+        if self.pre_weight:
+            h *= wp[:, None]
+        return h
+
     def _timed(self, calls: int, nbytes: int, tokens: int, product):
         t0 = time.perf_counter()
         y = _run(nbytes, tokens, product)
@@ -347,13 +359,15 @@ class Layer:
         self._sdt = scale_like([s for _, s in w2s])
         y = self._rows_for(int(sub.hi[-1]), w2s[0][0].shape[0])
 
+        wp = np.concatenate([rt.wp[a:b] for _, a, b in chunk])
+
         def product() -> None:
             gate, up = pair_products(self.variant, self.x, sub, w1s, w3s)
-            down_rows(self.variant, self.glu(gate, up), sub, w2s, y)
+            down_rows(self.variant, self._weighted(self.glu(gate, up), wp), sub, w2s, y)
 
         self._timed(2, sum(e.w1.nbytes for e in es), int(n.max()), product)
         for _, a, b in chunk:
-            self._place(a, b, rt.wp[a:b])
+            self._place(a, b, 1.0 if self.pre_weight else rt.wp[a:b])
 
 
 def _chunks(rt: Routing, js: list[int], cap: int) -> list[list[tuple[int, int, int]]]:

@@ -5,7 +5,9 @@ Activations are quantised per 32 columns (`quantize`): d = fl32(absmax / 127), q
 d = 0 and q = 0; a group holding a NaN or an infinity gets d = NaN, so every output it meets is
 NaN (as the float32 product would be NaN or infinite). The int8 values are stored permuted per
 span of S columns (S = 128 for AVX-512, 64 for AVX2): the span's even columns, then its odd
-ones, so they line up with the packed nibbles (low nibble = even column).
+ones, so they line up with the packed nibbles (low nibble = even column). Each group's
+-12 * sum(q) is stored as the 4 int32 lanes the kernel starts from, and every array the kernel
+reads per token starts on a 64-byte boundary (`scratch`).
 
 Weights are decoded by a byte shuffle to 2 * e2m1 + 12 in [0, 24] (an unsigned byte), then
 - AVX-512 VNNI: `vpdpbusd` adds u8 x s8 products of 4 bytes into int32 lanes;
@@ -16,6 +18,12 @@ Float order (fixed, so a row's bits depend only on that row and its token's acti
 lane, float(int32) * (weight scale * d / 2) is FMA-added into one of two float32 accumulators
 (alternating spans), and the lanes are summed in a fixed tree at the end. Every token runs the
 same instruction sequence, whichever other tokens share the call, in token groups of 4, 2, 1.
+Where the time went (issue 44): weights stream from memory at one 64-byte step per vector loop
+turn, so what a step costs besides its two dot products decides the rate. The weight scale times
+d / 2 is one multiply per token per 4 steps (not per step), the E8M0 bytes become float32 by a
+shift inside the loop (not a table per row beforehand), and the starting lanes are loaded, not
+built: 512x4096 in L2, one thread, one token, 14.6 -> about 20 GB of weight per CPU-second.
+Each step also prefetches its row 4 KB ahead (`PREFETCH`: from DRAM it measured 1.45x).
 """
 
 from __future__ import annotations
@@ -60,8 +68,10 @@ def supports(cols: int) -> bool:
 
 @njit(**_JIT)
 def _quantize(x, S, qa, bias, da):
-    """x (T, C) float32 -> qa int8 (T, C) permuted, bias int32 (T, C/32), da float32 (T, C/32).
-    Per group: 16 even columns to one contiguous run of qa, 16 odd ones to another (vectorises)."""
+    """x (T, C) float32 -> qa int8 (T, C) permuted, bias int32 (T, C/8), da float32 (T, C/32).
+    Per group: 16 even columns to one contiguous run of qa, 16 odd ones to another (vectorises).
+    bias holds 4 int32 lanes per group, -12 * sum(q) in the first and 0 in the others: the row
+    kernel's starting lanes, loaded as they are (`_row_intrinsic`)."""
     T, C = x.shape
     half = S // 2
     for t in range(T):
@@ -87,17 +97,35 @@ def _quantize(x, S, qa, bias, da):
                 for k in range(GROUP // 2):
                     qa[t, base + k] = 0
                     qa[t, base + half + k] = 0
-            bias[t, g] = -12 * total
+            bias[t, 4 * g] = -12 * total
+            bias[t, 4 * g + 1] = 0
+            bias[t, 4 * g + 2] = 0
+            bias[t, 4 * g + 3] = 0
             da[t, g] = np.float32(d * np.float32(0.5)) if finite else np.float32(np.nan)
 
 
+def aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An empty C-contiguous array starting on a 64-byte boundary: a 64-byte vector load that
+    spans two cache lines costs two (activations at a 16-byte offset: 512x4096 in L2, one
+    thread, 4 tokens 9.0 against 5.4 GB of weight per CPU-second)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + 64, np.uint8)
+    a = -raw.ctypes.data % 64
+    return raw[a : a + n].view(dtype).reshape(shape)
+
+
+def scratch(t: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_quantize`'s outputs for t rows of c columns: (qa, bias, da), 64-byte aligned."""
+    return aligned((t, c), np.int8), aligned((t, c // 8), np.int32), aligned((t, c // GROUP), np.float32)
+
+
 def quantize(x: np.ndarray, variant: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """X (T, C) -> (permuted int8 values, -12 * group sums, scale / 2 per group) for `variant`."""
+    """X (T, C) -> (permuted int8 values, the kernel's starting lanes (-12 * group sums), scale / 2
+    per group) for `variant`."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     t, c = x.shape
-    qa = np.empty((t, c), np.int8)
-    bias = np.empty((t, c // GROUP), np.int32)
-    da = np.empty((t, c // GROUP), np.float32)
+    qa, bias, da = scratch(t, c)
     _quantize(x, span(variant), qa, bias, da)
     return qa, bias, da
 
@@ -114,42 +142,85 @@ def quantize_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------- weight scales --------------
 
 
-def _row_scales(s, r, dst):
-    """dst[:] = row r of scale s as float32 (E8M0 bytes or float32)."""
+def _plain(s, r0, r1):
+    """Whether rows r0 .. r1 of scale s need no table: float32, or E8M0 bytes none of which is
+    0 (2^-127, a subnormal) or 0xFF (NaN), whose float32 bits are then the byte << 23."""
 
 
-@overload(_row_scales, jit_options=_JIT)
-def _ol_row_scales(s, r, dst):
+@overload(_plain, jit_options=_JIT)
+def _ol_plain(s, r0, r1):
     if s.dtype == types.uint8:
 
-        def impl(s, r, dst):
-            for j in range(dst.shape[0]):
-                dst[j] = E8M0[s[r, j]]
+        def impl(s, r0, r1):
+            lo = np.uint8(255)
+            hi = np.uint8(0)
+            for r in range(r0, r1):
+                for j in range(s.shape[1]):
+                    lo = min(lo, s[r, j])
+                    hi = max(hi, s[r, j])
+            return lo > 0 and hi < 255
 
         return impl
 
-    def impl(s, r, dst):
-        for j in range(dst.shape[0]):
-            dst[j] = s[r, j]
+    return lambda s, r0, r1: True
+
+
+def _row_scales(s, r0, r1, sw):
+    """sw[r - r0, :] = row r of scale s as float32 (E8M0 bytes through the table, or float32)."""
+
+
+@overload(_row_scales, jit_options=_JIT)
+def _ol_row_scales(s, r0, r1, sw):
+    if s.dtype == types.uint8:
+
+        def impl(s, r0, r1, sw):
+            for r in range(r0, r1):
+                for j in range(s.shape[1]):
+                    sw[r - r0, j] = E8M0[s[r, j]]
+
+        return impl
+
+    def impl(s, r0, r1, sw):
+        for r in range(r0, r1):
+            for j in range(s.shape[1]):
+                sw[r - r0, j] = s[r, j]
 
     return impl
 
 
 # ---------------------------------------------------------------- the row kernel -------------
 
+# Bytes ahead of its step that each step prefetches in the weight (and its scales: a 16th as
+# far). Keep it: without the prefetches the experts from DRAM ran at 7.5 against 10.9 GB per
+# CPU-second (one thread, one token; 6.4 against 9.4 at 7 tokens; one process, load 3). Their
+# distance measured no difference from 1 byte to 32 KB (any locality): what they buy is not
+# yet understood (measured, not explained).
+PREFETCH = 4096
+
 
 def _row_intrinsic(variant: str, T: int):
-    """Row r of w times tokens t0 .. t0+T: out[t, r] for each."""
+    """Row r of w times tokens t0 .. t0+T: out[t, r] for each. s: the weight's scales, E8M0
+    bytes none of which is 0 or 0xFF (`_plain`), or float32; row sr of s is row r's.
+
+    A block of 4 steps (2 * VB * 4 columns: 16 groups for AVX-512, 8 for AVX2) loads its weight
+    scales and each token's d / 2 once and multiplies them (one vector multiply per token); each
+    step spreads its groups' products over their 4 lanes (`vpermps`), starts its int32 lanes from
+    the token's `bias` lanes, and adds float(lanes) * product into one of two accumulators (steps
+    alternate). A 2-step tail covers a width that is an odd multiple of 256 (AVX-512)."""
     VB = 64 if variant == "avx512" else 32  # weight bytes per vector step (2 * VB columns)
     NB = VB // 16  # groups of 32 per step
     L = VB // 4  # int32 / float lanes
+    BG = 4 * NB  # groups per block of 4 steps
 
-    def typer(typingctx, w, r, sw, qa, bias, da, t0, out):
-        sig = types.void(w, r, sw, qa, bias, da, t0, out)
+    def typer(typingctx, w, r, s, sr, qa, bias, da, t0, out):
+        if s.dtype not in (types.uint8, types.float32):
+            return None
+        sig = types.void(w, r, s, sr, qa, bias, da, t0, out)
+        e8m0 = s.dtype == types.uint8
 
         def codegen(context, builder, sig, args):
-            w_, r_, sw_, qa_, bias_, da_, t0_, out_ = args
-            tw, tr, tsw, tqa, tbias, tda, tt0, tout = sig.args
+            w_, r_, s_, sr_, qa_, bias_, da_, t0_, out_ = args
+            tw, tr, ts, tsr, tqa, tbias, tda, tt0, tout = sig.args
             half = simd.shape(context, builder, tw, w_, 1)
             C = builder.mul(half, c64(2))
             ng = builder.udiv(C, c64(GROUP))
@@ -157,14 +228,18 @@ def _row_intrinsic(variant: str, T: int):
             r = simd.index(context, builder, r_, tr)
             t0 = simd.index(context, builder, t0_, tt0)
             wrow = builder.gep(simd.base(context, builder, tw, w_, I8), [builder.mul(r, half)])
-            swb = simd.base(context, builder, tsw, sw_, F32)
+            i8p = I8.as_pointer()
+            selem = I8 if e8m0 else F32
+            srow = builder.gep(
+                simd.base(context, builder, ts, s_, selem), [builder.mul(simd.index(context, builder, sr_, tsr), ng)]
+            )
             qab = simd.base(context, builder, tqa, qa_, I8)
             bb = simd.base(context, builder, tbias, bias_, I32)
             dab = simd.base(context, builder, tda, da_, F32)
             outb = simd.base(context, builder, tout, out_, F32)
             tokens = [builder.add(t0, c64(t)) for t in range(T)]
             qrow = [builder.gep(qab, [builder.mul(tk, C)]) for tk in tokens]
-            brow = [builder.gep(bb, [builder.mul(tk, ng)]) for tk in tokens]
+            brow = [builder.gep(bb, [builder.mul(tk, builder.mul(ng, c64(4)))]) for tk in tokens]
             drow = [builder.gep(dab, [builder.mul(tk, ng)]) for tk in tokens]
             vb = vec(I8, VB)
             if variant == "avx512":
@@ -175,27 +250,43 @@ def _row_intrinsic(variant: str, T: int):
                 maddubs = simd.declare(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vb, vb])
                 maddwd = simd.declare(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16), vec(I16, 16)])
                 ones = simd.splat(I16, 16, 1)
+            pf = simd.declare(builder, "llvm.prefetch.p0", ir.VoidType(), [i8p, I32, I32, I32])
             table = ir.Constant(vb, _TABLE * (VB // 16))
             low4 = simd.splat(I8, VB, 15)
             four = simd.splat(I8, VB, 4)
-            spread = ir.Constant(vec(I32, L), [lane // 4 for lane in range(L)])
-            firsts = ir.Constant(vec(I32, L), [lane // 4 if lane % 4 == 0 else NB for lane in range(L)])
-            zero_i = ir.Constant(vec(I32, NB), [0] * NB)
             acc = [[cgutils.alloca_once_value(builder, simd.splat(F32, L, 0.0)) for _ in range(2)] for _ in range(T)]
-            steps = builder.udiv(C, c64(4 * VB))
-            with cgutils.for_range(builder, steps) as loop:
-                for k in range(2):
-                    col = builder.add(builder.mul(loop.index, c64(4 * VB)), c64(2 * VB * k))
-                    grp = builder.udiv(col, c64(GROUP))
-                    raw = simd.load(builder, wrow, builder.udiv(col, c64(2)), vb)
+
+            def prefetch(ptr, off):  # llvm.prefetch(ptr + off bytes, read, locality 3, data cache)
+                p = builder.gep(builder.bitcast(ptr, i8p), [off])
+                builder.call(pf, [p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+            def weight_scales(g, n):
+                """n weight scales from group g as <n x float>."""
+                if not e8m0:
+                    return simd.load(builder, srow, g, vec(F32, n), align=4)
+                b = builder.zext(simd.load(builder, srow, g, vec(I8, n)), vec(I32, n))
+                return builder.bitcast(builder.shl(b, simd.splat(I32, n, 23)), vec(F32, n))
+
+            def block(blk, steps):
+                """Steps 0 .. steps of block blk (steps = 4, or 2 for the tail)."""
+                n = NB * steps
+                g0 = builder.mul(blk, c64(BG))
+                sw = weight_scales(g0, n)
+                sc = [builder.fmul(sw, simd.load(builder, drow[t], g0, vec(F32, n), align=4)) for t in range(T)]
+                prefetch(srow, builder.mul(builder.add(g0, c64(PREFETCH // 16)), c64(1 if e8m0 else 4)))
+                for j in range(steps):
+                    col = builder.add(builder.mul(blk, c64(8 * VB)), c64(2 * VB * j))
+                    woff = builder.udiv(col, c64(2))
+                    if VB == 64 or j % 2 == 0:  # one prefetch per 64-byte line
+                        prefetch(wrow, builder.add(woff, c64(PREFETCH)))
+                    raw = simd.load(builder, wrow, woff, vb)
                     lo = builder.call(shuf, [table, builder.and_(raw, low4)])
                     hi = builder.call(shuf, [table, builder.and_(builder.lshr(raw, four), low4)])
-                    swv = simd.load(builder, swb, grp, vec(F32, NB), align=4)
+                    spread = ir.Constant(vec(I32, L), [NB * j + lane // 4 for lane in range(L)])
+                    lane0 = builder.udiv(col, c64(GROUP // 4))
                     for t in range(T):
-                        sc = builder.fmul(swv, simd.load(builder, drow[t], grp, vec(F32, NB), align=4))
-                        scl = builder.shuffle_vector(sc, sc, spread)
-                        bv = simd.load(builder, brow[t], grp, vec(I32, NB), align=4)
-                        iv = builder.shuffle_vector(bv, zero_i, firsts)
+                        scl = builder.shuffle_vector(sc[t], sc[t], spread)
+                        iv = simd.load(builder, brow[t], lane0, vec(I32, L), align=4)
                         ae = simd.load(builder, qrow[t], col, vb)
                         ao = simd.load(builder, qrow[t], builder.add(col, c64(VB)), vb)
                         if variant == "avx512":
@@ -204,8 +295,16 @@ def _row_intrinsic(variant: str, T: int):
                         else:
                             p = builder.add(builder.call(maddubs, [lo, ae]), builder.call(maddubs, [hi, ao]))
                             iv = builder.add(builder.call(maddwd, [p, ones]), iv)
-                        a = acc[t][k]
+                        a = acc[t][j % 2]
                         builder.store(simd.fma(builder, builder.sitofp(iv, vec(F32, L)), scl, builder.load(a), L), a)
+
+            blocks = builder.udiv(C, c64(8 * VB))
+            with cgutils.for_range(builder, blocks) as loop:
+                block(loop.index, 4)
+            if variant == "avx512":  # C = 512 k + 256: two more steps
+                rest = builder.icmp_unsigned("!=", builder.urem(C, c64(8 * VB)), c64(0))
+                with builder.if_then(rest, likely=False):
+                    block(blocks, 2)
             for t in range(T):
                 total = simd.hsum(builder, builder.fadd(builder.load(acc[t][0]), builder.load(acc[t][1])), L)
                 builder.store(total, builder.gep(outb, [builder.add(builder.mul(tokens[t], R), r)]))
@@ -217,29 +316,40 @@ def _row_intrinsic(variant: str, T: int):
     return intrinsic(typer)
 
 
-_row4 = _row2 = _row1 = None  # the row kernels `_driver` binds in each variant's globals
-_row_groups = None  # `_each_token_group` compiled with them, bound in `_drive`'s globals
+_row4 = _row2 = _row1 = None  # the row kernels `row_groups` binds in each variant's globals
+_row_groups = None  # `_each_row_block` compiled with them, bound in `_drive`'s globals
 
 
-def _each_token_group(w, r0, r1, sw, qa, bias, da, lo, hi, out):
+def _each_token_group(w, s, so, r0, r1, qa, bias, da, lo, hi, out):
     """out[t, r] for rows r0 .. r1 of w and the activation rows lo .. hi: the tokens in groups
     of 4, then 2, then 1 (each row runs the same instruction sequence in any group, so a token's
-    bits do not depend on the others of the call); sw (ROWS, C/32) holds rows r0 .. r1's scales.
-    Shared by `_drive` and `experts_q8`'s drivers (their pairs are the activation rows)."""
+    bits do not depend on the others of the call); row r's scales are row r - so of s."""
     t0 = lo
     while t0 < hi:
         if hi - t0 >= 4:
             for r in range(r0, r1):
-                _row4(w, r, sw[r - r0], qa, bias, da, t0, out)
+                _row4(w, r, s, r - so, qa, bias, da, t0, out)
             t0 += 4
         elif hi - t0 >= 2:
             for r in range(r0, r1):
-                _row2(w, r, sw[r - r0], qa, bias, da, t0, out)
+                _row2(w, r, s, r - so, qa, bias, da, t0, out)
             t0 += 2
         else:
             for r in range(r0, r1):
-                _row1(w, r, sw[r - r0], qa, bias, da, t0, out)
+                _row1(w, r, s, r - so, qa, bias, da, t0, out)
             t0 += 1
+
+
+def _each_row_block(w, s, r0, r1, sw, qa, bias, da, lo, hi, out):
+    """`_each_token_group` over rows r0 .. r1 (at most ROWS): the kernels read the scales where
+    they are, unless an E8M0 byte needs the table (0 or 0xFF); those rows' scales then go
+    through sw (ROWS, C/32) float32 first. Same products either way. Shared by `_drive` and
+    `experts_q8`'s drivers (their pairs are the activation rows)."""
+    if _plain(s, r0, r1):
+        _each_token_group(w, s, 0, r0, r1, qa, bias, da, lo, hi, out)
+    else:
+        _row_scales(s, r0, r1, sw)
+        _each_token_group(w, sw, r0, r0, r1, qa, bias, da, lo, hi, out)
 
 
 def _drive(w, s, qa, bias, da, out):
@@ -249,11 +359,8 @@ def _drive(w, s, qa, bias, da, out):
     ng = s.shape[1]
     for ib in prange((R + ROWS - 1) // ROWS):
         r0 = ib * ROWS
-        r1 = min(R, r0 + ROWS)
         sw = np.empty((ROWS, ng), np.float32)
-        for r in range(r0, r1):
-            _row_scales(s, r, sw[r - r0])
-        _row_groups(w, r0, r1, sw, qa, bias, da, 0, T, out)
+        _row_groups(w, s, r0, min(R, r0 + ROWS), sw, qa, bias, da, 0, T, out)
 
 
 def _variant_function(fn, variant: str, g: dict, **options):
@@ -270,11 +377,12 @@ _GROUPS: dict[str, object] = {}
 
 
 def row_groups(variant: str):
-    """`_each_token_group` compiled with `variant`'s row kernels (once per variant)."""
+    """`_each_row_block` compiled with `variant`'s row kernels (once per variant)."""
     if variant not in _GROUPS:
         g = dict(globals())
         g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(variant, t) for t in TOKENS)
-        _GROUPS[variant] = _variant_function(_each_token_group, variant, g)
+        g["_each_token_group"] = _variant_function(_each_token_group, variant, g)
+        _GROUPS[variant] = _variant_function(_each_row_block, variant, g)
     return _GROUPS[variant]
 
 

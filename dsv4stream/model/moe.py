@@ -180,15 +180,38 @@ def _sum_parts(x: np.ndarray, ids: np.ndarray, parts: dict[int, tuple[np.ndarray
 def _layer(
     x: np.ndarray, experts: np.ndarray, weights: np.ndarray, ids: np.ndarray, each: ExpertSource, limit: float
 ) -> np.ndarray:
-    """`routed_experts` under `fast` numerics, the same bits as each expert's own products.
+    """`routed_experts` under `fast` numerics, the same bits as each expert's own products."""
+    return layer_sum(
+        x,
+        experts,
+        weights,
+        ids,
+        each,
+        partial(_glu, limit=limit),
+        lambda ew, tok, w: _weighted_rows(x, ew, limit, tok, w),
+    )
+
+
+def layer_sum(
+    x: np.ndarray,
+    experts: np.ndarray,
+    weights: np.ndarray,
+    ids: np.ndarray,
+    each: ExpertSource,
+    glu: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    own: Callable[[ExpertWeights, np.ndarray, np.ndarray], np.ndarray],
+    pre_weight: bool = False,
+) -> np.ndarray:
+    """Each token's sum of its weighted experts (T, D) under `fast` numerics, on the drivers.
 
     The FP4 experts go to one `experts_q8.Layer`: a source that can (`GroupedSource`) hands the
     experts in groups pinned together (all of a layer's at once when they are in memory and fit
     the free slots), the others one at a time; a whole layer in one group takes two driver
     calls, more groups two calls per group (of at most `PAIR_ROWS` pairs) and one for the sum.
-    An expert the drivers do not take runs its own products (`_weighted_rows`)."""
+    glu(gate, up): the elementwise middle; an expert the drivers do not take runs
+    own(expert, its tokens, their weights) -> its weighted rows. `pre_weight`: the routing weight
+    multiplies h before w2 (V4.1) instead of w2's output (V4)."""
     groups = each.groups(ids) if isinstance(each, GroupedSource) else ([item] for item in each(ids))
-    glu = partial(_glu, limit=limit)
     layer = None
     parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     seen: set[int] = set()
@@ -200,11 +223,11 @@ def _layer(
             v = q8_expert_variant(ew)
             if v is None:
                 tok, slot = np.nonzero(experts == e)
-                parts[int(e)] = (tok, _weighted_rows(x, ew, limit, tok, weights[tok, slot]))
+                parts[int(e)] = (tok, own(ew, tok, weights[tok, slot]))
             else:
                 drive.append((int(e), ew))
                 if layer is None:
-                    layer = q8_layer(v, x, experts, weights, glu, ew.w1.role)
+                    layer = q8_layer(v, x, experts, weights, glu, ew.w1.role, pre_weight=pre_weight)
         if drive:
             out = layer.whole(drive) if not parts else None
             if out is None:

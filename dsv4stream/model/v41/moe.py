@@ -14,19 +14,22 @@ Facts this follows (DeepSeek's V4.1 inference code), against V4 (`model.moe`):
   goes through the activation grid under the official numerics, once per distinct input.
 
 Each token sums its experts in ascending id order, whatever order they arrive in (see
-`model.moe`), and adds the shared expert last.
+`model.moe`), and adds the shared expert last. Under `fast` numerics (no activation grid) the FP4
+experts run on `kernels.experts_q8`'s layer drivers in their weight-before-w2 mode
+(`model.moe.layer_sum`), with the bits of each expert's own products.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from ...errors import InternalError, NumericsError
-from ...kernels import QWeight, matmul, matmul_pair
-from ..moe import EXPERT_ROWS, ExpertSource, ExpertWeights
+from ...kernels import QWeight, get_numerics, matmul, matmul_pair
+from ..moe import EXPERT_ROWS, ExpertSource, ExpertWeights, layer_sum
 from ..ops import silu, sqrt_softplus, topk_lowest_index
 from .quant import act_qdq
 
@@ -67,13 +70,19 @@ def route(
     return experts, (chosen * F32(p.scaling)).astype(F32)
 
 
+def _glu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
+    """silu(min(gate, L)) * clip(up, -L, L), in place on gate and up: (n, inter) twice -> (n, inter)."""
+    np.minimum(gate, F32(limit), out=gate)
+    np.clip(up, F32(-limit), F32(limit), out=up)
+    h = silu(gate)
+    h *= up
+    return h
+
+
 def swiglu(xq: np.ndarray, e: ExpertWeights, p: V41MoeParams, weight: np.ndarray | None = None) -> np.ndarray:
     """xq (n, D), already on the activation grid where the numerics ask -> (n, D); weight (n,) scales h."""
     gate, up = matmul_pair(e.w1, e.w3, xq)
-    np.minimum(gate, F32(p.limit), out=gate)
-    np.clip(up, F32(-p.limit), F32(p.limit), out=up)
-    h = silu(gate)
-    h *= up
+    h = _glu(gate, up, p.limit)
     if weight is not None:
         h *= weight[:, None]
     return matmul(e.w2, act_qdq(h) if p.quantise else h)
@@ -107,6 +116,23 @@ def moe(
     xq = act_qdq(x) if p.quantise else x
     shared = _rows(xq, w.shared, p, None, None)
     ids = np.unique(experts)
+    if get_numerics() == "fast" and not p.quantise:
+        own = partial(_own_rows, xq, p)
+        out = layer_sum(xq, experts, weights, ids, each, partial(_glu, limit=p.limit), own, pre_weight=True)
+        out += shared
+        return out
+    return _per_expert(xq, experts, weights, ids, each, p) + shared
+
+
+def _own_rows(xq: np.ndarray, p: V41MoeParams, e: ExpertWeights, tok: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    return _rows(xq, e, p, tok, weight)
+
+
+def _per_expert(
+    xq: np.ndarray, experts: np.ndarray, weights: np.ndarray, ids: np.ndarray, each: ExpertSource, p: V41MoeParams
+) -> np.ndarray:
+    """Each token's sum of its weighted experts, expert by expert in arrival order, summed in
+    ascending id order from zero."""
     parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for e, ew in each(ids):
         tok, slot = np.nonzero(experts == e)
@@ -114,12 +140,11 @@ def moe(
     missing = [int(e) for e in ids if int(e) not in parts]
     if missing:
         raise InternalError(f"expert source skipped experts {missing}")
-    out = np.zeros_like(x)
+    out = np.zeros_like(xq)
     for e in ids:
         tok, y = parts.pop(int(e))
         if tok.size > 1 and np.any(tok[1:] == tok[:-1]):
             np.add.at(out, tok, y)
         else:
             out[tok] += y
-    out += shared
     return out
