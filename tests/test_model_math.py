@@ -285,3 +285,20 @@ def test_split_rows_fp8_aligned_and_unaligned() -> None:
             assert all(g.kind == "fp8" for g in groups)
         got = np.concatenate([matmul(g, x) for g in groups], axis=1)
         np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_of_one_row_equals_that_row_of_a_batch_bit_for_bit():
+    """rms_norm takes a scalar path for a single row (a decode step): its bits must be those of
+    the same row normed among others (a prefill), with and without a weight, 1-D and 2-D."""
+    from dsv4stream.model.ops import rms_norm
+
+    rng = np.random.default_rng(3)
+    for n in (64, 1024, 4096, 16384):
+        x = (rng.standard_normal((5, n)) * rng.uniform(1e-3, 1e3, (5, 1))).astype(np.float32)
+        w = rng.standard_normal(n).astype(np.float32)
+        for weight in (None, w):
+            batch = rms_norm(x, weight, 1e-6)
+            for i in range(5):
+                for one in (rms_norm(x[i : i + 1], weight, 1e-6)[0], rms_norm(x[i], weight, 1e-6)):
+                    assert one.dtype == np.float32
+                    np.testing.assert_array_equal(one.view(np.uint32), batch[i].view(np.uint32))

@@ -432,3 +432,32 @@ def test_a_streamed_expert_that_fails_verification_raises_through_get_groups(fil
             for _ in store.get_groups([(1, 0), (1, 1), (1, 2)]):
                 pass
         assert store._lru.pinned() == 0 and store.stats().verify_mismatches >= 1
+
+
+def test_slot_lru_pinned_count_equals_a_scan_through_random_operations():
+    """`SlotLru.pinned()` is a running count (no scan per call): after every acquire, release,
+    unpin, prefetch, drop (a failed read, also while pinned) and eviction it equals the scan."""
+    from dsv4stream.store.lru import SlotLru
+
+    rng = random.Random(7)
+    lru = SlotLru(6)
+    held = []  # entries acquired and not yet given back
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.4 and len(held) < 5:
+            entry, _, _ = lru.acquire(rng.randrange(12))
+            held.append(entry)
+        elif op < 0.6 and held:
+            entry = held.pop(rng.randrange(len(held)))
+            if lru.entries.get(entry.key) is entry and rng.random() < 0.5:
+                lru.release(entry.key)
+            else:
+                lru.unpin(entry)
+        elif op < 0.7 and held:
+            lru.drop(held[rng.randrange(len(held))])  # stays held: its unpin comes later
+        elif op < 0.85:
+            lru.prefetch([rng.randrange(12) for _ in range(3)])
+        assert lru.pinned() == sum(1 for e in lru.entries.values() if e.pins)
+    for entry in held:
+        lru.unpin(entry)
+    assert lru.pinned() == 0

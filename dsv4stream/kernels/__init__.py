@@ -65,10 +65,8 @@ def set_numerics(mode: str) -> None:
 
     numerics.check_mode(mode)
     # the Router runs a fast kernel only where the exact backend is the numba one (`fast_variant`),
-    # so numba's per-thread count is the one to apply before it: jit's rule, bound once here
-    from .jit import _apply_threads
-
-    _numerics = None if mode == "exact" else numerics.Router(mode, _active, _apply_threads)
+    # so numba's per-thread count is the one to apply before it: jit's rule (`kernel_threads`)
+    _numerics = None if mode == "exact" else numerics.Router(mode, _active, numerics.kernel_threads)
     _numerics_mode = mode
 
 

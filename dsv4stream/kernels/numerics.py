@@ -31,6 +31,7 @@ import numba
 import numpy as np
 
 from . import actquant, bf16, cpu, q8
+from .jit import _apply_threads, _threads
 
 MODES = ("exact", "official", "fast")
 # A fast product of a weight below this many bytes, at up to SERIAL_TOKENS tokens, runs on the
@@ -41,11 +42,13 @@ SERIAL_BELOW_BYTES = 4 << 20
 SERIAL_TOKENS = 4
 
 
-def alone_if_small(nbytes: int, tokens: int, product: Callable[[], object]):
+def alone_if_small(nbytes: int, tokens: int, product: Callable[[], object], threads: int = 0):
     """product() on this thread alone for a weight under SERIAL_BELOW_BYTES at up to SERIAL_TOKENS
-    tokens, else with the kernel threads already set (results do not depend on the count)."""
+    tokens, else with the kernel threads already set (results do not depend on the count).
+    threads: the count in effect on this thread where the caller knows it (0: ask numba, about
+    1.5 us, on each of a step's ~50 small products)."""
     if tokens <= SERIAL_TOKENS and nbytes < SERIAL_BELOW_BYTES:
-        n = numba.get_num_threads()
+        n = threads or numba.get_num_threads()
         if n != 1:
             numba.set_num_threads(1)
             try:
@@ -53,6 +56,13 @@ def alone_if_small(nbytes: int, tokens: int, product: Callable[[], object]):
             finally:
                 numba.set_num_threads(n)
     return product()
+
+
+def kernel_threads() -> int:
+    """Put `jit.set_threads`' count on the calling thread (`jit._apply_threads`) and return the
+    count in effect there: the Router's `threads` for the package's numerics."""
+    _apply_threads()
+    return _threads[0] or numba.get_num_threads()
 
 
 def check_mode(mode: str) -> str:
@@ -121,9 +131,9 @@ class Router:
     exact: a callable giving the exact backend (the package's active one, resolved per call so
     `set_backend` still takes effect); threads: called before each fast product, puts the kernel
     thread count `set_threads` asked for on the calling thread (numba's count is per thread; the
-    exact kernels do the same, `jit._apply_threads`)."""
+    exact kernels do the same, `jit._apply_threads`) and returns the count in effect there."""
 
-    def __init__(self, mode: str, exact: Callable, threads: Callable[[], object]):
+    def __init__(self, mode: str, exact: Callable, threads: Callable[[], int]):
         self.mode = check_mode(mode)
         self._exact = exact
         self._threads = threads
@@ -144,8 +154,7 @@ class Router:
     def _go_fast(self, w, t: int, product: Callable[[], object]):
         """product() with the requested kernel threads, or on this thread alone for a small
         weight at a few tokens (the results do not depend on the thread count)."""
-        self._threads()
-        return alone_if_small(w.nbytes, t, product)
+        return alone_if_small(w.nbytes, t, product, self._threads())
 
     def matvec(self, w, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import IO, Self
 
 import numpy as np
@@ -393,7 +393,9 @@ class ExpertStore:
 
     def stats(self) -> StoreStats:
         with self._lock, self._stat_lock:
-            n = {**asdict(self._lru.n), **asdict(self._n)}
+            # vars, not asdict (a deep copy through every field's type): flat int counters, and the
+            # engine's meter reads these twice a decode step
+            n = {**vars(self._lru.n), **vars(self._n)}
             seconds = self._read_seconds
             if self._active_reads:
                 seconds += time.perf_counter() - self._busy_since

@@ -68,6 +68,7 @@ class SlotLru(Generic[E]):
         self._free = list(range(slots))  # a heap: lowest slot first
         self._lent: list[int] = []  # slots lent out (`lend`): neither free nor owned
         self._entry = entry
+        self._pinned = 0  # entries of `entries` with pins > 0: `pinned()` without a scan
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.entries
@@ -76,8 +77,8 @@ class SlotLru(Generic[E]):
         return self.entries.get(key)
 
     def pinned(self) -> int:
-        """Slots whose entry is pinned now."""
-        return sum(1 for e in self.entries.values() if e.pins)
+        """Slots whose entry is pinned now (kept as a count: a step asks for it per layer)."""
+        return self._pinned
 
     @property
     def lent(self) -> int:
@@ -138,7 +139,7 @@ class SlotLru(Generic[E]):
             if got is None:
                 raise pinned_error(self.slots)
             entry, evicted = self._add(key, *got, claimed=True)
-            entry.pins += 1
+            self._pin(entry)
             return entry, evicted, True
         if entry.claimed:
             self.n.hits += 1
@@ -147,7 +148,7 @@ class SlotLru(Generic[E]):
             self.n.prefetch_used += 1
             entry.claimed = True
         self.entries.move_to_end(key)
-        entry.pins += 1
+        self._pin(entry)
         return entry, None, False
 
     def release(self, key: Hashable) -> None:
@@ -155,18 +156,30 @@ class SlotLru(Generic[E]):
         entry = self.entries.get(key)
         if entry is None or entry.pins == 0:
             raise InternalError(f"release({key!r}) without a matching get")
-        entry.pins -= 1
+        self._unpin(entry)
 
     def unpin(self, entry: E) -> None:
         """Undo one acquire of this very entry (it may have been dropped since)."""
         if entry.pins == 0:
             raise InternalError(f"unpin of {entry.key!r}, which holds no pin")
+        self._unpin(entry)
+
+    def _pin(self, entry: E) -> None:
+        if entry.pins == 0 and self.entries.get(entry.key) is entry:
+            self._pinned += 1
+        entry.pins += 1
+
+    def _unpin(self, entry: E) -> None:
         entry.pins -= 1
+        if entry.pins == 0 and self.entries.get(entry.key) is entry:
+            self._pinned -= 1
 
     def drop(self, entry: E) -> None:
         """Forget ``entry`` (its read failed) and free its slot, unless a newer entry owns the key."""
         if self.entries.get(entry.key) is entry:
             del self.entries[entry.key]
+            if entry.pins:
+                self._pinned -= 1  # a later unpin of it no longer counts
             heapq.heappush(self._free, entry.slot)
 
     def many_order(self, keys: Iterable[Hashable]) -> tuple[list[Hashable], int]:

@@ -13,6 +13,7 @@ object, not its parts), and shared leaves (matrices placed in VRAM) stay intact.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..errors import LifetimeError
 from ..kernels import QWeight
@@ -46,15 +47,26 @@ for _name in (
     setattr(Expired, _name, Expired._fail)
 
 
+@functools.cache
+def _fields(cls: type) -> tuple[str, ...] | None:
+    """The field names `expire` replaces on an instance of cls; None for a class whose instances
+    it leaves alone (not a dataclass, a QWeight, a class itself). Per class, once: a decode
+    step expires about 24 experts' weights."""
+    if not dataclasses.is_dataclass(cls) or issubclass(cls, (type, QWeight)):
+        return None
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def expire(weights: object, why: str) -> None:
     """Replace every field of the weights dataclass `weights` (and of those nested in it,
     tuples included) with `Expired(why)`; QWeights and arrays themselves are left alone."""
-    if not dataclasses.is_dataclass(weights) or isinstance(weights, (type, QWeight)):
+    names = _fields(type(weights))
+    if names is None:
         return
-    for f in dataclasses.fields(weights):
-        value = getattr(weights, f.name)
+    for name in names:
+        value = getattr(weights, name)
         if isinstance(value, Expired):
             continue
         for part in value if isinstance(value, tuple) else (value,):
             expire(part, why)
-        object.__setattr__(weights, f.name, Expired(why))
+        object.__setattr__(weights, name, Expired(why))

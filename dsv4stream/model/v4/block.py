@@ -77,13 +77,17 @@ def ffn_half(
     it, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     t = x.shape[0]
     rows = rows or t
-    h = np.empty((t, cfg.hidden_size), dtype=np.float32)
-    post = np.empty((t, cfg.hc_mult), dtype=np.float32)
-    comb = np.empty((t, cfg.hc_mult, cfg.hc_mult), dtype=np.float32)
-    for a in range(0, t, rows):
-        b = min(t, a + rows)
-        hb, post[a:b], comb[a:b] = hc_pre(x[a:b], w.hc_ffn, it, hc_eps, eps)
-        h[a:b] = rms_norm(hb, w.ffn_norm, eps)
+    if rows >= t:  # one chunk (every decode step): its arrays as they come, no copies into buffers
+        hb, post, comb = hc_pre(x, w.hc_ffn, it, hc_eps, eps)
+        h = rms_norm(hb, w.ffn_norm, eps)
+    else:
+        h = np.empty((t, cfg.hidden_size), dtype=np.float32)
+        post = np.empty((t, cfg.hc_mult), dtype=np.float32)
+        comb = np.empty((t, cfg.hc_mult, cfg.hc_mult), dtype=np.float32)
+        for a in range(0, t, rows):
+            b = min(t, a + rows)
+            hb, post[a:b], comb[a:b] = hc_pre(x[a:b], w.hc_ffn, it, hc_eps, eps)
+            h[a:b] = rms_norm(hb, w.ffn_norm, eps)
     k, scale, limit = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit
     y = moe(h, token_ids, w.moe, each, k, scale, limit, on_route)
     del h
