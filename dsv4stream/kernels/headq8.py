@@ -44,10 +44,10 @@ from . import cpu, jit, simd  # noqa: F401
 from .simd import F32, I8, I16, I32, c64, vec
 
 GROUP = 32
-TOKENS = (4, 2, 1)  # token groups per row call: every token runs the same code
+TOKENS = (4, 3, 2, 1)  # token groups per row call: every token runs the same code
 ROWS = 16  # rows per work item (re-read from L2 by each token group)
-NR_OF = {4: 4, 2: 4, 1: 4}  # rows per kernel call by token group (4 x 4 x 2 accumulators: a few spill to L1)
-NR4, NR2, NR1 = (NR_OF[t] for t in TOKENS)
+NR_OF = {4: 4, 3: 4, 2: 4, 1: 4}  # rows per kernel call by token group (4 x 4 x 2 accumulators: a few spill to L1)
+NR4, NR3, NR2, NR1 = (NR_OF[t] for t in TOKENS)
 _JIT = {"cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
 
 
@@ -225,12 +225,12 @@ def _rows_intrinsic(variant: str, T: int, NR: int):
 
 
 # the row kernels `_driver` binds in each variant's globals: _rowsT (NR_OF[T] rows), _oneT (one row)
-_rows4 = _rows2 = _rows1 = _one4 = _one2 = _one1 = None
+_rows4 = _rows3 = _rows2 = _rows1 = _one4 = _one3 = _one2 = _one1 = None
 
 
 def _drive(w, sw, xq, xc, da, out):
     """Rows in work items of ROWS (prange: each thread one contiguous share), tokens in groups of
-    4, 2, 1 within each, a group's rows NR_OF[T] at a time (the rest of a short item one by one)."""
+    4, 3, 2, 1 within each, a group's rows NR_OF[T] at a time (the rest of a short item one by one)."""
     R = w.shape[0]
     T = xq.shape[0]
     for ib in prange((R + ROWS - 1) // ROWS):
@@ -246,6 +246,13 @@ def _drive(w, sw, xq, xc, da, out):
                 for ri in range(r, r1):
                     _one4(w, sw, ri, xq, xc, da, t0, out)
                 t0 += 4
+            elif T - t0 == 3:
+                while r + NR3 <= r1:
+                    _rows3(w, sw, r, xq, xc, da, t0, out)
+                    r += NR3
+                for ri in range(r, r1):
+                    _one3(w, sw, ri, xq, xc, da, t0, out)
+                t0 += 3
             elif T - t0 >= 2:
                 while r + NR2 <= r1:
                     _rows2(w, sw, r, xq, xc, da, t0, out)
