@@ -44,10 +44,10 @@ from . import cpu, jit, simd  # noqa: F401
 from .simd import F32, I8, I16, I32, c64, vec
 
 GROUP = 32
-TOKENS = (4, 2, 1)  # token groups per row call: every token runs the same code
+TOKENS = (4, 3, 2, 1)  # token groups per row call: every token runs the same code
 ROWS = 16  # rows per work item (re-read from L2 by each token group)
-NR_OF = {4: 2, 2: 4, 1: 4}  # rows per kernel call by token group: NR x T x 2 accumulators fit 32 zmm
-NR4, NR2, NR1 = (NR_OF[t] for t in TOKENS)
+NR_OF = {4: 4, 3: 4, 2: 4, 1: 4}  # rows per kernel call by token group (4 x 4 x 2 accumulators: a few spill to L1)
+NR4, NR3, NR2, NR1 = (NR_OF[t] for t in TOKENS)
 _JIT = {"cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
 
 
@@ -66,9 +66,9 @@ def supports(cols: int) -> bool:
 
 
 @njit(**_JIT)
-def _quantize(x, qa, da, xc, xd):
+def _quantize(x, qa, da, xc):
     """qa, da as `quantize` says; per lane of 4 columns j: xc[t, j] = -128 * the sum of its 4
-    int8 values (the AVX-512 rows' starting accumulator), xd[t, j] = its group's d."""
+    int8 values (the AVX-512 rows' starting accumulator)."""
     T, C = x.shape
     for t in range(T):
         for g in range(C // GROUP):
@@ -90,20 +90,18 @@ def _quantize(x, qa, da, xc, xd):
             da[t, g] = d if finite else np.float32(np.nan)
             for j in range(c0 // 4, (c0 + GROUP) // 4):
                 xc[t, j] = -128 * (np.int32(qa[t, 4 * j]) + qa[t, 4 * j + 1] + qa[t, 4 * j + 2] + qa[t, 4 * j + 3])
-                xd[t, j] = da[t, g]
 
 
-def prepare(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """X (T, C) float32 -> (int8 (T, C), float32 scale (T, C/32), int32 (T, C/4), float32 (T, C/4)):
+def prepare(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """X (T, C) float32 -> (int8 (T, C), float32 scale (T, C/32), int32 (T, C/4)):
     the activations as `_quantize` lays them out for the row kernels."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     t, c = x.shape
     qa = np.empty((t, c), np.int8)
     da = np.empty((t, c // GROUP), np.float32)
     xc = np.empty((t, c // 4), np.int32)
-    xd = np.empty((t, c // 4), np.float32)
-    _quantize(x, qa, da, xc, xd)
-    return qa, da, xc, xd
+    _quantize(x, qa, da, xc)
+    return qa, da, xc
 
 
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -129,12 +127,12 @@ def _rows_intrinsic(variant: str, T: int, NR: int):
     VB = 64 if variant == "avx512" else 32  # columns (bytes) per step
     L = VB // 4  # int32 / float lanes: lane j of a step sums its columns 4j .. 4j+3
 
-    def typer(typingctx, w, sw, r0, xq, xc, xd, t0, out):
-        sig = types.void(w, sw, r0, xq, xc, xd, t0, out)
+    def typer(typingctx, w, sw, r0, xq, xc, da, t0, out):
+        sig = types.void(w, sw, r0, xq, xc, da, t0, out)
 
         def codegen(context, builder, sig, args):
-            w_, sw_, r0_, xq_, xc_, xd_, t0_, out_ = args
-            tw, tsw, tr, txq, txc, txd, tt0, tout = sig.args
+            w_, sw_, r0_, xq_, xc_, da_, t0_, out_ = args
+            tw, tsw, tr, txq, txc, tda, tt0, tout = sig.args
             C = simd.shape(context, builder, tw, w_, 1)
             R = simd.shape(context, builder, tw, w_, 0)
             C4 = builder.udiv(C, c64(4))
@@ -154,7 +152,8 @@ def _rows_intrinsic(variant: str, T: int, NR: int):
             tokens = [builder.add(t0, c64(t)) for t in range(T)]
             qrow = [builder.gep(simd.base(context, builder, txq, xq_, I8), [builder.mul(tk, C)]) for tk in tokens]
             crow = [builder.gep(simd.base(context, builder, txc, xc_, I32), [builder.mul(tk, C4)]) for tk in tokens]
-            drow = [builder.gep(simd.base(context, builder, txd, xd_, F32), [builder.mul(tk, C4)]) for tk in tokens]
+            G = builder.udiv(C, c64(GROUP))
+            drow = [builder.gep(simd.base(context, builder, tda, da_, F32), [builder.mul(tk, G)]) for tk in tokens]
             vb = vec(I8, VB)
             pf = builder.module.declare_intrinsic(
                 "llvm.prefetch.p0", (), ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
@@ -172,6 +171,14 @@ def _rows_intrinsic(variant: str, T: int, NR: int):
                 for _ in range(NR)
             ]
 
+            def _scales(dptr, g):
+                # the step's groups' d (lanes 0..7 group g, 8..15 group g + 1 on AVX-512), broadcast
+                # from the token's (C/32) scales: a few hundred bytes a token stay in L1
+                n = VB // GROUP
+                d = simd.load(builder, dptr, g, vec(F32, n), align=4)
+                mask = ir.Constant(ir.VectorType(I32, L), [j // 8 for j in range(L)])
+                return builder.shuffle_vector(d, d, mask)
+
             def step(col, k):
                 lane = builder.udiv(col, c64(4))
                 for i in range(NR):
@@ -185,7 +192,7 @@ def _rows_intrinsic(variant: str, T: int, NR: int):
                     wabs = [builder.select(n, builder.sub(zero8, v), v) for n, v in zip(neg, wv, strict=True)]
                 for t in range(T):
                     a = simd.load(builder, qrow[t], col, vb)
-                    scl = simd.load(builder, drow[t], lane, vec(F32, L), align=4)
+                    scl = _scales(drow[t], builder.udiv(col, c64(GROUP)))
                     if variant == "avx512":
                         c = simd.load(builder, crow[t], lane, vec(I32, L), align=4)
                     for i in range(NR):
@@ -218,12 +225,12 @@ def _rows_intrinsic(variant: str, T: int, NR: int):
 
 
 # the row kernels `_driver` binds in each variant's globals: _rowsT (NR_OF[T] rows), _oneT (one row)
-_rows4 = _rows2 = _rows1 = _one4 = _one2 = _one1 = None
+_rows4 = _rows3 = _rows2 = _rows1 = _one4 = _one3 = _one2 = _one1 = None
 
 
-def _drive(w, sw, xq, xc, xd, out):
+def _drive(w, sw, xq, xc, da, out):
     """Rows in work items of ROWS (prange: each thread one contiguous share), tokens in groups of
-    4, 2, 1 within each, a group's rows NR_OF[T] at a time (the rest of a short item one by one)."""
+    4, 3, 2, 1 within each, a group's rows NR_OF[T] at a time (the rest of a short item one by one)."""
     R = w.shape[0]
     T = xq.shape[0]
     for ib in prange((R + ROWS - 1) // ROWS):
@@ -234,24 +241,31 @@ def _drive(w, sw, xq, xc, xd, out):
             r = r0
             if T - t0 >= 4:
                 while r + NR4 <= r1:
-                    _rows4(w, sw, r, xq, xc, xd, t0, out)
+                    _rows4(w, sw, r, xq, xc, da, t0, out)
                     r += NR4
                 for ri in range(r, r1):
-                    _one4(w, sw, ri, xq, xc, xd, t0, out)
+                    _one4(w, sw, ri, xq, xc, da, t0, out)
                 t0 += 4
+            elif T - t0 == 3:
+                while r + NR3 <= r1:
+                    _rows3(w, sw, r, xq, xc, da, t0, out)
+                    r += NR3
+                for ri in range(r, r1):
+                    _one3(w, sw, ri, xq, xc, da, t0, out)
+                t0 += 3
             elif T - t0 >= 2:
                 while r + NR2 <= r1:
-                    _rows2(w, sw, r, xq, xc, xd, t0, out)
+                    _rows2(w, sw, r, xq, xc, da, t0, out)
                     r += NR2
                 for ri in range(r, r1):
-                    _one2(w, sw, ri, xq, xc, xd, t0, out)
+                    _one2(w, sw, ri, xq, xc, da, t0, out)
                 t0 += 2
             else:
                 while r + NR1 <= r1:
-                    _rows1(w, sw, r, xq, xc, xd, t0, out)
+                    _rows1(w, sw, r, xq, xc, da, t0, out)
                     r += NR1
                 for ri in range(r, r1):
-                    _one1(w, sw, ri, xq, xc, xd, t0, out)
+                    _one1(w, sw, ri, xq, xc, da, t0, out)
                 t0 += 1
 
 
@@ -312,13 +326,13 @@ def matmul(q: np.ndarray, s: np.ndarray, x: np.ndarray, threads: int | None = No
         raise ValueError(f"int8 head of {q.shape[1]} columns (a multiple of 64) against input of {x.shape[1]}")
     if threads is not None:
         numba.set_num_threads(threads)
-    qa, da, xc, xd = prepare(x)
+    qa, da, xc = prepare(x)
     out = np.empty((qa.shape[0], q.shape[0]), np.float32)
     v = v or variant()
     if v == "plain":
         _plain(q, s, qa, da, out)
     else:
-        _driver_for(v)(q, s, qa, xc, xd, out)
+        _driver_for(v)(q, s, qa, xc, da, out)
     return out
 
 
