@@ -17,7 +17,10 @@ whose plain pass is off's).
   tokens(k) = 1 + sum_{j=1..k} prod_{i<j} alpha_i
 and it drafts the k in 0..kmax with the most tokens per second, tokens(k) / cost(k).
 - t(n): the measured seconds of main-model passes of n tokens (a decaying mean per n, drawn
-  towards the line below while it has few timings); an n not yet measured is predicted from
+  towards the line below while it has few timings); t(1) is the one-token mean, or the fastest
+  of the last `RECENT` one-token passes or a longer pass's mean where lower (while drafting no
+  one-token pass is timed, and a one-token mean measured high early would make every extra token
+  look free and credit drafts with steps they did not save); an n not yet measured is predicted from
   t(1) plus a per-extra-token slope: the slope measured by the
   multi-token passes so far, else a prior from what a one-token pass reads: every extra token
   may route to experts no other token of the pass uses, so it costs up to the bytes a one-token
@@ -55,6 +58,7 @@ It never makes a prompt slower than `off` beyond noise:
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +73,7 @@ COMPUTE_SHARE = 0.25  # prior: an extra token of a pass costs this share of a st
 SPREAD = 1.0  # phantom drafts either way in the acceptance's range
 MOST_WATCHES = 5  # an episode that has not decided after this many watches ends
 GRACE = 8.0  # one-token steps verified drafting may lose before the ledger stops it
+RECENT = 8  # one-token passes whose fastest bounds t(1): a mean still carrying a slow start is stale
 DRAFT_PRIOR = 0.5  # prior: a drafter run costs this share of a one-token pass (before one is timed)
 
 
@@ -146,6 +151,7 @@ class AutoDrafts:
     drafting: bool = False  # verified drafts while they pay
     opened_at: tuple[float, float] = (0.0, 0.0)  # the ledger and the time measured when the episode started
     watches: int = 0  # watches of the current episode so far
+    recent_t1: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # the last one-token passes' seconds
 
     # ---- what it measured -------------------------------------------------------------------
     def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
@@ -153,8 +159,9 @@ class AutoDrafts:
         self.passes.setdefault(n, _Mean()).add(seconds)
         if n == 1:
             self.step_bytes.add(read_bytes)
-        elif self.passes.get(1, _Mean()).known:
-            self.slope.add(max(0.0, (seconds - self.passes[1].value) / (n - 1)))
+            self.recent_t1.append(seconds)
+        elif self._t1_known:
+            self.slope.add(max(0.0, (seconds - self.t(1)) / (n - 1)))
         if read_bytes and read_seconds > 0:
             self.read_rate.add(read_bytes / read_seconds)
 
@@ -227,7 +234,11 @@ class AutoDrafts:
         """Predicted seconds of a main-model pass of n tokens: its own mean, drawn towards the line
         through t(1) with the slope of all multi-token passes (a length timed once or twice on a
         loaded machine says little: `SHRINK` passes' worth of the line)."""
-        t1 = self.passes[1].value
+        # a one-token mean above the last few one-token passes, or above a longer pass's mean, is
+        # stale (plain steps timed early, or under a load since gone, and not timed again while
+        # drafting feeds only longer passes): it would make every extra token look free and credit
+        # drafts with steps they did not save. The lower figure errs towards plain steps.
+        t1 = min([m.value for m in self.passes.values() if m.known] + list(self.recent_t1))
         if n == 1:
             return t1
         if self.slope.known:
