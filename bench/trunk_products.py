@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+from decode_floor import machine  # bench/ is on sys.path: the script's own folder
 
 from dsv4stream.measure import readrate
 
@@ -68,17 +69,6 @@ class _Timing:
         return timed
 
 
-def machine() -> str:
-    model, flags = "?", []
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name") and model == "?":
-            model = line.split(":", 1)[1].strip()
-        if line.startswith("flags") and not flags:
-            flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma"))]
-    load = ",".join(f"{v:.2f}" for v in os.getloadavg())
-    return f"machine: {model}, {os.cpu_count()} CPUs, {' '.join(flags)}; load {load}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
@@ -88,6 +78,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=3.0)
     ap.add_argument("--prompt-ids", default="0,100,2000,30000")
     a = ap.parse_args()
+    if a.gen < 2:  # the first token comes from the prompt's pass: --gen 1 times no decode step
+        ap.error("--gen must be at least 2 (the first token is the prompt's; the steps after it are timed)")
 
     from dsv4stream import kernels
     from dsv4stream.run.runinfo import RunOptions
