@@ -65,7 +65,7 @@ class StoreStats:
     prefetches: int
     prefetch_used: int
     prefetch_unused: int
-    bytes_read: int
+    bytes_read: int  # of finished reads: a snapshot taken while prefetches run counts fewer
     read_seconds: float  # wall time with at least one read in flight
     read_gbps: float  # bytes_read / read_seconds / 1e9
     wait_seconds: float  # time callers blocked on reads: I/O not hidden behind compute
