@@ -93,15 +93,18 @@ def cycles_line(rec: Recorded, spec, t_off: float, seconds: float, tokens: int) 
     p = rec.policy
     passes = " ".join(f"{n}:{statistics.fmean(v) * 1e3:.1f}ms*{len(v)}" for n, v in sorted(rec.passes.items()))
     draft = f"{statistics.fmean(rec.drafts) * 1e3:.1f}ms*{len(rec.drafts)}" if rec.drafts else "none"
-    seen = spec.drafted + spec.watch_drafted
-    truth = (spec.accepted + spec.watch_accepted) / seen if seen else 0.0
+    # the per-draft acceptance as the policy estimates it: accepted drafts over accepted drafts and
+    # first rejections (re-feeds, and each watch counted as ending on a wrong draft: a low bound)
+    right = spec.accepted + spec.watch_accepted
+    truth = right / (right + spec.refeeds + spec.watches) if right + spec.refeeds + spec.watches else 0.0
+    extra = p.verify_other.value - p.plain_other.value if p.verify_other.known and p.plain_other.known else 0.0
     loss = seconds - tokens * t_off  # against the off runs around the row
     # the decode's seconds outside passes and drafter runs (snapshots, restores, picks, taps), per cycle
     other = (seconds - sum(map(sum, rec.passes.values())) - sum(rec.drafts)) / max(1, spec.cycles)
     return (
         f"#   cycles: verified={spec.verify_passes} watched={spec.watches} plain={spec.steps - spec.watches}"
         f" refeeds={spec.refeeds}({spec.refeed_tokens} tokens) passes(ms by length)={{{passes}}} drafter={draft}"
-        f" other={other * 1e3:.1f}ms/cycle t1_policy={p.t(1) * 1e3:.1f}ms t1_off={t_off * 1e3:.1f}ms alpha_policy={p.alpha:.2f}"
+        f" other={other * 1e3:.1f}ms/cycle verify_extra_policy={extra * 1e3:.1f}ms t1_policy={p.t(1) * 1e3:.1f}ms t1_off={t_off * 1e3:.1f}ms alpha_policy={p.alpha:.2f}"
         f" alpha_seen={truth:.2f} ledger={p.ledger:.2f}s loss_vs_off={loss:.2f}s"
     )
 
