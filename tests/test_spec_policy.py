@@ -24,20 +24,21 @@ STREAM = {"t1": 1.0, "slope": 0.9, "draft": 0.8, "reads": 0.7}
 
 def simulate(
     policy, n: int, p: float, *, t1: float, slope: float, draft: float, reads: float, seed: int = 0, slow: int = 0,
-    other: float = 0.0,
+    other: float = 0.0, jump: float = 0.0,
 ):  # fmt: skip
     """(speed against off, drafter runs, drafts verified) of an n-token reply; `reads`: the
     seconds of a one-token pass spent reading experts (1 GB/s), each extra token reading as much;
     `slow`: the first passes of the reply take 1.5 times as long (a cold start, or the load);
     `other`: a verifying cycle's own seconds outside its pass and drafter run (its snapshot, a
-    restore, its picks), beyond a plain cycle's (none)."""
+    restore, its picks), beyond a plain cycle's (none); `jump`: what a pass of two tokens or more
+    costs beyond the line (the one-token products are row kernels, longer ones others)."""
     rng = random.Random(seed)
     spent_total, done, carry, watch, runs, verified = 0.0, 1, 0, None, 0, 0
     timed = [0]
 
     def pass_seconds(tokens: int) -> float:
         timed[0] += 1
-        return (t1 + slope * (tokens - 1)) * (1.5 if timed[0] <= slow else 1.0)
+        return (t1 + slope * (tokens - 1) + (jump if tokens > 1 else 0.0)) * (1.5 if timed[0] <= slow else 1.0)
 
     while done < n:
         kmax = min(BLOCK, n - done - 1)
@@ -101,25 +102,28 @@ def test_a_slow_start_does_not_make_marginal_drafts_look_paying(costs) -> None:
         assert sum(speeds) / len(speeds) >= 0.975 * off and min(speeds) >= 0.92 * off, (p, speeds)
 
 
-# demo-v41 in RAM with the bench's stand-in drafter (free): an extra token of a pass about a
-# quarter of a step, and a verifying cycle's snapshot, restore and picks about 5 % of one (2-5 ms)
-FREE_DRAFTER = {"t1": 1.0, "slope": 0.25, "draft": 0.0, "reads": 0.0}
+# a small model in RAM with a free drafter (the bench's stand-in): an extra token of a pass costs
+# little, and a verifying cycle's own work outside its pass (its snapshot, a restore after a
+# rejection, k + 1 picks) as much as a step (1-4 ms: 5-10 % of a step on demo-v41, about one on tiny-v41)
+SMALL = {"t1": 1.0, "draft": 0.0, "reads": 0.0, "other": 1.0}
 
 
-@pytest.mark.parametrize("other", [0.2, 0.3])
-def test_a_verifying_cycles_own_work_is_counted(other) -> None:
-    """Where a verifying cycle's work outside its pass (snapshot, restore, k + 1 picks) makes 60 %
-    acceptance lose (the best fixed length below off), auto stays within 3 % of off: its model and
-    its ledger count that work (before, both saw only passes and drafter runs, and drafted on)."""
-    c = dict(FREE_DRAFTER, other=other)
-    assert max(simulate(FixedDrafts(k), 4000, 0.6, **c)[0] for k in range(1, BLOCK + 1)) < 1.0
-    speeds = [simulate(AutoDrafts(BLOCK), 128, 0.6, seed=s, **c)[0] for s in range(16)]
-    assert sum(speeds) / len(speeds) >= 0.97 and min(speeds) >= 0.94, speeds
+@pytest.mark.parametrize("slope,p", [(0.1, 0.6), (0.05, 0.5)])
+def test_a_verifying_cycles_own_work_is_counted(slope, p) -> None:
+    """Where a verifying cycle's work outside its pass makes drafting lose (every fixed length
+    below off), auto stays within 2 % of off on average and 5 % at worst: its model and its ledger
+    count that work. Before, both saw only passes and drafter runs and drafted on at a loss (mean
+    0.971, worst 0.896 at 60 %; worst 0.830 at 50 %)."""
+    c = dict(SMALL, slope=slope)
+    assert max(simulate(FixedDrafts(k), 4000, p, **c)[0] for k in range(1, BLOCK + 1)) < 0.9
+    speeds = [simulate(AutoDrafts(BLOCK), 128, p, seed=s, **c)[0] for s in range(16)]
+    assert sum(speeds) / len(speeds) >= 0.98 and min(speeds) >= 0.95, speeds
 
 
-def test_drafts_where_a_verifying_cycles_own_work_leaves_a_gain() -> None:
-    """The same costs with that work at 5 % of a step: 90 % acceptance still drafts and gains."""
-    c = dict(FREE_DRAFTER, other=0.05)
+@pytest.mark.parametrize("other", [0.05, 1.0])
+def test_drafts_where_a_verifying_cycles_own_work_leaves_a_gain(other) -> None:
+    """The same costs at 90 % acceptance, that work 5 % of a step or a whole one: it drafts and gains."""
+    c = dict(SMALL, slope=0.1, other=other)
     speeds = [simulate(AutoDrafts(BLOCK), 128, 0.9, seed=s, **c)[0] for s in range(16)]
     assert sum(speeds) / len(speeds) >= 1.3, speeds
 
