@@ -36,7 +36,8 @@ An auto row that drafted adds a `cycles:` line: its cycles by kind (verified, wa
 re-fed), the measured mean seconds of its passes by length and of its drafter runs, the policy's
 last t(1) and acceptance against the truth (the `off` runs' seconds per token around it; the
 acceptance of its verified and watched drafts), and its ledger against the measured loss.
-`--no-stand-in` skips the stand-in rows; `--numerics` (default fast, as `dsv4 run`; an engine
+`--drafters dspark,30,60,90` (the default) picks the rows' drafters (a stand-in by its percent
+right); `--no-stand-in` skips the stand-in rows; `--numerics` (default fast, as `dsv4 run`; an engine
 opened without one runs V4.1's official grids). Prints a header (machine, load, numerics) and one
 line per row; a row whose ids differ from off's says IDS-DIFFER, and the bench then ends with a
 line naming every such row and exit status 1.
@@ -53,8 +54,6 @@ from collections import defaultdict
 import numpy as np
 
 from dsv4stream.measure.machine import cpu_description
-
-MISSES = (0.7, 0.4, 0.1)
 
 
 class Recorded:
@@ -110,8 +109,8 @@ def cycles_line(rec: Recorded, spec, t_off: float, seconds: float, tokens: int) 
 
 
 def stand_in(name: str) -> float:
-    """The miss rate of a stand-in drafter's row name."""
-    return MISSES[[f"STAND-IN-p{round(100 * (1 - m))}" for m in MISSES].index(name)]
+    """The miss rate of a stand-in drafter's row name (`STAND-IN-p60`: 0.4)."""
+    return (100 - int(name.removeprefix("STAND-IN-p"))) / 100
 
 
 def drafted_run(rt, cfg, prompt: list[int], off_ids: list[int], drafter: str, setting: str, gen: int):
@@ -147,6 +146,9 @@ def main() -> None:
     ap.add_argument("--settings", default="off,1,2,3,4,auto", help="off is the baseline run between rows")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of (off, row) alternations; the summary's median")
     ap.add_argument("--no-stand-in", action="store_true", help="skip the stand-in drafter's rows")
+    ap.add_argument(
+        "--drafters", default="dspark,30,60,90", help="rows' drafters: dspark and stand-ins by percent right"
+    )
     ap.add_argument("--numerics", default=None, help="exact, official or fast (default: fast, as dsv4 run)")
     a = ap.parse_args()
 
@@ -172,7 +174,9 @@ def main() -> None:
     }
     prompt = [3 + i for i in range(a.prompt)]
     settings = [x for x in a.settings.split(",") if x != "off"]
-    drafters = ["dspark", *([] if a.no_stand_in else [f"STAND-IN-p{round(100 * (1 - m))}" for m in MISSES])]
+    drafters = [d if d == "dspark" else f"STAND-IN-p{int(d)}" for d in a.drafters.split(",")]
+    if a.no_stand_in:
+        drafters = [d for d in drafters if d == "dspark"]
     rows = [(d, st) for d in drafters for st in settings]
     summary: list[str] = []
 
