@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from dsv4stream.engine.spec_policy import SHARE, AutoDrafts, FixedDrafts
+from dsv4stream.engine.spec_policy import REMEASURE, SHARE, AutoDrafts, FixedDrafts
 
 BLOCK = 5
 # per one-token pass: in RAM an extra token of a pass costs a quarter of a step; streaming, a
@@ -173,3 +173,23 @@ def test_a_run_policy_keeps_learning_across_replies() -> None:
     for r in range(40):
         total += 1 / simulate(policy, 64, 0.0, seed=r, **STREAM)[0]
     assert 40 / total >= 1 - 1.5 * SHARE
+
+
+def test_while_drafting_a_plain_step_times_t1_again() -> None:
+    """97 % right in RAM, a 400-token reply: auto drafts throughout, and one pass in every
+    REMEASURE + 2 after it started is a one-token step (a re-feed pass may fall between): t(1)
+    is timed again, else a one-token time measured under another load would stay what every
+    draft is weighed against (main's policy: one stretch of 70 passes without one)."""
+
+    class Logged(AutoDrafts):
+        def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
+            self.lengths.append(n)
+            super().passed(n, seconds, read_bytes, read_seconds)
+
+    policy = Logged(BLOCK)
+    policy.lengths = []
+    speed, _, verified = simulate(policy, 400, 0.97, **RAM)
+    assert speed > 1.3 and verified > 200
+    after = policy.lengths[next(i for i, n in enumerate(policy.lengths) if n > 1) :]
+    gaps = [len(g) for g in "".join("1" if n == 1 else "x" for n in after).split("1")[:-1]]
+    assert len(gaps) >= 2 and max(gaps) <= REMEASURE + 1, gaps
