@@ -31,7 +31,7 @@ and it drafts the k in 0..kmax with the most tokens per second, tokens(k) / cost
   While drafting, a plain step every `REMEASURE` passes times t(1) again (the one-token time it
   compares every draft with; the machine's load moves).
 - t_extra: what a verifying cycle spends outside its pass and drafter run beyond a plain cycle
-  (its snapshot, a restore after a rejection, k + 1 picks: 1-5 ms on demo-v41, 3-10 % of a
+  (its snapshot, a restore after a rejection, k + 1 picks: 1-7 ms on demo-v41, 3-10 % of a
   step), measured once it has verified (a prior share of t(1) before); the ledger is charged it too.
 - alpha_i: the acceptance of recent drafts, verified or watched (decaying counts of accepted
   drafts and first rejections: the geometric model's estimate), scaled per slot by the drafter's
