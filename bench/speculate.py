@@ -11,38 +11,129 @@ Random weights make the checkpoint's drafter accept almost nothing, so the bench
 STAND-IN drafter (rows marked `drafter=STAND-IN-p30` etc., never the checkpoint's): it proposes off's
 own greedy ids, each one replaced by a wrong id with probability `miss` (0.7, 0.4, 0.1: each draft
 right with probability 30, 60 or 90 %, `STAND-IN-p30` etc.; `acceptance` counts the drafts after a
-first miss as not accepted, so it reads lower), to show what `auto` decides there next to a fixed N.
+first miss as not accepted, so it reads lower), to show what `auto` decides there next to the
+fixed N of `--settings`.
 
 Timed window of a row: the decode of one generation, from the first token yielded (the prefill
-excluded) to the last (every drafter run, verification pass, re-feed and pick). Ratios: decode
-tokens/s against `off` at the same budget in the same process (`x_off`; off runs once first to warm
-the kernels and the cache, untimed), and against the row's own estimate of its time without drafts
-(`x_est` = tokens x the one-token passes it measured / its decode time: on a shared machine whose
-load moves between rows, the steadier of the two), and `x_off_cpu`: off's process CPU seconds over
-the row's for the same tokens (the decode's CPU time, which other processes' load moves less than
-wall time; it leaves out the time waiting on reads, so streaming it says less than `x_off`).
+excluded) to the last (every drafter run, verification pass, re-feed and pick). Before any timed
+row each budget runs untimed warm-ups (off, a fixed draft of 3 and auto: the kernels, the
+multi-token passes and the expert cache). Then each round runs `off` before every row and once more
+after the last (off, A, off, B, ..., off), and a row's ratios are against the mean of the two `off`
+runs around it (a load that drifts between rows moves both sides alike):
+`x_off` (decode tokens/s) and `x_off_cpu` (process CPU seconds of the same tokens: the decode's
+CPU time, which other processes' load moves less than wall time; it leaves out the time waiting
+on reads, so streaming it says less). The noise those ratios carry is measured the same way:
+`off/off` is each `off` run against the mean of its neighbours. The summary at the end gives, per
+row, the median over rounds with the lowest and highest, and the off/off spread beside them, so a
+0.95 can be told from noise (`--repeat R`: R rounds; more rounds, a narrower median).
+Every `auto` row runs a fresh policy (as a run's first reply; `dsv4 run` keeps one per run).
 Also per row: acceptance, mean accepted length (tokens per verification pass), drafted and
-verified tokens, expert MB read per token, auto's draft lengths ({k: cycles}), its time estimate
-without drafts, and its watches (drafter runs whose drafts were only compared with the picks:
-`watches=N(right/drafted_right)`).
-`--repeat R` runs off and the settings R times in turn (each row's x_off against the off run just
-before it); `--no-stand-in` skips the stand-in rows; `--numerics` (default fast, as `dsv4 run`;
-an engine opened without one runs V4.1's official grids). Prints a header (machine, load,
-numerics) and one line per row; a row whose ids differ from off's says IDS-DIFFER, and the bench
-then ends with a line naming every such row and exit status 1.
+verified tokens, expert MB read per token, the draft lengths ({k: cycles}), its watches
+(drafter runs whose drafts were only compared with the picks: `watches=N(right/drafted_right)`)
+and `x_est` (the row's own time without drafts, from the one-token passes it timed, over its
+decode time: in rows that draft it rests on few one-token passes, so x_off is the figure).
+An auto row that drafted adds a `cycles:` line: its cycles by kind (verified, watched, plain,
+re-fed), the measured mean seconds of its passes by length and of its drafter runs, the policy's
+last t(1) and acceptance against the truth (the `off` runs' seconds per token around it; the
+acceptance of its verified and watched drafts), and its ledger against the measured loss.
+`--drafters dspark,30,60,90` (the default) picks the rows' drafters (a stand-in by its percent
+right); `--no-stand-in` skips the stand-in rows; `--numerics` (default fast, as `dsv4 run`; an engine
+opened without one runs V4.1's official grids). Prints a header (machine, load, numerics) and one
+line per row; a row whose ids differ from off's says IDS-DIFFER, and the bench then ends with a
+line naming every such row and exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
+from collections import defaultdict
 
 import numpy as np
 
 from dsv4stream.measure.machine import cpu_description
 
-MISSES = (0.7, 0.4, 0.1)
+
+class Recorded:
+    """A policy, with what it was told recorded: each pass's length and seconds, each drafter run's
+    seconds (the measured truth the `cycles:` line sets the policy's estimates against)."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+        self.passes: dict[int, list[float]] = defaultdict(list)
+        self.drafts: list[float] = []
+
+    def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
+        self.passes[n].append(seconds)
+        self.policy.passed(n, seconds, read_bytes, read_seconds)
+
+    def drafted(self, seconds: float) -> None:
+        self.drafts.append(seconds)
+        self.policy.drafted(seconds)
+
+    def __getattr__(self, name: str):
+        return getattr(self.policy, name)
+
+
+def timed(gen) -> tuple[list[int], float, float]:
+    """(ids, decode wall seconds, decode process CPU seconds) of a generation, from its first token."""
+    ids, t_first, c_first = [], 0.0, 0.0
+    for tok in gen:
+        if not ids:
+            t_first, c_first = time.perf_counter(), time.process_time()
+        ids.append(tok)
+    return ids, time.perf_counter() - t_first, time.process_time() - c_first
+
+
+def cycles_line(rec: Recorded, spec, t_off: float, seconds: float, tokens: int) -> str:
+    """What an auto row did and what its policy believed, against the measured truth."""
+    p = rec.policy
+    passes = " ".join(f"{n}:{statistics.fmean(v) * 1e3:.1f}ms*{len(v)}" for n, v in sorted(rec.passes.items()))
+    draft = f"{statistics.fmean(rec.drafts) * 1e3:.1f}ms*{len(rec.drafts)}" if rec.drafts else "none"
+    # the per-draft acceptance as the policy estimates it: accepted drafts over accepted drafts and
+    # first rejections (re-feeds, and each watch counted as ending on a wrong draft: a low bound)
+    right = spec.accepted + spec.watch_accepted
+    truth = right / (right + spec.refeeds + spec.watches) if right + spec.refeeds + spec.watches else 0.0
+    extra = p.verify_other.value - p.plain_other.value if p.verify_other.known and p.plain_other.known else 0.0
+    loss = seconds - tokens * t_off  # against the off runs around the row
+    # the decode's seconds outside passes and drafter runs (snapshots, restores, picks, taps), per cycle
+    other = (seconds - sum(map(sum, rec.passes.values())) - sum(rec.drafts)) / max(1, spec.cycles)
+    return (
+        f"#   cycles: verified={spec.verify_passes} watched={spec.watches} plain={spec.steps - spec.watches}"
+        f" refeeds={spec.refeeds}({spec.refeed_tokens} tokens) passes(ms by length)={{{passes}}} drafter={draft}"
+        f" other={other * 1e3:.1f}ms/cycle verify_extra_policy={extra * 1e3:.1f}ms t1_policy={p.t(1) * 1e3:.1f}ms t1_off={t_off * 1e3:.1f}ms alpha_policy={p.alpha:.2f}"
+        f" alpha_seen={truth:.2f} ledger={p.ledger:.2f}s loss_vs_off={loss:.2f}s"
+    )
+
+
+def stand_in(name: str) -> float:
+    """The miss rate of a stand-in drafter's row name (`STAND-IN-p60`: 0.4)."""
+    return (100 - int(name.removeprefix("STAND-IN-p"))) / 100
+
+
+def drafted_run(rt, cfg, prompt: list[int], off_ids: list[int], drafter: str, setting: str, gen: int):
+    """(session, generator, recorded policy) of one drafting row, a fresh policy each."""
+    from dsv4stream.engine.spec_policy import AutoDrafts, FixedDrafts
+    from dsv4stream.engine.speculate import speculative_generate
+    from dsv4stream.engine.speculate_v41 import ScriptedDrafter
+    from dsv4stream.text.sampler import greedy
+
+    block = cfg.dspark.block_size
+    s = rt.session()
+    policy = Recorded(AutoDrafts(block) if setting == "auto" else FixedDrafts(int(setting)))
+    if drafter == "dspark":
+        d = rt.speculator.drafter(s)
+    else:
+        rng, miss, full = np.random.default_rng(7), stand_in(drafter), [*prompt, *off_ids]
+
+        def propose(pos: int, token: int, k: int) -> list[int]:
+            want = full[pos + 2 : pos + 2 + k]
+            return [t if rng.random() >= miss else (t + 1) % cfg.vocab_size for t in want]
+
+        d = ScriptedDrafter(propose, block)
+    return s, speculative_generate(s, prompt, gen, greedy, d, policy, setting=setting, max_pos=rt.opts.ctx), policy
 
 
 def main() -> None:
@@ -52,28 +143,27 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1, help="kernel threads (1: steady on a shared machine)")
     ap.add_argument("--budgets", default="ram,stream")
-    ap.add_argument("--settings", default="off,1,2,3,4,auto")
-    ap.add_argument("--repeat", type=int, default=1, help="run off and the settings this many times, alternating")
+    ap.add_argument("--settings", default="off,1,2,3,4,auto", help="off is the baseline run between rows")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of (off, row) alternations; the summary's median")
     ap.add_argument("--no-stand-in", action="store_true", help="skip the stand-in drafter's rows")
+    ap.add_argument(
+        "--drafters", default="dspark,30,60,90", help="rows' drafters: dspark and stand-ins by percent right"
+    )
     ap.add_argument("--numerics", default=None, help="exact, official or fast (default: fast, as dsv4 run)")
     a = ap.parse_args()
 
     from dsv4stream.checkpoint.catalog import Catalog
     from dsv4stream.engine.numerics import RUN_DEFAULT, canonical
-    from dsv4stream.engine.spec_policy import AutoDrafts, FixedDrafts
-    from dsv4stream.engine.speculate import speculative_generate
-    from dsv4stream.engine.speculate_v41 import ScriptedDrafter
     from dsv4stream.run import planner
     from dsv4stream.run.memory import measure
     from dsv4stream.run.runinfo import RunOptions
     from dsv4stream.run.runtime import Runtime
-    from dsv4stream.text.sampler import greedy
 
     numerics = canonical(a.numerics or RUN_DEFAULT)
     load = os.getloadavg()
     print(
         f"# machine: {cpu_description()} cores={os.cpu_count()} load_avg={load[0]:.2f},{load[1]:.2f},{load[2]:.2f}"
-        f" numerics={numerics} threads={a.threads} prompt={a.prompt} gen={a.gen}"
+        f" numerics={numerics} threads={a.threads} prompt={a.prompt} gen={a.gen} rounds={a.repeat}"
     )
     differ: list[str] = []
     cfg = Catalog.open(a.checkpoint).config
@@ -83,84 +173,92 @@ def main() -> None:
         "stream": planner.budget_for(needs, 2 * cfg.working_set_experts),
     }
     prompt = [3 + i for i in range(a.prompt)]
-
-    def timed(gen) -> tuple[list[int], float, float]:
-        ids, t_first, c_first = [], 0.0, 0.0
-        for tok in gen:
-            if not ids:
-                t_first, c_first = time.perf_counter(), time.process_time()
-            ids.append(tok)
-        return ids, time.perf_counter() - t_first, time.process_time() - c_first
+    settings = [x for x in a.settings.split(",") if x != "off"]
+    drafters = [d if d == "dspark" else f"STAND-IN-p{int(d)}" for d in a.drafters.split(",")]
+    if a.no_stand_in:
+        drafters = [d for d in drafters if d == "dspark"]
+    rows = [(d, st) for d in drafters for st in settings]
+    summary: list[str] = []
 
     for where in a.budgets.split(","):
         opts = RunOptions(budget=budgets[where], threads=a.threads, trunk="", numerics=numerics)
+        label = f"budget={where}({budgets[where] / 1e9:.2f}GB)"
         with Runtime.open(a.checkpoint, opts) as rt:
+            off_ids: list[int] = []
 
-            def row(drafter: str, setting, ids, timing, spec, base, where=where) -> None:
-                seconds, cpu = timing[1], timing[2]
-                rate = (len(ids) - 1) / seconds
+            def off_run(rt=rt):
+                return timed(rt.generate(rt.session(), prompt, a.gen, speculate="off"))
+
+            # untimed warm-ups: kernels, multi-token passes, the expert cache, the drafter
+            off_ids = off_run()[0]
+            for d, st in (("dspark", "3"), ("dspark", "auto")):
+                list(drafted_run(rt, cfg, prompt, off_ids, d, st, min(a.gen, 32))[1])
+            offs: list[tuple[float, float]] = []  # (tok/s, cpu s) of every timed off run, in order
+            got_rows: list[tuple[str, str, int, list[int], tuple, object, Recorded]] = []  # row, index of off before
+            for _r in range(a.repeat):
+                for d, st in rows:
+                    o = off_run()
+                    if o[0] != off_ids:
+                        differ.append(f"{where}/off")
+                    offs.append(((len(o[0]) - 1) / o[1], o[2]))
+                    s, g, rec = drafted_run(rt, cfg, prompt, off_ids, d, st, a.gen)
+                    got = timed(g)
+                    got_rows.append((d, st, len(offs) - 1, got[0], got, s.turn.speculation, rec))
+            o = off_run()
+            offs.append(((len(o[0]) - 1) / o[1], o[2]))
+
+            per_row: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+            for d, st, i, ids, t, spec, rec in got_rows:
+                rate, cpu = (len(ids) - 1) / t[1], t[2]
+                off_rate = (offs[i][0] + offs[i + 1][0]) / 2
+                off_cpu = (offs[i][1] + offs[i + 1][1]) / 2
+                x, x_cpu = rate / off_rate, off_cpu / cpu if cpu else 1.0
+                per_row[(d, st)].append((x, x_cpu))
                 same = "same-ids"
-                if ids != base[0]:
-                    at = next((i for i, (x, y) in enumerate(zip(ids, base[0])) if x != y), min(len(ids), len(base[0])))
+                if ids != off_ids:
+                    at = next((j for j, (u, v) in enumerate(zip(ids, off_ids)) if u != v), min(len(ids), len(off_ids)))
                     same = f"IDS-DIFFER(at {at})"
-                    differ.append(f"{where}/{drafter}/{setting}")
-                x = rate / base[1] if base[1] else 1.0
-                x_cpu = base[2] / cpu if cpu else 1.0
-                s = spec or None
-                extra = ""
-                if s is not None and s.seconds_without:
-                    extra = f" x_est={s.seconds_without / seconds:.2f}"
-                if s is not None:
-                    lengths = ",".join(f"{k}:{v}" for k, v in sorted(s.lengths.items()))
-                    extra += (
-                        f" acceptance={s.acceptance:.2f} mean_len={s.mean_accepted_length:.2f} drafted={s.drafted}"
-                        f" verified={s.verified_tokens} refeeds={s.refeeds} MB_per_tok={s.expert_bytes_per_token / 1e6:.2f}"
-                        f" est_without_s={s.seconds_without:.2f} lengths={{{lengths}}}"
-                    )
-                    if s.watches:
-                        extra += f" watches={s.watches}({s.watch_accepted}/{s.watch_drafted}_right)"
-                line = (
-                    f"budget={where}({budgets[where] / 1e9:.2f}GB) drafter={drafter} speculate={setting}"
-                    f" tok_s={rate:.2f} x_off={x:.2f} x_off_cpu={x_cpu:.2f} decode_s={seconds:.2f} cpu_s={cpu:.2f} {same}{extra}"
+                    differ.append(f"{where}/{d}/{st}")
+                lengths = ",".join(f"{k}:{v}" for k, v in sorted(spec.lengths.items()))
+                extra = f" x_est={spec.seconds_without / t[1]:.2f}" if spec.seconds_without else ""
+                extra += (
+                    f" acceptance={spec.acceptance:.2f} mean_len={spec.mean_accepted_length:.2f} drafted={spec.drafted}"
+                    f" verified={spec.verified_tokens} refeeds={spec.refeeds}"
+                    f" MB_per_tok={spec.expert_bytes_per_token / 1e6:.2f} lengths={{{lengths}}}"
                 )
-                print(line, flush=True)
-
-            list(rt.generate(rt.session(), prompt, a.gen, speculate="off"))  # warm-up, untimed
-            for r in range(a.repeat):  # x_off: against the off run just before (the load moves)
-                s0 = rt.session()
-                t_off = timed(rt.generate(s0, prompt, a.gen, speculate="off"))
-                ids0 = t_off[0]
-                if r == 0:
-                    off = ids0
-                base = (off, (len(ids0) - 1) / t_off[1], t_off[2])
-                row("dspark", "off", ids0, t_off, None, base)
-                for setting in a.settings.split(","):
-                    if setting == "off":
-                        continue
-                    s = rt.session()
-                    got = timed(rt.generate(s, prompt, a.gen, speculate=setting))
-                    row("dspark", setting, got[0], got, s.turn.speculation, base)
-            full = [*prompt, *off]
-            for miss in () if a.no_stand_in else MISSES:
-                for setting in ("auto", 3):
-                    rng = np.random.default_rng(7)
-
-                    def propose(pos: int, token: int, k: int, rng=rng, miss=miss, full=full) -> list[int]:
-                        want = full[pos + 2 : pos + 2 + k]
-                        return [t if rng.random() >= miss else (t + 1) % cfg.vocab_size for t in want]
-
-                    s = rt.session()
-                    policy = AutoDrafts(cfg.dspark.block_size) if setting == "auto" else FixedDrafts(setting)
-                    gen = speculative_generate(
-                        s, prompt, a.gen, greedy, ScriptedDrafter(propose, cfg.dspark.block_size), policy,
-                        setting=setting, max_pos=opts.ctx,
-                    )  # fmt: skip
-                    got = timed(gen)
-                    row(f"STAND-IN-p{round(100 * (1 - miss))}", setting, got[0], got, s.turn.speculation, base)
+                if spec.watches:
+                    extra += f" watches={spec.watches}({spec.watch_accepted}/{spec.watch_drafted}_right)"
+                print(
+                    f"{label} drafter={d} speculate={st} tok_s={rate:.2f} off_tok_s={off_rate:.2f} x_off={x:.2f}"
+                    f" x_off_cpu={x_cpu:.2f} decode_s={t[1]:.2f} cpu_s={cpu:.2f} {same}{extra}",
+                    flush=True,
+                )
+                if st == "auto" and spec.drafted:
+                    print(cycles_line(rec, spec, 1 / off_rate, t[1], len(ids) - 1), flush=True)
+            # the noise: each off run against the mean of its neighbours
+            noise = [offs[i][0] / ((offs[i - 1][0] + offs[i + 1][0]) / 2) for i in range(1, len(offs) - 1)]
+            noise_cpu = [((offs[i - 1][1] + offs[i + 1][1]) / 2) / offs[i][1] for i in range(1, len(offs) - 1)]
+            rates = [r for r, _ in offs]
+            summary.append(
+                f"{label} off: tok_s median {statistics.median(rates):.2f} [{min(rates):.2f}, {max(rates):.2f}]"
+                f" over {len(offs)} runs; off/off {_spread(noise)} cpu {_spread(noise_cpu)} (the noise)"
+            )
+            for (d, st), xs in per_row.items():
+                summary.append(
+                    f"{label} drafter={d} speculate={st}: x_off {_spread([x for x, _ in xs])}"
+                    f" x_off_cpu {_spread([c for _, c in xs])}"
+                )
+    print("# summary: median [lowest, highest] over rounds, each against the off runs around it", flush=True)
+    for line in summary:
+        print(f"# {line}", flush=True)
     if differ:
         print(f"# IDS-DIFFER: {len(differ)} row(s) gave other greedy ids than off: {', '.join(differ)}", flush=True)
         raise SystemExit(1)
     print("# every row gave off's greedy ids", flush=True)
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]" if xs else "-"
 
 
 if __name__ == "__main__":

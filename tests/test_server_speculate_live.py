@@ -90,7 +90,9 @@ def test_a_batching_server_drafts_alone_and_shares_passes_together(server, ckpt)
     m = metrics(server)  # /metrics exports the same counts
     for name, key in (("drafted_tokens", "drafted_tokens"), ("accepted_tokens", "accepted_tokens"),
                       ("verified_tokens", "verified_tokens"), ("verify_passes", "verify_passes"),
-                      ("plain_steps", "plain_steps"), ("tokens", "tokens")):  # fmt: skip
+                      ("plain_steps", "plain_steps"), ("tokens", "tokens"), ("watches", "watches"),
+                      ("watch_drafted_tokens", "watch_drafted_tokens"),
+                      ("watch_accepted_tokens", "watch_accepted_tokens")):  # fmt: skip
         assert m[(f"dsv4_speculation_{name}_total", ())] == s[key], name
     cycles = {k[1][0][1]: v for k, v in m.items() if k[0] == "dsv4_speculation_cycles_total"}
     assert cycles == {k: float(v) for k, v in s["draft_lengths"].items()}

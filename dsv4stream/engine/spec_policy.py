@@ -6,13 +6,14 @@ Owns: `FixedDrafts` (`--speculate N`) and `AutoDrafts` (`--speculate auto`), ask
 `watch(kmax)`: how many drafts to propose only to compare with the tokens the main model picks
 next (a watch: no pass feeds them). Told what happened by `passed(n, seconds, bytes,
 read_seconds)` (a main-model pass of n tokens), `drafted(seconds)` (a drafter run),
+`overhead(verified, seconds)` (each cycle's own seconds outside its passes and drafter run),
 `verified(k, accepted, confidence)` (a verification pass), `watched(k, accepted, confidence)`
 (a watch, once its drafts are compared) and `settled(seconds, tokens)` (what a cycle that drafted,
 watched or fed carried tokens spent, and the tokens it picked: 0 for a watch's drafter run,
 whose plain pass is off's).
 
 `auto`'s model of one cycle that drafts k tokens (k = 0: a plain one-token step):
-  cost(k)   = t_draft + t(k + 1) + sum_{a<k} P(first reject at a) * (t(a + 2) - t(1))
+  cost(k)   = t_draft + t_extra + t(k + 1) + sum_{a<k} P(first reject at a) * (t(a + 2) - t(1))
   (after a rejection at a, the a + 1 kept tokens are fed again at the start of the next pass)
   tokens(k) = 1 + sum_{j=1..k} prod_{i<j} alpha_i
 and it drafts the k in 0..kmax with the most tokens per second, tokens(k) / cost(k).
@@ -27,6 +28,11 @@ and it drafts the k in 0..kmax with the most tokens per second, tokens(k) / cost
   step reads (its misses) at the measured read rate, plus a share of its compute.
   While drafting pays, a draft one token longer than the best is tried once for each pass length
   not yet measured (predictions from shorter passes overestimate longer ones).
+  While drafting, a plain step every `REMEASURE` passes times t(1) again (the one-token time it
+  compares every draft with; the machine's load moves).
+- t_extra: what a verifying cycle spends outside its pass and drafter run beyond a plain cycle
+  (its snapshot, a restore after a rejection, k + 1 picks: 1-7 ms on demo-v41, 3-10 % of a
+  step), measured once it has verified (a prior share of t(1) before); the ledger is charged it too.
 - alpha_i: the acceptance of recent drafts, verified or watched (decaying counts of accepted
   drafts and first rejections: the geometric model's estimate), scaled per slot by the drafter's
   confidence head (sigmoid of its raw output) relative to the confidence of recent drafts.
@@ -75,6 +81,8 @@ MOST_WATCHES = 5  # an episode that has not decided after this many watches ends
 GRACE = 8.0  # one-token steps verified drafting may lose before the ledger stops it
 RECENT = 8  # one-token passes whose fastest bounds t(1): a mean still carrying a slow start is stale
 DRAFT_PRIOR = 0.5  # prior: a drafter run costs this share of a one-token pass (before one is timed)
+REMEASURE = 24  # passes while drafting before a plain step times t(1) again
+EXTRA_PRIOR = 0.05  # prior: a verifying cycle's own work outside its pass (snapshot, restore, picks), per t(1)
 
 
 class FixedDrafts:
@@ -110,6 +118,9 @@ class FixedDrafts:
         pass
 
     def settled(self, seconds: float, tokens: int) -> None:
+        pass
+
+    def overhead(self, verified: bool, seconds: float) -> None:
         pass
 
 
@@ -152,11 +163,15 @@ class AutoDrafts:
     opened_at: tuple[float, float] = (0.0, 0.0)  # the ledger and the time measured when the episode started
     watches: int = 0  # watches of the current episode so far
     recent_t1: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # the last one-token passes' seconds
+    since_t1: int = 0  # passes since the last one-token pass
+    plain_other: _Mean = field(default_factory=_Mean)  # a plain cycle's seconds outside its pass
+    verify_other: _Mean = field(default_factory=_Mean)  # a verifying cycle's outside its pass and drafter run
 
     # ---- what it measured -------------------------------------------------------------------
     def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
         self.elapsed += seconds
         self.passes.setdefault(n, _Mean()).add(seconds)
+        self.since_t1 = 0 if n == 1 else self.since_t1 + 1
         if n == 1:
             self.step_bytes.add(read_bytes)
             self.recent_t1.append(seconds)
@@ -174,6 +189,13 @@ class AutoDrafts:
             # credit from drafts that paid is kept up to the bound's share: a run that gained
             # early does not buy unbounded watching later
             self.ledger = max(-SHARE * self.elapsed, self.ledger + seconds - tokens * self.t(1))
+
+    def overhead(self, verified: bool, seconds: float) -> None:
+        """A cycle's seconds outside its passes and drafter run; a verifying cycle's beyond a plain
+        one's (its snapshot, a restore after a rejection, k + 1 picks) goes on the ledger."""
+        (self.verify_other if verified else self.plain_other).add(seconds)
+        if verified and self.plain_other.known and self._t1_known:
+            self.ledger = max(-SHARE * self.elapsed, self.ledger + seconds - self.plain_other.value)
 
     def verified(self, k: int, accepted: int, confidence: Sequence[float]) -> None:
         self._count(k, accepted, confidence)
@@ -228,7 +250,12 @@ class AutoDrafts:
         return ledger + SHARE * (self.elapsed - elapsed) + GRACE * self.t(1)
 
     def _draft_cost(self) -> float:
-        return self.draft_seconds.value if self.draft_seconds.known else DRAFT_PRIOR * self.t(1)
+        """A verifying cycle's seconds beside its pass: the drafter run, and the cycle's own work
+        beyond a plain cycle's (measured once it has verified, else a prior)."""
+        draft = self.draft_seconds.value if self.draft_seconds.known else DRAFT_PRIOR * self.t(1)
+        if self.verify_other.known and self.plain_other.known:
+            return draft + max(0.0, self.verify_other.value - self.plain_other.value)
+        return draft + EXTRA_PRIOR * self.t(1)
 
     def t(self, n: int) -> float:
         """Predicted seconds of a main-model pass of n tokens: its own mean, drawn towards the line
@@ -282,6 +309,8 @@ class AutoDrafts:
         if kmax <= 0 or not self._t1_known:
             return 0
         if self.drafting:
+            if self.since_t1 >= REMEASURE:  # t(1) not timed for a while: one plain step times it
+                return 0
             k = self._best(kmax, self._alphas(kmax, None))[0]
             if k and self.ledger <= self.bound:
                 return self._explore(k, kmax)
@@ -298,7 +327,7 @@ class AutoDrafts:
     def watch(self, kmax: int) -> int:
         """Drafts to watch this cycle (most gave 0): the current episode's next watch, or the first
         of a new episode once it is due, affordable and could pay."""
-        if kmax <= 0 or not self._t1_known:
+        if kmax <= 0 or not self._t1_known or self.drafting:  # (drafting: a plain step timing t(1))
             return 0
         if self.watching:
             return min(self.watching, kmax)

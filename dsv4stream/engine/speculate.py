@@ -105,6 +105,8 @@ class Policy(Protocol):
 
     def settled(self, seconds: float, tokens: int) -> None: ...
 
+    def overhead(self, verified: bool, seconds: float) -> None: ...
+
     def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None: ...
 
     def drafted(self, seconds: float) -> None: ...
@@ -254,7 +256,8 @@ def speculative_generate(
             off = len(carry)
             fed = [*carry, tok, *drafts]
             session.read_ahead(fed)
-            spec.seconds += time.perf_counter() - c0
+            before = time.perf_counter() - c0  # the cycle's seconds before the pass (the drafter's included)
+            spec.seconds += before
             try:
                 yield tok
             except GeneratorExit:  # the caller keeps tok: the session holds what is before it
@@ -313,6 +316,8 @@ def speculative_generate(
                     wall += _pass(session, clock, taps, carry, turn, policy, meter, spec)[1]
                     spec.refeed_tokens += len(carry)
                     carry = []
+            # the cycle's own work outside its passes and drafter run (snapshot, restore, picks, taps)
+            policy.overhead(k > 0, max(0.0, before + time.perf_counter() - c0 - spent - wall))
             if not plain or spent:  # drafted, watched or fed carried tokens: what it cost against off
                 policy.settled(spent + (0.0 if plain else wall), 0 if plain else len(outs))
             turn.tokens.extend(outs)

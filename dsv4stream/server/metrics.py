@@ -7,8 +7,9 @@ batch (--max-batch, decode passes and the request tokens they carried, each runn
 decode rate by slot), expert-store requests / hits / bytes read and trunk bytes read from disk, the
 process's resident memory (now and peak), and speculative decoding's counts (`--speculate`, the
 ended generations' as /v1/stats sums them: drafted, accepted and verified tokens, verification
-passes, plain steps, re-feeds, seconds with drafts and the estimate without, and the cycles by
-draft length, which for `auto` are its decisions). One registry per app, so two servers in one
+passes, plain steps, re-feeds, seconds with drafts and the estimate without, `auto`'s watches
+with their drafted and confirmed tokens, and the cycles by draft length, which for `auto` are
+its decisions). One registry per app, so two servers in one
 process (the tests) do not share counters. Names start with `dsv4_`; counters end in
 `_total` as Prometheus expects.
 """
@@ -58,6 +59,9 @@ _SPECULATION = (
     ("seconds_without", "seconds_without_estimated", "Their estimated decode seconds without drafts"),
     ("draft_seconds", "draft_seconds", "Seconds spent in the drafter"),
     ("expert_bytes", "expert_disk_read_bytes", "Expert bytes read from disk while they decoded"),
+    ("watches", "watches", "Drafter runs under auto whose drafts were only compared with the next picks, never fed"),
+    ("watch_drafted", "watch_drafted_tokens", "Tokens those watches drafted"),
+    ("watch_accepted", "watch_accepted_tokens", "Watched drafts the picks confirmed (before the first wrong one)"),
 )
 
 
