@@ -289,9 +289,13 @@ def _put6(table, j, a, b, c, d, e, f):
 
 
 def _address_table(mats: list[list[np.ndarray]]) -> np.ndarray:
-    """(E, n) int64: the addresses of mats[e][0 .. n-1] (n even: (data, scale) pairs)."""
+    """(E, n) int64: the addresses of mats[e][0 .. n-1] (n even: (data, scale) pairs). Every
+    array goes in as uint8 bytes, so `_put2` and `_put6` have one signature whatever the scales'
+    type (the warm-up's units compile in parallel children: two adding different signatures
+    to one function's cache index would lose one)."""
     table = np.empty((len(mats), len(mats[0]) if mats else 0), np.int64)
     for j, row in enumerate(mats):
+        row = [_u8(a) for a in row]
         if len(row) == 6:
             _put6(table, j, *row)
         else:
