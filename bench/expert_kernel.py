@@ -30,6 +30,7 @@ Prints the CPU, its SIMD and the load with every line.
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import tempfile
 import time
@@ -109,10 +110,12 @@ def load_baseline(tree: Path) -> types.ModuleType:
 
 
 def layer_call(xq8, variant: str, x, experts, weights, es):
-    """`model.moe._layer`'s path for a layer whose experts all came in one group."""
+    """`model.moe._layer`'s path for a layer whose experts all came in one group (with the SwiGLU's
+    limit where the tree's `Layer` takes it: `experts_q8.swiglu_sum`)."""
     ids = np.unique(experts)
     group = list(zip(ids.tolist(), es, strict=True))
-    layer = xq8.Layer(variant, x, experts, weights, partial(_glu, limit=LIMIT))
+    kw = {"limit": LIMIT} if "limit" in inspect.signature(xq8.Layer).parameters else {}
+    layer = xq8.Layer(variant, x, experts, weights, partial(_glu, limit=LIMIT), **kw)
     out = layer.whole(group)
     assert out is not None
     return out

@@ -6,7 +6,8 @@ expert id order written out here. The drivers must give those bits exactly (the 
 batch equal solo steps only if they do), for E8M0 and float32 scales, token groups of 4, 2
 and 1, an expert listed twice by one token, a layer handed in any groups (`experts_q8.Layer`:
 the store's pins) with calls of any size, the host variant and AVX2 in this process, and
-AVX2 compiled for a Haswell target in a child process (generic: no driver, the old path).
+AVX2 compiled for a Haswell target in a child process (generic: no driver, the old path), the
+fused layer call (test_experts_fused.py) in that child too.
 The MoE runs a layer whose experts come in one group in two driver calls.
 """
 
@@ -280,6 +281,9 @@ def _child() -> None:
     kernels.set_numerics("fast")
     if v is not None:
         check_layer_drivers(v)
+        from test_experts_fused import check_swiglu_sum  # the fused layer call (SwiGLU inside)
+
+        check_swiglu_sum(v)
     else:
         assert kernels.q8_expert_variant(expert(np.random.default_rng(0))) is None
     print(v, "ok")

@@ -167,14 +167,25 @@ def q8_expert_variant(e) -> str | None:
 
 
 def q8_layer(
-    variant: str, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, glu, role: str, pre_weight: bool = False
+    variant: str,
+    x: np.ndarray,
+    experts: np.ndarray,
+    weights: np.ndarray,
+    glu,
+    role: str,
+    pre_weight: bool = False,
+    limit: float | None = None,
 ):
     """A layer's routed FP4 experts on `experts_q8`'s drivers (`experts_q8.Layer`): x (T, D), the
     routing experts / weights (T, k), glu(gate, up) the elementwise middle; its driver calls'
-    seconds are counted under `role`, as the products'. `pre_weight`: weights before w2 (V4.1)."""
+    seconds are counted under `role`, as the products'. `pre_weight`: weights before w2 (V4.1).
+    `limit`: glu is the MoE's clamped SwiGLU at this limit (the drivers may run it themselves)."""
     from . import experts_q8
 
-    return experts_q8.Layer(variant, x, experts, weights, glu, count=lambda t0: _count(role, t0), pre_weight=pre_weight)
+    def count(t0: float) -> None:
+        _count(role, t0)
+
+    return experts_q8.Layer(variant, x, experts, weights, glu, count=count, pre_weight=pre_weight, limit=limit)
 
 
 def matmul_grouped(ws: Sequence[QWeight], x: np.ndarray) -> np.ndarray:

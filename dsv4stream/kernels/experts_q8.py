@@ -111,6 +111,98 @@ def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
                 out[t, r] = acc
 
 
+def _gate_clamped(gate, en, lim, lo, hi, r0, r1):
+    """gate[p, r] = min(gate, lim) and en[p, r] = -gate for pairs lo .. hi, rows r0 .. r1: the
+    SwiGLU's first steps (`model.moe._glu`: np.minimum keeps a NaN, np.negative), the same bits."""
+    for p in range(lo, hi):
+        for r in range(r0, r1):
+            g = gate[p, r]
+            if g > lim:  # noqa: PLR1730 (not min(): a NaN stays, as np.minimum keeps it)
+                g = lim
+            gate[p, r] = g
+            en[p, r] = -g
+
+
+def _copy_rows(qx, bx, dx, tok, qa, bias, da):
+    """Row p of qa, bias, da = row tok[p] of qx, bx, dx: scalar loops in a function of its own (an
+    array assignment in a parallel driver becomes a parallel region of its own, one per row)."""
+    for p in range(tok.size):
+        for c in range(qa.shape[1]):
+            qa[p, c] = qx[tok[p], c]
+        for c in range(bias.shape[1]):
+            bias[p, c] = bx[tok[p], c]
+        for c in range(da.shape[1]):
+            da[p, c] = dx[tok[p], c]
+
+
+def _drive_gate_up(addr, lo, hi, sdt, x, tok, S, lim, gate, up, en, qx, bx, dx, qa, bias, da):
+    """`_drive_pair` for x (T, C), the layer's token rows (each quantised once, then copied to its
+    pairs' rows of qa, bias, da), addr (E, 6) (w1, w3, w2 data and scale: columns 0-3 here), and
+    each work item's gate rows clamped at lim with their negation in en (`_gate_clamped`)."""
+    _quantize(x, S, qx, bx, dx)
+    _copy_rows(qx, bx, dx, tok, qa, bias, da)
+    E = addr.shape[0]
+    R = gate.shape[1]
+    C = x.shape[1]
+    ng = C // 32
+    nb = (R + ROWS - 1) // ROWS
+    for it in prange(E * nb):
+        e = it // nb
+        r0 = (it % nb) * ROWS
+        r1 = min(R, r0 + ROWS)
+        sw = np.empty((ROWS, ng), np.float32)
+        for m in range(2):
+            w = numba.carray(_ptr(addr[e, 2 * m], U8_LIKE), (R, C // 2))
+            s = numba.carray(_ptr(addr[e, 2 * m + 1], sdt), (R, ng))
+            _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], gate if m == 0 else up)
+        _gate_clamped(gate, en, lim, lo[e], hi[e], r0, r1)
+
+
+def _glu_row(gate, up, ex, lim, wpre, pre, h, p):
+    """h[p] = gate[p] / (ex[p] + 1) * clip(up[p], -lim, lim) (times wpre[p] where pre): `model.moe.
+    _glu` after numpy's exp (ex = e^-gate), op for op in float32 (np.maximum and np.minimum keep a
+    NaN, as the comparisons below do; h *= w for V4.1's weight before w2), so the same bits."""
+    one = np.float32(1.0)
+    for c in range(h.shape[1]):
+        u = up[p, c]
+        if u < -lim:  # noqa: PLR1730 (not max() / min(): a NaN stays, as np.clip keeps it)
+            u = -lim
+        if u > lim:  # noqa: PLR1730
+            u = lim
+        v = np.float32(gate[p, c] / np.float32(ex[p, c] + one)) * u
+        if pre:
+            v = v * wpre[p]
+        h[p, c] = v
+
+
+def _drive_glu_down(addr, lo, hi, sdt, gate, up, ex, lim, wpre, pre, S, wp, tp, h, y, out, qa, bias, da):
+    """The SwiGLU of every pair (`_glu_row`) and its rounding, a parallel region over the pairs,
+    then `_drive_down`'s products and sums for addr (E, 6) (w2 data and scale: columns 4-5)."""
+    for p in prange(h.shape[0]):
+        _glu_row(gate, up, ex, lim, wpre, pre, h, p)
+        _quantize(h[p : p + 1], S, qa[p : p + 1], bias[p : p + 1], da[p : p + 1])
+    E = addr.shape[0]
+    D = y.shape[1]
+    C = h.shape[1]
+    ng = C // 32
+    T, K = tp.shape
+    for ib in prange((D + ROWS - 1) // ROWS):
+        r0 = ib * ROWS
+        r1 = min(D, r0 + ROWS)
+        sw = np.empty((ROWS, ng), np.float32)
+        for e in range(E):
+            w = numba.carray(_ptr(addr[e, 4], U8_LIKE), (D, C // 2))
+            s = numba.carray(_ptr(addr[e, 5], sdt), (D, ng))
+            _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], y)
+        for t in range(T):
+            for r in range(r0, r1):
+                acc = np.float32(0.0)
+                for j in range(K):
+                    p = tp[t, j]
+                    acc = acc + np.float32(y[p, r] * wp[p])
+                out[t, r] = acc
+
+
 def _compiled(fn, variant: str, g: dict, **options):
     """fn compiled with the globals g: a function object of its own (numba's cache cannot key a
     closure over intrinsics), named after the variant and the kernels' sources."""
@@ -124,17 +216,22 @@ def _driver(fn, variant: str):
     driver runs)."""
     g = dict(globals())
     g["_row_groups"] = q8.row_groups(variant)
+    g["_gate_clamped"] = _compiled(_gate_clamped, variant, g)
+    g["_copy_rows"] = _compiled(_copy_rows, variant, g)
+    g["_glu_row"] = _compiled(_glu_row, variant, g)
     return _compiled(fn, variant, g, parallel=True)
 
 
 _DRIVERS: dict[tuple[str, str], object] = {}
+_FUNCTIONS = {"pair": _drive_pair, "down": _drive_down, "gate_up": _drive_gate_up, "glu_down": _drive_glu_down}
 
 
 def driver_for(name: str, variant: str):
-    """The compiled driver "pair" or "down" of `variant` (compiled, or loaded, at first use)."""
+    """The compiled driver "pair", "down", "gate_up" or "glu_down" of `variant` (compiled, or
+    loaded, at first use)."""
     key = (name, variant)
     if key not in _DRIVERS:
-        _DRIVERS[key] = _driver(_drive_pair if name == "pair" else _drive_down, variant)
+        _DRIVERS[key] = _driver(_FUNCTIONS[name], variant)
     return _DRIVERS[key]
 
 
@@ -158,6 +255,13 @@ class Routing:
         flat = experts.reshape(-1)
         order = np.argsort(flat, kind="stable")  # by expert, then token, then slot
         sorted_e = flat[order]
+        if t == 1 and not (sorted_e[1:] == sorted_e[:-1]).any():  # a decode step: k distinct experts
+            self.ids, self.tok = sorted_e, np.zeros(k, np.int64)
+            self.lo = np.arange(k, dtype=np.int64)
+            self.hi = self.lo + 1
+            self.wp = np.ascontiguousarray(weights[0, order], dtype=np.float32)
+            self.tp = self.lo.reshape(1, k)
+            return
         self.ids, self.lo = np.unique(sorted_e, return_index=True)
         self.hi = np.append(self.lo[1:], sorted_e.size).astype(np.int64)
         self.lo = self.lo.astype(np.int64)
@@ -168,8 +272,36 @@ class Routing:
         self.tp = np.sort(where.reshape(t, k), axis=1)
 
 
+@njit(**_JIT)
+def _put2(table, j, k, a, b):
+    """table[j, k], table[j, k + 1] = the addresses of a and b (numba reads them in ~0.4 us a call
+    where Python's `a.ctypes.data` takes 1.5-3 us each: 36 a decode layer)."""
+    table[j, k] = a.ctypes.data
+    table[j, k + 1] = b.ctypes.data
+
+
+@njit(**_JIT)
+def _put6(table, j, a, b, c, d, e, f):
+    """`_put2` for a row of three (data, scale) pairs: one call per expert."""
+    _put2(table, j, 0, a, b)
+    _put2(table, j, 2, c, d)
+    _put2(table, j, 4, e, f)
+
+
 def _address_table(mats: list[list[np.ndarray]]) -> np.ndarray:
-    return np.array([[a.ctypes.data for a in row] for row in mats], dtype=np.int64).reshape(len(mats), -1)
+    """(E, n) int64: the addresses of mats[e][0 .. n-1] (n even: (data, scale) pairs). Every
+    array goes in as uint8 bytes, so `_put2` and `_put6` have one signature whatever the scales'
+    type (the warm-up's units compile in parallel children: two adding different signatures
+    to one function's cache index would lose one)."""
+    table = np.empty((len(mats), len(mats[0]) if mats else 0), np.int64)
+    for j, row in enumerate(mats):
+        row = [_u8(a) for a in row]
+        if len(row) == 6:
+            _put6(table, j, *row)
+        else:
+            for k in range(0, len(row), 2):
+                _put2(table, j, k, row[k], row[k + 1])
+    return table
 
 
 def scale_like(scales: list[np.ndarray]) -> np.ndarray | None:
@@ -214,6 +346,34 @@ def down_sum(variant: str, h: np.ndarray, rt: Routing, w2s, wp: np.ndarray | Non
     return out
 
 
+_empty = np.empty  # swiglu_sum's buffers (a test fills them with NaN: every element must be written)
+
+
+def swiglu_sum(variant: str, x: np.ndarray, rt: Routing, w1s, w3s, w2s, limit: float, pre_weight=False) -> np.ndarray:
+    """`down_sum(glu(*pair_products(...)))` with `model.moe._glu`'s SwiGLU at `limit` (times each
+    pair's weight before w2 where `pre_weight`, V4.1's order): the same bits in two driver calls
+    with only numpy's exp between them, x's rows quantised once per token, the SwiGLU and the
+    rounding of h in the second call's first parallel region. -> (T, D)."""
+    t, c = x.shape
+    p = rt.tok.size
+    i = w1s[0][0].shape[0]
+    sdt = scale_like([s for _, s in w1s] + [s for _, s in w3s] + [s for _, s in w2s])
+    table = _address_table([[a, b, d, e, f, g] for (a, b), (d, e), (f, g) in zip(w1s, w3s, w2s, strict=True)])
+    gate, up, ex, h = _empty((4, p, i), np.float32)
+    y = _empty((p, w2s[0][0].shape[0]), np.float32)
+    out = _empty((t, y.shape[1]), np.float32)
+    lim, s = np.float32(limit), q8.span(variant)
+    driver_for("gate_up", variant)(
+        table, rt.lo, rt.hi, sdt, x, rt.tok, s, lim, gate, up, ex, *_scratch(t, c), *_scratch(p, c)
+    )
+    with np.errstate(over="ignore"):  # e^-gate above float32's range: inf, then h = -0 (`ops.silu`)
+        np.exp(ex, out=ex)
+    wp = np.ones_like(rt.wp) if pre_weight else rt.wp
+    drive = driver_for("glu_down", variant)
+    drive(table, rt.lo, rt.hi, sdt, gate, up, ex, lim, rt.wp, pre_weight, s, wp, rt.tp, h, y, out, *_scratch(p, i))
+    return out
+
+
 def _scratch(p: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q8.scratch(p, c)
 
@@ -237,7 +397,8 @@ class Layer:
     only while `group` runs (the expert store's pins); `total` then sums every token's pairs.
 
     A layer whose experts all come in the first group with at most PAIR_ROWS pairs takes two
-    driver calls (`pair_products`, `down_sum`: `whole`). Otherwise each group runs as calls over
+    driver calls (`pair_products`, `down_sum`: `whole`; `swiglu_sum` where the layer knows glu's
+    `limit`, with numpy's exp alone between the calls). Otherwise each group runs as calls over
     at most PAIR_ROWS pairs that fill rows of y (P, D), unweighted, and `total` sums them in one
     more call. Every row's bits are the same in any grouping (a pair's row depends only on its
     token row and its expert), and the sum runs per token in ascending (expert id, slot) order
@@ -250,10 +411,19 @@ class Layer:
     down rows unweighted (times 1.0: the same values), from zero in the same order."""
 
     def __init__(
-        self, variant: str, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, glu, count=None, pre_weight=False
+        self,
+        variant: str,
+        x: np.ndarray,
+        experts: np.ndarray,
+        weights: np.ndarray,
+        glu,
+        count=None,
+        pre_weight=False,
+        limit: float | None = None,
     ) -> None:
         self.variant = variant
         self.pre_weight = pre_weight
+        self.limit = limit  # glu is `model.moe._glu` at this limit: `whole` runs `swiglu_sum`
         self._count = count  # count(t0): called after each driver call with its perf_counter start
         self.x = np.ascontiguousarray(x, dtype=np.float32)
         self.rt = Routing(experts, weights)
@@ -278,8 +448,11 @@ class Layer:
             return None
         es = [e for _, e in sorted(group, key=lambda g: g[0])]
         w1s, w2s, w3s = ([_parts(getattr(e, m)) for e in es] for m in ("w1", "w2", "w3"))
+        fused = self.limit is not None and scale_like([s for _, s in w1s + w2s + w3s]) is not None
 
         def product() -> np.ndarray:
+            if fused:
+                return swiglu_sum(self.variant, self.x, rt, w1s, w3s, w2s, self.limit, self.pre_weight)
             gate, up = pair_products(self.variant, self.x, rt, w1s, w3s)
             h = self._weighted(self.glu(gate, up), rt.wp)
             return down_sum(self.variant, h, rt, w2s, np.ones_like(rt.wp) if self.pre_weight else None)

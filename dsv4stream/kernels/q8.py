@@ -69,30 +69,34 @@ def supports(cols: int) -> bool:
 @njit(**_JIT)
 def _quantize(x, S, qa, bias, da):
     """x (T, C) float32 -> qa int8 (T, C) permuted, bias int32 (T, C/8), da float32 (T, C/32).
-    Per group: 16 even columns to one contiguous run of qa, 16 odd ones to another (vectorises).
-    bias holds 4 int32 lanes per group, -12 * sum(q) in the first and 0 in the others: the row
-    kernel's starting lanes, loaded as they are (`_row_intrinsic`)."""
+    Per group: the 32 quotients rounded and clipped into a small buffer first (a loop LLVM
+    vectorises: 4096 columns 21.6 -> 15.3 us, same bits), then 16 even columns to one
+    contiguous run of qa and 16 odd ones to another. bias holds 4 int32 lanes per group,
+    -12 * sum(q) in the first and 0 in the others: the row kernel's starting lanes, loaded as
+    they are (`_row_intrinsic`)."""
     T, C = x.shape
     half = S // 2
+    tmp = np.empty(GROUP, np.float32)
+    big = np.float32(3.4028234663852886e38)
     for t in range(T):
         for g in range(C // GROUP):
             c0 = g * GROUP
             amax = np.float32(0.0)
+            finite = True
             for k in range(GROUP):
-                amax = max(amax, abs(x[t, c0 + k]))
-            finite = amax <= np.float32(3.4028234663852886e38)  # False for inf and NaN
-            for k in range(GROUP):
-                finite = finite and x[t, c0 + k] == x[t, c0 + k]  # max() may drop a NaN
+                a = abs(x[t, c0 + k])
+                finite &= a <= big  # False for inf and NaN
+                amax = a if a > amax else amax  # noqa: FURB136 (a NaN is caught by finite)
             d = np.float32(amax / np.float32(127.0))
             base = c0 - c0 % S + (c0 % S) // 2
             total = 0
             if finite and d > 0:
+                for k in range(GROUP):
+                    tmp[k] = min(max(np.rint(np.float32(x[t, c0 + k] / d)), np.float32(-127.0)), np.float32(127.0))
                 for k in range(GROUP // 2):
-                    e = min(max(np.rint(np.float32(x[t, c0 + 2 * k] / d)), np.float32(-127.0)), np.float32(127.0))
-                    o = min(max(np.rint(np.float32(x[t, c0 + 2 * k + 1] / d)), np.float32(-127.0)), np.float32(127.0))
-                    qa[t, base + k] = np.int8(e)
-                    qa[t, base + half + k] = np.int8(o)
-                    total += np.int32(e) + np.int32(o)
+                    qa[t, base + k] = np.int8(tmp[2 * k])
+                    qa[t, base + half + k] = np.int8(tmp[2 * k + 1])
+                    total += np.int32(tmp[2 * k]) + np.int32(tmp[2 * k + 1])
             else:
                 for k in range(GROUP // 2):
                     qa[t, base + k] = 0
@@ -104,20 +108,22 @@ def _quantize(x, S, qa, bias, da):
             da[t, g] = np.float32(d * np.float32(0.5)) if finite else np.float32(np.nan)
 
 
-def aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """An empty C-contiguous array starting on a 64-byte boundary: a 64-byte vector load that
-    spans two cache lines costs two (activations at a 16-byte offset: 512x4096 in L2, one
-    thread, 4 tokens 9.0 against 5.4 GB of weight per CPU-second)."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(n + 64, np.uint8)
-    a = -raw.ctypes.data % 64
-    return raw[a : a + n].view(dtype).reshape(shape)
-
-
 def scratch(t: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`_quantize`'s outputs for t rows of c columns: (qa, bias, da), 64-byte aligned."""
-    return aligned((t, c), np.int8), aligned((t, c // 8), np.int32), aligned((t, c // GROUP), np.float32)
+    """`_quantize`'s outputs for t rows of c columns: (qa, bias, da), each C-contiguous from a
+    64-byte boundary, cut from one buffer (one address lookup, ~1.5 us, not three: a decode step
+    makes ~100 of these). A 64-byte vector load that spans two cache lines costs two
+    (activations at a 16-byte offset: 512x4096 in L2, one thread, 4 tokens 9.0 against 5.4 GB
+    of weight per CPU-second)."""
+    nq, nb, nd = t * c, t * (c // 8) * 4, t * (c // GROUP) * 4
+    sb = -(-nq // 64) * 64  # each part starts on the next 64-byte boundary
+    sd = sb + -(-nb // 64) * 64
+    raw = np.empty(sd + nd + 64, np.uint8)
+    a = -raw.__array_interface__["data"][0] % 64
+    return (
+        raw[a : a + nq].view(np.int8).reshape(t, c),
+        raw[a + sb : a + sb + nb].view(np.int32).reshape(t, c // 8),
+        raw[a + sd : a + sd + nd].view(np.float32).reshape(t, c // GROUP),
+    )
 
 
 def quantize(x: np.ndarray, variant: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -77,10 +77,11 @@ _BASE = ("attn", "qdq", "sinkhorn")
 # the cache folder (`jit.cache_stamp`). FP8's block is an argument of the driver, so V4's
 # 128x128 and V4.1's 32x32 blocks share one form. Only runs whose numerics are fast reach them.
 # FP4's routed experts also run `experts_q8`'s two drivers (gate and up; down and the weighted
-# sum), which call the same row kernels.
+# sum), which call the same row kernels, and a whole layer the two with the SwiGLU inside
+# (`experts_q8.swiglu_sum`: "xq8fused").
 _FAST: dict[str, tuple[str, ...]] = {
-    "fast-fp4/e8m0": ("fp4q8", "xq8pair", "xq8down"),
-    "fast-fp4/f32": ("fp4q8", "xq8pair", "xq8down"),
+    "fast-fp4/e8m0": ("fp4q8", "xq8pair", "xq8down", "xq8fused"),
+    "fast-fp4/f32": ("fp4q8", "xq8pair", "xq8down", "xq8fused"),
     "fast-fp8/e8m0": ("fp8bf16",),
     "fast-fp8/f32": ("fp8bf16",),
     "fast-bf16": ("bf16bf16",),
@@ -154,6 +155,9 @@ COST: dict[str, float] = {
     "xq8pair:fast-fp4/f32": 1.51,
     "xq8down:fast-fp4/e8m0": 1.82,
     "xq8down:fast-fp4/f32": 2.10,
+    # swiglu_sum's two drivers: not measured cold; estimated as xq8pair's and xq8down's together
+    "xq8fused:fast-fp4/e8m0": 3.42,
+    "xq8fused:fast-fp4/f32": 3.61,
 }
 START_SECONDS = 0.5  # a child's python, numba and kernel imports (0.4-0.5 s wall, same machine)
 
@@ -301,6 +305,10 @@ def _warm_fast(name: str, form: str) -> None:
         part = (w.data, w.scale)
         if name == "xq8pair":
             experts_q8.pair_products(v, x, rt, [part], [part])
+        elif name == "xq8fused":  # w1, w3 and w2 all 256 x 256 (h is w2's input: 256 wide)
+            sq = QWeight("fp4", rng.integers(0, 256, (256, 128), dtype=np.uint8), np.full((256, 8), 127, sdt), 256, 256)
+            three = [(sq.data, sq.scale)]
+            experts_q8.swiglu_sum(v, x, rt, three, three, three, 10.0)
         else:
             experts_q8.down_sum(v, x, rt, [part])
         return

@@ -189,6 +189,7 @@ def _layer(
         each,
         partial(_glu, limit=limit),
         lambda ew, tok, w: _weighted_rows(x, ew, limit, tok, w),
+        limit=limit,
     )
 
 
@@ -201,6 +202,7 @@ def layer_sum(
     glu: Callable[[np.ndarray, np.ndarray], np.ndarray],
     own: Callable[[ExpertWeights, np.ndarray, np.ndarray], np.ndarray],
     pre_weight: bool = False,
+    limit: float | None = None,
 ) -> np.ndarray:
     """Each token's sum of its weighted experts (T, D) under `fast` numerics, on the drivers.
 
@@ -210,7 +212,8 @@ def layer_sum(
     calls, more groups two calls per group (of at most `PAIR_ROWS` pairs) and one for the sum.
     glu(gate, up): the elementwise middle; an expert the drivers do not take runs
     own(expert, its tokens, their weights) -> its weighted rows. `pre_weight`: the routing weight
-    multiplies h before w2 (V4.1) instead of w2's output (V4)."""
+    multiplies h before w2 (V4.1) instead of w2's output (V4). `limit`: glu is `_glu` at this
+    limit, so a whole layer's drivers run the SwiGLU themselves (`experts_q8.swiglu_sum`)."""
     groups = each.groups(ids) if isinstance(each, GroupedSource) else ([item] for item in each(ids))
     layer = None
     parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -227,7 +230,7 @@ def layer_sum(
             else:
                 drive.append((int(e), ew))
                 if layer is None:
-                    layer = q8_layer(v, x, experts, weights, glu, ew.w1.role, pre_weight=pre_weight)
+                    layer = q8_layer(v, x, experts, weights, glu, ew.w1.role, pre_weight=pre_weight, limit=limit)
         if drive:
             out = layer.whole(drive) if not parts else None
             if out is None:

@@ -118,7 +118,8 @@ def moe(
     ids = np.unique(experts)
     if get_numerics() == "fast" and not p.quantise:
         own = partial(_own_rows, xq, p)
-        out = layer_sum(xq, experts, weights, ids, each, partial(_glu, limit=p.limit), own, pre_weight=True)
+        glu = partial(_glu, limit=p.limit)
+        out = layer_sum(xq, experts, weights, ids, each, glu, own, pre_weight=True, limit=p.limit)
         out += shared
         return out
     return _per_expert(xq, experts, weights, ids, each, p) + shared
