@@ -63,24 +63,46 @@ def _ptr(typingctx, addr, like):
 _row_groups = None  # `q8.row_groups(variant)`, bound in each driver's globals (`_driver`)
 
 
+def _up_item(addr, e, r0, r1, C, sdt, sw, qa, bias, da, lo, hi, gate, up):
+    """Rows r0 .. r1 of expert e's w1 and w3 (addr columns 0-3) for its pairs lo .. hi, into
+    gate and up: one work item of the gate/up drivers' parallel region."""
+    R = gate.shape[1]
+    for m in range(2):
+        w = numba.carray(_ptr(addr[e, 2 * m], U8_LIKE), (R, C // 2))
+        s = numba.carray(_ptr(addr[e, 2 * m + 1], sdt), (R, C // 32))
+        _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], gate if m == 0 else up)
+
+
+def _down_item(addr, col, r0, r1, C, sdt, sw, qa, bias, da, lo, hi, wp, tp, y, out):
+    """Rows r0 .. r1 of every expert's w2 (data and scale in addr columns col, col + 1) for its
+    pairs, into y, then those rows of each token's sum over j of y[tp[t, j]] * wp[tp[t, j]], from
+    zero in the order of tp's row: one work item of the down drivers' parallel region."""
+    D = y.shape[1]
+    for e in range(addr.shape[0]):
+        w = numba.carray(_ptr(addr[e, col], U8_LIKE), (D, C // 2))
+        s = numba.carray(_ptr(addr[e, col + 1], sdt), (D, C // 32))
+        _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], y)
+    T, K = tp.shape
+    for t in range(T):
+        for r in range(r0, r1):
+            acc = np.float32(0.0)
+            for j in range(K):
+                p = tp[t, j]
+                acc = acc + np.float32(y[p, r] * wp[p])
+            out[t, r] = acc
+
+
 def _drive_pair(addr, lo, hi, sdt, xg, S, gate, up, qa, bias, da):
     """gate/up (P, I) = pairs' rows xg (P, C) times w1/w3 of their expert; addr (E, 4): w1 data,
     w1 scale, w3 data, w3 scale. qa, bias, da: scratch of `q8._quantize`'s shapes for xg."""
     _quantize(xg, S, qa, bias, da)
-    E = addr.shape[0]
     R = gate.shape[1]
     C = xg.shape[1]
-    ng = C // 32
     nb = (R + ROWS - 1) // ROWS
-    for it in prange(E * nb):
-        e = it // nb
+    for it in prange(addr.shape[0] * nb):
         r0 = (it % nb) * ROWS
-        r1 = min(R, r0 + ROWS)
-        sw = np.empty((ROWS, ng), np.float32)
-        for m in range(2):
-            w = numba.carray(_ptr(addr[e, 2 * m], U8_LIKE), (R, C // 2))
-            s = numba.carray(_ptr(addr[e, 2 * m + 1], sdt), (R, ng))
-            _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], gate if m == 0 else up)
+        sw = np.empty((ROWS, C // 32), np.float32)
+        _up_item(addr, it // nb, r0, min(R, r0 + ROWS), C, sdt, sw, qa, bias, da, lo, hi, gate, up)
 
 
 def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
@@ -89,26 +111,12 @@ def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
     tp's row. Either part may be empty: E = 0 only sums (y filled by earlier calls), T = 0 only
     fills y (a layer whose experts came in several groups)."""
     _quantize(h, S, qa, bias, da)
-    E = addr.shape[0]
     D = y.shape[1]
     C = h.shape[1]
-    ng = C // 32
-    T, K = tp.shape
     for ib in prange((D + ROWS - 1) // ROWS):
         r0 = ib * ROWS
-        r1 = min(D, r0 + ROWS)
-        sw = np.empty((ROWS, ng), np.float32)
-        for e in range(E):
-            w = numba.carray(_ptr(addr[e, 0], U8_LIKE), (D, C // 2))
-            s = numba.carray(_ptr(addr[e, 1], sdt), (D, ng))
-            _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], y)
-        for t in range(T):
-            for r in range(r0, r1):
-                acc = np.float32(0.0)
-                for j in range(K):
-                    p = tp[t, j]
-                    acc = acc + np.float32(y[p, r] * wp[p])
-                out[t, r] = acc
+        sw = np.empty((ROWS, C // 32), np.float32)
+        _down_item(addr, 0, r0, min(D, r0 + ROWS), C, sdt, sw, qa, bias, da, lo, hi, wp, tp, y, out)
 
 
 def _gate_clamped(gate, en, lim, lo, hi, r0, r1):
@@ -141,20 +149,15 @@ def _drive_gate_up(addr, lo, hi, sdt, x, tok, S, lim, gate, up, en, qx, bx, dx, 
     each work item's gate rows clamped at lim with their negation in en (`_gate_clamped`)."""
     _quantize(x, S, qx, bx, dx)
     _copy_rows(qx, bx, dx, tok, qa, bias, da)
-    E = addr.shape[0]
     R = gate.shape[1]
     C = x.shape[1]
-    ng = C // 32
     nb = (R + ROWS - 1) // ROWS
-    for it in prange(E * nb):
+    for it in prange(addr.shape[0] * nb):
         e = it // nb
         r0 = (it % nb) * ROWS
         r1 = min(R, r0 + ROWS)
-        sw = np.empty((ROWS, ng), np.float32)
-        for m in range(2):
-            w = numba.carray(_ptr(addr[e, 2 * m], U8_LIKE), (R, C // 2))
-            s = numba.carray(_ptr(addr[e, 2 * m + 1], sdt), (R, ng))
-            _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], gate if m == 0 else up)
+        sw = np.empty((ROWS, C // 32), np.float32)
+        _up_item(addr, e, r0, r1, C, sdt, sw, qa, bias, da, lo, hi, gate, up)
         _gate_clamped(gate, en, lim, lo[e], hi[e], r0, r1)
 
 
@@ -181,26 +184,12 @@ def _drive_glu_down(addr, lo, hi, sdt, gate, up, ex, lim, wpre, pre, S, wp, tp, 
     for p in prange(h.shape[0]):
         _glu_row(gate, up, ex, lim, wpre, pre, h, p)
         _quantize(h[p : p + 1], S, qa[p : p + 1], bias[p : p + 1], da[p : p + 1])
-    E = addr.shape[0]
     D = y.shape[1]
     C = h.shape[1]
-    ng = C // 32
-    T, K = tp.shape
     for ib in prange((D + ROWS - 1) // ROWS):
         r0 = ib * ROWS
-        r1 = min(D, r0 + ROWS)
-        sw = np.empty((ROWS, ng), np.float32)
-        for e in range(E):
-            w = numba.carray(_ptr(addr[e, 4], U8_LIKE), (D, C // 2))
-            s = numba.carray(_ptr(addr[e, 5], sdt), (D, ng))
-            _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], y)
-        for t in range(T):
-            for r in range(r0, r1):
-                acc = np.float32(0.0)
-                for j in range(K):
-                    p = tp[t, j]
-                    acc = acc + np.float32(y[p, r] * wp[p])
-                out[t, r] = acc
+        sw = np.empty((ROWS, C // 32), np.float32)
+        _down_item(addr, 4, r0, min(D, r0 + ROWS), C, sdt, sw, qa, bias, da, lo, hi, wp, tp, y, out)
 
 
 def _compiled(fn, variant: str, g: dict, **options):
@@ -219,6 +208,8 @@ def _driver(fn, variant: str):
     g["_gate_clamped"] = _compiled(_gate_clamped, variant, g)
     g["_copy_rows"] = _compiled(_copy_rows, variant, g)
     g["_glu_row"] = _compiled(_glu_row, variant, g)
+    g["_up_item"] = _compiled(_up_item, variant, g)
+    g["_down_item"] = _compiled(_down_item, variant, g)
     return _compiled(fn, variant, g, parallel=True)
 
 
