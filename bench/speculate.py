@@ -151,6 +151,9 @@ def main() -> None:
     )
     ap.add_argument("--numerics", default=None, help="exact, official or fast (default: fast, as dsv4 run)")
     a = ap.parse_args()
+    bad = [d for d in a.drafters.split(",") if d != "dspark" and not (d.isdigit() and int(d) <= 100)]
+    if bad:
+        ap.error(f"--drafters {','.join(bad)}: give dspark or a stand-in's percent right (0-100), e.g. dspark,60")
 
     from dsv4stream.checkpoint.catalog import Catalog
     from dsv4stream.engine.numerics import RUN_DEFAULT, canonical
