@@ -70,7 +70,7 @@ _PRODUCTS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 # attention's kernels share a helper (`attn._attend_item`, `_index_item`), so they are one unit:
 # two processes adding signatures to one function's cache index would lose one of them
-_BASE = ("attn", "qdq", "sinkhorn")
+_BASE = ("attn", "qdq", "sinkhorn", "trunkops")
 # `--numerics fast` (kernels/numerics.py): one numba driver per weight kind and CPU variant
 # (`q8._driver`, `bf16._driver`), the activation rounding it calls with it (`q8._quantize`,
 # `bf16._round_rows`). A form names no variant: the variant follows the CPU target, and so does
@@ -96,6 +96,7 @@ COST: dict[str, float] = {
     "attn:base": 7.50,
     "qdq:base": 0.52,
     "sinkhorn:base": 0.35,
+    "trunkops:base": 5.0,  # 8.3 CPU-s measured at load 6 (Sapphire Rapids, 2026-12-06), not idle as the others
     "_fp4_mv:fp4/e8m0": 1.17,
     "_fp4_mv_serial:fp4/e8m0": 0.59,
     "_fp4_mv2:fp4/e8m0": 2.15,
@@ -243,9 +244,9 @@ def warm_unit(unit: str) -> float:
     t0 = time.perf_counter()
     name, form = unit.split(":", 1)
     if form == "base":
-        from . import attn, qdq, sinkhorn
+        from . import attn, qdq, sinkhorn, trunkops
 
-        {"attn": attn.warmup, "qdq": qdq.warmup, "sinkhorn": sinkhorn.warmup}[name]()
+        {"attn": attn.warmup, "qdq": qdq.warmup, "sinkhorn": sinkhorn.warmup, "trunkops": trunkops.warmup}[name]()
         return time.perf_counter() - t0
     if form in _FAST:
         _warm_fast(name, form)

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels import QWeight, backend_name, matmul
-from .ops import rms_norm, sigmoid, softmax
+from .ops import fused, rms_norm, sigmoid, softmax
 
 F32 = np.float32
+MAX_HC = 8  # `kernels.trunkops` and `kernels.sinkhorn` sum fewer terms than this one by one, as numpy does
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,21 @@ def split_mixes(
     mixes: np.ndarray, w: HcWeights, sinkhorn_iters: int, hc_eps: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """mixes (T, (2+hc)*hc) -> (pre (T, hc), post (T, hc), comb (T, hc, hc) after Sinkhorn)."""
-    t = mixes.shape[0]
     hc = math.isqrt(w.base.shape[0] + 1) - 1  # (2 + hc) * hc mixes = (hc + 1)^2 - 1
+    if hc < MAX_HC and fused(mixes, w.base, w.scale) and w.base.flags.c_contiguous and w.scale.flags.c_contiguous:
+        from ..kernels import trunkops  # numba, like the fast backend
+
+        return trunkops.split_mixes(mixes, w.scale, w.base, hc, sinkhorn_iters, hc_eps)
+    return split_mixes_numpy(mixes, w, sinkhorn_iters, hc_eps)
+
+
+def split_mixes_numpy(
+    mixes: np.ndarray, w: HcWeights, sinkhorn_iters: int, hc_eps: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`split_mixes` in numpy (with `kernels.sinkhorn`'s passes under the fast backend): the
+    definition `kernels.trunkops.split_mixes` follows bit for bit."""
+    t = mixes.shape[0]
+    hc = math.isqrt(w.base.shape[0] + 1) - 1
     pre = sigmoid(mixes[:, :hc] * w.scale[0] + w.base[:hc]) + F32(hc_eps)
     post = F32(2.0) * sigmoid(mixes[:, hc : 2 * hc] * w.scale[1] + w.base[hc : 2 * hc])
     logits = (mixes[:, 2 * hc :] * w.scale[2] + w.base[2 * hc :]).reshape(t, hc, hc)
@@ -72,22 +86,44 @@ def split_mixes(
     return pre, post, comb
 
 
-def collapse(x: np.ndarray, pre: np.ndarray) -> np.ndarray:
-    """Streams x (T, hc, D) weighted by pre (T, hc) -> one block input (T, D)."""
+def collapse(x: np.ndarray, pre: np.ndarray, norm: np.ndarray | None = None, eps: float = 0.0) -> np.ndarray:
+    """Streams x (T, hc, D) weighted by pre (T, hc) -> one block input (T, D); with `norm`,
+    `rms_norm(., norm, eps)` of it (one numba call for both under the fast backend)."""
+    if fused(x, pre, norm) and (norm is None or norm.shape == x.shape[-1:]):
+        from ..kernels import trunkops
+
+        return trunkops.collapse(x, pre, norm, eps)
+    h = collapse_numpy(x, pre)
+    return h if norm is None else rms_norm(h, norm, eps)
+
+
+def collapse_numpy(x: np.ndarray, pre: np.ndarray) -> np.ndarray:
+    """`collapse` in numpy: the definition `kernels.trunkops.collapse` follows bit for bit."""
     return np.einsum("th,thd->td", pre, x, dtype=F32)
 
 
 def hc_pre(
-    x: np.ndarray, w: HcWeights, sinkhorn_iters: int, hc_eps: float, norm_eps: float
+    x: np.ndarray, w: HcWeights, sinkhorn_iters: int, hc_eps: float, norm_eps: float, norm: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x (T, hc, D) -> (block input (T, D), post (T, hc), comb (T, hc, hc))."""
+    """x (T, hc, D) -> (block input (T, D), post (T, hc), comb (T, hc, hc)); with `norm`, the block
+    input RMS-normed by that weight (`collapse`)."""
     mixes = matmul(w.fn, _flat_norm(x, norm_eps))  # (T, (2+hc)*hc)
     pre, post, comb = split_mixes(mixes, w, sinkhorn_iters, hc_eps)
-    return collapse(x, pre), post, comb
+    return collapse(x, pre, norm, norm_eps), post, comb
 
 
 def hc_post(x: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
-    """Streams x (T, hc, D), block output y (T, D) -> new streams (T, hc, D)."""
+    """Streams x (T, hc, D), block output y (T, D) -> new streams (T, hc, D):
+    new[k] = post[k] y + sum_j comb[j, k] x[j] (V4's and V4.1's)."""
+    if fused(x, y, post, comb) and x.shape[0]:
+        from ..kernels import trunkops
+
+        return trunkops.hc_post(x, y, post, comb)
+    return hc_post_numpy(x, y, post, comb)
+
+
+def hc_post_numpy(x: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    """`hc_post` in numpy: the definition `kernels.trunkops.hc_post` follows bit for bit."""
     mixed = np.matmul(comb.transpose(0, 2, 1), x)  # (T, hc, D): sum_j comb[j, k] x[j]
     return post[:, :, None] * y[:, None, :] + mixed
 

@@ -10,12 +10,34 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InternalError
+from ..kernels import backend_name
 
 F32 = np.float32
+_FUSED = [True]  # `set_fused`: off runs the numpy steps under the fast backend too (benchmarks)
+
+
+def set_fused(on: bool) -> None:
+    """Let `fused` say yes (the default) or never (bench/trunk_overhead.py times both: same bits)."""
+    _FUSED[0] = bool(on)
+
+
+def fused(*arrays: np.ndarray | None) -> bool:
+    """Whether the trunk's small steps run as `kernels.trunkops`' numba functions (the numpy code's
+    bits, without its per-call cost): under the fast kernel backend, on float32 arrays."""
+    return _FUSED[0] and backend_name() == "fast" and all(a is None or a.dtype == F32 for a in arrays)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """x (..., N) -> x / rms(x) * weight, the RMS taken over the last axis."""
+    if fused(x, weight) and (weight is None or weight.shape == x.shape[-1:]) and x.size:
+        from ..kernels import trunkops
+
+        return trunkops.rms_norm(x, weight, eps)
+    return rms_norm_numpy(x, weight, eps)
+
+
+def rms_norm_numpy(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """`rms_norm` in numpy: the definition `kernels.trunkops.rms_norm` follows bit for bit."""
     # np.mean's own steps (float32 pairwise sum, then a division by the intp count), without its
     # Python wrappers: same bits, a few µs less on each of a token's ~30 norms
     ms = np.add.reduce(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..checkpoint.config import ModelConfig
+from .ops import fused
 
 F32 = np.float32
 
@@ -99,6 +100,18 @@ def apply_rope(
     projection) a writable float32 x is rotated where it is and returned, copying only the
     rd channels being rotated.
     """
+    writable = in_place and x.ndim >= 2 and x.flags.c_contiguous and x.flags.writeable and x.size
+    if writable and fused(x, cos, sin) and cos.shape == sin.shape == (x.shape[0], cos.shape[-1]):
+        from ..kernels import trunkops  # numba, like the fast backend
+
+        return trunkops.rope(x, cos, sin, inverse)
+    return apply_rope_numpy(x, cos, sin, inverse, in_place)
+
+
+def apply_rope_numpy(
+    x: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False, in_place: bool = False
+) -> np.ndarray:
+    """`apply_rope` in numpy: the definition `kernels.trunkops.rope` follows bit for bit."""
     half = cos.shape[-1]
     shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (half,)
     c = cos.reshape(shape)

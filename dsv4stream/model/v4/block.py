@@ -39,9 +39,9 @@ def attention_half(
 
     Tokens must come in order: the state holds every earlier position of the sequence."""
     it, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-    h, post, comb = hc_pre(x, w.hc_attn, it, hc_eps, eps)
+    h, post, comb = hc_pre(x, w.hc_attn, it, hc_eps, eps, w.attn_norm)
     on_index = (lambda idx: trace("index", w.index, idx)) if trace else None
-    y = attention(rms_norm(h, w.attn_norm, eps), positions, w.attn, st, cfg, rope, on_index, out_from)
+    y = attention(h, positions, w.attn, st, cfg, rope, on_index, out_from)
     if trace:
         trace("attn", w.index, y)
     return hc_post(x[out_from:], y, post[out_from:], comb[out_from:])
@@ -55,8 +55,8 @@ def attention_half_rows(
     that row alone. The mHC mixing, the norm and the attention's projections run once over the
     B rows (`attention_rows`); the state's part row by row."""
     it, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-    h, post, comb = hc_pre(x, w.hc_attn, it, hc_eps, eps)
-    y = attention_rows(rms_norm(h, w.attn_norm, eps), positions, w.attn, states, cfg, rope)
+    h, post, comb = hc_pre(x, w.hc_attn, it, hc_eps, eps, w.attn_norm)
+    y = attention_rows(h, positions, w.attn, states, cfg, rope)
     return hc_post(x, y, post, comb)
 
 
@@ -78,16 +78,14 @@ def ffn_half(
     t = x.shape[0]
     rows = rows or t
     if rows >= t:  # one chunk (every decode step): its arrays as they come, no copies into buffers
-        hb, post, comb = hc_pre(x, w.hc_ffn, it, hc_eps, eps)
-        h = rms_norm(hb, w.ffn_norm, eps)
+        h, post, comb = hc_pre(x, w.hc_ffn, it, hc_eps, eps, w.ffn_norm)
     else:
         h = np.empty((t, cfg.hidden_size), dtype=np.float32)
         post = np.empty((t, cfg.hc_mult), dtype=np.float32)
         comb = np.empty((t, cfg.hc_mult, cfg.hc_mult), dtype=np.float32)
         for a in range(0, t, rows):
             b = min(t, a + rows)
-            hb, post[a:b], comb[a:b] = hc_pre(x[a:b], w.hc_ffn, it, hc_eps, eps)
-            h[a:b] = rms_norm(hb, w.ffn_norm, eps)
+            h[a:b], post[a:b], comb[a:b] = hc_pre(x[a:b], w.hc_ffn, it, hc_eps, eps, w.ffn_norm)
     k, scale, limit = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit
     y = moe(h, token_ids, w.moe, each, k, scale, limit, on_route)
     del h

@@ -25,9 +25,9 @@ import numpy as np
 
 from ...kernels import QWeight, matmul
 from ...kernels.head import head_logits
-from ..mhc import HcWeights, collapse, split_mixes
+from ..mhc import HcWeights, collapse, hc_post, split_mixes
 from ..moe import ExpertSource
-from ..ops import rms_norm
+from ..ops import fused
 from ..rope import Rope
 from .attention import KeyBoard, Published, V41AttnWeights, V41LayerState, V41Plan, attention, attention_rows
 from .engram import EngramWeights
@@ -72,13 +72,22 @@ def identity_pre(t: int, hc: int) -> np.ndarray:
 def hc_mixes(x: np.ndarray, w: HcWeights, p: HcParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Streams x (T, hc, D) -> (pre (T, hc), post (T, hc), comb (T, hc, hc))."""
     flat = x.reshape(x.shape[0], -1)
-    r = F32(1.0) / np.sqrt(np.mean(np.square(flat), axis=-1, keepdims=True, dtype=F32) + F32(p.norm_eps))
+    r = inv_rms(flat, p.norm_eps)
     return split_mixes(matmul(w.fn, flat) * r, w, p.sinkhorn_iters, p.hc_eps)
 
 
-def hc_post(x: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
-    """Streams x (T, hc, D), sublayer output y (T, D) -> new streams: new_j = post_j y + sum_i comb[i, j] x_i."""
-    return post[:, :, None] * y[:, None, :] + np.matmul(comb.transpose(0, 2, 1), x)
+def inv_rms(flat: np.ndarray, eps: float) -> np.ndarray:
+    """(T, N) -> (T, 1): 1 / sqrt(mean(flat^2) + eps), in one numba call under the fast backend."""
+    if fused(flat) and flat.size:
+        from ...kernels import trunkops
+
+        return trunkops.inv_rms(flat, eps)
+    return inv_rms_numpy(flat, eps)
+
+
+def inv_rms_numpy(flat: np.ndarray, eps: float) -> np.ndarray:
+    """`inv_rms` in numpy: the definition `kernels.trunkops.inv_rms` follows bit for bit."""
+    return F32(1.0) / np.sqrt(np.mean(np.square(flat), axis=-1, keepdims=True, dtype=F32) + F32(eps))
 
 
 def attention_half(
@@ -96,7 +105,7 @@ def attention_half(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Streams x (T, hc, D) and the pre they arrive with -> (streams after attention, the FFN's pre)
     of rows out_from: (every row updates the state: `attention`'s out_from)."""
-    h = rms_norm(collapse(x, pre), w.attn_norm, hp.norm_eps)
+    h = collapse(x, pre, w.attn_norm, hp.norm_eps)
     y = attention(h, positions, w.attn, w.index, states, plan, pub, board, rope, out_from)
     x = x[out_from:]
     if x.shape[0] == 0:  # the state alone was wanted
@@ -119,7 +128,7 @@ def attention_half_rows(
     rows[b]) -> (streams after attention, the FFN's pre), row b bit for bit `attention_half` of
     that row alone: the mixes, the norm and the attention's projections once over the B rows."""
     a_pre, post, comb = hc_mixes(x, w.hc_attn, hp)
-    h = rms_norm(collapse(x, pre), w.attn_norm, hp.norm_eps)
+    h = collapse(x, pre, w.attn_norm, hp.norm_eps)
     y = attention_rows(h, positions, w.attn, w.index, rows, plan, rope)
     return hc_post(x, y, post, comb), a_pre
 
@@ -148,7 +157,7 @@ def ffn_half(
     for a in range(0, t, rows):
         b = min(t, a + rows)
         f_pre[a:b], post[a:b], comb[a:b] = hc_mixes(x[a:b], w.hc_ffn, hp)
-        h[a:b] = rms_norm(collapse(x[a:b], pre[a:b]), w.ffn_norm, hp.norm_eps)
+        h[a:b] = collapse(x[a:b], pre[a:b], w.ffn_norm, hp.norm_eps)
     y = moe(h, w.moe, each, mp, on_route, image)
     del h
     for a in range(0, t, rows):
@@ -159,4 +168,4 @@ def ffn_half(
 
 def head_forward(x: np.ndarray, pre: np.ndarray, w: V41HeadWeights, norm_eps: float) -> np.ndarray:
     """Streams x (T, hc, D) and the last FFN half's pre (T, hc) -> logits (T, vocab)."""
-    return head_logits(w.head, w.q8, rms_norm(collapse(x, pre), w.norm, norm_eps))
+    return head_logits(w.head, w.q8, collapse(x, pre, w.norm, norm_eps))
