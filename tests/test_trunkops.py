@@ -189,3 +189,24 @@ def test_passes_are_the_same_with_the_numba_steps_on_and_off(family, numerics) -
         ops.set_fused(True)
     for a, b in zip(on, off, strict=True):
         same(a, b)
+
+
+def test_window_ordered_is_with_new() -> None:
+    """`WindowCache.ordered` (keys into a reused buffer) gives `with_new`'s keys and positions, as
+    the ring fills, wraps and takes chunks longer than itself; float64 rows take `with_new`."""
+    from dsv4stream.model.cache import WindowCache
+
+    for size in (1, 4, 7, 128):
+        wc = WindowCache(size, 16)
+        pos = 0
+        for k in range(200):
+            t = 300 if k % 50 == 49 else int(RNG.integers(1, 4))
+            kv, positions = edgy((t, 16)), np.arange(pos, pos + t)
+            want = wc.with_new(kv, positions)
+            got = wc.ordered(kv, positions)
+            same(got[0], want[0])
+            assert np.array_equal(got[1], want[1])
+            wc.push(kv, positions)
+            pos += t
+    keys, _ = wc.ordered(np.zeros((1, 16)), np.array([pos]))
+    assert keys.dtype == np.float64

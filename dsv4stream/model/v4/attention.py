@@ -153,7 +153,7 @@ def attend_state(
     official = get_numerics() == "official"
     # held rows then the chunk's, for a step too: the same keys in the same order whatever the
     # chunking, so a state restored mid-prompt (the server's prefix cache) gives the same bits
-    keys, kpos = st.window.with_new(kv, positions)
+    keys, kpos = st.window.ordered(kv, positions)  # read by `attend` below, before any other call
     dist = positions[:, None] - kpos[None, :]
     key_mask = (dist >= 0) & (dist < cfg.sliding_window)
     st.window.push(kv, positions)

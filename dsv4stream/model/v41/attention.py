@@ -309,7 +309,7 @@ def attend_state(
     from all T rows, then for the rows out_from: (whose qrq, q are given: None when no row is
     wanted) the index choice and the scores -> o (T - out_from, H, hd), still roped."""
     st = states[layer]
-    keys, kpos = st.window.with_new(kv, positions)
+    keys, kpos = st.window.ordered(kv, positions)  # read by `attend` below, before any other call
     dist = positions[:, None] - kpos[None, :]
     key_mask = (dist >= 0) & (dist < plan.window)
     st.window.push(kv, positions)
