@@ -6,7 +6,8 @@ alternating in one process (issue 44).
 
 One Runtime (trunk resident), one warm-up generation per setting (compiles both), then --rounds
 rounds; in each, per thread count, one generation with the trunk's small steps in numpy
-(`model.ops.set_fused(False)`) and one with them fused (the default), in that order. Per
+(`model.ops.set_fused(False)`: the window keys by `WindowCache.with_new` too) and one with them
+fused (the default: `kernels.trunkops`, `WindowCache.ordered`), in that order. Per
 generation: the decode steps' wall ms, the products' ms (`kernels.kernel_seconds`, every role:
 what `bench/exact_structure.py --measure` divides by the bytes), the rest ("outside": norms,
 hyper-connections, RoPE, attention over the cache, the compressors and the indexer's glue, the

@@ -26,7 +26,7 @@ from ...checkpoint.config import CSA, WINDOW, ModelConfig
 from ...kernels import attend, get_numerics, matmul, matmul_grouped
 from ...kernels.actquant import index_grid_v4, kv_grid_v4
 from ..cache import WindowCache
-from ..ops import rms_norm
+from ..ops import fused, rms_norm
 from ..projections import AttnProjections
 from ..rope import Rope, apply_rope
 from .compressor import CompressorState, CompressorWeights, compress
@@ -153,7 +153,9 @@ def attend_state(
     official = get_numerics() == "official"
     # held rows then the chunk's, for a step too: the same keys in the same order whatever the
     # chunking, so a state restored mid-prompt (the server's prefix cache) gives the same bits
-    keys, kpos = st.window.ordered(kv, positions)  # read by `attend` below, before any other call
+    # `ordered`: keys in a reused buffer, read by `attend` below before any other call (`fused`: the
+    # switch bench/trunk_overhead.py turns off to time the numpy steps)
+    keys, kpos = (st.window.ordered if fused() else st.window.with_new)(kv, positions)
     dist = positions[:, None] - kpos[None, :]
     key_mask = (dist >= 0) & (dist < cfg.sliding_window)
     st.window.push(kv, positions)

@@ -37,7 +37,7 @@ import numpy as np
 from ...errors import InternalError
 from ...kernels import attend, matmul, matmul_grouped
 from ..cache import WindowCache
-from ..ops import rms_norm
+from ..ops import fused, rms_norm
 from ..projections import AttnProjections
 from ..rope import Rope, apply_rope
 from .indexer import (
@@ -309,7 +309,9 @@ def attend_state(
     from all T rows, then for the rows out_from: (whose qrq, q are given: None when no row is
     wanted) the index choice and the scores -> o (T - out_from, H, hd), still roped."""
     st = states[layer]
-    keys, kpos = st.window.ordered(kv, positions)  # read by `attend` below, before any other call
+    # `ordered`: keys in a reused buffer, read by `attend` below before any other call (`fused`: the
+    # switch bench/trunk_overhead.py turns off to time the numpy steps)
+    keys, kpos = (st.window.ordered if fused() else st.window.with_new)(kv, positions)
     dist = positions[:, None] - kpos[None, :]
     key_mask = (dist >= 0) & (dist < plan.window)
     st.window.push(kv, positions)
