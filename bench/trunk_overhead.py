@@ -7,14 +7,15 @@ alternating in one process (issue 44).
 One Runtime (trunk resident), one warm-up generation per setting (compiles both), then --rounds
 rounds; in each, per thread count, one generation with the trunk's small steps in numpy
 (`model.ops.set_fused(False)`: the window keys by `WindowCache.with_new` too) and one with them
-fused (the default: `kernels.trunkops`, `WindowCache.ordered`), in that order. Per
-generation: the decode steps' wall ms, the products' ms (`kernels.kernel_seconds`, every role:
-what `bench/exact_structure.py --measure` divides by the bytes), the rest ("outside": norms,
-hyper-connections, RoPE, attention over the cache, the compressors and the indexer's glue, the
-routing, Python), and the process CPU ms, per step. Prints each round and the median over rounds
-per setting, the load with each, and whether every generation gave the same ids (the two
-settings compute the same bits: they must). The machine line gives the CPU, its SIMD flags and
-the load.
+fused (the default: `kernels.trunkops`, `WindowCache.ordered`), in that order. Per generation,
+per decode step: the wall ms, the process CPU ms, the products' CPU ms (`kernels.kernel_seconds`
+of every role, what `bench/exact_structure.py --measure` divides by the bytes, clocked here by
+`time.process_time`: a loaded machine stretches wall time, not CPU time) and the rest ("outside":
+norms, hyper-connections, RoPE, attention over the cache, the compressors' and the indexer's glue,
+the routing, Python; at 2 threads also what the idle worker spins beside the serial parts).
+Prints each round and per setting the median of each figure over the rounds, the load, and whether
+every generation gave the same ids (the two settings compute the same bits: they must). The
+machine line gives the CPU, its SIMD flags and the load.
 """
 
 from __future__ import annotations
