@@ -28,6 +28,8 @@ tests/test_trunkops.py compares every function with the numpy code it replaces, 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import carray, njit
 
@@ -251,6 +253,20 @@ def _rope(x, cos, sin, inverse):
 # ---- public API (float32 arrays; the callers check what the numpy code would accept) -------------
 
 _NONE = np.zeros(0, F32)
+_held = threading.local()  # `rows_buffer`'s arrays, per thread and row width
+
+
+def rows_buffer(rows: int, d: int) -> np.ndarray:
+    """A (rows, d) float32 array of this thread's, reused by the next call for the same width (its
+    contents then overwritten): `model.cache.WindowCache.ordered`'s keys, read before that call.
+    Here because model/ starts no thread and keeps no per-thread state (tests/test_layout.py)."""
+    bufs = getattr(_held, "bufs", None)
+    if bufs is None:
+        bufs = _held.bufs = {}
+    buf = bufs.get(d)
+    if buf is None or buf.shape[0] < rows:
+        buf = bufs[d] = np.empty((rows, d), F32)
+    return buf[:rows]
 
 
 def _rows(x: np.ndarray) -> np.ndarray:

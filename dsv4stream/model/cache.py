@@ -8,12 +8,9 @@ Owns: the storage and its growth rule, nothing of the math that fills them (`v4.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 F32 = np.float32
-_scratch = threading.local()  # `WindowCache.ordered`'s buffers, per thread and row width
 
 
 class WindowCache:
@@ -37,8 +34,9 @@ class WindowCache:
         return np.concatenate([self.kv[held], kv]), np.concatenate([self.pos[held], positions])
 
     def ordered(self, kv: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`with_new`'s keys and positions, the keys written into this thread's buffer instead of two
-        new arrays: valid until the thread's next `ordered` call (attention reads them at once).
+        """`with_new`'s keys and positions, the keys written into this thread's buffer
+        (`kernels.trunkops.rows_buffer`) instead of two new arrays: valid until the thread's next
+        `ordered` call of that width (attention reads them at once).
 
         At one token `with_new` took 0.1-0.25 ms a layer (V4-Flash, 128 x 512 rows): the gathered
         rows and their copy are each above glibc's mmap threshold, so every step mapped fresh pages
@@ -47,14 +45,10 @@ class WindowCache:
             return self.with_new(kv, positions)
         held = np.flatnonzero(self.pos >= 0)
         held = held[np.argsort(self.pos[held], kind="stable")]
+        from ..kernels.trunkops import rows_buffer  # numba's module: imported when a pass computes
+
         n, t, d = held.size, kv.shape[0], self.kv.shape[1]
-        bufs = getattr(_scratch, "bufs", None)
-        if bufs is None:
-            bufs = _scratch.bufs = {}
-        buf = bufs.get(d)
-        if buf is None or buf.shape[0] < n + t:
-            buf = bufs[d] = np.empty((n + t, d), dtype=F32)
-        keys = buf[: n + t]
+        keys = rows_buffer(n + t, d)
         # in position order the ring's slots are one or two runs (two once it has wrapped): copy runs
         ends = [*(np.flatnonzero(np.diff(held) != 1) + 1).tolist(), n] if n else []
         if len(ends) <= 4:
