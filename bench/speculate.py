@@ -15,17 +15,24 @@ first miss as not accepted, so it reads lower), to show what `auto` decides ther
 fixed N of `--settings`.
 
 Timed window of a row: the decode of one generation, from the first token yielded (the prefill
-excluded) to the last (every drafter run, verification pass, re-feed and pick). Before any timed
-row each budget runs untimed warm-ups (off, a fixed draft of 3 and auto: the kernels, the
-multi-token passes and the expert cache). Then each round runs `off` before every row and once more
-after the last (off, A, off, B, ..., off), and a row's ratios are against the mean of the two `off`
-runs around it (a load that drifts between rows moves both sides alike):
-`x_off` (decode tokens/s) and `x_off_cpu` (process CPU seconds of the same tokens: the decode's
-CPU time, which other processes' load moves less than wall time; it leaves out the time waiting
-on reads, so streaming it says less). The noise those ratios carry is measured the same way:
-`off/off` is each `off` run against the mean of its neighbours. The summary at the end gives, per
-row, the median over rounds with the lowest and highest, and the off/off spread beside them, so a
-0.95 can be told from noise (`--repeat R`: R rounds; more rounds, a narrower median).
+excluded) to the last (every drafter run, verification pass, re-feed and pick). Each budget opens
+the checkpoint twice (two `Runtime`s: two expert caches, so one run's reads never warm the
+other's) and runs untimed warm-ups on both (off, a fixed draft of 3 and auto: the kernels, the
+multi-token passes, the expert caches). A row is then timed PAIRED with `off`: the row's
+generation on one runtime and `off`'s on the other, interleaved token by token in this one
+thread (one `next()` of each in turn), each timed inside its own calls (wall, and this thread's
+CPU seconds). Whatever the machine does meanwhile (another process's load, the host's memory
+speed, which moved +-15 % between runs minutes apart) falls on both alike, so the ratio
+`x_off` (off's decode seconds over the row's, for the same tokens: > 1 faster than off) and
+`x_off_cpu` (the same in thread CPU seconds; streaming, it leaves out waiting on reads) carry
+little noise. The runtimes swap roles every round, and which generation steps first alternates.
+The noise is measured the same way: two `off/off` pairs each round (before the first row and
+after the middle one). The summary gives, per row, the median over rounds with the lowest and
+highest, the off/off spread beside it, and a VERDICT: "within the noise" where the row's median
+lies inside the off/off range, "SLOWER than off beyond the noise" below it, "faster than off
+beyond the noise" above it (`--repeat R`: R rounds; more rounds, a narrower median and a wider,
+truer noise range). A last line gives `auto`'s verdicts: issue 41's rule (never slower than
+off beyond noise, in RAM and streaming; faster in RAM where acceptance is high).
 Every `auto` row runs a fresh policy (as a run's first reply; `dsv4 run` keeps one per run).
 Also per row: acceptance, mean accepted length (tokens per verification pass), drafted and
 verified tokens, expert MB read per token, the draft lengths ({k: cycles}), its watches
@@ -34,7 +41,7 @@ and `x_est` (the row's own time without drafts, from the one-token passes it tim
 decode time: in rows that draft it rests on few one-token passes, so x_off is the figure).
 An auto row that drafted adds a `cycles:` line: its cycles by kind (verified, watched, plain,
 re-fed), the measured mean seconds of its passes by length and of its drafter runs, the policy's
-last t(1) and acceptance against the truth (the `off` runs' seconds per token around it; the
+last t(1) and acceptance against the truth (the paired `off` run's seconds per token; the
 acceptance of its verified and watched drafts), and its ledger against the measured loss.
 `--drafters dspark,30,60,90` (the default) picks the rows' drafters (a stand-in by its percent
 right); `--no-stand-in` skips the stand-in rows; `--numerics` (default fast, as `dsv4 run`; an engine
@@ -77,14 +84,28 @@ class Recorded:
         return getattr(self.policy, name)
 
 
-def timed(gen) -> tuple[list[int], float, float]:
-    """(ids, decode wall seconds, decode process CPU seconds) of a generation, from its first token."""
-    ids, t_first, c_first = [], 0.0, 0.0
-    for tok in gen:
-        if not ids:
-            t_first, c_first = time.perf_counter(), time.process_time()
-        ids.append(tok)
-    return ids, time.perf_counter() - t_first, time.process_time() - c_first
+def paired(first, second) -> list[tuple[list[int], float, float]]:
+    """Two generations run to their ends, one `next()` of each in turn (`first` first): each one's
+    (ids, decode wall seconds, decode thread CPU seconds), the seconds inside its own calls from
+    its first token on (the prefill and the first pick left out)."""
+    gens, out = [first, second], [([], 0.0, 0.0), ([], 0.0, 0.0)]
+    live = [True, True]
+    while any(live):
+        for i in (0, 1):
+            if not live[i]:
+                continue
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                tok = next(gens[i])
+            except StopIteration:
+                live[i] = False
+                continue
+            ids, wall, cpu = out[i]
+            if ids:
+                wall, cpu = wall + time.perf_counter() - t, cpu + time.thread_time() - c
+            ids.append(tok)
+            out[i] = (ids, wall, cpu)
+    return out
 
 
 def cycles_line(rec: Recorded, spec, t_off: float, seconds: float, tokens: int) -> str:
@@ -97,7 +118,7 @@ def cycles_line(rec: Recorded, spec, t_off: float, seconds: float, tokens: int) 
     right = spec.accepted + spec.watch_accepted
     truth = right / (right + spec.refeeds + spec.watches) if right + spec.refeeds + spec.watches else 0.0
     extra = p.verify_other.value - p.plain_other.value if p.verify_other.known and p.plain_other.known else 0.0
-    loss = seconds - tokens * t_off  # against the off runs around the row
+    loss = seconds - tokens * t_off  # against the paired off run
     # the decode's seconds outside passes and drafter runs (snapshots, restores, picks, taps), per cycle
     other = (seconds - sum(map(sum, rec.passes.values())) - sum(rec.drafts)) / max(1, spec.cycles)
     return (
@@ -143,8 +164,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1, help="kernel threads (1: steady on a shared machine)")
     ap.add_argument("--budgets", default="ram,stream")
-    ap.add_argument("--settings", default="off,1,2,3,4,auto", help="off is the baseline run between rows")
-    ap.add_argument("--repeat", type=int, default=1, help="rounds of (off, row) alternations; the summary's median")
+    ap.add_argument("--settings", default="off,1,2,3,4,auto", help="off is the baseline every row is paired with")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of paired (off, row) runs; the summary's median")
     ap.add_argument("--no-stand-in", action="store_true", help="skip the stand-in drafter's rows")
     ap.add_argument(
         "--drafters", default="dspark,30,60,90", help="rows' drafters: dspark and stand-ins by percent right"
@@ -183,85 +204,112 @@ def main() -> None:
     rows = [(d, st) for d in drafters for st in settings]
     summary: list[str] = []
 
+    verdicts: list[str] = []
     for where in a.budgets.split(","):
         opts = RunOptions(budget=budgets[where], threads=a.threads, trunk="", numerics=numerics)
         label = f"budget={where}({budgets[where] / 1e9:.2f}GB)"
-        with Runtime.open(a.checkpoint, opts) as rt:
-            off_ids: list[int] = []
+        with Runtime.open(a.checkpoint, opts) as ra, Runtime.open(a.checkpoint, opts) as rb:
 
-            def off_run(rt=rt):
-                return timed(rt.generate(rt.session(), prompt, a.gen, speculate="off"))
+            def off_gen(rt):
+                return rt.generate(rt.session(), prompt, a.gen, speculate="off")
 
-            # untimed warm-ups: kernels, multi-token passes, the expert cache, the drafter
-            off_ids = off_run()[0]
-            for d, st in (("dspark", "3"), ("dspark", "auto")):
-                list(drafted_run(rt, cfg, prompt, off_ids, d, st, min(a.gen, 32))[1])
-            offs: list[tuple[float, float]] = []  # (tok/s, cpu s) of every timed off run, in order
-            got_rows: list[tuple[str, str, int, list[int], tuple, object, Recorded]] = []  # row, index of off before
-            for _r in range(a.repeat):
-                for d, st in rows:
-                    o = off_run()
-                    if o[0] != off_ids:
-                        differ.append(f"{where}/off")
-                    offs.append(((len(o[0]) - 1) / o[1], o[2]))
-                    s, g, rec = drafted_run(rt, cfg, prompt, off_ids, d, st, a.gen)
-                    got = timed(g)
-                    got_rows.append((d, st, len(offs) - 1, got[0], got, s.turn.speculation, rec))
-            o = off_run()
-            offs.append(((len(o[0]) - 1) / o[1], o[2]))
-
+            # untimed warm-ups on both: kernels, multi-token passes, the expert caches, the drafter
+            off_ids = list(off_gen(ra))
+            for rt in (ra, rb):
+                if list(off_gen(rt)) != off_ids:
+                    differ.append(f"{where}/off")
+                for d, st in (("dspark", "3"), ("dspark", "auto")):
+                    list(drafted_run(rt, cfg, prompt, off_ids, d, st, min(a.gen, 32))[1])
+            noise: list[tuple[float, float]] = []  # off/off pairs: (wall ratio, cpu ratio)
             per_row: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
-            for d, st, i, ids, t, spec, rec in got_rows:
-                rate, cpu = (len(ids) - 1) / t[1], t[2]
-                off_rate = (offs[i][0] + offs[i + 1][0]) / 2
-                off_cpu = (offs[i][1] + offs[i + 1][1]) / 2
-                x, x_cpu = rate / off_rate, off_cpu / cpu if cpu else 1.0
-                per_row[(d, st)].append((x, x_cpu))
-                same = "same-ids"
-                if ids != off_ids:
-                    at = next((j for j, (u, v) in enumerate(zip(ids, off_ids)) if u != v), min(len(ids), len(off_ids)))
-                    same = f"IDS-DIFFER(at {at})"
-                    differ.append(f"{where}/{d}/{st}")
-                lengths = ",".join(f"{k}:{v}" for k, v in sorted(spec.lengths.items()))
-                extra = f" x_est={spec.seconds_without / t[1]:.2f}" if spec.seconds_without else ""
-                extra += (
-                    f" acceptance={spec.acceptance:.2f} mean_len={spec.mean_accepted_length:.2f} drafted={spec.drafted}"
-                    f" verified={spec.verified_tokens} refeeds={spec.refeeds}"
-                    f" MB_per_tok={spec.expert_bytes_per_token / 1e6:.2f} lengths={{{lengths}}}"
-                )
-                if spec.watches:
-                    extra += f" watches={spec.watches}({spec.watch_accepted}/{spec.watch_drafted}_right)"
-                print(
-                    f"{label} drafter={d} speculate={st} tok_s={rate:.2f} off_tok_s={off_rate:.2f} x_off={x:.2f}"
-                    f" x_off_cpu={x_cpu:.2f} decode_s={t[1]:.2f} cpu_s={cpu:.2f} {same}{extra}",
-                    flush=True,
-                )
-                if st == "auto" and spec.drafted:
-                    print(cycles_line(rec, spec, 1 / off_rate, t[1], len(ids) - 1), flush=True)
-            # the noise: each off run against the mean of its neighbours
-            noise = [offs[i][0] / ((offs[i - 1][0] + offs[i + 1][0]) / 2) for i in range(1, len(offs) - 1)]
-            noise_cpu = [((offs[i - 1][1] + offs[i + 1][1]) / 2) / offs[i][1] for i in range(1, len(offs) - 1)]
-            rates = [r for r, _ in offs]
+            half = (len(rows) + 1) // 2
+            plan = [None, *rows[:half], None, *rows[half:]]  # None: an off/off pair (the noise)
+            turn = 0
+            for r in range(a.repeat):
+                x_rt, y_rt = (ra, rb) if r % 2 == 0 else (rb, ra)  # off runs on x_rt, the row on y_rt
+                for row in plan:
+                    if row is None:
+                        s = rec = None
+                        g = off_gen(y_rt)
+                    else:
+                        s, g, rec = drafted_run(y_rt, cfg, prompt, off_ids, *row, a.gen)
+                    o = off_gen(x_rt)
+                    turn += 1
+                    (off_t, got), first = (paired(o, g), "off") if turn % 2 else (paired(g, o)[::-1], "row")
+                    for ids, what in ((off_t[0], "off"), (got[0], "off" if row is None else "/".join(row))):
+                        if ids != off_ids:
+                            at = next((j for j, (u, v) in enumerate(zip(ids, off_ids)) if u != v), len(ids))
+                            differ.append(f"{where}/{what}(at {at})")
+                    x, x_cpu = off_t[1] / got[1], off_t[2] / got[2] if got[2] else 1.0
+                    if row is None:
+                        noise.append((x, x_cpu))
+                        continue
+                    per_row[row].append((x, x_cpu))
+                    print_row(label, row, got, off_t, s.turn.speculation, rec, first, got[0] == off_ids)
             summary.append(
-                f"{label} off: tok_s median {statistics.median(rates):.2f} [{min(rates):.2f}, {max(rates):.2f}]"
-                f" over {len(offs)} runs; off/off {_spread(noise)} cpu {_spread(noise_cpu)} (the noise)"
+                f"{label} off/off: x_off {_spread([x for x, _ in noise])} x_off_cpu {_spread([c for _, c in noise])}"
+                f" over {len(noise)} pairs (the noise)"
             )
             for (d, st), xs in per_row.items():
+                wall, cpu = [x for x, _ in xs], [c for _, c in xs]
+                v = verdict(wall, [x for x, _ in noise])
                 summary.append(
-                    f"{label} drafter={d} speculate={st}: x_off {_spread([x for x, _ in xs])}"
-                    f" x_off_cpu {_spread([c for _, c in xs])}"
+                    f"{label} drafter={d} speculate={st}: x_off {_spread(wall)} x_off_cpu {_spread(cpu)}"
+                    f" -> {v} (cpu: {verdict(cpu, [c for _, c in noise])})"
                 )
-    print("# summary: median [lowest, highest] over rounds, each against the off runs around it", flush=True)
+                if st == "auto":
+                    verdicts.append(f"{where}/{d.removeprefix('STAND-IN-')}: {v.split(' (')[0]}")
+    print(
+        "# summary: median [lowest, highest] over rounds; x_off = off's decode seconds / the row's, paired", flush=True
+    )
     for line in summary:
         print(f"# {line}", flush=True)
+    if verdicts:
+        print(f"# auto against off (wall): {'; '.join(verdicts)}", flush=True)
     if differ:
-        print(f"# IDS-DIFFER: {len(differ)} row(s) gave other greedy ids than off: {', '.join(differ)}", flush=True)
+        print(f"# IDS-DIFFER: {len(differ)} run(s) gave other greedy ids than off: {', '.join(differ)}", flush=True)
         raise SystemExit(1)
     print("# every row gave off's greedy ids", flush=True)
 
 
+def print_row(label: str, row: tuple[str, str], got, off_t, spec, rec: Recorded, first: str, same: bool) -> None:
+    """One timed row: its rate against the paired off run's, and what it drafted."""
+    d, st = row
+    n = len(got[0]) - 1
+    rate, off_rate = n / got[1], n / off_t[1]
+    lengths = ",".join(f"{k}:{v}" for k, v in sorted(spec.lengths.items()))
+    extra = f" x_est={spec.seconds_without / got[1]:.2f}" if spec.seconds_without else ""
+    extra += (
+        f" acceptance={spec.acceptance:.2f} mean_len={spec.mean_accepted_length:.2f} drafted={spec.drafted}"
+        f" verified={spec.verified_tokens} refeeds={spec.refeeds}"
+        f" MB_per_tok={spec.expert_bytes_per_token / 1e6:.2f} lengths={{{lengths}}}"
+    )
+    if spec.watches:
+        extra += f" watches={spec.watches}({spec.watch_accepted}/{spec.watch_drafted}_right)"
+    print(
+        f"{label} drafter={d} speculate={st} tok_s={rate:.2f} off_tok_s={off_rate:.2f} x_off={off_t[1] / got[1]:.2f}"
+        f" x_off_cpu={off_t[2] / got[2] if got[2] else 1.0:.2f} decode_s={got[1]:.2f} cpu_s={got[2]:.2f}"
+        f" first={first} {'same-ids' if same else 'IDS-DIFFER'}{extra}",
+        flush=True,
+    )
+    if st == "auto" and spec.drafted:
+        print(cycles_line(rec, spec, off_t[1] / n, got[1], n), flush=True)
+
+
+def verdict(xs: list[float], noise: list[float]) -> str:
+    """Where a row's median lies against the off/off range."""
+    if not xs or not noise:
+        return "no verdict"
+    m, lo, hi = statistics.median(xs), min(noise), max(noise)
+    if m < lo:
+        return f"SLOWER than off beyond the noise ({m:.3f} < off/off lowest {lo:.3f})"
+    if m > hi:
+        return f"faster than off beyond the noise ({m:.3f} > off/off highest {hi:.3f})"
+    return f"within the noise ({lo:.3f} <= {m:.3f} <= {hi:.3f})"
+
+
 def _spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]" if xs else "-"
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}]" if xs else "-"
 
 
 if __name__ == "__main__":

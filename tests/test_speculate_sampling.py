@@ -51,6 +51,9 @@ class ChainSession:
         self.ids.extend(int(i) for i in ids)
         return TABLE[np.asarray(ids)].astype(np.float32)
 
+    def step(self, token_id: int) -> np.ndarray:
+        return self.prefill([token_id])[0]
+
     def _timed_prefill(self, turn, t0, ids, *rest) -> np.ndarray:
         turn.prompt_tokens = len(ids)
         return self.prefill(ids)[-1]

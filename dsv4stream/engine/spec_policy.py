@@ -18,14 +18,16 @@ whose plain pass is off's).
   tokens(k) = 1 + sum_{j=1..k} prod_{i<j} alpha_i
 and it drafts the k in 0..kmax with the most tokens per second, tokens(k) / cost(k).
 - t(n): the measured seconds of main-model passes of n tokens (a decaying mean per n, drawn
-  towards the line below while it has few timings); t(1) is the one-token mean, or the fastest
+  up towards the fit below while it has few timings); t(1) is the one-token mean, or the fastest
   of the last `RECENT` one-token passes or a longer pass's mean where lower (while drafting no
   one-token pass is timed, and a one-token mean measured high early would make every extra token
-  look free and credit drafts with steps they did not save); an n not yet measured is predicted from
-  t(1) plus a per-extra-token slope: the slope measured by the
-  multi-token passes so far, else a prior from what a one-token pass reads: every extra token
-  may route to experts no other token of the pass uses, so it costs up to the bytes a one-token
-  step reads (its misses) at the measured read rate, plus a share of its compute.
+  look free and credit drafts with steps they did not save); t(n > 1) is its own mean, never
+  blended below it, and an n not yet measured is predicted from t(1) plus a jump plus a
+  per-extra-token slope fitted to the multi-token passes so far (costs are concave: a second
+  token costs most, on demo-v41 0.56 of a step, each further one 0.1-0.3); with one length timed
+  the slope is a prior from what a one-token pass reads: every extra token may route to experts
+  no other token of the pass uses, so it costs up to the bytes a one-token step reads (its
+  misses) at the measured read rate, plus a share of its compute.
   While drafting pays, a draft one token longer than the best is tried once for each pass length
   not yet measured (predictions from shorter passes overestimate longer ones).
   While drafting, a plain step every `REMEASURE` passes times t(1) again (the one-token time it
@@ -55,8 +57,9 @@ It never makes a prompt slower than `off` beyond noise:
   adds its seconds less t(1) per token it picked (re-fed tokens are charged, not credited
   again; credit is kept down to -SHARE of the time). A new episode starts only while the ledger
   is within `SHARE` of the decode time measured (so the first is free), and an episode ends once
-  the ledger has grown by more than `GRACE` steps and SHARE of the time since it started (the
-  model of the costs can be wrong; the ledger is what it cost).
+  the ledger has grown by more than `GRACE` steps (`FIRST_GRACE` from its first verification
+  where no multi-token pass was timed before: drafting on a prior) and SHARE of the time since
+  it started (the model of the costs can be wrong; the ledger is what it cost).
 - No episode starts where drafting would not pay even at an acceptance of `CEILING` with the
   costs measured (a budget where a verification's union of experts reads too much).
 """
@@ -78,7 +81,8 @@ SHRINK = 2.0  # a pass length's own mean counts against this many passes' worth 
 COMPUTE_SHARE = 0.25  # prior: an extra token of a pass costs this share of a step's compute
 SPREAD = 1.0  # phantom drafts either way in the acceptance's range
 MOST_WATCHES = 5  # an episode that has not decided after this many watches ends
-GRACE = 8.0  # one-token steps verified drafting may lose before the ledger stops it
+GRACE = 8.0  # one-token steps an episode of verified drafting may lose before the ledger stops it
+FIRST_GRACE = 4.0  # GRACE from the first verification of an episode that drafts before any multi-token pass was timed
 RECENT = 8  # one-token passes whose fastest bounds t(1): a mean still carrying a slow start is stale
 DRAFT_PRIOR = 0.5  # prior: a drafter run costs this share of a one-token pass (before one is timed)
 REMEASURE = 24  # passes while drafting before a plain step times t(1) again
@@ -149,7 +153,6 @@ class AutoDrafts:
     draft_seconds: _Mean = field(default_factory=_Mean)
     step_bytes: _Mean = field(default_factory=_Mean)  # expert bytes a one-token pass reads
     read_rate: _Mean = field(default_factory=_Mean)  # bytes per second of read time
-    slope: _Mean = field(default_factory=_Mean)  # seconds per extra token of a pass, measured
     # decaying counts (none before the first watch: alpha 0, and its range 0 .. 1)
     accepted: float = 0.0
     rejected: float = 0.0
@@ -160,7 +163,8 @@ class AutoDrafts:
     wait: int = PROBE_FIRST  # plain cycles before the next episode
     watching: int = 0  # drafts of the current episode's next watch (0: no episode)
     drafting: bool = False  # verified drafts while they pay
-    opened_at: tuple[float, float] = (0.0, 0.0)  # the ledger and the time measured when the episode started
+    # the ledger and the time measured when the episode started, and the steps it may lose
+    opened_at: tuple[float, float, float] = (0.0, 0.0, GRACE)
     watches: int = 0  # watches of the current episode so far
     recent_t1: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # the last one-token passes' seconds
     since_t1: int = 0  # passes since the last one-token pass
@@ -175,8 +179,6 @@ class AutoDrafts:
         if n == 1:
             self.step_bytes.add(read_bytes)
             self.recent_t1.append(seconds)
-        elif self._t1_known:
-            self.slope.add(max(0.0, (seconds - self.t(1)) / (n - 1)))
         if read_bytes and read_seconds > 0:
             self.read_rate.add(read_bytes / read_seconds)
 
@@ -208,6 +210,10 @@ class AutoDrafts:
         low, high = self._range()
         if self._could_pay(low, 0.0):  # pays even at the low end: verify drafts
             self.watching, self.drafting = 0, True
+            if not any(n > 1 and m.known for n, m in self.passes.items()):
+                # drafting on a prior of what a longer pass costs (none timed yet): where the prior
+                # is wrong the ledger is the only check, so from here it may lose FIRST_GRACE steps
+                self.opened_at = (self.ledger, self.elapsed, FIRST_GRACE)
         elif not self._could_pay(high, MIN_GAIN) or self.watches >= MOST_WATCHES or self.ledger > self.bound:
             self._close(paid=False)  # could not pay enough even at the high end (or never made up its mind)
         elif accepted == k:
@@ -246,8 +252,8 @@ class AutoDrafts:
         """How far the ledger may go in an episode: where it stood when the episode started, plus
         SHARE of the time since and `GRACE` one-token steps (a few rejections in a row are the
         acceptance's own spread, not a wrong model)."""
-        ledger, elapsed = self.opened_at
-        return ledger + SHARE * (self.elapsed - elapsed) + GRACE * self.t(1)
+        ledger, elapsed, grace = self.opened_at
+        return ledger + SHARE * (self.elapsed - elapsed) + grace * self.t(1)
 
     def _draft_cost(self) -> float:
         """A verifying cycle's seconds beside its pass: the drafter run, and the cycle's own work
@@ -258,9 +264,9 @@ class AutoDrafts:
         return draft + EXTRA_PRIOR * self.t(1)
 
     def t(self, n: int) -> float:
-        """Predicted seconds of a main-model pass of n tokens: its own mean, drawn towards the line
-        through t(1) with the slope of all multi-token passes (a length timed once or twice on a
-        loaded machine says little: `SHRINK` passes' worth of the line)."""
+        """Predicted seconds of a main-model pass of n tokens: its own mean, drawn up towards the
+        fit of all multi-token passes (`_fit`; a length timed once or twice on a loaded machine
+        says little: `SHRINK` passes' worth of the fit), never below its own mean."""
         # a one-token mean above the last few one-token passes, or above a longer pass's mean, is
         # stale (plain steps timed early, or under a load since gone, and not timed again while
         # drafting feeds only longer passes): it would make every extra token look free and credit
@@ -268,16 +274,38 @@ class AutoDrafts:
         t1 = min([m.value for m in self.passes.values() if m.known] + list(self.recent_t1))
         if n == 1:
             return t1
-        if self.slope.known:
-            slope = self.slope.value
-        else:
-            reads = self.step_bytes.value / self.read_rate.value if self.read_rate.known else 0.0
-            slope = reads + COMPUTE_SHARE * max(0.0, t1 - reads)
-        line = t1 + slope * (n - 1)
+        jump, slope = self._fit(t1)
+        line = t1 + jump + slope * (n - 1)
         m = self.passes.get(n)
         if m is None or not m.known:
             return line
-        return (m.weight * m.value + SHRINK * line) / (m.weight + SHRINK)
+        line = (m.weight * m.value + SHRINK * line) / (m.weight + SHRINK)
+        # never below its own mean: blending a measured cost down towards the fit would credit
+        # drafts of that length with time they do not save
+        return max(line, m.value)
+
+    def _fit(self, t1: float) -> tuple[float, float]:
+        """(jump, slope): a pass of n > 1 tokens costs t(1) + jump + slope * (n - 1), fitted to the
+        multi-token passes' means (least squares, weighted by their counts). Not one slope through
+        t(1): on demo-v41 in RAM 2 tokens cost 1.56 steps, 3 tokens 1.84, each further 0.1-0.3
+        (one-token products are row kernels, longer ones others; under load a verification pass
+        of 4-9 tokens cost 2 steps whatever its length), so a slope through t(1) fitted to long
+        passes under-predicts the short ones a middling drafter uses. With one length timed the
+        slope is the prior (what a one-token pass reads, at the read rate, and a share of its
+        compute) and the jump what is left; before any, no jump."""
+        reads = self.step_bytes.value / self.read_rate.value if self.read_rate.known else 0.0
+        prior = reads + COMPUTE_SHARE * max(0.0, t1 - reads)
+        pts = [(n - 1, m.value - t1, m.weight) for n, m in self.passes.items() if n > 1 and m.known]
+        if not pts:
+            return 0.0, prior
+        w = sum(q for _, _, q in pts)
+        mx, my = sum(x * q for x, _, q in pts) / w, sum(y * q for _, y, q in pts) / w
+        sxx = sum(q * (x - mx) ** 2 for x, _, q in pts)
+        slope = max(0.0, sum(q * (x - mx) * (y - my) for x, y, q in pts) / sxx) if sxx > 0 else prior
+        jump = my - slope * mx
+        if jump < 0:  # convex: the line through t(1) that fits best
+            jump, slope = 0.0, max(0.0, sum(q * x * y for x, y, q in pts) / sum(q * x * x for x, _, q in pts))
+        return jump, slope
 
     def _alphas(self, k: int, confidence: Sequence[float] | None) -> list[float]:
         a = self.alpha
@@ -336,7 +364,7 @@ class AutoDrafts:
         if not self._could_pay(CEILING, MIN_GAIN):  # not even a drafter right almost always
             self.idle = 0
             return 0
-        self.watching, self.opened_at = 1, (self.ledger, self.elapsed)
+        self.watching, self.opened_at = 1, (self.ledger, self.elapsed, GRACE)
         return 1
 
     def _explore(self, k: int, kmax: int) -> int:

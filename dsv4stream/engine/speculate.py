@@ -177,7 +177,8 @@ def speculative_generate(
     turn = session.turn = Turn()
     spec = turn.speculation = SpecCounts(setting=str(setting))
     engine.phases.turns.append(turn)
-    meter, clock = engine.meter, StepClock(engine.meter)
+    meter = engine.meter
+    clock = StepClock(_Readings(meter))  # a pass's reads from the readings its clock takes (no more meter calls)
     gov, threads = getattr(engine, "governor", None), 0  # decode threads chosen by timing (`engine/threads.py`)
     inner = session.trace
     taps = _Taps(drafter.targets, max(drafter.block + 1, getattr(drafter, "window", 1)), inner)
@@ -272,7 +273,7 @@ def speculative_generate(
                 if want != threads:
                     threads = want
                     kernels.set_threads(threads)
-            rows, wall, phases = _pass(session, clock, taps, fed, turn, policy, meter, spec)
+            rows, wall, phases = _pass(session, clock, taps, fed, turn, policy, spec)
             if gov is not None and plain:
                 gov.record(threads, wall - phases["expert_reads"] - phases["trunk_reads"])
             outs: list[int] = []
@@ -313,7 +314,7 @@ def speculative_generate(
                 # fed again now once it is longer than a block, or every rejection in a row
                 # would lengthen the next pass by a token (a pass of 60 tokens after 60)
                 if stop is not None or len(carry) > drafter.block + 1:  # (a stop: the session must hold them now)
-                    wall += _pass(session, clock, taps, carry, turn, policy, meter, spec)[1]
+                    wall += _pass(session, clock, taps, carry, turn, policy, spec)[1]
                     spec.refeed_tokens += len(carry)
                     carry = []
             # the cycle's own work outside its passes and drafter run (snapshot, restore, picks, taps)
@@ -356,15 +357,31 @@ class _Watch:
         return self.right == len(self.drafts)
 
 
-def _pass(session, clock: StepClock, taps: _Taps, ids: list[int], turn: Turn, policy, meter, spec: SpecCounts):
+class _Readings:
+    """The engine's meter, keeping its last two readings: a pass's reads are the difference of
+    the two its `StepClock` took (`off`'s loop reads the meter twice a step, and so does a plain
+    cycle here)."""
+
+    def __init__(self, meter) -> None:
+        self.meter, self.before, self.after = meter, None, None
+
+    def __call__(self):
+        self.before, self.after = self.after, self.meter()
+        return self.after
+
+
+def _pass(session, clock: StepClock, taps: _Taps, ids: list[int], turn: Turn, policy, spec: SpecCounts):
     """One main-model pass of `ids`, timed into the turn, the figures and the policy: its logits
-    rows, its wall seconds and its seconds by phase."""
+    rows, its wall seconds and its seconds by phase. A one-token pass is `Session.step`, the call
+    `off`'s loop makes (no segment cuts or per-layer hooks of a prefill)."""
     taps.clear()
-    c0 = meter()
     clock.begin()
-    rows = session.prefill(np.asarray(ids, dtype=np.int64))
+    if len(ids) == 1:
+        rows = session.step(ids[0])[None, :]
+    else:
+        rows = session.prefill(np.asarray(ids, dtype=np.int64))
     wall, spent = clock.end()
-    c1 = meter()
+    c0, c1 = clock.meter.before, clock.meter.after
     turn.add_step(wall, spent)
     turn.decode_steps -= 1  # counted per token fed by the caller
     read = c1.expert_bytes_read - c0.expert_bytes_read
