@@ -151,8 +151,13 @@ def quantize_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # far). Keep it: without the prefetches the experts from DRAM ran at 7.5 against 10.9 GB per
 # CPU-second (one thread, one token; 6.4 against 9.4 at 7 tokens; one process, load 3). Their
 # distance measured no difference from 1 byte to 32 KB (any locality): what they buy is not
-# yet understood (measured, not explained).
+# yet understood (measured, not explained). Issue 44, later (512 MB of 4096-wide rows from
+# DRAM, one thread, one token, variants alternating in one process, load 1.8-2.7): no prefetch
+# 7.9, 64 bytes ahead 8.2, 1 KB 9.9, 4 KB 12.0 GB per CPU-s, a plain read of the same bytes
+# 15.2; into L2 (`LOCALITY` 2, prefetcht1) rather than L1 (3, prefetcht0) 5-10 % more in each
+# of four runs (4 KB: 12.1 -> 13.1, 10.8 -> 11.1, 7.9 -> 8.4; 6 KB 11.3 against 4 KB's 10.8).
 PREFETCH = 4096
+LOCALITY = 2
 
 
 def _row_intrinsic(variant: str, T: int):
@@ -213,9 +218,9 @@ def _row_intrinsic(variant: str, T: int):
             four = simd.splat(I8, VB, 4)
             acc = [[cgutils.alloca_once_value(builder, simd.splat(F32, L, 0.0)) for _ in range(2)] for _ in range(T)]
 
-            def prefetch(ptr, off):  # llvm.prefetch(ptr + off bytes, read, locality 3, data cache)
+            def prefetch(ptr, off):  # llvm.prefetch(ptr + off bytes, read, LOCALITY, data cache)
                 p = builder.gep(builder.bitcast(ptr, i8p), [off])
-                builder.call(pf, [p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+                builder.call(pf, [p, ir.Constant(I32, 0), ir.Constant(I32, LOCALITY), ir.Constant(I32, 1)])
 
             def weight_scales(g, n):
                 """n weight scales from group g as <n x float>: E8M0 byte b is 2^(b - 127), whose
