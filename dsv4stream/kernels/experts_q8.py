@@ -63,22 +63,43 @@ def _ptr(typingctx, addr, like):
 
 
 @intrinsic
-def _claim(typingctx, queue):
-    """The next work item of a parallel region: queue[0] (int64) before an atomic add of 1.
+def _claim(typingctx, queue, k):
+    """queue[0] (int64) before an atomic add of k: the first of k work items claimed."""
+    sig = types.int64(queue, types.int64)
 
-    The drivers' regions run one loop per thread that claims items until none is left, not
-    numba's split of the items into one equal run per thread: a thread that reads slower
-    (the other core's memory traffic, another process on its core) no longer leaves the other
-    waiting at the region's end with its share unstarted. Which thread runs an item does not
-    change its bits (each output row is one row kernel call)."""
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", data, args[1], "monotonic")
+
+    return sig, codegen
+
+
+@intrinsic
+def _peek(typingctx, queue):
+    """queue[0] (int64), read atomically: the items claimed so far."""
     sig = types.int64(queue)
 
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        one = context.get_constant(types.int64, 1)
-        return builder.atomic_rmw("add", data, one, "monotonic")
+        return builder.load_atomic(data, "monotonic", 8)
 
     return sig, codegen
+
+
+def _take(queue, n, threads):
+    """The next run [a, b) of a parallel region's n work items (a >= b: none left).
+
+    The drivers' regions run one loop per thread that takes runs until none is left, not
+    numba's split of the items into one equal run per thread: a thread that reads slower (the
+    other core's memory traffic, another process on its core) no longer leaves the other
+    waiting at the region's end with its share unstarted. Runs shrink as the items do (a
+    quarter of what is left at 2 threads, then less, at least 1): consecutive items are
+    consecutive rows of one matrix, so a thread streams long runs of memory (one item at a
+    time, the threads interleaved, ran 25-45 % slower at 2 threads, load 7). Which thread runs
+    an item does not change its bits (each output row is one row kernel call)."""
+    k = max(1, (n - _peek(queue)) // (2 * threads))
+    a = _claim(queue, k)
+    return a, min(n, a + k)
 
 
 @intrinsic
@@ -136,12 +157,14 @@ def _drive_pair(addr, lo, hi, sdt, xg, S, gate, up, qa, bias, da):
     nb = (R + ROWS - 1) // ROWS
     n = addr.shape[0] * nb
     queue = np.zeros(1, np.int64)
-    for _ in prange(_threads()):
-        it = _claim(queue)
-        while it < n:
-            r0 = (it % nb) * ROWS
-            _up_item(addr, it // nb, r0, min(R, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, gate, up)
-            it = _claim(queue)
+    th = _threads()
+    for _ in prange(th):
+        a, b = _take(queue, n, th)
+        while a < b:
+            for it in range(a, b):
+                r0 = (it % nb) * ROWS
+                _up_item(addr, it // nb, r0, min(R, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, gate, up)
+            a, b = _take(queue, n, th)
 
 
 def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
@@ -159,12 +182,14 @@ def _down_items(addr, col, sdt, qa, bias, da, lo, hi, wp, tp, y, out, C):
     D = y.shape[1]
     n = (D + ROWS - 1) // ROWS
     queue = np.zeros(1, np.int64)
-    for _ in prange(_threads()):
-        ib = _claim(queue)
-        while ib < n:
-            r0 = ib * ROWS
-            _down_item(addr, col, r0, min(D, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, wp, tp, y, out)
-            ib = _claim(queue)
+    th = _threads()
+    for _ in prange(th):
+        a, b = _take(queue, n, th)
+        while a < b:
+            for ib in range(a, b):
+                r0 = ib * ROWS
+                _down_item(addr, col, r0, min(D, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, wp, tp, y, out)
+            a, b = _take(queue, n, th)
 
 
 def _gate_clamped(gate, en, lim, lo, hi, r0, r1):
@@ -202,15 +227,17 @@ def _drive_gate_up(addr, lo, hi, sdt, x, tok, S, lim, gate, up, en, qx, bx, dx, 
     nb = (R + ROWS - 1) // ROWS
     n = addr.shape[0] * nb
     queue = np.zeros(1, np.int64)
-    for _ in prange(_threads()):
-        it = _claim(queue)
-        while it < n:
-            e = it // nb
-            r0 = (it % nb) * ROWS
-            r1 = min(R, r0 + ROWS)
-            _up_item(addr, e, r0, r1, C, sdt, qa, bias, da, lo, hi, gate, up)
-            _gate_clamped(gate, en, lim, lo[e], hi[e], r0, r1)
-            it = _claim(queue)
+    th = _threads()
+    for _ in prange(th):
+        a, b = _take(queue, n, th)
+        while a < b:
+            for it in range(a, b):
+                e = it // nb
+                r0 = (it % nb) * ROWS
+                r1 = min(R, r0 + ROWS)
+                _up_item(addr, e, r0, r1, C, sdt, qa, bias, da, lo, hi, gate, up)
+                _gate_clamped(gate, en, lim, lo[e], hi[e], r0, r1)
+            a, b = _take(queue, n, th)
 
 
 def _glu_row(gate, up, ex, lim, wpre, pre, h, p):
@@ -255,6 +282,7 @@ def _driver(fn, variant: str):
     g["_gate_clamped"] = _compiled(_gate_clamped, variant, g)
     g["_copy_rows"] = _compiled(_copy_rows, variant, g)
     g["_glu_row"] = _compiled(_glu_row, variant, g)
+    g["_take"] = _compiled(_take, variant, g)
     g["_up_item"] = _compiled(_up_item, variant, g)
     g["_down_item"] = _compiled(_down_item, variant, g)
     g["_down_items"] = _compiled(_down_items, variant, g, parallel=True)
