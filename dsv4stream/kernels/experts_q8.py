@@ -34,9 +34,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import jit, q8, simd
@@ -60,60 +58,6 @@ def _ptr(typingctx, addr, like):
         return builder.inttoptr(args[0], context.get_value_type(ret))
 
     return sig, codegen
-
-
-@intrinsic
-def _claim(typingctx, queue, k):
-    """queue[0] (int64) before an atomic add of k: the first of k work items claimed."""
-    sig = types.int64(queue, types.int64)
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        return builder.atomic_rmw("add", data, args[1], "monotonic")
-
-    return sig, codegen
-
-
-@intrinsic
-def _peek(typingctx, queue):
-    """queue[0] (int64), read atomically: the items claimed so far."""
-    sig = types.int64(queue)
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        return builder.load_atomic(data, "monotonic", 8)
-
-    return sig, codegen
-
-
-def _take(queue, n, threads):
-    """The next run [a, b) of a parallel region's n work items (a >= b: none left).
-
-    The drivers' regions run one loop per thread that takes runs until none is left, not
-    numba's split of the items into one equal run per thread: a thread that reads slower (the
-    other core's memory traffic, another process on its core) no longer leaves the other
-    waiting at the region's end with its share unstarted. Runs shrink as the items do (a
-    quarter of what is left at 2 threads, then less, at least 1): consecutive items are
-    consecutive rows of one matrix, so a thread streams long runs of memory (one item at a
-    time, the threads interleaved, ran 25-45 % slower at 2 threads, load 7). Which thread runs
-    an item does not change its bits (each output row is one row kernel call)."""
-    k = max(1, (n - _peek(queue)) // (2 * threads))
-    a = _claim(queue, k)
-    return a, min(n, a + k)
-
-
-@intrinsic
-def _threads(typingctx):
-    """numba's thread count for the next parallel region, read in compiled code through the
-    symbol its parallel regions call (`numba.get_num_threads()` inside a compiled function goes
-    through a ctypes pointer, which numba's cache cannot store)."""
-    numba.get_num_threads()  # starts numba's threading layer, which registers the symbol
-
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(cgutils.intp_t, []), "get_num_threads")
-        return builder.call(fn, [])
-
-    return types.intp(), codegen
 
 
 _row_groups = None  # `q8.row_groups(variant)`, bound in each driver's globals (`_driver`)
@@ -155,16 +99,9 @@ def _drive_pair(addr, lo, hi, sdt, xg, S, gate, up, qa, bias, da):
     R = gate.shape[1]
     C = xg.shape[1]
     nb = (R + ROWS - 1) // ROWS
-    n = addr.shape[0] * nb
-    queue = np.zeros(1, np.int64)
-    th = _threads()
-    for _ in prange(th):
-        a, b = _take(queue, n, th)
-        while a < b:
-            for it in range(a, b):
-                r0 = (it % nb) * ROWS
-                _up_item(addr, it // nb, r0, min(R, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, gate, up)
-            a, b = _take(queue, n, th)
+    for it in prange(addr.shape[0] * nb):
+        r0 = (it % nb) * ROWS
+        _up_item(addr, it // nb, r0, min(R, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, gate, up)
 
 
 def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
@@ -173,23 +110,11 @@ def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
     tp's row. Either part may be empty: E = 0 only sums (y filled by earlier calls), T = 0 only
     fills y (a layer whose experts came in several groups)."""
     _quantize(h, S, qa, bias, da)
-    _down_items(addr, 0, sdt, qa, bias, da, lo, hi, wp, tp, y, out, h.shape[1])
-
-
-def _down_items(addr, col, sdt, qa, bias, da, lo, hi, wp, tp, y, out, C):
-    """Every `_down_item` of y's rows (blocks of ROWS) in one parallel region, each thread
-    claiming blocks until none is left (`_claim`)."""
     D = y.shape[1]
-    n = (D + ROWS - 1) // ROWS
-    queue = np.zeros(1, np.int64)
-    th = _threads()
-    for _ in prange(th):
-        a, b = _take(queue, n, th)
-        while a < b:
-            for ib in range(a, b):
-                r0 = ib * ROWS
-                _down_item(addr, col, r0, min(D, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, wp, tp, y, out)
-            a, b = _take(queue, n, th)
+    C = h.shape[1]
+    for ib in prange((D + ROWS - 1) // ROWS):
+        r0 = ib * ROWS
+        _down_item(addr, 0, r0, min(D, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, wp, tp, y, out)
 
 
 def _gate_clamped(gate, en, lim, lo, hi, r0, r1):
@@ -225,19 +150,12 @@ def _drive_gate_up(addr, lo, hi, sdt, x, tok, S, lim, gate, up, en, qx, bx, dx, 
     R = gate.shape[1]
     C = x.shape[1]
     nb = (R + ROWS - 1) // ROWS
-    n = addr.shape[0] * nb
-    queue = np.zeros(1, np.int64)
-    th = _threads()
-    for _ in prange(th):
-        a, b = _take(queue, n, th)
-        while a < b:
-            for it in range(a, b):
-                e = it // nb
-                r0 = (it % nb) * ROWS
-                r1 = min(R, r0 + ROWS)
-                _up_item(addr, e, r0, r1, C, sdt, qa, bias, da, lo, hi, gate, up)
-                _gate_clamped(gate, en, lim, lo[e], hi[e], r0, r1)
-            a, b = _take(queue, n, th)
+    for it in prange(addr.shape[0] * nb):
+        e = it // nb
+        r0 = (it % nb) * ROWS
+        r1 = min(R, r0 + ROWS)
+        _up_item(addr, e, r0, r1, C, sdt, qa, bias, da, lo, hi, gate, up)
+        _gate_clamped(gate, en, lim, lo[e], hi[e], r0, r1)
 
 
 def _glu_row(gate, up, ex, lim, wpre, pre, h, p):
@@ -263,7 +181,11 @@ def _drive_glu_down(addr, lo, hi, sdt, gate, up, ex, lim, wpre, pre, S, wp, tp, 
     for p in prange(h.shape[0]):
         _glu_row(gate, up, ex, lim, wpre, pre, h, p)
         _quantize(h[p : p + 1], S, qa[p : p + 1], bias[p : p + 1], da[p : p + 1])
-    _down_items(addr, 4, sdt, qa, bias, da, lo, hi, wp, tp, y, out, h.shape[1])
+    D = y.shape[1]
+    C = h.shape[1]
+    for ib in prange((D + ROWS - 1) // ROWS):
+        r0 = ib * ROWS
+        _down_item(addr, 4, r0, min(D, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, wp, tp, y, out)
 
 
 def _compiled(fn, variant: str, g: dict, **options):
@@ -282,11 +204,9 @@ def _driver(fn, variant: str):
     g["_gate_clamped"] = _compiled(_gate_clamped, variant, g)
     g["_copy_rows"] = _compiled(_copy_rows, variant, g)
     g["_glu_row"] = _compiled(_glu_row, variant, g)
-    g["_take"] = _compiled(_take, variant, g)
     g["_up_item"] = _compiled(_up_item, variant, g)
     g["_down_item"] = _compiled(_down_item, variant, g)
-    g["_down_items"] = _compiled(_down_items, variant, g, parallel=True)
-    return _compiled(fn, variant, g, parallel=fn is not _drive_down)  # its region: `_down_items`
+    return _compiled(fn, variant, g, parallel=True)
 
 
 _DRIVERS: dict[tuple[str, str], object] = {}

@@ -1,12 +1,11 @@
-"""The expert drivers' work queue (`experts_q8._take`) and their work items: every row block of
-every expert, for every token group, written exactly once, at 1 and 2 threads.
+"""The expert drivers' work items: every row block of every expert, for every token group,
+written, at 1 and 2 threads.
 
 Independent of the drivers: each expert's rows by `q8.matmul` (its own driver, one product per
 call) and each token's sum written out here in float32. The drivers' outputs start as NaN (not
 `np.empty`: a skipped block could hold the right value from an earlier identical call), so a
 block, an expert or a token group that no thread ran stays NaN; one run twice into a sum, or
-at the wrong rows, changes the bits. The queue itself: each index taken by exactly one thread,
-in runs of consecutive indices.
+at the wrong rows, changes the bits.
 """
 
 from __future__ import annotations
@@ -14,56 +13,16 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
-from numba import njit, prange
 
 from dsv4stream import kernels
 from dsv4stream.checkpoint import formats
 from dsv4stream.kernels import cpu, experts_q8, q8
 from dsv4stream.model.moe import _glu
 
-_take = njit(experts_q8._take)
 HOST = cpu.variant("fp4")
 needs_fast = pytest.mark.skipif(HOST is None or kernels.backend_name() != "fast", reason="no fast FP4 variant here")
 THREADS = (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,)
 D, INTER = 512, 256  # w1 / w3 (256, 512): 16 row blocks each; w2 (512, 256): 32
-
-
-@njit(parallel=True)
-def _claims(n, queue, counts, who, spent):
-    """Each thread takes runs of indices until none is left (`experts_q8._take`, the drivers'
-    loop); counts[i] += 1 and who[i] = the thread."""
-    th = numba.get_num_threads()
-    for _ in prange(th):
-        me = numba.get_thread_id()
-        a, b = _take(queue, n, th)
-        while a < b:
-            for i in range(a, b):
-                counts[i] += 1
-                who[i] = me
-                acc = 0.0
-                for k in range(3000):  # some work per index, so that the threads take runs side by side
-                    acc += np.sqrt(k + i)
-                spent[i] = acc
-            a, b = _take(queue, n, th)
-
-
-@pytest.mark.parametrize("threads", THREADS)
-def test_the_queue_hands_out_every_index_once(threads):
-    before = numba.get_num_threads()
-    try:
-        numba.set_num_threads(threads)
-        n = 600
-        counts = np.zeros(n, np.int64)
-        who = np.full(n, -1, np.int64)
-        queue = np.zeros(1, np.int64)
-        _claims(n, queue, counts, who, np.empty(n))
-        assert (counts == 1).all()  # none dropped, none twice
-        assert queue[0] >= n  # every thread's last claim found the queue empty
-        assert (who >= 0).all()
-        runs = 1 + np.count_nonzero(np.diff(who))
-        assert runs < n // 8  # runs of consecutive indices, not one index at a time
-    finally:
-        numba.set_num_threads(before)
 
 
 def _fp4(rng, r: int, c: int):
