@@ -17,7 +17,10 @@ count and token count T (1: a decode step; 2-8: a short prompt's prefill), in on
   driver (each with its rounding), the SwiGLU in numpy, and what is left (routing, address
   tables, Python).
 - `l2`: the drivers' row kernels with the weights in L2: the gate/up driver on 128 rows of w1 and
-  of w3 (256 KB each) and the down driver on 512 rows of w2 (512 KB), one expert, T tokens.
+  of w3 (256 KB each) and the down driver on 512 rows of w2 (512 KB), one expert, T tokens
+  (each call also rounds its activations and opens a parallel region: at one token the rounding
+  of x alone is about as long as the 512 KB of products), and `rows`: the row kernels alone
+  (`q8.row_groups` over 512 rows of w1's width, 16 rows a call, from a numba loop).
 - the machine's read rate at that thread count (`measure.readrate`), so dram's figure reads as
   the issue's ratio: time / (bytes / read rate), wanted <= 1.5 (per CPU second).
 `--baseline TREE` loads TREE's `kernels/q8.py` and `kernels/experts_q8.py` (copied to a temporary
@@ -222,6 +225,45 @@ def l2(xq8, variant: str, d: int, i: int, t: int, reps: int, rng) -> dict[str, f
     return got
 
 
+def _row_loop(rg):
+    """A numba loop calling the row kernels `rg` (`q8.row_groups`) over w's rows, 16 a call (trees
+    before issue 44's last stop take a float32 scratch for the scales: `sw`)."""
+    if "sw" in inspect.signature(rg.py_func).parameters:
+
+        @numba.njit
+        def loop_sw(n, w, s, sw, qa, bias, da, t, out):
+            for _ in range(n):
+                for r0 in range(0, w.shape[0], 16):
+                    rg(w, s, r0, r0 + 16, sw, qa, bias, da, 0, t, out)
+
+        return loop_sw
+
+    @numba.njit
+    def loop(n, w, s, sw, qa, bias, da, t, out):
+        for _ in range(n):
+            for r0 in range(0, w.shape[0], 16):
+                rg(w, s, r0, r0 + 16, qa, bias, da, 0, t, out)
+
+    return loop
+
+
+def rows(xq8, variant: str, d: int, t: int, reps: int, rng) -> float:
+    """The row kernels alone on 512 rows of w1's shape (1 MB, in L2), T tokens: GB per CPU-s."""
+    q8 = xq8.q8
+    w = fp4(512, d, rng)
+    qa, bias, da = q8.quantize(rng.standard_normal((t, d), dtype=np.float32), variant)
+    sw = np.empty((16, d // 32), np.float32)
+    out = np.empty((t, w.rows), np.float32)
+    loop = _row_loop(q8.row_groups(variant))
+    loop(1, w.data, w.scale, sw, qa, bias, da, t, out)
+    n, best = 200, np.inf
+    for _ in range(reps):
+        c0 = time.process_time()
+        loop(n, w.data, w.scale, sw, qa, bias, da, t, out)
+        best = min(best, (time.process_time() - c0) / n)
+    return w.nbytes / best / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -263,6 +305,7 @@ def main() -> None:
                     p = parts(xq8, variant, pool, t, a.reps, rng)
                     print(f"    {name} parts (CPU ms): " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()), flush=True)
                 q = l2(xq8, variant, d, i, t, a.reps, rng)
+                q["rows"] = rows(xq8, variant, d, t, a.reps, rng)
                 print(f"    {name} l2 (GB per CPU-s): " + ", ".join(f"{k} {v:.1f}" for k, v in q.items()), flush=True)
 
 

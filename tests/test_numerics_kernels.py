@@ -331,9 +331,9 @@ def test_fp4_scale_forms_and_e8m0_edges():
 @needs_fast
 @pytest.mark.parametrize("variant", ["host", "avx2"])
 def test_fp4_e8m0_bytes_read_in_the_loop_equal_their_float32_values(variant):
-    """The kernel turns E8M0 bytes 1..254 into float32 by a shift (2^(b-127) = b << 23); a row
-    block holding a 0 or 0xFF byte goes through the table instead. Both equal the same scales
-    given as float32, at widths with and without AVX-512's two-step tail (256, 512, 768)."""
+    """The kernel turns E8M0 bytes 1..254 into float32 by a shift (2^(b-127) = b << 23), and 0
+    and 0xFF by the same shift with bit 22 set (2^-127 and NaN). Both equal the same scales given
+    as float32, at widths with and without AVX-512's two-step tail (256, 512, 768)."""
     v = cpu.variant("fp4") if variant == "host" else "avx2"
     rng = np.random.default_rng(11)
     for cols in (256, 512, 768):
@@ -345,7 +345,7 @@ def test_fp4_e8m0_bytes_read_in_the_loop_equal_their_float32_values(variant):
         y = q8.matmul(d, s, x, v)
         np.testing.assert_array_equal(y, q8.matmul(d, formats.e8m0_to_f32(s), x, v))
         edged = s.copy()
-        edged[-3, 0], edged[-20, -1] = 0, 255  # two row blocks take the table
+        edged[-3, 0], edged[-20, -1] = 0, 255  # the two bytes the shift alone gets wrong
         y = q8.matmul(d, edged, x, v)
         want = q8.matmul(d, formats.e8m0_to_f32(edged), x, v)
         np.testing.assert_array_equal(np.isnan(y), np.isnan(want))

@@ -63,17 +63,17 @@ def _ptr(typingctx, addr, like):
 _row_groups = None  # `q8.row_groups(variant)`, bound in each driver's globals (`_driver`)
 
 
-def _up_item(addr, e, r0, r1, C, sdt, sw, qa, bias, da, lo, hi, gate, up):
+def _up_item(addr, e, r0, r1, C, sdt, qa, bias, da, lo, hi, gate, up):
     """Rows r0 .. r1 of expert e's w1 and w3 (addr columns 0-3) for its pairs lo .. hi, into
     gate and up: one work item of the gate/up drivers' parallel region."""
     R = gate.shape[1]
     for m in range(2):
         w = numba.carray(_ptr(addr[e, 2 * m], U8_LIKE), (R, C // 2))
         s = numba.carray(_ptr(addr[e, 2 * m + 1], sdt), (R, C // 32))
-        _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], gate if m == 0 else up)
+        _row_groups(w, s, r0, r1, qa, bias, da, lo[e], hi[e], gate if m == 0 else up)
 
 
-def _down_item(addr, col, r0, r1, C, sdt, sw, qa, bias, da, lo, hi, wp, tp, y, out):
+def _down_item(addr, col, r0, r1, C, sdt, qa, bias, da, lo, hi, wp, tp, y, out):
     """Rows r0 .. r1 of every expert's w2 (data and scale in addr columns col, col + 1) for its
     pairs, into y, then those rows of each token's sum over j of y[tp[t, j]] * wp[tp[t, j]], from
     zero in the order of tp's row: one work item of the down drivers' parallel region."""
@@ -81,7 +81,7 @@ def _down_item(addr, col, r0, r1, C, sdt, sw, qa, bias, da, lo, hi, wp, tp, y, o
     for e in range(addr.shape[0]):
         w = numba.carray(_ptr(addr[e, col], U8_LIKE), (D, C // 2))
         s = numba.carray(_ptr(addr[e, col + 1], sdt), (D, C // 32))
-        _row_groups(w, s, r0, r1, sw, qa, bias, da, lo[e], hi[e], y)
+        _row_groups(w, s, r0, r1, qa, bias, da, lo[e], hi[e], y)
     T, K = tp.shape
     for t in range(T):
         for r in range(r0, r1):
@@ -101,8 +101,7 @@ def _drive_pair(addr, lo, hi, sdt, xg, S, gate, up, qa, bias, da):
     nb = (R + ROWS - 1) // ROWS
     for it in prange(addr.shape[0] * nb):
         r0 = (it % nb) * ROWS
-        sw = np.empty((ROWS, C // 32), np.float32)
-        _up_item(addr, it // nb, r0, min(R, r0 + ROWS), C, sdt, sw, qa, bias, da, lo, hi, gate, up)
+        _up_item(addr, it // nb, r0, min(R, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, gate, up)
 
 
 def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
@@ -115,8 +114,7 @@ def _drive_down(addr, lo, hi, sdt, h, S, wp, tp, y, out, qa, bias, da):
     C = h.shape[1]
     for ib in prange((D + ROWS - 1) // ROWS):
         r0 = ib * ROWS
-        sw = np.empty((ROWS, C // 32), np.float32)
-        _down_item(addr, 0, r0, min(D, r0 + ROWS), C, sdt, sw, qa, bias, da, lo, hi, wp, tp, y, out)
+        _down_item(addr, 0, r0, min(D, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, wp, tp, y, out)
 
 
 def _gate_clamped(gate, en, lim, lo, hi, r0, r1):
@@ -156,8 +154,7 @@ def _drive_gate_up(addr, lo, hi, sdt, x, tok, S, lim, gate, up, en, qx, bx, dx, 
         e = it // nb
         r0 = (it % nb) * ROWS
         r1 = min(R, r0 + ROWS)
-        sw = np.empty((ROWS, C // 32), np.float32)
-        _up_item(addr, e, r0, r1, C, sdt, sw, qa, bias, da, lo, hi, gate, up)
+        _up_item(addr, e, r0, r1, C, sdt, qa, bias, da, lo, hi, gate, up)
         _gate_clamped(gate, en, lim, lo[e], hi[e], r0, r1)
 
 
@@ -188,8 +185,7 @@ def _drive_glu_down(addr, lo, hi, sdt, gate, up, ex, lim, wpre, pre, S, wp, tp, 
     C = h.shape[1]
     for ib in prange((D + ROWS - 1) // ROWS):
         r0 = ib * ROWS
-        sw = np.empty((ROWS, C // 32), np.float32)
-        _down_item(addr, 4, r0, min(D, r0 + ROWS), C, sdt, sw, qa, bias, da, lo, hi, wp, tp, y, out)
+        _down_item(addr, 4, r0, min(D, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, wp, tp, y, out)
 
 
 def _compiled(fn, variant: str, g: dict, **options):

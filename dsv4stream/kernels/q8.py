@@ -35,7 +35,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 # jit: imported for its side effect, numba's cache locator for the kernels below (`jit.cache_dir`)
 from . import cpu, jit, simd  # noqa: F401
@@ -145,68 +145,24 @@ def quantize_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return qa[:, src], da * np.float32(2.0)
 
 
-# ---------------------------------------------------------------- weight scales --------------
-
-
-def _plain(s, r0, r1):
-    """Whether rows r0 .. r1 of scale s need no table: float32, or E8M0 bytes none of which is
-    0 (2^-127, a subnormal) or 0xFF (NaN), whose float32 bits are then the byte << 23."""
-
-
-@overload(_plain, jit_options=_JIT)
-def _ol_plain(s, r0, r1):
-    if s.dtype == types.uint8:
-
-        def impl(s, r0, r1):
-            lo = np.uint8(255)
-            hi = np.uint8(0)
-            for r in range(r0, r1):
-                for j in range(s.shape[1]):
-                    lo = min(lo, s[r, j])
-                    hi = max(hi, s[r, j])
-            return lo > 0 and hi < 255
-
-        return impl
-
-    return lambda s, r0, r1: True
-
-
-def _row_scales(s, r0, r1, sw):
-    """sw[r - r0, :] = row r of scale s as float32 (E8M0 bytes through the table, or float32)."""
-
-
-@overload(_row_scales, jit_options=_JIT)
-def _ol_row_scales(s, r0, r1, sw):
-    if s.dtype == types.uint8:
-
-        def impl(s, r0, r1, sw):
-            for r in range(r0, r1):
-                for j in range(s.shape[1]):
-                    sw[r - r0, j] = E8M0[s[r, j]]
-
-        return impl
-
-    def impl(s, r0, r1, sw):
-        for r in range(r0, r1):
-            for j in range(s.shape[1]):
-                sw[r - r0, j] = s[r, j]
-
-    return impl
-
-
 # ---------------------------------------------------------------- the row kernel -------------
 
 # Bytes ahead of its step that each step prefetches in the weight (and its scales: a 16th as
 # far). Keep it: without the prefetches the experts from DRAM ran at 7.5 against 10.9 GB per
 # CPU-second (one thread, one token; 6.4 against 9.4 at 7 tokens; one process, load 3). Their
 # distance measured no difference from 1 byte to 32 KB (any locality): what they buy is not
-# yet understood (measured, not explained).
+# yet understood (measured, not explained). Issue 44, later (512 MB of 4096-wide rows from
+# DRAM, one thread, one token, variants alternating in one process, load 1.8-2.7): no prefetch
+# 7.9, 64 bytes ahead 8.2, 1 KB 9.9, 4 KB 12.0 GB per CPU-s, a plain read of the same bytes
+# 15.2; into L2 (`LOCALITY` 2, prefetcht1) rather than L1 (3, prefetcht0) 5-10 % more in each
+# of four runs (4 KB: 12.1 -> 13.1, 10.8 -> 11.1, 7.9 -> 8.4; 6 KB 11.3 against 4 KB's 10.8).
 PREFETCH = 4096
+LOCALITY = 2
 
 
 def _row_intrinsic(variant: str, T: int):
     """Row r of w times tokens t0 .. t0+T: out[t, r] for each. s: the weight's scales, E8M0
-    bytes none of which is 0 or 0xFF (`_plain`), or float32; row sr of s is row r's.
+    bytes or float32; row sr of s is row r's.
 
     A block of 4 steps (2 * VB * 4 columns: 16 groups for AVX-512, 8 for AVX2) loads its weight
     scales and each token's d / 2 once and multiplies them (one vector multiply per token); each
@@ -262,16 +218,22 @@ def _row_intrinsic(variant: str, T: int):
             four = simd.splat(I8, VB, 4)
             acc = [[cgutils.alloca_once_value(builder, simd.splat(F32, L, 0.0)) for _ in range(2)] for _ in range(T)]
 
-            def prefetch(ptr, off):  # llvm.prefetch(ptr + off bytes, read, locality 3, data cache)
+            def prefetch(ptr, off):  # llvm.prefetch(ptr + off bytes, read, LOCALITY, data cache)
                 p = builder.gep(builder.bitcast(ptr, i8p), [off])
-                builder.call(pf, [p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+                builder.call(pf, [p, ir.Constant(I32, 0), ir.Constant(I32, LOCALITY), ir.Constant(I32, 1)])
 
             def weight_scales(g, n):
-                """n weight scales from group g as <n x float>."""
+                """n weight scales from group g as <n x float>: E8M0 byte b is 2^(b - 127), whose
+                float32 bits are b << 23 for b in 1 .. 254; b = 0 (2^-127, a subnormal) and
+                b = 0xFF (NaN) are the two where b - 1 wraps past 253, and get bit 22 too
+                (0x00400000 and 0x7FC00000, `E8M0`'s float32 bits)."""
                 if not e8m0:
                     return simd.load(builder, srow, g, vec(F32, n), align=4)
                 b = builder.zext(simd.load(builder, srow, g, vec(I8, n)), vec(I32, n))
-                return builder.bitcast(builder.shl(b, simd.splat(I32, n, 23)), vec(F32, n))
+                bits = builder.shl(b, simd.splat(I32, n, 23))
+                edge = builder.icmp_unsigned(">", builder.sub(b, simd.splat(I32, n, 1)), simd.splat(I32, n, 253))
+                bits = builder.select(edge, builder.or_(bits, simd.splat(I32, n, 1 << 22)), bits)
+                return builder.bitcast(bits, vec(F32, n))
 
             def block(blk, steps):
                 """Steps 0 .. steps of block blk (steps = 4, or 2 for the tail)."""
@@ -323,50 +285,40 @@ def _row_intrinsic(variant: str, T: int):
 
 
 _row4 = _row2 = _row1 = None  # the row kernels `row_groups` binds in each variant's globals
-_row_groups = None  # `_each_row_block` compiled with them, bound in `_drive`'s globals
+_row_groups = None  # `_each_token_group` compiled with them, bound in `_drive`'s globals
 
 
-def _each_token_group(w, s, so, r0, r1, qa, bias, da, lo, hi, out):
-    """out[t, r] for rows r0 .. r1 of w and the activation rows lo .. hi: the tokens in groups
-    of 4, then 2, then 1 (each row runs the same instruction sequence in any group, so a token's
-    bits do not depend on the others of the call); row r's scales are row r - so of s."""
+def _each_token_group(w, s, r0, r1, qa, bias, da, lo, hi, out):
+    """out[t, r] for rows r0 .. r1 of w (row r's scales: row r of s, E8M0 bytes or float32) and
+    the activation rows lo .. hi: the tokens in groups of 4, then 2, then 1 (each row runs the
+    same instruction sequence in any group, so a token's bits do not depend on the others of
+    the call). Shared by `_drive` and `experts_q8`'s drivers (their pairs are the activation
+    rows). The kernels read E8M0 bytes where they are, 0 and 0xFF included: no pass over the
+    scales first (a check of each 16-row block for those two bytes cost 10 % of the kernel's
+    time with the weights in L2)."""
     t0 = lo
     while t0 < hi:
         if hi - t0 >= 4:
             for r in range(r0, r1):
-                _row4(w, r, s, r - so, qa, bias, da, t0, out)
+                _row4(w, r, s, r, qa, bias, da, t0, out)
             t0 += 4
         elif hi - t0 >= 2:
             for r in range(r0, r1):
-                _row2(w, r, s, r - so, qa, bias, da, t0, out)
+                _row2(w, r, s, r, qa, bias, da, t0, out)
             t0 += 2
         else:
             for r in range(r0, r1):
-                _row1(w, r, s, r - so, qa, bias, da, t0, out)
+                _row1(w, r, s, r, qa, bias, da, t0, out)
             t0 += 1
-
-
-def _each_row_block(w, s, r0, r1, sw, qa, bias, da, lo, hi, out):
-    """`_each_token_group` over rows r0 .. r1 (at most ROWS): the kernels read the scales where
-    they are, unless an E8M0 byte needs the table (0 or 0xFF); those rows' scales then go
-    through sw (ROWS, C/32) float32 first. Same products either way. Shared by `_drive` and
-    `experts_q8`'s drivers (their pairs are the activation rows)."""
-    if _plain(s, r0, r1):
-        _each_token_group(w, s, 0, r0, r1, qa, bias, da, lo, hi, out)
-    else:
-        _row_scales(s, r0, r1, sw)
-        _each_token_group(w, sw, r0, r0, r1, qa, bias, da, lo, hi, out)
 
 
 def _drive(w, s, qa, bias, da, out):
     """Rows in work items of ROWS (prange), tokens in groups of 4, 2, 1 within each."""
     R = w.shape[0]
     T = qa.shape[0]
-    ng = s.shape[1]
     for ib in prange((R + ROWS - 1) // ROWS):
         r0 = ib * ROWS
-        sw = np.empty((ROWS, ng), np.float32)
-        _row_groups(w, s, r0, min(R, r0 + ROWS), sw, qa, bias, da, 0, T, out)
+        _row_groups(w, s, r0, min(R, r0 + ROWS), qa, bias, da, 0, T, out)
 
 
 def _variant_function(fn, variant: str, g: dict, **options):
@@ -383,12 +335,11 @@ _GROUPS: dict[str, object] = {}
 
 
 def row_groups(variant: str):
-    """`_each_row_block` compiled with `variant`'s row kernels (once per variant)."""
+    """`_each_token_group` compiled with `variant`'s row kernels (once per variant)."""
     if variant not in _GROUPS:
         g = dict(globals())
         g["_row4"], g["_row2"], g["_row1"] = (_row_intrinsic(variant, t) for t in TOKENS)
-        g["_each_token_group"] = _variant_function(_each_token_group, variant, g)
-        _GROUPS[variant] = _variant_function(_each_row_block, variant, g)
+        _GROUPS[variant] = _variant_function(_each_token_group, variant, g)
     return _GROUPS[variant]
 
 
