@@ -29,9 +29,13 @@ class WindowCache:
         earlier rows in slots before the older ones once the ring has wrapped), or its row
         differs from the step's in the last bits; then official numerics' grids can round the
         two apart and a verification pass picks other greedy ids than plain decoding."""
-        held = np.flatnonzero(self.pos >= 0)
-        held = held[np.argsort(self.pos[held], kind="stable")]
+        held = self._held()
         return np.concatenate([self.kv[held], kv]), np.concatenate([self.pos[held], positions])
+
+    def _held(self) -> np.ndarray:
+        """The ring's filled slots in position order."""
+        held = np.flatnonzero(self.pos >= 0)
+        return held[np.argsort(self.pos[held], kind="stable")]
 
     def ordered(self, kv: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`with_new`'s keys and positions, the keys written into this thread's buffer
@@ -43,8 +47,7 @@ class WindowCache:
         and faulted them in; the buffer is mapped once."""
         if kv.dtype != F32:
             return self.with_new(kv, positions)
-        held = np.flatnonzero(self.pos >= 0)
-        held = held[np.argsort(self.pos[held], kind="stable")]
+        held = self._held()
         from ..kernels.trunkops import rows_buffer  # numba's module: imported when a pass computes
 
         n, t, d = held.size, kv.shape[0], self.kv.shape[1]
