@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from test_server_speculate import rt, tok  # noqa: F401  (the V4.1 run and the release tokenizer fixtures)
 
 from dsv4stream.engine.session import Session
@@ -78,10 +79,14 @@ def worker(rt, tok) -> Worker:  # noqa: F811
     return Worker(rt, rt.cfg.vocab_size, ram, None, lambda _: None, [], tok.decode, tok.special.user, max_batch=4)
 
 
-def test_a_request_left_alone_drafts_again_with_off_ids(rt, tok, monkeypatch) -> None:  # noqa: F811
+@pytest.mark.parametrize("seed", [None, 3])
+def test_a_request_left_alone_drafts_again_with_off_ids(rt, tok, monkeypatch, seed) -> None:  # noqa: F811
+    """The long request greedy, or sampled with a seed (its draws keyed by position: the stand-in's
+    drafts, `off`'s ids, are right either way)."""
     w = worker(rt, tok)
     try:
-        off = {p: Request(w, tok, p, n, "off").ids() for p, n in (("long", LONG), ("short", SHORT), ("late", SHORT))}
+        off = {p: Request(w, tok, p, n, "off", seed=seed if p == "long" else None).ids()
+               for p, n in (("long", LONG), ("short", SHORT), ("late", SHORT))}  # fmt: skip
         full = [*PROMPTS["long"], *off["long"]]
         cycle: list[int] = []  # tokens the long request had when each drafting cycle began
 
@@ -102,8 +107,9 @@ def test_a_request_left_alone_drafts_again_with_off_ids(rt, tok, monkeypatch) ->
                 late.append(Request(w, tok, "late", SHORT, "off"))
 
         short = Request(w, tok, "short", SHORT, "off")  # taken first: the long one is taken beside it
-        long = Request(w, tok, "long", LONG, 2, on_token=arrive)
+        long = Request(w, tok, "long", LONG, 2, on_token=arrive, seed=seed)
         got = {"short": short.ids(), "long": long.ids()}
+        assert late, "the long request never drafted again once the short one had ended"
         got["late"] = late[0].ids()
         spec = w.stats.speculation()
         turns = rt.engine.phases.turns[turns0:]
