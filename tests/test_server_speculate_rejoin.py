@@ -12,6 +12,7 @@ shared add up to its tokens. Fails where a request that went batched never draft
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from test_server_speculate import rt, tok  # noqa: F401  (the V4.1 run and the release tokenizer fixtures)
@@ -33,37 +34,35 @@ PROMPTS = {"long": [5, 17, 99, 5, 17, 200, 3, 44], "short": [7, 8, 9, 10, 11], "
 class Request:
     """A greedy request sent to the worker; `on_token(n)` after its n-th token (on the engine thread)."""
 
-    def __init__(self, worker: Worker, tok, prompt: str, gen: int, speculate, on_token=None, n=1, seed=None) -> None:  # noqa: F811
+    def __init__(
+        self, worker: Worker, tokenizer, prompt, gen: int, speculate, on_token=None, n=1, seed=None, on_event=None
+    ) -> None:
         self.done, self.errors, self.got = threading.Event(), [], []
         self.more: list[list[int]] = [[] for _ in range(n - 1)]  # choices 1.. (n > 1)
-        me = self
 
-        class Logged(ReplyStream):
+        class Kept(ReplyStream):
+            def __init__(self, got: list[int], on_token=None) -> None:
+                super().__init__(tokenizer, thinking=False, tools=False, eos=-1)  # no stop before `gen` tokens
+                self.kept, self.on_token = got, on_token
+
             def push(self, token_id: int):
-                me.got.append(token_id)
-                if on_token is not None:
-                    on_token(len(me.got))
+                self.kept.append(token_id)
+                if self.on_token is not None:
+                    self.on_token(len(self.kept))
                 return super().push(token_id)
 
         def emit(kind: str, payload: object) -> None:
+            if on_event is not None:
+                on_event(kind)
             if kind == "error":
                 self.errors.append(payload)
             if kind in ("done", "error"):
                 self.done.set()
 
-        class More(ReplyStream):
-            def __init__(self, got: list[int]) -> None:
-                super().__init__(tok, thinking=False, tools=False, eos=-1)
-                self.got = got
-
-            def push(self, token_id: int):
-                self.got.append(token_id)
-                return super().push(token_id)
-
-        reply = Logged(tok, thinking=False, tools=False, eos=-1)  # no stop before `gen` tokens
+        reply, more = Kept(self.got, on_token), [Kept(g) for g in self.more]
         params = SamplingParams(1.0 if seed is not None else 0.0, seed=seed)
-        more = [More(g) for g in self.more]
-        self.job = Job(list(PROMPTS[prompt]), gen, params, reply, emit, speculate=speculate, more_replies=more)
+        ids = PROMPTS[prompt] if isinstance(prompt, str) else prompt
+        self.job = Job(list(ids), gen, params, reply, emit, speculate=speculate, more_replies=more)
         worker.submit(self.job)
 
     def ids(self) -> list[int]:
@@ -74,8 +73,8 @@ class Request:
         return [self.ids(), *self.more]
 
 
-def worker(rt, tok) -> Worker:  # noqa: F811
-    ram = StateCache(4 * planner.state_bytes_for(rt.cfg, CTX))
+def worker(rt, tok, states: int = 4) -> Worker:  # noqa: F811
+    ram = StateCache(states * planner.state_bytes_for(rt.cfg, CTX))
     return Worker(rt, rt.cfg.vocab_size, ram, None, lambda _: None, [], tok.decode, tok.special.user, max_batch=4)
 
 
@@ -164,3 +163,56 @@ def test_choices_decode_beside_the_first_which_drafts_only_alone(rt, tok) -> Non
         w.close()
     assert got == off and got[0] != got[1]
     assert r.job.usage.mean_batch == 2.0 and r.job.usage.batch_passes == 2 * (SHORT - 1)
+
+
+def test_a_client_gone_at_the_hand_over_leaves_the_state_off_goes_on_from(rt, tok, monkeypatch) -> None:  # noqa: F811
+    """The long request drafts again past the short one; a third arrives, and the long one's client
+    goes away while the token it handed to the batch waits for the pass (the newcomer's start drops
+    it): the request stops, the others are served, and the state it kept after its tokens but the
+    last (its session held exactly those) goes on as `off`: a prompt of those tokens reuses it and
+    gets `off`'s next ids."""
+    w = worker(rt, tok, states=16)
+    try:
+        off = Request(w, tok, "long", LONG, "off").ids()
+        want_late = Request(w, tok, "late", SHORT, "off").ids()
+        full = [*PROMPTS["long"], *off]
+        cycle: list[int] = []
+
+        def propose(pos: int, token: int, k: int) -> list[int]:
+            cycle.append(len(long.got))
+            return full[pos + 2 : pos + 2 + k]
+
+        monkeypatch.setattr(
+            rt.speculator, "drafter", lambda session: ScriptedDrafter(propose, rt.cfg.dspark.block_size)
+        )
+        late: list[Request] = []
+        arrived = threading.Event()
+
+        def gone(kind: str) -> None:
+            if kind == "started":
+                long.job.cancelled.set()
+
+        def arrive(n: int) -> None:
+            if n >= LONG // 2 and cycle and n == cycle[-1] + 2 and not late:
+                late.append(Request(w, tok, "late", SHORT, "off", on_event=gone))
+                arrived.set()
+
+        short = Request(w, tok, "short", SHORT, "off")
+        long = Request(w, tok, "long", LONG, 2, on_token=arrive)
+        short.ids()
+        end = time.monotonic() + 600
+        while not (arrived.is_set() or long.done.is_set()) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert arrived.is_set(), "the long request never drafted again once the short one had ended"
+        assert late[0].ids() == want_late
+        end = time.monotonic() + 60
+        while w.running and time.monotonic() < end:
+            time.sleep(0.01)
+        got = list(long.got)
+        assert not long.done.is_set() and not long.errors and w.running == 0  # stopped, not answered
+        assert LONG // 2 < len(got) < LONG and got == off[: len(got)]
+        again = Request(w, tok, [*PROMPTS["long"], *got], SHORT, "off")
+        assert again.ids() == off[len(got) : len(got) + SHORT]
+        assert again.job.usage.cached_tokens == len(PROMPTS["long"]) + len(got) - 1  # the state it kept
+    finally:
+        w.close()
