@@ -13,8 +13,9 @@ another did before). The drafter is a STAND-IN that proposes the long request's 
 (every draft right), unless --real (the checkpoint's own drafter; random weights accept almost
 nothing). Every round must give `off`'s ids (checked). Prints per round: the wall and the process
 CPU seconds from the submits to both answers, and the long request's main-model passes: those of
-the batch (`Usage.batch_passes`) and its own (`Session.step` / `prefill` calls: its drafting
-calls' one-token prompts and cycles). Give the load with the figures (printed before and after).
+the batch (`Usage.batch_passes`) and its own (its drafting calls' one-token prompts, cycles and
+re-feeds, from their records; tests/test_server_speculate_rejoin.py checks, by counting the
+session's calls, that nothing else runs). Give the load with the figures (printed before and after).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import time
 from pathlib import Path
 
 from dsv4stream import synth
-from dsv4stream.engine.session import Session
 from dsv4stream.engine.speculate_v41 import ScriptedDrafter
 from dsv4stream.run.runinfo import RunOptions
 from dsv4stream.run.runtime import Runtime
@@ -48,20 +48,6 @@ def release_tokenizer(d: Path) -> Tokenizer:
     write_tokenizer_files(d, "v41")
     (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "text_config": {"vocab_size": 129280}}))
     return Tokenizer.from_checkpoint(d)
-
-
-def count_own_passes() -> list[int]:
-    """Counts every `Session.step` / `prefill` call from now on (the batch's passes make neither)."""
-    n = [0]
-    for name in ("step", "prefill"):
-        real = getattr(Session, name)
-
-        def counted(self, *a, real=real, **kw):
-            n[0] += 1
-            return real(self, *a, **kw)
-
-        setattr(Session, name, counted)
-    return n
 
 
 def send(w: W.Worker, tok: Tokenizer, prompt: list[int], n: int, speculate):
@@ -110,25 +96,28 @@ def main() -> None:
             if not a.real:
                 block = rt.cfg.dspark.block_size
                 rt.speculator.drafter = lambda s: ScriptedDrafter(lambda pos, t, k: full[pos + 2 : pos + 2 + k], block)
-            own = count_own_passes()
             print(f"load {load()}; drafter {'the checkpoint' if a.real else 'STAND-IN (always right)'}, "
                   f"speculate {spec}, {a.gen} tokens", flush=True)  # fmt: skip
             for r in range(a.rounds):
                 for way, settle in (("rejoin", W.SETTLE), ("never", a.gen + 1)):
                     saved, W.SETTLE = W.SETTLE, settle
-                    w, own[0] = worker(), 0
+                    w, turns0 = worker(), len(rt.engine.phases.turns)
                     t0, c0 = time.perf_counter(), time.process_time()
                     (d1, _, _), (d2, got, job) = send(w, tok, P_SHORT, SHORT, "off"), send(w, tok, P_LONG, a.gen, spec)
                     d1.wait()
                     d2.wait()
                     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                     counts = w.stats.speculation()
+                    calls = [t.speculation for t in rt.engine.phases.turns[turns0:] if t.speculation is not None]
+                    own = len(calls) + sum(
+                        c.cycles + c.refeeds for c in calls
+                    )  # at most: a re-feed may ride a cycle's pass
                     w.close()
                     W.SETTLE = saved
                     if got != off:
                         raise SystemExit(f"round {r} {way}: ids differ from off's")
                     print(f"round {r} {way:6s} wall {wall:6.2f} s  cpu {cpu:6.2f} s  long request: batch passes "
-                          f"{job.usage.batch_passes:3d}, own passes {own[0]:3d}, drafted "
+                          f"{job.usage.batch_passes:3d}, own passes {own:3d}, drafted "
                           f"{counts.drafted if counts else 0}", flush=True)  # fmt: skip
             print(f"load {load()}", flush=True)
 
