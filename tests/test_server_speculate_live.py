@@ -7,6 +7,7 @@ V4-Flash-0731 checkpoint with its DSpark drafter and the release tokenizer.
   verified tokens, time with drafts and the estimate without), consistent with itself.
 - Two requests at once: each gets its solo answer, and their passes were shared (the first one
   drafted alone, then decoded in plain batched passes once the second was in flight).
+- A long request taken beside a short one drafts once the short one has ended, with `off`'s answer.
 """
 
 from __future__ import annotations
@@ -61,13 +62,29 @@ def metrics(srv: Server) -> dict[tuple, float]:
     }
 
 
-def answer(srv: Server, content: str, speculate, no_eos: dict) -> tuple[str, int]:
+def answer(srv: Server, content: str, speculate, no_eos: dict, n: int = N) -> tuple[str, int]:
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
     r = c.chat.completions.create(
-        model="t", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=N, logit_bias=no_eos,
+        model="t", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=n, logit_bias=no_eos,
         extra_body={"speculate": speculate},
     )  # fmt: skip
     return r.choices[0].message.content, r.usage.completion_tokens
+
+
+def streamed(srv: Server, content: str, speculate, no_eos: dict, started: threading.Event) -> str:
+    """A greedy answer of N tokens, streamed; `started` is set once its first chunks have come."""
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    stream = c.chat.completions.create(
+        model="t", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=N, logit_bias=no_eos,
+        extra_body={"speculate": speculate}, stream=True,
+    )  # fmt: skip
+    parts = []
+    for k, chunk in enumerate(stream):
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        if k == 4:
+            started.set()
+    return "".join(parts)
 
 
 def test_a_batching_server_drafts_alone_and_shares_passes_together(server, ckpt) -> None:
@@ -104,18 +121,7 @@ def test_a_batching_server_drafts_alone_and_shares_passes_together(server, ckpt)
     drafted, started = s["drafted_tokens"], threading.Event()
 
     def first() -> str:
-        c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
-        stream = c.chat.completions.create(
-            model="t", messages=[{"role": "user", "content": prompts[0]}], temperature=0, max_tokens=N,
-            logit_bias=no_eos, extra_body={"speculate": 2}, stream=True,
-        )  # fmt: skip
-        parts = []
-        for k, chunk in enumerate(stream):
-            if chunk.choices and chunk.choices[0].delta.content:
-                parts.append(chunk.choices[0].delta.content)
-            if k == 4:
-                started.set()
-        return "".join(parts)
+        return streamed(server, prompts[0], 2, no_eos, started)
 
     def second() -> tuple[str, int]:
         assert started.wait(300)
@@ -128,3 +134,39 @@ def test_a_batching_server_drafts_alone_and_shares_passes_together(server, ckpt)
     after = stats(server)
     assert after["batch"]["largest"] >= 2, after["batch"]  # the two shared passes
     assert after["speculation"]["drafted_tokens"] > drafted  # and the first drafted while alone
+
+
+def test_a_request_left_alone_drafts_again(server, ckpt) -> None:
+    """A long request taken beside another (so decoding in batched passes) drafts once the other has
+    ended (`worker._SoloDrafts`), and its answer is still `off`'s."""
+    no_eos = {str(Tokenizer.from_checkpoint(ckpt).special.eos): -100}
+    server.wait_for("listening on http://127.0.0.1")
+    short, long = "Name three colours.", "Write a long poem about the sea."
+    alone = answer(server, long, "off", no_eos, 2 * N)
+    counts = ("drafted_tokens", "verify_passes", "verified_tokens", "tokens")
+    before = stats(server)["speculation"] or dict.fromkeys(counts, 0)
+    shared = ("dsv4_decode_passes_total", ()), ("dsv4_decode_pass_rows_total", ())
+    m0 = metrics(server)
+    started = threading.Event()
+
+    def first() -> str:  # `off`: it never drafts, so whatever was drafted is the long request's
+        return streamed(server, short, "off", no_eos, started)
+
+    def second() -> tuple[str, int]:
+        assert started.wait(300)
+        return answer(server, long, 2, no_eos, 2 * N)
+
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.submit(first), pool.submit(second)
+        a.result()
+        overlapped = b.result()
+    after = stats(server)
+    assert overlapped == alone
+    m1 = metrics(server)
+    passes, rows = (m1[k] - m0[k] for k in shared)
+    assert rows > passes, (passes, rows)  # the two shared passes: the long one was taken beside the short one
+    assert after["speculation"] is not None, "nothing was drafted"
+    s = {k: after["speculation"][k] - before[k] for k in counts}
+    assert s["drafted_tokens"] > 0, s  # and the long one drafted once alone again
+    assert s["verified_tokens"] == s["drafted_tokens"] + s["verify_passes"]
+    assert 0 < s["tokens"] < 2 * N - 1  # some of its tokens were decoded beside the other's

@@ -16,6 +16,8 @@ passes, segment by segment beside the others' segments and decode steps (`_read_
 server waits `GATHER` for requests sent together), so prompts sent at once are read together; a
 request leaves when it ends, fails or its client goes, and the others' rows are untouched. Each
 keeps its own picker (sampling, seed, logit bias, grammar, logprobs), stops and kept states.
+A request that may draft (`--speculate`) drafts while it is alone in flight and steps in the
+batch's plain passes while others are, handed over between two tokens each way (`_SoloDrafts`).
 
 States kept per request, each one a segment boundary of the prefill (`boundaries`, so that
 taking them changes no logits beyond what any segmentation does): one token short of the
@@ -70,6 +72,12 @@ Log = Callable[[str], None]
 # seconds a batching server that was idle waits, after a request, for others sent at the same time
 # (parsed and queued one after another by the server's handlers: a few ms apart)
 GATHER = 0.02
+
+# token boundaries in a row a batching server's request must find itself alone at (no other in
+# flight or waiting) before it drafts again (`_SoloDrafts`): requests that come and go a few
+# tokens apart (a client's burst, an agent's next call) leave it batched, rather than restarting
+# its drafter for each gap; at most this many tokens go undrafted after an overlap
+SETTLE = 4
 
 
 class Cancelled(Exception):
@@ -185,14 +193,20 @@ class Worker:
     def _next(self, steps, session, tok: int):
         """The token after `tok` from `steps` (None: none, or dropped without a pass): batched,
         `tok` is fed in the next pass with the others' (a `Step` yielded to the `Batch`); alone, the
-        generator feeds it itself (and may draft). A batching server's request that drafts while
-        alone goes on in plain batched passes once another is in flight or waiting."""
+        generator feeds it itself (and may draft). A batching server's request that may draft
+        (`_SoloDrafts`) is handed over at this boundary: from drafting to the batch's plain passes
+        once another request is in flight or waiting (or a choice of its own is to decode beside
+        it), and back once it has been alone `SETTLE` boundaries in a row."""
         if not self.batched:
             return next(steps, None)
-        if isinstance(steps, _SoloDrafts) and steps.drafting:
-            if not self._alone():
-                steps.to_batched(tok, session)  # feeds tok in one plain pass of its own, then Steps
-            return next(steps, None)
+        if isinstance(steps, _SoloDrafts):
+            alone = self._alone() and steps.single()
+            if steps.drafting:
+                if alone or steps.verified_ahead(session):  # the next token is already verified and fed: free
+                    return next(steps, None)
+                return (yield from steps.to_batched(tok, session))
+            if steps.settled(alone):
+                return steps.to_drafting(tok, session)
         fed = yield Step(session, tok)
         return None if fed is None else steps.send(fed)
 
@@ -371,8 +385,10 @@ class Worker:
         # a client gone while its image is in the tower stops it between two blocks
         spans = images.spans(rt.engine, ids, layer_done) if images is not None and cached == 0 else None
         fed = images.real(new) if images is not None else new
-        # a batching server drafts for a request taken while no other is in flight (`_SoloDrafts`)
-        solo = self.batched and self._alone() and rt.speculator.resolve(job.speculate) != "off"
+        # a batching server's request drafts while no other is in flight (`_SoloDrafts`): from the
+        # start if it is taken alone, else from when it is left alone
+        may_draft = self.batched and rt.speculator.resolve(job.speculate) != "off"
+        solo = may_draft and self._alone()
         # batched, the prompt's segments go in the batch's passes, beside the others' segments and
         # decode steps (`_read_prompt`); a prompt with images is read in passes of its own
         together = self.batched and not solo and images is None and len(fed) > 0
@@ -389,10 +405,17 @@ class Worker:
                 boundaries=boundaries, spans=spans, batched=self.batched and not solo, speculate=job.speculate,
                 uniforms=pick.rng,
             )  # fmt: skip
-        if solo:
-            steps = _SoloDrafts(steps, lambda tok, n: rt.generate(
-                session, [tok], job.max_tokens - n, pick, (job.reply.eos,), batched=True, speculate="off",
-                uniforms=pick.rng))  # fmt: skip
+        if may_draft:
+            eos = (job.reply.eos,)
+            steps = _SoloDrafts(
+                steps, solo, len(ids),
+                drafts=lambda tok, n: rt.generate(
+                    session, [tok], job.max_tokens - n, pick, eos, speculate=job.speculate, uniforms=pick.rng),
+                batched=lambda tok, n, logits, t: rt.generate(
+                    session, [tok], job.max_tokens - n, pick, eos, logits=logits, batched=True, speculate="off",
+                    uniforms=pick.rng, prompt_read=t),
+                single=lambda: len(turns) == len(job.replies),  # its other choices (n > 1) have all ended
+            )  # fmt: skip
         t_first: list[float] = []  # when the first token was picked: the decode's start
         at_prompt_end: list[SessionState] = []
 
@@ -411,7 +434,7 @@ class Worker:
         outcomes = yield from choices(first, more, self._claim, lambda: bool(at_prompt_end))
         u.prompt_tokens, u.cached_tokens = len(ids), cached
         turns[0] = session.turn
-        # a request that drafted while alone: its drafting call's record holds the prompt's time
+        # a request handed over between drafting and batched passes: its first call's record holds the prompt's time
         first_turn = steps.turns[0] if isinstance(steps, _SoloDrafts) and steps.turns else turns[0]
         u.prefill_seconds = first_turn.first_token_seconds or 0.0
         u.decode_seconds = time.perf_counter() - t_first[0] if t_first else 0.0
@@ -583,15 +606,42 @@ class Worker:
 
 
 class _SoloDrafts:
-    """Choice 0 of a request a batching server took while no other was in flight: `Runtime.generate`
-    unbatched, so it drafts (`--speculate`). Once another request is in flight or waiting
-    (`Worker._next`), `to_batched` closes that generator after the token it yielded (which leaves
-    the session holding what comes before it) and a plain batched call (`restart(tok, yielded)`)
-    feeds that token and goes on, so the others share its passes. Greedy and seeded ids do not
-    change (draws keyed by position: `engine.spec_draws`); `turns` holds the drafting call's record."""
+    """Choice 0 of a batching server's request that may draft (its `speculate` not off): its
+    `Runtime.generate` call drafts while the request is alone in flight (unbatched: it feeds its
+    own tokens, several a pass) and steps its tokens in the batch's plain passes while others are.
+    `Worker._next` hands it over at a token boundary, both ways, each time closing the call after
+    the token it yielded (which leaves the session holding what comes before it: `generate`'s
+    rule) and starting one of the other kind from that token; the token is fed in the next pass
+    either way, so a hand-over costs no token and no pass:
+    - `to_batched` (another request in flight or waiting): at the first boundary where the session
+      holds no token past the one yielded (the picks of a verification pass that kept its drafts are
+      handed on first: they need no pass, and closing before them would feed the session again), the
+      token goes in the batch's next pass, beside the others' (the newcomer's first prompt segment),
+      and a batched call goes on from that pass's logits (after a rejection, the drafting call feeds
+      the tokens it carried, in a pass of its own, as it closes: `engine.speculate`);
+    - `to_drafting` (alone `SETTLE` boundaries in a row): a drafting call feeds the token as its
+      one-token prompt, which its drafter observes (the drafter starts afresh: the batched passes
+      fed it nothing), then drafts as a request taken alone.
+    Greedy and seeded ids do not change (draws keyed by position: `engine.spec_draws`). Each call
+    keeps its own record (`Turn`, its `speculation` counts for a drafting one), so the request's
+    tokens are those of its calls' records summed; `turns` holds the records of the calls closed."""
 
-    def __init__(self, gen, restart: Callable[[int, int], Generator]) -> None:
-        self.gen, self.restart, self.drafting, self.yielded = gen, restart, True, 0
+    def __init__(
+        self,
+        gen,
+        drafting: bool,
+        start: int,
+        drafts: Callable[[int, int], Generator],
+        batched: Callable[[int, int, np.ndarray, float], Generator],
+        single: Callable[[], bool],
+    ) -> None:
+        self.gen, self.drafting, self.yielded = gen, drafting, 0
+        self.start = start  # the first token's position (the prompt's length)
+        # drafts(tok, n) / batched(tok, n, logits of tok's pass, when it began): the call after the
+        # n tokens yielded, the last of which is tok
+        self._drafts, self._batched = drafts, batched
+        self.single = single  # no other choice of the request is decoding or still to start
+        self.quiet = 0  # boundaries in a row it was alone at, batched
         self.turns: list[Turn] = []
 
     def __iter__(self):
@@ -610,7 +660,35 @@ class _SoloDrafts:
     def close(self) -> None:
         self.gen.close()
 
-    def to_batched(self, tok: int, session) -> None:
+    def _end_call(self, session) -> None:
         self.gen.close()
         self.turns.append(session.turn)
-        self.gen, self.drafting = self.restart(tok, self.yielded), False
+
+    def verified_ahead(self, session) -> bool:
+        """Whether the drafting call has fed the session past the token it yielded last (a verification
+        pass kept its drafts, handed on one by one): the tokens up to the pass's last pick come with no
+        pass, and closing the call before them would feed the session again up to that token."""
+        return session.pos > self.start + self.yielded - 1
+
+    def to_batched(self, tok: int, session) -> Generator[Step, tuple | None, int | None]:
+        """The token after `tok` once `tok` went in the batch's next pass (None: dropped, its client gone)."""
+        self._end_call(session)
+        self.drafting, self.quiet = False, 0
+        fed = yield Step(session, tok)
+        if fed is None:
+            return None
+        logits, wall, _ = fed
+        self.gen = self._batched(tok, self.yielded, logits, time.perf_counter() - wall)  # its record: that pass
+        return next(self, None)
+
+    def settled(self, alone: bool) -> bool:
+        """Whether a batched request goes back to drafting at this boundary: alone at `SETTLE` in a row."""
+        self.quiet = self.quiet + 1 if alone else 0
+        return self.quiet >= SETTLE
+
+    def to_drafting(self, tok: int, session) -> int | None:
+        """The token after `tok`, fed by a drafting call."""
+        self._end_call(session)
+        self.drafting, self.quiet = True, 0
+        self.gen = self._drafts(tok, self.yielded)
+        return next(self, None)
