@@ -86,13 +86,32 @@ def test_drivers_write_every_row_block_of_every_expert_once(threads, tokens):
         numba.set_num_threads(before)
 
 
+def _fused_routing(form: str, seed: int):
+    """(ws, experts, weights, x) of `form`: "prompt" 5 tokens choosing unequal experts (the
+    SwiGLU over the pairs, then w2 by row blocks); "decode" one token choosing all 6; "even"
+    5 tokens each choosing all 6 in its own order (5 pairs an expert: expert by expert, the sum
+    in parallel row blocks)."""
+    ws, experts, weights, x = _setup(seed, 5)
+    if form == "prompt":
+        return ws, experts, weights, x
+    rng = np.random.default_rng(seed + 1)
+    t = 1 if form == "decode" else 5
+    experts = np.stack([rng.permutation(6) for _ in range(t)]).astype(np.int64)
+    weights = rng.uniform(0.1, 2.0, experts.shape).astype(np.float32)
+    return ws, experts, weights, x[:t]
+
+
 @needs_fast
 @pytest.mark.parametrize("threads", THREADS)
-def test_fused_drivers_write_every_row_block_once(threads, monkeypatch):
-    """`swiglu_sum` (the decode path) from NaN buffers equals the two-call path at 1 and 2 threads."""
+@pytest.mark.parametrize("form", ["prompt", "decode", "even"])
+def test_fused_drivers_write_every_row_block_once(threads, form, monkeypatch):
+    """`swiglu_sum` from NaN buffers equals the two-call path at 1 and 2 threads, in both forms
+    of its second driver (`experts_q8._per_expert`)."""
     monkeypatch.setattr(experts_q8, "_empty", lambda shape, dtype: np.full(shape, np.nan, dtype))
-    ws, experts, weights, x = _setup(41, 5)
+    ws, experts, weights, x = _fused_routing(form, 41)
     rt = experts_q8.Routing(experts, weights)
+    assert experts_q8._per_expert(rt, threads) == (form != "prompt")
+    assert (rt.tp.shape[0] > experts_q8.SERIAL_SUM_TOKENS) == (form != "decode")
     es = [ws[int(e)] for e in rt.ids]
     w1s, w2s, w3s = ([e[m] for e in es] for m in ("w1", "w2", "w3"))
     before = numba.get_num_threads()
@@ -106,3 +125,15 @@ def test_fused_drivers_write_every_row_block_once(threads, monkeypatch):
         np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
     finally:
         numba.set_num_threads(before)
+
+
+def test_per_expert_form_only_where_the_experts_split_evenly():
+    one = experts_q8.Routing(np.array([[5, 1, 4, 0, 3, 2]]), np.ones((1, 6), np.float32))
+    assert experts_q8._per_expert(one, 1) and experts_q8._per_expert(one, 2) and experts_q8._per_expert(one, 3)
+    assert not experts_q8._per_expert(one, 4)  # 2, 2, 1, 1 experts a thread: row blocks instead
+    three = experts_q8.Routing(np.array([[4, 0, 3]]), np.ones((1, 3), np.float32))
+    assert not experts_q8._per_expert(three, 2)
+    unequal = experts_q8.Routing(np.array([[0, 1], [0, 2]]), np.ones((2, 2), np.float32))  # expert 0: 2 pairs
+    assert not experts_q8._per_expert(unequal, 1)
+    equal = experts_q8.Routing(np.array([[0, 1], [1, 0]]), np.ones((2, 2), np.float32))
+    assert experts_q8._per_expert(equal, 2)

@@ -19,6 +19,12 @@ Pairs are ordered by (expert, token, slot); expert j owns pairs lo[j] .. hi[j]. 
 weights are passed as addresses (an (E, 4) or (E, 2) int64 table) because numba takes no list
 of arrays without building one per call; the caller keeps the arrays alive during the call.
 
+`swiglu_sum`'s second call has two forms (`_per_expert`): where the experts split evenly over
+the threads (a decode step), one parallel region over the experts, each work item an expert's
+SwiGLU rows, their rounding and all its w2 rows, the sums after it; elsewhere a region over the
+pairs for the SwiGLU, then one over w2's row blocks of every expert. The same row kernel runs
+every output row and the sums run in the same order, so the two give the same bits.
+
 `Layer` drives a layer whose experts come in groups (the expert store pins what fits its free
 slots): a layer in one group is one `pair_products` and one `down_sum`; otherwise each group's
 calls fill the pairs' unweighted rows and one last `down_sum` call with no expert sums them, in
@@ -82,14 +88,7 @@ def _down_item(addr, col, r0, r1, C, sdt, qa, bias, da, lo, hi, wp, tp, y, out):
         w = numba.carray(_ptr(addr[e, col], U8_LIKE), (D, C // 2))
         s = numba.carray(_ptr(addr[e, col + 1], sdt), (D, C // 32))
         _row_groups(w, s, r0, r1, qa, bias, da, lo[e], hi[e], y)
-    T, K = tp.shape
-    for t in range(T):
-        for r in range(r0, r1):
-            acc = np.float32(0.0)
-            for j in range(K):
-                p = tp[t, j]
-                acc = acc + np.float32(y[p, r] * wp[p])
-            out[t, r] = acc
+    _sum_rows(wp, tp, y, out, r0, r1)
 
 
 def _drive_pair(addr, lo, hi, sdt, xg, S, gate, up, qa, bias, da):
@@ -175,14 +174,62 @@ def _glu_row(gate, up, ex, lim, wpre, pre, h, p):
         h[p, c] = v
 
 
-def _drive_glu_down(addr, lo, hi, sdt, gate, up, ex, lim, wpre, pre, S, wp, tp, h, y, out, qa, bias, da):
-    """The SwiGLU of every pair (`_glu_row`) and its rounding, a parallel region over the pairs,
-    then `_drive_down`'s products and sums for addr (E, 6) (w2 data and scale: columns 4-5)."""
-    for p in prange(h.shape[0]):
+def _glu_pairs(gate, up, ex, lim, wpre, pre, S, h, qa, bias, da, a, b):
+    """The SwiGLU of pairs a .. b (`_glu_row`) and their rounding, row by row."""
+    for p in range(a, b):
         _glu_row(gate, up, ex, lim, wpre, pre, h, p)
         _quantize(h[p : p + 1], S, qa[p : p + 1], bias[p : p + 1], da[p : p + 1])
+
+
+def _expert_down(addr, e, C, sdt, qa, bias, da, lo, hi, y):
+    """Every row of expert e's w2 (addr columns 4, 5) for its pairs, into y, 16 rows at a time
+    (each block's weights stay in L1 across the token groups)."""
+    D = y.shape[1]
+    w = numba.carray(_ptr(addr[e, 4], U8_LIKE), (D, C // 2))
+    s = numba.carray(_ptr(addr[e, 5], sdt), (D, C // 32))
+    for r0 in range(0, D, ROWS):
+        _row_groups(w, s, r0, min(D, r0 + ROWS), qa, bias, da, lo[e], hi[e], y)
+
+
+def _sum_rows(wp, tp, y, out, r0, r1):
+    """Rows r0 .. r1 of each token's sum over j of y[tp[t, j]] * wp[tp[t, j]], from zero in the
+    order of tp's row (`_down_item`'s sum)."""
+    T, K = tp.shape
+    for t in range(T):
+        for r in range(r0, r1):
+            acc = np.float32(0.0)
+            for j in range(K):
+                p = tp[t, j]
+                acc = acc + np.float32(y[p, r] * wp[p])
+            out[t, r] = acc
+
+
+# Tokens up to which `_drive_glu_down`'s per-expert form sums on the calling thread (a decode
+# step's 6 x 4096 products: far less than a parallel region's start and end).
+SERIAL_SUM_TOKENS = 4
+
+
+def _drive_glu_down(addr, lo, hi, sdt, gate, up, ex, lim, wpre, pre, S, wp, tp, h, y, out, qa, bias, da, per_expert):
+    """The SwiGLU of every pair (`_glu_row`) and its rounding, then `_drive_down`'s products and
+    sums for addr (E, 6) (w2 data and scale: columns 4-5).
+
+    per_expert (the caller's choice, `_per_expert`): one parallel region over the experts, each
+    work item an expert's SwiGLU rows and then all its w2 rows, the sums after it; else a region
+    over the pairs for the SwiGLU, then `_drive_down`'s over row blocks of every expert."""
     D = y.shape[1]
     C = h.shape[1]
+    if per_expert:
+        for e in prange(addr.shape[0]):
+            _glu_pairs(gate, up, ex, lim, wpre, pre, S, h, qa, bias, da, lo[e], hi[e])
+            _expert_down(addr, e, C, sdt, qa, bias, da, lo, hi, y)
+        if tp.shape[0] <= SERIAL_SUM_TOKENS:
+            _sum_rows(wp, tp, y, out, 0, D)
+        else:
+            for ib in prange((D + ROWS - 1) // ROWS):
+                _sum_rows(wp, tp, y, out, ib * ROWS, min(D, ib * ROWS + ROWS))
+        return
+    for p in prange(h.shape[0]):
+        _glu_pairs(gate, up, ex, lim, wpre, pre, S, h, qa, bias, da, p, p + 1)
     for ib in prange((D + ROWS - 1) // ROWS):
         r0 = ib * ROWS
         _down_item(addr, 4, r0, min(D, r0 + ROWS), C, sdt, qa, bias, da, lo, hi, wp, tp, y, out)
@@ -204,6 +251,9 @@ def _driver(fn, variant: str):
     g["_gate_clamped"] = _compiled(_gate_clamped, variant, g)
     g["_copy_rows"] = _compiled(_copy_rows, variant, g)
     g["_glu_row"] = _compiled(_glu_row, variant, g)
+    g["_glu_pairs"] = _compiled(_glu_pairs, variant, g)
+    g["_expert_down"] = _compiled(_expert_down, variant, g)
+    g["_sum_rows"] = _compiled(_sum_rows, variant, g)
     g["_up_item"] = _compiled(_up_item, variant, g)
     g["_down_item"] = _compiled(_down_item, variant, g)
     return _compiled(fn, variant, g, parallel=True)
@@ -357,8 +407,22 @@ def swiglu_sum(variant: str, x: np.ndarray, rt: Routing, w1s, w3s, w2s, limit: f
         np.exp(ex, out=ex)
     wp = np.ones_like(rt.wp) if pre_weight else rt.wp
     drive = driver_for("glu_down", variant)
-    drive(table, rt.lo, rt.hi, sdt, gate, up, ex, lim, rt.wp, pre_weight, s, wp, rt.tp, h, y, out, *_scratch(p, i))
+    each = _per_expert(rt, numba.get_num_threads())
+    drive(table, rt.lo, rt.hi, sdt, gate, up, ex, lim, rt.wp, pre_weight, s, wp, rt.tp, h, y, out, *_scratch(p, i), each)
     return out
+
+
+def _per_expert(rt: Routing, threads: int) -> bool:
+    """Whether `_drive_glu_down` runs expert by expert: when the experts split evenly over the
+    threads (as many of each expert's pairs, as many experts on each thread: a decode step's
+    6 experts at 1, 2, 3 or 6 threads). The SwiGLU of an expert's pairs then runs on the thread
+    that multiplies them by its w2, with no parallel region between: at 2 threads each such
+    region waits for both threads, which under load (other processes on the cores) is often
+    the longest part (V4 one token, 2 threads, against the three regions, one process
+    alternating, load 9: 1.34-1.36x per wall second; one thread the same). Elsewhere the pairs' SwiGLU is spread over the threads, then w2's row blocks,
+    so unequal experts (a prompt's) do not leave a thread idle."""
+    n = rt.hi - rt.lo
+    return rt.ids.size % threads == 0 and (rt.tp.shape[0] == 1 or bool((n == n[0]).all()))
 
 
 def _scratch(p: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
