@@ -171,3 +171,26 @@ def test_narrow_rows_on_the_avx2_target_in_a_child():
     )
     p = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
+
+@needs_fast
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+def test_nan_codes_rerun_their_pass_with_the_same_bits(variant, tokens):
+    # AVX2 decodes E4M3 without the NaN select and reruns a pass that met a NaN code (0x7F /
+    # 0xFF) with it: that pass's NaN rows come out NaN, and its other rows keep the bits they
+    # have in a weight with no NaN at all (every code but NaN, subnormals included).
+    rng = np.random.default_rng(12)
+    rows, cols = 70, 320
+    data = rng.integers(0, 0x7F, (rows, cols), dtype=np.uint8) | (rng.integers(0, 2, (rows, cols), dtype=np.uint8) << 7)
+    scale = rng.integers(120, 130, (-(-rows // 32), cols // 32), dtype=np.uint8)
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    clean = bf16.fp8_matmul(data, scale, (32, 32), x, variant)
+    assert np.isfinite(clean).all()
+    dirty = data.copy()
+    nan_rows = [1, 6, 69]  # in the first pass, the second, the last (a single-row tail)
+    dirty[nan_rows, [5, 300, 63]] = [0x7F, 0xFF, 0x7F]
+    got = bf16.fp8_matmul(dirty, scale, (32, 32), x, variant)
+    assert np.isnan(got[:, nan_rows]).all()
+    keep = np.setdiff1d(np.arange(rows), nan_rows)
+    np.testing.assert_array_equal(got[:, keep].view(np.uint32), clean[:, keep].view(np.uint32))

@@ -129,7 +129,9 @@ _XPERM = np.array([16 * lane + 8 * h + k for h in range(2) for lane in range(4) 
 # ---------------------------------------------------------------- row kernels ----------------
 
 
-def _row_intrinsic(kind: str, variant: str, T: int, NR: int = 1, prefetch: bool = False):
+def _row_intrinsic(
+    kind: str, variant: str, T: int, NR: int = 1, prefetch: int = 0, locality: int = 3, nan_branch: bool = True
+):
     """Rows r .. r+NR of w (fp8 bytes or bf16 bits, (R, C)) times BF16 tokens t0 .. t0+T of xs
     (T, C) -> out[t, r .. r+NR]. Each row keeps its own accumulators and order, so a row's bits
     do not depend on NR: NR > 1 only loads each activation vector once for NR rows and reads NR
@@ -189,66 +191,111 @@ def _row_intrinsic(kind: str, variant: str, T: int, NR: int = 1, prefetch: bool 
                 if kind == "fp8":
                     mag = ir.Constant(wide, [0x7F] * lanes)
                     twenty = ir.Constant(wide, [20] * lanes)
-                    sbit = ir.Constant(wide, [0x80] * lanes)
-                    twentyfour = ir.Constant(wide, [24] * lanes)
+                    # sext(b) << 20 holds the sign in bits 31..27 and b's low 7 bits in 26..20
+                    keep = ir.Constant(wide, [-0x78100000] * lanes)  # 0x87F00000: bit 31, bits 26..20
                     pow120 = ir.Constant(vec(F32, lanes), [2.0**120] * lanes)
                     nan = ir.Constant(vec(F32, lanes), [math.nan] * lanes)
-            with cgutils.for_range(builder, steps) as loop:
-                col = builder.mul(loop.index, c64(STEP))
-                if prefetch:  # the next pass's rows, these columns: NR * C weights on
-                    wb = STEP * (1 if kind == "fp8" else 2)  # bytes of a row per step
-                    ahead = builder.add(builder.mul(C, c64(NR * wb // STEP)), builder.mul(col, c64(wb // STEP)))
-                    for wrow in wrows:
-                        for k in range(wb // 64):
-                            ptr = builder.gep(builder.bitcast(wrow, I8.as_pointer()), [builder.add(ahead, c64(64 * k))])
-                            builder.call(pf, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
-                if variant == "avx512":
-                    xv = [
-                        [
-                            simd.load(builder, xrow[t], builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
-                            for h in range(2)
-                        ]
-                        for t in range(T)
-                    ]
+
+            def avx2_step(col, nan_select: bool):
+                """One 64-column step on AVX2: weights decoded to float32, FMA per token. E4M3: the
+                byte sign-extended and shifted so that sign and magnitude land on float32's sign,
+                exponent and mantissa (exponent biased 120 too low, `pow120` restores it, exact
+                for subnormals); `nan_select` maps the NaN codes to NaN (a step without them
+                skips the compare and select)."""
+                for j in range(STEP // lanes):
+                    cj = builder.add(col, c64(lanes * j))
+                    xf = []
+                    for t in range(T):
+                        xi = builder.zext(simd.load(builder, xrow[t], cj, vec(I16, lanes), align=2), wide)
+                        xf.append(builder.bitcast(builder.shl(xi, sixteen), vec(F32, lanes)))
                     for i, wrow in enumerate(wrows):
                         if kind == "fp8":
-                            raw = simd.load(builder, wrow, col, vec(I8, 64))
-                            hi = builder.or_(builder.call(perm, [h0, raw, h1]), builder.and_(raw, sign))
-                            lo = builder.call(perm, [l0, raw, l1])
-                            ws = [
-                                builder.bitcast(builder.shuffle_vector(lo, hi, m), vec(BF, 32)) for m in (first, second)
-                            ]
-                        else:
-                            ws = [
-                                simd.load(builder, wrow, builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
-                                for h in range(2)
-                            ]
-                        for t in range(T):
-                            for h in range(2):
-                                a = acc[i][t][h]
-                                builder.store(builder.call(dot, [builder.load(a), ws[h], xv[t][h]]), a)
-                else:
-                    for j in range(STEP // lanes):
-                        cj = builder.add(col, c64(lanes * j))
-                        xf = []
-                        for t in range(T):
-                            xi = builder.zext(simd.load(builder, xrow[t], cj, vec(I16, lanes), align=2), wide)
-                            xf.append(builder.bitcast(builder.shl(xi, sixteen), vec(F32, lanes)))
-                        for i, wrow in enumerate(wrows):
-                            if kind == "fp8":
-                                b = builder.zext(simd.load(builder, wrow, cj, vec(I8, lanes)), wide)
+                            b = builder.sext(simd.load(builder, wrow, cj, vec(I8, lanes)), wide)
+                            bits = builder.and_(builder.shl(b, twenty), keep)
+                            wf = builder.fmul(builder.bitcast(bits, vec(F32, lanes)), pow120)
+                            if nan_select:
                                 m = builder.and_(b, mag)
-                                bits = builder.or_(
-                                    builder.shl(m, twenty), builder.shl(builder.and_(b, sbit), twentyfour)
-                                )
-                                wf = builder.fmul(builder.bitcast(bits, vec(F32, lanes)), pow120)
                                 wf = builder.select(builder.icmp_unsigned("==", m, mag), nan, wf)
-                            else:
-                                b = builder.zext(simd.load(builder, wrow, cj, vec(I16, lanes), align=2), wide)
-                                wf = builder.bitcast(builder.shl(b, sixteen), vec(F32, lanes))
-                            for t in range(T):
-                                a = acc[i][t][j % 2]
-                                builder.store(simd.fma(builder, wf, xf[t], builder.load(a), lanes), a)
+                        else:
+                            b = builder.zext(simd.load(builder, wrow, cj, vec(I16, lanes), align=2), wide)
+                            wf = builder.bitcast(builder.shl(b, sixteen), vec(F32, lanes))
+                        for t in range(T):
+                            a = acc[i][t][j % 2]
+                            builder.store(simd.fma(builder, wf, xf[t], builder.load(a), lanes), a)
+
+            def avx512_step(col):
+                """One 64-column step on AVX-512: E4M3 -> BF16 by the byte tables (or BF16 loaded),
+                `vdpbf16ps` per token."""
+                xv = [
+                    [simd.load(builder, xrow[t], builder.add(col, c64(32 * h)), vec(BF, 32), align=2) for h in range(2)]
+                    for t in range(T)
+                ]
+                for i, wrow in enumerate(wrows):
+                    if kind == "fp8":
+                        raw = simd.load(builder, wrow, col, vec(I8, 64))
+                        hi = builder.or_(builder.call(perm, [h0, raw, h1]), builder.and_(raw, sign))
+                        lo = builder.call(perm, [l0, raw, l1])
+                        ws = [builder.bitcast(builder.shuffle_vector(lo, hi, m), vec(BF, 32)) for m in (first, second)]
+                    else:
+                        ws = [
+                            simd.load(builder, wrow, builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
+                            for h in range(2)
+                        ]
+                    for t in range(T):
+                        for h in range(2):
+                            a = acc[i][t][h]
+                            builder.store(builder.call(dot, [builder.load(a), ws[h], xv[t][h]]), a)
+
+            def columns(mode: str):
+                """The row pass over every step. mode (AVX2 FP8 only): "plain" decodes without the
+                NaN select and keeps in `seen` the largest magnitude byte of the pass, "select"
+                decodes with it; "" for every other kernel."""
+                with cgutils.for_range(builder, steps) as loop:
+                    col = builder.mul(loop.index, c64(STEP))
+                    if prefetch:  # the next pass's rows, these columns: NR * C weights on
+                        wb = STEP * (1 if kind == "fp8" else 2)  # bytes of a row per step
+                        ahead = builder.add(
+                            builder.mul(C, c64(prefetch * NR * wb // STEP)), builder.mul(col, c64(wb // STEP))
+                        )
+                        for wrow in wrows:
+                            for k in range(wb // 64):
+                                ptr = builder.gep(
+                                    builder.bitcast(wrow, I8.as_pointer()), [builder.add(ahead, c64(64 * k))]
+                                )
+                                builder.call(
+                                    pf, [ptr, ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)]
+                                )
+                    if variant == "avx512":
+                        avx512_step(col)
+                    elif mode == "plain":
+                        top = builder.load(seen)
+                        for wrow in wrows:
+                            for q in range(2):
+                                v = simd.load(builder, wrow, builder.add(col, c64(32 * q)), vec(I8, 32))
+                                top = builder.call(umax, [top, builder.and_(v, low7)])
+                        builder.store(top, seen)
+                        avx2_step(col, False)
+                    else:
+                        avx2_step(col, kind == "fp8")
+
+            if variant != "avx512" and kind == "fp8" and nan_branch:
+                # E4M3 NaN (magnitude 0x7F) is all but absent from real weights: the pass runs
+                # without the NaN select, tracking the largest magnitude byte, and only a pass
+                # that met one runs again, from zeroed lanes, with the select: the same bits.
+                umax = simd.declare(builder, "llvm.umax.v32i8", vec(I8, 32), [vec(I8, 32)] * 2)
+                low7 = simd.splat(I8, 32, 0x7F)
+                seen = cgutils.alloca_once_value(builder, simd.splat(I8, 32, 0))
+                columns("plain")
+                hit = builder.icmp_unsigned("==", builder.load(seen), low7)
+                anynan = builder.icmp_unsigned("!=", builder.bitcast(hit, I32), ir.Constant(I32, 0))
+                with builder.if_then(anynan, likely=False):
+                    for row in acc:
+                        for tok in row:
+                            for a in tok:
+                                builder.store(simd.splat(F32, lanes, 0.0), a)
+                    columns("select")
+            else:
+                columns("")
             for i in range(NR):
                 ri = builder.add(r, c64(i))
                 for t in range(T):
@@ -266,6 +313,8 @@ def _row_intrinsic(kind: str, variant: str, T: int, NR: int = 1, prefetch: bool 
 _row8 = _row7 = _row6 = _row5 = _row4 = _row3 = _row2 = _row1 = _row1x = None  # bound by `_driver`
 # Rows per pass of the one-token kernel (`_row_intrinsic`'s NR; divides ROWS)
 ONE_TOKEN_ROWS = 4
+PREFETCH_PASSES = 1
+PREFETCH_LOCALITY = 3
 # Tokens per row kernel call, by variant: AVX-512's 32 registers hold 8 tokens' accumulators (16)
 # beside a step's decoded weights, AVX2's 16 hold 4 tokens' (8). A call of T tokens runs groups of
 # the largest, then one group of the rest (`_tokens`).
@@ -421,7 +470,14 @@ def _bf16_drive(w, xs, out):
             _tokens(w, r0, min(end, r0 + ROWS), xs, out)
 
 
-def _driver(kind: str, variant: str):
+def _driver(
+    kind: str,
+    variant: str,
+    nr: int | None = None,
+    prefetch: int | None = None,
+    locality: int | None = None,
+    nan_branch: bool = True,
+):
     """The drive function of `kind` compiled with `variant`'s row kernels: see `q8._driver`
     (own globals, no closure, named after kind, variant and simd.py's hash for numba's cache).
     `_tokens` is rebuilt in the same globals so it calls this variant's row kernels."""
@@ -429,8 +485,12 @@ def _driver(kind: str, variant: str):
     rows = "bf16" if kind == "bf16" else "fp8"
     g["_GROUP"] = MAX_GROUP[variant]
     for t in range(1, 9):  # groups above the variant's largest never run: bound to the 1-token kernel
-        g[f"_row{t}"] = _row_intrinsic(rows, variant, t) if t <= g["_GROUP"] else g["_row1"]
-    g["_row1x"] = _row_intrinsic(rows, variant, 1, ONE_TOKEN_ROWS, prefetch=True)
+        g[f"_row{t}"] = _row_intrinsic(rows, variant, t, nan_branch=nan_branch) if t <= g["_GROUP"] else g["_row1"]
+    nr = ONE_TOKEN_ROWS if nr is None else nr
+    g["ONE_TOKEN_ROWS"] = nr
+    pf = PREFETCH_PASSES if prefetch is None else prefetch
+    loc = PREFETCH_LOCALITY if locality is None else locality
+    g["_row1x"] = _row_intrinsic(rows, variant, 1, nr, prefetch=pf, locality=loc, nan_branch=nan_branch)
     g["_PERMUTED"] = kind.startswith("fp8") and variant == "avx512"
     g["_act64"] = _act_intrinsic(g["_PERMUTED"])
     for name, fn in (("_tokens", _tokens), ("_fp8_block", _fp8_block)):
