@@ -42,7 +42,7 @@ from numba.extending import intrinsic, overload
 # jit: imported for its side effect, numba's cache locator for the kernels below (`jit.cache_dir`)
 from . import cpu, jit, simd  # noqa: F401
 from .q8 import E8M0
-from .simd import BF, F32, I8, I16, I32, c64, vec
+from .simd import BF, F32, I8, I16, I32, I64, c64, vec
 
 STEP = 64  # columns per loop step: C must be a multiple
 ROWS = 16  # rows per inner block (weights re-read from L1/L2 across token groups)
@@ -130,7 +130,14 @@ _XPERM = np.array([16 * lane + 8 * h + k for h in range(2) for lane in range(4) 
 
 
 def _row_intrinsic(
-    kind: str, variant: str, T: int, NR: int = 1, prefetch: int = 0, locality: int = 3, nan_branch: bool = True
+    kind: str,
+    variant: str,
+    T: int,
+    NR: int = 1,
+    prefetch: int = 0,
+    locality: int = 3,
+    nan_branch: bool = True,
+    prescaled: bool = False,
 ):
     """Rows r .. r+NR of w (fp8 bytes or bf16 bits, (R, C)) times BF16 tokens t0 .. t0+T of xs
     (T, C) -> out[t, r .. r+NR]. Each row keeps its own accumulators and order, so a row's bits
@@ -159,7 +166,7 @@ def _row_intrinsic(
             welem = I8 if kind == "fp8" else I16
             wbase = simd.base(context, builder, tw, w_, welem)
             wrows = [builder.gep(wbase, [builder.mul(builder.add(r, c64(i)), C)]) for i in range(NR)]
-            xb = simd.base(context, builder, txs, xs_, I16)
+            xb = simd.base(context, builder, txs, xs_, F32 if prescaled else I16)
             outb = simd.base(context, builder, tout, out_, F32)
             tokens = [builder.add(t0, c64(t)) for t in range(T)]
             xrow = [builder.gep(xb, [builder.mul(tk, C)]) for tk in tokens]
@@ -206,13 +213,18 @@ def _row_intrinsic(
                     cj = builder.add(col, c64(lanes * j))
                     xf = []
                     for t in range(T):
+                        if prescaled:  # BF16 values times 2^120 in float32 (`_actf64`)
+                            xf.append(simd.load(builder, xrow[t], cj, vec(F32, lanes), align=4))
+                            continue
                         xi = builder.zext(simd.load(builder, xrow[t], cj, vec(I16, lanes), align=2), wide)
                         xf.append(builder.bitcast(builder.shl(xi, sixteen), vec(F32, lanes)))
                     for i, wrow in enumerate(wrows):
                         if kind == "fp8":
                             b = builder.sext(simd.load(builder, wrow, cj, vec(I8, lanes)), wide)
                             bits = builder.and_(builder.shl(b, twenty), keep)
-                            wf = builder.fmul(builder.bitcast(bits, vec(F32, lanes)), pow120)
+                            wf = builder.bitcast(bits, vec(F32, lanes))
+                            if not prescaled:  # else 2^120 is in the activations
+                                wf = builder.fmul(wf, pow120)
                             if nan_select:
                                 m = builder.and_(b, mag)
                                 wf = builder.select(builder.icmp_unsigned("==", m, mag), nan, wf)
@@ -306,7 +318,7 @@ def _row_intrinsic(
 
         return sig, codegen
 
-    typer.__name__ = typer.__qualname__ = f"_{kind}bf16_{variant}_t{T}_r{NR}"
+    typer.__name__ = typer.__qualname__ = f"_{kind}bf16_{variant}_t{T}_r{NR}{'_f' if prescaled else ''}"
     return intrinsic(typer)
 
 
@@ -365,15 +377,21 @@ def _tokens(w, r0, r1, xs, out):
 _PERMUTED = False  # set per variant by `_driver`: activations stored in `_XPERM` order
 
 
-def _act_intrinsic(permuted: bool):
+def _act_intrinsic(permuted: bool, prescaled: bool = False):
     """xs[t, c0 : c0+64] = `_bf16_bits`(x[t, c] * s) for the 64 columns from c0, s0 for the first
     32 and s1 for the next (a 32-column group lies in one scale block), in `_XPERM` order where
     `permuted`. Vector IR with `_bf16_bits`' uint32 arithmetic, the same bits: numba left the
     scalar loop unvectorised, and it ran once per row block (its 8192 columns took about as
-    long as 16 of wo_b's rows)."""
+    long as 16 of wo_b's rows).
+
+    `prescaled` (AVX2's one-token kernel): xs is float32 and gets each BF16 value times 2^120,
+    which the kernel's E4M3 decode then leaves out (`_row_intrinsic(prescaled=True)`): the
+    product of the two is the same number, so every FMA gives the same bits, as long as the
+    value times 2^120 is finite. Returns whether it is for all 64 (every |value| < 2^8, no NaN);
+    where it is not, the caller runs the BF16 form."""
 
     def typer(typingctx, x, t, c0, s0, s1, xs):
-        sig = types.void(x, t, c0, s0, s1, xs)
+        sig = (types.boolean if prescaled else types.void)(x, t, c0, s0, s1, xs)
 
         def codegen(context, builder, sig, args):
             x_, t_, c0_, s0_, s1_, xs_ = args
@@ -397,6 +415,14 @@ def _act_intrinsic(permuted: bool):
             rne = builder.lshr(builder.add(builder.add(b, k(0x7FFF)), builder.and_(sh, k(1))), k(16))
             nan = builder.or_(sh, k(0x40))
             is_nan = builder.icmp_unsigned(">", builder.and_(b, k(0x7FFFFFFF)), k(0x7F800000))
+            if prescaled:
+                # |bf16| < 2^8 <=> its magnitude bits are below 0x4380 (256.0); NaN and inf are not
+                fits = builder.icmp_unsigned("<", builder.and_(rne, k(0x7FFF)), k(0x4380))
+                ok = builder.icmp_unsigned("==", builder.bitcast(builder.not_(fits), I64), ir.Constant(I64, 0))
+                f = builder.fmul(builder.bitcast(builder.shl(rne, k(16)), vec(F32, 64)), simd.splat(F32, 64, 2.0**120))
+                dst = builder.gep(simd.base(context, builder, txs, xs_, F32), [off])
+                builder.store(f, builder.bitcast(dst, vec(F32, 64).as_pointer()), align=4)
+                return ok
             bits = builder.trunc(builder.select(is_nan, nan, rne), vec(I16, 64))
             if permuted:
                 bits = builder.shuffle_vector(bits, bits, ir.Constant(vec(I32, 64), [int(c) for c in _XPERM]))
@@ -406,11 +432,39 @@ def _act_intrinsic(permuted: bool):
 
         return sig, codegen
 
-    typer.__name__ = typer.__qualname__ = f"_act64_{'perm' if permuted else 'nat'}"
+    typer.__name__ = typer.__qualname__ = f"_act64_{'perm' if permuted else 'nat'}{'_f' if prescaled else ''}"
     return intrinsic(typer)
 
 
 _act64 = None  # `_act_intrinsic` of the variant's layout, bound by `_driver`
+# AVX2 one token: activations times 2^120 in float32 and row kernels without the decode's
+# multiply (`_act_intrinsic(prescaled=True)`); bound by `_driver`
+_PRESCALE = False
+_actf64 = _row1f = _row1xf = None
+
+
+def _prescaled_block(w, s, bc, x, rb, r0, end, out):
+    """One token, rows r0 .. end of row block rb, by the prescaled AVX2 kernels; False (nothing
+    written) where an activation times its scale is too large for them (|bf16| >= 2^8, NaN)."""
+    C = w.shape[1]
+    xf = np.empty((1, C), np.float32)
+    ok = True
+    for c0 in range(0, C, STEP):
+        ok &= _actf64(x, 0, c0, _scale_f32(s, rb, c0 // bc), _scale_f32(s, rb, (c0 + 32) // bc), xf)
+    if not ok:
+        return False
+    r = r0
+    while r + ONE_TOKEN_ROWS <= end:
+        _row1xf(w, r, xf, 0, out)
+        r += ONE_TOKEN_ROWS
+    while r < end:
+        _row1f(w, r, xf, 0, out)
+        r += 1
+    return True
+
+
+def _no_prescaled_block(w, s, bc, x, rb, r0, end, out):
+    return False
 
 
 def _fp8_block(w, s, br, bc, x, rb, out):
@@ -418,6 +472,9 @@ def _fp8_block(w, s, br, bc, x, rb, out):
     once, then its rows."""
     R, C = w.shape
     T = x.shape[0]
+    end = min(R, rb * br + br)
+    if _PRESCALE and T == 1 and bc % 32 == 0 and _prescaled_block(w, s, bc, x, rb, rb * br, end, out):
+        return
     xs = np.empty((T, C), np.uint16)
     if bc % 32 == 0:  # V4's 128 and V4.1's 32: 64 columns per vector op
         for t in range(T):
@@ -439,7 +496,6 @@ def _fp8_block(w, s, br, bc, x, rb, out):
             for t in range(T):
                 for c in range(cb * bc, c1):
                     xs[t, c] = _bf16_bits(np.float32(x[t, c] * sc))
-    end = min(R, rb * br + br)
     for r0 in range(rb * br, end, ROWS):
         _tokens(w, r0, min(end, r0 + ROWS), xs, out)
 
@@ -477,6 +533,7 @@ def _driver(
     prefetch: int | None = None,
     locality: int | None = None,
     nan_branch: bool = True,
+    prescale: bool = True,
 ):
     """The drive function of `kind` compiled with `variant`'s row kernels: see `q8._driver`
     (own globals, no closure, named after kind, variant and simd.py's hash for numba's cache).
@@ -493,6 +550,16 @@ def _driver(
     g["_row1x"] = _row_intrinsic(rows, variant, 1, nr, prefetch=pf, locality=loc, nan_branch=nan_branch)
     g["_PERMUTED"] = kind.startswith("fp8") and variant == "avx512"
     g["_act64"] = _act_intrinsic(g["_PERMUTED"])
+    g["_PRESCALE"] = kind.startswith("fp8") and variant == "avx2" and prescale
+    if g["_PRESCALE"]:
+        g["_actf64"] = _act_intrinsic(False, prescaled=True)
+        g["_row1f"] = _row_intrinsic(rows, variant, 1, nan_branch=nan_branch, prescaled=True)
+        g["_row1xf"] = _row_intrinsic(
+            rows, variant, 1, nr, prefetch=pf, locality=loc, nan_branch=nan_branch, prescaled=True
+        )
+    # without the prescaled kernels `_fp8_block` calls a stand-in that declines every block
+    block = _prescaled_block if g["_PRESCALE"] else _no_prescaled_block
+    g["_prescaled_block"] = njit(inline="always", **_JIT)(pytypes.FunctionType(block.__code__, g, "_prescaled_block"))
     for name, fn in (("_tokens", _tokens), ("_fp8_block", _fp8_block)):
         g[name] = njit(inline="always", **_JIT)(pytypes.FunctionType(fn.__code__, g, name))
     body = {"fp8": _fp8_drive, "fp8pair": _fp8_pair_drive, "bf16": _bf16_drive}[kind]
