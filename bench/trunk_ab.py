@@ -9,7 +9,7 @@ swapped; the baseline module is loaded beside the package's, uncached, so its ke
 own), the arm that goes first alternating by round: a load change on the shared machine hits
 both. Per arm it sums, over the decode steps (the prefill stays out), the process CPU and wall
 seconds of every one-token trunk product (role "trunk": `kernels.matvec`, `matmul`,
-`matmul_pair`, `matmul_grouped`), the same calls `bench/trunk_products.py` times. The ids of
+`matmul_pair`, `matmul_grouped`), timed by `bench/trunk_products.py`'s wrapper. The ids of
 the two arms must agree token for token (the kernels keep their bits). Prints per round and
 in total the CPU ms per token of each arm and base / this, and the read rate of the thread
 count (`measure.readrate`, as `bench/exact_structure.py --measure`) once per thread count, so
@@ -20,46 +20,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
 from decode_floor import machine  # bench/ is on sys.path: the script's own folder
+from trunk_products import _stats, _Timing  # the same timed calls, keyed by role and shape
 
 from dsv4stream.measure import readrate
 
 GB = 1e9
-_acc = {"cpu": 0.0, "wall": 0.0, "bytes": 0}
-
-
-class _Timing:
-    """The kernels' product provider with each one-token trunk call timed."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):
-        attr = getattr(self.inner, name)
-        if name not in ("matvec", "matmul", "matmul_pair", "matmul_grouped"):
-            return attr
-
-        def timed(*args):
-            x = args[-1]
-            ws = list(args[0]) if isinstance(args[0], (list, tuple)) else list(args[:-1])
-            if ws[0].role != "trunk" or not (np.ndim(x) == 1 or np.shape(x)[0] == 1):
-                return attr(*args)
-            c0, w0 = time.process_time(), time.perf_counter()
-            y = attr(*args)
-            _acc["cpu"] += time.process_time() - c0
-            _acc["wall"] += time.perf_counter() - w0
-            _acc["bytes"] += sum(w.nbytes for w in ws)
-            return y
-
-        return timed
 
 
 def baseline_drivers(path: Path) -> dict:
@@ -75,9 +46,8 @@ def baseline_drivers(path: Path) -> dict:
             self[key] = mod._driver(*key)
             return self[key]
 
-        def __contains__(self, key):
-            self[key]  # noqa: B018 (build on first use, as `bf16._drive` expects a hit)
-            return True
+        def __contains__(self, key):  # `bf16._drive` asks first: build here, never with this tree's
+            return self[key] is not None
 
     return Built()
 
@@ -110,10 +80,11 @@ def main() -> None:
         bf16._DRIVERS = arms[arm]
         it = rt.session().generate(prompt, a.gen)
         ids = [next(it)]  # the prefill stays out
-        for k in _acc:
-            _acc[k] = 0
+        _stats.clear()
         ids += list(it)
-        return ids, _acc["cpu"], _acc["wall"], _acc["bytes"], len(ids) - 1
+        trunk = [v for k, v in _stats.items() if k[0] == "trunk"]  # [calls, bytes, CPU s, wall s]
+        cpu, wall, nbytes = (sum(v[i] for v in trunk) for i in (2, 3, 1))
+        return ids, cpu, wall, nbytes, len(ids) - 1
 
     with Runtime.open(a.checkpoint, opts) as rt:
         kernels.set_threads(max(a.threads))
