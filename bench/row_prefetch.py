@@ -1,12 +1,16 @@
 """The one-token FP8 x BF16 kernel with and without the next pass's prefetch, from DRAM, one process.
 
     python bench/row_prefetch.py [--shapes 32768x1024,4096x2048,4096x8192] [--threads 1] [--gb 1.2] [--reps 5]
+        [--forms 4:1:3,4:0:3]
 
-Builds `kernels.bf16`'s FP8 driver twice (uncached: the two differ only in the one-token row
-kernel's `prefetch`), checks that both give the same bits, then per shape cycles through copies
-of a random E4M3 weight adding up to --gb (several times the LLC, so every pass reads DRAM) and
-prints the best GB of weight per thread-CPU-second of each, alternating (a load change hits
-both). Issue 44: rows of 1-2 KB read at about half the rate of 8 KB rows without it.
+Builds `kernels.bf16`'s FP8 driver once per form ROWS:PASSES:LOCALITY (uncached: they differ only
+in the one-token pass kernel: ROWS rows a pass, dividing `bf16.ROWS`; prefetching the same columns
+PASSES passes ahead, 0 for none; `llvm.prefetch` locality 3 = L1 .. 1 = L3), checks that all give
+the same bits, then per shape cycles through copies of a random E4M3 weight adding up to --gb
+(several times the LLC, so every pass reads DRAM) and prints the best GB of weight per
+thread-CPU-second of each, alternating (a load change hits all). Issue 44: rows of 1-2 KB read at
+about half the rate of 8 KB rows without the prefetch. On an AVX2 target the one-token kernel
+is compute-bound (docs/performance.md, trunk44f): the forms matter where it is not.
 """
 
 from __future__ import annotations
@@ -25,18 +29,15 @@ import numpy as np
 from dsv4stream.kernels import bf16, cpu
 
 
-def drivers(variant: str) -> dict[str, object]:
+def drivers(variant: str, forms: list[str]) -> dict[str, object]:
     out = {}
-    saved = bf16._JIT["cache"], bf16._row_intrinsic
-    bf16._JIT["cache"] = False  # two builds of one function name: numba's cache would mix them
+    bf16._JIT["cache"] = False  # builds of one function name: numba's cache would mix them
     try:
-        for name, pf in (("prefetch", True), ("none", False)):
-            bf16._row_intrinsic = lambda kind, v, T, NR=1, prefetch=False, _pf=pf: saved[1](
-                kind, v, T, NR, _pf and NR > 1
-            )
-            out[name] = bf16._driver("fp8", variant)
+        for form in forms:
+            nr, passes, locality = (int(v) for v in form.split(":"))
+            out[form] = bf16._driver("fp8", variant, nr=nr, prefetch=passes, locality=locality)
     finally:
-        bf16._JIT["cache"], bf16._row_intrinsic = saved
+        bf16._JIT["cache"] = True
     return out
 
 
@@ -46,12 +47,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--gb", type=float, default=1.2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--forms", default="4:1:3,4:0:3", help="ROWS:PASSES:LOCALITY, the first the reference")
     a = ap.parse_args()
     variant = cpu.variant("fp8")
     if variant is None:
         raise SystemExit("row_prefetch: no fast FP8 kernel for this CPU target")
     numba.set_num_threads(a.threads)
-    ds = drivers(variant)
+    ds = drivers(variant, a.forms.split(","))
+    first = next(iter(ds))
     rng = np.random.default_rng(0)
     for shape in a.shapes.split(","):
         R, C = (int(v) for v in shape.split("x"))
@@ -64,8 +67,9 @@ def main() -> None:
         outs = {k: np.empty((1, R), np.float32) for k in ds}
         for k, d in ds.items():
             d(ws[0][0], ws[0][1], 128, 128, x, R, outs[k])
-        if not np.array_equal(outs["prefetch"].view(np.uint32), outs["none"].view(np.uint32)):
-            raise SystemExit(f"row_prefetch: the two kernels differ on {shape}")
+        for k in ds:
+            if not np.array_equal(outs[first].view(np.uint32), outs[k].view(np.uint32)):
+                raise SystemExit(f"row_prefetch: forms {first} and {k} differ on {shape}")
         best = dict.fromkeys(ds, 0.0)
         for _ in range(a.reps):
             for k, d in ds.items():
@@ -74,8 +78,8 @@ def main() -> None:
                     d(w, s, 128, 128, x, R, outs[k])
                 best[k] = max(best[k], n * R * C / ((time.process_time() - c0) / a.threads) / 1e9)
         print(
-            f"{shape} x{n} ({variant}, {a.threads} thread(s), load {os.getloadavg()[0]:.1f}): GB per thread-CPU-second"
-            f" prefetch {best['prefetch']:.2f}, none {best['none']:.2f} ({best['prefetch'] / best['none']:.2f}x)",
+            f"{shape} x{n} ({variant}, {a.threads} thread(s), load {os.getloadavg()[0]:.1f}): GB per thread-CPU-second "
+            + ", ".join(f"{k} {v:.2f} ({v / best[first]:.2f}x)" for k, v in best.items()),
             flush=True,
         )
 

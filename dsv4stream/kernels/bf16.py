@@ -16,8 +16,15 @@ Variants (`cpu.variant`):
   subnormal inputs and results as zero: a product below 2^-126 in magnitude is dropped, at most
   C * 2^-126 per output (activations are scaled into BF16's normal range by the block scale,
   and E4M3 weights are normal in BF16).
-- "avx2": weights decoded to float32 (E4M3 by exponent shift and a multiply by 2^120, exact
-  for subnormals too; BF16 by a 16-bit shift), activations BF16 widened to float32, FMA.
+- "avx2": weights decoded to float32 (E4M3: the byte sign-extended, shifted by 20 and masked
+  onto float32's sign, exponent and mantissa, then times 2^120, exact for subnormals too; BF16
+  by a 16-bit shift), activations BF16 widened to float32, FMA. The decode leaves out the
+  NaN select: a pass tracks its largest magnitude byte and only a pass that met a NaN code
+  (0x7F / 0xFF) runs again with it. At one token the 2^120 moves to the activations (each
+  BF16 value times 2^120, in float32, where all of a row block's are below 2^8 in magnitude,
+  else the form above): the same products, so the same bits, and 4 instructions per 8
+  weights where the first decode took 10 (this kernel is compute-bound: from DRAM and from L2
+  at the same rate on a Zen 3 core).
 Float order is fixed per row and token: lanes accumulate along the row in two accumulators
 (alternating halves of a 64-column step), then a fixed tree sums the lanes; every token runs
 the same sequence in token groups of up to `MAX_GROUP` (8 on AVX-512, 4 on AVX2; one token: 4
@@ -42,7 +49,7 @@ from numba.extending import intrinsic, overload
 # jit: imported for its side effect, numba's cache locator for the kernels below (`jit.cache_dir`)
 from . import cpu, jit, simd  # noqa: F401
 from .q8 import E8M0
-from .simd import BF, F32, I8, I16, I32, c64, vec
+from .simd import BF, F32, I8, I16, I32, I64, c64, vec
 
 STEP = 64  # columns per loop step: C must be a multiple
 ROWS = 16  # rows per inner block (weights re-read from L1/L2 across token groups)
@@ -129,7 +136,16 @@ _XPERM = np.array([16 * lane + 8 * h + k for h in range(2) for lane in range(4) 
 # ---------------------------------------------------------------- row kernels ----------------
 
 
-def _row_intrinsic(kind: str, variant: str, T: int, NR: int = 1, prefetch: bool = False):
+def _row_intrinsic(
+    kind: str,
+    variant: str,
+    T: int,
+    NR: int = 1,
+    prefetch: int = 0,
+    locality: int = 3,
+    nan_branch: bool = True,
+    prescaled: bool = False,
+):
     """Rows r .. r+NR of w (fp8 bytes or bf16 bits, (R, C)) times BF16 tokens t0 .. t0+T of xs
     (T, C) -> out[t, r .. r+NR]. Each row keeps its own accumulators and order, so a row's bits
     do not depend on NR: NR > 1 only loads each activation vector once for NR rows and reads NR
@@ -157,7 +173,7 @@ def _row_intrinsic(kind: str, variant: str, T: int, NR: int = 1, prefetch: bool 
             welem = I8 if kind == "fp8" else I16
             wbase = simd.base(context, builder, tw, w_, welem)
             wrows = [builder.gep(wbase, [builder.mul(builder.add(r, c64(i)), C)]) for i in range(NR)]
-            xb = simd.base(context, builder, txs, xs_, I16)
+            xb = simd.base(context, builder, txs, xs_, F32 if prescaled else I16)
             outb = simd.base(context, builder, tout, out_, F32)
             tokens = [builder.add(t0, c64(t)) for t in range(T)]
             xrow = [builder.gep(xb, [builder.mul(tk, C)]) for tk in tokens]
@@ -189,66 +205,116 @@ def _row_intrinsic(kind: str, variant: str, T: int, NR: int = 1, prefetch: bool 
                 if kind == "fp8":
                     mag = ir.Constant(wide, [0x7F] * lanes)
                     twenty = ir.Constant(wide, [20] * lanes)
-                    sbit = ir.Constant(wide, [0x80] * lanes)
-                    twentyfour = ir.Constant(wide, [24] * lanes)
+                    # sext(b) << 20 holds the sign in bits 31..27 and b's low 7 bits in 26..20
+                    keep = ir.Constant(wide, [-0x78100000] * lanes)  # 0x87F00000: bit 31, bits 26..20
                     pow120 = ir.Constant(vec(F32, lanes), [2.0**120] * lanes)
                     nan = ir.Constant(vec(F32, lanes), [math.nan] * lanes)
-            with cgutils.for_range(builder, steps) as loop:
-                col = builder.mul(loop.index, c64(STEP))
-                if prefetch:  # the next pass's rows, these columns: NR * C weights on
-                    wb = STEP * (1 if kind == "fp8" else 2)  # bytes of a row per step
-                    ahead = builder.add(builder.mul(C, c64(NR * wb // STEP)), builder.mul(col, c64(wb // STEP)))
-                    for wrow in wrows:
-                        for k in range(wb // 64):
-                            ptr = builder.gep(builder.bitcast(wrow, I8.as_pointer()), [builder.add(ahead, c64(64 * k))])
-                            builder.call(pf, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
-                if variant == "avx512":
-                    xv = [
-                        [
-                            simd.load(builder, xrow[t], builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
-                            for h in range(2)
-                        ]
-                        for t in range(T)
-                    ]
+
+            def avx2_step(col, nan_select: bool):
+                """One 64-column step on AVX2: weights decoded to float32, FMA per token. E4M3: the
+                byte sign-extended and shifted so that sign and magnitude land on float32's sign,
+                exponent and mantissa (exponent biased 120 too low, `pow120` restores it, exact
+                for subnormals); `nan_select` maps the NaN codes to NaN (a step without them
+                skips the compare and select)."""
+                for j in range(STEP // lanes):
+                    cj = builder.add(col, c64(lanes * j))
+                    xf = []
+                    for t in range(T):
+                        if prescaled:  # BF16 values times 2^120 in float32 (`_actf64`)
+                            xf.append(simd.load(builder, xrow[t], cj, vec(F32, lanes), align=4))
+                            continue
+                        xi = builder.zext(simd.load(builder, xrow[t], cj, vec(I16, lanes), align=2), wide)
+                        xf.append(builder.bitcast(builder.shl(xi, sixteen), vec(F32, lanes)))
                     for i, wrow in enumerate(wrows):
                         if kind == "fp8":
-                            raw = simd.load(builder, wrow, col, vec(I8, 64))
-                            hi = builder.or_(builder.call(perm, [h0, raw, h1]), builder.and_(raw, sign))
-                            lo = builder.call(perm, [l0, raw, l1])
-                            ws = [
-                                builder.bitcast(builder.shuffle_vector(lo, hi, m), vec(BF, 32)) for m in (first, second)
-                            ]
-                        else:
-                            ws = [
-                                simd.load(builder, wrow, builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
-                                for h in range(2)
-                            ]
-                        for t in range(T):
-                            for h in range(2):
-                                a = acc[i][t][h]
-                                builder.store(builder.call(dot, [builder.load(a), ws[h], xv[t][h]]), a)
-                else:
-                    for j in range(STEP // lanes):
-                        cj = builder.add(col, c64(lanes * j))
-                        xf = []
-                        for t in range(T):
-                            xi = builder.zext(simd.load(builder, xrow[t], cj, vec(I16, lanes), align=2), wide)
-                            xf.append(builder.bitcast(builder.shl(xi, sixteen), vec(F32, lanes)))
-                        for i, wrow in enumerate(wrows):
-                            if kind == "fp8":
-                                b = builder.zext(simd.load(builder, wrow, cj, vec(I8, lanes)), wide)
+                            b = builder.sext(simd.load(builder, wrow, cj, vec(I8, lanes)), wide)
+                            bits = builder.and_(builder.shl(b, twenty), keep)
+                            wf = builder.bitcast(bits, vec(F32, lanes))
+                            if not prescaled:  # else 2^120 is in the activations
+                                wf = builder.fmul(wf, pow120)
+                            if nan_select:
                                 m = builder.and_(b, mag)
-                                bits = builder.or_(
-                                    builder.shl(m, twenty), builder.shl(builder.and_(b, sbit), twentyfour)
-                                )
-                                wf = builder.fmul(builder.bitcast(bits, vec(F32, lanes)), pow120)
                                 wf = builder.select(builder.icmp_unsigned("==", m, mag), nan, wf)
-                            else:
-                                b = builder.zext(simd.load(builder, wrow, cj, vec(I16, lanes), align=2), wide)
-                                wf = builder.bitcast(builder.shl(b, sixteen), vec(F32, lanes))
-                            for t in range(T):
-                                a = acc[i][t][j % 2]
-                                builder.store(simd.fma(builder, wf, xf[t], builder.load(a), lanes), a)
+                        else:
+                            b = builder.zext(simd.load(builder, wrow, cj, vec(I16, lanes), align=2), wide)
+                            wf = builder.bitcast(builder.shl(b, sixteen), vec(F32, lanes))
+                        for t in range(T):
+                            a = acc[i][t][j % 2]
+                            builder.store(simd.fma(builder, wf, xf[t], builder.load(a), lanes), a)
+
+            def avx512_step(col):
+                """One 64-column step on AVX-512: E4M3 -> BF16 by the byte tables (or BF16 loaded),
+                `vdpbf16ps` per token."""
+                xv = [
+                    [simd.load(builder, xrow[t], builder.add(col, c64(32 * h)), vec(BF, 32), align=2) for h in range(2)]
+                    for t in range(T)
+                ]
+                for i, wrow in enumerate(wrows):
+                    if kind == "fp8":
+                        raw = simd.load(builder, wrow, col, vec(I8, 64))
+                        hi = builder.or_(builder.call(perm, [h0, raw, h1]), builder.and_(raw, sign))
+                        lo = builder.call(perm, [l0, raw, l1])
+                        ws = [builder.bitcast(builder.shuffle_vector(lo, hi, m), vec(BF, 32)) for m in (first, second)]
+                    else:
+                        ws = [
+                            simd.load(builder, wrow, builder.add(col, c64(32 * h)), vec(BF, 32), align=2)
+                            for h in range(2)
+                        ]
+                    for t in range(T):
+                        for h in range(2):
+                            a = acc[i][t][h]
+                            builder.store(builder.call(dot, [builder.load(a), ws[h], xv[t][h]]), a)
+
+            def columns(mode: str):
+                """The row pass over every step. mode (AVX2 FP8 only): "plain" decodes without the
+                NaN select and keeps in `seen` the largest magnitude byte of the pass, "select"
+                decodes with it; "" for every other kernel."""
+                with cgutils.for_range(builder, steps) as loop:
+                    col = builder.mul(loop.index, c64(STEP))
+                    if prefetch:  # the next pass's rows, these columns: NR * C weights on
+                        wb = STEP * (1 if kind == "fp8" else 2)  # bytes of a row per step
+                        ahead = builder.add(
+                            builder.mul(C, c64(prefetch * NR * wb // STEP)), builder.mul(col, c64(wb // STEP))
+                        )
+                        for wrow in wrows:
+                            for k in range(wb // 64):
+                                ptr = builder.gep(
+                                    builder.bitcast(wrow, I8.as_pointer()), [builder.add(ahead, c64(64 * k))]
+                                )
+                                builder.call(
+                                    pf, [ptr, ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)]
+                                )
+                    if variant == "avx512":
+                        avx512_step(col)
+                    elif mode == "plain":
+                        top = builder.load(seen)
+                        for wrow in wrows:
+                            for q in range(2):
+                                v = simd.load(builder, wrow, builder.add(col, c64(32 * q)), vec(I8, 32))
+                                top = builder.call(umax, [top, builder.and_(v, low7)])
+                        builder.store(top, seen)
+                        avx2_step(col, False)
+                    else:
+                        avx2_step(col, kind == "fp8")
+
+            if variant != "avx512" and kind == "fp8" and nan_branch:
+                # E4M3 NaN (magnitude 0x7F) is all but absent from real weights: the pass runs
+                # without the NaN select, tracking the largest magnitude byte, and only a pass
+                # that met one runs again, from zeroed lanes, with the select: the same bits.
+                umax = simd.declare(builder, "llvm.umax.v32i8", vec(I8, 32), [vec(I8, 32)] * 2)
+                low7 = simd.splat(I8, 32, 0x7F)
+                seen = cgutils.alloca_once_value(builder, simd.splat(I8, 32, 0))
+                columns("plain")
+                hit = builder.icmp_unsigned("==", builder.load(seen), low7)
+                anynan = builder.icmp_unsigned("!=", builder.bitcast(hit, I32), ir.Constant(I32, 0))
+                with builder.if_then(anynan, likely=False):
+                    for row in acc:
+                        for tok in row:
+                            for a in tok:
+                                builder.store(simd.splat(F32, lanes, 0.0), a)
+                    columns("select")
+            else:
+                columns("")
             for i in range(NR):
                 ri = builder.add(r, c64(i))
                 for t in range(T):
@@ -259,13 +325,15 @@ def _row_intrinsic(kind: str, variant: str, T: int, NR: int = 1, prefetch: bool 
 
         return sig, codegen
 
-    typer.__name__ = typer.__qualname__ = f"_{kind}bf16_{variant}_t{T}_r{NR}"
+    typer.__name__ = typer.__qualname__ = f"_{kind}bf16_{variant}_t{T}_r{NR}{'_f' if prescaled else ''}"
     return intrinsic(typer)
 
 
 _row8 = _row7 = _row6 = _row5 = _row4 = _row3 = _row2 = _row1 = _row1x = None  # bound by `_driver`
 # Rows per pass of the one-token kernel (`_row_intrinsic`'s NR; divides ROWS)
 ONE_TOKEN_ROWS = 4
+PREFETCH_PASSES = 1
+PREFETCH_LOCALITY = 3
 # Tokens per row kernel call, by variant: AVX-512's 32 registers hold 8 tokens' accumulators (16)
 # beside a step's decoded weights, AVX2's 16 hold 4 tokens' (8). A call of T tokens runs groups of
 # the largest, then one group of the rest (`_tokens`).
@@ -316,15 +384,21 @@ def _tokens(w, r0, r1, xs, out):
 _PERMUTED = False  # set per variant by `_driver`: activations stored in `_XPERM` order
 
 
-def _act_intrinsic(permuted: bool):
+def _act_intrinsic(permuted: bool, prescaled: bool = False):
     """xs[t, c0 : c0+64] = `_bf16_bits`(x[t, c] * s) for the 64 columns from c0, s0 for the first
     32 and s1 for the next (a 32-column group lies in one scale block), in `_XPERM` order where
     `permuted`. Vector IR with `_bf16_bits`' uint32 arithmetic, the same bits: numba left the
     scalar loop unvectorised, and it ran once per row block (its 8192 columns took about as
-    long as 16 of wo_b's rows)."""
+    long as 16 of wo_b's rows).
+
+    `prescaled` (AVX2's one-token kernel): xs is float32 and gets each BF16 value times 2^120,
+    which the kernel's E4M3 decode then leaves out (`_row_intrinsic(prescaled=True)`): the
+    product of the two is the same number, so every FMA gives the same bits, as long as the
+    value times 2^120 is finite. Returns whether it is for all 64 (every |value| < 2^8, no NaN);
+    where it is not, the caller runs the BF16 form."""
 
     def typer(typingctx, x, t, c0, s0, s1, xs):
-        sig = types.void(x, t, c0, s0, s1, xs)
+        sig = (types.boolean if prescaled else types.void)(x, t, c0, s0, s1, xs)
 
         def codegen(context, builder, sig, args):
             x_, t_, c0_, s0_, s1_, xs_ = args
@@ -348,6 +422,14 @@ def _act_intrinsic(permuted: bool):
             rne = builder.lshr(builder.add(builder.add(b, k(0x7FFF)), builder.and_(sh, k(1))), k(16))
             nan = builder.or_(sh, k(0x40))
             is_nan = builder.icmp_unsigned(">", builder.and_(b, k(0x7FFFFFFF)), k(0x7F800000))
+            if prescaled:
+                # |bf16| < 2^8 <=> its magnitude bits are below 0x4380 (256.0); NaN and inf are not
+                fits = builder.icmp_unsigned("<", builder.and_(rne, k(0x7FFF)), k(0x4380))
+                ok = builder.icmp_unsigned("==", builder.bitcast(builder.not_(fits), I64), ir.Constant(I64, 0))
+                f = builder.fmul(builder.bitcast(builder.shl(rne, k(16)), vec(F32, 64)), simd.splat(F32, 64, 2.0**120))
+                dst = builder.gep(simd.base(context, builder, txs, xs_, F32), [off])
+                builder.store(f, builder.bitcast(dst, vec(F32, 64).as_pointer()), align=4)
+                return ok
             bits = builder.trunc(builder.select(is_nan, nan, rne), vec(I16, 64))
             if permuted:
                 bits = builder.shuffle_vector(bits, bits, ir.Constant(vec(I32, 64), [int(c) for c in _XPERM]))
@@ -357,11 +439,39 @@ def _act_intrinsic(permuted: bool):
 
         return sig, codegen
 
-    typer.__name__ = typer.__qualname__ = f"_act64_{'perm' if permuted else 'nat'}"
+    typer.__name__ = typer.__qualname__ = f"_act64_{'perm' if permuted else 'nat'}{'_f' if prescaled else ''}"
     return intrinsic(typer)
 
 
 _act64 = None  # `_act_intrinsic` of the variant's layout, bound by `_driver`
+# AVX2 one token: activations times 2^120 in float32 and row kernels without the decode's
+# multiply (`_act_intrinsic(prescaled=True)`); bound by `_driver`
+_PRESCALE = False
+_actf64 = _row1f = _row1xf = None
+
+
+def _prescaled_block(w, s, bc, x, rb, r0, end, out):
+    """One token, rows r0 .. end of row block rb, by the prescaled AVX2 kernels; False (nothing
+    written) where an activation times its scale is too large for them (|bf16| >= 2^8, NaN)."""
+    C = w.shape[1]
+    xf = np.empty((1, C), np.float32)
+    ok = True
+    for c0 in range(0, C, STEP):
+        ok &= _actf64(x, 0, c0, _scale_f32(s, rb, c0 // bc), _scale_f32(s, rb, (c0 + 32) // bc), xf)
+    if not ok:
+        return False
+    r = r0
+    while r + ONE_TOKEN_ROWS <= end:
+        _row1xf(w, r, xf, 0, out)
+        r += ONE_TOKEN_ROWS
+    while r < end:
+        _row1f(w, r, xf, 0, out)
+        r += 1
+    return True
+
+
+def _no_prescaled_block(w, s, bc, x, rb, r0, end, out):
+    return False
 
 
 def _fp8_block(w, s, br, bc, x, rb, out):
@@ -369,6 +479,9 @@ def _fp8_block(w, s, br, bc, x, rb, out):
     once, then its rows."""
     R, C = w.shape
     T = x.shape[0]
+    end = min(R, rb * br + br)
+    if _PRESCALE and T == 1 and bc % 32 == 0 and _prescaled_block(w, s, bc, x, rb, rb * br, end, out):
+        return
     xs = np.empty((T, C), np.uint16)
     if bc % 32 == 0:  # V4's 128 and V4.1's 32: 64 columns per vector op
         for t in range(T):
@@ -390,7 +503,6 @@ def _fp8_block(w, s, br, bc, x, rb, out):
             for t in range(T):
                 for c in range(cb * bc, c1):
                     xs[t, c] = _bf16_bits(np.float32(x[t, c] * sc))
-    end = min(R, rb * br + br)
     for r0 in range(rb * br, end, ROWS):
         _tokens(w, r0, min(end, r0 + ROWS), xs, out)
 
@@ -421,7 +533,15 @@ def _bf16_drive(w, xs, out):
             _tokens(w, r0, min(end, r0 + ROWS), xs, out)
 
 
-def _driver(kind: str, variant: str):
+def _driver(
+    kind: str,
+    variant: str,
+    nr: int | None = None,
+    prefetch: int | None = None,
+    locality: int | None = None,
+    nan_branch: bool = True,
+    prescale: bool = True,
+):
     """The drive function of `kind` compiled with `variant`'s row kernels: see `q8._driver`
     (own globals, no closure, named after kind, variant and simd.py's hash for numba's cache).
     `_tokens` is rebuilt in the same globals so it calls this variant's row kernels."""
@@ -429,10 +549,24 @@ def _driver(kind: str, variant: str):
     rows = "bf16" if kind == "bf16" else "fp8"
     g["_GROUP"] = MAX_GROUP[variant]
     for t in range(1, 9):  # groups above the variant's largest never run: bound to the 1-token kernel
-        g[f"_row{t}"] = _row_intrinsic(rows, variant, t) if t <= g["_GROUP"] else g["_row1"]
-    g["_row1x"] = _row_intrinsic(rows, variant, 1, ONE_TOKEN_ROWS, prefetch=True)
+        g[f"_row{t}"] = _row_intrinsic(rows, variant, t, nan_branch=nan_branch) if t <= g["_GROUP"] else g["_row1"]
+    nr = ONE_TOKEN_ROWS if nr is None else nr
+    g["ONE_TOKEN_ROWS"] = nr
+    pf = PREFETCH_PASSES if prefetch is None else prefetch
+    loc = PREFETCH_LOCALITY if locality is None else locality
+    g["_row1x"] = _row_intrinsic(rows, variant, 1, nr, prefetch=pf, locality=loc, nan_branch=nan_branch)
     g["_PERMUTED"] = kind.startswith("fp8") and variant == "avx512"
     g["_act64"] = _act_intrinsic(g["_PERMUTED"])
+    g["_PRESCALE"] = kind.startswith("fp8") and variant == "avx2" and prescale
+    if g["_PRESCALE"]:
+        g["_actf64"] = _act_intrinsic(False, prescaled=True)
+        g["_row1f"] = _row_intrinsic(rows, variant, 1, nan_branch=nan_branch, prescaled=True)
+        g["_row1xf"] = _row_intrinsic(
+            rows, variant, 1, nr, prefetch=pf, locality=loc, nan_branch=nan_branch, prescaled=True
+        )
+    # without the prescaled kernels `_fp8_block` calls a stand-in that declines every block
+    block = _prescaled_block if g["_PRESCALE"] else _no_prescaled_block
+    g["_prescaled_block"] = njit(inline="always", **_JIT)(pytypes.FunctionType(block.__code__, g, "_prescaled_block"))
     for name, fn in (("_tokens", _tokens), ("_fp8_block", _fp8_block)):
         g[name] = njit(inline="always", **_JIT)(pytypes.FunctionType(fn.__code__, g, name))
     body = {"fp8": _fp8_drive, "fp8pair": _fp8_pair_drive, "bf16": _bf16_drive}[kind]
