@@ -148,10 +148,11 @@ def test_only_the_one_token_pass_kernel_prefetches(monkeypatch):
     monkeypatch.setattr(bf16, "_row_intrinsic", lambda *a, **k: made.append((a, k)) or real(*a, **k))
     bf16._driver("fp8", "avx2")  # builds the dispatcher only; nothing compiles until a call
     pf = [(a[2], a[3] if len(a) > 3 else 1, k.get("prescaled", False)) for a, k in made if k.get("prefetch")]
-    # a kernel per token group of 1 .. MAX_GROUP tokens, the one-token pass kernel, and AVX2's
-    # prescaled one-token kernels (a pass of ONE_TOKEN_ROWS and a single row)
+    # a kernel per token group of 1 .. MAX_GROUP tokens and the one-token pass kernel, twice:
+    # BF16 activations and AVX2's prescaled ones
     assert pf == [(1, bf16.ONE_TOKEN_ROWS, False), (1, bf16.ONE_TOKEN_ROWS, True)]
-    assert len(made) == bf16.MAX_GROUP["avx2"] + 3
+    assert len(made) == 2 * (bf16.MAX_GROUP["avx2"] + 1)
+    assert sum(k.get("prescaled", False) for _, k in made) == bf16.MAX_GROUP["avx2"] + 1
 
 
 @needs_fast
@@ -201,20 +202,22 @@ def test_nan_codes_rerun_their_pass_with_the_same_bits(variant, tokens):
 @needs_fast
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("block", [(128, 128), (32, 32)], ids=["v4", "v41"])
-def test_one_token_rows_meet_their_activation_whichever_form_takes_the_block(block, variant):
-    # AVX2's one-token kernel takes a row block's activations times 2^120 in float32 where each
-    # |bf16(x * s)| < 2^8 and the BF16 form elsewhere: row blocks of both kinds (the last
-    # block's scales push x * s past 2^8), values down to BF16 subnormals, ties to even.
+@pytest.mark.parametrize("tokens", [1, 3, 6])
+def test_rows_meet_their_activation_whichever_form_takes_the_block(block, variant, tokens):
+    # AVX2's kernels take a row block's activations times 2^120 in float32 where each
+    # |bf16(x * s)| < 2^8 (every token of the call) and the BF16 form elsewhere: row blocks of
+    # both kinds (the last block's scales push x * s past 2^8), values down to BF16
+    # subnormals, ties to even; 3 and 6 tokens run the token-group kernels (6 = 4 + 2 on AVX2).
     c = 384
     rng = np.random.default_rng(13)
     w = one_hot(c, block, rng)
     w.scale[:] = 126
     w.scale[-1, :] = 134  # x 2^7: the last row block sees values up to 2^8 and beyond
-    x = (rng.standard_normal(c) * np.exp2(rng.uniform(-140, 1, c))).astype(np.float32)
-    x[:5] = [1 + 2**-8, 1 + 3 * 2**-8, 0.0, -0.0, 3.99]
-    x[-3:] = [3.999, -3.99, 4.0]  # x 2^7 in the last block: 511.9, -510.7, 512 (too large for 2^120)
+    x = (rng.standard_normal((tokens, c)) * np.exp2(rng.uniform(-140, 1, c))).astype(np.float32)
+    x[0, :5] = [1 + 2**-8, 1 + 3 * 2**-8, 0.0, -0.0, 3.99]
+    x[-1, -3:] = [3.999, -3.99, 4.0]  # x 2^7 in the last block: 511.9, -510.7, 512 (too large for 2^120)
     sc = np.repeat(np.repeat(formats.e8m0_to_f32(w.scale), block[0], 0)[:c], block[1], 1)[:c, :c]
     want = (x * sc[np.arange(c), np.arange(c)]).astype(ml_dtypes.bfloat16).astype(np.float32)
-    got = bf16.fp8_matmul(w.data, w.scale, w.block, x, variant)[0]
+    got = bf16.fp8_matmul(w.data, w.scale, w.block, x, variant)
     np.testing.assert_array_equal(got, want)
-    assert (np.abs(want[: -block[0]]) < 2**8).all() and np.abs(want[-block[0] :]).max() >= 2**8
+    assert (np.abs(want[:, : -block[0]]) < 2**8).all() and np.abs(want[:, -block[0] :]).max() >= 2**8

@@ -20,7 +20,7 @@ Variants (`cpu.variant`):
   onto float32's sign, exponent and mantissa, then times 2^120, exact for subnormals too; BF16
   by a 16-bit shift), activations BF16 widened to float32, FMA. The decode leaves out the
   NaN select: a pass tracks its largest magnitude byte and only a pass that met a NaN code
-  (0x7F / 0xFF) runs again with it. At one token the 2^120 moves to the activations (each
+  (0x7F / 0xFF) runs again with it. The 2^120 moves to the activations (each
   BF16 value times 2^120, in float32, where all of a row block's are below 2^8 in magnitude,
   else the form above): the same products, so the same bits, and 4 instructions per 8
   weights where the first decode took 10 (this kernel is compute-bound: from DRAM and from L2
@@ -391,7 +391,7 @@ def _act_intrinsic(permuted: bool, prescaled: bool = False):
     scalar loop unvectorised, and it ran once per row block (its 8192 columns took about as
     long as 16 of wo_b's rows).
 
-    `prescaled` (AVX2's one-token kernel): xs is float32 and gets each BF16 value times 2^120,
+    `prescaled` (AVX2's FP8 kernels, any token count): xs is float32 and gets each BF16 value times 2^120,
     which the kernel's E4M3 decode then leaves out (`_row_intrinsic(prescaled=True)`): the
     product of the two is the same number, so every FMA gives the same bits, as long as the
     value times 2^120 is finite. Returns whether it is for all 64 (every |value| < 2^8, no NaN);
@@ -444,29 +444,28 @@ def _act_intrinsic(permuted: bool, prescaled: bool = False):
 
 
 _act64 = None  # `_act_intrinsic` of the variant's layout, bound by `_driver`
-# AVX2 one token: activations times 2^120 in float32 and row kernels without the decode's
+# AVX2: activations times 2^120 in float32 and row kernels without the decode's
 # multiply (`_act_intrinsic(prescaled=True)`); bound by `_driver`
 _PRESCALE = False
-_actf64 = _row1f = _row1xf = None
+_actf64 = _tokensf = None
 
 
 def _prescaled_block(w, s, bc, x, rb, r0, end, out):
-    """One token, rows r0 .. end of row block rb, by the prescaled AVX2 kernels; False (nothing
-    written) where an activation times its scale is too large for them (|bf16| >= 2^8, NaN)."""
-    C = w.shape[1]
-    xf = np.empty((1, C), np.float32)
+    """Rows r0 .. end of row block rb times every token of x, by the prescaled AVX2 kernels
+    (`_tokensf`: `_tokens` over them, the same token groups); False (nothing written) where an
+    activation times its scale is too large for them (|bf16| >= 2^8, NaN). With several tokens
+    the saving is larger than with one: the BF16 form widens each token's activations again for
+    every row it meets (two instructions per 8 columns and token, beside one FMA)."""
+    T, C = x.shape
+    xf = np.empty((T, C), np.float32)
     ok = True
-    for c0 in range(0, C, STEP):
-        ok &= _actf64(x, 0, c0, _scale_f32(s, rb, c0 // bc), _scale_f32(s, rb, (c0 + 32) // bc), xf)
+    for t in range(T):
+        for c0 in range(0, C, STEP):
+            ok &= _actf64(x, t, c0, _scale_f32(s, rb, c0 // bc), _scale_f32(s, rb, (c0 + 32) // bc), xf)
     if not ok:
         return False
-    r = r0
-    while r + ONE_TOKEN_ROWS <= end:
-        _row1xf(w, r, xf, 0, out)
-        r += ONE_TOKEN_ROWS
-    while r < end:
-        _row1f(w, r, xf, 0, out)
-        r += 1
+    for r in range(r0, end, ROWS):
+        _tokensf(w, r, min(end, r + ROWS), xf, out)
     return True
 
 
@@ -480,7 +479,7 @@ def _fp8_block(w, s, br, bc, x, rb, out):
     R, C = w.shape
     T = x.shape[0]
     end = min(R, rb * br + br)
-    if _PRESCALE and T == 1 and bc % 32 == 0 and _prescaled_block(w, s, bc, x, rb, rb * br, end, out):
+    if _PRESCALE and bc % 32 == 0 and _prescaled_block(w, s, bc, x, rb, rb * br, end, out):
         return
     xs = np.empty((T, C), np.uint16)
     if bc % 32 == 0:  # V4's 128 and V4.1's 32: 64 columns per vector op
@@ -560,10 +559,18 @@ def _driver(
     g["_PRESCALE"] = kind.startswith("fp8") and variant == "avx2" and prescale
     if g["_PRESCALE"]:
         g["_actf64"] = _act_intrinsic(False, prescaled=True)
-        g["_row1f"] = _row_intrinsic(rows, variant, 1, nan_branch=nan_branch, prescaled=True)
-        g["_row1xf"] = _row_intrinsic(
+        # `_tokens` again, over the prescaled row kernels (its own globals: the same groups)
+        gf = dict(g)
+        for t in range(1, 9):
+            gf[f"_row{t}"] = (
+                _row_intrinsic(rows, variant, t, nan_branch=nan_branch, prescaled=True) if t <= g["_GROUP"] else None
+            )
+        for t in range(g["_GROUP"] + 1, 9):
+            gf[f"_row{t}"] = gf["_row1"]
+        gf["_row1x"] = _row_intrinsic(
             rows, variant, 1, nr, prefetch=pf, locality=loc, nan_branch=nan_branch, prescaled=True
         )
+        g["_tokensf"] = njit(inline="always", **_JIT)(pytypes.FunctionType(_tokens.__code__, gf, "_tokensf"))
     # without the prescaled kernels `_fp8_block` calls a stand-in that declines every block
     block = _prescaled_block if g["_PRESCALE"] else _no_prescaled_block
     g["_prescaled_block"] = njit(inline="always", **_JIT)(pytypes.FunctionType(block.__code__, g, "_prescaled_block"))
