@@ -101,6 +101,18 @@ def simulate(
     return (n - 1) * t1 / spent_total, runs, verified  # (off's passes jitter too: on average t1 each)
 
 
+class Logged(AutoDrafts):
+    """AutoDrafts keeping the length of every pass it is told of."""
+
+    def __init__(self, block: int) -> None:
+        super().__init__(block)
+        self.lengths: list[int] = []
+
+    def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
+        self.lengths.append(n)
+        super().passed(n, seconds, read_bytes, read_seconds)
+
+
 @pytest.mark.parametrize("costs", [RAM, STREAM], ids=["ram", "stream"])
 def test_a_slow_start_does_not_make_marginal_drafts_look_paying(costs) -> None:
     """The first passes of a reply run 1.5x slow (measured on this machine: a one-token time of
@@ -180,14 +192,8 @@ def test_the_first_verified_draft_is_short_while_no_longer_pass_was_timed() -> N
     than the prior said); once it is timed, the fitted costs decide (longer drafts follow).
     Before, the first verified draft was the block (5) on the prior."""
 
-    class Logged(AutoDrafts):
-        def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
-            self.lengths.append(n)
-            super().passed(n, seconds, read_bytes, read_seconds)
-
     for costs in (RAM, CONCAVE):
         policy = Logged(BLOCK)
-        policy.lengths = []
         speed = simulate(policy, 128, 0.97, **costs)[0]
         longer = [n for n in policy.lengths if n > 1]
         assert longer[0] <= FIRST_MOST + 1 and BLOCK + 1 in longer, policy.lengths
@@ -236,13 +242,7 @@ def test_while_drafting_a_plain_step_times_t1_again() -> None:
     is timed again, else a one-token time measured under another load would stay what every
     draft is weighed against (main's policy: one stretch of 70 passes without one)."""
 
-    class Logged(AutoDrafts):
-        def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
-            self.lengths.append(n)
-            super().passed(n, seconds, read_bytes, read_seconds)
-
     policy = Logged(BLOCK)
-    policy.lengths = []
     speed, _, verified = simulate(policy, 400, 0.97, **RAM)
     assert speed > 1.3 and verified > 200
     after = policy.lengths[next(i for i, n in enumerate(policy.lengths) if n > 1) :]
