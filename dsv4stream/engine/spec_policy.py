@@ -55,11 +55,20 @@ It never makes a prompt slower than `off` beyond noise:
   long as the high end could still pay.
 - It keeps a ledger against `off`: every cycle that drafted, watched or re-fed carried tokens
   adds its seconds less t(1) per token it picked (re-fed tokens are charged, not credited
-  again; credit is kept down to -SHARE of the time). A new episode starts only while the ledger
-  is within `SHARE` of the decode time measured (so the first is free), and an episode ends once
-  the ledger has grown by more than `GRACE` steps (`FIRST_GRACE` from its first verification
-  where no multi-token pass was timed before: drafting on a prior) and SHARE of the time since
-  it started (the model of the costs can be wrong; the ledger is what it cost).
+  again; credit is kept down to -SHARE of the time). A watch is charged before it runs: a new
+  episode starts only while the ledger plus what a drafter run costs (measured) stays within
+  `SHARE` of the decode time measured, and an episode watches on only while that stays within
+  its bound below. The first watch of a policy is the run that measures the drafter's cost, so
+  it is the one watch not charged ahead: a drafter that accepts nothing costs one drafter run
+  per policy (one a `dsv4 run` or server, `engine.speculation`) and then SHARE of the time (on
+  demo-v41 in RAM a drafter run costs 0.6-0.9 of a step: one watch in a 128-token reply, where
+  charging the ledger only after a watch, and SHARE 1 %, allowed two). An episode
+  ends once the ledger has grown by more than `GRACE` steps (`FIRST_GRACE` from its first
+  verification where no multi-token pass was timed before: drafting on a prior) and SHARE of
+  the time since it started (the model of the costs can be wrong; the ledger is what it cost).
+- While no multi-token pass was timed, a verified draft is at most `FIRST_MOST` long: its cost
+  is a prior until then, and at a streaming budget a longer pass reads the union of its
+  tokens' experts (on demo-v41, 0.63 GB: a 6-token pass 161-198 ms against 72-76 for one).
 - No episode starts where drafting would not pay even at an acceptance of `CEILING` with the
   costs measured (a budget where a verification's union of experts reads too much).
 """
@@ -75,7 +84,9 @@ DECAY = 0.9  # per pass or drafter run timed: recent costs weigh most
 COUNT_DECAY = 0.97  # per draft counted: the acceptance moves slowly, its estimate weighs ~30 drafts
 MIN_GAIN = 0.1  # an episode watches on only while drafting could be this much faster than plain steps
 PROBE_FIRST, PROBE_MOST = 4, 256  # cycles between watch episodes: the first, and the longest back-off
-SHARE = 0.01  # the most auto may lose against off, a share of the decode time it measured
+# the most auto may lose against off beside the drafter run that times the drafter, a share of
+# the decode time it measured (0.5 %: with 1 % a drafter run of 0.6 step fitted twice in 128 tokens)
+SHARE = 0.005
 CEILING = 0.95  # the best acceptance a drafter is credited with when deciding whether to watch at all
 SHRINK = 2.0  # a pass length's own mean counts against this many passes' worth of the fitted line
 COMPUTE_SHARE = 0.25  # prior: an extra token of a pass costs this share of a step's compute
@@ -84,8 +95,9 @@ MOST_WATCHES = 5  # an episode that has not decided after this many watches ends
 GRACE = 8.0  # one-token steps an episode of verified drafting may lose before the ledger stops it
 FIRST_GRACE = 4.0  # GRACE from the first verification of an episode that drafts before any multi-token pass was timed
 RECENT = 8  # one-token passes whose fastest bounds t(1): a mean still carrying a slow start is stale
-DRAFT_PRIOR = 0.5  # prior: a drafter run costs this share of a one-token pass (before one is timed)
+DRAFT_PRIOR = 0.5  # prior: a drafter run costs this share of a one-token pass (only whether to watch at all, before one is timed)
 REMEASURE = 24  # passes while drafting before a plain step times t(1) again
+FIRST_MOST = 2  # the longest draft verified while no multi-token pass was timed (its cost a prior)
 EXTRA_PRIOR = 0.05  # prior: a verifying cycle's own work outside its pass (snapshot, restore, picks), per t(1)
 
 
@@ -210,11 +222,11 @@ class AutoDrafts:
         low, high = self._range()
         if self._could_pay(low, 0.0):  # pays even at the low end: verify drafts
             self.watching, self.drafting = 0, True
-            if not any(n > 1 and m.known for n, m in self.passes.items()):
+            if not self._multi_timed:
                 # drafting on a prior of what a longer pass costs (none timed yet): where the prior
                 # is wrong the ledger is the only check, so from here it may lose FIRST_GRACE steps
                 self.opened_at = (self.ledger, self.elapsed, FIRST_GRACE)
-        elif not self._could_pay(high, MIN_GAIN) or self.watches >= MOST_WATCHES or self.ledger > self.bound:
+        elif not self._could_pay(high, MIN_GAIN) or self.watches >= MOST_WATCHES or not self._affords(self.bound):
             self._close(paid=False)  # could not pay enough even at the high end (or never made up its mind)
         elif accepted == k:
             self.watching = min(self.block, 2 * k)  # every draft right: watch more next cycle
@@ -237,6 +249,11 @@ class AutoDrafts:
         return self.passes.get(1, _Mean()).known
 
     @property
+    def _multi_timed(self) -> bool:
+        """Whether a pass of more than one token was timed."""
+        return any(n > 1 and m.known for n, m in self.passes.items())
+
+    @property
     def alpha(self) -> float:
         n = self.accepted + self.rejected
         return self.accepted / n if n else 0.0
@@ -254,6 +271,11 @@ class AutoDrafts:
         acceptance's own spread, not a wrong model)."""
         ledger, elapsed, grace = self.opened_at
         return ledger + SHARE * (self.elapsed - elapsed) + grace * self.t(1)
+
+    def _affords(self, limit: float) -> bool:
+        """Whether a watch keeps the ledger within `limit` once charged what a drafter run costs
+        (measured: the first run, before which its cost is unknown, is the one that measures it)."""
+        return self.ledger + (self.draft_seconds.value if self.draft_seconds.known else 0.0) <= limit
 
     def _draft_cost(self) -> float:
         """A verifying cycle's seconds beside its pass: the drafter run, and the cycle's own work
@@ -345,7 +367,7 @@ class AutoDrafts:
             k = self._best(kmax, self._alphas(kmax, None))[0]
             if k and self.ledger <= self.bound:
                 return self._explore(k, kmax)
-            if self.ledger <= self.bound and self._could_pay(self._range()[1], 0.0):
+            if self._affords(self.bound) and self._could_pay(self._range()[1], 0.0):
                 # rejections in a row: watch again, cheaply, until the acceptance says which
                 self.drafting, self.watching, self.watches = False, self.block, 0
             else:  # drafting cannot pay, or lost more than the model said (the model is wrong here)
@@ -362,7 +384,7 @@ class AutoDrafts:
             return 0
         if self.watching:
             return min(self.watching, kmax)
-        if self.idle < self.wait or self.ledger > SHARE * self.elapsed:
+        if self.idle < self.wait or not self._affords(SHARE * self.elapsed):
             return 0
         if not self._could_pay(CEILING, MIN_GAIN):  # not even a drafter right almost always
             self.idle = 0
@@ -373,7 +395,12 @@ class AutoDrafts:
     def _explore(self, k: int, kmax: int) -> int:
         """k, or k + 1 while drafting pays and a pass of k + 2 tokens was never timed: a pass's cost
         grows less than linearly in its tokens (products over a few rows share each weight read),
-        so the slope measured on shorter passes would keep the drafts short for good."""
+        so the slope measured on shorter passes would keep the drafts short for good. At most
+        `FIRST_MOST` while no multi-token pass was timed: the first verification's length would
+        rest on a prior alone, and at a streaming budget a pass of 6 tokens read the union of
+        their experts (2.1-2.6 steps on demo-v41, 0.63 GB) where the prior said less."""
+        if not self._multi_timed:
+            return min(k, FIRST_MOST)
         if 0 < k < kmax and not self.passes.get(k + 2, _Mean()).known:
             return k + 1
         return k
