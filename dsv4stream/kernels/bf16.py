@@ -547,13 +547,25 @@ def _driver(
     g = dict(globals())
     rows = "bf16" if kind == "bf16" else "fp8"
     g["_GROUP"] = MAX_GROUP[variant]
-    for t in range(1, 9):  # groups above the variant's largest never run: bound to the 1-token kernel
-        g[f"_row{t}"] = _row_intrinsic(rows, variant, t, nan_branch=nan_branch) if t <= g["_GROUP"] else g["_row1"]
     nr = ONE_TOKEN_ROWS if nr is None else nr
     g["ONE_TOKEN_ROWS"] = nr
     pf = PREFETCH_PASSES if prefetch is None else prefetch
     loc = PREFETCH_LOCALITY if locality is None else locality
-    g["_row1x"] = _row_intrinsic(rows, variant, 1, nr, prefetch=pf, locality=loc, nan_branch=nan_branch)
+
+    def bind_rows(into: dict, prescaled: bool) -> None:
+        """`_tokens`' row kernels into `into`: one per token group of 1 .. the variant's largest
+        (larger groups never run: bound to the 1-token kernel) and the one-token pass kernel."""
+        for t in range(1, 9):
+            into[f"_row{t}"] = (
+                _row_intrinsic(rows, variant, t, nan_branch=nan_branch, prescaled=prescaled)
+                if t <= g["_GROUP"]
+                else into["_row1"]
+            )
+        into["_row1x"] = _row_intrinsic(
+            rows, variant, 1, nr, prefetch=pf, locality=loc, nan_branch=nan_branch, prescaled=prescaled
+        )
+
+    bind_rows(g, False)
     g["_PERMUTED"] = kind.startswith("fp8") and variant == "avx512"
     g["_act64"] = _act_intrinsic(g["_PERMUTED"])
     g["_PRESCALE"] = kind.startswith("fp8") and variant == "avx2" and prescale
@@ -561,15 +573,7 @@ def _driver(
         g["_actf64"] = _act_intrinsic(False, prescaled=True)
         # `_tokens` again, over the prescaled row kernels (its own globals: the same groups)
         gf = dict(g)
-        for t in range(1, 9):
-            gf[f"_row{t}"] = (
-                _row_intrinsic(rows, variant, t, nan_branch=nan_branch, prescaled=True) if t <= g["_GROUP"] else None
-            )
-        for t in range(g["_GROUP"] + 1, 9):
-            gf[f"_row{t}"] = gf["_row1"]
-        gf["_row1x"] = _row_intrinsic(
-            rows, variant, 1, nr, prefetch=pf, locality=loc, nan_branch=nan_branch, prescaled=True
-        )
+        bind_rows(gf, True)
         g["_tokensf"] = njit(inline="always", **_JIT)(pytypes.FunctionType(_tokens.__code__, gf, "_tokensf"))
     # without the prescaled kernels `_fp8_block` calls a stand-in that declines every block
     block = _prescaled_block if g["_PRESCALE"] else _no_prescaled_block
