@@ -50,7 +50,9 @@ def simulate(
 
     def pass_seconds(tokens: int) -> float:
         timed[0] += 1
-        return (t1 + slope * (tokens - 1) + (jump if tokens > 1 else 0.0)) * (1.5 if timed[0] <= slow else 1.0) * shake()
+        return (
+            (t1 + slope * (tokens - 1) + (jump if tokens > 1 else 0.0)) * (1.5 if timed[0] <= slow else 1.0) * shake()
+        )
 
     while done < n:
         kmax = min(BLOCK, n - done - 1)
@@ -248,7 +250,6 @@ def test_while_drafting_a_plain_step_times_t1_again() -> None:
     after = policy.lengths[next(i for i, n in enumerate(policy.lengths) if n > 1) :]
     gaps = [len(g) for g in "".join("1" if n == 1 else "x" for n in after).split("1")[:-1]]
     assert len(gaps) >= 2 and max(gaps) <= REMEASURE + 1, gaps
-
 
 
 @pytest.mark.parametrize("p", [0.3, 0.6])

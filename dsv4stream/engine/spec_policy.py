@@ -95,7 +95,9 @@ MOST_WATCHES = 5  # an episode that has not decided after this many watches ends
 GRACE = 8.0  # one-token steps an episode of verified drafting may lose before the ledger stops it
 FIRST_GRACE = 4.0  # GRACE from the first verification of an episode that drafts before any multi-token pass was timed
 RECENT = 8  # one-token passes whose fastest bounds t(1): a mean still carrying a slow start is stale
-DRAFT_PRIOR = 0.5  # prior: a drafter run costs this share of a one-token pass (only whether to watch at all, before one is timed)
+DRAFT_PRIOR = (
+    0.5  # prior: a drafter run costs this share of a one-token pass (only whether to watch at all, before one is timed)
+)
 REMEASURE = 24  # passes while drafting before a plain step times t(1) again
 FIRST_MOST = 2  # the longest draft verified while no multi-token pass was timed (its cost a prior)
 EXTRA_PRIOR = 0.05  # prior: a verifying cycle's own work outside its pass (snapshot, restore, picks), per t(1)

@@ -408,7 +408,9 @@ def swiglu_sum(variant: str, x: np.ndarray, rt: Routing, w1s, w3s, w2s, limit: f
     wp = np.ones_like(rt.wp) if pre_weight else rt.wp
     drive = driver_for("glu_down", variant)
     each = _per_expert(rt, numba.get_num_threads())
-    drive(table, rt.lo, rt.hi, sdt, gate, up, ex, lim, rt.wp, pre_weight, s, wp, rt.tp, h, y, out, *_scratch(p, i), each)
+    drive(
+        table, rt.lo, rt.hi, sdt, gate, up, ex, lim, rt.wp, pre_weight, s, wp, rt.tp, h, y, out, *_scratch(p, i), each
+    )
     return out
 
 
