@@ -94,33 +94,34 @@ UNITS[127] = 0  # the NaN code never is a block's largest
 
 @njit(parallel=True, **_JIT)
 def _block_max(data, br, bc, top):
-    """top[rb, cb] = the largest magnitude code (byte & 0x7F, E4M3's order) of each block;
-    returns whether any byte is a NaN code (0x7F / 0xFF)."""
+    """top[rb, cb] = the largest magnitude code (byte & 0x7F, E4M3's order) of each block; a
+    NaN code (0x7F / 0xFF) is the largest there is, so top == 0x7F marks a block holding one.
+    Column-wise maxima over a block's rows first (a loop of whole rows: vector byte maxima)."""
     R, C = data.shape
-    nan = 0  # a count (a prange reduction)
     for rb in prange(top.shape[0]):
+        m = np.zeros(C, np.uint8)
         for r in range(rb * br, min(R, rb * br + br)):
-            for cb in range(top.shape[1]):
-                m = top[rb, cb]
-                for c in range(cb * bc, min(C, cb * bc + bc)):
-                    b = data[r, c] & np.uint8(0x7F)
-                    nan += b == np.uint8(0x7F)
-                    m = max(m, b)
-                top[rb, cb] = m
-    return nan > 0
+            row = data[r]
+            for c in range(C):
+                m[c] = max(m[c], row[c] & np.uint8(0x7F))
+        for cb in range(top.shape[1]):
+            top[rb, cb] = m[cb * bc : min(C, cb * bc + bc)].max()
 
 
 @njit(parallel=True, **_JIT)
 def _recode(data, br, bc, top, tables, q):
     """q[r, c] = tables[top[block], data[r, c]]; q may be data's own bytes (each byte is read
-    before it is written)."""
+    before it is written). A table per block's largest code (`TABLES`) and not the arithmetic:
+    numba's loop of decode, divide and round ran at 0.3-0.45 GB/s here, the lookups at 0.9-1.0."""
     R, C = data.shape
     for rb in prange(top.shape[0]):
         for r in range(rb * br, min(R, rb * br + br)):
+            src = data[r]
+            dst = q[r]
             for cb in range(top.shape[1]):
                 tab = tables[top[rb, cb]]
                 for c in range(cb * bc, min(C, cb * bc + bc)):
-                    q[r, c] = tab[data[r, c]]
+                    dst[c] = tab[src[c]]
 
 
 def _factors(scale: np.ndarray, top: np.ndarray) -> np.ndarray:
@@ -138,7 +139,8 @@ def quantize(w: QWeight, in_place: bool = False) -> QWeight | None:
     data = w.data.view(np.uint8)
     br, bc = w.block
     top = np.zeros(w.scale.shape, np.uint8)
-    if _block_max(data, br, bc, top):
+    _block_max(data, br, bc, top)
+    if (top == 0x7F).any():
         return None
     q = data.view(np.int8) if in_place and data.flags.writeable else np.empty(data.shape, np.int8)
     _recode(data, br, bc, top, TABLES, q)
