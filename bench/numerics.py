@@ -32,7 +32,7 @@ import numpy as np
 
 from dsv4stream import kernels
 from dsv4stream.checkpoint import formats
-from dsv4stream.kernels import QWeight, cpu
+from dsv4stream.kernels import QWeight, cpu, trunkq8
 from dsv4stream.measure.machine import cpu_description
 
 CASES = [  # name, kind, rows, cols
@@ -147,6 +147,9 @@ def errors(rng) -> None:
             kernels.set_numerics(mode)
             e = np.abs(kernels.matmul(w, x) - ref) / rms
             cells.append(f"{mode} {100 * e.max():.3f}% / {100 * np.median(e):.4f}%")
+        if kind == "fp8" and trunkq8.possible():  # fast's opt-in int8 trunk (DSV4_INT8_TRUNK=1)
+            e = np.abs(trunkq8.matmul(trunkq8.quantize(w), x) - ref) / rms
+            cells.append(f"int8 trunk {100 * e.max():.3f}% / {100 * np.median(e):.4f}%")
         print(f"  {name:10s} {kind:4s} " + "  ".join(cells), flush=True)
     kernels.set_numerics("exact")
 

@@ -103,6 +103,8 @@ class Engine:
         if cfg.family == V41:
             v41 = replace(v41 or V41Options(), numerics=mode)
         run_numerics.apply(cfg.family, mode)
+        if mode == "fast" and kernels.int8_trunk() and hasattr(trunk, "use_int8_trunk"):
+            trunk.use_int8_trunk()  # no BF16 dot product here: the resident FP8 trunk as int8 (`trunkq8`)
         self.numerics = mode
         self.cfg = cfg
         self.trunk = trunk

@@ -81,6 +81,16 @@ def fast_variant(w: QWeight) -> str | None:
     return numerics.fast_variant(w, _active())
 
 
+def int8_trunk() -> bool:
+    """Whether a `fast` engine converts its resident FP8 trunk to int8 (`trunkq8.py`): the numba
+    backend on a CPU target whose FP8 fast variant is "avx2" (no BF16 dot product)."""
+    if _active() is reference:
+        return False
+    from . import trunkq8
+
+    return trunkq8.wanted()
+
+
 def backend_name() -> str:
     return _active().__name__.rsplit(".", 1)[-1]
 

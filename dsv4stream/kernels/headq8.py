@@ -48,6 +48,10 @@ TOKENS = (4, 3, 2, 1)  # token groups per row call: every token runs the same co
 ROWS = 16  # rows per work item (re-read from L2 by each token group)
 NR_OF = {4: 4, 3: 4, 2: 4, 1: 4}  # rows per kernel call by token group (4 x 4 x 2 accumulators: a few spill to L1)
 NR4, NR3, NR2, NR1 = (NR_OF[t] for t in TOKENS)
+# One token, rows of at most this many columns: one row a call, read straight through. NR1 rows
+# of 1 KB side by side (V4's wq_b, 32768 x 1024) read at 9.8-10.5 GB per CPU-second from DRAM
+# on a Zen 3 core, one at a time 14.0-14.4 (2048 columns 12.2-13.2 -> 13.8; 8192 unchanged).
+NARROW = 2048
 _JIT = {"cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
 
 
@@ -224,49 +228,63 @@ def _rows_intrinsic(variant: str, T: int, NR: int):
     return intrinsic(typer)
 
 
-# the row kernels `_driver` binds in each variant's globals: _rowsT (NR_OF[T] rows), _oneT (one row)
+# the row kernels `bind_rows` binds in each variant's globals: _rowsT (NR_OF[T] rows), _oneT (one row)
 _rows4 = _rows3 = _rows2 = _rows1 = _one4 = _one3 = _one2 = _one1 = None
 
 
-def _drive(w, sw, xq, xc, da, out):
-    """Rows in work items of ROWS (prange: each thread one contiguous share), tokens in groups of
-    4, 3, 2, 1 within each, a group's rows NR_OF[T] at a time (the rest of a short item one by one)."""
-    R = w.shape[0]
+def _item(w, sw, r0, r1, xq, xc, da, out):
+    """Rows r0 .. r1 (one work item) times every token, in groups of 4, 3, 2, 1, a group's rows
+    NR_OF[T] at a time (the rest of a short item one by one). da: the tokens' scales per 32
+    columns (`trunkq8` passes them times its weight's column block factors)."""
     T = xq.shape[0]
+    t0 = 0
+    while t0 < T:
+        r = r0
+        if T - t0 >= 4:
+            while r + NR4 <= r1:
+                _rows4(w, sw, r, xq, xc, da, t0, out)
+                r += NR4
+            for ri in range(r, r1):
+                _one4(w, sw, ri, xq, xc, da, t0, out)
+            t0 += 4
+        elif T - t0 == 3:
+            while r + NR3 <= r1:
+                _rows3(w, sw, r, xq, xc, da, t0, out)
+                r += NR3
+            for ri in range(r, r1):
+                _one3(w, sw, ri, xq, xc, da, t0, out)
+            t0 += 3
+        elif T - t0 >= 2:
+            while r + NR2 <= r1:
+                _rows2(w, sw, r, xq, xc, da, t0, out)
+                r += NR2
+            for ri in range(r, r1):
+                _one2(w, sw, ri, xq, xc, da, t0, out)
+            t0 += 2
+        else:
+            while r + NR1 <= r1 and w.shape[1] > NARROW:
+                _rows1(w, sw, r, xq, xc, da, t0, out)
+                r += NR1
+            for ri in range(r, r1):
+                _one1(w, sw, ri, xq, xc, da, t0, out)
+            t0 += 1
+
+
+def _drive(w, sw, xq, xc, da, out):
+    """Rows in work items of ROWS (prange: each thread one contiguous share), `_item` each."""
+    R = w.shape[0]
     for ib in prange((R + ROWS - 1) // ROWS):
-        r0 = ib * ROWS
-        r1 = min(R, r0 + ROWS)
-        t0 = 0
-        while t0 < T:
-            r = r0
-            if T - t0 >= 4:
-                while r + NR4 <= r1:
-                    _rows4(w, sw, r, xq, xc, da, t0, out)
-                    r += NR4
-                for ri in range(r, r1):
-                    _one4(w, sw, ri, xq, xc, da, t0, out)
-                t0 += 4
-            elif T - t0 == 3:
-                while r + NR3 <= r1:
-                    _rows3(w, sw, r, xq, xc, da, t0, out)
-                    r += NR3
-                for ri in range(r, r1):
-                    _one3(w, sw, ri, xq, xc, da, t0, out)
-                t0 += 3
-            elif T - t0 >= 2:
-                while r + NR2 <= r1:
-                    _rows2(w, sw, r, xq, xc, da, t0, out)
-                    r += NR2
-                for ri in range(r, r1):
-                    _one2(w, sw, ri, xq, xc, da, t0, out)
-                t0 += 2
-            else:
-                while r + NR1 <= r1:
-                    _rows1(w, sw, r, xq, xc, da, t0, out)
-                    r += NR1
-                for ri in range(r, r1):
-                    _one1(w, sw, ri, xq, xc, da, t0, out)
-                t0 += 1
+        _item(w, sw, ib * ROWS, min(R, ib * ROWS + ROWS), xq, xc, da, out)
+
+
+def bind_rows(variant: str, g: dict) -> None:
+    """`_item` over `variant`'s row kernels (`_rowsT`: NR_OF[T] rows, `_oneT`: one row) into the
+    globals g of a driver (this module's `_drive`, `trunkq8`'s)."""
+    gi = dict(globals())
+    for t in TOKENS:
+        gi[f"_rows{t}"] = _rows_intrinsic(variant, t, NR_OF[t])
+        gi[f"_one{t}"] = _rows_intrinsic(variant, t, 1)
+    g["_item"] = njit(inline="always", **_JIT)(pytypes.FunctionType(_item.__code__, gi, "_item"))
 
 
 def _driver(variant: str):
@@ -274,9 +292,7 @@ def _driver(variant: str):
     the variant and simd.py's hash (numba's cache keys an entry by name, signature and CPU;
     `q8._driver` says why it cannot be a closure)."""
     g = dict(globals())
-    for t in TOKENS:
-        g[f"_rows{t}"] = _rows_intrinsic(variant, t, NR_OF[t])
-        g[f"_one{t}"] = _rows_intrinsic(variant, t, 1)
+    bind_rows(variant, g)
     f = pytypes.FunctionType(_drive.__code__, g, f"headq8_{variant}_{simd.STAMP}")
     f.__qualname__ = f.__name__
     return njit(parallel=True, **_JIT)(f)

@@ -12,9 +12,11 @@
   the mode from `kernels.get_numerics`. (V4.1's official grid is applied by its model before the
   linears: run V4.1's official numerics with this switch on "exact".)
 - fast: FP4 weights x int8 activations (`q8.py`), FP8 and BF16 weights x BF16 activations
-  (`bf16.py`), on the variant `cpu.variant` allows; a weight no fast kernel takes (float32, a
-  width the kernels do not support, a CPU target without AVX2, the numpy reference backend)
-  goes the exact way.
+  (`bf16.py`), on the variant `cpu.variant` allows; where the FP8 variant is "avx2" (no BF16
+  dot product) a fast engine's resident FP8 trunk is int8 instead ("i8" weights, `trunkq8.py`,
+  times int8 activations); a weight no fast kernel takes (float32, a width the kernels do not
+  support, a CPU target without AVX2, the numpy reference backend) goes the exact way. An "i8"
+  weight exists only under fast: the exact kernels refuse it (an unknown kind).
 
 `kernels.set_numerics` installs a `Router` as what `kernels.matvec` / `matmul` / `matmul_pair`
 / `matmul_grouped` call (the hook `kernels._numerics`); "exact" removes it, so the exact path
@@ -30,7 +32,7 @@ from collections.abc import Callable
 import numba
 import numpy as np
 
-from . import actquant, bf16, cpu, q8
+from . import actquant, bf16, cpu, headq8, q8, trunkq8
 from .jit import _apply_threads, _threads
 
 MODES = ("exact", "official", "fast")
@@ -74,8 +76,10 @@ def check_mode(mode: str) -> str:
 def fast_variant(w, exact) -> str | None:
     """The fast kernel variant weight w runs on in `fast` mode beside the exact backend `exact`
     (a module: `fast` or `reference`), or None (w goes the exact way)."""
-    if exact.__name__.endswith(".reference") or w.kind not in ("fp4", "fp8", "bf16"):
+    if exact.__name__.endswith(".reference") or w.kind not in ("fp4", "fp8", "bf16", trunkq8.KIND):
         return None
+    if w.kind == trunkq8.KIND:
+        return headq8.variant()
     v = cpu.variant(w.kind)
     if v is None:
         return None
@@ -86,6 +90,8 @@ def fast_variant(w, exact) -> str | None:
 
 def _prepare(w, x: np.ndarray, variant: str):
     """The activation form w's fast kernel takes (shared by the weights of a pair)."""
+    if w.kind == trunkq8.KIND:
+        return x
     if w.kind == "fp4":
         return q8.prepare(x, variant)
     if w.kind == "bf16":
@@ -100,12 +106,17 @@ def _fast(w, x: np.ndarray, variant: str, prepared=None) -> np.ndarray:
         return q8.multiply(w.data, w.scale, prepared)
     if w.kind == "bf16":
         return bf16.bf16_multiply(w.data, prepared, variant)
+    if w.kind == trunkq8.KIND:
+        return trunkq8.matmul(w, prepared)
     return bf16.fp8_matmul(w.data, w.scale, w.block, prepared, variant)
 
 
 def _fp8_twins(w1, w3) -> bool:
-    """Whether `bf16.fp8_matmul_pair` takes w1 and w3: FP8 of one shape, block and scale dtype."""
-    if w1.kind != "fp8" or w3.kind != "fp8" or (w1.rows, w1.cols, w1.block) != (w3.rows, w3.cols, w3.block):
+    """Whether `bf16.fp8_matmul_pair` (FP8) or `trunkq8.matmul_pair` (their int8 form) takes w1
+    and w3: one kind, shape, block and scale dtype."""
+    if w1.kind not in ("fp8", trunkq8.KIND) or w3.kind != w1.kind:
+        return False
+    if (w1.rows, w1.cols, w1.block) != (w3.rows, w3.cols, w3.block):
         return False
     return w1.scale.dtype == w3.scale.dtype and w3.data.flags.c_contiguous
 
@@ -115,7 +126,7 @@ def _fp8_whole(ws):
     that one weight, when each group's rows are whole scale blocks; else None."""
     from .fast import _joined  # the exact backend's test of the same layout
 
-    if ws[0].kind != "fp8" or ws[0].rows % ws[0].block[0]:
+    if ws[0].kind not in ("fp8", trunkq8.KIND) or ws[0].rows % ws[0].block[0]:
         return None
     whole = _joined(ws)
     return whole if whole is not None and whole.data.flags.c_contiguous else None
@@ -180,8 +191,10 @@ class Router:
         if v1 and v3:
             x2 = np.atleast_2d(x)
             if _fp8_twins(w1, w3) and v1 == v3:  # one parallel region for both (a shared expert)
+                if w1.kind == trunkq8.KIND:
+                    return self._go_fast(w1, x2.shape[0], lambda: trunkq8.matmul_pair(w1, w3, x2))
                 return self._go_fast(w1, x2.shape[0], lambda: bf16.fp8_matmul_pair(w1, w3, x2, v1))
-            shared = _prepare(w1, x2, v1) if w1.kind == w3.kind and w1.kind != "fp8" else None
+            shared = _prepare(w1, x2, v1) if w1.kind == w3.kind and w1.kind in ("fp4", "bf16") else None
             return self._go_fast(w1, x2.shape[0], lambda: (_fast(w1, x2, v1, shared), _fast(w3, x2, v3, shared)))
         if self.mode == "official" and w1.kind == w3.kind:
             x = _official_input(w1, x)
@@ -196,6 +209,8 @@ class Router:
         x = np.ascontiguousarray(x, dtype=np.float32)
         vs = [self._variant(w) for w in ws]
         whole = _fp8_whole(ws) if all(vs) and len(set(vs)) == 1 else None
+        if whole is not None and whole.kind == trunkq8.KIND:
+            return self._go_fast(whole, x.shape[0], lambda: trunkq8.matmul_grouped(whole, x))
         if whole is not None:  # the grouped wo_a: one parallel region, not one per group
             return self._go_fast(
                 whole, x.shape[0], lambda: bf16.fp8_matmul_grouped(whole.data, whole.scale, whole.block, x, vs[0])

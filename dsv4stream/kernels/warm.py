@@ -317,6 +317,12 @@ def _warm_fast(name: str, form: str) -> None:
     router.matmul(w, x)
     if kind == "fp8":  # the shared expert's pair has its own driver (`bf16.fp8_matmul_pair`)
         router.matmul_pair(w, w, x)
+        from . import trunkq8
+
+        if trunkq8.wanted():  # the int8 trunk's drivers (DSV4_INT8_TRUNK=1)
+            q = trunkq8.quantize(w)
+            router.matmul(q, x)
+            router.matmul_pair(q, q, x)
 
 
 def warmup(forms: Iterable[str] | None = None) -> float:

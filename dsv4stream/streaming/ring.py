@@ -142,6 +142,15 @@ class StreamedTrunk:
         """Give the head the pack's int8 copy (`kernels.head.Int8Head`), which fast numerics reads."""
         self._head = replace(self._head, q8=q8)
 
+    def use_int8_trunk(self) -> None:
+        """Turn the pinned layers' FP8 weights into their int8 form in place (`trunkq8`: a fast
+        engine on a CPU without a BF16 dot product); streamed layers stay FP8 (their slots are
+        refilled every pass: converting them would cost each pass a read of their bytes)."""
+        from ..kernels import trunkq8
+
+        for w in self._pinned:
+            trunkq8.convert_block(w)
+
     def tid2eid(self, i: int) -> np.ndarray:
         """(vocab, k) int64 expert table of hash layer i, without loading the layer."""
         return self._tid2eid[i]

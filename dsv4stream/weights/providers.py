@@ -131,6 +131,7 @@ class CatalogTrunk:
         self.cat = cat
         self._layers: dict[int, BlockWeights] = {}
         self._head: TopWeights | None = None
+        self._int8 = False  # `use_int8_trunk`: layers loaded from now on are converted too
         e = cat.entry(MODEL["embed"])
         self._embed_bf16 = e.dtype == "BF16"
 
@@ -143,7 +144,22 @@ class CatalogTrunk:
         w = self._layers.get(i)
         if w is None:
             w = self._layers[i] = load_block(self.cat, i)
+            if self._int8:
+                self._convert(w)
         return w
+
+    def use_int8_trunk(self) -> None:
+        """The FP8 weights of every layer, loaded or to be loaded, in their int8 form (`trunkq8`:
+        a fast engine on a CPU without a BF16 dot product)."""
+        self._int8 = True
+        for w in self._layers.values():
+            self._convert(w)
+
+    @staticmethod
+    def _convert(w: BlockWeights) -> None:
+        from ..kernels import trunkq8
+
+        trunkq8.convert_block(w)
 
     def tid2eid(self, i: int) -> np.ndarray:
         return self.layer(i).moe.tid2eid
