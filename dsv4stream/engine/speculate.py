@@ -99,7 +99,7 @@ class Policy(Protocol):
 
     def cut(self, confidence: Sequence[float], kmax: int) -> int: ...
 
-    def watch(self, kmax: int) -> int: ...
+    def watch(self, kmax: int, remaining: int | None = None) -> int: ...
 
     def watched(self, k: int, accepted: int, confidence: Sequence[float]) -> None: ...
 
@@ -235,7 +235,7 @@ def speculative_generate(
             drafts: list[int] = []
             conf: list[float] = []
             spent = 0.0  # the drafter's seconds this cycle
-            if k == 0 and watch is None and (w := policy.watch(max(0, kmax))) > 0:
+            if k == 0 and watch is None and (w := policy.watch(max(0, kmax), max_new_tokens - done - 1)) > 0:
                 # a watch: drafts compared with the next picks, never fed (their ids cannot change)
                 watch = _Watch(*drafter.propose(tok, w))
                 spent = time.perf_counter() - c0
