@@ -59,14 +59,18 @@ def parse(data: object) -> Remembered | None:
     of range (a hand-edited or foreign file must not steer the policy)."""
     if not isinstance(data, dict) or data.get("version") != VERSION:
         return None
-    share, acc, rej, conf, runs = (data.get(k) for k in ("draft_share", "accepted", "rejected", "confidence", "runs"))
-    if not (_finite(share, 0.0, 1e3) and _finite(acc, 0.0, 1e9) and _finite(rej, 0.0, 1e9)):
+    keys = ("draft_share", "accepted", "rejected", "confidence", "runs", "cold_share")
+    share, acc, rej, conf, runs, cold = (data.get(k) for k in keys)
+    if any(x is not None and not _finite(x, 0.0, 1e3) for x in (share, cold)):
+        return None
+    if not (_finite(acc, 0.0, 1e9) and _finite(rej, 0.0, 1e9)):
         return None
     if conf is not None and not _finite(conf, 0.0, 1.0):
         return None
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 1:
         return None
-    return Remembered(float(share), float(acc), float(rej), None if conf is None else float(conf), runs)
+    opt = lambda x: None if x is None else float(x)
+    return Remembered(opt(share), float(acc), float(rej), opt(conf), runs, opt(cold))
 
 
 class SpecMemory:

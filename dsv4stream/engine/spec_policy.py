@@ -137,13 +137,13 @@ class FixedDrafts:
     def cut(self, confidence: Sequence[float], kmax: int) -> int:
         return min(self.n, kmax)
 
-    def watch(self, kmax: int, remaining: int | None = None) -> int:
+    def watch(self, kmax: int, remaining: int | None = None, cold: bool = False) -> int:
         return 0
 
     def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
         pass
 
-    def drafted(self, seconds: float) -> None:
+    def drafted(self, seconds: float, cold: bool = False) -> None:
         pass
 
     def verified(self, k: int, accepted: int, confidence: Sequence[float]) -> None:
@@ -178,15 +178,18 @@ class _Mean:
 @dataclass(frozen=True)
 class Remembered:
     """What earlier runs of `auto` measured with this drafter, checkpoint and machine
-    (`engine.spec_memory` keeps it between runs): a drafter run's seconds per one-token pass, the
-    decaying counts of accepted drafts and first rejections, the mean confidence (sigmoid) of
-    the drafts counted (None: none had one), and how many runs it sums up."""
+    (`engine.spec_memory` keeps it between runs): a warm drafter run's seconds per one-token
+    pass, the counts of accepted drafts and first rejections, the mean confidence (sigmoid) of
+    the drafts counted (None: none had one), how many runs it sums up, and a process's first
+    drafter run's seconds per one-token pass (it warms kernels, caches and expert reads: the run
+    a `dsv4 run` of one reply watches with, so the cost its first watch is charged)."""
 
-    draft_share: float
+    draft_share: float | None  # None: no warm drafter run was timed (only a process's first)
     accepted: float
     rejected: float
     confidence: float | None = None
     runs: int = 1
+    cold_share: float | None = None  # a process's first drafter run per one-token pass (None: not timed)
 
 
 @dataclass
@@ -196,7 +199,8 @@ class AutoDrafts:
     block: int  # the drafter's most drafts per cycle
     remembered: Remembered | None = None  # what earlier runs measured: a prior, see `_recall`
     passes: dict[int, _Mean] = field(default_factory=dict)  # n tokens -> seconds
-    draft_seconds: _Mean = field(default_factory=_Mean)
+    draft_seconds: _Mean = field(default_factory=_Mean)  # warm drafter runs (not a process's first)
+    cold_seconds: float = 0.0  # the process's first drafter run, where this policy timed it
     step_bytes: _Mean = field(default_factory=_Mean)  # expert bytes a one-token pass reads
     read_rate: _Mean = field(default_factory=_Mean)  # bytes per second of read time
     # decaying counts (none before the first watch: alpha 0, and its range 0 .. 1)
@@ -246,9 +250,15 @@ class AutoDrafts:
         if read_bytes and read_seconds > 0:
             self.read_rate.add(read_bytes / read_seconds)
 
-    def drafted(self, seconds: float) -> None:
+    def drafted(self, seconds: float, cold: bool = False) -> None:
+        """A drafter run's seconds; `cold`: the process's first (its kernels, caches and expert
+        reads warming: 1.7x a later run in a script on demo-v41, 6x in a `dsv4 run` on a loaded
+        machine), charged like any but not taken as what a run costs."""
         self.elapsed += seconds
-        self.draft_seconds.add(seconds)
+        if cold:
+            self.cold_seconds = max(self.cold_seconds, seconds)
+        else:
+            self.draft_seconds.add(seconds)
 
     def settled(self, seconds: float, tokens: int) -> None:
         if self._t1_known:
@@ -312,14 +322,19 @@ class AutoDrafts:
             share = self.draft_seconds.value / max(self.t(1), 1e-12)
         elif r is not None:
             share = r.draft_share
+        elif self.counted or self.cold_seconds:
+            share = None  # only a cold run timed: the next run times its own
         else:
             return None
+        cold = r.cold_share if r is not None else None
+        if self.cold_seconds and self._t1_known:
+            cold = self.cold_seconds / max(self.t(1), 1e-12)
         acc, rej, conf = (r.accepted, r.rejected, r.confidence) if r is not None else (0.0, 0.0, None)
         if self.counted:
             keep = RUN_KEEP if r is not None else 0.0
             acc, rej = keep * acc + self.own_accepted, keep * rej + self.own_rejected
             conf = self.conf_mean.value if self.conf_mean.known else conf
-        return Remembered(share, acc, rej, conf, (r.runs if r is not None else 0) + 1)
+        return Remembered(share, acc, rej, conf, (r.runs if r is not None else 0) + 1, cold)
 
     # ---- decisions ----------------------------------------------------------------------------
     @property
@@ -350,26 +365,41 @@ class AutoDrafts:
         ledger, elapsed, grace = self.opened_at
         return ledger + SHARE * (self.elapsed - elapsed) + grace * self.t(1)
 
-    def _run_cost(self) -> float | None:
-        """A drafter run's seconds: measured, else what earlier runs measured per one-token pass
-        times this run's t(1), else None (unknown)."""
+    def _run_cost(self, cold: bool = False) -> float | None:
+        """What the next drafter run will cost, as a watch is charged it. Warm: measured, else
+        what earlier runs measured per one-token pass times this run's t(1), else the process's
+        first run's (an upper bound), else None (unknown: the run that times it is not charged
+        ahead). `cold`, the process's first run: what this policy or earlier runs measured of
+        such a run, else the warm figure (a lower bound)."""
+        r = self.remembered
+        if cold:
+            if self.cold_seconds:
+                return self.cold_seconds
+            if r is not None and r.cold_share is not None and self._t1_known:
+                return r.cold_share * self.t(1)
         if self.draft_seconds.known:
             return self.draft_seconds.value
-        if self.remembered is not None and self._t1_known:
-            return self.remembered.draft_share * self.t(1)
-        return None
+        if r is not None and r.draft_share is not None and self._t1_known:
+            return r.draft_share * self.t(1)
+        return self.cold_seconds or None
 
-    def _affords(self, limit: float) -> bool:
-        """Whether a watch keeps the ledger within `limit` once charged what a drafter run costs
-        (measured or remembered; with neither, the first run is the one that measures it)."""
-        cost = self._run_cost()
+    def _affords(self, limit: float, cold: bool = False) -> bool:
+        """Whether a watch keeps the ledger within `limit` once charged what its drafter run
+        costs (`_run_cost`)."""
+        cost = self._run_cost(cold)
         return self.ledger + (cost or 0.0) <= limit
 
     def _draft_cost(self) -> float:
-        """A verifying cycle's seconds beside its pass: the drafter run, and the cycle's own work
-        beyond a plain cycle's (measured once it has verified, else a prior)."""
-        cost = self._run_cost()
-        draft = cost if cost is not None else DRAFT_PRIOR * self.t(1)
+        """A verifying cycle's seconds beside its pass: the drafter run (warm: measured, else
+        remembered, else a prior; a process's first run is no measure of it), and the cycle's own
+        work beyond a plain cycle's (measured once it has verified, else a prior)."""
+        r = self.remembered
+        if self.draft_seconds.known:
+            draft = self.draft_seconds.value
+        elif r is not None and r.draft_share is not None:
+            draft = r.draft_share * self.t(1)
+        else:
+            draft = DRAFT_PRIOR * self.t(1)
         if self.verify_other.known and self.plain_other.known:
             return draft + max(0.0, self.verify_other.value - self.plain_other.value)
         return draft + EXTRA_PRIOR * self.t(1)
@@ -489,7 +519,7 @@ class AutoDrafts:
             self.idle += 1
         return 0
 
-    def watch(self, kmax: int, remaining: int | None = None) -> int:
+    def watch(self, kmax: int, remaining: int | None = None, cold: bool = False) -> int:
         """Drafts to watch this cycle (most gave 0): the current episode's next watch, or the first
         of a new episode once it is due, affordable, could pay, and `remaining` (tokens the reply
         may still pick after this cycle's; None: unknown) leaves `HORIZON` drafter runs' worth of
@@ -498,9 +528,9 @@ class AutoDrafts:
             return 0
         if self.watching:
             return min(self.watching, kmax)
-        if self.idle < self.wait or not (self.free or self._affords(SHARE * self.elapsed)):
+        if self.idle < self.wait or not (self.free or self._affords(SHARE * self.elapsed, cold)):
             return 0
-        cost = self._run_cost()
+        cost = self._run_cost(cold)
         if remaining is not None and cost is not None and remaining * self.t(1) < HORIZON * cost:
             return 0
         if not self._could_pay(CEILING, MIN_GAIN):  # not even a drafter right almost always
