@@ -33,7 +33,12 @@ lies inside the off/off range, "SLOWER than off beyond the noise" below it, "fas
 beyond the noise" above it (`--repeat R`: R rounds; more rounds, a narrower median and a wider,
 truer noise range). A last line gives `auto`'s verdicts: issue 41's rule (never slower than
 off beyond noise, in RAM and streaming; faster in RAM where acceptance is high).
-Every `auto` row runs a fresh policy (as a run's first reply; `dsv4 run` keeps one per run).
+Two kinds of `auto` row. `auto`: a fresh policy that starts from what the earlier runs of the
+same drafter at the same budget measured (`engine.spec_memory`, as a `dsv4 run` after an earlier
+one on the machine: an untimed warm-up run of each drafter first, then each timed `auto` row's
+figures for the next; kept in this process, never in the user's state folder). `auto-first`: a
+fresh policy with no memory (a run's first reply the first time a checkpoint runs on a machine:
+it pays to learn the drafter's cost and acceptance). `dsv4 run` keeps one policy per run.
 Also per row: acceptance, mean accepted length (tokens per verification pass), drafted and
 verified tokens, expert MB read per token, the draft lengths ({k: cycles}), its watches
 (drafter runs whose drafts were only compared with the picks: `watches=N(right/drafted_right)`)
@@ -76,9 +81,9 @@ class Recorded:
         self.passes[n].append(seconds)
         self.policy.passed(n, seconds, read_bytes, read_seconds)
 
-    def drafted(self, seconds: float) -> None:
+    def drafted(self, seconds: float, cold: bool = False) -> None:
         self.drafts.append(seconds)
-        self.policy.drafted(seconds)
+        self.policy.drafted(seconds, cold)
 
     def __getattr__(self, name: str):
         return getattr(self.policy, name)
@@ -134,8 +139,9 @@ def stand_in(name: str) -> float:
     return (100 - int(name.removeprefix("STAND-IN-p"))) / 100
 
 
-def drafted_run(rt, cfg, prompt: list[int], off_ids: list[int], drafter: str, setting: str, gen: int):
-    """(session, generator, recorded policy) of one drafting row, a fresh policy each."""
+def drafted_run(rt, cfg, prompt: list[int], off_ids: list[int], drafter: str, setting: str, gen: int, memory=None):
+    """(session, generator, recorded policy) of one drafting row, a fresh policy each (`auto`:
+    starting from `memory`, what earlier runs measured; `auto-first`: from nothing)."""
     from dsv4stream.engine.spec_policy import AutoDrafts, FixedDrafts
     from dsv4stream.engine.speculate import speculative_generate
     from dsv4stream.engine.speculate_v41 import ScriptedDrafter
@@ -143,7 +149,10 @@ def drafted_run(rt, cfg, prompt: list[int], off_ids: list[int], drafter: str, se
 
     block = cfg.dspark.block_size
     s = rt.session()
-    policy = Recorded(AutoDrafts(block) if setting == "auto" else FixedDrafts(int(setting)))
+    if setting.startswith("auto"):
+        policy = Recorded(AutoDrafts(block, memory if setting == "auto" else None))
+    else:
+        policy = Recorded(FixedDrafts(int(setting)))
     if drafter == "dspark":
         d = rt.speculator.drafter(s)
     else:
@@ -164,7 +173,11 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1, help="kernel threads (1: steady on a shared machine)")
     ap.add_argument("--budgets", default="ram,stream")
-    ap.add_argument("--settings", default="off,1,2,3,4,auto", help="off is the baseline every row is paired with")
+    ap.add_argument(
+        "--settings",
+        default="off,1,2,3,4,auto,auto-first",
+        help="off is the baseline every row is paired with; auto remembers earlier runs, auto-first does not",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="rounds of paired (off, row) runs; the summary's median")
     ap.add_argument("--no-stand-in", action="store_true", help="skip the stand-in drafter's rows")
     ap.add_argument(
@@ -218,8 +231,15 @@ def main() -> None:
             for rt in (ra, rb):
                 if list(off_gen(rt)) != off_ids:
                     differ.append(f"{where}/off")
-                for d, st in (("dspark", "3"), ("dspark", "auto")):
+                for d, st in (("dspark", "3"), ("dspark", "auto-first")):
                     list(drafted_run(rt, cfg, prompt, off_ids, d, st, min(a.gen, 32))[1])
+            # what an earlier run of each drafter measured at this budget (`auto` rows start from it)
+            memory: dict[str, object] = {}
+            if "auto" in settings:
+                for d in dict.fromkeys(d for d, _ in rows):
+                    _, g, rec = drafted_run(ra, cfg, prompt, off_ids, d, "auto-first", a.gen)
+                    list(g)
+                    memory[d] = rec.policy.remember()
             noise: list[tuple[float, float]] = []  # off/off pairs: (wall ratio, cpu ratio)
             per_row: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
             half = (len(rows) + 1) // 2
@@ -232,7 +252,7 @@ def main() -> None:
                         s = rec = None
                         g = off_gen(y_rt)
                     else:
-                        s, g, rec = drafted_run(y_rt, cfg, prompt, off_ids, *row, a.gen)
+                        s, g, rec = drafted_run(y_rt, cfg, prompt, off_ids, *row, a.gen, memory.get(row[0]))
                     o = off_gen(x_rt)
                     turn += 1
                     (off_t, got), first = (paired(o, g), "off") if turn % 2 else (paired(g, o)[::-1], "row")
@@ -245,6 +265,8 @@ def main() -> None:
                         noise.append((x, x_cpu))
                         continue
                     per_row[row].append((x, x_cpu))
+                    if row[1] == "auto":  # the next auto row of this drafter starts from this one's figures
+                        memory[row[0]] = rec.policy.remember() or memory.get(row[0])
                     print_row(label, row, got, off_t, s.turn.speculation, rec, first, got[0] == off_ids)
             summary.append(
                 f"{label} off/off: x_off {_spread([x for x, _ in noise])} x_off_cpu {_spread([c for _, c in noise])}"
@@ -257,8 +279,8 @@ def main() -> None:
                     f"{label} drafter={d} speculate={st}: x_off {_spread(wall)} x_off_cpu {_spread(cpu)}"
                     f" -> {v} (cpu: {verdict(cpu, [c for _, c in noise])})"
                 )
-                if st == "auto":
-                    verdicts.append(f"{where}/{d.removeprefix('STAND-IN-')}: {v.split(' (')[0]}")
+                if st.startswith("auto"):
+                    verdicts.append(f"{where}/{d.removeprefix('STAND-IN-')}/{st}: {v.split(' (')[0]}")
     print(
         "# summary: median [lowest, highest] over rounds; x_off = off's decode seconds / the row's, paired", flush=True
     )
@@ -292,7 +314,7 @@ def print_row(label: str, row: tuple[str, str], got, off_t, spec, rec: Recorded,
         f" first={first} {'same-ids' if same else 'IDS-DIFFER'}{extra}",
         flush=True,
     )
-    if st == "auto" and spec.drafted:
+    if st.startswith("auto") and spec.drafted:
         print(cycles_line(rec, spec, off_t[1] / n, got[1], n), flush=True)
 
 

@@ -183,3 +183,13 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     with AtomicFile(path, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
     return f.path
+
+
+def state_dir() -> Path:
+    """Where dsv4 keeps what it learns between runs (e.g. `--speculate auto`'s measured costs):
+    DSV4_STATE_DIR, else $XDG_CACHE_HOME/dsv4stream, else ~/.cache/dsv4stream. Not the kernels'
+    cache (`kernels.jit.cache_dir`), which lives with the package where it can."""
+    root = os.environ.get("DSV4_STATE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv4stream"

@@ -13,6 +13,9 @@ the generated checkpoints several files share: `family` runs a test once per mod
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +25,13 @@ from dsv4stream import kernels
 from dsv4stream.run.compile import compile_kernels_apart
 
 SLOW_LIST = Path(__file__).with_name("slow.txt")
+
+# What runs keep between them (`files.state_dir`: `--speculate auto`'s memory) goes to a folder of
+# this process's, never the user's cache, and is off unless a test turns it on: a test's policy
+# decisions (watches, pass counts) must not depend on which tests ran before it in this worker.
+# Set at import, before any test or child process (children inherit it).
+_STATE_DIR = os.environ["DSV4_STATE_DIR"] = tempfile.mkdtemp(prefix="dsv4-test-state-")
+os.environ["DSV4_SPECULATE_MEMORY"] = "off"
 
 
 def slow_ids() -> set[str]:
@@ -162,3 +172,7 @@ def family(request) -> Family:
     if request.param == "v4":
         return Family("v4", request.getfixturevalue("tiny_v4"), rtol=1e-5)
     return Family("v41", request.getfixturevalue("tiny_v41_long"), rtol=1e-4)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_STATE_DIR, ignore_errors=True)  # this process's (a test may point the variable elsewhere)

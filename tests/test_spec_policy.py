@@ -58,7 +58,7 @@ def simulate(
         kmax = min(BLOCK, n - done - 1)
         k = policy.most(kmax)
         spent = 0.0
-        if k == 0 and watch is None and (w := policy.watch(kmax)) > 0:
+        if k == 0 and watch is None and (w := policy.watch(kmax, n - done - 1)) > 0:
             watch, right = [rng.random() < p for _ in range(w)], 0
             spent = draft * shake()
         elif k > 0:
@@ -269,3 +269,16 @@ def test_concave_pass_costs_still_draft_where_acceptance_is_high() -> None:
     """The same costs at 90 %: it drafts and gains (the fitted jump does not stop it)."""
     speeds = [simulate(AutoDrafts(BLOCK), 128, 0.9, seed=s, **CONCAVE)[0] for s in range(32)]
     assert sum(speeds) / len(speeds) >= 1.4, speeds
+
+
+def test_no_new_watch_where_the_reply_ends_too_soon_to_use_it() -> None:
+    """A watch episode only starts while the reply may still pick HORIZON drafter runs' worth of
+    steps: near its end what a watch learns cannot pay for the run (a drafter run of 0.75 step:
+    24 steps). Before, a watch that the ledger afforded ran at any point of a reply."""
+    policy = AutoDrafts(BLOCK)
+    for _ in range(400):  # a long time measured: the ledger affords a watch
+        policy.passed(1, 1.0, 0, 0.0)
+        policy.most(BLOCK)
+    policy.drafted(0.75)  # the drafter's cost is known
+    assert policy.watch(BLOCK, remaining=20) == 0
+    assert policy.watch(BLOCK, remaining=30) == 1

@@ -70,7 +70,13 @@ It never makes a prompt slower than `off` beyond noise:
   is a prior until then, and at a streaming budget a longer pass reads the union of its
   tokens' experts (on demo-v41, 0.63 GB: a 6-token pass 161-198 ms against 72-76 for one).
 - No episode starts where drafting would not pay even at an acceptance of `CEILING` with the
-  costs measured (a budget where a verification's union of experts reads too much).
+  costs measured (a budget where a verification's union of experts reads too much), nor where
+  the reply has fewer than `HORIZON` drafter runs' worth of steps left (its lesson could not pay).
+- What earlier runs measured (`remembered`: `engine.spec_memory` keeps it between runs) is a
+  prior: the drafter run's cost per step charges the first watch ahead like any other, and the
+  acceptance (at most `REMEMBERED_DRAFTS` drafts' worth) decides how the run starts (`_recall`):
+  a drafter remembered to pay is checked by one watched draft and then drafts; one remembered
+  never to pay is not watched before the ledger affords it (a short reply runs as `off`).
 """
 
 from __future__ import annotations
@@ -101,6 +107,17 @@ DRAFT_PRIOR = (
 REMEASURE = 24  # passes while drafting before a plain step times t(1) again
 FIRST_MOST = 2  # the longest draft verified while no multi-token pass was timed (its cost a prior)
 EXTRA_PRIOR = 0.05  # prior: a verifying cycle's own work outside its pass (snapshot, restore, picks), per t(1)
+# a new watch episode starts only while the reply has this many drafter runs' worth of one-token
+# steps left (a drafter run of 0.6 step: 19 steps; 0.1 step, as a deep model's: 3)
+HORIZON = 32.0
+# what earlier runs measured (`Remembered`) weighs at most this many drafts in the acceptance: a
+# prior that a few drafts of this run overturn (another prompt may suit the drafter less or more)
+REMEMBERED_DRAFTS = 8.0
+RUN_KEEP = 0.8  # what the memory keeps of earlier runs' counts each run that counted drafts (`remember`)
+# every this many runs one remembered not to pay still gets its first watch free (`_recall`): a
+# good drafter that an unlucky reply made look useless (2 first drafts wrong: 1 % at 90 % right) is
+# not shut out of short replies for good
+REVISIT = 8
 
 
 class FixedDrafts:
@@ -120,13 +137,13 @@ class FixedDrafts:
     def cut(self, confidence: Sequence[float], kmax: int) -> int:
         return min(self.n, kmax)
 
-    def watch(self, kmax: int) -> int:
+    def watch(self, kmax: int, remaining: int | None = None, cold: bool = False) -> int:
         return 0
 
     def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
         pass
 
-    def drafted(self, seconds: float) -> None:
+    def drafted(self, seconds: float, cold: bool = False) -> None:
         pass
 
     def verified(self, k: int, accepted: int, confidence: Sequence[float]) -> None:
@@ -158,13 +175,32 @@ class _Mean:
         return self.weight > 0
 
 
+@dataclass(frozen=True)
+class Remembered:
+    """What earlier runs of `auto` measured with this drafter, checkpoint and machine
+    (`engine.spec_memory` keeps it between runs): a warm drafter run's seconds per one-token
+    pass, the counts of accepted drafts and first rejections, the mean confidence (sigmoid) of
+    the drafts counted (None: none had one), how many runs it sums up, and a process's first
+    drafter run's seconds per one-token pass (it warms kernels, caches and expert reads: the run
+    a `dsv4 run` of one reply watches with, so the cost its first watch is charged)."""
+
+    draft_share: float | None  # None: no warm drafter run was timed (only a process's first)
+    accepted: float
+    rejected: float
+    confidence: float | None = None
+    runs: int = 1
+    cold_share: float | None = None  # a process's first drafter run per one-token pass (None: not timed)
+
+
 @dataclass
 class AutoDrafts:
     """`--speculate auto` (see the module docstring)."""
 
     block: int  # the drafter's most drafts per cycle
+    remembered: Remembered | None = None  # what earlier runs measured: a prior, see `_recall`
     passes: dict[int, _Mean] = field(default_factory=dict)  # n tokens -> seconds
-    draft_seconds: _Mean = field(default_factory=_Mean)
+    draft_seconds: _Mean = field(default_factory=_Mean)  # warm drafter runs (not a process's first)
+    cold_seconds: float = 0.0  # the process's first drafter run, where this policy timed it
     step_bytes: _Mean = field(default_factory=_Mean)  # expert bytes a one-token pass reads
     read_rate: _Mean = field(default_factory=_Mean)  # bytes per second of read time
     # decaying counts (none before the first watch: alpha 0, and its range 0 .. 1)
@@ -184,6 +220,24 @@ class AutoDrafts:
     since_t1: int = 0  # passes since the last one-token pass
     plain_other: _Mean = field(default_factory=_Mean)  # a plain cycle's seconds outside its pass
     verify_other: _Mean = field(default_factory=_Mean)  # a verifying cycle's outside its pass and drafter run
+    counted: bool = False  # drafts of this run were counted (verified or watched)
+    # this run's own counts, not decayed: the decaying ones end where an episode stopped, after
+    # a run of rejections, and would carry that low to the next run
+    own_accepted: float = 0.0
+    own_rejected: float = 0.0
+    recalled: bool = False  # the remembered acceptance was weighed once t(1) was known (`_recall`)
+    checking: bool = False  # the watch that checks the remembered acceptance is under way
+    free: bool = False  # the next episode's first watch is not charged ahead (`_recall`)
+
+    def __post_init__(self) -> None:
+        r = self.remembered
+        if r is None:
+            return
+        n = r.accepted + r.rejected
+        scale = min(1.0, REMEMBERED_DRAFTS / n) if n > 0 else 0.0
+        self.accepted, self.rejected = r.accepted * scale, r.rejected * scale
+        if r.confidence is not None:
+            self.conf_mean.add(r.confidence)
 
     # ---- what it measured -------------------------------------------------------------------
     def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
@@ -196,9 +250,15 @@ class AutoDrafts:
         if read_bytes and read_seconds > 0:
             self.read_rate.add(read_bytes / read_seconds)
 
-    def drafted(self, seconds: float) -> None:
+    def drafted(self, seconds: float, cold: bool = False) -> None:
+        """A drafter run's seconds; `cold`: the process's first (its kernels, caches and expert
+        reads warming: 1.7x a later run in a script on demo-v41, 6x in a `dsv4 run` on a loaded
+        machine), charged like any but not taken as what a run costs."""
         self.elapsed += seconds
-        self.draft_seconds.add(seconds)
+        if cold:
+            self.cold_seconds = max(self.cold_seconds, seconds)
+        else:
+            self.draft_seconds.add(seconds)
 
     def settled(self, seconds: float, tokens: int) -> None:
         if self._t1_known:
@@ -218,6 +278,10 @@ class AutoDrafts:
 
     def watched(self, k: int, accepted: int, confidence: Sequence[float]) -> None:
         self._count(k, accepted, confidence)
+        if self.checking:
+            self.checking = False
+            if accepted == 0:  # the memory does not hold for this prompt: this run's count alone
+                self.accepted, self.rejected = 0.0, 1.0
         if not self.watching:  # (an episode closed meanwhile)
             return
         self.watches += 1
@@ -234,6 +298,9 @@ class AutoDrafts:
             self.watching = min(self.block, 2 * k)  # every draft right: watch more next cycle
 
     def _count(self, k: int, accepted: int, confidence: Sequence[float]) -> None:
+        self.counted = True
+        self.own_accepted += accepted
+        self.own_rejected += 1 if accepted < k else 0
         self.accepted = self.accepted * COUNT_DECAY**k + accepted
         self.rejected = self.rejected * COUNT_DECAY**k + (1 if accepted < k else 0)
         for c in confidence[:k]:
@@ -244,6 +311,30 @@ class AutoDrafts:
         itself (the ledger went down), twice the last wait otherwise."""
         self.watching, self.drafting, self.idle, self.watches = 0, False, 0, 0
         self.wait = PROBE_FIRST if paid else min(PROBE_MOST, 2 * self.wait)
+
+    def remember(self) -> Remembered | None:
+        """What this run measured, for the next (`engine.spec_memory`), on top of what it was
+        given: the drafter's cost per one-token pass (measured, else the remembered one) and the
+        acceptance counts: RUN_KEEP of the remembered ones plus this run's own where it counted
+        drafts, else the remembered ones unchanged. None where neither is known."""
+        r = self.remembered
+        if self.draft_seconds.known and self._t1_known:
+            share = self.draft_seconds.value / max(self.t(1), 1e-12)
+        elif r is not None:
+            share = r.draft_share
+        elif self.counted or self.cold_seconds:
+            share = None  # only a cold run timed: the next run times its own
+        else:
+            return None
+        cold = r.cold_share if r is not None else None
+        if self.cold_seconds and self._t1_known:
+            cold = self.cold_seconds / max(self.t(1), 1e-12)
+        acc, rej, conf = (r.accepted, r.rejected, r.confidence) if r is not None else (0.0, 0.0, None)
+        if self.counted:
+            keep = RUN_KEEP if r is not None else 0.0
+            acc, rej = keep * acc + self.own_accepted, keep * rej + self.own_rejected
+            conf = self.conf_mean.value if self.conf_mean.known else conf
+        return Remembered(share, acc, rej, conf, (r.runs if r is not None else 0) + 1, cold)
 
     # ---- decisions ----------------------------------------------------------------------------
     @property
@@ -274,15 +365,41 @@ class AutoDrafts:
         ledger, elapsed, grace = self.opened_at
         return ledger + SHARE * (self.elapsed - elapsed) + grace * self.t(1)
 
-    def _affords(self, limit: float) -> bool:
-        """Whether a watch keeps the ledger within `limit` once charged what a drafter run costs
-        (measured: the first run, before which its cost is unknown, is the one that measures it)."""
-        return self.ledger + (self.draft_seconds.value if self.draft_seconds.known else 0.0) <= limit
+    def _run_cost(self, cold: bool = False) -> float | None:
+        """What the next drafter run will cost, as a watch is charged it. Warm: measured, else
+        what earlier runs measured per one-token pass times this run's t(1), else the process's
+        first run's (an upper bound), else None (unknown: the run that times it is not charged
+        ahead). `cold`, the process's first run: what this policy or earlier runs measured of
+        such a run, else the warm figure (a lower bound)."""
+        r = self.remembered
+        if cold:
+            if self.cold_seconds:
+                return self.cold_seconds
+            if r is not None and r.cold_share is not None and self._t1_known:
+                return r.cold_share * self.t(1)
+        if self.draft_seconds.known:
+            return self.draft_seconds.value
+        if r is not None and r.draft_share is not None and self._t1_known:
+            return r.draft_share * self.t(1)
+        return self.cold_seconds or None
+
+    def _affords(self, limit: float, cold: bool = False) -> bool:
+        """Whether a watch keeps the ledger within `limit` once charged what its drafter run
+        costs (`_run_cost`)."""
+        cost = self._run_cost(cold)
+        return self.ledger + (cost or 0.0) <= limit
 
     def _draft_cost(self) -> float:
-        """A verifying cycle's seconds beside its pass: the drafter run, and the cycle's own work
-        beyond a plain cycle's (measured once it has verified, else a prior)."""
-        draft = self.draft_seconds.value if self.draft_seconds.known else DRAFT_PRIOR * self.t(1)
+        """A verifying cycle's seconds beside its pass: the drafter run (warm: measured, else
+        remembered, else a prior; a process's first run is no measure of it), and the cycle's own
+        work beyond a plain cycle's (measured once it has verified, else a prior)."""
+        r = self.remembered
+        if self.draft_seconds.known:
+            draft = self.draft_seconds.value
+        elif r is not None and r.draft_share is not None:
+            draft = r.draft_share * self.t(1)
+        else:
+            draft = DRAFT_PRIOR * self.t(1)
         if self.verify_other.known and self.plain_other.known:
             return draft + max(0.0, self.verify_other.value - self.plain_other.value)
         return draft + EXTRA_PRIOR * self.t(1)
@@ -360,9 +477,32 @@ class AutoDrafts:
         """Drafting a block at acceptance alpha beats plain steps by more than `gain`."""
         return self._best(self.block, [alpha] * self.block)[1] * self.t(1) > 1.0 + gain
 
+    def _recall(self) -> None:
+        """Once t(1) is known, weigh the remembered acceptance (its counts over earlier runs, each
+        side's range `SPREAD` wide). Where drafting would pay even at its low end: an episode
+        opens with a watch of one draft (one drafter run checks the memory against this prompt,
+        compared at the next pick; drafting follows from the cycle after where it holds). Where only its high end
+        could pay, or every `REVISIT`-th run: the first episode's first watch is not charged
+        ahead, as a first run's is not. Otherwise watches wait until the ledger affords their
+        remembered cost, as later episodes' do: a drafter that accepted nothing in earlier runs
+        costs a short reply nothing."""
+        self.recalled = True
+        r = self.remembered
+        if r is None or self.watching or self.drafting:
+            return
+        n = r.accepted + r.rejected + SPREAD
+        low, high = r.accepted / n, (r.accepted + SPREAD) / n
+        if r.accepted > 0 and self._could_pay(low, 0.0):
+            self.watching, self.watches, self.opened_at = 1, 0, (self.ledger, self.elapsed, GRACE)
+            self.checking = True
+        elif self._could_pay(high, MIN_GAIN) or r.runs % REVISIT == 0:
+            self.free = True
+
     def most(self, kmax: int) -> int:
         if kmax <= 0 or not self._t1_known:
             return 0
+        if not self.recalled:
+            self._recall()
         if self.drafting:
             if self.since_t1 >= REMEASURE:  # t(1) not timed for a while: one plain step times it
                 return 0
@@ -379,19 +519,24 @@ class AutoDrafts:
             self.idle += 1
         return 0
 
-    def watch(self, kmax: int) -> int:
+    def watch(self, kmax: int, remaining: int | None = None, cold: bool = False) -> int:
         """Drafts to watch this cycle (most gave 0): the current episode's next watch, or the first
-        of a new episode once it is due, affordable and could pay."""
+        of a new episode once it is due, affordable, could pay, and `remaining` (tokens the reply
+        may still pick after this cycle's; None: unknown) leaves `HORIZON` drafter runs' worth of
+        steps to use what it learns (a watch near a reply's end can no longer pay for itself)."""
         if kmax <= 0 or not self._t1_known or self.drafting:  # (drafting: a plain step timing t(1))
             return 0
         if self.watching:
             return min(self.watching, kmax)
-        if self.idle < self.wait or not self._affords(SHARE * self.elapsed):
+        if self.idle < self.wait or not (self.free or self._affords(SHARE * self.elapsed, cold)):
+            return 0
+        cost = self._run_cost(cold)
+        if remaining is not None and cost is not None and remaining * self.t(1) < HORIZON * cost:
             return 0
         if not self._could_pay(CEILING, MIN_GAIN):  # not even a drafter right almost always
             self.idle = 0
             return 0
-        self.watching, self.opened_at = 1, (self.ledger, self.elapsed, GRACE)
+        self.watching, self.opened_at, self.free = 1, (self.ledger, self.elapsed, GRACE), False
         return 1
 
     def _explore(self, k: int, kmax: int) -> int:

@@ -36,6 +36,7 @@ class SpecCounts:
     watches: int = 0
     watch_drafted: int = 0
     watch_accepted: int = 0  # right before the first wrong one
+    remembered_runs: int = 0  # auto: the earlier runs whose figures it started from (0: learned afresh)
 
     @property
     def acceptance(self) -> float:
@@ -72,6 +73,7 @@ class SpecCounts:
             ):  # fmt: skip
                 setattr(out, name, getattr(out, name) + getattr(p, name))
             out.lengths.update(p.lengths)
+            out.remembered_runs = max(out.remembered_runs, p.remembered_runs)
         return out
 
     def as_dict(self) -> dict:
@@ -96,6 +98,7 @@ class SpecCounts:
             "watches": self.watches,
             "watch_drafted_tokens": self.watch_drafted,
             "watch_accepted_tokens": self.watch_accepted,
+            "remembered_runs": self.remembered_runs,
         }
 
     def lines(self) -> list[str]:
@@ -108,6 +111,8 @@ class SpecCounts:
             if self.watches
             else ""
         )
+        if self.remembered_runs:
+            watches += f"; started from what {self.remembered_runs} earlier run(s) measured"
         return [
             (
                 f"speculate {self.setting}: acceptance {self.acceptance:.0%} ({self.accepted} of {self.drafted} drafts),"

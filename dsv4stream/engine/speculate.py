@@ -99,7 +99,7 @@ class Policy(Protocol):
 
     def cut(self, confidence: Sequence[float], kmax: int) -> int: ...
 
-    def watch(self, kmax: int) -> int: ...
+    def watch(self, kmax: int, remaining: int | None = None, cold: bool = False) -> int: ...
 
     def watched(self, k: int, accepted: int, confidence: Sequence[float]) -> None: ...
 
@@ -109,7 +109,7 @@ class Policy(Protocol):
 
     def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None: ...
 
-    def drafted(self, seconds: float) -> None: ...
+    def drafted(self, seconds: float, cold: bool = False) -> None: ...
 
     def verified(self, k: int, accepted: int, confidence: Sequence[float]) -> None: ...
 
@@ -176,6 +176,8 @@ def speculative_generate(
     t0 = time.perf_counter()
     turn = session.turn = Turn()
     spec = turn.speculation = SpecCounts(setting=str(setting))
+    remembered = getattr(policy, "remembered", None)  # auto's figures from earlier runs (`spec_memory`)
+    spec.remembered_runs = remembered.runs if remembered is not None else 0
     engine.phases.turns.append(turn)
     meter = engine.meter
     clock = StepClock(_Readings(meter))  # a pass's reads from the readings its clock takes (no more meter calls)
@@ -235,7 +237,8 @@ def speculative_generate(
             drafts: list[int] = []
             conf: list[float] = []
             spent = 0.0  # the drafter's seconds this cycle
-            if k == 0 and watch is None and (w := policy.watch(max(0, kmax))) > 0:
+            cold = bool(getattr(drafter, "cold", False))  # the process's first drafter run (warming up)
+            if k == 0 and watch is None and (w := policy.watch(max(0, kmax), max_new_tokens - done - 1, cold)) > 0:
                 # a watch: drafts compared with the next picks, never fed (their ids cannot change)
                 watch = _Watch(*drafter.propose(tok, w))
                 spent = time.perf_counter() - c0
@@ -247,7 +250,7 @@ def speculative_generate(
                 drafts, conf = drafter.propose(tok, k)
                 spent = time.perf_counter() - c0
             if spent:
-                policy.drafted(spent)
+                policy.drafted(spent, cold)
                 spec.draft_seconds += spent
                 turn.decode_seconds += spent  # decode time is every pass's and the drafter's
                 turn.profile["other"] += spent

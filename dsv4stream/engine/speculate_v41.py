@@ -89,6 +89,12 @@ class DSparkDrafter:
         self.state = self.new_state(self.params, len(self.weights.stages))
         self.last, self._pending, self._held = -1, [], 0
 
+    @property
+    def cold(self) -> bool:
+        """Whether no drafter has run on this engine yet: the first run in a process warms its
+        kernels, caches and expert reads (its time is not what a run costs: `AutoDrafts.drafted`)."""
+        return not getattr(self.engine, "_drafter_ran", False)
+
     def observe(self, taps: np.ndarray, positions: np.ndarray) -> None:
         if positions.size == 0:
             return
@@ -113,6 +119,7 @@ class DSparkDrafter:
         self._flush()
         eng = self.engine
         top = eng.stack.head_weights()
+        eng._drafter_ran = True
         return self.draft(
             self.state,
             token,

@@ -14,20 +14,22 @@ UsageError naming why (the CLI's one line, the server's 400).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from ..errors import UsageError
 from ..weights.loading_dspark import drafter_reason
+from .spec_memory import SpecMemory
 from .spec_policy import AutoDrafts, FixedDrafts
 from .speculate import AUTO, OFF, parse_setting, speculative_generate
 from .speculate_v41 import DSparkDrafter, drafter_for
 
 
 class Speculator:
-    def __init__(self, engine, setting: str | int = AUTO) -> None:
+    def __init__(self, engine, setting: str | int = AUTO, memory: SpecMemory | None = None) -> None:
         self.engine = engine
+        self.memory = memory  # auto's figures between runs (`engine.spec_memory`; None: none kept)
         self.why_not = drafter_reason(engine.cfg)
         self.block = engine.cfg.dspark.block_size if self.why_not is None else None
         self.default = self.resolve(setting, "--speculate")
@@ -57,14 +59,24 @@ class Speculator:
         """`engine.speculate.speculative_generate` with this session's drafter and the setting's policy."""
         if setting == AUTO:
             if self._auto is None:
-                self._auto = AutoDrafts(self.block)
+                self._auto = AutoDrafts(self.block, self.memory.load() if self.memory is not None else None)
             policy = self._auto
         else:
             policy = FixedDrafts(int(setting))
-        return speculative_generate(
+        gen = speculative_generate(
             session, prompt_ids, max_new_tokens, pick, self.drafter(session), policy,
             setting=setting, uniforms=uniforms, **kw,
         )  # fmt: skip
+        return gen if setting != AUTO or self.memory is None else self._kept(gen, policy)
+
+    def _kept(self, gen: Iterator[int], policy: AutoDrafts) -> Iterator[int]:
+        """`gen`, and what the policy measured saved once it ends (finished, closed or failed)."""
+        try:
+            yield from gen
+        finally:
+            rec = policy.remember()
+            if rec is not None:
+                self.memory.save(rec)
 
 
 def pick_at(session, pick: Callable[[np.ndarray], int], uniforms) -> Callable[[np.ndarray], int]:

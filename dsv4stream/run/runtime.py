@@ -30,11 +30,13 @@ from ..engine.numerics import label as numerics_label
 from ..engine.phases import Counters
 from ..engine.session import Engine, LayerHook, Session
 from ..engine.spec_draws import PositionUniforms
+from ..engine.spec_memory import SpecMemory
 from ..engine.speculation import Speculator, pick_at
 from ..engine.stack_v41 import SpanRows
 from ..engine.threads import ThreadGovernor
 from ..errors import InternalError, UsageError
 from ..kernels.head import Int8Head
+from ..measure.machine import cpu_description
 from ..store import ExpertStore
 from ..streaming.engram import DiskEngramRows
 from ..streaming.expert_layout import expert_label
@@ -92,6 +94,7 @@ class Runtime:
         trunk: StreamedTrunk,
         trunk_file: TrunkFile | None,
         engram: DiskEngramRows | None = None,
+        warn: Warn | None = None,
     ) -> None:
         self.cat = cat
         self.cfg = cat.config
@@ -106,7 +109,10 @@ class Runtime:
         self.kernel_warmup_seconds = 0.0
         self.load_seconds = 0.0
         self.most_lent = 0  # most expert slots lent to a prefill segment at once
-        self._speculator = Speculator(engine, opts.speculate)  # a bad --speculate fails before any prompt
+        memory = SpecMemory.for_run(
+            _memory_parts(cat, opts, trunk_file is not None), warn
+        )  # auto's figures between runs
+        self._speculator = Speculator(engine, opts.speculate, memory)  # a bad --speculate fails before any prompt
 
     @classmethod
     def open(cls, checkpoint: str | os.PathLike, opts: RunOptions, warn: Warn | None = None) -> Runtime:
@@ -205,7 +211,7 @@ class Runtime:
         # what loading freed goes back; from here the passes reuse each other's freed activations
         trim_heap()
         recycle_heap()
-        rt = cls(cat, opts, plan, engine, store, trunk, tf, engram)
+        rt = cls(cat, opts, plan, engine, store, trunk, tf, engram, once)
         rt.kernel_warmup_seconds = warmup_seconds
         rt.load_seconds = time.perf_counter() - t_open
         return rt
@@ -368,3 +374,19 @@ def run_counters(store: ExpertStore, trunk: StreamedTrunk, engram: DiskEngramRow
         engram_bytes_read=g.bytes_read if g is not None else 0,
         engram_wait_seconds=g.wait_seconds if g is not None else 0.0,
     )
+
+
+def _memory_parts(cat: Catalog, opts: RunOptions, packed: bool) -> dict[str, object]:
+    """What `--speculate auto`'s remembered figures hold for (`engine.spec_memory`): a drafter's
+    cost per step and its acceptance depend on the checkpoint, the numerics, the budget (what
+    streams), the kernel threads and the CPU."""
+    family = cat.config.family
+    return {
+        "checkpoint": cat.fingerprint,
+        "numerics": opts.numerics or NUMERICS_DEFAULTS[family],
+        "budget_gb": round(opts.budget / 1e9, 1),
+        "threads": opts.threads if opts.threads is not None else kernels.get_threads(),
+        "trunk": "packed" if packed else "shards",
+        "gpu": bool(getattr(opts, "gpu", False)),
+        "cpu": cpu_description(),
+    }
