@@ -35,8 +35,8 @@ from ..engine.speculation import Speculator, pick_at
 from ..engine.stack_v41 import SpanRows
 from ..engine.threads import ThreadGovernor
 from ..errors import InternalError, UsageError
+from ..kernels import cpu as kernel_cpu
 from ..kernels.head import Int8Head
-from ..measure.machine import cpu_description
 from ..store import ExpertStore
 from ..streaming.engram import DiskEngramRows
 from ..streaming.expert_layout import expert_label
@@ -379,7 +379,7 @@ def run_counters(store: ExpertStore, trunk: StreamedTrunk, engram: DiskEngramRow
 def _memory_parts(cat: Catalog, opts: RunOptions, packed: bool) -> dict[str, object]:
     """What `--speculate auto`'s remembered figures hold for (`engine.spec_memory`): a drafter's
     cost per step and its acceptance depend on the checkpoint, the numerics, the budget (what
-    streams), the kernel threads and the CPU."""
+    streams), the kernel threads and the CPU (the target the kernels compile for, and the cores)."""
     family = cat.config.family
     return {
         "checkpoint": cat.fingerprint,
@@ -388,5 +388,5 @@ def _memory_parts(cat: Catalog, opts: RunOptions, packed: bool) -> dict[str, obj
         "threads": opts.threads if opts.threads is not None else kernels.get_threads(),
         "trunk": "packed" if packed else "shards",
         "gpu": bool(getattr(opts, "gpu", False)),
-        "cpu": cpu_description(),
+        "cpu": " ".join((*kernel_cpu.target(), str(os.cpu_count()))),  # what the kernels compile for
     }
