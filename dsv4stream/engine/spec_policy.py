@@ -220,7 +220,6 @@ class AutoDrafts:
     since_t1: int = 0  # passes since the last one-token pass
     plain_other: _Mean = field(default_factory=_Mean)  # a plain cycle's seconds outside its pass
     verify_other: _Mean = field(default_factory=_Mean)  # a verifying cycle's outside its pass and drafter run
-    counted: bool = False  # drafts of this run were counted (verified or watched)
     # this run's own counts, not decayed: the decaying ones end where an episode stopped, after
     # a run of rejections, and would carry that low to the next run
     own_accepted: float = 0.0
@@ -298,7 +297,6 @@ class AutoDrafts:
             self.watching = min(self.block, 2 * k)  # every draft right: watch more next cycle
 
     def _count(self, k: int, accepted: int, confidence: Sequence[float]) -> None:
-        self.counted = True
         self.own_accepted += accepted
         self.own_rejected += 1 if accepted < k else 0
         self.accepted = self.accepted * COUNT_DECAY**k + accepted
@@ -337,6 +335,12 @@ class AutoDrafts:
         return Remembered(share, acc, rej, conf, (r.runs if r is not None else 0) + 1, cold)
 
     # ---- decisions ----------------------------------------------------------------------------
+    @property
+    def counted(self) -> bool:
+        """Whether this run counted drafts (verified or watched): each count adds an accepted
+        draft or a first rejection."""
+        return self.own_accepted + self.own_rejected > 0
+
     @property
     def _t1_known(self) -> bool:
         return self.passes.get(1, _Mean()).known
@@ -377,11 +381,18 @@ class AutoDrafts:
                 return self.cold_seconds
             if r is not None and r.cold_share is not None and self._t1_known:
                 return r.cold_share * self.t(1)
+        warm = self._warm_cost()
+        return warm if warm is not None else (self.cold_seconds or None)
+
+    def _warm_cost(self) -> float | None:
+        """A warm drafter run's seconds: measured, else remembered per one-token pass times this
+        run's t(1), else None."""
         if self.draft_seconds.known:
             return self.draft_seconds.value
+        r = self.remembered
         if r is not None and r.draft_share is not None and self._t1_known:
             return r.draft_share * self.t(1)
-        return self.cold_seconds or None
+        return None
 
     def _affords(self, limit: float, cold: bool = False) -> bool:
         """Whether a watch keeps the ledger within `limit` once charged what its drafter run
@@ -393,12 +404,8 @@ class AutoDrafts:
         """A verifying cycle's seconds beside its pass: the drafter run (warm: measured, else
         remembered, else a prior; a process's first run is no measure of it), and the cycle's own
         work beyond a plain cycle's (measured once it has verified, else a prior)."""
-        r = self.remembered
-        if self.draft_seconds.known:
-            draft = self.draft_seconds.value
-        elif r is not None and r.draft_share is not None:
-            draft = r.draft_share * self.t(1)
-        else:
+        draft = self._warm_cost()
+        if draft is None:
             draft = DRAFT_PRIOR * self.t(1)
         if self.verify_other.known and self.plain_other.known:
             return draft + max(0.0, self.verify_other.value - self.plain_other.value)

@@ -27,9 +27,14 @@ from .speculate_v41 import DSparkDrafter, drafter_for
 
 
 class Speculator:
-    def __init__(self, engine, setting: str | int = AUTO, memory: SpecMemory | None = None) -> None:
+    def __init__(
+        self, engine, setting: str | int = AUTO, memory: Callable[[], SpecMemory | None] | None = None
+    ) -> None:
         self.engine = engine
-        self.memory = memory  # auto's figures between runs (`engine.spec_memory`; None: none kept)
+        # auto's figures between runs (`engine.spec_memory`): opened when auto first runs, so a run
+        # that never drafts spends nothing on it (None: none kept)
+        self._memory_of = memory
+        self.memory: SpecMemory | None = None
         self.why_not = drafter_reason(engine.cfg)
         self.block = engine.cfg.dspark.block_size if self.why_not is None else None
         self.default = self.resolve(setting, "--speculate")
@@ -59,6 +64,7 @@ class Speculator:
         """`engine.speculate.speculative_generate` with this session's drafter and the setting's policy."""
         if setting == AUTO:
             if self._auto is None:
+                self.memory = self._memory_of() if self._memory_of is not None else None
                 self._auto = AutoDrafts(self.block, self.memory.load() if self.memory is not None else None)
             policy = self._auto
         else:

@@ -203,18 +203,25 @@ def convert_block(weights: object, done: dict | None = None) -> object:
 _item = None  # `headq8._item` over the variant's row kernels, bound by `_driver`
 
 
+@njit(inline="always", **_JIT)
+def _block_scales(da, k, rb, bc):
+    """The tokens' activation scales per 32 columns (T, G) times row block rb's column-block
+    factors: the scales `_item` multiplies that block's int32 sums by."""
+    T, G = da.shape
+    dd = np.empty((T, G), np.float32)
+    for t in range(T):
+        for g in range(G):
+            dd[t, g] = da[t, g] * k[rb, g * GROUP // bc]
+    return dd
+
+
 def _blocks(w, ones, br, bc, xq, xc, da, k, rpg, out):
     """Row blocks of the factor grid in prange; row r meets token rows xq[r // rpg] (one weight:
     rpg = R; the grouped output projection's groups, rpg a multiple of br, in one region)."""
     R = w.shape[0]
-    T = xq.shape[1]
-    G = da.shape[2]
     for rb in prange((R + br - 1) // br):
         gi = rb * br // rpg
-        dd = np.empty((T, G), np.float32)
-        for t in range(T):
-            for g in range(G):
-                dd[t, g] = da[gi, t, g] * k[rb, g * GROUP // bc]
+        dd = _block_scales(da[gi], k, rb, bc)
         end = min(R, rb * br + br)
         for r0 in range(rb * br, end, ROWS):
             _item(w, ones, r0, min(end, r0 + ROWS), xq[gi], xc[gi], dd, out)
@@ -223,18 +230,13 @@ def _blocks(w, ones, br, bc, xq, xc, da, k, rpg, out):
 def _pair_blocks(w1, k1, w3, k3, ones, br, bc, xq, xc, da, out1, out3):
     """Two weights of one shape (a shared expert's w1 and w3) in one region, blocks alternating."""
     R = w1.shape[0]
-    T = xq.shape[1]
-    G = da.shape[2]
     nb = (R + br - 1) // br
     for i in prange(2 * nb):
         rb = i // 2
         k = k1 if i % 2 == 0 else k3
         w = w1 if i % 2 == 0 else w3
         out = out1 if i % 2 == 0 else out3
-        dd = np.empty((T, G), np.float32)
-        for t in range(T):
-            for g in range(G):
-                dd[t, g] = da[0, t, g] * k[rb, g * GROUP // bc]
+        dd = _block_scales(da[0], k, rb, bc)
         end = min(R, rb * br + br)
         for r0 in range(rb * br, end, ROWS):
             _item(w, ones, r0, min(end, r0 + ROWS), xq[0], xc[0], dd, out)

@@ -109,9 +109,9 @@ class Runtime:
         self.kernel_warmup_seconds = 0.0
         self.load_seconds = 0.0
         self.most_lent = 0  # most expert slots lent to a prefill segment at once
-        memory = SpecMemory.for_run(
-            _memory_parts(cat, opts, trunk_file is not None), warn
-        )  # auto's figures between runs
+        packed = trunk_file is not None
+        # auto's figures between runs (`engine.spec_memory`), opened when auto first runs
+        memory = lambda: SpecMemory.for_run(_memory_parts(cat, opts, packed), warn)
         self._speculator = Speculator(engine, opts.speculate, memory)  # a bad --speculate fails before any prompt
 
     @classmethod
@@ -387,6 +387,6 @@ def _memory_parts(cat: Catalog, opts: RunOptions, packed: bool) -> dict[str, obj
         "budget_gb": round(opts.budget / 1e9, 1),
         "threads": opts.threads if opts.threads is not None else kernels.get_threads(),
         "trunk": "packed" if packed else "shards",
-        "gpu": bool(getattr(opts, "gpu", False)),
+        "gpu": opts.gpu is not None and opts.gpu.enabled,
         "cpu": " ".join((*kernel_cpu.target(), str(os.cpu_count()))),  # what the kernels compile for
     }
