@@ -119,20 +119,28 @@ def test_router_runs_the_pair_and_the_groups_in_one_region(fast_mode, monkeypatc
 
 def narrow_rows_check(variant: str) -> None:
     """One token through the one-token kernel (4 rows a pass, prefetching the next pass's rows)
-    on narrow rows, row counts that end mid-pass and mid-block: each row equals the same row of
-    a 2-token call (another kernel, no prefetch) bit for bit and float64 within BF16 rounding."""
+    and two through the two-token kernel (2 rows a pass, prefetching), on narrow rows, row
+    counts that end mid-pass and mid-block, FP8 and BF16 weights: each row equals the same row
+    of a 3-token call (another kernel: one row a pass, no prefetch) bit for bit, and float64
+    within BF16 rounding."""
     rng = np.random.default_rng(11)
-    for rows, cols in ((262, 1024), (130, 2048), (7, 64)):
+    for rows, cols in ((262, 1024), (131, 2048), (7, 64)):
         wf = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
         w = QWeight("fp8", *formats.quantize_fp8(wf, block=(128, 128)), rows, cols, block=(128, 128))
-        x = rng.standard_normal((2, cols)).astype(np.float32)
-        two = bf16.fp8_matmul(w.data, w.scale, w.block, x, variant)
-        for t in range(2):
+        hb = wf.astype(ml_dtypes.bfloat16).view(np.uint16)
+        x = rng.standard_normal((3, cols)).astype(np.float32)
+        three = bf16.fp8_matmul(w.data, w.scale, w.block, x, variant)
+        three_b = bf16.bf16_matmul(hb, x, variant)
+        two = bf16.fp8_matmul(w.data, w.scale, w.block, x[:2], variant)
+        np.testing.assert_array_equal(two, three[:2])
+        np.testing.assert_array_equal(bf16.bf16_matmul(hb, x[1:], variant), three_b[1:])
+        for t in range(3):
             one = bf16.fp8_matmul(w.data, w.scale, w.block, x[t], variant)[0]
-            np.testing.assert_array_equal(one, two[t])
+            np.testing.assert_array_equal(one, three[t])
+            np.testing.assert_array_equal(bf16.bf16_matmul(hb, x[t : t + 1], variant)[0], three_b[t])
         ref = x.astype(np.float64) @ kernels.dense(w).astype(np.float64).T
         bound = 2**-7 * (np.abs(x) @ np.abs(kernels.dense(w)).T) + 1e-6
-        assert np.all(np.abs(two - ref) <= bound)
+        assert np.all(np.abs(three - ref) <= bound)
 
 
 @needs_fast
@@ -141,18 +149,19 @@ def test_narrow_rows_one_token_with_the_next_pass_prefetched(variant):
     narrow_rows_check(variant)
 
 
-def test_only_the_one_token_pass_kernel_prefetches(monkeypatch):
+def test_only_the_one_and_two_token_pass_kernels_prefetch(monkeypatch):
     # the prefetch changes no arithmetic, so no result can show it: check what `_driver` builds
     made = []
     real = bf16._row_intrinsic
     monkeypatch.setattr(bf16, "_row_intrinsic", lambda *a, **k: made.append((a, k)) or real(*a, **k))
     bf16._driver("fp8", "avx2")  # builds the dispatcher only; nothing compiles until a call
     pf = [(a[2], a[3] if len(a) > 3 else 1, k.get("prescaled", False)) for a, k in made if k.get("prefetch")]
-    # a kernel per token group of 1 .. MAX_GROUP tokens and the one-token pass kernel, twice:
-    # BF16 activations and AVX2's prescaled ones
-    assert pf == [(1, bf16.ONE_TOKEN_ROWS, False), (1, bf16.ONE_TOKEN_ROWS, True)]
-    assert len(made) == 2 * (bf16.MAX_GROUP["avx2"] + 1)
-    assert sum(k.get("prescaled", False) for _, k in made) == bf16.MAX_GROUP["avx2"] + 1
+    # a kernel per token group of 1 .. MAX_GROUP tokens and the one- and two-token pass kernels,
+    # twice: BF16 activations and AVX2's prescaled ones
+    one, two = (1, bf16.ONE_TOKEN_ROWS), (2, bf16.TWO_TOKEN_ROWS)
+    assert pf == [(*one, False), (*two, False), (*one, True), (*two, True)]
+    assert len(made) == 2 * (bf16.MAX_GROUP["avx2"] + 2)
+    assert sum(k.get("prescaled", False) for _, k in made) == bf16.MAX_GROUP["avx2"] + 2
 
 
 @needs_fast
