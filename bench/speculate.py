@@ -81,9 +81,9 @@ class Recorded:
         self.passes[n].append(seconds)
         self.policy.passed(n, seconds, read_bytes, read_seconds)
 
-    def drafted(self, seconds: float, cold: bool = False) -> None:
+    def drafted(self, seconds: float, cold: bool = False, run: float | None = None) -> None:
         self.drafts.append(seconds)
-        self.policy.drafted(seconds, cold)
+        self.policy.drafted(seconds, cold, run)
 
     def __getattr__(self, name: str):
         return getattr(self.policy, name)

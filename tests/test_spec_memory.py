@@ -188,9 +188,9 @@ def test_a_folder_that_cannot_be_written_costs_only_the_memory(tmp_path) -> None
 
 
 def test_the_key_separates_what_the_figures_hold_for() -> None:
-    base = {"checkpoint": "abc", "numerics": "fast", "budget_gb": 8.0, "threads": 2, "cpu": "x"}
+    base = {"checkpoint": "abc", "numerics": "fast", "resident": "all", "threads": 2, "cpu": "x"}
     keys = {memory_key(base)}
-    for k, v in (("checkpoint", "abd"), ("numerics", "exact"), ("budget_gb", 8.1), ("threads", 1), ("cpu", "y")):
+    for k, v in (("checkpoint", "abd"), ("numerics", "exact"), ("resident", "40%"), ("threads", 1), ("cpu", "y")):
         keys.add(memory_key({**base, k: v}))
     assert len(keys) == 6 and memory_key(dict(reversed(list(base.items())))) == memory_key(base)
 
@@ -233,6 +233,25 @@ def test_a_run_starts_from_what_the_last_run_measured(tmp_path, monkeypatch) -> 
         assert list(rt.generate(rt.session(), prompt, 24, speculate="auto")) == off
         assert rt.speculator._auto.remembered is None
     assert len(list((tmp_path / "speculation").glob("*.json"))) == 2
+
+
+def test_budgets_that_plan_the_same_residency_share_the_memory(tmp_path, monkeypatch) -> None:
+    """`--budget` defaults to a share of the memory available at the start, which moves between
+    runs: two budgets whose plans keep the same layers and expert cache share one file (before,
+    the key held the budget to 0.1 GB, and a default-budget run seldom found its memory); a
+    budget that streams experts has its own."""
+    monkeypatch.setenv("DSV4_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("DSV4_SPECULATE_MEMORY", "on")
+    with np.load(FIXTURE / "draft.npz") as z:
+        prompt = [int(i) for i in z["token_ids"][:8]]
+    n = measure(FIXTURE, RunOptions(budget=1))
+    ram = planner.budget_for(n, n.total_experts)
+    for budget in (ram, ram + 3 * 10**8, planner.budget_for(n, n.working_set)):
+        with Runtime.open(FIXTURE, RunOptions(budget=budget, threads=1)) as rt:
+            list(rt.generate(rt.session(), prompt, 12, speculate="auto"))
+    files = sorted((tmp_path / "speculation").glob("*.json"))
+    assert len(files) == 2
+    assert sorted(SpecMemory(f).load().runs for f in files) == [1, 2]
 
 
 def test_a_process_first_drafter_run_is_charged_not_taken_as_the_cost() -> None:

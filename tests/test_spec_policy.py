@@ -282,3 +282,17 @@ def test_no_new_watch_where_the_reply_ends_too_soon_to_use_it() -> None:
     policy.drafted(0.75)  # the drafter's cost is known
     assert policy.watch(BLOCK, remaining=20) == 0
     assert policy.watch(BLOCK, remaining=30) == 1
+
+
+def test_a_folded_watch_is_charged_what_it_added_and_teaches_a_whole_runs_cost() -> None:
+    """A watch whose head rows went into a main pass's head call (`run`: what the run would have
+    cost with its own) adds its own seconds to what was spent, but what a drafting run costs is
+    learned from `run`: drafting pays a head call of its own. Cold runs likewise."""
+    policy = AutoDrafts(BLOCK)
+    policy.passed(1, 1.0, 0, 0.0)
+    policy.drafted(0.3, run=0.7)
+    assert policy.elapsed == pytest.approx(1.3)
+    assert policy.draft_seconds.value == pytest.approx(0.7)
+    policy.drafted(2.0, cold=True, run=2.5)
+    assert policy.cold_seconds == pytest.approx(2.5) and policy.draft_seconds.value == pytest.approx(0.7)
+    assert policy.elapsed == pytest.approx(3.3)

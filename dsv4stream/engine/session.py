@@ -308,6 +308,19 @@ class Session:
         """Feed one token: logits (vocab,) float32."""
         return self._forward(self._check_ids([token_id]), logits=True, last_only=False)[0]
 
+    def step_with_rows(self, token_id: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`step`, with `rows` (n, D) (a drafter's, normed for the head) through the same head
+        call: (logits (vocab,), their logits (n, vocab)). The head's weights are read once for
+        both, and the token's logits are the bits `step` gives (every product's row is its own
+        whatever the rows beside it). Only where `folds_rows`."""
+        out = self._forward(self._check_ids([token_id]), logits=True, last_only=False, extra=rows)
+        return out[0], out[1:]
+
+    def folds_rows(self) -> bool:
+        """Whether `step_with_rows` may run: the head is multiplied on the CPU (a GPU's product
+        is not promised the same bits for a row whatever the rows beside it)."""
+        return not getattr(self.stack.head_weights().head, "on_device", False)
+
     def generate(
         self,
         prompt_ids: Sequence[int],
@@ -470,10 +483,12 @@ class Session:
         last_only: bool,
         after_layer: Callable[[int], None] | None = None,
         spans: SpanRows | None = None,
+        extra: np.ndarray | None = None,
     ) -> np.ndarray | None:
         """One segment through every layer: begin (reads ahead, embedding), each layer (attention
-        in sub-chunks, then one MoE pass), then the logits. A failure on the way leaves the
-        session torn: its layers' states are out of step with one another."""
+        in sub-chunks, then one MoE pass), then the logits (with those of `extra`'s rows after
+        them: `step_with_rows`). A failure on the way leaves the session torn: its layers'
+        states are out of step with one another."""
         # the kernels' numerics is the process's: put this engine's back if another engine
         # built since changed it (one string compare a pass)
         run_numerics.ensure(self.engine.cfg.family, self.engine.numerics)
@@ -491,7 +506,7 @@ class Session:
             self.torn = True
             raise
         self.pos += ids.size
-        return self._logits(p, last_only) if logits else None
+        return self._logits(p, last_only, extra) if logits else None
 
     def _begin(self, ids: np.ndarray, spans: SpanRows | None = None) -> Pass:
         """The pass's positions and streams; the reads ahead started by `read_ahead` for exactly
@@ -534,10 +549,12 @@ class Session:
         """What this session lends its stack for a pass (sub-chunk, trace, expert source, routing hook)."""
         return PassContext(self.chunk_size, self.trace, self._experts_of, self._routed)
 
-    def _logits(self, p: Pass, last_only: bool) -> np.ndarray:
-        """The head on the pass's streams; NaN/inf logits are an error naming what holds them."""
-        out = self.stack.logits(p, last_only)
-        if not np.isfinite(out).all():  # (T, vocab): a few µs per token next to the head's matvec
+    def _logits(self, p: Pass, last_only: bool, extra: np.ndarray | None = None) -> np.ndarray:
+        """The head on the pass's streams (then on `extra`'s rows, whose logits are not checked:
+        a drafter's); NaN/inf logits are an error naming what holds them."""
+        out = self.stack.logits(p, last_only) if extra is None else self.stack.logits(p, last_only, extra)
+        own = out if extra is None else out[: out.shape[0] - extra.shape[0]]
+        if not np.isfinite(own).all():  # (T, vocab): a few µs per token next to the head's matvec
             bad = nonfinite_fields(self.stack.head_weights())
             if bad:
                 raise NumericsError(

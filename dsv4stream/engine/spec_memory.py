@@ -9,8 +9,10 @@ its replies (a server, a chat), but every `dsv4 run` started afresh and paid tha
 on each prompt: on demo-v41 in RAM one drafter run costs 0.6-0.9 of a step, 0.5-0.7 % of a
 128-token reply, about the whole noise of a quiet machine. What it learned is a property of the
 drafter, the checkpoint and the machine, so it is kept per key:
-  checkpoint (`Catalog.fingerprint`), drafter design, numerics, budget (0.1 GB), kernel
-  threads, CPU (model and SIMD features)
+  checkpoint (`Catalog.fingerprint`), drafter design, numerics, what the budget's plan keeps
+  resident (layers; the expert cache in 5 % steps: not the budget itself, whose default moves
+  with the memory available), kernel threads, packed or not, `--gpu`, CPU (model and SIMD
+  features)
 and a run with another of any of these learns afresh. The acceptance is a prior worth at most
 `spec_policy.REMEMBERED_DRAFTS` drafts, checked by one watch before drafting on it: another
 prompt may suit the drafter less.

@@ -143,7 +143,7 @@ class FixedDrafts:
     def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None:
         pass
 
-    def drafted(self, seconds: float, cold: bool = False) -> None:
+    def drafted(self, seconds: float, cold: bool = False, run: float | None = None) -> None:
         pass
 
     def verified(self, k: int, accepted: int, confidence: Sequence[float]) -> None:
@@ -249,15 +249,18 @@ class AutoDrafts:
         if read_bytes and read_seconds > 0:
             self.read_rate.add(read_bytes / read_seconds)
 
-    def drafted(self, seconds: float, cold: bool = False) -> None:
+    def drafted(self, seconds: float, cold: bool = False, run: float | None = None) -> None:
         """A drafter run's seconds; `cold`: the process's first (its kernels, caches and expert
         reads warming: 1.7x a later run in a script on demo-v41, 6x in a `dsv4 run` on a loaded
-        machine), charged like any but not taken as what a run costs."""
+        machine), charged like any but not taken as what a run costs. `run`: what the run would
+        have cost with a head call of its own, where its head rows went into a main pass's
+        (a watch: `seconds` is what it added), the figure a drafting run's cost is learned from."""
         self.elapsed += seconds
+        cost = seconds if run is None else run
         if cold:
-            self.cold_seconds = max(self.cold_seconds, seconds)
+            self.cold_seconds = max(self.cold_seconds, cost)
         else:
-            self.draft_seconds.add(seconds)
+            self.draft_seconds.add(cost)
 
     def settled(self, seconds: float, tokens: int) -> None:
         if self._t1_known:

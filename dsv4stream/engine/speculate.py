@@ -31,8 +31,13 @@ tests/test_speculate_wide.py checks on a checkpoint wide enough for the fast ker
 A cycle with k = 0 may carry a watch (`--speculate auto` learning the acceptance cheaply,
 `engine.spec_policy`): the drafter proposes w tokens after t, nothing is fed but t, and the
 drafts are compared with the tokens picked in this and the next cycles (x_j == d_j, the test a
-verification applies; the picks do not depend on drafts, so a watch cannot change an id). The
-policy is told each cycle's cost against `off` (`settled`) for its ledger.
+verification applies; the picks do not depend on drafts, so a watch cannot change an id). A
+drafter that can (`propose_rows`: the DSpark drafter's head input rows) leaves a watch's head to
+the cycle's one-token pass, whose head call multiplies its rows with the main model's: the head,
+the drafter's largest product, is read once for both (a few rows cost a head read where one
+does: on demo-v41's BF16 head 9.9 ms for two rows, 10.0 for one; where the head is on a GPU
+the run keeps its own call). The policy is told each cycle's cost against `off` (`settled`) for
+its ledger.
 
 The drafter sees the main model's taps (the V4.1 stack's "input" trace of its target layers) of
 the kept positions only: those of a verification pass's kept prefix (causal: equal to a pass of
@@ -109,7 +114,7 @@ class Policy(Protocol):
 
     def passed(self, n: int, seconds: float, read_bytes: int, read_seconds: float) -> None: ...
 
-    def drafted(self, seconds: float, cold: bool = False) -> None: ...
+    def drafted(self, seconds: float, cold: bool = False, run: float | None = None) -> None: ...
 
     def verified(self, k: int, accepted: int, confidence: Sequence[float]) -> None: ...
 
@@ -224,6 +229,8 @@ def speculative_generate(
         stop = _stop(tok in stop_ids, max_pos is not None and session.pos >= max_pos, done == max_new_tokens)
         carry: list[int] = []  # kept tokens not fed yet (after a rejection): they open the next pass
         watch: _Watch | None = None  # a watch's drafts not all compared yet
+        fold = None  # a watch's run whose head rows go into the next pass (`Drafter.propose_rows`)
+        heads = _HeadTime()
         while True:
             if stop is not None:
                 session.stop_reason = stop
@@ -240,17 +247,24 @@ def speculative_generate(
             cold = bool(getattr(drafter, "cold", False))  # the process's first drafter run (warming up)
             if k == 0 and watch is None and (w := policy.watch(max(0, kmax), max_new_tokens - done - 1, cold)) > 0:
                 # a watch: drafts compared with the next picks, never fed (their ids cannot change)
-                watch = _Watch(*drafter.propose(tok, w))
+                if not carry and hasattr(drafter, "propose_rows") and session.folds_rows():
+                    # its head rows go into this cycle's one-token pass's head call: the head (the
+                    # drafter's largest product) is read once for both
+                    fold = drafter.propose_rows(tok, w)
+                    spec.watch_drafted += w
+                else:
+                    watch = _Watch(*drafter.propose(tok, w))
+                    spec.watch_drafted += len(watch.drafts)
+                    if not watch.drafts:  # (a stand-in near the end of its script)
+                        watch = None
                 spent = time.perf_counter() - c0
                 spec.watches += 1
-                spec.watch_drafted += len(watch.drafts)
-                if not watch.drafts:  # (a stand-in near the end of its script)
-                    watch = None
             elif k > 0:
                 drafts, conf = drafter.propose(tok, k)
                 spent = time.perf_counter() - c0
             if spent:
-                policy.drafted(spent, cold)
+                if fold is None:  # (a folded watch's cost is known after its pass)
+                    policy.drafted(spent, cold)
                 spec.draft_seconds += spent
                 turn.decode_seconds += spent  # decode time is every pass's and the drafter's
                 turn.profile["other"] += spent
@@ -276,7 +290,19 @@ def speculative_generate(
                 if want != threads:
                     threads = want
                     kernels.set_threads(threads)
-            rows, wall, phases = _pass(session, clock, taps, fed, turn, policy, spec)
+            rows, wall, phases, more = _pass(
+                session, clock, taps, fed, turn, policy, spec, heads, None if fold is None else fold.rows
+            )
+            if fold is not None:  # the watch's drafts from its rows' logits
+                rows, folded = rows[: len(fed)], rows[len(fed) :]
+                # charged what it added (its stages, the head's time beyond a plain pass's); a
+                # drafting run pays a head call of its own, so that is its cost to learn from
+                alone = heads.seconds if heads.seconds is not None else phases["head"]
+                policy.drafted(spent + more, cold, run=spent + alone)
+                spent += more
+                spec.draft_seconds += more
+                watch = _Watch(*fold.finish(folded))
+                fold = None
             if gov is not None and plain:
                 gov.record(threads, wall - phases["expert_reads"] - phases["trunk_reads"])
             outs: list[int] = []
@@ -317,7 +343,7 @@ def speculative_generate(
                 # fed again now once it is longer than a block, or every rejection in a row
                 # would lengthen the next pass by a token (a pass of 60 tokens after 60)
                 if stop is not None or len(carry) > drafter.block + 1:  # (a stop: the session must hold them now)
-                    wall += _pass(session, clock, taps, carry, turn, policy, spec)[1]
+                    wall += _pass(session, clock, taps, carry, turn, policy, spec, heads)[1]
                     spec.refeed_tokens += len(carry)
                     carry = []
             # the cycle's own work outside its passes and drafter run (snapshot, restore, picks, taps)
@@ -326,7 +352,11 @@ def speculative_generate(
                 policy.settled(spent + (0.0 if plain else wall), 0 if plain else len(outs))
             turn.tokens.extend(outs)
             turn.decode_steps += len(outs)  # one per token fed: as many as without drafts
-            spec.seconds += time.perf_counter() - c0
+            after = time.perf_counter() - c0
+            spec.seconds += after
+            if plain and not spent:  # a cycle as off runs one: the estimate without drafts
+                spec.plain_seconds += before + after
+                spec.plains += 1
             i = 0
             try:
                 for i, x in enumerate(outs[:-1]):
@@ -373,26 +403,60 @@ class _Readings:
         return self.after
 
 
-def _pass(session, clock: StepClock, taps: _Taps, ids: list[int], turn: Turn, policy, spec: SpecCounts):
+class _HeadTime:
+    """The head's seconds in one-token passes of the main model's own row (a mean over the last
+    few): a watch whose rows went into a pass's head call added that pass's head time beyond it,
+    and a drafter run with a head call of its own pays about it (one or a few rows: the head's
+    read, not its arithmetic)."""
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+
+    def add(self, seconds: float) -> None:
+        self.seconds = seconds if self.seconds is None else 0.75 * self.seconds + 0.25 * seconds
+
+
+def _pass(
+    session,
+    clock: StepClock,
+    taps: _Taps,
+    ids: list[int],
+    turn: Turn,
+    policy,
+    spec: SpecCounts,
+    heads: _HeadTime,
+    fold: np.ndarray | None = None,
+):
     """One main-model pass of `ids`, timed into the turn, the figures and the policy: its logits
-    rows, its wall seconds and its seconds by phase. A one-token pass is `Session.step`, the call
-    `off`'s loop makes (no segment cuts or per-layer hooks of a prefill)."""
+    rows, its wall seconds and its seconds by phase, and what `fold` added. A one-token pass is
+    `Session.step`, the call `off`'s loop makes (no segment cuts or per-layer hooks of a prefill);
+    with `fold` (a watch's head rows, `Session.step_with_rows`) their logits follow its row, and
+    the head's time beyond a plain pass's is the watch's: left out of the wall seconds returned
+    and of what the policy and the figures time a one-token pass by."""
     taps.clear()
     clock.begin()
-    if len(ids) == 1:
+    if fold is not None:
+        own, theirs = session.step_with_rows(ids[0], fold)
+        rows = np.concatenate([own[None, :], theirs])
+    elif len(ids) == 1:
         rows = session.step(ids[0])[None, :]
     else:
         rows = session.prefill(np.asarray(ids, dtype=np.int64))
     wall, spent = clock.end()
+    more = 0.0
+    if fold is not None:
+        more = min(wall, max(0.0, spent["head"] - heads.seconds)) if heads.seconds is not None else 0.0
+    elif len(ids) == 1:
+        heads.add(spent["head"])
     c0, c1 = clock.meter.before, clock.meter.after
     turn.add_step(wall, spent)
     turn.decode_steps -= 1  # counted per token fed by the caller
     read = c1.expert_bytes_read - c0.expert_bytes_read
-    policy.passed(len(ids), wall, read, c1.expert_read_seconds - c0.expert_read_seconds)
+    policy.passed(len(ids), wall - more, read, c1.expert_read_seconds - c0.expert_read_seconds)
     if len(ids) == 1:
         spec.ones += 1
-        spec.one_seconds += wall
-    return rows, wall, spent
+        spec.one_seconds += wall - more
+    return rows, wall - more, spent, more
 
 
 def _stop(eos: bool, context_full: bool, gen_limit: bool) -> str | None:

@@ -113,9 +113,9 @@ class DSparkDrafter:
         eng = self.engine
         self.observe_taps(self.state, taps, pos, self.weights, self.params, eng.stack.rope_main)
 
-    def run(self, token: int, slots: int | None = None) -> Draft:
+    def run(self, token: int, slots: int | None = None, head: bool = True) -> Draft:
         """The block after the last observed position, whose first token is `token` (head logits
-        of the first `slots` slots)."""
+        of the first `slots` slots; `head` False: their head input rows instead)."""
         self._flush()
         eng = self.engine
         top = eng.stack.head_weights()
@@ -126,7 +126,7 @@ class DSparkDrafter:
             self.weights,
             self.params,
             eng.trunk.embed,
-            top.head,
+            top.head if head else None,
             lambda layer: expert_source(eng.experts, layer),
             eng.stack.rope_main,
             slots,
@@ -134,13 +134,33 @@ class DSparkDrafter:
         )
 
     def propose(self, token: int, k: int) -> tuple[list[int], list[float]]:
-        d = self.run(token, k)
+        return self._chain(token, self.run(token, k), k)
+
+    def propose_rows(self, token: int, k: int) -> Folded:
+        """`propose` with the head left out: the k rows for the main model's next head call
+        (`Session.step_with_rows`: the head's weights read once for both), and what turns their
+        logits into the drafts and confidences `propose` gives (the same numbers: the head's
+        rows do not depend on the rows beside them)."""
+        d = self.run(token, k, head=False)
+        return Folded(d.rows, lambda logits: self._chain(token, Draft(logits, d.hidden), k))
+
+    def _chain(self, token: int, d: Draft, k: int) -> tuple[list[int], list[float]]:
+        """The greedy Markov chain over a run's first k slots: drafts and raw confidences."""
         chain, conf = [int(token)], []
         for j in range(k):
             lg, c = markov(Draft(d.logits[j : j + 1], d.hidden[j : j + 1]), np.array(chain[j : j + 1]), self.weights)
             chain.append(greedy(lg[0]))
             conf.append(float(c[0]))
         return chain[1:], conf
+
+
+@dataclass(frozen=True)
+class Folded:
+    """A drafter run whose head is left to the next main pass: the head's input rows (k, D), and
+    `finish(logits (k, vocab))` -> (drafts, confidences)."""
+
+    rows: np.ndarray
+    finish: Callable[[np.ndarray], tuple[list[int], list[float]]]
 
 
 class ScriptedDrafter:

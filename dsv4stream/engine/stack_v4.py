@@ -105,9 +105,9 @@ class V4Stack:
             p.x = joined.x[a : a + p.ids.size]
             a += p.ids.size
 
-    def logits(self, p: Pass, last_only: bool) -> np.ndarray:
+    def logits(self, p: Pass, last_only: bool, extra: np.ndarray | None = None) -> np.ndarray:
         x = p.x[-1:] if last_only else p.x
-        return head_forward(x, self.trunk.head(), self.cfg)
+        return head_forward(x, self.trunk.head(), self.cfg, extra)
 
     def head_weights(self):
         return self.trunk.head()

@@ -369,9 +369,9 @@ class V41Stack:
             p.x, p.pre, p.a_pre = joined.x[a:b], joined.pre[a:b], None
             a = b
 
-    def logits(self, p: V41Pass, last_only: bool) -> np.ndarray:
+    def logits(self, p: V41Pass, last_only: bool, extra: np.ndarray | None = None) -> np.ndarray:
         x, pre = (p.x[-1:], p.pre[-1:]) if last_only else (p.x, p.pre)
-        return head_forward(x, pre, self.trunk.head(), self.cfg.rms_norm_eps)
+        return head_forward(x, pre, self.trunk.head(), self.cfg.rms_norm_eps, extra)
 
     def head_weights(self):
         return self.trunk.head()

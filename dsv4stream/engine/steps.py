@@ -89,8 +89,9 @@ class Stack(Protocol):
         """The rows of `joined` back into the passes it was joined from."""
         ...
 
-    def logits(self, p: Pass, last_only: bool) -> np.ndarray:
-        """(T, vocab), or (1, vocab) for the last position."""
+    def logits(self, p: Pass, last_only: bool, extra: np.ndarray | None = None) -> np.ndarray:
+        """(T, vocab), or (1, vocab) for the last position; then the logits of `extra` (n, D),
+        rows already normed for the head (another model's: a drafter's), from the same call."""
         ...
 
     def head_weights(self) -> object:

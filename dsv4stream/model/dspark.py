@@ -2,8 +2,9 @@
 `model.v4.dspark`): the record of one drafter run, the drafter's state between runs, and the
 Markov and confidence heads that turn a run into draft logits and confidences.
 
-Owns: `Draft` (one run at main position p: head logits before the Markov bias, and the collapsed
-streams the confidence head reads), `DSparkState` and `new_state` (per stage, the window of the
+Owns: `Draft` (one run at main position p: head logits before the Markov bias, or the head's
+input rows where the caller runs the head itself, and the collapsed streams the confidence head
+reads), `DSparkState` and `new_state` (per stage, the window of the
 main model's keys), and `markov`. The stages' math is each family's; nothing here knows a block.
 """
 
@@ -23,8 +24,11 @@ F32 = np.float32
 class Draft:
     """One run of the drafter at main position p."""
 
-    logits: np.ndarray  # (B, vocab) head logits, before the Markov bias
+    logits: np.ndarray | None  # (n, vocab) head logits of the first n slots, before the Markov bias
     hidden: np.ndarray  # (B, D) the collapsed streams the confidence head reads
+    # (n, D) the head's input rows (normed) instead of `logits`, where the run was asked to leave
+    # the head to its caller (`engine.speculate` folds a watch's rows into the next pass's head call)
+    rows: np.ndarray | None = None
 
 
 @dataclass

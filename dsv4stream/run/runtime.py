@@ -111,7 +111,7 @@ class Runtime:
         self.most_lent = 0  # most expert slots lent to a prefill segment at once
         packed = trunk_file is not None
         # auto's figures between runs (`engine.spec_memory`), opened when auto first runs
-        memory = lambda: SpecMemory.for_run(_memory_parts(cat, opts, packed), warn)
+        memory = lambda: SpecMemory.for_run(_memory_parts(cat, opts, packed, plan), warn)
         self._speculator = Speculator(engine, opts.speculate, memory)  # a bad --speculate fails before any prompt
 
     @classmethod
@@ -376,15 +376,19 @@ def run_counters(store: ExpertStore, trunk: StreamedTrunk, engram: DiskEngramRow
     )
 
 
-def _memory_parts(cat: Catalog, opts: RunOptions, packed: bool) -> dict[str, object]:
+def _memory_parts(cat: Catalog, opts: RunOptions, packed: bool, plan: Plan) -> dict[str, object]:
     """What `--speculate auto`'s remembered figures hold for (`engine.spec_memory`): a drafter's
-    cost per step and its acceptance depend on the checkpoint, the numerics, the budget (what
-    streams), the kernel threads and the CPU (the target the kernels compile for, and the cores)."""
+    cost per step and its acceptance depend on the checkpoint, the numerics, what streams (the
+    plan's resident layers and its expert cache, in steps of 5 % of the experts: the budget
+    itself defaults to a share of the memory available at the start, which moves from one run to
+    the next), the kernel threads and the CPU (the target the kernels compile for, and the cores)."""
     family = cat.config.family
+    total = plan.needs.total_experts
+    cached = "all" if plan.expert_slots >= total else f"{plan.expert_slots * 20 // max(total, 1) * 5}%"
     return {
         "checkpoint": cat.fingerprint,
         "numerics": opts.numerics or NUMERICS_DEFAULTS[family],
-        "budget_gb": round(opts.budget / 1e9, 1),
+        "resident": f"{plan.pinned_layers} of {cat.config.n_layers} layers, experts cached: {cached}",
         "threads": opts.threads if opts.threads is not None else kernels.get_threads(),
         "trunk": "packed" if packed else "shards",
         "gpu": opts.gpu is not None and opts.gpu.enabled,

@@ -129,7 +129,7 @@ def draft(
     w: DSpark0731Weights,
     p: DSpark0731Params,
     embed: Callable[[np.ndarray], np.ndarray],
-    head: QWeight,
+    head: QWeight | None,
     experts_of: Callable[[int], ExpertSource],
     rope: Rope,
     slots: int | None = None,
@@ -139,7 +139,8 @@ def draft(
     is `token`: the block's head logits and collapsed streams. `experts_of(layer)`: the expert
     source of block `layer` (p.first_layer + stage). `slots`: head logits of the first `slots`
     slots only (the vocabulary-wide head is the drafter's largest product). `q8`: the main
-    head's int8 copy, which `fast` proposes with where the main model reads it (`kernels.head`)."""
+    head's int8 copy, which `fast` proposes with where the main model reads it (`kernels.head`).
+    `head` None: the head's input rows instead of its logits (`Draft.rows`)."""
     cfg = p.cfg
     it, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     pos = state.last
@@ -152,4 +153,7 @@ def draft(
         x = ffn_half(x, ids, stage, cfg, experts_of(p.first_layer + k))
     hidden = hc_head(x, w.hc_head, hc_eps, eps)
     n = p.block_size if slots is None else slots
-    return Draft(head_logits(head, q8, rms_norm(hidden[:n], w.norm, eps)), hidden)
+    rows = rms_norm(hidden[:n], w.norm, eps)
+    if head is None:  # the caller runs the head on these rows (with other rows, in one call)
+        return Draft(None, hidden, rows)
+    return Draft(head_logits(head, q8, rows), hidden)

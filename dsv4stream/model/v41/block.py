@@ -166,6 +166,11 @@ def ffn_half(
     return x, f_pre
 
 
-def head_forward(x: np.ndarray, pre: np.ndarray, w: V41HeadWeights, norm_eps: float) -> np.ndarray:
-    """Streams x (T, hc, D) and the last FFN half's pre (T, hc) -> logits (T, vocab)."""
-    return head_logits(w.head, w.q8, collapse(x, pre, w.norm, norm_eps))
+def head_forward(
+    x: np.ndarray, pre: np.ndarray, w: V41HeadWeights, norm_eps: float, extra: np.ndarray | None = None
+) -> np.ndarray:
+    """Streams x (T, hc, D) and the last FFN half's pre (T, hc) -> logits (T, vocab); `extra`
+    (n, D): rows already normed that go through the same head call, their logits after the T
+    rows (T + n, vocab)."""
+    h = collapse(x, pre, w.norm, norm_eps)
+    return head_logits(w.head, w.q8, h if extra is None else np.concatenate([h, extra.astype(h.dtype)]))

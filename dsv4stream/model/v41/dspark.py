@@ -130,7 +130,7 @@ def draft(
     w: DSparkWeights,
     p: DSparkParams,
     embed: Callable[[np.ndarray], np.ndarray],
-    head: QWeight,
+    head: QWeight | None,
     experts_of: Callable[[int], ExpertSource],
     rope: Rope,
     slots: int | None = None,
@@ -141,7 +141,8 @@ def draft(
     expert source of block `layer` (p.first_layer + stage). `slots`: head logits of the first
     `slots` slots only (speculation drafting fewer than B tokens: the vocabulary-wide head is
     the drafter's largest product; the stages still run the whole block). `q8`: the main
-    head's int8 copy, which `fast` proposes with where the main model reads it (`kernels.head`)."""
+    head's int8 copy, which `fast` proposes with where the main model reads it (`kernels.head`).
+    `head` None: the head's input rows instead of its logits (`Draft.rows`)."""
     pos = state.last
     ids = np.full(p.block_size, p.noise_token_id, dtype=np.int64)
     ids[0] = token
@@ -156,4 +157,7 @@ def draft(
         x = hc_post(x, moe(h, stage.moe, experts_of(p.first_layer + k), p.moe), post, comb)
     hidden = collapse(x, pre)
     n = p.block_size if slots is None else slots
-    return Draft(head_logits(head, q8, rms_norm(hidden[:n], w.norm, p.eps)), hidden)
+    rows = rms_norm(hidden[:n], w.norm, p.eps)
+    if head is None:  # the caller runs the head on these rows (with other rows, in one call)
+        return Draft(None, hidden, rows)
+    return Draft(head_logits(head, q8, rows), hidden)
