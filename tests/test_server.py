@@ -55,6 +55,14 @@ def server(ckpt, kvdir):
 
 
 @pytest.fixture(scope="module")
+def one_at_a_time(ckpt):
+    """A server that decodes one request at a time (`--max-batch 1`): a second one waits in the
+    queue (the default batches it beside the first: `test_server_batch.py`)."""
+    with Server(ckpt, "--ctx", str(CTX), "--keep-alive", "0.05", "--max-batch", "1") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def tok(ckpt) -> Tokenizer:
     return Tokenizer.from_checkpoint(ckpt)
 
@@ -200,7 +208,8 @@ def test_tool_schemas_and_calls_reach_the_prompt_as_the_official_encoder_writes_
     assert off.usage.prompt_tokens == len(tok.encode(expected.replace(f"\n\n{EXPECTED_TOOLS_SECTION}", "")))
 
 
-def test_two_clients_at_once_queue_with_keep_alives(server) -> None:
+def test_two_clients_at_once_queue_with_keep_alives(one_at_a_time) -> None:
+    server = one_at_a_time
     other = [{"role": "user", "content": "Count to five."}]
     got: dict[str, object] = {}
     n_log = len(server.lines)

@@ -38,6 +38,9 @@ pytestmark = pytest.mark.skipif(
 DESKTOP = (1280, 860)
 
 
+OURS: set[str] = set()  # the origins of this module's servers (the page talks to nothing else)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("page") / "tiny"
@@ -48,6 +51,7 @@ def ckpt(tmp_path_factory) -> Path:
 def server(ckpt):
     # small segments: a long prefill lasts long enough for the page to see its layers
     with Server(ckpt, "--ctx", "4096", "--prefill-segment", "16", "--keep-states", "8") as s:
+        OURS.add(s.url)
         yield s
 
 
@@ -67,8 +71,26 @@ def driver():
     d.quit()
 
 
+@pytest.fixture(scope="module")
+def one_at_a_time(ckpt):
+    """A server that decodes one request at a time (`--max-batch 1`): a second request waits in
+    its queue (the default batches it beside the first)."""
+    with Server(ckpt, "--ctx", "4096", "--prefill-segment", "16", "--max-batch", "1") as s:
+        OURS.add(s.url)
+        yield s
+
+
 @pytest.fixture
 def page(server, driver):
+    yield from _fresh_page(server, driver)
+
+
+@pytest.fixture
+def queued_page(one_at_a_time, driver):
+    yield from _fresh_page(one_at_a_time, driver)
+
+
+def _fresh_page(server, driver):
     """The page with nothing kept (no conversations, no theme, no key), at desktop width."""
     d = driver
     d.set_window_size(*DESKTOP)
@@ -581,8 +603,8 @@ def test_both_themes_apply_and_follow_the_system(page, shots) -> None:
     d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
 
 
-def test_the_page_shows_the_queue_and_the_loading_state(server, page) -> None:
-    d = page
+def test_the_page_shows_the_queue_and_the_loading_state(one_at_a_time, queued_page) -> None:
+    server, d = one_at_a_time, queued_page
     set_field(d, "max_tokens", "2")
     long_prompt = json.dumps(
         {"model": "tiny", "messages": [{"role": "user", "content": "busy " * 2500}], "max_tokens": 2}
@@ -640,7 +662,10 @@ def test_a_long_prefill_shows_its_progress_by_layer(page) -> None:
 def test_no_request_left_the_server(server, driver) -> None:
     gather_requests(driver)
     assert len(driver.requests) > 20
+    assert server.url in OURS
     foreign = [
-        u for u in driver.requests if not (u.startswith(server.url + "/") or u.split(":")[0] in ("data", "blob"))
+        u
+        for u in driver.requests
+        if not (any(u.startswith(o + "/") for o in OURS) or u.split(":")[0] in ("data", "blob"))
     ]
     assert not foreign, foreign

@@ -39,6 +39,14 @@ def server(ckpt):
 
 
 @pytest.fixture(scope="module")
+def one_at_a_time(ckpt):
+    """A server that decodes one request at a time (`--max-batch 1`): a second one waits in the
+    queue and is told its place (the default batches it beside the first)."""
+    with Server(ckpt, "--ctx", "4096", "--prefill-segment", "16", "--max-batch", "1") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def tok(ckpt) -> Tokenizer:
     return Tokenizer.from_checkpoint(ckpt)
 
@@ -200,7 +208,8 @@ def test_the_chat_stream_carries_the_answers_figures_as_comments(server) -> None
     assert chunks[-1].usage.completion_tokens == usage["completion_tokens"]
 
 
-def test_a_queued_request_learns_its_position(server) -> None:
+def test_a_queued_request_learns_its_position(one_at_a_time) -> None:
+    server = one_at_a_time
     first_lines: list[str] = []
     first = threading.Thread(target=lambda: first_lines.extend(stream_lines(server, chat_body("busy " * 1500, 2))))
     first.start()

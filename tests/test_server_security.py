@@ -44,6 +44,14 @@ def server(ckpt):
         yield s
 
 
+@pytest.fixture(scope="module")
+def one_at_a_time(ckpt):
+    """No queue (`--max-queue 0`) and one request decoded at a time (`--max-batch 1`; the default
+    batches a second request beside the first, and a batch that has room is no full queue)."""
+    with Server(ckpt, "--ctx", "256", "--api-key", KEY, "--max-queue", "0", "--max-batch", "1") as s:
+        yield s
+
+
 def request(srv: Server, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None):
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
@@ -301,7 +309,8 @@ def test_slow_header_senders_do_not_lock_out_a_new_client(ckpt) -> None:
         assert "refused a connection" not in srv.log
 
 
-def test_a_full_queue_answers_429_with_retry_after(server) -> None:
+def test_a_full_queue_answers_429_with_retry_after(one_at_a_time) -> None:
+    server = one_at_a_time
     c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     started = threading.Event()
 
