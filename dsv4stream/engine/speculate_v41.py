@@ -2,7 +2,8 @@
 speculation helpers.
 
 Owns: `DSparkDrafter` (the drafter beside one session: the block of `model.v41.dspark`, or of
-`model.v4.dspark` on a 0731 checkpoint, with its greedy Markov chain and its confidence head), `DSparkModel` (its weights and parameters, loaded
+`model.v4.dspark` on a 0731 checkpoint, with its greedy Markov chain and its confidence head;
+`propose_rows` gives a `Folded` run whose head the next main pass runs), `DSparkModel` (its weights and parameters, loaded
 once per engine and shared by every session's drafter), `drafter_for` (the checks: which
 checkpoints have a drafter this code runs) and `speculative_greedy` (ids and figures of one
 greedy generation with a fixed draft length: tests and benches).
