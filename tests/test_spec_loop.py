@@ -78,3 +78,29 @@ def test_a_plain_cycle_makes_offs_calls(monkeypatch, rt) -> None:
     assert ids == off
     assert want["step"] == N - 1 and want["prefill"] == 1  # off: the prompt's prefill, then steps
     assert got == want, (got, want)
+
+
+def test_the_estimate_without_drafts_counts_a_plain_cycles_whole_time() -> None:
+    """`seconds_without`: tokens x the mean plain cycle (its pass and the loop's work around it,
+    what off spends a token), not the pass alone (which read a reply that drafted nothing 4 %
+    slower than its estimate on demo-v41); the pass alone before any plain cycle; summed runs
+    keep both counts."""
+    from dsv4stream.engine.spec_stats import SpecCounts
+
+    s = SpecCounts(tokens=10, one_seconds=0.3, ones=10)  # (sums over the passes / cycles)
+    assert s.seconds_without == pytest.approx(0.3)
+    s.plain_seconds, s.plains = 0.33, 10
+    assert s.seconds_without == pytest.approx(0.33)
+    both = SpecCounts.total([s, SpecCounts(tokens=10, one_seconds=0.2, ones=5, plain_seconds=0.44, plains=4)])
+    assert both.seconds_without == pytest.approx(20 * 0.77 / 14)
+
+
+def test_a_reply_that_drafts_nothing_is_its_own_estimate_without(rt) -> None:
+    """A reply whose every cycle is plain (a policy that never drafts or watches) reads its own
+    decode time as the time without drafts."""
+    never = ScriptedDrafter(lambda pos, tok, k: [], 5)
+    s = rt.session()
+    ids = list(speculative_generate(s, prompt(), 32, greedy, never, Plain(), setting="auto"))
+    spec = s.turn.speculation
+    assert len(ids) == 32 and spec.plains == spec.steps == spec.tokens == 31
+    assert spec.seconds_without == pytest.approx(spec.seconds, rel=1e-9)  # the pass alone: 2-5 % less
