@@ -552,7 +552,7 @@ class Session:
     def _logits(self, p: Pass, last_only: bool, extra: np.ndarray | None = None) -> np.ndarray:
         """The head on the pass's streams (then on `extra`'s rows, whose logits are not checked:
         a drafter's); NaN/inf logits are an error naming what holds them."""
-        out = self.stack.logits(p, last_only) if extra is None else self.stack.logits(p, last_only, extra)
+        out = self.stack.logits(p, last_only, extra)
         own = out if extra is None else out[: out.shape[0] - extra.shape[0]]
         if not np.isfinite(own).all():  # (T, vocab): a few µs per token next to the head's matvec
             bad = nonfinite_fields(self.stack.head_weights())

@@ -290,11 +290,10 @@ def speculative_generate(
                 if want != threads:
                     threads = want
                     kernels.set_threads(threads)
-            rows, wall, phases, more = _pass(
+            rows, wall, phases, more, folded = _pass(
                 session, clock, taps, fed, turn, policy, spec, heads, None if fold is None else fold.rows
             )
             if fold is not None:  # the watch's drafts from its rows' logits
-                rows, folded = rows[: len(fed)], rows[len(fed) :]
                 # charged what it added (its stages, the head's time beyond a plain pass's); a
                 # drafting run pays a head call of its own, so that is its cost to learn from
                 alone = heads.seconds if heads.seconds is not None else phases["head"]
@@ -428,16 +427,18 @@ def _pass(
     fold: np.ndarray | None = None,
 ):
     """One main-model pass of `ids`, timed into the turn, the figures and the policy: its logits
-    rows, its wall seconds and its seconds by phase, and what `fold` added. A one-token pass is
+    rows, its wall seconds and its seconds by phase, what `fold` added and its rows' logits (None
+    without). A one-token pass is
     `Session.step`, the call `off`'s loop makes (no segment cuts or per-layer hooks of a prefill);
     with `fold` (a watch's head rows, `Session.step_with_rows`) their logits follow its row, and
     the head's time beyond a plain pass's is the watch's: left out of the wall seconds returned
     and of what the policy and the figures time a one-token pass by."""
     taps.clear()
     clock.begin()
+    theirs = None
     if fold is not None:
         own, theirs = session.step_with_rows(ids[0], fold)
-        rows = np.concatenate([own[None, :], theirs])
+        rows = own[None, :]
     elif len(ids) == 1:
         rows = session.step(ids[0])[None, :]
     else:
@@ -456,7 +457,7 @@ def _pass(
     if len(ids) == 1:
         spec.ones += 1
         spec.one_seconds += wall - more
-    return rows, wall - more, spent, more
+    return rows, wall - more, spent, more, theirs
 
 
 def _stop(eos: bool, context_full: bool, gen_limit: bool) -> str | None:

@@ -40,10 +40,14 @@ def copy_runs() -> bool:
     return headq8.variant() != "plain"
 
 
-def head_logits(head, q8: Int8Head | None, x: np.ndarray) -> np.ndarray:
-    """Logits of normed hidden rows x (T, dim) -> (T, vocab) float32."""
+def head_logits(head, q8: Int8Head | None, x: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:
+    """Logits of normed hidden rows x (T, dim) -> (T, vocab) float32; `extra` (n, dim): other
+    normed rows (a drafter's) in the same call, their logits after x's (T + n, vocab): the head's
+    weights are read once for both."""
     from . import _count, get_numerics, matmul
 
+    if extra is not None:
+        x = np.concatenate([x, extra.astype(x.dtype, copy=False)])
     if q8 is None or get_numerics() != "fast" or head.on_device or not copy_runs():
         return matmul(head, x)
     from . import headq8

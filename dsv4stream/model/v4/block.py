@@ -102,5 +102,5 @@ def ffn_half(
 def head_forward(x: np.ndarray, w: HeadWeights, cfg: ModelConfig, extra: np.ndarray | None = None) -> np.ndarray:
     """Streams x (T, hc, D) -> logits (T, vocab); `extra` (n, D): rows already normed that go
     through the same head call, their logits after the T rows (T + n, vocab)."""
-    h = rms_norm(hc_head(x, w.hc, cfg.hc_eps, cfg.rms_norm_eps), w.norm, cfg.rms_norm_eps)
-    return head_logits(w.head, w.q8, h if extra is None else np.concatenate([h, extra.astype(h.dtype)]))
+    h = hc_head(x, w.hc, cfg.hc_eps, cfg.rms_norm_eps)
+    return head_logits(w.head, w.q8, rms_norm(h, w.norm, cfg.rms_norm_eps), extra)

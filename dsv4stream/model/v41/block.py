@@ -172,5 +172,4 @@ def head_forward(
     """Streams x (T, hc, D) and the last FFN half's pre (T, hc) -> logits (T, vocab); `extra`
     (n, D): rows already normed that go through the same head call, their logits after the T
     rows (T + n, vocab)."""
-    h = collapse(x, pre, w.norm, norm_eps)
-    return head_logits(w.head, w.q8, h if extra is None else np.concatenate([h, extra.astype(h.dtype)]))
+    return head_logits(w.head, w.q8, collapse(x, pre, w.norm, norm_eps), extra)
