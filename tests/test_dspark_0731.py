@@ -195,9 +195,9 @@ def test_draft_out_is_what_speculation_drafts(tmp_path) -> None:
     s = eng.session(chunk_size=64)
     drafter = DSparkDrafter(eng)
     taps: list[np.ndarray] = []
-    s.trace = lambda what, layer, x: taps.append(x.mean(axis=1)) if what == "input" else None
+    s.trace = lambda what, layer, x: taps.append(x.copy()) if what == "input" else None
     s.prefill(tokens[: p + 1])
-    drafter.observe(np.concatenate(taps, axis=1), np.arange(p + 1))
+    drafter.observe(taps, np.arange(p + 1))  # per layer (T, hc, D): the streams as they are
     first = drafter.run(int(tokens[p + 1]), 1)
     row = first.logits[0] + matmul(drafter.weights.markov_head, drafter.weights.markov_embed[[int(tokens[p + 1])]])[0]
     assert np.abs(row - d["logits"][p - 1, 0]).max() <= 1e-5 * scale

@@ -101,7 +101,10 @@ def test_drafting_keeps_the_skip_and_the_drafter_sees_the_same_taps():
         s = eng.session(chunk_size=3, on_route=on_route, trace=trace)
         d = DSparkDrafter(eng)
         observe = d.observe
-        d.observe = lambda taps, positions: (seen.append((taps.copy(), positions.copy())), observe(taps, positions))
+        d.observe = lambda taps, positions: (
+            seen.append((np.stack(taps, 1), positions.copy())),
+            observe(taps, positions),
+        )
         ids = list(speculative_generate(s, prompt, 8, lambda lg: int(np.argmax(lg)), d, FixedDrafts(3)))
         prompt_routes = [p for layer, p in routed if layer == last and p[0] < prompt.size]
         return ids, prompt_routes, seen

@@ -147,3 +147,48 @@ def test_cli_refuses_a_checkpoint_without_this_drafter(tmp_path, tiny_ckpt, caps
     args = [str(tiny_ckpt), "--tokens-file", str(tok), "--out", str(tmp_path / "x.npy"), "--threads", "1"]
     assert "DSpark" in usage_error(capsys, [*args, "--draft-out", str(tmp_path / "d.npz")])
     assert not (tmp_path / "x.npy").exists()
+
+
+@pytest.mark.parametrize(("k", "prompt", "chunk"), [(1, 2, 64), (3, 2, 64), (5, 2, 64), (3, 16, 64), (2, 28, 13)])
+def test_the_loops_drafts_match_the_reference(k: int, prompt: int, chunk: int) -> None:
+    """The drafter as speculative decoding runs it (the taps it is handed cycle by cycle, from
+    one-token steps and verification passes, rejections and re-fed tokens included; a prompt
+    longer than the taps keep whole, in one pass or in passes of 13) drafts what DeepSeek's code drafts at the
+    same position: the main model is made to pick the fixture's tokens, so each cycle's block
+    starts with tokens[p + 1] as in the teacher-forced reference, whose first slot it then is
+    (later slots follow the drafter's own picks). The fixture's window (8) is shorter than a
+    verification pass can be (a block plus one carried tokens, the token, a block of drafts)."""
+    from dsv4stream.engine.spec_policy import FixedDrafts
+    from dsv4stream.engine.speculate import speculative_generate
+    from dsv4stream.engine.speculate_v41 import DSparkDrafter
+
+    o = oracle()
+    ids, ref, ref_c = o["token_ids"], o["logits_fp32"], o["confidence_fp32"]
+    eng = Engine.open(FIXTURE, v41=V41Options(numerics="fp32"), threads=1)
+    drafter = DSparkDrafter(eng)
+    assert drafter.window < 2 * (drafter.block + 1) < prompt or prompt < drafter.window
+    seen: dict[int, tuple[int, float]] = {}  # p -> the first draft and its raw confidence
+    propose = drafter.propose
+
+    def recorded(token: int, n: int):
+        drafts, conf = propose(token, n)
+        seen[drafter.last] = (drafts[0], conf[0])
+        return drafts, conf
+
+    drafter.propose = recorded
+    forced = iter(ids[prompt:].tolist())
+    session = eng.session(chunk_size=chunk, segment=chunk)
+    gen = speculative_generate(
+        session, ids[:prompt], ids.size - prompt, lambda lg: next(forced), drafter, FixedDrafts(k)
+    )
+    assert list(gen) == ids[prompt:].tolist()
+    checked = [p for p in seen if p <= int(o["positions"][-1])]
+    assert len(checked) >= 6, seen.keys()
+    clear = clear_rows(ref, 1e-3)
+    cm = max(1.0, np.abs(ref_c).max())
+    for p in checked:
+        i = p - 1  # positions start at 1
+        draft, conf = seen[p]
+        assert abs(conf - ref_c[i, 0]) <= 1e-4 * cm, (p, conf, ref_c[i, 0])
+        if clear[i, 0]:
+            assert draft == int(ref[i, 0].argmax()), p

@@ -92,7 +92,10 @@ class Drafter(Protocol):
 
     def reset(self) -> None: ...
 
-    def observe(self, taps: np.ndarray, positions: np.ndarray) -> None: ...
+    def observe(self, taps: Sequence[np.ndarray], positions: np.ndarray) -> None:
+        """The main model's streams entering each target layer at `positions` (T,), as they are:
+        (T, hc, D) per layer of `targets`."""
+        ...
 
     def propose(self, token: int, k: int) -> tuple[list[int], list[float]]:
         """k draft ids after `token` (picked at position last + 1) and each one's raw confidence."""
@@ -120,19 +123,29 @@ class Policy(Protocol):
 
 
 class _Taps:
-    """The session's trace while drafting: the last `keep` rows of the "input" streams of the
-    drafter's target layers, mean over the hc copies ((T, D) per layer), of the passes since
-    `clear`; any trace the session had still runs."""
+    """The session's trace while drafting: the "input" streams of the drafter's target layers,
+    as they are ((T, hc, D) per layer), of the passes since `clear`; any trace the session had
+    still runs. A pass of at most `keep` rows is kept whole: a cycle's pass (up to a block plus
+    one carried tokens, the token and a block of drafts) must hand the drafter the rows of its
+    kept prefix, the first ones; a longer one (a prefill) keeps its last `keep` rows, each
+    segment its tail, so that the last `keep` rows held are contiguous: at least the window the
+    drafter reads. Copies only: the mean over the hc copies is the drafter's to take when it runs
+    (`DSparkDrafter`), so a cycle that drafts nothing pays a copy of a few KB per layer, not a
+    reduction (three of them cost ~65 us a token in a pass on demo-v41, its caches cold from the
+    kernels: 0.2 % of a step)."""
 
     def __init__(self, targets: Sequence[int], keep: int, inner) -> None:
         self.targets, self.keep, self.inner = tuple(targets), keep, inner
         self.rows: dict[int, list[np.ndarray]] = {t: [] for t in self.targets}
+        self.fed = 0  # rows fed since `clear` (counted at the first target layer)
 
     def __call__(self, what: str, layer: int, x: np.ndarray) -> None:
         if self.inner is not None:
             self.inner(what, layer, x)
         if what == "input" and layer in self.rows:
-            self.rows[layer].append(x[-self.keep :].mean(axis=1, dtype=F32))
+            if layer == self.targets[0]:
+                self.fed += x.shape[0]
+            self.rows[layer].append(x[-self.keep :].copy())  # (the stack may reuse x's buffer)
 
     @property
     def reads_outputs(self) -> bool:
@@ -143,14 +156,19 @@ class _Taps:
     def clear(self) -> None:
         for v in self.rows.values():
             v.clear()
+        self.fed = 0
 
-    def take(self, n: int) -> np.ndarray:
-        """Rows of the first n positions fed since `clear` (a verification pass's kept prefix), or
-        of as many of their last positions as were kept (a long prefill: each segment's tail, so
-        the last `keep` rows are contiguous)."""
-        per = [np.concatenate(self.rows[t]) for t in self.targets]
-        got = min(p.shape[0] for p in per)
-        return np.concatenate([p[:n] if got >= n else p[-min(got, self.keep) :] for p in per], axis=1)
+    def take(self, n: int) -> tuple[np.ndarray, ...]:
+        """Per target layer (n', hc, D): the rows of positions n - n' .. n - 1 of those fed since
+        `clear` (0-based), n' = n where every row was kept (a cycle's pass: a verification's
+        kept prefix), else the last of them held (a prefill's last `keep` rows at most)."""
+        per = [r[0] if len(r) == 1 else np.concatenate(r) for r in (self.rows[t] for t in self.targets)]
+        held = per[0].shape[0]
+        if held == self.fed:
+            return tuple(p[:n] for p in per)
+        tail = min(held, self.keep)  # the contiguous rows: positions fed - tail .. fed - 1
+        upto = tail - (self.fed - n)  # of them, those before n
+        return tuple(p[held - tail : held - tail + max(0, upto)] for p in per)
 
 
 def speculative_generate(
@@ -188,7 +206,8 @@ def speculative_generate(
     clock = StepClock(_Readings(meter))  # a pass's reads from the readings its clock takes (no more meter calls)
     gov, threads = getattr(engine, "governor", None), 0  # decode threads chosen by timing (`engine/threads.py`)
     inner = session.trace
-    taps = _Taps(drafter.targets, max(drafter.block + 1, getattr(drafter, "window", 1)), inner)
+    # a cycle's longest pass: up to a block plus one carried tokens, the token and a block of drafts
+    taps = _Taps(drafter.targets, max(2 * (drafter.block + 1), getattr(drafter, "window", 1)), inner)
     session.trace = taps if drafter.targets else inner
     session.stop_reason = "interrupted"
     mark = meter() if logits is not None else None
@@ -201,8 +220,11 @@ def speculative_generate(
     def observe(n: int, start: int, skip: int = 0) -> None:
         """The drafter sees n rows of the taps collected (after the first `skip`), positions start.."""
         if drafter.targets and n:
-            rows = taps.take(skip + n)[skip:] if skip else taps.take(n)
-            drafter.observe(rows, np.arange(start + n - rows.shape[0], start + n, dtype=np.int64))
+            rows = taps.take(skip + n)
+            if skip:
+                rows = tuple(r[skip:] for r in rows)
+            got = rows[0].shape[0]
+            drafter.observe(rows, np.arange(start + n - got, start + n, dtype=np.int64))
         else:
             drafter.last = start + n - 1
 

@@ -9,9 +9,10 @@ checkpoints have a drafter this code runs) and `speculative_greedy` (ids and fig
 greedy generation with a fixed draft length: tests and benches).
 
 The drafter is greedy: each slot proposes the argmax of its logits (head + the Markov bias of the
-previous slot's pick). Its taps are observed lazily: the taps of every kept position are held
-(the last `window` of them) and pushed into the stages' windows only when a draft is asked for, so
-cycles where `--speculate auto` drafts nothing cost the drafter nothing but that copy.
+previous slot's pick). Its taps are observed lazily: the streams of every kept position are held
+as the main model left them (the last `window` of them) and reduced to taps (the mean over the hc
+copies) and pushed into the stages' windows only when a draft is asked for, so cycles where
+`--speculate auto` drafts nothing cost the drafter nothing but that copy.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class DSparkDrafter:
         kernels, caches and expert reads (its time is not what a run costs: `AutoDrafts.drafted`)."""
         return not getattr(self.engine, "_drafter_ran", False)
 
-    def observe(self, taps: np.ndarray, positions: np.ndarray) -> None:
+    def observe(self, taps: Sequence[np.ndarray], positions: np.ndarray) -> None:
+        """Holds the streams (per target layer (T, hc, D)) until a draft is asked for (`_flush`)."""
         if positions.size == 0:
             return
         self._pending.append((taps, positions))
@@ -108,9 +110,11 @@ class DSparkDrafter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        taps = np.concatenate([t for t, _ in self._pending])[-self.window :]
+        raw = np.concatenate([np.stack(t, axis=1) for t, _ in self._pending])[-self.window :]  # (T, targets, hc, D)
         pos = np.concatenate([q for _, q in self._pending])[-self.window :]
         self._pending, self._held = [], 0
+        # the taps: each target layer's streams, mean over the hc copies, side by side (T, D * targets)
+        taps = raw.mean(axis=2, dtype=F32).reshape(raw.shape[0], -1)
         eng = self.engine
         self.observe_taps(self.state, taps, pos, self.weights, self.params, eng.stack.rope_main)
 
@@ -177,7 +181,7 @@ class ScriptedDrafter:
     def reset(self) -> None:
         self.last = -1
 
-    def observe(self, taps: np.ndarray, positions: np.ndarray) -> None:
+    def observe(self, taps: Sequence[np.ndarray], positions: np.ndarray) -> None:
         if positions.size:
             self.last = int(positions[-1])
 
