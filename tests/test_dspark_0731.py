@@ -222,3 +222,29 @@ def test_runtime_ids_equal_off_with_the_drafter_planned(where: str) -> None:
             assert list(rt.generate(rt.session(), ids()[:8].tolist(), N, speculate=setting)) == want, setting
         spec = rt.stats().phases.speculation
         assert spec is not None and spec.drafted > 0
+
+
+def test_a_drafter_fed_by_batched_passes_drafts_as_one_fed_alone() -> None:
+    """A batching server's request in the batch's one-token passes beside another sequence (V4's
+    joined `attend_rows`): its drafter, fed by the session's `Observer` trace, proposes what a
+    drafter given the taps of the session's own prefill proposes, at every position (equal up to
+    the rounding between a prefill and steps)."""
+    from dsv4stream.engine.batch import Feed, forward_many
+    from dsv4stream.engine.speculate import Observer
+
+    eng, t = engine(), ids()
+    mine, other = eng.session(chunk_size=64), eng.session(chunk_size=64)
+    fed = DSparkDrafter(eng)
+    mine.trace = Observer(mine, fed)
+    forward_many([Feed(mine, t[:3], "last")])
+    for p in range(3, t.size - 1):
+        forward_many([Feed(mine, t[p : p + 1]), Feed(other, t[p - 3 : p - 2])])
+        want = DSparkDrafter(eng)
+        s = eng.session(chunk_size=64)
+        taps: dict[int, np.ndarray] = {}
+        s.trace = lambda what, layer, x, taps=taps: taps.setdefault(layer, x.copy()) if what == "input" else None
+        s.prefill(t[: p + 1])
+        want.observe([taps[k] for k in want.targets], np.arange(p + 1))
+        a, b = fed.propose(int(t[p + 1]), 3), want.propose(int(t[p + 1]), 3)
+        assert a[0] == b[0], p
+        assert np.allclose(a[1], b[1], rtol=1e-4, atol=1e-4), (p, a[1], b[1])

@@ -216,3 +216,48 @@ def test_a_client_gone_at_the_hand_over_leaves_the_state_off_goes_on_from(rt, to
         assert again.job.usage.cached_tokens == len(PROMPTS["long"]) + len(got) - 1  # the state it kept
     finally:
         w.close()
+
+
+def test_the_drafter_sees_the_batched_passes(rt, tok, monkeypatch) -> None:  # noqa: F811
+    """The long request (`speculate` 2, the checkpoint's own drafter) decodes beside the short one,
+    then drafts alone: its drafter observed every position the batch's passes fed (the session's
+    `Observer` trace: the prompt's last segment and each batched step), so the drafting call goes
+    on from it instead of starting afresh. Fails where a drafting call after a batched stretch resets
+    the drafter (its window empty but for the token handed over)."""
+    from dsv4stream.engine.speculate_v41 import DSparkDrafter
+
+    seen: dict[int, list[int]] = {}  # drafter -> positions observed since it was made or reset
+    resets: dict[int, int] = {}
+    observe, reset = DSparkDrafter.observe, DSparkDrafter.reset
+
+    def observed(self, taps, positions):
+        seen.setdefault(id(self), []).extend(positions.tolist())
+        return observe(self, taps, positions)
+
+    def was_reset(self):
+        resets[id(self)] = resets.get(id(self), 0) + 1
+        seen[id(self)] = []
+        return reset(self)
+
+    monkeypatch.setattr(DSparkDrafter, "observe", observed)
+    monkeypatch.setattr(DSparkDrafter, "reset", was_reset)
+    w = worker(rt, tok)
+    try:
+        off = Request(w, tok, "long", LONG, "off").ids()
+        turns0 = len(rt.engine.phases.turns)
+        short = Request(w, tok, "short", SHORT, "off")  # taken first: the long one is taken beside it
+        long = Request(w, tok, "long", LONG, 2)
+        got = long.ids()
+        short.ids()
+        turns = rt.engine.phases.turns[turns0:]
+    finally:
+        w.close()
+    assert got == off
+    drafting = [t for t in turns if t.speculation is not None]
+    assert len(drafting) == 1 and drafting[0].speculation.verify_passes > 0  # batched, then drafting
+    # one drafter, started afresh at most where the prompt's read began (the server kept the `off`
+    # request's state one token short of the prompt: its session starts there, its drafter too)
+    assert len(seen) == 1 and sum(resets.values()) <= 1, resets
+    (positions,) = seen.values()
+    fed = len(PROMPTS["long"]) + LONG - 1  # every token but the last was fed
+    assert positions == list(range(positions[0], fed)) and positions[0] <= len(PROMPTS["long"]) - 1, positions

@@ -192,3 +192,34 @@ def test_the_loops_drafts_match_the_reference(k: int, prompt: int, chunk: int) -
         assert abs(conf - ref_c[i, 0]) <= 1e-4 * cm, (p, conf, ref_c[i, 0])
         if clear[i, 0]:
             assert draft == int(ref[i, 0].argmax()), p
+
+
+def test_a_drafter_fed_by_batched_passes_drafts_as_the_reference() -> None:
+    """A batching server's request in the batch's passes (`engine.batch.forward_many`, beside
+    another sequence): its drafter, fed by the session's `Observer` trace (a prompt segment, then
+    one-token rows through the family's joined `attend_rows`), drafts what DeepSeek's code drafts
+    at each position, as if it had drafted all along."""
+    from dsv4stream.engine.batch import Feed, forward_many
+    from dsv4stream.engine.speculate import Observer
+    from dsv4stream.engine.speculate_v41 import DSparkDrafter
+
+    o = oracle()
+    ids, ref, ref_c = o["token_ids"], o["logits_fp32"], o["confidence_fp32"]
+    eng = Engine.open(FIXTURE, v41=V41Options(numerics="fp32"), threads=1)
+    ours_, other = eng.session(chunk_size=64), eng.session(chunk_size=64)
+    drafter = DSparkDrafter(eng)
+    ours_.trace = Observer(ours_, drafter)
+    forward_many([Feed(other, ids[:3][::-1].copy())])
+    forward_many([Feed(ours_, ids[:12], "last"), Feed(other, ids[3:4])])  # a prompt segment beside a step
+    clear = clear_rows(ref, 1e-3)
+    cm = max(1.0, np.abs(ref_c).max())
+    checked = 0
+    for p in range(12, int(o["positions"][-1]) + 1):
+        forward_many([Feed(ours_, ids[p : p + 1]), Feed(other, ids[p - 8 : p - 7])])
+        assert drafter.last == p
+        drafts, conf = drafter.propose(int(ids[p + 1]), 1)
+        assert abs(conf[0] - ref_c[p - 1, 0]) <= 1e-4 * cm, (p, conf[0], ref_c[p - 1, 0])
+        if clear[p - 1, 0]:
+            assert drafts[0] == int(ref[p - 1, 0].argmax()), p
+        checked += 1
+    assert checked >= 10

@@ -61,8 +61,9 @@ def forward_many(feeds: Sequence[Feed]) -> list[np.ndarray | None]:
 
     Every feed's attention runs on its own rows and state (one-row feeds together through the
     family's `attend_rows`); the stateless half and the head run once over every feed's rows.
-    The sessions share one engine, appear once each and hold no trace (a drafter's taps see one
-    sequence). A failure inside the layers leaves every session of the pass torn."""
+    The sessions share one engine and appear once each; a session's trace sees its own rows
+    entering each layer (a drafter's taps) and nothing else, so one that reads layers' outputs
+    is refused. A failure inside the layers leaves every session of the pass torn."""
     feeds = list(feeds)
     if not feeds:
         raise UsageError("forward_many: no sequence to feed")
@@ -72,8 +73,10 @@ def forward_many(feeds: Sequence[Feed]) -> list[np.ndarray | None]:
         raise UsageError("forward_many: the sessions of one pass must share one engine")
     if len({id(s) for s in sessions}) != len(sessions):
         raise UsageError("forward_many: a session appears twice in one pass")
-    if any(s.trace is not None for s in sessions):
-        raise UsageError("forward_many: a traced session (a drafter's) steps alone")
+    if any(s.trace is not None and getattr(s.trace, "reads_outputs", True) for s in sessions):
+        # (the streams entering layers are each session's own rows, before the joined half: a
+        # drafter's taps, `engine.speculate.Observer`; a layer's outputs are the joined pass's)
+        raise UsageError("forward_many: a session whose trace reads layers' outputs steps alone")
     if any(f.logits not in _WANTS for f in feeds):
         raise UsageError(f"forward_many: logits is one of {', '.join(_WANTS)}")
     rows = [s._check_ids(f.ids) for s, f in zip(sessions, feeds, strict=True)]
@@ -198,7 +201,9 @@ def _attend(stack, sessions: list[Session], passes: list, i: int, w, keeps: list
             stack.attend(s.pass_context(), p, i, w, s.state, None if keeps is None else keeps[k])
     if not single:
         return stack.join(passes), passes, range(len(passes))
-    rows = rows_of([passes[k] for k in single], i, w, [sessions[k].state for k in single])
+    rows = rows_of(
+        [passes[k] for k in single], i, w, [sessions[k].state for k in single], [sessions[k].trace for k in single]
+    )
     if len(single) == len(passes):
         return rows, passes, range(len(passes))
     parts = [rows, *(p for k, p in enumerate(passes) if k not in single)]

@@ -2,7 +2,8 @@
 
 Owns: `speculative_generate`, the generation loop of `Session.generate` with drafts (same
 arguments, same yields, same stop rules, same `Turn` record plus `Turn.speculation`), the
-`Drafter` protocol it drives, and `parse_setting` (`--speculate auto|off|N`). The drafter
+`Drafter` protocol it drives, `Observer` (the drafter fed by passes it does not drive: a batching
+server's), and `parse_setting` (`--speculate auto|off|N`). The drafter
 (`engine.speculate_v41.DSparkDrafter`, or a stand-in for benches) and the policy that picks each
 cycle's draft length (`engine.spec_policy`) come from the caller.
 
@@ -301,7 +302,7 @@ def speculative_generate(
             try:
                 yield tok
             except GeneratorExit:  # the caller keeps tok: the session holds what is before it
-                if carry:
+                if carry:  # (the drafter saw their taps in the pass that kept them)
                     session.prefill(np.asarray(carry, dtype=np.int64))
                 raise
             c0 = time.perf_counter()
@@ -395,6 +396,35 @@ def speculative_generate(
         turn.close(session.stop_reason, t0, meter, mark)
         if mark is not None:
             spec.expert_bytes = turn.decode_expert_bytes
+
+
+class Observer:
+    """A session's trace while its drafter does not drive it (a batching server's request in
+    the batch's passes, `engine.batch`): the streams entering the drafter's target layers in each
+    pass go to the drafter (`Drafter.observe`), so that when the request drafts again its window
+    holds the positions before it, as if it had drafted all along, instead of starting afresh.
+    A drafter that has not observed the position before a pass's first starts afresh there."""
+
+    reads_outputs = False  # the streams entering layers only: the last layer's row cut stays
+
+    def __init__(self, session, drafter: Drafter) -> None:
+        self.session, self.drafter = session, drafter
+        self.targets = tuple(drafter.targets)
+        self.keep = max(1, getattr(drafter, "window", 1))  # the most rows a drafter reads
+        self.rows: dict[int, np.ndarray] = {}
+
+    def __call__(self, what: str, layer: int, x: np.ndarray) -> None:
+        if what != "input" or layer not in self.targets:
+            return
+        self.rows[layer] = x[-self.keep :].copy()
+        if len(self.rows) < len(self.targets):
+            return
+        rows, self.rows = tuple(self.rows[t] for t in self.targets), {}
+        start = self.session.pos  # the pass's first position (the session moves on after the pass)
+        if self.drafter.last != start - 1:
+            self.drafter.reset()
+        end = start + x.shape[0]
+        self.drafter.observe(rows, np.arange(end - rows[0].shape[0], end, dtype=np.int64))
 
 
 class _Watch:

@@ -78,9 +78,13 @@ class V4Stack:
         if first:
             p.cut(first)
 
-    def attend_rows(self, passes: list[Pass], i: int, w, states: list[list]) -> Pass:
-        """`attend` of one decode token per sequence (passes[b] of states[b], untraced), the
+    def attend_rows(self, passes: list[Pass], i: int, w, states: list[list], traces=None) -> Pass:
+        """`attend` of one decode token per sequence (passes[b] of states[b]; traces[b], where
+        given and not None, sees its row entering the layer, as `attend`'s trace), the
         projections run once over the rows (`attention_half_rows`): the passes joined, as `join`."""
+        for p, trace in zip(passes, traces or [None] * len(passes), strict=True):
+            if trace is not None:
+                trace("input", i, p.x)
         joined = self.join(passes)
         joined.x = attention_half_rows(
             joined.x, joined.positions, w, [st[i] for st in states], self.cfg, self.rope_for(i)

@@ -320,15 +320,18 @@ class V41Stack:
         if first:
             p.cut(first)
 
-    def attend_rows(self, passes: list[V41Pass], i: int, w, states: list[list]) -> V41Pass:
-        """`attend` of one decode token per sequence (passes[b] of states[b], untraced), the
-        mixes and the attention's projections once over the rows (`attention_half_rows`); the
-        Engram and each sequence's state row by row: the passes joined, as `join`."""
-        for p, state in zip(passes, states, strict=True):
+    def attend_rows(self, passes: list[V41Pass], i: int, w, states: list[list], traces=None) -> V41Pass:
+        """`attend` of one decode token per sequence (passes[b] of states[b]; traces[b], where
+        given and not None, sees its row entering the layer, as `attend`'s trace), the mixes and
+        the attention's projections once over the rows (`attention_half_rows`); the Engram and
+        each sequence's state row by row: the passes joined, as `join`."""
+        for b, (p, state) in enumerate(zip(passes, states, strict=True)):
             if w.engram is not None:
                 rows = next(engram_pieces(self.engram_rows, i, p.rows[:, self.engram_layers.index(i)], 1))
                 live = None if p.image is None else ~p.image
                 p.x = engram(p.x, rows, w.engram, self.cfg.rms_norm_eps, self.plan.quantise, live)
+            if traces is not None and traces[b] is not None:
+                traces[b]("input", i, p.x)
             if not p.published:
                 p.published = [Published()]
         joined = self.join(passes)

@@ -17,7 +17,9 @@ server waits `GATHER` for requests sent together), so prompts sent at once are r
 request leaves when it ends, fails or its client goes, and the others' rows are untouched. Each
 keeps its own picker (sampling, seed, logit bias, grammar, logprobs), stops and kept states.
 A request that may draft (`--speculate`) drafts while it is alone in flight and steps in the
-batch's plain passes while others are, handed over between two tokens each way (`_SoloDrafts`).
+batch's plain passes while others are, handed over between two tokens each way (`_SoloDrafts`);
+its drafter sees the batched passes too (`engine.speculate.Observer`), so it drafts again with
+its window full.
 
 States kept per request, each one a segment boundary of the prefill (`boundaries`, so that
 taking them changes no logits beyond what any segmentation does): one token short of the
@@ -54,6 +56,7 @@ import numpy as np
 from ..engine.phases import Turn
 from ..engine.session import segment_cuts
 from ..engine.spec_draws import PositionUniforms
+from ..engine.speculate import Observer
 from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
 from ..run.runtime import Runtime
@@ -389,6 +392,10 @@ class Worker:
         # start if it is taken alone, else from when it is left alone
         may_draft = self.batched and rt.speculator.resolve(job.speculate) != "off"
         solo = may_draft and self._alone()
+        # batched, the drafter still sees each pass (its window full when the request drafts again)
+        observer = Observer(session, rt.speculator.drafter(session)) if may_draft else None
+        if may_draft and not solo:
+            session.trace = observer
         # batched, the prompt's segments go in the batch's passes, beside the others' segments and
         # decode steps (`_read_prompt`); a prompt with images is read in passes of its own
         together = self.batched and not solo and images is None and len(fed) > 0
@@ -415,6 +422,7 @@ class Worker:
                     session, [tok], job.max_tokens - n, pick, eos, logits=logits, batched=True, speculate="off",
                     uniforms=pick.rng, prompt_read=t),
                 single=lambda: len(turns) == len(job.replies),  # its other choices (n > 1) have all ended
+                observer=observer,
             )  # fmt: skip
         t_first: list[float] = []  # when the first token was picked: the decode's start
         at_prompt_end: list[SessionState] = []
@@ -620,8 +628,9 @@ class _SoloDrafts:
       and a batched call goes on from that pass's logits (after a rejection, the drafting call feeds
       the tokens it carried, in a pass of its own, as it closes: `engine.speculate`);
     - `to_drafting` (alone `SETTLE` boundaries in a row): a drafting call feeds the token as its
-      one-token prompt, which its drafter observes (the drafter starts afresh: the batched passes
-      fed it nothing), then drafts as a request taken alone.
+      one-token prompt, which its drafter observes, then drafts as a request taken alone. The
+      drafter goes on from where it was: while batched, the session's trace is `observer`
+      (`engine.speculate.Observer`), which hands it each batched pass's taps.
     Greedy and seeded ids do not change (draws keyed by position: `engine.spec_draws`). Each call
     keeps its own record (`Turn`, its `speculation` counts for a drafting one), so the request's
     tokens are those of its calls' records summed; `turns` holds the records of the calls closed."""
@@ -634,6 +643,7 @@ class _SoloDrafts:
         drafts: Callable[[int, int], Generator],
         batched: Callable[[int, int, np.ndarray, float], Generator],
         single: Callable[[], bool],
+        observer=None,
     ) -> None:
         self.gen, self.drafting, self.yielded = gen, drafting, 0
         self.start = start  # the first token's position (the prompt's length)
@@ -641,6 +651,7 @@ class _SoloDrafts:
         # n tokens yielded, the last of which is tok
         self._drafts, self._batched = drafts, batched
         self.single = single  # no other choice of the request is decoding or still to start
+        self.observer = observer  # the session's trace while batched: the drafter's taps
         self.quiet = 0  # boundaries in a row it was alone at, batched
         self.turns: list[Turn] = []
 
@@ -674,6 +685,7 @@ class _SoloDrafts:
         """The token after `tok` once `tok` went in the batch's next pass (None: dropped, its client gone)."""
         self._end_call(session)
         self.drafting, self.quiet = False, 0
+        session.trace = self.observer
         fed = yield Step(session, tok)
         if fed is None:
             return None
@@ -690,5 +702,6 @@ class _SoloDrafts:
         """The token after `tok`, fed by a drafting call."""
         self._end_call(session)
         self.drafting, self.quiet = True, 0
+        session.trace = None  # the drafting call's own taps from here
         self.gen = self._drafts(tok, self.yielded)
         return next(self, None)
