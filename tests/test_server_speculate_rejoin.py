@@ -261,3 +261,27 @@ def test_the_drafter_sees_the_batched_passes(rt, tok, monkeypatch) -> None:  # n
     (positions,) = seen.values()
     fed = len(PROMPTS["long"]) + LONG - 1  # every token but the last was fed
     assert positions == list(range(positions[0], fed)) and positions[0] <= len(PROMPTS["long"]) - 1, positions
+
+
+def test_a_later_choice_drafts_once_it_is_the_last(rt, tok) -> None:  # noqa: F811
+    """`n` = 2, sampled with a seed, `speculate` 2, on a server with --max-batch 2 busy with a short
+    request: the second choice finds no place until the short one ends, then decodes beside the
+    first and outlives it; alone, it drafts (the checkpoint's own drafter). The ids are `off`'s.
+    Fails where choices after the first never draft on a batching server."""
+    ram = StateCache(8 * planner.state_bytes_for(rt.cfg, CTX))
+    w = Worker(rt, rt.cfg.vocab_size, ram, None, lambda _: None, [], tok.decode, tok.special.user, max_batch=2)
+    try:
+        off = Request(w, tok, "long", LONG // 2, "off", n=2, seed=11).choices()
+        turns0 = len(rt.engine.phases.turns)
+        short = Request(w, tok, "short", 16, "off")  # taken first: the long one's first choice beside it
+        r = Request(w, tok, "long", LONG // 2, 2, n=2, seed=11)
+        got = r.choices()
+        short.ids()
+        turns = rt.engine.phases.turns[turns0:]
+    finally:
+        w.close()
+    assert got == off and got[0] != got[1]
+    drafting = [t for t in turns if t.speculation is not None]
+    assert drafting and all(t.speculation.verify_passes > 0 for t in drafting), [
+        (len(t.tokens), t.speculation) for t in turns
+    ]

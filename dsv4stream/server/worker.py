@@ -131,6 +131,7 @@ class Job:
     images: PromptImages | None = None  # V4.1: the prompt's images; `ids` hold their spans keyed by image
     live: RequestStats | None = None  # its live figures while it runs
     speculate: str | int | None = None  # the request's speculative decoding (None: the server's --speculate)
+    decoding: int = 0  # its choices decoding or still to start (`_serve`: one drafts only when it is the last)
 
     @property
     def replies(self) -> list[ReplyStream]:
@@ -203,7 +204,9 @@ class Worker:
         if not self.batched:
             return next(steps, None)
         if isinstance(steps, _SoloDrafts):
-            alone = self._alone() and steps.single()
+            # no other request in flight or waiting, no other choice of its own decoding or to start
+            # (a choice after the first may hold a place of its own: `_claim`)
+            alone = len(self._live) == 1 and not self.jobs.qsize() and steps.single()
             if steps.drafting:
                 if alone or steps.verified_ahead(session):  # the next token is already verified and fed: free
                     return next(steps, None)
@@ -421,7 +424,7 @@ class Worker:
                 batched=lambda tok, n, logits, t: rt.generate(
                     session, [tok], job.max_tokens - n, pick, eos, logits=logits, batched=True, speculate="off",
                     uniforms=pick.rng, prompt_read=t),
-                single=lambda: len(turns) == len(job.replies),  # its other choices (n > 1) have all ended
+                single=lambda: job.decoding == 1,  # its other choices (n > 1) have all ended
                 observer=observer,
             )  # fmt: skip
         t_first: list[float] = []  # when the first token was picked: the decode's start
@@ -432,6 +435,7 @@ class Worker:
             at_prompt_end.append(session.snapshot())
             kept.append((list(ids), at_prompt_end[0]))
 
+        job.decoding = len(job.replies)
         first = self._first_choice(job, steps, session, ids, got, kept, first_token)
         more = [
             lambda claimed, i=i: self._more(job, i, ids, at_prompt_end[0], pick.first_logits, turns, claimed)
@@ -507,6 +511,7 @@ class Worker:
             pass
         finally:
             steps.close()  # the session's record of this call is complete
+            job.decoding -= 1
         job.usage.completion_tokens += len(got)
         # the last token yielded was never fed: the session has read ids + got[:-1]
         if session.pos != len(ids) + len(got) - 1:
@@ -582,14 +587,32 @@ class Worker:
     ) -> Generator[Step, tuple | None, Outcome]:
         if logits is None:
             raise InternalError("the first choice kept no logits of the prompt's end")
-        session = self.rt.session(on_route=self.stats.on_route)
+        rt = self.rt
+        session = rt.session(on_route=self.stats.on_route)
         session.restore(state)
         pick, reply = self._picker(job, i), job.replies[i]
         got: list[int] = []
-        steps = self.rt.generate(
-            session, [], job.max_tokens, pick, (reply.eos,), logits=logits, batched=self.batched,
+        eos = (reply.eos,)
+        steps = rt.generate(
+            session, [], job.max_tokens, pick, eos, logits=logits, batched=self.batched,
             speculate=job.speculate, uniforms=pick.rng,
         )  # fmt: skip
+        if self.batched and rt.speculator.resolve(job.speculate) != "off":
+            # decodes in the batch's passes, and drafts once it is the request's last choice and
+            # the request is alone (as the first does: `_SoloDrafts`); its drafter sees its passes
+            # from its first token on (the prompt's taps are the first choice's drafter's)
+            observer = Observer(session, rt.speculator.drafter(session))
+            session.trace = observer
+            steps = _SoloDrafts(
+                steps, False, len(ids),
+                drafts=lambda tok, n: rt.generate(
+                    session, [tok], job.max_tokens - n, pick, eos, speculate=job.speculate, uniforms=pick.rng),
+                batched=lambda tok, n, logits, t: rt.generate(
+                    session, [tok], job.max_tokens - n, pick, eos, logits=logits, batched=True, speculate="off",
+                    uniforms=pick.rng, prompt_read=t),
+                single=lambda: job.decoding == 1,
+                observer=observer,
+            )  # fmt: skip
         try:
             tok = next(steps, None)
             while tok is not None:
@@ -604,6 +627,7 @@ class Worker:
             pass
         finally:
             steps.close()
+            job.decoding -= 1
             turns.append(session.turn)
         job.usage.completion_tokens += len(got)
         if got:
