@@ -416,17 +416,7 @@ class Worker:
                 uniforms=pick.rng,
             )  # fmt: skip
         if may_draft:
-            eos = (job.reply.eos,)
-            steps = _SoloDrafts(
-                steps, solo, len(ids),
-                drafts=lambda tok, n: rt.generate(
-                    session, [tok], job.max_tokens - n, pick, eos, speculate=job.speculate, uniforms=pick.rng),
-                batched=lambda tok, n, logits, t: rt.generate(
-                    session, [tok], job.max_tokens - n, pick, eos, logits=logits, batched=True, speculate="off",
-                    uniforms=pick.rng, prompt_read=t),
-                single=lambda: job.decoding == 1,  # its other choices (n > 1) have all ended
-                observer=observer,
-            )  # fmt: skip
+            steps = self._solo_drafts(job, session, steps, solo, len(ids), pick, job.reply.eos, observer)
         t_first: list[float] = []  # when the first token was picked: the decode's start
         at_prompt_end: list[SessionState] = []
 
@@ -475,6 +465,24 @@ class Worker:
             last = got[0]
             progress(b, len(ids))
         return last
+
+    def _solo_drafts(
+        self, job: Job, session, steps, drafting: bool, start: int, pick: Picker, eos: int, observer: Observer
+    ) -> _SoloDrafts:
+        """A choice's `steps` (its first `Runtime.generate` call, `drafting` or batched) as a
+        `_SoloDrafts`: its later calls draft (alone) or go on in the batch's passes, from the token
+        handed over; it may draft only while no other choice of the request decodes or is to start."""
+        rt = self.rt
+        return _SoloDrafts(
+            steps, drafting, start,
+            drafts=lambda tok, n: rt.generate(
+                session, [tok], job.max_tokens - n, pick, (eos,), speculate=job.speculate, uniforms=pick.rng),
+            batched=lambda tok, n, logits, t: rt.generate(
+                session, [tok], job.max_tokens - n, pick, (eos,), logits=logits, batched=True, speculate="off",
+                uniforms=pick.rng, prompt_read=t),
+            single=lambda: job.decoding == 1,
+            observer=observer,
+        )  # fmt: skip
 
     def _claim(self) -> bool:
         """Whether the batch has a place for one more row (a request's next choice), taking it if so."""
@@ -599,20 +607,11 @@ class Worker:
         )  # fmt: skip
         if self.batched and rt.speculator.resolve(job.speculate) != "off":
             # decodes in the batch's passes, and drafts once it is the request's last choice and
-            # the request is alone (as the first does: `_SoloDrafts`); its drafter sees its passes
-            # from its first token on (the prompt's taps are the first choice's drafter's)
+            # the request is alone (as the first does); its drafter sees its passes from its first
+            # token on (the prompt's taps are the first choice's drafter's)
             observer = Observer(session, rt.speculator.drafter(session))
             session.trace = observer
-            steps = _SoloDrafts(
-                steps, False, len(ids),
-                drafts=lambda tok, n: rt.generate(
-                    session, [tok], job.max_tokens - n, pick, eos, speculate=job.speculate, uniforms=pick.rng),
-                batched=lambda tok, n, logits, t: rt.generate(
-                    session, [tok], job.max_tokens - n, pick, eos, logits=logits, batched=True, speculate="off",
-                    uniforms=pick.rng, prompt_read=t),
-                single=lambda: job.decoding == 1,
-                observer=observer,
-            )  # fmt: skip
+            steps = self._solo_drafts(job, session, steps, False, len(ids), pick, reply.eos, observer)
         try:
             tok = next(steps, None)
             while tok is not None:
