@@ -11,6 +11,7 @@ shared add up to its tokens. Fails where a request that went batched never draft
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -285,3 +286,63 @@ def test_a_later_choice_drafts_once_it_is_the_last(rt, tok) -> None:  # noqa: F8
     assert drafting and all(t.speculation.verify_passes > 0 for t in drafting), [
         (len(t.tokens), t.speculation) for t in turns
     ]
+
+
+def test_tokens_carried_at_a_hand_over_ride_in_the_batchs_pass(rt, tok, monkeypatch) -> None:  # noqa: F811
+    """As the first test, with a STAND-IN whose second draft is wrong every other cycle (that
+    verification keeps one draft and rejects the next: the session goes back, and the tokens kept
+    are carried): when the third request arrives the long one leaves drafting at such a cycle, and
+    the tokens it carried go in the batch's next pass with the token it holds
+    (`engine.speculate.HandOver`), not in a pass of their own. Every pass the request runs itself is
+    one of its drafting calls' (their prompts, their cycles), and the ids are `off`'s. Fails where
+    the hand-over feeds the carried tokens alone."""
+    from dsv4stream.server import worker as worker_module
+
+    w = worker(rt, tok)
+    try:
+        off = {p: Request(w, tok, p, n, "off").ids() for p, n in (("long", LONG), ("short", SHORT), ("late", SHORT))}
+        full = [*PROMPTS["long"], *off["long"]]
+        cycle: list[int] = []
+
+        def propose(pos: int, token: int, k: int) -> list[int]:
+            cycle.append(len(long.got))
+            right = full[pos + 2 : pos + 2 + k]
+            return right if len(cycle) % 2 else [right[0], *(t + 1 for t in right[1:])]
+
+        block = rt.cfg.dspark.block_size
+        monkeypatch.setattr(rt.speculator, "drafter", lambda session: ScriptedDrafter(propose, block))
+        callers: list[str] = []  # who ran each pass the long request's session ran itself
+        for name in ("step", "prefill"):
+            real = getattr(Session, name)
+
+            def own(self, *a, real=real, **kw):
+                callers.append(sys._getframe(1).f_code.co_name)
+                return real(self, *a, **kw)
+
+            monkeypatch.setattr(Session, name, own)
+        carried: list[int] = []
+        hand_over = worker_module._SoloDrafts._hand_over
+
+        def handed(self, session):
+            carried.append(len(got := hand_over(self, session)))
+            return got
+
+        monkeypatch.setattr(worker_module._SoloDrafts, "_hand_over", handed)
+        late: list[Request] = []
+
+        def arrive(n: int) -> None:
+            # the token after a cycle that rejected its second draft (an even cycle's first pick)
+            if n >= LONG // 2 and len(cycle) % 2 == 0 and n == cycle[-1] + 2 and not late:
+                late.append(Request(w, tok, "late", SHORT, "off"))
+
+        short = Request(w, tok, "short", SHORT, "off")
+        long = Request(w, tok, "long", LONG, 2, on_token=arrive)
+        got = {"short": short.ids(), "long": long.ids()}
+        assert late, "the long request never drafted again once the short one had ended"
+        got["late"] = late[0].ids()
+        spec = w.stats.speculation()
+    finally:
+        w.close()
+    assert got == off
+    assert set(callers) <= {"_pass", "_timed_prefill"}, callers
+    assert spec is not None and spec.refeeds > 0 and any(carried), (carried, spec.as_dict())

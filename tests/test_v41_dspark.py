@@ -223,3 +223,36 @@ def test_a_drafter_fed_by_batched_passes_drafts_as_the_reference() -> None:
             assert drafts[0] == int(ref[p - 1, 0].argmax()), p
         checked += 1
     assert checked >= 10
+
+
+def test_tokens_carried_into_a_batched_pass_are_observed_once() -> None:
+    """A drafting call handed to the batch after a rejected draft (`engine.speculate.HandOver`):
+    the session is back before the tokens it carried, whose taps its drafter saw in the pass that
+    kept them, and the batch's next pass feeds them with the next token. The `Observer` takes only
+    the new position: the drafter goes on without starting afresh and drafts as the reference."""
+    from dsv4stream.engine.batch import Feed, forward_many
+    from dsv4stream.engine.speculate import Observer
+    from dsv4stream.engine.speculate_v41 import DSparkDrafter
+
+    o = oracle()
+    ids, ref_c = o["token_ids"], o["confidence_fp32"]
+    eng = Engine.open(FIXTURE, v41=V41Options(numerics="fp32"), threads=1)
+    mine, other = eng.session(chunk_size=64), eng.session(chunk_size=64)
+    drafter = DSparkDrafter(eng)
+    mine.trace = Observer(mine, drafter)
+    forward_many([Feed(mine, ids[:12], "last")])
+    cm = max(1.0, np.abs(ref_c).max())
+    resets: list[int] = []
+    reset = drafter.reset
+    drafter.reset = lambda: (resets.append(mine.pos), reset())[1]
+    for p in (14, 19, 25):
+        while mine.pos < p - 1:  # positions up to p - 2
+            forward_many([Feed(mine, ids[mine.pos : mine.pos + 1]), Feed(other, ids[:1])])
+        snap = mine.snapshot()
+        forward_many([Feed(mine, ids[p - 1 : p + 1], "last")])  # a verification pass kept p - 1 and p
+        assert drafter.last == p
+        mine.restore(snap)  # ... then rejected: the session is back before them
+        forward_many([Feed(mine, ids[p - 1 : p + 2], "last"), Feed(other, ids[1:2])])  # carried + next
+        assert not resets and drafter.last == p + 1 and mine.pos == p + 2, resets
+        _, conf = drafter.propose(int(ids[p + 2]), 1)
+        assert abs(conf[0] - ref_c[p, 0]) <= 1e-4 * cm, (p, conf[0], ref_c[p, 0])

@@ -3,7 +3,7 @@
 Owns: `speculative_generate`, the generation loop of `Session.generate` with drafts (same
 arguments, same yields, same stop rules, same `Turn` record plus `Turn.speculation`), the
 `Drafter` protocol it drives, `Observer` (the drafter fed by passes it does not drive: a batching
-server's), and `parse_setting` (`--speculate auto|off|N`). The drafter
+server's), `HandOver` (leaving a drafting call without feeding what it carried), and `parse_setting` (`--speculate auto|off|N`). The drafter
 (`engine.speculate_v41.DSparkDrafter`, or a stand-in for benches) and the policy that picks each
 cycle's draft length (`engine.spec_policy`) come from the caller.
 
@@ -305,6 +305,8 @@ def speculative_generate(
                 if carry:  # (the drafter saw their taps in the pass that kept them)
                     session.prefill(np.asarray(carry, dtype=np.int64))
                 raise
+            except HandOver:  # the caller feeds the carried tokens, then tok
+                return carry
             c0 = time.perf_counter()
             snap = session.snapshot() if k else None
             plain = len(fed) == 1
@@ -383,10 +385,12 @@ def speculative_generate(
             try:
                 for i, x in enumerate(outs[:-1]):
                     yield x
-            except GeneratorExit:  # the caller stopped at outs[i]: feed only what comes before it
+            except (GeneratorExit, HandOver) as e:  # the caller stopped at outs[i]: feed only what comes before it
                 session.restore(snap)
-                session.prefill(np.asarray(fed[: off + 1 + i], dtype=np.int64))
                 del turn.tokens[len(turn.tokens) - len(outs) + i + 1 :]
+                if isinstance(e, HandOver):  # (the caller feeds them)
+                    return list(fed[: off + 1 + i])
+                session.prefill(np.asarray(fed[: off + 1 + i], dtype=np.int64))
                 raise
             tok = outs[-1]
     finally:
@@ -398,12 +402,21 @@ def speculative_generate(
             spec.expert_bytes = turn.decode_expert_bytes
 
 
+class HandOver(Exception):
+    """Thrown into `speculative_generate` at a token it yielded (`generator.throw`): it ends there
+    without feeding the tokens it carried after a rejected draft, and returns them (its
+    StopIteration's value; none carried: []): the caller feeds them, then the token it holds, in
+    one pass (a batching server's request leaving drafting for the batch's passes). Closing it
+    instead (`close`) feeds them in a pass of their own."""
+
+
 class Observer:
     """A session's trace while its drafter does not drive it (a batching server's request in
     the batch's passes, `engine.batch`): the streams entering the drafter's target layers in each
     pass go to the drafter (`Drafter.observe`), so that when the request drafts again its window
     holds the positions before it, as if it had drafted all along, instead of starting afresh.
-    A drafter that has not observed the position before a pass's first starts afresh there."""
+    A drafter that has not observed the position before a pass's first starts afresh there; one
+    that has observed some of the pass's positions (a drafting call's carried tokens) takes the rest."""
 
     reads_outputs = False  # the streams entering layers only: the last layer's row cut stays
 
@@ -421,10 +434,14 @@ class Observer:
             return
         rows, self.rows = tuple(self.rows[t] for t in self.targets), {}
         start = self.session.pos  # the pass's first position (the session moves on after the pass)
-        if self.drafter.last != start - 1:
-            self.drafter.reset()
         end = start + x.shape[0]
-        self.drafter.observe(rows, np.arange(end - rows[0].shape[0], end, dtype=np.int64))
+        if not start - 1 <= self.drafter.last < end:  # a gap, or a drafter ahead of the session
+            self.drafter.reset()
+        # positions it has seen already (tokens a drafting call carried, fed here with the next
+        # one: their taps came from the pass that kept them) are not observed twice
+        new = min(end - max(self.drafter.last + 1, start), rows[0].shape[0])
+        if new > 0:
+            self.drafter.observe(tuple(r[-new:] for r in rows), np.arange(end - new, end, dtype=np.int64))
 
 
 class _Watch:

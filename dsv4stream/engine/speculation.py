@@ -78,7 +78,7 @@ class Speculator:
     def _kept(self, gen: Iterator[int], policy: AutoDrafts) -> Iterator[int]:
         """`gen`, and what the policy measured saved once it ends (finished, closed or failed)."""
         try:
-            yield from gen
+            return (yield from gen)  # (a `HandOver`'s carried tokens)
         finally:
             rec = policy.remember()
             if rec is not None:

@@ -63,6 +63,9 @@ class Prompt:
     session: Session
     ids: np.ndarray
     last: bool
+    # the request's next token comes from its last row: a decode step that also feeds tokens it
+    # carried (a drafting request handed to the batch after a rejected draft), counted as one
+    step: bool = False
 
 
 # A request's coroutine: yields a Step or a Prompt (or a list of Steps: several rows), is sent its
@@ -111,13 +114,14 @@ class Batch:
         if not live:
             return
         asks = [want if isinstance(want, list) else [want] for _, _, want in live]
-        feeds, owner = [], []
+        feeds, owner, steps = [], [], []
         for r, ask in enumerate(asks):
             for a in ask:
                 prompt = isinstance(a, Prompt)
                 ids = a.ids if prompt else np.asarray([a.token], dtype=np.int64)
                 feeds.append(Feed(a.session, ids, ("last" if a.last else "none") if prompt else "all"))
                 owner.append(r)
+                steps.append(not prompt or a.step)
         got: list[tuple | None] = [None] * len(feeds)
         failed: dict[int, Exception] = {}
         for group in joined_passes(feeds):
@@ -126,7 +130,7 @@ class Batch:
             except Exception as e:  # noqa: BLE001  every request of the pass gets it (its sessions are torn)
                 failed.update((owner[j], e) for j in group)
                 continue
-            decoding = [live[owner[j]][1] for j in group if feeds[j].logits == "all"]
+            decoding = [live[owner[j]][1] for j in group if steps[j]]
             if decoding:
                 self.passed(decoding)
             for j, out in zip(group, logits, strict=True):

@@ -56,7 +56,7 @@ import numpy as np
 from ..engine.phases import Turn
 from ..engine.session import segment_cuts
 from ..engine.spec_draws import PositionUniforms
-from ..engine.speculate import Observer
+from ..engine.speculate import HandOver, Observer
 from ..engine.state import SessionState
 from ..errors import Dsv4Error, InternalError
 from ..run.runtime import Runtime
@@ -648,8 +648,9 @@ class _SoloDrafts:
       holds no token past the one yielded (the picks of a verification pass that kept its drafts are
       handed on first: they need no pass, and closing before them would feed the session again), the
       token goes in the batch's next pass, beside the others' (the newcomer's first prompt segment),
-      and a batched call goes on from that pass's logits (after a rejection, the drafting call feeds
-      the tokens it carried, in a pass of its own, as it closes: `engine.speculate`);
+      and a batched call goes on from that pass's logits (after a rejection, the tokens the drafting
+      call carried go in that pass before the token: it is ended by `engine.speculate.HandOver`,
+      which hands them back unfed);
     - `to_drafting` (alone `SETTLE` boundaries in a row): a drafting call feeds the token as its
       one-token prompt, which its drafter observes, then drafts as a request taken alone. The
       drafter goes on from where it was: while batched, the session's trace is `observer`
@@ -698,19 +699,38 @@ class _SoloDrafts:
         self.gen.close()
         self.turns.append(session.turn)
 
+    def _hand_over(self, session) -> list[int]:
+        """Ends the drafting call at the token it yielded last (`engine.speculate.HandOver`): the
+        tokens it carried, not fed (the caller feeds them before that token)."""
+        try:
+            self.gen.throw(HandOver())
+        except StopIteration as e:
+            carry = list(e.value or [])
+        else:
+            raise InternalError("a drafting call went on after it was handed over")
+        self.turns.append(session.turn)
+        return carry
+
     def verified_ahead(self, session) -> bool:
         """Whether the drafting call has fed the session past the token it yielded last (a verification
         pass kept its drafts, handed on one by one): the tokens up to the pass's last pick come with no
         pass, and closing the call before them would feed the session again up to that token."""
         return session.pos > self.start + self.yielded - 1
 
-    def to_batched(self, tok: int, session) -> Generator[Step, tuple | None, int | None]:
-        """The token after `tok` once `tok` went in the batch's next pass (None: dropped, its client gone)."""
-        self._end_call(session)
+    def to_batched(self, tok: int, session) -> Generator[Step | Prompt, tuple | None, int | None]:
+        """The token after `tok` once `tok` went in the batch's next pass (None: dropped, its client
+        gone), with the tokens the drafting call carried after a rejected draft before it (one
+        row each: a decode step that feeds them too, `Prompt.step`)."""
+        carry = self._hand_over(session)
         self.drafting, self.quiet = False, 0
         session.trace = self.observer
-        fed = yield Step(session, tok)
+        if carry:
+            fed = yield Prompt(session, np.asarray([*carry, tok], dtype=np.int64), True, step=True)
+        else:
+            fed = yield Step(session, tok)
         if fed is None:
+            if carry:  # the session holds every token before `tok`, as `generate` leaves it
+                session.prefill(np.asarray(carry, dtype=np.int64))
             return None
         logits, wall, _ = fed
         self.gen = self._batched(tok, self.yielded, logits, time.perf_counter() - wall)  # its record: that pass
