@@ -3,9 +3,10 @@
 Owns: `speculative_generate`, the generation loop of `Session.generate` with drafts (same
 arguments, same yields, same stop rules, same `Turn` record plus `Turn.speculation`), the
 `Drafter` protocol it drives, `Observer` (the drafter fed by passes it does not drive: a batching
-server's), `HandOver` (leaving a drafting call without feeding what it carried), and `parse_setting` (`--speculate auto|off|N`). The drafter
-(`engine.speculate_v41.DSparkDrafter`, or a stand-in for benches) and the policy that picks each
-cycle's draft length (`engine.spec_policy`) come from the caller.
+server's), `HandOver` (leaving a drafting call without feeding what it carried), and
+`parse_setting` (`--speculate auto|off|N`). The drafter (`engine.speculate_v41.DSparkDrafter`, or
+a stand-in for benches) and the policy that picks each cycle's draft length (`engine.spec_policy`)
+come from the caller.
 
 One cycle, with t the picked token not yet fed and d_0..d_{k-1} its drafts (k = 0: a plain step):
 1. snapshot the session; feed [t, d_0..d_{k-1}] in one pass (its logits rows r_0..r_k);
