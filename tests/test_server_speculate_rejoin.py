@@ -264,11 +264,23 @@ def test_the_drafter_sees_the_batched_passes(rt, tok, monkeypatch) -> None:  # n
     assert positions == list(range(positions[0], fed)) and positions[0] <= len(PROMPTS["long"]) - 1, positions
 
 
-def test_a_later_choice_drafts_once_it_is_the_last(rt, tok) -> None:  # noqa: F811
+def test_a_later_choice_drafts_once_it_is_the_last(rt, tok, monkeypatch) -> None:  # noqa: F811
     """`n` = 2, sampled with a seed, `speculate` 2, on a server with --max-batch 2 busy with a short
     request: the second choice finds no place until the short one ends, then decodes beside the
-    first and outlives it; alone, it drafts (the checkpoint's own drafter). The ids are `off`'s.
-    Fails where choices after the first never draft on a batching server."""
+    first and outlives it; alone, it drafts (the checkpoint's own drafter), its drafter going on
+    from the first's at the prompt's end. The ids are `off`'s. Fails where choices after the first
+    never draft on a batching server, or start their drafter from nothing."""
+    from dsv4stream.engine.speculate_v41 import DSparkDrafter
+
+    gaps: list[tuple[int, int]] = []  # (position before, first position) where a drafter's run broke
+    observe = DSparkDrafter.observe
+
+    def observed(self, taps, positions):
+        if positions[0] >= len(PROMPTS["long"]) and self.last != positions[0] - 1:
+            gaps.append((self.last, int(positions[0])))
+        return observe(self, taps, positions)
+
+    monkeypatch.setattr(DSparkDrafter, "observe", observed)
     ram = StateCache(8 * planner.state_bytes_for(rt.cfg, CTX))
     w = Worker(rt, rt.cfg.vocab_size, ram, None, lambda _: None, [], tok.decode, tok.special.user, max_batch=2)
     try:
@@ -286,6 +298,9 @@ def test_a_later_choice_drafts_once_it_is_the_last(rt, tok) -> None:  # noqa: F8
     assert drafting and all(t.speculation.verify_passes > 0 for t in drafting), [
         (len(t.tokens), t.speculation) for t in turns
     ]
+    # past the prompt every drafter went on from the position before (the second choice's from a
+    # copy of the first's at the prompt's end: it holds the prompt's taps), never from nothing
+    assert not gaps, gaps
 
 
 def test_tokens_carried_at_a_hand_over_ride_in_the_batchs_pass(rt, tok, monkeypatch) -> None:  # noqa: F811

@@ -256,3 +256,28 @@ def test_tokens_carried_into_a_batched_pass_are_observed_once() -> None:
         assert not resets and drafter.last == p + 1 and mine.pos == p + 2, resets
         _, conf = drafter.propose(int(ids[p + 2]), 1)
         assert abs(conf[0] - ref_c[p, 0]) <= 1e-4 * cm, (p, conf[0], ref_c[p, 0])
+
+
+def test_a_copied_drafter_goes_on_apart() -> None:
+    """`DSparkDrafter.copy` (a server's later choice starts from the first's drafter at the prompt's
+    end): the copy drafts as the reference at the position it was copied at, while the original,
+    fed a further position, drafts as the reference there; neither sees the other's."""
+    from dsv4stream.engine.batch import Feed, forward_many
+    from dsv4stream.engine.speculate import Observer
+    from dsv4stream.engine.speculate_v41 import DSparkDrafter
+
+    o = oracle()
+    ids, ref_c = o["token_ids"], o["confidence_fp32"]
+    eng = Engine.open(FIXTURE, v41=V41Options(numerics="fp32"), threads=1)
+    s = eng.session(chunk_size=64)
+    first = DSparkDrafter(eng)
+    s.trace = Observer(s, first)
+    forward_many([Feed(s, ids[:12], "last")])
+    first.propose(int(ids[12]), 1)  # (its held streams pushed into its windows: a copy after that too)
+    second = first.copy()
+    forward_many([Feed(s, ids[12:13])])
+    assert (first.last, second.last) == (12, 11)
+    cm = max(1.0, np.abs(ref_c).max())
+    for d, p in ((second, 11), (first, 12), (second, 11)):
+        _, conf = d.propose(int(ids[p + 1]), 1)
+        assert abs(conf[0] - ref_c[p - 1, 0]) <= 1e-4 * cm, (p, conf[0], ref_c[p - 1, 0])

@@ -17,6 +17,7 @@ copies) and pushed into the stages' windows only when a draft is asked for, so c
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -90,6 +91,14 @@ class DSparkDrafter:
     def reset(self) -> None:
         self.state = self.new_state(self.params, len(self.weights.stages))
         self.last, self._pending, self._held = -1, [], 0
+
+    def copy(self) -> DSparkDrafter:
+        """A drafter at the same place, with a state of its own from here (another sequence that
+        goes on from the same positions: a request's later choice from the first's state at the
+        prompt's end). The weights are shared; the held streams are never written, so shared too."""
+        d = copy.copy(self)
+        d.state, d._pending = copy.deepcopy(self.state), list(self._pending)
+        return d
 
     @property
     def cold(self) -> bool:

@@ -60,6 +60,12 @@ class Speculator:
             d = self._drafters[session] = DSparkDrafter(self.engine, drafter_for(self.engine))
         return d
 
+    def adopt(self, session, drafter: DSparkDrafter) -> DSparkDrafter:
+        """`drafter` (one at the position before the session's, e.g. a copy of another's at a state
+        the session was restored from) as the session's from now on; returns it."""
+        self._drafters[session] = drafter
+        return drafter
+
     def generate(self, session, setting: str | int, prompt_ids, max_new_tokens: int, pick, *, uniforms=None, **kw):
         """`engine.speculate.speculative_generate` with this session's drafter and the setting's policy."""
         if setting == AUTO:

@@ -132,6 +132,8 @@ class Job:
     live: RequestStats | None = None  # its live figures while it runs
     speculate: str | int | None = None  # the request's speculative decoding (None: the server's --speculate)
     decoding: int = 0  # its choices decoding or still to start (`_serve`: one drafts only when it is the last)
+    # the first choice's drafter at the prompt's end (`n` > 1): each later choice's starts from a copy
+    drafter_at_prompt_end: object | None = None
 
     @property
     def replies(self) -> list[ReplyStream]:
@@ -424,6 +426,9 @@ class Worker:
             t_first.append(time.perf_counter())
             at_prompt_end.append(session.snapshot())
             kept.append((list(ids), at_prompt_end[0]))
+            if may_draft and len(job.replies) > 1:  # (a stand-in drafter may not copy)
+                copy = getattr(rt.speculator.drafter(session), "copy", None)
+                job.drafter_at_prompt_end = copy() if copy is not None else None
 
         job.decoding = len(job.replies)
         first = self._first_choice(job, steps, session, ids, got, kept, first_token)
@@ -607,9 +612,13 @@ class Worker:
         )  # fmt: skip
         if self.batched and rt.speculator.resolve(job.speculate) != "off":
             # decodes in the batch's passes, and drafts once it is the request's last choice and
-            # the request is alone (as the first does); its drafter sees its passes from its first
-            # token on (the prompt's taps are the first choice's drafter's)
-            observer = Observer(session, rt.speculator.drafter(session))
+            # the request is alone (as the first does); its drafter goes on from the first's at the
+            # prompt's end (the prompt's taps) and sees its passes from its first token on
+            begun = job.drafter_at_prompt_end
+            drafter = (
+                rt.speculator.adopt(session, begun.copy()) if begun is not None else rt.speculator.drafter(session)
+            )
+            observer = Observer(session, drafter)
             session.trace = observer
             steps = self._solo_drafts(job, session, steps, False, len(ids), pick, reply.eos, observer)
         try:
