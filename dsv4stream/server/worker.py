@@ -191,6 +191,12 @@ class Worker:
         while one request is in flight (`_SoloDrafts`), a server with --max-batch 1 always."""
         return self.asked_batch > 1
 
+    def _may_draft(self, job: Job) -> bool:
+        """Whether the request's choices hand over between drafting and the batch (`_SoloDrafts`): a
+        batching server's request whose `speculate` is not off (with --max-batch 1 every request
+        drafts on its own)."""
+        return self.batched and self.rt.speculator.resolve(job.speculate) != "off"
+
     def _alone(self) -> bool:
         """One request in flight (the caller's), no other choice of it decoding beside it (`n` > 1),
         and none waiting."""
@@ -395,7 +401,7 @@ class Worker:
         fed = images.real(new) if images is not None else new
         # a batching server's request drafts while no other is in flight (`_SoloDrafts`): from the
         # start if it is taken alone, else from when it is left alone
-        may_draft = self.batched and rt.speculator.resolve(job.speculate) != "off"
+        may_draft = self._may_draft(job)
         solo = may_draft and self._alone()
         # batched, the drafter still sees each pass (its window full when the request drafts again)
         observer = Observer(session, rt.speculator.drafter(session)) if may_draft else None
@@ -610,7 +616,7 @@ class Worker:
             session, [], job.max_tokens, pick, eos, logits=logits, batched=self.batched,
             speculate=job.speculate, uniforms=pick.rng,
         )  # fmt: skip
-        if self.batched and rt.speculator.resolve(job.speculate) != "off":
+        if self._may_draft(job):
             # decodes in the batch's passes, and drafts once it is the request's last choice and
             # the request is alone (as the first does); its drafter goes on from the first's at the
             # prompt's end (the prompt's taps) and sees its passes from its first token on
